@@ -1,0 +1,43 @@
+"""keras_stable_state: training that resumes exactly, on TensorFlow, JAX and PyTorch.
+
+Public API (see ``docs/`` and DESIGN.md)::
+
+    import keras_stable_state as kss
+    kss.StableOptimizer(inner)
+    kss.TrainableContract.capture(model).validate(model)
+    kss.save_training_state(path, model)
+    kss.restore_training_state(path, model) -> kss.RestoreReport
+"""
+
+from keras_stable_state.checkpoint import RestoreReport, restore_training_state, save_training_state
+from keras_stable_state.contract import TrainableContract
+from keras_stable_state.errors import (
+    BindingError,
+    CheckpointFormatError,
+    ContractError,
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    KeyFormatError,
+    StateError,
+)
+from keras_stable_state.identity import VariableKey, VariableRegistry
+from keras_stable_state.optimizer import StableOptimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BindingError",
+    "CheckpointFormatError",
+    "ContractError",
+    "CorruptCheckpointError",
+    "DtypeMismatchError",
+    "KeyFormatError",
+    "RestoreReport",
+    "StableOptimizer",
+    "StateError",
+    "TrainableContract",
+    "VariableKey",
+    "VariableRegistry",
+    "restore_training_state",
+    "save_training_state",
+]

@@ -1,0 +1,446 @@
+"""``save_training_state`` and ``restore_training_state``: the two verbs users call."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import keras
+import numpy as np
+
+from keras_stable_state import storage
+from keras_stable_state.contract import TrainableContract
+from keras_stable_state.errors import BindingError, DtypeMismatchError, StateError
+from keras_stable_state.identity import VariableKey, VariableRegistry
+from keras_stable_state.optimizer import StableOptimizer, optimizer_entries, parse_entry_key
+
+__all__ = ["RestoreReport", "save_training_state", "restore_training_state"]
+
+
+@dataclasses.dataclass
+class RestoreReport:
+    """What :func:`restore_training_state` did.
+
+    Attributes:
+        matched: ``{key: "name" | "order"}`` for every restored model variable
+            and optimizer variable: how its saved array was matched.
+        left_fresh: Keys of live variables the file had no value for (they
+            keep their current values).
+        dropped: Saved keys that were not restored (``strict=False`` only:
+            slots of variables that are no longer trained).
+        casts: ``(key, saved dtype, variable dtype)`` for every array cast.
+        built_optimizer: ``True`` when the optimizer was built by the restore.
+        source: ``"keras_stable_state"`` or the kind of stock Keras file.
+        writer: Metadata of the writer (backend, Keras version, format version);
+            empty for stock files.
+    """
+
+    matched: dict = dataclasses.field(default_factory=dict)
+    left_fresh: list = dataclasses.field(default_factory=list)
+    dropped: list = dataclasses.field(default_factory=list)
+    casts: list = dataclasses.field(default_factory=list)
+    built_optimizer: bool = False
+    source: str = storage.FORMAT
+    writer: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def by_name(self) -> list:
+        return [k for k, how in self.matched.items() if how == "name"]
+
+    @property
+    def by_order(self) -> list:
+        return [k for k, how in self.matched.items() if how == "order"]
+
+    def __str__(self) -> str:
+        lines = [
+            f"Restored {len(self.matched)} arrays from {self.source}"
+            + (
+                f" (written by {self.writer.get('backend')} / Keras {self.writer.get('keras_version')})"
+                if self.writer
+                else ""
+            ),
+            f"  matched by name: {len(self.by_name)}, by registration order: {len(self.by_order)}",
+        ]
+        if self.built_optimizer:
+            lines.append("  the optimizer was not built; the restore built it")
+        if self.left_fresh:
+            lines.append(f"  left fresh (no saved value): {self.left_fresh}")
+        if self.dropped:
+            lines.append(f"  dropped (no longer trained): {self.dropped}")
+        for key, src, dst in self.casts:
+            lines.append(f"  cast {key}: {src} -> {dst}")
+        return "\n".join(lines)
+
+
+def _np(variable):
+    return keras.ops.convert_to_numpy(variable.value)
+
+
+def _dtype(variable) -> str:
+    return keras.backend.standardize_dtype(variable.dtype)
+
+
+def _coerce(key, array, variable, allow_cast, report):
+    """Return ``array`` ready to assign to ``variable``, checking shape and dtype."""
+    array = np.asarray(array)
+    if tuple(array.shape) != tuple(variable.shape):
+        raise BindingError(
+            f"Saved array for {key} has shape {tuple(array.shape)}, but its variable has shape "
+            f"{tuple(variable.shape)}. The model was changed since the state was saved; rebuild it "
+            "as it was, or restore with a model of that shape.",
+            key=key,
+            expected=tuple(variable.shape),
+            received=tuple(array.shape),
+        )
+    src, dst = storage.dtype_name(array), _dtype(variable)
+    if src == dst:
+        return array
+    if np.issubdtype(array.dtype, np.integer) and dst.startswith(("int", "uint")):
+        info = np.iinfo(np.dtype(dst))
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise DtypeMismatchError(
+                f"Saved {src} value of {key} ({array.min()}..{array.max()}) does not fit the "
+                f"variable's {dst} range [{info.min}, {info.max}]; it would wrap around. Use a "
+                "backend whose counter dtype holds it (TensorFlow keeps int64).",
+                key=key,
+                expected=dst,
+                received=src,
+            )
+        report.casts.append((key, src, dst))
+        return array.astype(dst)
+    if not allow_cast:
+        raise DtypeMismatchError(
+            f"Saved array for {key} is {src}, but its variable is {dst}. Casting could lose "
+            "precision, so it is refused; pass allow_cast=True to cast and have each cast listed "
+            "in the report.",
+            key=key,
+            expected=dst,
+            received=src,
+        )
+    report.casts.append((key, src, dst))
+    return array.astype(keras.backend.standardize_dtype(dst) if dst != "bfloat16" else storage._EXOTIC[dst])
+
+
+def _top(optimizer):
+    return optimizer.inner_optimizer if isinstance(optimizer, StableOptimizer) else optimizer
+
+
+def _optimizer_registry(optimizer, model):
+    return VariableRegistry.from_model(model, _top(optimizer)._trainable_variables)
+
+
+def plan_optimizer_arrays(optimizer, model, arrays, *, keyed, strict, allow_cast, report, dropped_keys=()):
+    """Match saved optimizer arrays to live optimizer variables.
+
+    Args:
+        optimizer: A built optimizer.
+        model: The model keying its variables (``None``: registration order).
+        arrays: ``{entry key: array}`` when ``keyed``, else a list in
+            ``optimizer.variables`` order (stock Keras files).
+        strict: Refuse saved slots without a live slot and live variables
+            without a saved value.
+        dropped_keys: Variable keys whose slots are dropped on purpose
+            (``strict=False`` contract differences).
+
+    Returns:
+        A list of ``(variable, array)`` to assign.
+
+    Raises:
+        BindingError: count, shape or key mismatches (named in the message).
+        DtypeMismatchError: dtype differences without ``allow_cast``.
+    """
+    registry = _optimizer_registry(optimizer, model)
+    live = optimizer_entries(optimizer, registry)
+    plan = []
+    if not keyed:
+        if len(arrays) != len(live):
+            first = live[min(len(arrays), len(live) - 1)].key if live else "(none)"
+            raise BindingError(
+                f"The file holds {len(arrays)} optimizer variables in positional order, but "
+                f"{type(_top(optimizer)).__name__} has {len(live)}; the first that differs is "
+                f"#{min(len(arrays), len(live))} ({first}). The optimizer or the model's trainable "
+                "variables differ from the ones saved; build the same optimizer on the same model.",
+                key=first,
+                expected=len(live),
+                received=len(arrays),
+            )
+        for i, (entry, array) in enumerate(zip(live, arrays)):
+            if tuple(np.shape(array)) != tuple(entry.variable.shape):
+                raise BindingError(
+                    f"Positional optimizer variable #{i} in the file has shape {tuple(np.shape(array))}, "
+                    f"but the live slot at that position, {entry.key}, has shape "
+                    f"{tuple(entry.variable.shape)}. Stock Keras saves optimizer state by position; "
+                    "the model's trainable variables are not in the order they were saved in.",
+                    key=entry.key,
+                    expected=tuple(entry.variable.shape),
+                    received=tuple(np.shape(array)),
+                )
+            plan.append((entry.variable, _coerce(entry.key, array, entry.variable, allow_cast, report)))
+            report.matched[f"optimizer[{i}] -> {entry.key}"] = "order"
+        return plan
+
+    live_by_key = {e.key: e for e in live}
+    parsed = {k: parse_entry_key(k) for k in arrays}
+    owners = {}
+    for vkey, _ in parsed.values():
+        if vkey is not None:
+            owners.setdefault(vkey, (vkey, None, None))
+    bound, unmatched = registry.bind(owners.values())
+    dropped_keys = set(dropped_keys)
+    unmatched = [k for k in unmatched if str(k) not in dropped_keys]
+    if unmatched and strict:
+        raise BindingError(
+            f"Saved optimizer slots belong to variables the model does not have: "
+            f"{sorted(map(str, unmatched))}. The model differs from the one saved; rebuild it as "
+            "it was, or pass strict=False to drop these slots.",
+            key=str(unmatched[0]),
+        )
+    used = set()
+    for key, array in arrays.items():
+        vkey, slot = parsed[key]
+        if vkey is None:
+            live_key, how = key, "name"
+        elif vkey in bound:
+            var, how = bound[vkey]
+            live_key = f"{registry.key_of(var)}#{slot}"
+        else:
+            report.dropped.append(key)
+            continue
+        entry = live_by_key.get(live_key)
+        if entry is None:
+            if strict:
+                raise BindingError(
+                    f"Saved optimizer variable {key} has no live counterpart {live_key} in "
+                    f"{type(_top(optimizer)).__name__}. The optimizer differs from the one saved "
+                    "(another class or options); build the same optimizer, or pass strict=False.",
+                    key=key,
+                )
+            report.dropped.append(key)
+            continue
+        used.add(live_key)
+        plan.append((entry.variable, _coerce(live_key, array, entry.variable, allow_cast, report)))
+        report.matched[live_key] = how
+    fresh = [e.key for e in live if e.key not in used]
+    if fresh and strict:
+        raise BindingError(
+            f"The file has no saved value for optimizer variables {fresh}. The optimizer differs "
+            "from the one saved, or variables became trainable since; pass strict=False to leave "
+            "them fresh.",
+            key=fresh[0],
+        )
+    report.left_fresh.extend(fresh)
+    return plan
+
+
+def restore_optimizer_arrays(optimizer, model, arrays, *, keyed, strict=True, allow_cast=False):
+    """Plan, check and assign optimizer arrays (used by ``StableOptimizer.load_own_variables``)."""
+    report = RestoreReport()
+    plan = plan_optimizer_arrays(
+        optimizer, model, arrays, keyed=keyed, strict=strict, allow_cast=allow_cast, report=report
+    )
+    for var, array in plan:
+        var.assign(array)
+    return report
+
+
+def _writer_metadata(model) -> dict:
+    return {
+        "backend": keras.backend.backend(),
+        "keras_version": keras.__version__,
+        "format_version": storage.FORMAT_VERSION,
+        "dtype_policy": keras.config.dtype_policy().name,
+        "model_class": type(model).__name__,
+    }
+
+
+def _ensure_built(optimizer, model, report=None):
+    if optimizer.built:
+        return
+    if not model.built:
+        raise StateError(
+            f"Optimizer {optimizer.name!r} is not built and model {model.name!r} is not built either, "
+            "so there are no variables to attach slots to. Build the model first (call it on a batch "
+            "or `model.build(input_shape)`).",
+        )
+    optimizer.build(model.trainable_variables)
+    if report is not None:
+        report.built_optimizer = True
+
+
+def save_training_state(filepath, model, optimizer=None):
+    """Save the model's variables, every optimizer variable and the contract, by key.
+
+    Args:
+        filepath: ``str`` or path ending in ``.keras`` (a Keras archive that
+            ``keras.saving.load_model`` loads, with the training state as an
+            extra member) or ``.h5`` (the training state alone).
+        model: A built ``keras.Model``.
+        optimizer: The optimizer to save; default ``model.optimizer``. An
+            unbuilt optimizer is built on ``model.trainable_variables`` first.
+            ``None`` with an uncompiled model saves no optimizer state.
+
+    Raises:
+        CheckpointFormatError: for another extension.
+        StateError: if the model is not built.
+
+    Example:
+        >>> save_training_state("run.keras", model)
+    """
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+    if not model.built:
+        raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
+    registry = VariableRegistry.from_model(model)
+    model_arrays = {str(k): _np(v) for k, v in registry.entries}
+    opt_arrays = {}
+    if optimizer is not None:
+        _ensure_built(optimizer, model)
+        if isinstance(optimizer, StableOptimizer):
+            optimizer.bind(model)
+        for entry in optimizer_entries(optimizer, _optimizer_registry(optimizer, model)):
+            opt_arrays[entry.key] = _np(entry.variable)
+    record = storage.StateRecord(
+        metadata=_writer_metadata(model),
+        contract=TrainableContract.capture(model).to_json(),
+        model=model_arrays,
+        optimizer=opt_arrays,
+    )
+    storage.write_record(filepath, record, keras_archive_writer=lambda tmp: model.save(tmp))
+    return os.fspath(filepath)
+
+
+def _plan_model(record, model, registry, strict, allow_cast, report):
+    plan = []
+    if isinstance(record, storage.StockWeights):
+        for key, var in registry.entries:
+            kpath = registry.keras_paths.get(id(var))
+            if kpath is None or kpath not in record.arrays:
+                report.left_fresh.append(str(key))
+                continue
+            plan.append((var, _coerce(str(key), record.arrays[kpath], var, allow_cast, report)))
+            report.matched[str(key)] = "order"
+        if not plan and registry.entries:
+            raise BindingError(
+                f"None of the model's variables is in the stock Keras file ({record.source}); it was "
+                "written for another model.",
+            )
+        return plan
+    saved = [(VariableKey.parse(k), np.shape(a), storage.dtype_name(a)) for k, a in record.model.items()]
+    bound, unmatched = registry.bind(saved)
+    if not bound and saved:
+        raise BindingError(
+            f"No saved model variable matches this model: the file has {sorted(str(k) for k, _, _ in saved)[:8]}"
+            f"{'...' if len(saved) > 8 else ''}, the model has {sorted(map(str, registry.keys()))[:8]}. "
+            "It was written for another model.",
+            key=str(saved[0][0]),
+        )
+    if unmatched:
+        if strict:
+            raise BindingError(
+                f"Saved model variables {sorted(map(str, unmatched))} are not in the model. Rebuild "
+                "the model as it was saved, or pass strict=False to skip them.",
+                key=str(unmatched[0]),
+            )
+        report.dropped.extend(str(k) for k in unmatched)
+    for key, array in record.model.items():
+        vkey = VariableKey.parse(key)
+        if vkey in bound:
+            var, how = bound[vkey]
+            plan.append((var, _coerce(key, array, var, allow_cast, report)))
+            report.matched[key] = how
+    restored = {id(v) for v, _ in plan}
+    report.left_fresh.extend(str(k) for k, v in registry.entries if id(v) not in restored)
+    return plan
+
+
+def restore_training_state(filepath, model, optimizer=None, strict=True, allow_cast=False) -> RestoreReport:
+    """Restore a training state saved by :func:`save_training_state` (or a stock Keras file).
+
+    Everything is read, checksummed and checked before the first variable is
+    assigned: the restore is all-or-nothing. Model variables and slots are
+    matched by key (named keys by stable path, ordered keys by registration
+    order with shape and dtype checks); stock Keras files are matched by their
+    layer structure and optimizer position, and the report says so. An
+    optimizer that is not built yet (the documented recipe: compile, then
+    restore) is built on ``model.trainable_variables`` first.
+
+    Args:
+        filepath: A ``.keras`` or ``.h5`` file written by
+            :func:`save_training_state`, or a stock Keras ``.keras`` /
+            ``.weights.h5`` file.
+        model: The built ``keras.Model`` to restore into, however it was built.
+        optimizer: Default ``model.optimizer``; ``None`` with an uncompiled
+            model restores model variables only.
+        strict: If ``True`` (default), any difference between the saved
+            contract and the model's trainable variables raises
+            :class:`ContractError`. If ``False``, slots of variables no longer
+            trained are dropped and variables newly trained start fresh; both
+            are listed in the report.
+        allow_cast: Cast floating-point arrays whose dtype differs from their
+            variable's (e.g. float16 saved, float32 variable), listing each cast.
+            Integer counters are always cast, with a range check.
+
+    Returns:
+        A :class:`RestoreReport`.
+
+    Raises:
+        FileNotFoundError: if there is no file.
+        CorruptCheckpointError: if the file is truncated or an array fails its checksum.
+        CheckpointFormatError: for an unknown format version.
+        KeyFormatError: if a key in the file is malformed.
+        ContractError: (``strict``) if the trainable variables differ from the contract.
+        BindingError: if saved arrays cannot be matched to variables (keys,
+            shapes, counts), naming the first or every key concerned.
+        DtypeMismatchError: for a floating-point dtype difference without
+            ``allow_cast``, or an integer out of the target's range.
+        StateError: if the model is not built.
+
+    Example:
+        >>> report = restore_training_state("run.keras", model)
+        >>> print(report)
+    """
+    record = storage.read_file(filepath)
+    if not model.built:
+        raise StateError(
+            f"Model {model.name!r} is not built; build it (call it on a batch or `model.build(...)`) "
+            "before restoring its training state."
+        )
+    report = RestoreReport()
+    if isinstance(record, storage.StockWeights):
+        report.source = record.source
+    else:
+        report.writer = dict(record.metadata)
+    dropped_keys = []
+    if isinstance(record, storage.StateRecord) and record.contract is not None:
+        contract = TrainableContract.from_json(record.contract)
+        if strict:
+            contract.validate(model)
+        else:
+            missing, _, reshaped, retyped = contract.diff(model)
+            if reshaped or retyped:
+                contract.validate(model)
+            dropped_keys = missing
+    registry = VariableRegistry.from_model(model)
+    plan = _plan_model(record, model, registry, strict, allow_cast, report)
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+    saved_opt = record.optimizer if isinstance(record, storage.StateRecord) else record.optimizer
+    if optimizer is not None and len(saved_opt):
+        _ensure_built(optimizer, model, report)
+        if isinstance(optimizer, StableOptimizer):
+            optimizer.bind(model)
+        plan += plan_optimizer_arrays(
+            optimizer,
+            model,
+            saved_opt,
+            keyed=isinstance(record, storage.StateRecord),
+            strict=strict,
+            allow_cast=allow_cast,
+            report=report,
+            dropped_keys=dropped_keys,
+        )
+    elif len(saved_opt) and optimizer is None:
+        report.dropped.append("optimizer (the model has no optimizer; compile it to restore optimizer state)")
+    for var, array in plan:
+        var.assign(array)
+    return report

@@ -1,0 +1,106 @@
+"""The trainable-variable contract: what a model must train for a state to apply."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from keras_stable_state.errors import ContractError
+from keras_stable_state.identity import VariableKey, VariableRegistry
+
+__all__ = ["TrainableContract"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainableContract:
+    """``(key, shape, dtype)`` for every unique trainable variable of a model.
+
+    A tied variable (a layer called twice, a shared embedding) appears once;
+    frozen variables are not in it. Captured when a training state is saved,
+    validated after the caller restored the model, whatever way they chose.
+
+    Attributes:
+        entries: Tuple of ``(key: str, shape: tuple[int, ...], dtype: str)``,
+            in the model's ``trainable_variables`` order.
+
+    Example:
+        >>> contract = TrainableContract.capture(model)
+        >>> contract.validate(model)   # raises ContractError on any difference
+    """
+
+    entries: tuple
+
+    @classmethod
+    def capture(cls, model) -> TrainableContract:
+        """The contract of ``model``'s current trainable variables."""
+        registry = VariableRegistry.from_model(model, model.trainable_variables)
+        return cls(tuple((str(k), tuple(int(d) for d in v.shape), str(v.dtype)) for k, v in registry.entries))
+
+    def to_json(self) -> list:
+        """A JSON-serialisable list of ``[key, shape, dtype]``."""
+        return [[k, list(s), d] for k, s, d in self.entries]
+
+    @classmethod
+    def from_json(cls, data) -> TrainableContract:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            KeyFormatError: if a key is malformed.
+        """
+        entries = []
+        for key, shape, dtype in data:
+            VariableKey.parse(key)
+            entries.append((str(key), tuple(int(d) for d in shape), str(dtype)))
+        return cls(tuple(entries))
+
+    def diff(self, model):
+        """``(missing, unexpected, reshaped, retyped)`` between this contract and ``model``.
+
+        ``missing``: keys the contract lists but the model does not train
+        (removed or frozen); ``unexpected``: keys the model trains that the
+        contract does not list (added or unfrozen); ``reshaped`` /
+        ``retyped``: ``(key, saved, current)`` triples.
+        """
+        saved = {k: (s, d) for k, s, d in self.entries}
+        current = {k: (s, d) for k, s, d in TrainableContract.capture(model).entries}
+        missing = [k for k in saved if k not in current]
+        unexpected = [k for k in current if k not in saved]
+        reshaped = [
+            (k, saved[k][0], current[k][0]) for k in saved if k in current and saved[k][0] != current[k][0]
+        ]
+        retyped = [
+            (k, saved[k][1], current[k][1]) for k in saved if k in current and saved[k][1] != current[k][1]
+        ]
+        return missing, unexpected, reshaped, retyped
+
+    def validate(self, model) -> None:
+        """Check that ``model`` trains exactly the variables of this contract.
+
+        Raises:
+            ContractError: listing every missing, unexpected, reshaped and
+                re-typed key (not only the first).
+        """
+        missing, unexpected, reshaped, retyped = self.diff(model)
+        if not (missing or unexpected or reshaped or retyped):
+            return
+        lines = ["The model's trainable variables do not match the saved contract:"]
+        if missing:
+            lines.append(f"  missing (saved as trainable, not trained now: frozen or removed): {missing}")
+        if unexpected:
+            lines.append(
+                f"  unexpected (trained now, not in the saved state: unfrozen or added): {unexpected}"
+            )
+        for k, s, c in reshaped:
+            lines.append(f"  reshaped: {k} saved {s}, now {c}")
+        for k, s, c in retyped:
+            lines.append(f"  re-typed: {k} saved {s}, now {c}")
+        lines.append(
+            "Restore into a model with the same trainable layers (freeze/unfreeze as when saved), "
+            "or pass strict=False to drop the slots of variables that are no longer trained."
+        )
+        raise ContractError(
+            "\n".join(lines),
+            missing=missing,
+            unexpected=unexpected,
+            reshaped=reshaped,
+            retyped=retyped,
+        )

@@ -1,0 +1,80 @@
+"""Errors raised by keras_stable_state.
+
+Every refusal derives from :class:`StateError`. Each subclass also inherits the
+built-in exception a Python user would catch for that kind of problem
+(``ValueError``, ``KeyError``, ``OSError``), following orbax-checkpoint's
+``errors.py``. Messages say which key, what was expected, what was found, and
+what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "StateError",
+    "KeyFormatError",
+    "BindingError",
+    "ContractError",
+    "DtypeMismatchError",
+    "CheckpointFormatError",
+    "CorruptCheckpointError",
+]
+
+
+class StateError(Exception):
+    """Base class of every error raised by keras_stable_state.
+
+    Attributes:
+        key: The variable or slot key the error is about, or ``None``.
+        expected: What the library expected (shape, dtype, count...), or ``None``.
+        received: What it found instead, or ``None``.
+    """
+
+    def __init__(self, message, *, key=None, expected=None, received=None):
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.received = received
+
+
+class KeyFormatError(StateError, ValueError):
+    """A key read from a file is malformed (not ``path:<path>`` or ``order:<int>``)."""
+
+
+class BindingError(StateError, ValueError):
+    """A saved entry cannot be bound to a live variable.
+
+    Raised when a key matches nothing, when an order bind would land on a
+    variable of another shape or dtype, when an order bind would claim a
+    variable that a named key owns, or when counts differ in a positional file.
+    """
+
+
+class ContractError(StateError, ValueError):
+    """The model's trainable variables differ from the saved contract.
+
+    Attributes:
+        missing: Keys in the contract that the model does not train.
+        unexpected: Keys the model trains that the contract does not list.
+        reshaped: ``(key, saved_shape, current_shape)`` triples.
+        retyped: ``(key, saved_dtype, current_dtype)`` triples.
+    """
+
+    def __init__(self, message, *, missing=(), unexpected=(), reshaped=(), retyped=()):
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.reshaped = list(reshaped)
+        self.retyped = list(retyped)
+
+
+class DtypeMismatchError(StateError, TypeError):
+    """A saved array's dtype differs from its variable's and no cast was allowed,
+    or an integer value does not fit the target integer dtype."""
+
+
+class CheckpointFormatError(StateError, ValueError):
+    """The file is not a training-state file this version can read."""
+
+
+class CorruptCheckpointError(StateError, OSError):
+    """An array in the file fails its checksum or cannot be read (truncation)."""

@@ -1,0 +1,326 @@
+"""Stable keys for model variables.
+
+A key says how it was made, so a registry can be rebuilt from a file's keys
+alone:
+
+* ``path:<stable path>``: a *named* key. The stable path follows Keras' own
+  ``.keras`` weight addressing (``keras/src/saving/saving_lib.py``): attribute
+  names for layers held in attributes, and for layers held in lists (``Sequential``
+  and functional ``layers``, user lists) the layer's own name when the user chose
+  it, otherwise its snake-case class name made unique inside the list
+  (``dense``, ``dense_1``). Nothing in a path depends on Keras' process-global
+  auto-naming counters, so building the same model twice, or after other
+  models, gives the same keys.
+* ``order:<i>``: an *ordered* key, the variable's registration index in the
+  list the registry was built over. It is the fallback for variables the walk
+  does not reach, and for files that carry no names (stock Keras files).
+
+Binding saved keys to live variables (:meth:`VariableRegistry.bind`) matches
+named keys first; ordered keys then bind by index, never claim a variable that
+a named key owns, and must agree in shape and dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import keras
+
+from keras_stable_state.errors import BindingError, KeyFormatError
+
+__all__ = ["VariableKey", "VariableRegistry", "stable_variable_paths"]
+
+NAMED = "path"
+ORDERED = "order"
+_KEY_RE = re.compile(r"^(path):(.+)$|^(order):(0|[1-9][0-9]*)$")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class VariableKey:
+    """A durable key for one variable.
+
+    Attributes:
+        kind: ``"path"`` (named, from a stable path) or ``"order"`` (registration index).
+        value: The stable path, or the decimal registration index.
+    """
+
+    kind: str
+    value: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.value}"
+
+    @property
+    def named(self) -> bool:
+        return self.kind == NAMED
+
+    @property
+    def index(self) -> int:
+        """Registration index of an ordered key.
+
+        Raises:
+            KeyFormatError: if the key is named.
+        """
+        if self.kind != ORDERED:
+            raise KeyFormatError(f"Key {self} is named; it has no registration index.", key=str(self))
+        return int(self.value)
+
+    @classmethod
+    def parse(cls, text) -> VariableKey:
+        """Parse ``"path:<path>"`` or ``"order:<int>"``.
+
+        Raises:
+            KeyFormatError: if ``text`` is neither form (the file was written by
+                something else, or damaged).
+        """
+        match = _KEY_RE.match(text) if isinstance(text, str) else None
+        if match is None or (match.group(2) is not None and _bad_path(match.group(2))):
+            raise KeyFormatError(
+                f"Malformed variable key {text!r} in the file: expected 'path:<stable path>' "
+                "or 'order:<non-negative integer>'. The file was not written by "
+                "keras_stable_state or is damaged; run `keras-stable-state verify FILE`.",
+                key=text,
+                expected="path:<path> | order:<int>",
+                received=text,
+            )
+        if match.group(1):
+            return cls(NAMED, match.group(2))
+        return cls(ORDERED, match.group(4))
+
+
+def _bad_path(path: str) -> bool:
+    return path.startswith("/") or path.endswith("/") or "//" in path or any(c in path for c in "\n\r\t")
+
+
+def _snake(name: str) -> str:
+    return keras.src.utils.naming.to_snake_case(name)
+
+
+def _looks_auto_named(obj) -> bool:
+    """True when ``obj.name`` is what Keras' ``auto_name`` would have produced."""
+    name = getattr(obj, "name", None)
+    if not isinstance(name, str):
+        return True
+    return re.fullmatch(re.escape(_snake(type(obj).__name__)) + r"(_[0-9]+)?", name) is not None
+
+
+def _unique(name: str, used: dict) -> str:
+    if name in used:
+        used[name] += 1
+        return f"{name}_{used[name]}"
+    used[name] = 0
+    return name
+
+
+def _own_variables(obj) -> list:
+    """Variables an object owns itself (not through children), in Keras' order."""
+    if isinstance(obj, keras.layers.Layer):
+        own = list(obj._trainable_variables) + list(obj._non_trainable_variables)
+        own += [sg.state for sg in obj._seed_generators]
+        return own
+    if isinstance(obj, keras.metrics.Metric):
+        return list(obj._variables)
+    return []
+
+
+def _walk_children(obj):
+    from keras.src.saving import saving_lib
+
+    if not isinstance(obj, keras.src.saving.keras_saveable.KerasSaveable):
+        return
+    yield from saving_lib._walk_saveable(obj)
+
+
+def stable_variable_paths(model) -> dict:
+    """Map ``id(variable)`` to its stable path for every variable the walk reaches.
+
+    The walk mirrors ``keras.saving`` (``_walk_saveable``): Sequential and
+    functional ``layers`` first, then attributes in sorted order, private ones
+    last; a variable reached twice (a tied or shared layer) keeps its first path.
+    Optimizers are not walked.
+
+    Args:
+        model: A ``keras.Model`` or ``keras.layers.Layer``.
+
+    Returns:
+        ``dict`` from ``id(variable)`` to ``(path, variable, keras_path)``, where
+        ``keras_path`` is where stock Keras ``.weights.h5`` files keep the
+        variable (``"layers/dense/vars/0"``), or ``None`` for state stock Keras
+        does not save (seed generators).
+    """
+    out: dict = {}
+    visited: set = set()
+
+    def visit(obj, path, kpath):
+        if id(obj) in visited or isinstance(obj, keras.optimizers.Optimizer):
+            return
+        visited.add(id(obj))
+        used: dict = {}
+        n_saved = (
+            len(obj._trainable_variables) + len(obj._non_trainable_variables)
+            if isinstance(obj, keras.layers.Layer)
+            else 0
+        )
+        for i, v in enumerate(_own_variables(obj)):
+            vname = _unique(str(v.name).rsplit("/", 1)[-1], used)
+            k = (f"{kpath}/vars/{i}" if kpath else f"vars/{i}") if i < n_saved else None
+            out.setdefault(id(v), (f"{path}/{vname}" if path else vname, v, k))
+        for attr, child in _walk_children(obj):
+            child_path = f"{path}/{attr}" if path else attr
+            child_kpath = f"{kpath}/{attr}" if kpath else attr
+            if isinstance(child, (list, tuple, dict)):
+                visit_container(child, child_path, child_kpath)
+            elif isinstance(child, (keras.layers.Layer, keras.metrics.Metric)):
+                visit(child, child_path, child_kpath)
+
+    def visit_container(container, path, kpath):
+        if id(container) in visited:
+            return
+        visited.add(id(container))
+        items = list(container.values()) if isinstance(container, dict) else list(container)
+        used: dict = {}
+        kused: dict = {}
+        for item in items:
+            if isinstance(item, (keras.layers.Layer, keras.metrics.Metric)):
+                cls_name = _snake(type(item).__name__)
+                base = cls_name if _looks_auto_named(item) else item.name
+                visit(item, f"{path}/{_unique(base, used)}", f"{kpath}/{_unique(cls_name, kused)}")
+            elif isinstance(item, (list, tuple, dict)):
+                visit_container(
+                    item, f"{path}/{_unique('container', used)}", f"{kpath}/{_unique('container', kused)}"
+                )
+
+    visit(model, "", "")
+    return out
+
+
+class VariableRegistry:
+    """Durable keys for a list of variables.
+
+    Args:
+        entries: ``(VariableKey, variable)`` pairs, in registration order.
+
+    Raises:
+        BindingError: if two entries share a key (the duplicates are listed).
+    """
+
+    def __init__(self, entries):
+        self.entries = list(entries)
+        self.keras_paths = {}
+        self._by_key = {}
+        self._by_id = {}
+        dup = []
+        for key, var in self.entries:
+            if key in self._by_key:
+                dup.append(str(key))
+            self._by_key[key] = var
+            self._by_id[id(var)] = key
+        if dup:
+            raise BindingError(
+                f"Duplicate variable keys {sorted(set(dup))}: two variables resolve to the same "
+                "stable path. Give the layers distinct names.",
+                key=dup[0],
+            )
+
+    @classmethod
+    def from_model(cls, model, variables=None) -> VariableRegistry:
+        """Key ``variables`` (default: ``model.variables``) by the model's stable paths.
+
+        A variable the walk does not reach gets ``order:<its index in variables>``.
+        A tied variable appearing twice in ``variables`` is keyed once.
+        """
+        variables = list(model.variables if variables is None else variables)
+        paths = stable_variable_paths(model) if model is not None else {}
+        entries, seen = [], set()
+        keras_paths = {}
+        for i, v in enumerate(variables):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            hit = paths.get(id(v))
+            entries.append((VariableKey(NAMED, hit[0]) if hit else VariableKey(ORDERED, str(i)), v))
+            if hit and hit[2]:
+                keras_paths[id(v)] = hit[2]
+        registry = cls(entries)
+        registry.keras_paths = keras_paths
+        return registry
+
+    def key_of(self, variable) -> VariableKey:
+        """The key of a registered variable.
+
+        Raises:
+            KeyError: if the variable is not in this registry.
+        """
+        return self._by_id[id(variable)]
+
+    def __contains__(self, variable) -> bool:
+        return id(variable) in self._by_id
+
+    def keys(self) -> list:
+        return [k for k, _ in self.entries]
+
+    def variable_of(self, key: VariableKey):
+        return self._by_key.get(key)
+
+    def bind(self, saved):
+        """Bind saved entries to live variables.
+
+        Args:
+            saved: iterable of ``(VariableKey, shape tuple, dtype str)`` as read
+                from a file.
+
+        Returns:
+            ``(bound, unmatched)``: ``bound`` maps each saved key to
+            ``(variable, "name" | "order")``; ``unmatched`` lists saved named
+            keys with no live variable (the caller decides whether that is an
+            error).
+
+        Raises:
+            BindingError: if an ordered key points past the registry, at a
+                variable a named key owns, or at a variable of another shape or
+                dtype.
+        """
+        saved = list(saved)
+        bound, unmatched, claimed = {}, [], set()
+        for key, _, _ in saved:
+            if key.named:
+                var = self._by_key.get(key)
+                if var is None:
+                    unmatched.append(key)
+                else:
+                    bound[key] = (var, "name")
+                    claimed.add(id(var))
+        by_index = {i: v for i, (_, v) in enumerate(self.entries)}
+        for key, shape, dtype in saved:
+            if key.named:
+                continue
+            var = by_index.get(key.index)
+            if var is None:
+                raise BindingError(
+                    f"Ordered key {key} points at registration index {key.index}, but the model "
+                    f"has {len(self.entries)} variables. The file was written for another model.",
+                    key=str(key),
+                    expected=f"index < {len(self.entries)}",
+                    received=key.index,
+                )
+            if id(var) in claimed:
+                raise BindingError(
+                    f"Ordered key {key} would claim variable {self.key_of(var)}, which a named key "
+                    "in the same file already restores. An order bind never claims a named slot; "
+                    "the file mixes keys from two different models.",
+                    key=str(key),
+                )
+            if shape is not None and (tuple(var.shape) != tuple(shape) or str(var.dtype) != str(dtype)):
+                raise BindingError(
+                    f"Ordered key {key} binds by registration order to {self.key_of(var)}, which has "
+                    f"shape {tuple(var.shape)} and dtype {var.dtype}, but the saved array has shape "
+                    f"{tuple(shape)} and dtype {dtype}. The model's variables are not in the order "
+                    "they were saved in; save with keras_stable_state so slots carry named keys.",
+                    key=str(key),
+                    expected=(tuple(shape), str(dtype)),
+                    received=(tuple(var.shape), str(var.dtype)),
+                )
+            bound[key] = (var, "order")
+            claimed.add(id(var))
+        return bound, unmatched
