@@ -164,7 +164,7 @@ def plan_optimizer_arrays(optimizer, model, arrays, *, keyed, strict, allow_cast
                 expected=len(live),
                 received=len(arrays),
             )
-        for i, (entry, array) in enumerate(zip(live, arrays)):
+        for i, (entry, array) in enumerate(zip(live, arrays, strict=True)):
             if tuple(np.shape(array)) != tuple(entry.variable.shape):
                 raise BindingError(
                     f"Positional optimizer variable #{i} in the file has shape {tuple(np.shape(array))}, "

@@ -135,7 +135,7 @@ def optimizer_entries(optimizer, registry: VariableRegistry | None = None) -> li
     by_id = {}
     for prefix, opt in _tree(optimizer):
         for slot, refs, values in _slot_lists(opt):
-            for ref, var in zip(refs, values):
+            for ref, var in zip(refs, values, strict=True):
                 if var is not None and id(var) not in by_id:
                     by_id[id(var)] = OptimizerEntry(f"{registry.key_of(ref)}#{prefix}{slot}", var, ref)
         used = {}

@@ -1,0 +1,41 @@
+# Two entry points for a new user (see README.md):
+#   make demo   set up .venv and run the main job (interrupt, resume, compare)
+#   make test   set up .venv and run every test on all three backends
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+BACKENDS := tensorflow jax torch
+BACKEND ?= jax
+export TF_CPP_MIN_LOG_LEVEL := 3
+
+.PHONY: setup demo test test-% lint bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e ".[all,dev,demo]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/python -m keras_stable_state.demo --backend $(BACKEND)
+
+lint: setup
+	$(BIN)/ruff check keras_stable_state tests benchmarks
+	$(BIN)/ruff format --check keras_stable_state tests benchmarks
+
+test-%: setup
+	KERAS_BACKEND=$* $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test: setup lint
+	@for b in $(BACKENDS); do \
+		echo "=== backend: $$b ==="; \
+		KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider tests || exit 1; \
+	done
+
+bench: setup
+	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(BIN)/python benchmarks/step_overhead.py || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache
