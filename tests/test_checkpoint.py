@@ -1,0 +1,291 @@
+"""save_training_state / restore_training_state: formats, checks, all-or-nothing."""
+
+import os
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND, slots_by_key, to_np
+
+import keras_stable_state as kss
+from keras_stable_state import storage
+
+
+def _model(opt=None, dtype=None):
+    m = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu", name="hidden"),
+            keras.layers.Dense(1, name="out", dtype=dtype),
+        ]
+    )
+    m.compile(optimizer=opt or kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    return m
+
+
+def _trained(data, opt=None, epochs=2):
+    x, y = data
+    m = _model(opt)
+    m.fit(x, y, epochs=epochs, batch_size=8, verbose=0, shuffle=False)
+    return m
+
+
+def _weights(m):
+    return [to_np(v) for v in m.variables]
+
+
+def _assert_same_state(a, b):
+    for va, vb in zip(_weights(a), _weights(b), strict=True):
+        np.testing.assert_array_equal(va, vb)
+    sa, sb = slots_by_key(a.optimizer), slots_by_key(b.optimizer)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k], err_msg=k)
+
+
+@pytest.mark.parametrize("ext", ["keras", "h5"])
+def test_round_trip_into_compiled_unbuilt_optimizer(tmp_path, data, ext):
+    src = _trained(data)
+    path = tmp_path / f"state.{ext}"
+    kss.save_training_state(path, src)
+    dst = _model()
+    assert not dst.optimizer.built
+    report = kss.restore_training_state(path, dst)
+    assert report.built_optimizer
+    _assert_same_state(src, dst)
+    assert int(dst.optimizer.iterations) == 8
+    assert not report.by_order and not report.left_fresh and not report.dropped
+    assert len(report.by_name) == len(src.variables) + len(src.optimizer.variables)
+    assert report.writer["backend"] == BACKEND and report.writer["keras_version"] == keras.__version__
+
+
+def test_plain_optimizer_saved_by_key_too(tmp_path, data):
+    src = _trained(data, opt=keras.optimizers.RMSprop(1e-2, momentum=0.5))
+    kss.save_training_state(tmp_path / "s.h5", src)
+    dst = _model(opt=keras.optimizers.RMSprop(1e-2, momentum=0.5))
+    kss.restore_training_state(tmp_path / "s.h5", dst)
+    _assert_same_state(src, dst)
+
+
+def test_keras_file_still_loads_with_load_model(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.keras", src)
+    with zipfile.ZipFile(tmp_path / "s.keras") as zf:
+        assert storage.MEMBER in zf.namelist() and "model.weights.h5" in zf.namelist()
+    back = keras.saving.load_model(tmp_path / "s.keras")
+    assert isinstance(back.optimizer, kss.StableOptimizer)
+    _assert_same_state(src, back)
+    x, _ = data
+    np.testing.assert_array_equal(src.predict(x, verbose=0), back.predict(x, verbose=0))
+
+
+@pytest.mark.parametrize("kind", ["weights.h5", "keras"])
+def test_stock_keras_file_restores_by_order_with_report(tmp_path, data, kind):
+    src = _trained(data, opt=keras.optimizers.Adam(1e-2))
+    path = tmp_path / f"stock.{kind}"
+    src.save_weights(path) if kind == "weights.h5" else src.save(path)
+    dst = _model(opt=keras.optimizers.Adam(1e-2))
+    report = kss.restore_training_state(path, dst)
+    assert report.source.startswith("stock Keras")
+    assert report.by_order and not report.by_name
+    assert len(report.by_order) == len(src.variables) + len(src.optimizer.variables)
+    _assert_same_state(src, dst)
+
+
+def test_stock_file_count_mismatch_names_first_slot(tmp_path, data):
+    src = _trained(data, opt=keras.optimizers.Adam(1e-2))
+    src.save_weights(tmp_path / "stock.weights.h5")
+    dst = _model(opt=keras.optimizers.SGD(1e-2, momentum=0.9))
+    before = _weights(dst)
+    with pytest.raises(
+        kss.BindingError, match=r"positional order.*first that differs is #\d+ \(path:"
+    ) as err:
+        kss.restore_training_state(tmp_path / "stock.weights.h5", dst)
+    assert err.value.expected != err.value.received
+    for a, b in zip(before, _weights(dst), strict=True):  # all-or-nothing: nothing assigned
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stock_file_shape_mismatch_names_slot(tmp_path, data):
+    src = _trained(data, opt=keras.optimizers.Adam(1e-2))
+    src.save_weights(tmp_path / "stock.weights.h5")
+    # same variable count and shapes as a set, other order: hidden first is (4, 8) vs (8, 1)
+    x, _ = data
+    dst = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    dst.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    dst.optimizer.build(list(reversed(dst.trainable_variables)))
+    with pytest.raises(
+        kss.BindingError, match=r"Positional optimizer variable #2 .*path:layers/dense_1/bias"
+    ):
+        kss.restore_training_state(tmp_path / "stock.weights.h5", dst)
+
+
+def test_restore_is_all_or_nothing(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+    dst = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, name="hidden"), keras.layers.Dense(2, name="out")]
+    )
+    dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    before = _weights(dst)
+    with pytest.raises(kss.ContractError, match="reshaped: path:layers/out/kernel saved"):
+        kss.restore_training_state(tmp_path / "s.h5", dst)
+    for a, b in zip(before, _weights(dst), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _rewrite(path, out, fn):
+    record = storage.read_file(path)
+    fn(record)
+    storage.write_record(out, record)
+
+
+def test_float_dtype_difference_raises_unless_cast_allowed(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+
+    def to_half(record):
+        record.model["path:layers/hidden/kernel"] = record.model["path:layers/hidden/kernel"].astype(
+            "float16"
+        )
+
+    _rewrite(tmp_path / "s.h5", tmp_path / "half.h5", to_half)
+    dst = _model()
+    with pytest.raises(
+        kss.DtypeMismatchError, match=r"path:layers/hidden/kernel is float16.*allow_cast=True"
+    ) as e:
+        kss.restore_training_state(tmp_path / "half.h5", dst)
+    assert (e.value.key, e.value.expected, e.value.received) == (
+        "path:layers/hidden/kernel",
+        "float32",
+        "float16",
+    )
+    report = kss.restore_training_state(tmp_path / "half.h5", dst, allow_cast=True)
+    assert ("path:layers/hidden/kernel", "float16", "float32") in report.casts
+    want = to_np(src.layers[0].kernel).astype("float16").astype("float32")
+    np.testing.assert_array_equal(to_np(dst.layers[0].kernel), want)
+
+
+def test_integer_counter_cast_with_range_check(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+    live = str(src.optimizer.iterations.dtype)
+    other = "int32" if live == "int64" else "int64"
+
+    def retype(record):
+        record.optimizer["optimizer#iteration"] = record.optimizer["optimizer#iteration"].astype(other)
+
+    _rewrite(tmp_path / "s.h5", tmp_path / "int.h5", retype)
+    dst = _model()
+    report = kss.restore_training_state(tmp_path / "int.h5", dst)
+    assert ("optimizer#iteration", other, live) in report.casts
+    assert int(dst.optimizer.iterations) == 8
+
+    def huge(record):
+        record.optimizer["optimizer#iteration"] = np.array(2**63, dtype="uint64")
+
+    _rewrite(tmp_path / "s.h5", tmp_path / "huge.h5", huge)
+    with pytest.raises(kss.DtypeMismatchError, match=r"optimizer#iteration .*does not fit .*wrap around"):
+        kss.restore_training_state(tmp_path / "huge.h5", _model())
+
+
+def test_frozen_layer_raises_contract_error_or_drops_slots(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+    dst = _model()
+    dst.get_layer("hidden").trainable = False
+    dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    with pytest.raises(
+        kss.ContractError, match=r"missing .*path:layers/hidden/kernel.*path:layers/hidden/bias"
+    ) as e:
+        kss.restore_training_state(tmp_path / "s.h5", dst)
+    assert e.value.missing == ["path:layers/hidden/kernel", "path:layers/hidden/bias"]
+    report = kss.restore_training_state(tmp_path / "s.h5", dst, strict=False)
+    assert sorted(report.dropped) == sorted(
+        f"path:layers/hidden/{v}#{s}" for v in ("kernel", "bias") for s in ("momentums", "velocities")
+    )
+    saved, live = slots_by_key(src.optimizer), slots_by_key(dst.optimizer)
+    assert set(live) == {k for k in saved if "hidden" not in k}
+    for k in live:
+        np.testing.assert_array_equal(live[k], saved[k])
+    np.testing.assert_array_equal(
+        to_np(dst.get_layer("hidden").kernel), to_np(src.get_layer("hidden").kernel)
+    )
+
+
+def test_contract_round_trip_and_validate(data):
+    m = _trained(data)
+    c = kss.TrainableContract.capture(m)
+    assert kss.TrainableContract.from_json(c.to_json()) == c
+    c.validate(m)
+    m.get_layer("out").trainable = False
+    with pytest.raises(kss.ContractError, match="missing") as e:
+        c.validate(m)
+    assert e.value.missing == ["path:layers/out/kernel", "path:layers/out/bias"] and not e.value.unexpected
+
+
+def test_corrupt_and_truncated_files_are_refused(tmp_path, data):
+    src = _trained(data)
+    path = tmp_path / "s.h5"
+    kss.save_training_state(path, src)
+    raw = bytearray(path.read_bytes())
+    # flip bytes inside the largest array (hidden kernel: 32 float32 values)
+    target = to_np(src.get_layer("hidden").kernel).tobytes()
+    at = bytes(raw).find(target[:16])
+    assert at > 0
+    raw[at + 4] ^= 0xFF
+    (tmp_path / "bad.h5").write_bytes(bytes(raw))
+    with pytest.raises(kss.CorruptCheckpointError, match="path:layers/hidden/kernel.*checksum"):
+        kss.restore_training_state(tmp_path / "bad.h5", _model())
+    (tmp_path / "cut.h5").write_bytes(path.read_bytes()[: len(raw) // 2])
+    with pytest.raises(kss.CorruptCheckpointError, match="truncated or damaged"):
+        kss.restore_training_state(tmp_path / "cut.h5", _model())
+    with pytest.raises(FileNotFoundError):
+        kss.restore_training_state(tmp_path / "absent.h5", _model())
+
+
+def test_malformed_key_in_file_raises(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+
+    def bad_key(record):
+        record.model["layers/hidden/kernel"] = record.model.pop("path:layers/hidden/kernel")
+
+    _rewrite(tmp_path / "s.h5", tmp_path / "bad.h5", bad_key)
+    with pytest.raises(kss.KeyFormatError, match="'layers/hidden/kernel'"):
+        kss.restore_training_state(tmp_path / "bad.h5", _model())
+
+
+def test_write_is_atomic(tmp_path, data, monkeypatch):
+    src = _trained(data)
+    path = tmp_path / "s.h5"
+    kss.save_training_state(path, src)
+    good = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(storage, "_record_bytes", boom)
+    with pytest.raises(OSError, match="disk full"):
+        kss.save_training_state(path, src)
+    assert path.read_bytes() == good
+    assert sorted(os.listdir(tmp_path)) == ["s.h5"]
+
+
+def test_unknown_extension_refused(tmp_path, data):
+    with pytest.raises(kss.CheckpointFormatError, match="'.keras' or '.h5'"):
+        kss.save_training_state(tmp_path / "s.ckpt", _trained(data))
+
+
+def test_unbuilt_model_refused(tmp_path):
+    class Lazy(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.d(x)
+
+    with pytest.raises(kss.StateError, match="not built"):
+        kss.save_training_state(tmp_path / "s.h5", Lazy())

@@ -1,0 +1,131 @@
+"""Stable keys: independent of auto-name counters and attribute creation order."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_stable_state as kss
+from keras_stable_state.identity import VariableKey, VariableRegistry
+
+
+def _seq():
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(4),
+            keras.layers.Dense(4, name="user_named"),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def _keys(model, variables=None):
+    return [str(k) for k in VariableRegistry.from_model(model, variables).keys()]
+
+
+def test_same_code_twice_and_after_other_models_gives_same_keys():
+    first = _keys(_seq())
+    for _ in range(3):  # shift every auto-name counter
+        keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), keras.layers.Dense(2)])
+    second = _seq()
+    assert [v.path for v in second.trainable_variables][0] != "sequential/dense/kernel"
+    assert _keys(second) == first
+    assert first == [
+        "path:layers/dense/kernel",
+        "path:layers/dense/bias",
+        "path:layers/user_named/kernel",
+        "path:layers/user_named/bias",
+        "path:layers/dense_1/kernel",
+        "path:layers/dense_1/bias",
+    ]
+
+
+class _Branches(keras.Model):
+    def __init__(self, order="ab", **kw):
+        super().__init__(**kw)
+        for name in order:
+            setattr(self, f"branch_{name}", keras.layers.Dense(4))
+        self.blocks = [keras.layers.Dense(4), keras.layers.Dense(4, name="mid")]
+
+    def call(self, x):
+        h = self.branch_a(x) * 0.3 + self.branch_b(x) * 1.7
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_subclassed_model_keys_follow_attributes_not_creation_order():
+    a, b = _Branches("ab"), _Branches("ba")
+    x = np.ones((1, 3), "float32")
+    a(x), b(x)
+    ka = dict(zip(_keys(a), [id(v) for v in a.variables], strict=True))
+    kb = dict(zip(_keys(b), [id(v) for v in b.variables], strict=True))
+    assert set(ka) == set(kb)
+    assert (
+        "path:branch_a/kernel" in ka and "path:blocks/mid/kernel" in ka and "path:blocks/dense/kernel" in ka
+    )
+    # registration order differs, but each key names the same attribute's variable
+    assert a.trainable_variables[0] is a.branch_a.kernel and b.trainable_variables[0] is b.branch_b.kernel
+    reg = VariableRegistry.from_model(b)
+    assert reg.variable_of(VariableKey.parse("path:branch_a/kernel")) is b.branch_a.kernel
+
+
+def test_tied_variable_keyed_once():
+    inp = keras.Input((8,))
+    shared = keras.layers.Dense(8, name="shared")
+    model = keras.Model(inp, shared(shared(inp)))
+    assert _keys(model) == ["path:layers/shared/kernel", "path:layers/shared/bias"]
+    contract = kss.TrainableContract.capture(model)
+    assert [k for k, _, _ in contract.entries] == ["path:layers/shared/kernel", "path:layers/shared/bias"]
+
+
+def test_unreached_variables_get_ordered_keys():
+    v = keras.Variable(np.zeros((2,)), name="loose")
+    reg = VariableRegistry.from_model(None, [v])
+    assert reg.keys() == [VariableKey("order", "0")]
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "path:", "order:-1", "order:01", "slot:x", "path:/a", "path:a//b", 7, "order:x"]
+)
+def test_malformed_keys_raise(bad):
+    with pytest.raises(kss.KeyFormatError, match="Malformed variable key"):
+        VariableKey.parse(bad)
+
+
+def test_key_round_trip():
+    for text in ["path:layers/dense/kernel", "order:0", "order:12"]:
+        assert str(VariableKey.parse(text)) == text
+
+
+def _var(shape, dtype="float32"):
+    return keras.Variable(np.zeros(shape, dtype=dtype))
+
+
+def test_order_bind_checks_shape_and_dtype():
+    reg = VariableRegistry.from_model(None, [_var((2, 2)), _var((3,))])
+    bound, unmatched = reg.bind([(VariableKey.parse("order:1"), (3,), "float32")])
+    assert bound[VariableKey.parse("order:1")][1] == "order" and not unmatched
+    with pytest.raises(kss.BindingError, match="shape"):
+        reg.bind([(VariableKey.parse("order:0"), (3,), "float32")])
+    with pytest.raises(kss.BindingError, match="dtype float16"):
+        reg.bind([(VariableKey.parse("order:1"), (3,), "float16")])
+    with pytest.raises(kss.BindingError, match="registration index 5"):
+        reg.bind([(VariableKey.parse("order:5"), (3,), "float32")])
+
+
+def test_order_bind_never_claims_named_slot():
+    model = _seq()
+    reg = VariableRegistry.from_model(model)
+    saved = [
+        (VariableKey.parse("path:layers/dense/kernel"), (3, 4), "float32"),
+        (VariableKey.parse("order:0"), (3, 4), "float32"),  # index 0 is that same variable
+    ]
+    with pytest.raises(kss.BindingError, match="never claims a named slot"):
+        reg.bind(saved)
+
+
+def test_duplicate_keys_refused():
+    v, w = _var((1,)), _var((1,))
+    with pytest.raises(kss.BindingError, match="Duplicate variable keys"):
+        VariableRegistry([(VariableKey.parse("path:a"), v), (VariableKey.parse("path:a"), w)])
