@@ -92,18 +92,28 @@ def _tree(optimizer, prefix=""):
             yield from _tree(sub, f"{prefix}optimizers/{i}/")
 
 
+# Lists every optimizer keeps that are not per-variable slots (the tracked variables
+# themselves and the variables it was built with).
+_NOT_SLOTS = frozenset({"_variables", "_trainable_variables"})
+
+
 def _slot_lists(optimizer):
     """``(slot name, list)`` for every attribute list aligned with the built variables."""
     refs = list(getattr(optimizer, "_trainable_variables", []) or [])
     if not refs:
         return
     ref_ids = {id(v) for v in refs}
+    own = {
+        id(v) for v in (getattr(optimizer, "_iterations", None), getattr(optimizer, "_learning_rate", None))
+    }
     for attr, value in sorted(vars(optimizer).items()):
+        if attr in _NOT_SLOTS:
+            continue
         if not isinstance(value, (list, tuple)) or len(value) != len(refs):
             continue
         if not all(x is None or isinstance(x, keras.Variable) for x in value):
             continue
-        if all(x is None for x in value) or any(x is not None and id(x) in ref_ids for x in value):
+        if all(x is None for x in value) or any(x is not None and id(x) in ref_ids | own for x in value):
             continue
         yield attr.lstrip("_"), refs, value
 

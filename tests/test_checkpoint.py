@@ -289,3 +289,45 @@ def test_unbuilt_model_refused(tmp_path):
 
     with pytest.raises(kss.StateError, match="not built"):
         kss.save_training_state(tmp_path / "s.h5", Lazy())
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.config.set_dtype_policy("mixed_float16")
+    yield
+    keras.config.set_dtype_policy("float32")
+
+
+def test_mixed_precision_auto_wrap_keys_and_round_trip(tmp_path, data, mixed_float16):
+    """Keras wraps the StableOptimizer in a LossScaleOptimizer; a model with as many
+    trainable variables as the LossScaleOptimizer has own variables (4) must not make
+    those look like slots (regression: they were keyed '#variables')."""
+    x, y = data
+
+    def build():
+        m = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1, dtype="float32")]
+        )
+        m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
+        return m
+
+    src = build()
+    src.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    assert isinstance(src.optimizer, keras.optimizers.LossScaleOptimizer)
+    saved = slots_by_key(src.optimizer)
+    assert {
+        "optimizer#step_counter",
+        "optimizer#dynamic_scale",
+        "optimizer#inner_optimizer/iteration",
+    } <= set(saved)
+    assert sum(k.endswith("#inner_optimizer/momentums") for k in saved) == 4
+    assert not any(k.endswith("#variables") for k in saved)
+    kss.save_training_state(tmp_path / "s.keras", src)
+    dst = build()
+    kss.restore_training_state(tmp_path / "s.keras", dst)
+    back = keras.saving.load_model(tmp_path / "s.keras")
+    for other in (dst, back):
+        got = slots_by_key(other.optimizer)
+        assert got.keys() == saved.keys()
+        for k in saved:
+            np.testing.assert_array_equal(got[k], saved[k], err_msg=k)
