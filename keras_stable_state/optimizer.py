@@ -225,10 +225,11 @@ class StableOptimizer(keras.optimizers.Optimizer):
 
     def __init__(self, inner_optimizer, name=None, **kwargs):
         for arg, default in _BASE_DEFAULTS.items():
-            if arg in kwargs and kwargs.pop(arg) != default:
+            value = kwargs.pop(arg, default)
+            if value != default:
                 raise ValueError(
                     f"StableOptimizer does not take `{arg}`; set it on the inner optimizer. "
-                    f"Received: {arg}={kwargs.get(arg)!r}"
+                    f"Received: {arg}={value!r}"
                 )
         if kwargs:
             raise ValueError(f"StableOptimizer does not take arguments {sorted(kwargs)}.")

@@ -1,0 +1,70 @@
+"""The public surface: __all__ is pinned, errors share one base, configs round-trip."""
+
+import keras
+import pytest
+
+import keras_stable_state as kss
+
+PUBLIC = [
+    "BindingError",
+    "CheckpointFormatError",
+    "ContractError",
+    "CorruptCheckpointError",
+    "DtypeMismatchError",
+    "KeyFormatError",
+    "RestoreReport",
+    "StableOptimizer",
+    "StateError",
+    "TrainableContract",
+    "VariableKey",
+    "VariableRegistry",
+    "restore_training_state",
+    "save_training_state",
+]
+
+
+def test_all_is_pinned():
+    assert sorted(kss.__all__) == sorted(PUBLIC)
+    for name in PUBLIC:
+        assert getattr(kss, name) is not None
+
+
+@pytest.mark.parametrize(
+    "cls,builtin",
+    [
+        (kss.KeyFormatError, ValueError),
+        (kss.BindingError, ValueError),
+        (kss.ContractError, ValueError),
+        (kss.DtypeMismatchError, TypeError),
+        (kss.CheckpointFormatError, ValueError),
+        (kss.CorruptCheckpointError, OSError),
+    ],
+)
+def test_errors_share_one_base_and_a_builtin(cls, builtin):
+    assert issubclass(cls, kss.StateError) and issubclass(cls, builtin)
+
+
+def test_stable_optimizer_config_round_trip():
+    sched = keras.optimizers.schedules.ExponentialDecay(1e-2, 10, 0.5)
+    opt = kss.StableOptimizer(keras.optimizers.AdamW(sched, weight_decay=0.01, clipnorm=1.0), name="stable")
+    config = keras.saving.serialize_keras_object(opt)
+    assert config["registered_name"] == "keras_stable_state>StableOptimizer"
+    back = keras.saving.deserialize_keras_object(config)
+    assert isinstance(back, kss.StableOptimizer) and back.name == "stable"
+    assert type(back.inner_optimizer) is type(opt.inner_optimizer)
+    assert back.inner_optimizer.get_config() == opt.inner_optimizer.get_config()
+
+
+def test_stable_optimizer_accepts_identifier_and_refuses_base_options():
+    assert isinstance(kss.StableOptimizer("adam").inner_optimizer, keras.optimizers.Adam)
+    with pytest.raises(ValueError, match=r"does not take `clipnorm`.*Received: clipnorm=1.0"):
+        kss.StableOptimizer(keras.optimizers.Adam(), clipnorm=1.0)
+    with pytest.raises(ValueError, match="cannot wrap another StableOptimizer"):
+        kss.StableOptimizer(kss.StableOptimizer("adam"))
+
+
+def test_learning_rate_and_iterations_are_the_inner_optimizers():
+    opt = kss.StableOptimizer(keras.optimizers.SGD(0.5))
+    opt.learning_rate = 0.25
+    assert float(keras.ops.convert_to_numpy(opt.inner_optimizer.learning_rate)) == 0.25
+    assert opt.iterations is opt.inner_optimizer.iterations
