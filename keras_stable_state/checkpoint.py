@@ -107,7 +107,7 @@ def _coerce(key, array, variable, allow_cast, report):
                 received=src,
             )
         report.casts.append((key, src, dst))
-        return array.astype(dst)
+        return array.astype(storage.numpy_dtype(dst))
     if not allow_cast:
         raise DtypeMismatchError(
             f"Saved array for {key} is {src}, but its variable is {dst}. Casting could lose "
@@ -118,7 +118,7 @@ def _coerce(key, array, variable, allow_cast, report):
             received=src,
         )
     report.casts.append((key, src, dst))
-    return array.astype(keras.backend.standardize_dtype(dst) if dst != "bfloat16" else storage._EXOTIC[dst])
+    return array.astype(storage.numpy_dtype(dst))
 
 
 def _top(optimizer):

@@ -79,6 +79,11 @@ class StateRecord:
     extra: dict = dataclasses.field(default_factory=dict)
 
 
+def numpy_dtype(name: str):
+    """The NumPy dtype for a Keras dtype name (ml_dtypes for ``bfloat16`` and float8)."""
+    return np.dtype(_EXOTIC.get(name, name))
+
+
 def dtype_name(array) -> str:
     """Standard name of an array's dtype (``"bfloat16"`` for ml_dtypes arrays)."""
     return np.dtype(array.dtype).name

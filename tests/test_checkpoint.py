@@ -331,3 +331,22 @@ def test_mixed_precision_auto_wrap_keys_and_round_trip(tmp_path, data, mixed_flo
         assert got.keys() == saved.keys()
         for k in saved:
             np.testing.assert_array_equal(got[k], saved[k], err_msg=k)
+
+
+def test_bfloat16_variables_and_slots_round_trip_exactly(tmp_path, data):
+    x, y = data
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, dtype="bfloat16"), keras.layers.Dense(1)])
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+    assert str(m.layers[0].kernel.dtype) == "bfloat16"
+    kss.save_training_state(tmp_path / "s.h5", m)
+    record = storage.read_file(tmp_path / "s.h5")
+    assert storage.dtype_name(record.model["path:layers/dense/kernel"]) == "bfloat16"
+    dst = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, dtype="bfloat16"), keras.layers.Dense(1)]
+    )
+    dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    kss.restore_training_state(tmp_path / "s.h5", dst)
+    _assert_same_state(m, dst)
+    bits = to_np(dst.layers[0].kernel).view("uint16")
+    np.testing.assert_array_equal(bits, to_np(m.layers[0].kernel).view("uint16"))
