@@ -2,11 +2,13 @@
 
 A training-state record is an HDF5 file (h5py) laid out as::
 
-    /                  attrs: format="keras_stable_state", format_version=1,
-                              metadata (JSON: backend, keras_version, dtype_policy, ...),
-                              contract (JSON list of [key, shape, dtype])
+    /                  attrs: format="keras_stable_state", format_version=1
+    /metadata          JSON string: backend, keras_version, dtype_policy, model_state, ...
+    /contract          JSON string: list of [key, shape, dtype]
+    /extra             JSON string: schedule, callbacks, RNG, position, providers
     /model/0, /1 ...   one dataset per model variable; attrs: key, crc32, dtype
     /optimizer/0 ...   one dataset per optimizer variable; same attrs
+    /state/0 ...       arrays of the other state (callbacks, RNG, accumulators); same attrs
 
 Inside a ``.keras`` archive the record is the member ``keras_stable_state.h5``
 beside Keras' own ``config.json`` and ``model.weights.h5``, so
@@ -69,7 +71,9 @@ class StateRecord:
         contract: ``[key, shape, dtype]`` lists, or ``None``.
         model: Model variable arrays by key (insertion order = file order).
         optimizer: Optimizer variable arrays by entry key.
-        extra: Other JSON-serialisable state by name.
+        extra: Other state (schedule, callbacks, RNG, position, providers) as
+            JSON, with arrays replaced by references into ``arrays``.
+        arrays: Arrays of the other state by name.
     """
 
     metadata: dict
@@ -77,6 +81,7 @@ class StateRecord:
     model: dict
     optimizer: dict
     extra: dict = dataclasses.field(default_factory=dict)
+    arrays: dict = dataclasses.field(default_factory=dict)
 
 
 def numpy_dtype(name: str):
@@ -149,11 +154,12 @@ def _record_bytes(record: StateRecord) -> bytes:
     with h5py.File(buf, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
-        f.attrs["metadata"] = json.dumps(record.metadata)
-        f.attrs["contract"] = json.dumps(record.contract)
-        f.attrs["extra"] = json.dumps(record.extra)
+        # JSON records are string datasets, not attributes: HDF5 caps attributes at 64 KiB.
+        for name in ("metadata", "contract", "extra"):
+            f.create_dataset(name, data=json.dumps(getattr(record, name)))
         _write_group(f.create_group("model"), record.model)
         _write_group(f.create_group("optimizer"), record.optimizer)
+        _write_group(f.create_group("state"), record.arrays)
     return buf.getvalue()
 
 
@@ -167,10 +173,8 @@ def _parse_record(f: h5py.File, where: str) -> StateRecord:
             received=version,
         )
     try:
-        metadata = json.loads(f.attrs["metadata"])
-        contract = json.loads(f.attrs["contract"])
-        extra = json.loads(f.attrs.get("extra", "{}"))
-    except (KeyError, ValueError) as err:
+        metadata, contract, extra = (json.loads(f[name][()]) for name in ("metadata", "contract", "extra"))
+    except (KeyError, ValueError, OSError) as err:
         raise CorruptCheckpointError(f"{where}: metadata is unreadable ({err}).") from err
     return StateRecord(
         metadata=metadata,
@@ -178,6 +182,7 @@ def _parse_record(f: h5py.File, where: str) -> StateRecord:
         model=_read_group(f["model"], where),
         optimizer=_read_group(f["optimizer"], where),
         extra=extra,
+        arrays=_read_group(f["state"], where) if "state" in f else {},
     )
 
 
