@@ -8,6 +8,7 @@ import os
 import keras
 import numpy as np
 
+from keras_stable_state import state as state_mod
 from keras_stable_state import storage
 from keras_stable_state.contract import TrainableContract
 from keras_stable_state.errors import BindingError, DtypeMismatchError, StateError
@@ -29,6 +30,8 @@ class RestoreReport:
         dropped: Saved keys that were not restored (``strict=False`` only:
             slots of variables that are no longer trained).
         casts: ``(key, saved dtype, variable dtype)`` for every array cast.
+        restored_state: Other state put back (``"callback:EarlyStopping/0"``,
+            ``"state:<provider>"``, ``"rng"``).
         built_optimizer: ``True`` when the optimizer was built by the restore.
         source: ``"keras_stable_state"`` or the kind of stock Keras file.
         writer: Metadata of the writer (backend, Keras version, format version);
@@ -39,6 +42,7 @@ class RestoreReport:
     left_fresh: list = dataclasses.field(default_factory=list)
     dropped: list = dataclasses.field(default_factory=list)
     casts: list = dataclasses.field(default_factory=list)
+    restored_state: list = dataclasses.field(default_factory=list)
     built_optimizer: bool = False
     source: str = storage.FORMAT
     writer: dict = dataclasses.field(default_factory=dict)
@@ -267,8 +271,42 @@ def _ensure_built(optimizer, model, report=None):
         report.built_optimizer = True
 
 
-def save_training_state(filepath, model, optimizer=None):
-    """Save the model's variables, every optimizer variable and the contract, by key.
+_MODEL_STATES = ("all", "trainable", "none")
+
+
+def _collect_state(model, optimizer, callbacks, state, include_rng):
+    """The JSON part and the arrays of everything that is not a variable."""
+    extra = {"schedule": state_mod.schedule_state(optimizer), "callbacks": {}, "providers": {}, "rng": None}
+    arrays = {}
+
+    def put(section, name, value):
+        json_value, found = state_mod.split_arrays(value, f"{section}/{name}")
+        extra[section][name] = json_value
+        arrays.update(found)
+
+    callbacks = list(callbacks or ())
+    for cb in callbacks:
+        value = state_mod.callback_state(cb)
+        if value is not None:
+            put("callbacks", state_mod.callback_key(callbacks, cb), value)
+    for name, provider in (state or {}).items():
+        put("providers", name, provider.get_state())
+    if include_rng:
+        extra["rng"], found = state_mod.split_arrays(state_mod.rng_state(), "rng")
+        arrays.update(found)
+    return extra, arrays
+
+
+def save_training_state(
+    filepath, model, optimizer=None, *, model_state="all", callbacks=(), state=None, include_rng=True
+):
+    """Save the whole training state by key: variables, optimizer, contract and the rest.
+
+    The file holds the model's variables (per ``model_state``), every optimizer
+    variable (slots, iteration count, learning rate, the optimizer's own
+    gradient-accumulation sums), the trainable-variable contract, the
+    learning-rate schedule's config, the state of stateful ``callbacks``, each
+    provider in ``state`` and the global random state.
 
     Args:
         filepath: ``str`` or path ending in ``.keras`` (a Keras archive that
@@ -278,20 +316,37 @@ def save_training_state(filepath, model, optimizer=None):
         optimizer: The optimizer to save; default ``model.optimizer``. An
             unbuilt optimizer is built on ``model.trainable_variables`` first.
             ``None`` with an uncompiled model saves no optimizer state.
+        model_state: ``"all"`` (every model variable), ``"trainable"`` (only
+            trainable variables: the adapter-only / LoRA case, where the caller
+            brings the frozen base back) or ``"none"``. ``.keras`` archives
+            always also hold Keras' own full weights.
+        callbacks: Callbacks whose state to save (``EarlyStopping``,
+            ``ReduceLROnPlateau``, ``ModelCheckpoint``, ``History``, or any
+            with ``get_state()`` / ``set_state()``); others are skipped.
+        state: ``{name: provider}`` for other objects with ``get_state()`` /
+            ``set_state()`` (e.g. a :class:`~keras_stable_state.GradientAccumulator`).
+        include_rng: Save NumPy's, Python's and Keras' global random state.
 
     Raises:
+        ValueError: for an unknown ``model_state``.
         CheckpointFormatError: for another extension.
-        StateError: if the model is not built.
+        StateError: if the model is not built, or a provider refuses
+            (e.g. pending gradients for a variable that is no longer trainable).
 
     Example:
         >>> save_training_state("run.keras", model)
     """
+    if model_state not in _MODEL_STATES:
+        raise ValueError(
+            f"`model_state` must be one of {_MODEL_STATES}. Received: model_state={model_state!r}"
+        )
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
+    variables = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
-    model_arrays = {str(k): _np(v) for k, v in registry.entries}
+    model_arrays = {str(registry.key_of(v)): _np(v) for v in variables}
     opt_arrays = {}
     if optimizer is not None:
         _ensure_built(optimizer, model)
@@ -299,11 +354,14 @@ def save_training_state(filepath, model, optimizer=None):
             optimizer.bind(model)
         for entry in optimizer_entries(optimizer, _optimizer_registry(optimizer, model)):
             opt_arrays[entry.key] = _np(entry.variable)
+    extra, arrays = _collect_state(model, optimizer, callbacks, state, include_rng)
     record = storage.StateRecord(
-        metadata=_writer_metadata(model),
+        metadata={**_writer_metadata(model), "model_state": model_state},
         contract=TrainableContract.capture(model).to_json(),
         model=model_arrays,
         optimizer=opt_arrays,
+        extra=extra,
+        arrays=arrays,
     )
     storage.write_record(filepath, record, keras_archive_writer=lambda tmp: model.save(tmp))
     return os.fspath(filepath)
@@ -353,7 +411,18 @@ def _plan_model(record, model, registry, strict, allow_cast, report):
     return plan
 
 
-def restore_training_state(filepath, model, optimizer=None, strict=True, allow_cast=False) -> RestoreReport:
+def restore_training_state(
+    filepath,
+    model,
+    optimizer=None,
+    strict=True,
+    allow_cast=False,
+    *,
+    callbacks=(),
+    state=None,
+    include_rng=True,
+    check_schedule=True,
+) -> RestoreReport:
     """Restore a training state saved by :func:`save_training_state` (or a stock Keras file).
 
     Everything is read, checksummed and checked before the first variable is
@@ -379,6 +448,12 @@ def restore_training_state(filepath, model, optimizer=None, strict=True, allow_c
         allow_cast: Cast floating-point arrays whose dtype differs from their
             variable's (e.g. float16 saved, float32 variable), listing each cast.
             Integer counters are always cast, with a range check.
+        callbacks: Callbacks to put back in their saved state (matched by
+            class name and index among callbacks of that class).
+        state: ``{name: provider}`` to put back (``set_state``).
+        include_rng: Put back NumPy's, Python's and Keras' global random state.
+        check_schedule: Refuse a learning-rate schedule whose config differs
+            from the saved one.
 
     Returns:
         A :class:`RestoreReport`.
@@ -393,7 +468,10 @@ def restore_training_state(filepath, model, optimizer=None, strict=True, allow_c
             shapes, counts), naming the first or every key concerned.
         DtypeMismatchError: for a floating-point dtype difference without
             ``allow_cast``, or an integer out of the target's range.
-        StateError: if the model is not built.
+        ScheduleMismatchError: (``check_schedule``) if the schedule changed,
+            naming the differing fields.
+        StateError: if the model is not built, or a provider in ``state`` has
+            no saved state.
 
     Example:
         >>> report = restore_training_state("run.keras", model)
@@ -441,6 +519,46 @@ def restore_training_state(filepath, model, optimizer=None, strict=True, allow_c
         )
     elif len(saved_opt) and optimizer is None:
         report.dropped.append("optimizer (the model has no optimizer; compile it to restore optimizer state)")
+    setters = []
+    if isinstance(record, storage.StateRecord):
+        setters = _plan_state(record, optimizer, callbacks, state, include_rng, check_schedule, report)
+    for setter in setters:
+        setter()
     for var, array in plan:
         var.assign(array)
     return report
+
+
+def _plan_state(record, optimizer, callbacks, state, include_rng, check_schedule, report):
+    """Check the non-variable state and return the calls that put it back."""
+    extra, arrays = record.extra, record.arrays
+    if check_schedule and optimizer is not None and "schedule" in extra:
+        state_mod.check_schedule(extra["schedule"], optimizer)
+    setters = []
+    callbacks = list(callbacks or ())
+    saved_cbs = extra.get("callbacks", {})
+    for cb in callbacks:
+        if state_mod.callback_state(cb) is None:
+            continue
+        key = state_mod.callback_key(callbacks, cb)
+        if key not in saved_cbs:
+            report.left_fresh.append(f"callback:{key}")
+            continue
+        value = state_mod.join_arrays(saved_cbs[key], arrays)
+        setters.append(lambda cb=cb, value=value: state_mod.set_callback_state(cb, value))
+        report.restored_state.append(f"callback:{key}")
+    for name, provider in (state or {}).items():
+        if name not in extra.get("providers", {}):
+            raise StateError(
+                f"The file has no state for provider {name!r} (it has {sorted(extra.get('providers', {}))}). "
+                "Save it with save_training_state(..., state={name: provider}).",
+                key=name,
+            )
+        value = state_mod.join_arrays(extra["providers"][name], arrays)
+        setters.insert(0, lambda p=provider, value=value: p.set_state(value))
+        report.restored_state.append(f"state:{name}")
+    if include_rng and extra.get("rng") is not None:
+        rng = state_mod.join_arrays(extra["rng"], arrays)
+        setters.append(lambda: state_mod.set_rng_state(rng))
+        report.restored_state.append("rng")
+    return setters

@@ -1,0 +1,170 @@
+"""``GradientAccumulator``: weighted gradient windows for custom training loops."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from keras_stable_state.errors import BindingError, StateError
+from keras_stable_state.identity import VariableKey, VariableRegistry
+
+__all__ = ["GradientAccumulator"]
+
+
+class GradientAccumulator:
+    """Sums weighted gradients over a window of micro-steps, saved by variable key.
+
+    For each trainable variable it keeps a float sum of ``weight * gradient``
+    (same shape and dtype as the variable), plus the window's total weight
+    (float32 scalar) and micro-step count (int32 scalar). :meth:`gradients`
+    returns ``sum / total_weight``, the weighted mean over the window, so an
+    accumulated step equals one step on the concatenated batch when each
+    micro-batch's weight is its number of samples.
+
+    Usable from every backend's custom loop: stateful (:meth:`accumulate`, for
+    ``tf.GradientTape`` and Torch autograd loops) or stateless
+    (:meth:`stateless_accumulate` on ``[v.value for v in acc.variables]``, for
+    jitted JAX loops). Its state is a provider for
+    :func:`keras_stable_state.save_training_state` (``state={"acc": acc}``):
+    sums are saved under the variables' keys (``path:layers/dense/kernel#grad_sum``).
+
+    Args:
+        model: The ``keras.Model`` whose variables give the keys.
+        variables: Variables to accumulate for; default
+            ``model.trainable_variables`` when built.
+
+    Example:
+        >>> acc = GradientAccumulator(model)
+        >>> acc.accumulate(grads, weight=len(x_batch))
+        >>> if acc.count == 4:
+        ...     optimizer.apply(acc.gradients(), model.trainable_variables); acc.reset()
+    """
+
+    def __init__(self, model, variables=None):
+        self.model = model
+        self._given = None if variables is None else list(variables)
+        self.built = False
+
+    def build(self, variables=None):
+        """Create the sums (zeros) for ``variables`` (default: as given, or the model's trainable ones)."""
+        variables = list(variables or self._given or self.model.trainable_variables)
+        self.targets = variables
+        self.sums = [
+            keras.Variable(
+                np.zeros(v.shape, dtype=keras.backend.standardize_dtype(v.dtype)),
+                trainable=False,
+                name="grad_sum",
+            )
+            for v in variables
+        ]
+        self.total_weight = keras.Variable(np.zeros((), "float32"), trainable=False, name="total_weight")
+        self.micro_steps = keras.Variable(np.zeros((), "int32"), trainable=False, name="micro_steps")
+        self.built = True
+
+    @property
+    def variables(self) -> list:
+        """The accumulator's variables: the sums, then total weight and micro-step count."""
+        if not self.built:
+            self.build()
+        return [*self.sums, self.total_weight, self.micro_steps]
+
+    @property
+    def count(self) -> int:
+        """Micro-steps accumulated in the current window."""
+        return int(keras.ops.convert_to_numpy(self.micro_steps.value)) if self.built else 0
+
+    def accumulate(self, grads, weight=1.0) -> None:
+        """Add ``weight * grads`` to the window (stateful: TensorFlow, Torch, eager JAX)."""
+        if not self.built:
+            self.build()
+        for s, g in zip(self.sums, grads, strict=True):
+            s.assign_add(keras.ops.cast(g, s.dtype) * keras.ops.cast(weight, s.dtype))
+        self.total_weight.assign_add(keras.ops.cast(weight, "float32"))
+        self.micro_steps.assign_add(1)
+
+    def stateless_accumulate(self, values, grads, weight=1.0) -> list:
+        """Pure version of :meth:`accumulate` on ``values`` (as ordered in :attr:`variables`)."""
+        n = len(self.sums)
+        sums = [
+            s + keras.ops.cast(g, s.dtype) * keras.ops.cast(weight, s.dtype)
+            for s, g in zip(values[:n], grads, strict=True)
+        ]
+        return [*sums, values[n] + keras.ops.cast(weight, "float32"), values[n + 1] + 1]
+
+    def gradients(self, values=None) -> list:
+        """The weighted mean gradient of the window (``values``: stateless state)."""
+        values = values if values is not None else [v.value for v in self.variables]
+        n = len(self.sums)
+        return [s / keras.ops.cast(values[n], s.dtype) for s in values[:n]]
+
+    def reset(self) -> None:
+        """Start a new window."""
+        for v in self.variables:
+            v.assign(keras.ops.zeros(v.shape, v.dtype))
+
+    # -- state provider ------------------------------------------------------------
+    def _registry(self):
+        return VariableRegistry.from_model(self.model, self.targets)
+
+    def get_state(self) -> dict:
+        """Sums by variable key, total weight and micro-step count.
+
+        Raises:
+            StateError: if a variable with pending (non-zero) gradients is no
+                longer trainable: saving would carry gradients nothing will apply.
+        """
+        if not self.built:
+            self.build()
+        registry = self._registry()
+        trainable = {id(v) for v in self.model.trainable_variables}
+        sums = {}
+        for var, s in zip(self.targets, self.sums, strict=True):
+            value = keras.ops.convert_to_numpy(s.value)
+            key = str(registry.key_of(var))
+            if id(var) not in trainable and np.any(value):
+                raise StateError(
+                    f"The gradient accumulator holds pending gradients for {key}, which is no longer "
+                    "trainable. Apply or reset the window (acc.reset()) before freezing the layer, "
+                    "then save.",
+                    key=key,
+                )
+            sums[f"{key}#grad_sum"] = value
+        return {
+            "sums": sums,
+            "total_weight": float(keras.ops.convert_to_numpy(self.total_weight.value)),
+            "micro_steps": self.count,
+        }
+
+    def set_state(self, state: dict) -> None:
+        """Put back a state from :meth:`get_state` (all checked before any assignment).
+
+        Raises:
+            BindingError: if a saved key matches no variable, or shapes differ.
+        """
+        if not self.built:
+            self.build()
+        registry = self._registry()
+        saved = {VariableKey.parse(k.rpartition("#")[0]): v for k, v in state["sums"].items()}
+        bound, unmatched = registry.bind((k, None, None) for k in saved)
+        if unmatched or len(bound) != len(self.targets):
+            raise BindingError(
+                f"Saved accumulator sums {sorted(map(str, unmatched))} match no variable, or variables "
+                f"{sorted(str(registry.key_of(v)) for v in self.targets if registry.key_of(v) not in bound)} "
+                "have no saved sum. Restore into the model the accumulator was saved with.",
+                key=str(unmatched[0]) if unmatched else None,
+            )
+        plan = []
+        index = {id(v): i for i, v in enumerate(self.targets)}
+        for key, value in saved.items():
+            var = bound[key][0]
+            target = self.sums[index[id(var)]]
+            if tuple(np.shape(value)) != tuple(target.shape):
+                raise BindingError(
+                    f"Saved accumulator sum for {key} has shape {np.shape(value)}, expected {tuple(target.shape)}.",
+                    key=str(key),
+                )
+            plan.append((target, value))
+        for target, value in plan:
+            target.assign(value)
+        self.total_weight.assign(np.float32(state["total_weight"]))
+        self.micro_steps.assign(np.int32(state["micro_steps"]))
