@@ -9,6 +9,8 @@ Public API (see ``docs/`` and DESIGN.md)::
     kss.restore_training_state(path, model) -> kss.RestoreReport
 """
 
+from keras_stable_state.accumulator import GradientAccumulator
+from keras_stable_state.callbacks import StableCheckpoint
 from keras_stable_state.checkpoint import RestoreReport, restore_training_state, save_training_state
 from keras_stable_state.contract import TrainableContract
 from keras_stable_state.errors import (
@@ -22,6 +24,7 @@ from keras_stable_state.errors import (
 )
 from keras_stable_state.identity import VariableKey, VariableRegistry
 from keras_stable_state.optimizer import StableOptimizer
+from keras_stable_state.state import ScheduleMismatchError
 
 __version__ = "0.1.0"
 
@@ -31,8 +34,11 @@ __all__ = [
     "ContractError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
+    "GradientAccumulator",
     "KeyFormatError",
     "RestoreReport",
+    "ScheduleMismatchError",
+    "StableCheckpoint",
     "StableOptimizer",
     "StateError",
     "TrainableContract",

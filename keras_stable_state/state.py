@@ -8,8 +8,8 @@
   ``get_state()`` / ``set_state(state)`` (the protocol: ``get_state`` returns a dict of
   JSON values and NumPy arrays, ``set_state`` takes it back);
 * the random state that decides the run (:func:`rng_state`, :func:`set_rng_state`):
-  NumPy's and Python's global generators (data shuffling) and Keras' global seed
-  generator; per-layer seed generators are model variables and saved with them.
+  NumPy's, Python's and (on the Torch backend) Torch's global generators (data
+  shuffling) and Keras' global seed generator; per-layer seed generators are model variables and saved with them.
 
 States are plain dicts of JSON values and NumPy arrays; :func:`split_arrays` and
 :func:`join_arrays` separate the arrays for storage.
@@ -236,13 +236,13 @@ def set_callback_state(cb, state) -> None:
 
 # -- random state ---------------------------------------------------------------------
 def rng_state() -> dict:
-    """NumPy's and Python's global generator states and Keras' global seed generator."""
+    """NumPy's, Python's and Torch's (Torch backend) global generator states and Keras' global seed generator."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
     from keras.src.random import seed_generator
 
     gen = keras.src.backend.common.global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
-    return {
+    out = {
         "numpy": {
             "name": name,
             "keys": np.asarray(keys),
@@ -252,7 +252,13 @@ def rng_state() -> dict:
         },
         "python": {"version": version, "internal": list(internal), "gauss": gauss},
         "keras_global_seed": None if gen is None else keras.ops.convert_to_numpy(gen.state.value),
+        "torch": None,
     }
+    if keras.backend.backend() == "torch":
+        import torch  # the data loader's RandomSampler draws from torch's global generator
+
+        out["torch"] = torch.get_rng_state().numpy()
+    return out
 
 
 def set_rng_state(state: dict) -> None:
@@ -267,3 +273,7 @@ def set_rng_state(state: dict) -> None:
         from keras.src.random import seed_generator
 
         seed_generator.global_seed_generator().state.assign(np.asarray(state["keras_global_seed"]))
+    if state.get("torch") is not None and keras.backend.backend() == "torch":
+        import torch
+
+        torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8).copy()))

@@ -11,8 +11,11 @@ PUBLIC = [
     "ContractError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
+    "GradientAccumulator",
     "KeyFormatError",
     "RestoreReport",
+    "ScheduleMismatchError",
+    "StableCheckpoint",
     "StableOptimizer",
     "StateError",
     "TrainableContract",
@@ -38,6 +41,7 @@ def test_all_is_pinned():
         (kss.DtypeMismatchError, TypeError),
         (kss.CheckpointFormatError, ValueError),
         (kss.CorruptCheckpointError, OSError),
+        (kss.ScheduleMismatchError, ValueError),
     ],
 )
 def test_errors_share_one_base_and_a_builtin(cls, builtin):
