@@ -7,6 +7,7 @@ import re
 import sys
 
 import keras
+from keras.src.utils.io_utils import print_msg
 
 from keras_stable_state import checkpoint, state
 from keras_stable_state.errors import StateError
@@ -26,7 +27,12 @@ class _Position:
         self.epoch_rng = None
 
     def get_state(self):
-        return {"epoch": self.epoch, "step": self.step, "global_step": self.global_step, "epoch_rng": self.epoch_rng}
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "global_step": self.global_step,
+            "epoch_rng": self.epoch_rng,
+        }
 
     def set_state(self, value):
         self.epoch, self.step, self.global_step = value["epoch"], value["step"], value["global_step"]
@@ -133,7 +139,7 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     def _say(self, message):
         if self.verbose:
-            keras.utils.io_utils.print_msg(f"StableCheckpoint: {message}")
+            print_msg(f"StableCheckpoint: {message}")
 
     # -- files ------------------------------------------------------------------------
     def checkpoints(self) -> list:
@@ -160,9 +166,12 @@ class StableCheckpoint(keras.callbacks.Callback):
         for path in self.checkpoints():
             try:
                 record = checkpoint.storage.read_file(path)
-            except (checkpoint.storage.CorruptCheckpointError, checkpoint.storage.CheckpointFormatError) as err:
+            except (
+                checkpoint.storage.CorruptCheckpointError,
+                checkpoint.storage.CheckpointFormatError,
+            ) as err:
                 self.skipped_checkpoints.append((path, str(err)))
-                keras.utils.io_utils.print_msg(
+                print_msg(
                     f"StableCheckpoint: {os.path.basename(path)} is unreadable ({err}); falling back to the one before."
                 )
                 continue
@@ -284,4 +293,3 @@ class StableCheckpoint(keras.callbacks.Callback):
         for old in self.checkpoints()[self.keep :]:
             os.remove(old)
         self._say(f"saved {name} (epoch {pos.epoch}, step {pos.step}, global step {pos.global_step})")
-
