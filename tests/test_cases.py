@@ -217,3 +217,91 @@ def test_03_load_weights_into_unbuilt_stable_optimizer_defers_until_build(tmp_pa
     saved, got = slots_by_key(ref.optimizer), slots_by_key(resumed.optimizer)
     for k in saved:
         np.testing.assert_array_equal(got[k], saved[k], err_msg=k)
+
+
+# -- 06: callback state lost on resume ---------------------------------------------
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, epoch=None, batch=None):
+        super().__init__()
+        self.epoch, self.batch, self.current = epoch, batch, -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+        if self.batch is None and epoch == self.epoch:
+            raise RuntimeError("simulated preemption")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.batch is not None and self.current == self.epoch and batch == self.batch:
+            raise RuntimeError("simulated preemption")
+
+
+class _LrLog(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.lrs = {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.lrs[epoch] = float(to_np(self.model.optimizer.learning_rate))
+
+
+def _session06(directory, interrupt=None):
+    """A fresh 'process': new model, new callbacks, same checkpoint directory."""
+    keras.utils.set_random_seed(0)
+    x, y = X[:16, :3], Y[:16]
+    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-6)), loss="mse")  # plateau
+    es = keras.callbacks.EarlyStopping(monitor="loss", patience=3, min_delta=1.0)
+    rlr = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=2, factor=0.5, min_delta=1.0)
+    best = keras.callbacks.ModelCheckpoint(
+        str(directory) + "_best.keras", monitor="loss", save_best_only=True
+    )
+    log = _LrLog()
+    cbs = [kss.StableCheckpoint(directory), es, rlr, best, log] + ([interrupt] if interrupt else [])
+    try:
+        history = m.fit(x, y, epochs=30, batch_size=16, verbose=0, callbacks=cbs)
+    except RuntimeError:
+        history = None
+    return m, history, log, best, es
+
+
+def test_06_resumed_run_stops_at_same_epoch_with_same_lrs_and_best(tmp_path):
+    m1, h1, log1, best1, es1 = _session06(tmp_path / "a")
+    _, none, log_i, _, _ = _session06(tmp_path / "b", interrupt=_Interrupt(epoch=3))
+    assert none is None and sorted(log_i.lrs) == [0, 1, 2, 3]
+    m2, h2, log2, best2, es2 = _session06(tmp_path / "b")
+    assert min(log2.lrs) == 3  # really resumed, not restarted
+    assert h2.epoch == h1.epoch and len(h1.epoch) < 30  # same stop epoch; History is whole
+    assert es2.stopped_epoch == es1.stopped_epoch
+    lrs = {**log_i.lrs, **log2.lrs}
+    assert lrs == log1.lrs
+    assert float(to_np(m2.optimizer.learning_rate)) == float(to_np(m1.optimizer.learning_rate))
+    assert best2.best == best1.best
+    np.testing.assert_array_equal(h2.history["loss"], h1.history["loss"])
+
+
+# -- 08: mid-epoch backup replays batches -------------------------------------------
+def _run08(directory, extra=()):
+    keras.utils.set_random_seed(0)
+    data = np.random.default_rng(0)
+    x = data.normal(size=(40, 3)).astype("float32")  # 5 batches of 8 per epoch
+    y = data.normal(size=(40, 1)).astype("float32")
+    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-2)), loss="mse")
+    try:
+        m.fit(
+            x, y, epochs=3, batch_size=8, shuffle=False, verbose=0,
+            callbacks=[kss.StableCheckpoint(directory, save_freq=2), *extra],
+        )  # fmt: skip
+    except RuntimeError:
+        pass
+    return m
+
+
+def test_08_mid_epoch_checkpoint_applies_each_batch_once(tmp_path):
+    ref = _run08(tmp_path / "ref")
+    interrupted = _run08(tmp_path / "int", extra=[_Interrupt(epoch=1, batch=3)])
+    assert int(interrupted.optimizer.iterations) == 8
+    res = _run08(tmp_path / "int")
+    assert int(ref.optimizer.iterations) == int(res.optimizer.iterations) == 15  # stock Keras: 18
+    for a, b in zip(ref.get_weights(), res.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
