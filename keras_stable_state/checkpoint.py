@@ -55,6 +55,17 @@ class RestoreReport:
     def by_order(self) -> list:
         return [k for k, how in self.matched.items() if how == "order"]
 
+    @property
+    def writer_differs(self) -> list:
+        """``(field, writer's value, reader's value)`` where the writing backend,
+        Keras version or dtype policy differs from this process's."""
+        reader = _writer_metadata(None)
+        return [
+            (f, self.writer[f], reader[f])
+            for f in ("backend", "keras_version", "dtype_policy")
+            if f in self.writer and self.writer[f] != reader[f]
+        ]
+
     def __str__(self) -> str:
         lines = [
             f"Restored {len(self.matched)} arrays from {self.source}"
@@ -65,6 +76,8 @@ class RestoreReport:
             ),
             f"  matched by name: {len(self.by_name)}, by registration order: {len(self.by_order)}",
         ]
+        for field, theirs, ours in self.writer_differs:
+            lines.append(f"  written with {field} {theirs}, read with {ours}")
         if self.built_optimizer:
             lines.append("  the optimizer was not built; the restore built it")
         if self.left_fresh:
@@ -253,7 +266,7 @@ def _writer_metadata(model) -> dict:
         "keras_version": keras.__version__,
         "format_version": storage.FORMAT_VERSION,
         "dtype_policy": keras.config.dtype_policy().name,
-        "model_class": type(model).__name__,
+        "model_class": None if model is None else type(model).__name__,
     }
 
 

@@ -350,3 +350,41 @@ def test_bfloat16_variables_and_slots_round_trip_exactly(tmp_path, data):
     _assert_same_state(m, dst)
     bits = to_np(dst.layers[0].kernel).view("uint16")
     np.testing.assert_array_equal(bits, to_np(m.layers[0].kernel).view("uint16"))
+
+
+def test_counter_that_does_not_fit_the_readers_dtype_raises_naming_key(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+
+    def big(record):  # as if written by TensorFlow (int64 counter) after 2**31 steps
+        record.optimizer["optimizer#iteration"] = np.array(2**31, dtype="int64")
+
+    _rewrite(tmp_path / "s.h5", tmp_path / "big.h5", big)
+    dst = _model()
+    if str(src.optimizer.iterations.dtype) == "int64":
+        report = kss.restore_training_state(tmp_path / "big.h5", dst)
+        assert int(dst.optimizer.iterations) == 2**31 and not report.casts
+    else:
+        with pytest.raises(
+            kss.DtypeMismatchError, match=r"optimizer#iteration .*2147483648.*does not fit .*int32"
+        ):
+            kss.restore_training_state(tmp_path / "big.h5", dst)
+
+
+def test_report_names_writer_and_differences(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+
+    def other_writer(record):
+        record.metadata["backend"] = "elsewhere"
+        record.metadata["keras_version"] = "3.0.0"
+
+    _rewrite(tmp_path / "s.h5", tmp_path / "o.h5", other_writer)
+    report = kss.restore_training_state(tmp_path / "o.h5", _model())
+    assert report.writer["backend"] == "elsewhere"
+    assert report.writer_differs == [
+        ("backend", "elsewhere", BACKEND),
+        ("keras_version", "3.0.0", keras.__version__),
+    ]
+    assert f"written with backend elsewhere, read with {BACKEND}" in str(report)
+    assert kss.restore_training_state(tmp_path / "s.h5", _model()).writer_differs == []
