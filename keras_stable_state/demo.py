@@ -17,12 +17,13 @@ C. stock Keras: the same interruption with ``model.save_weights`` /
    ``model.load_weights`` and a plain ``keras.optimizers.Adam`` (built before
    ``load_weights``, so Keras does restore the optimizer, by position).
 
-The refactored class creates ``branch_b`` before ``branch_a``: two ``Dense(32)``
-layers of the same shape whose outputs are summed, so the model computes the
-same function but lists its trainable variables in another order. Keras
-restores the *weights* of both runs correctly (it addresses layers by attribute
-name) but restores Adam's moments by position, so in run C the moments of
-``branch_a`` land on ``branch_b`` and vice versa, silently: no error, no warning.
+The refactored class creates ``branch_b`` before ``branch_a``: two parallel
+``Dense(32)`` layers of the same shape (a gated unit, ``relu(branch_a(h)) *
+sigmoid(branch_b(h))``), so the model computes the same function but lists its
+trainable variables in another order. Keras restores the *weights* of both runs
+correctly (it addresses layers by attribute name) but restores Adam's moments by
+position, so in run C the moments of ``branch_a`` land on ``branch_b`` and vice
+versa, silently: no error, no warning.
 keras_stable_state keys every slot by the stable path of its variable
 (``path:branch_a/kernel#momentums``), so run B continues exactly where run A
 was at mid-training: its final weights equal run A's (bit-identical on JAX and
@@ -72,6 +73,13 @@ def _parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
     parser.add_argument("--seed", type=int, default=1337, help="random seed (default 1337)")
     parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads for torch and tensorflow (default 1: the model is tiny, and on a busy "
+        "2-core machine more threads make steps several times slower; 0 keeps the backend's default)",
+    )
     # Hidden: the resume half, run in a fresh process by the parent.
     parser.add_argument("--_resume", choices=("kss", "stock"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--_workdir", default=None, help=argparse.SUPPRESS)
@@ -123,11 +131,15 @@ from keras_stable_state.optimizer import optimizer_entries  # noqa: E402
 
 
 class _DigitNetBase(keras.Model):
-    """conv -> conv -> flatten -> dense(64) -> relu(branch_a + branch_b) -> dense(10)."""
+    """conv -> conv -> flatten -> dense(64) -> gated unit relu(branch_a) * sigmoid(branch_b) -> dense(10).
+
+    ``branch_a`` and ``branch_b`` are parallel ``Dense(32)`` layers on the same input:
+    same shapes, different gradients (so different Adam moments).
+    """
 
     def call(self, x):
         h = self.dense(self.flatten(self.conv2(self.conv1(x))))
-        return self.head(keras.ops.relu(self.branch_a(h) + self.branch_b(h)))
+        return self.head(keras.ops.relu(self.branch_a(h)) * keras.ops.sigmoid(self.branch_b(h)))
 
 
 @keras.saving.register_keras_serializable(package="kss_demo")
@@ -169,6 +181,25 @@ class DigitNetRefactored(_DigitNetBase):
 # --------------------------------------------------------------------------------------------------
 
 
+def set_threads(n):
+    """Intra-op thread count for torch / tensorflow (0: leave the backend's default)."""
+    if n <= 0:
+        return
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        torch.set_num_threads(n)
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(n)
+            tf.config.threading.set_inter_op_parallelism_threads(n)
+        except RuntimeError:  # the TF runtime is already initialised: keep its pools
+            pass
+
+
 def load_data(seed):
     """Digits 8x8 scaled to [0, 1], shape (N, 8, 8, 1); fixed stratified 80/20 split."""
     from sklearn.datasets import load_digits
@@ -181,8 +212,15 @@ def load_data(seed):
     return (x_train, y_train), (x_test, y_test)
 
 
-def make_model(cls, args, x_sample, stable=True):
-    keras.utils.set_random_seed(args.seed)
+def make_model(cls, args, x_sample, stable=True, seed=True):
+    """Build and compile ``cls``; Adam, wrapped in ``StableOptimizer`` when ``stable``.
+
+    ``seed=False`` leaves the initial weights random: a resumed process must get
+    everything from the checkpoint. (``keras.utils.set_random_seed`` also imports
+    TensorFlow, which costs seconds under the other backends.)
+    """
+    if seed:
+        keras.utils.set_random_seed(args.seed)
     model = cls()
     model(x_sample[:1])
     adam = keras.optimizers.Adam(learning_rate=args.lr)
@@ -195,15 +233,21 @@ def make_model(cls, args, x_sample, stable=True):
 
 
 def train(model, data, args, start, stop):
-    """Epochs ``start..stop-1``; epoch ``e`` sees the data in a fixed order drawn from (seed, e)."""
+    """Epochs ``start..stop-1``; epoch ``e`` sees the data in a fixed order drawn from (seed, e).
+
+    The order depends only on the seed and the epoch, so a resumed process replays the
+    same batches. Each epoch drops the last partial batch (a different one each epoch),
+    which keeps one batch shape and so one compiled step.
+    """
     x, y = data
+    n = len(x) // args.batch_size * args.batch_size
     for epoch in range(start, stop):
-        order = np.random.default_rng([args.seed, epoch]).permutation(len(x))
+        order = np.random.default_rng([args.seed, epoch]).permutation(len(x))[:n]
         model.fit(x[order], y[order], batch_size=args.batch_size, epochs=1, shuffle=False, verbose=0)
 
 
 def evaluate(model, data):
-    out = model.evaluate(*data, batch_size=256, verbose=0, return_dict=True)
+    out = model.evaluate(*data, batch_size=len(data[0]), verbose=0, return_dict=True)
     return float(out["loss"]), float(out["accuracy"])
 
 
@@ -216,11 +260,17 @@ def weights_by_key(model):
 def slots_by_key(model):
     """``{entry key: array}`` for every optimizer variable, keyed by the model (any optimizer)."""
     registry = VariableRegistry.from_model(model, model.trainable_variables)
-    return {e.key: keras.ops.convert_to_numpy(e.variable) for e in optimizer_entries(model.optimizer, registry)}
+    return {
+        e.key: keras.ops.convert_to_numpy(e.variable) for e in optimizer_entries(model.optimizer, registry)
+    }
 
 
 def save_arrays(path, arrays):
-    np.savez(path, __keys__=np.array(json.dumps(list(arrays))), **{f"a{i}": v for i, v in enumerate(arrays.values())})
+    np.savez(
+        path,
+        __keys__=np.array(json.dumps(list(arrays))),
+        **{f"a{i}": v for i, v in enumerate(arrays.values())},
+    )
 
 
 def load_arrays(path):
@@ -251,22 +301,24 @@ def resume(args):
     """Build the refactored model, restore the half-way state, finish training, write results."""
     import warnings
 
+    t_start = time.perf_counter()
     work = args._workdir
     train_data, test_data = load_data(args.seed)
     half = args.epochs // 2
     tag = "[keras_stable_state]" if args._resume == "kss" else "[stock Keras]"
-    model = make_model(DigitNetRefactored, args, train_data[0], stable=args._resume == "kss")
+    # Not seeded: every variable the resumed run needs comes from the checkpoint.
+    model = make_model(DigitNetRefactored, args, train_data[0], stable=args._resume == "kss", seed=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if args._resume == "kss":
             report = kss.restore_training_state(os.path.join(work, "half.keras"), model)
             print(f"  {tag} fresh process, DigitNetRefactored, restore_training_state:", flush=True)
             print("    " + str(report).replace("\n", "\n    "), flush=True)
-            matched = f"by name: {len(report.by_name)}, by order: {len(report.by_order)}"
+            matched = f"{len(report.by_name)} by key, {len(report.by_order)} by order"
         else:
             model.optimizer.build(model.trainable_variables)
             model.load_weights(os.path.join(work, "half.weights.h5"))
-            matched = "by position"
+            matched = "slots by position"
     print(
         f"  {tag} warnings during restore: {len(caught)}"
         + "".join(f"\n    {w.category.__name__}: {w.message}" for w in caught),
@@ -282,9 +334,15 @@ def resume(args):
         + (f" in {len(bad_slots)} slots ({_short(bad_slots)})" if bad_slots else ""),
         flush=True,
     )
+    t_train = time.perf_counter()
     train(model, train_data, args, half, args.epochs)
     loss, acc = evaluate(model, test_data)
     save_arrays(os.path.join(work, f"{args._resume}_final.npz"), weights_by_key(model))
+    print(
+        f"  {tag} trained epochs {half + 1}-{args.epochs} ({time.perf_counter() - t_train:.1f} s; "
+        f"process {time.process_time():.1f} s CPU, {time.perf_counter() - t_start:.1f} s after imports)",
+        flush=True,
+    )
     with open(os.path.join(work, f"{args._resume}_result.json"), "w") as fh:
         json.dump(
             {
@@ -321,6 +379,8 @@ def _run_child(args, kind, work):
         str(args.seed),
         "--lr",
         repr(args.lr),
+        "--threads",
+        str(args.threads),
         "--_resume",
         kind,
         "--_workdir",
@@ -329,7 +389,9 @@ def _run_child(args, kind, work):
     env = dict(os.environ, KERAS_BACKEND=args.backend)
     env.pop(_REEXEC_FLAG, None)
     sys.stdout.flush()
-    subprocess.run(cmd, env=env, check=True)
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode:
+        raise SystemExit(f"The resumed process ({kind}) failed with exit code {proc.returncode}; see above.")
     with open(os.path.join(work, f"{kind}_result.json")) as fh:
         result = json.load(fh)
     result["final"] = load_arrays(os.path.join(work, f"{kind}_final.npz"))
@@ -343,20 +405,26 @@ def main(args):
     print(
         f"keras_stable_state demo: backend={keras.backend.backend()}, Keras {keras.__version__}, "
         f"digits 8x8: {len(train_data[0])} train / {len(test_data[0])} test, {args.epochs} epochs, "
-        f"batch {args.batch_size}, Adam(lr={args.lr}), seed {args.seed}",
+        f"batch {args.batch_size}, Adam(lr={args.lr}), seed {args.seed}, threads {args.threads or 'default'}",
         flush=True,
     )
 
     # A. uninterrupted
     model_a = make_model(DigitNet, args, train_data[0], stable=True)
-    print(f"A. uninterrupted: DigitNet, {model_a.count_params():,} parameters, {args.epochs} epochs", flush=True)
+    print(
+        f"A. uninterrupted: DigitNet, {model_a.count_params():,} parameters, {args.epochs} epochs", flush=True
+    )
     train(model_a, train_data, args, 0, args.epochs)
     loss_a, acc_a = evaluate(model_a, test_data)
     final_a = weights_by_key(model_a)
+    print(f"   done ({time.perf_counter() - t_start:.1f} s)", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="kss-demo-") as work:
         # B. keras_stable_state: train half, save, resume in a fresh process.
-        print(f"B. keras_stable_state: {half} epochs, save_training_state, resume in a fresh process", flush=True)
+        print(
+            f"B. keras_stable_state: {half} epochs, save_training_state, resume in a fresh process",
+            flush=True,
+        )
         model_b = make_model(DigitNet, args, train_data[0], stable=True)
         train(model_b, train_data, args, 0, half)
         kss.save_training_state(os.path.join(work, "half.keras"), model_b)
@@ -364,9 +432,12 @@ def main(args):
         save_arrays(os.path.join(work, "kss_slots_saved.npz"), slots_by_key(model_b))
         del model_b
         res_b = _run_child(args, "kss", work)
+        print(f"   done ({time.perf_counter() - t_start:.1f} s)", flush=True)
 
         # C. stock Keras: train half, save_weights, load_weights in a fresh process.
-        print(f"C. stock Keras: {half} epochs, model.save_weights, load_weights in a fresh process", flush=True)
+        print(
+            f"C. stock Keras: {half} epochs, model.save_weights, load_weights in a fresh process", flush=True
+        )
         model_c = make_model(DigitNet, args, train_data[0], stable=False)
         train(model_c, train_data, args, 0, half)
         model_c.save_weights(os.path.join(work, "half.weights.h5"))
@@ -374,6 +445,7 @@ def main(args):
         save_arrays(os.path.join(work, "stock_slots_saved.npz"), slots_by_key(model_c))
         del model_c
         res_c = _run_child(args, "stock", work)
+        print(f"   done ({time.perf_counter() - t_start:.1f} s)", flush=True)
 
     diff_b, _ = max_abs_diff(res_b["final"], final_a)
     diff_c, _ = max_abs_diff(res_c["final"], final_a)
@@ -386,16 +458,21 @@ def main(args):
         ("max |w - w(A)| after training", "-", f"{diff_b:.3g}", f"{diff_c:.3g}"),
         ("max slot error after restore", "-", f"{res_b['slot_err']:.3g}", f"{res_c['slot_err']:.3g}"),
         ("slots restored wrongly", "-", str(len(res_b["bad_slots"])), str(len(res_c["bad_slots"]))),
-        ("slots matched", "-", res_b["matched"], res_c["matched"]),
+        ("arrays matched", "-", res_b["matched"], res_c["matched"]),
         ("warnings during restore", "-", str(res_b["warnings"]), str(res_c["warnings"])),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
+
+    def line(row):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        return "  " + "  ".join(cells)
+
     print()
     print(f"Results ({keras.backend.backend()}, resumed runs use DigitNetRefactored in a fresh process)")
     for i, row in enumerate(rows):
-        print("  " + "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        print(line(row))
         if i == 1:
-            print("  " + "  ".join("-" * w for w in widths))
+            print(line(tuple("-" * w for w in widths)))
     if res_c["bad_slots"]:
         print(f"  stock Keras swapped slots: {_short(res_c['bad_slots'], 8)}")
 
@@ -423,6 +500,7 @@ def cli(argv=None):
             f"Keras is running on {keras.backend.backend()!r}, not {args.backend!r}: run this as "
             f"`python -m keras_stable_state.demo --backend {args.backend}` or set KERAS_BACKEND."
         )
+    set_threads(args.threads)
     if args._resume:
         return resume(args)
     return main(args)
