@@ -78,6 +78,14 @@ class RestoreReport:
         ]
         for field, theirs, ours in self.writer_differs:
             lines.append(f"  written with {field} {theirs}, read with {ours}")
+        if any(field == "backend" for field, _, _ in self.writer_differs):
+            lines.append(
+                "  note: the state above is restored exactly; continued training matches the writer's "
+                "within float rounding for Dense, Conv and normalization layers, but backends update "
+                "Embedding rows (and biases feeding straight into a normalization) differently, so "
+                "those drift apart by about 1e-2 over tens of steps. That is the backends' arithmetic, "
+                "not lost state (see docs: cross-backend transfer)."
+            )
         if self.built_optimizer:
             lines.append("  the optimizer was not built; the restore built it")
         if self.left_fresh:

@@ -293,3 +293,55 @@ def test_stable_checkpoint_validates_options(tmp_path):
         kss.StableCheckpoint(tmp_path, save_freq=0)
     with pytest.raises(ValueError, match="keep"):
         kss.StableCheckpoint(tmp_path, keep=0)
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return len(self.x) // self.batch_size
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return self.x[s], self.y[s]
+
+
+class _StopAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("preempted")
+
+
+@pytest.mark.parametrize("kind", ["numpy", "pydataset"])
+def test_mid_epoch_resume_with_shuffled_inputs(tmp_path, kind):
+    def fit(directory, extra=()):
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+        )
+        m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+        inputs = dict(x=X, y=Y, batch_size=8) if kind == "numpy" else dict(x=_Batches(X, Y, 8))
+        try:
+            m.fit(
+                **inputs, epochs=3, shuffle=True, verbose=0,
+                callbacks=[kss.StableCheckpoint(directory, save_freq=4), *extra],
+            )  # fmt: skip
+        except RuntimeError:
+            pass
+        return m
+
+    ref = fit(tmp_path / "ref")
+    fit(tmp_path / "run", extra=[_StopAt(epoch=1, batch=5)])  # last save: global step 8 = epoch 1, batch 2
+    res = fit(tmp_path / "run")
+    assert int(ref.optimizer.iterations) == int(res.optimizer.iterations) == 18
+    for a, b in zip(ref.get_weights(), res.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
