@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import weakref
 
@@ -118,6 +119,23 @@ def _slot_lists(optimizer):
         yield attr.lstrip("_"), refs, value
 
 
+def _global_name(optimizer, var, index) -> str:
+    """A stable name for an optimizer's own variable.
+
+    Its variable name when the optimizer chose one (``iteration``,
+    ``learning_rate``, ``step_counter``); for an unnamed variable, whose name
+    Keras numbers with a process-global counter (``variable_3``, e.g. Nadam's
+    ``_u_product``), the attribute holding it, else its registration index.
+    """
+    name = str(var.name).rsplit("/", 1)[-1]
+    if not re.fullmatch(r"variable(_[0-9]+)?", name):
+        return name
+    for attr, value in sorted(vars(optimizer).items()):
+        if value is var:
+            return attr.lstrip("_")
+    return f"variable@{index}"
+
+
 def optimizer_entries(optimizer, registry: VariableRegistry | None = None) -> list:
     """Key every variable of a built optimizer.
 
@@ -149,9 +167,9 @@ def optimizer_entries(optimizer, registry: VariableRegistry | None = None) -> li
                 if var is not None and id(var) not in by_id:
                     by_id[id(var)] = OptimizerEntry(f"{registry.key_of(ref)}#{prefix}{slot}", var, ref)
         used = {}
-        for var in opt._variables:
+        for index, var in enumerate(opt._variables):
             if id(var) not in by_id:
-                name = str(var.name).rsplit("/", 1)[-1]
+                name = _global_name(opt, var, index)
                 n = used[name] = used.get(name, -1) + 1
                 by_id[id(var)] = OptimizerEntry(f"{GLOBAL}#{prefix}{name}{'' if n == 0 else f'_{n}'}", var)
     entries = []
