@@ -36,6 +36,12 @@ class RestoreReport:
         source: ``"keras_stable_state"`` or the kind of stock Keras file.
         writer: Metadata of the writer (backend, Keras version, format version);
             empty for stock files.
+
+    Example:
+        >>> report = kss.restore_training_state("run.keras", model)
+        >>> report.by_order           # [] when every array was matched by name
+        >>> report.casts              # [("optimizer#iteration", "int64", "int32")] from TensorFlow to JAX
+        >>> print(report)
     """
 
     matched: dict = dataclasses.field(default_factory=dict)

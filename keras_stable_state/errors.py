@@ -27,6 +27,12 @@ class StateError(Exception):
         key: The variable or slot key the error is about, or ``None``.
         expected: What the library expected (shape, dtype, count...), or ``None``.
         received: What it found instead, or ``None``.
+
+    Example:
+        >>> try:
+        ...     kss.restore_training_state("run.h5", model)
+        ... except kss.StateError as err:
+        ...     print(err.key, err.expected, err.received)
     """
 
     def __init__(self, message, *, key=None, expected=None, received=None):
@@ -37,7 +43,11 @@ class StateError(Exception):
 
 
 class KeyFormatError(StateError, ValueError):
-    """A key read from a file is malformed (not ``path:<path>`` or ``order:<int>``)."""
+    """A key read from a file is malformed (not ``path:<path>`` or ``order:<int>``).
+
+    Example:
+        >>> kss.VariableKey.parse("layers/dense/kernel")   # raises KeyFormatError
+    """
 
 
 class BindingError(StateError, ValueError):
@@ -46,6 +56,10 @@ class BindingError(StateError, ValueError):
     Raised when a key matches nothing, when an order bind would land on a
     variable of another shape or dtype, when an order bind would claim a
     variable that a named key owns, or when counts differ in a positional file.
+
+    Example:
+        >>> kss.restore_training_state("stock.weights.h5", model_with_other_optimizer)
+        BindingError: The file holds 10 optimizer variables in positional order, but SGD has 6; ...
     """
 
 
@@ -57,6 +71,13 @@ class ContractError(StateError, ValueError):
         unexpected: Keys the model trains that the contract does not list.
         reshaped: ``(key, saved_shape, current_shape)`` triples.
         retyped: ``(key, saved_dtype, current_dtype)`` triples.
+
+    Example:
+        >>> model.get_layer("hidden").trainable = False
+        >>> kss.restore_training_state("run.h5", model)
+        ContractError: ... missing (saved as trainable, not trained now: frozen or removed): [...]
+        >>> err.missing
+        ['path:layers/hidden/kernel', 'path:layers/hidden/bias']
     """
 
     def __init__(self, message, *, missing=(), unexpected=(), reshaped=(), retyped=()):
@@ -69,12 +90,28 @@ class ContractError(StateError, ValueError):
 
 class DtypeMismatchError(StateError, TypeError):
     """A saved array's dtype differs from its variable's and no cast was allowed,
-    or an integer value does not fit the target integer dtype."""
+    or an integer value does not fit the target integer dtype.
+
+    Example:
+        >>> kss.restore_training_state("half.h5", model)          # float16 array, float32 variable
+        DtypeMismatchError: Saved array for path:layers/hidden/kernel is float16, but its variable is float32 ...
+        >>> kss.restore_training_state("half.h5", model, allow_cast=True).casts
+        [('path:layers/hidden/kernel', 'float16', 'float32')]
+    """
 
 
 class CheckpointFormatError(StateError, ValueError):
-    """The file is not a training-state file this version can read."""
+    """The file is not a training-state file this version can read.
+
+    Example:
+        >>> kss.save_training_state("run.ckpt", model)   # raises: use a '.keras' or '.h5' extension
+    """
 
 
 class CorruptCheckpointError(StateError, OSError):
-    """An array in the file fails its checksum or cannot be read (truncation)."""
+    """An array in the file fails its checksum or cannot be read (truncation).
+
+    Example:
+        >>> kss.restore_training_state("damaged.h5", model)
+        CorruptCheckpointError: damaged.h5: array for key 'path:layers/hidden/kernel' fails its CRC-32 checksum ...
+    """

@@ -43,6 +43,13 @@ class VariableKey:
     Attributes:
         kind: ``"path"`` (named, from a stable path) or ``"order"`` (registration index).
         value: The stable path, or the decimal registration index.
+
+    Example:
+        >>> key = VariableKey.parse("path:layers/dense/kernel")
+        >>> key.named, str(key)
+        (True, 'path:layers/dense/kernel')
+        >>> VariableKey.parse("order:3").index
+        3
     """
 
     kind: str
@@ -203,6 +210,13 @@ class VariableRegistry:
 
     Raises:
         BindingError: if two entries share a key (the duplicates are listed).
+
+    Example:
+        >>> registry = VariableRegistry.from_model(model)
+        >>> str(registry.keys()[0])
+        'path:layers/dense/kernel'
+        >>> registry.variable_of(VariableKey.parse("path:layers/dense/kernel")) is model.layers[0].kernel
+        True
     """
 
     def __init__(self, entries):

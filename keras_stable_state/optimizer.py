@@ -239,6 +239,16 @@ class StableOptimizer(keras.optimizers.Optimizer):
     Raises:
         ValueError: if base-optimizer options (``clipnorm``, ``use_ema``...)
             are passed here; set them on the inner optimizer.
+        StateError: from ``load_own_variables`` (``BindingError``,
+            ``DtypeMismatchError``) when a loaded file does not match; never a
+            warn-and-skip.
+
+    Example:
+        >>> opt = StableOptimizer(keras.optimizers.Adam(1e-3))
+        >>> model.compile(optimizer=opt, loss="mse"); model.fit(x, y)
+        >>> opt.entries()[2].key
+        'path:layers/dense/kernel#momentums'
+        >>> model.save("m.keras"); keras.saving.load_model("m.keras")   # slots load by key
     """
 
     def __init__(self, inner_optimizer, name=None, **kwargs):
