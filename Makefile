@@ -8,12 +8,12 @@ BACKENDS := tensorflow jax torch
 BACKEND ?= jax
 export TF_CPP_MIN_LOG_LEVEL := 3
 
-.PHONY: setup demo test test-% lint bench clean
+.PHONY: setup demo test test-% lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e ".[all,dev,demo]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[all,dev,demo,docs]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -25,10 +25,13 @@ lint: setup
 	$(BIN)/ruff check keras_stable_state tests benchmarks
 	$(BIN)/ruff format --check keras_stable_state tests benchmarks
 
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d build/site
+
 test-%: setup
 	KERAS_BACKEND=$* $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
-test: setup lint
+test: setup lint docs
 	@for b in $(BACKENDS); do \
 		echo "=== backend: $$b ==="; \
 		KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider tests || exit 1; \

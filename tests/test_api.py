@@ -72,3 +72,14 @@ def test_learning_rate_and_iterations_are_the_inner_optimizers():
     opt.learning_rate = 0.25
     assert float(keras.ops.convert_to_numpy(opt.inner_optimizer.learning_rate)) == 0.25
     assert opt.iterations is opt.inner_optimizer.iterations
+
+
+def test_every_public_name_has_a_reference_entry():
+    import pathlib
+
+    reference = (pathlib.Path(__file__).parent.parent / "docs" / "reference.md").read_text()
+    missing = [name for name in PUBLIC if f"::: keras_stable_state.{name}\n" not in reference]
+    assert missing == []
+    for name in PUBLIC:
+        doc = getattr(kss, name).__doc__ or ""
+        assert "Example" in doc, f"{name} has no example in its docstring"
