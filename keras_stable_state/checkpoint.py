@@ -538,7 +538,7 @@ def restore_training_state(
             optimizer,
             model,
             saved_opt,
-            keyed=isinstance(record, storage.StateRecord),
+            keyed=isinstance(saved_opt, dict),
             strict=strict,
             allow_cast=allow_cast,
             report=report,

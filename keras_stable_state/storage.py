@@ -248,7 +248,8 @@ class StockWeights:
 
     Attributes:
         arrays: ``{"layers/dense/vars/0": array, ...}`` for model variables.
-        optimizer: Optimizer arrays in their positional order (``"0"``, ``"1"``...).
+        optimizer: Optimizer arrays in their positional order (``"0"``, ``"1"``...),
+            or ``{key: array}`` when a ``StableOptimizer`` wrote them.
         source: What the file is (``".keras archive"`` / ``".weights.h5"``).
     """
 
@@ -274,7 +275,20 @@ def _read_stock(f: h5py.File, source: str) -> StockWeights:
 
     f.visititems(visit)
     opt = {k[len("optimizer/vars/") :]: v for k, v in arrays.items() if k.startswith("optimizer/vars/")}
-    optimizer = [opt[str(i)] for i in range(len(opt))] if all(str(i) in opt for i in range(len(opt))) else []
+    keys = opt.pop("keys", None)
+    missing = [str(i) for i in range(len(opt)) if str(i) not in opt]
+    if missing:
+        raise CorruptCheckpointError(
+            f"{source}: optimizer variables {missing} are missing from 'optimizer/vars' ({len(opt)} datasets). "
+            "The file is damaged.",
+            key=f"optimizer/vars/{missing[0]}",
+        )
+    optimizer = [opt[str(i)] for i in range(len(opt))]
+    if keys is not None:
+        # written by a StableOptimizer inside Keras' own weights file: keyed, not positional
+        names = json.loads(np.asarray(keys, dtype=np.uint8).tobytes().decode())
+        optimizer = dict(zip(names, optimizer, strict=True))
+        source += " (optimizer saved by key by StableOptimizer)"
     model = {k: v for k, v in arrays.items() if not k.startswith("optimizer/")}
     return StockWeights(arrays=model, optimizer=optimizer, source=source)
 

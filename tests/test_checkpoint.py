@@ -388,3 +388,16 @@ def test_report_names_writer_and_differences(tmp_path, data):
     ]
     assert f"written with backend elsewhere, read with {BACKEND}" in str(report)
     assert kss.restore_training_state(tmp_path / "s.h5", _model()).writer_differs == []
+
+
+def test_plain_model_save_with_stable_optimizer_restores_slots_by_key(tmp_path, data):
+    """A .keras file from model.save() (no training-state member): the model weights are read
+    by structure and the StableOptimizer's slots by key, not dropped."""
+    src = _trained(data)
+    src.save(tmp_path / "plain.keras")
+    dst = _model()
+    report = kss.restore_training_state(tmp_path / "plain.keras", dst)
+    assert "by key" in report.source
+    opt_keys = [k for k in report.matched if "#" in k]
+    assert opt_keys and all(report.matched[k] == "name" for k in opt_keys)
+    _assert_same_state(src, dst)
