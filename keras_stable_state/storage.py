@@ -145,6 +145,12 @@ def _read_group(group, where: str) -> dict:
                 received=_crc(stored),
             )
         dt = str(ds.attrs.get("dtype", stored.dtype.name))
+        if str(key) in out:
+            raise CorruptCheckpointError(
+                f"{where}: key {key!r} appears twice. The file was not written by keras_stable_state "
+                "or is damaged.",
+                key=key,
+            )
         out[str(key)] = stored.view(_EXOTIC[dt]) if dt in _EXOTIC else stored
     return out
 
