@@ -18,27 +18,24 @@ Exit codes:
 * ``2``: usage error, missing file, or (``inspect``, ``diff``) a file that
   cannot be read.
 
-Nothing here imports Keras; the on-disk layout is :mod:`keras_stable_state.storage`'s.
+Nothing here imports Keras or reads the format itself: files are opened with
+:func:`keras_stable_state.storage.open_file` (``CheckpointFile`` and ``Entry``
+are re-exported from there); this module only presents what it reads.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import io
 import json
 import os
-import struct
 import sys
-import zipfile
-import zlib
 
-import h5py
 import numpy as np
 
 from keras_stable_state import storage
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+from keras_stable_state.storage import CheckpointFile, Entry
 
 __all__ = [
     "CheckpointFile",
@@ -57,7 +54,6 @@ EXIT_ERROR = 2
 PROG = "keras-stable-state"
 GLOBAL_OWNER = "optimizer"  # optimizer entry keys "optimizer#<name>" (see optimizer.py)
 PROGRESS_MIN_BYTES = 32 * 2**20  # show a progress bar from this many array bytes on
-_SECTIONS = ("model", "optimizer", "state")
 _SECTION_TITLES = {"model": "Model variables", "optimizer": "Optimizer variables", "state": "Other arrays"}
 _RESTORE_HINT = "restore from an earlier checkpoint"
 
@@ -74,363 +70,30 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
-# -- reading ------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Entry:
-    """One array in a file, described without reading its data.
-
-    Attributes:
-        section: ``"model"``, ``"optimizer"`` or ``"state"`` (other state's arrays).
-        key: Its key (``"path:layers/dense/kernel"``, ``"path:layers/dense/kernel#momentums"``,
-            ``"optimizer#iteration"``) or, in a stock Keras file, its HDF5 path
-            (``"layers/dense/vars/0"``).
-        dataset: The HDF5 path of the dataset holding it.
-        shape: Its shape, a tuple of ints.
-        dtype: Its dtype name (``"bfloat16"`` for arrays stored as their bits).
-        nbytes: Size of its data in bytes.
-        crc32: Its stored CRC-32, ``None`` in stock Keras files (they carry none).
-    """
-
-    section: str
-    key: str
-    dataset: str
-    shape: tuple
-    dtype: str
-    nbytes: int
-    crc32: int | None = None
+# -- opening ------------------------------------------------------------------------------
+def _open(path) -> CheckpointFile:
+    """:func:`storage.open_file`, refusing a missing path or a folder as a usage error (exit code 2)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CliError(f"{path}: no such file. Check the path.")
+    if os.path.isdir(path):
+        raise CliError(
+            f"{path} is a folder. Pass one .keras or .h5 file (StableCheckpoint keeps "
+            "ckpt-<step>.h5 files in its folder)."
+        )
+    return storage.open_file(path)
 
 
-def _natural(path: str):
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("/"))
-
-
-def _raw_member(path: str, info: zipfile.ZipInfo) -> bytes:
-    """A zip member's bytes without the zip CRC check (to find which array is damaged)."""
-    with open(path, "rb") as fh:
-        fh.seek(info.header_offset)
-        header = fh.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise zipfile.BadZipFile(f"bad local header for member {info.filename!r}")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        fh.seek(info.header_offset + 30 + name_len + extra_len)
-        data = fh.read(info.compress_size)
-    if info.compress_type == zipfile.ZIP_STORED:
-        return data
-    if info.compress_type == zipfile.ZIP_DEFLATED:
-        return zlib.decompressobj(-15).decompress(data)
-    raise zipfile.BadZipFile(f"member {info.filename!r} uses compression {info.compress_type}")
-
-
-class CheckpointFile:
-    """A training-state file or stock Keras weights file, opened for reading.
-
-    Lists every array (:attr:`entries`) from the HDF5 metadata alone;
-    :meth:`read` reads one array and checks its CRC-32. Use as a context
-    manager, or call :meth:`close`.
-
-    Args:
-        path: A ``.keras`` archive or an HDF5 file (``.h5``, ``.weights.h5``).
-
-    Attributes:
-        path: The path given.
-        kind: ``"keras_stable_state"`` or ``"stock"``.
-        container: ``".keras archive"``, ``".h5 file"`` or ``".weights.h5 file"``.
-        metadata: Writer metadata (backend, Keras version, dtype policy, ...);
-            for stock archives Keras' ``metadata.json``; else ``{}``.
-        contract: ``[key, shape, dtype]`` lists, or ``None``.
-        extra: Other state as JSON (schedule, callbacks, providers, RNG), or ``{}``.
-        entries: Every array, as :class:`Entry`, in file order.
-        optimizer_keys: For stock archives saved with ``StableOptimizer``:
-            ``{dataset path: entry key}``; else ``{}``.
-        members: ``(name, size in bytes)`` of every archive member; ``[]`` for HDF5 files.
-        model_class: The model's class name from an archive's ``config.json``, or ``None``.
-        damaged_members: ``(member, reason)`` for archive members whose zip CRC fails.
-        problems: ``(key or place, reason)`` found while listing (duplicate keys...).
-
-    Raises:
-        CliError: if there is no such file (exit code 2).
-        CorruptCheckpointError: if the file is truncated or not a ``.keras``/HDF5 file.
-        CheckpointFormatError: for a format version this version does not read.
-    """
-
-    def __init__(self, path):
-        self.path = os.fspath(path)
-        self.kind = "stock"
-        self.container = ".h5 file"
-        self.metadata = {}
-        self.contract = None
-        self.extra = {}
-        self.entries = []
-        self.optimizer_keys = {}
-        self.members = []
-        self.model_class = None
-        self.damaged_members = []
-        self.problems = []
-        self._zip = None
-        self._h5 = None
-        self._member = None
-        self._keras_metadata = {}
-        if not os.path.exists(self.path):
-            raise CliError(f"{self.path}: no such file. Check the path.")
-        if os.path.isdir(self.path):
-            raise CliError(
-                f"{self.path} is a folder. Pass one .keras or .h5 file (StableCheckpoint keeps "
-                "ckpt-<step>.h5 files in its folder)."
-            )
-        try:
-            self._open()
-        except (CorruptCheckpointError, CheckpointFormatError, CliError):
-            self.close()
-            raise
-        except (OSError, KeyError, ValueError, RuntimeError, zipfile.BadZipFile) as err:
-            self.close()
-            raise CorruptCheckpointError(
-                f"{self.path}: cannot be read as a .keras archive or HDF5 file ({err}). It is truncated "
-                f"or damaged; {_RESTORE_HINT}."
-            ) from err
-
-    # -- opening --------------------------------------------------------------------------
-    def _open(self):
-        if zipfile.is_zipfile(self.path):
-            self._open_archive()
-        else:
-            if self.path.endswith(".keras"):
-                with open(self.path, "rb") as fh:
-                    head = fh.read(4)
-                if head == b"PK\x03\x04":
-                    raise CorruptCheckpointError(
-                        f"{self.path}: the zip archive has no central directory at its end: the file "
-                        f"is truncated; {_RESTORE_HINT}."
-                    )
-            self._h5 = h5py.File(self.path, "r")
-            if self.path.endswith(".weights.h5"):
-                self.container = ".weights.h5 file"
-        if self._h5.attrs.get("format") == storage.FORMAT:
-            self.kind = storage.FORMAT
-            self._list_record()
-        else:
-            self._list_stock()
-
-    def _open_archive(self):
-        self.container = ".keras archive"
-        self._zip = zipfile.ZipFile(self.path)
-        infos = {info.filename: info for info in self._zip.infolist()}
-        self.members = [(name, info.file_size) for name, info in infos.items()]
-        if storage.MEMBER in infos:
-            self._member = storage.MEMBER
-        elif storage.KERAS_WEIGHTS_MEMBER in infos:
-            self._member = storage.KERAS_WEIGHTS_MEMBER
-        else:
-            raise CheckpointFormatError(
-                f"{self.path}: this zip archive holds neither a training state ({storage.MEMBER}) nor "
-                f"Keras weights ({storage.KERAS_WEIGHTS_MEMBER}). Pass a file written by "
-                "save_training_state or keras' model.save."
-            )
-        try:
-            data = self._zip.read(self._member)
-        except zipfile.BadZipFile as err:
-            # Read it anyway: the per-array checksums then name the damaged arrays.
-            self.damaged_members.append((self._member, str(err)))
-            data = _raw_member(self.path, infos[self._member])
-        self._h5 = h5py.File(io.BytesIO(data), "r")
-        for name, target in (("metadata.json", "metadata"), ("config.json", "config")):
-            if name not in infos:
-                continue
-            try:
-                value = json.loads(self._zip.read(name))
-            except (zipfile.BadZipFile, ValueError) as err:
-                self.damaged_members.append((name, str(err)))
-                continue
-            if target == "config" and isinstance(value, dict):
-                self.model_class = value.get("class_name")
-            elif target == "metadata" and isinstance(value, dict):
-                self._keras_metadata = value
-
-    def _list_record(self):
-        f = self._h5
-        version = int(f.attrs.get("format_version", -1))
-        if version != storage.FORMAT_VERSION:
-            raise CheckpointFormatError(
-                f"{self.path}: format version {version} is not one this version reads "
-                f"({storage.FORMAT_VERSION}). Upgrade keras_stable_state.",
-                expected=storage.FORMAT_VERSION,
-                received=version,
-            )
-        try:
-            self.metadata, self.contract, self.extra = (
-                json.loads(f[name][()]) for name in ("metadata", "contract", "extra")
-            )
-        except (KeyError, ValueError, OSError) as err:
-            raise CorruptCheckpointError(
-                f"{self.path}: the metadata is unreadable ({err}). The file is damaged; {_RESTORE_HINT}."
-            ) from err
-        for section in _SECTIONS:
-            if section not in f:
-                if section == "state":
-                    continue
-                raise CorruptCheckpointError(
-                    f"{self.path}: group {section!r} is missing. The file is damaged; {_RESTORE_HINT}.",
-                    key=section,
-                )
-            group = f[section]
-            seen = set()
-            for i in range(len(group)):
-                name = str(i)
-                if name not in group:
-                    raise CorruptCheckpointError(
-                        f"{self.path}: {section}/{name} is missing ({len(group)} arrays expected). The file "
-                        f"is damaged; {_RESTORE_HINT}.",
-                        key=f"{section}/{name}",
-                    )
-                ds = group[name]
-                key = ds.attrs.get("key")
-                if key is None:
-                    self.problems.append((f"{section}/{name}", "has no key attribute"))
-                    key = f"{section}/{name}"
-                key = str(key)
-                if key in seen:
-                    self.problems.append(
-                        (key, f"appears twice in {section!r}; a restore would keep only one")
-                    )
-                seen.add(key)
-                crc = ds.attrs.get("crc32")
-                self.entries.append(
-                    Entry(
-                        section=section,
-                        key=key,
-                        dataset=ds.name,
-                        shape=tuple(int(n) for n in ds.shape),
-                        dtype=str(ds.attrs.get("dtype", ds.dtype.name)),
-                        nbytes=int(ds.size) * ds.dtype.itemsize,
-                        crc32=None if crc is None else int(crc),
-                    )
-                )
-
-    def _list_stock(self):
-        self.metadata = dict(self._keras_metadata)
-        found = []
-
-        def visit(name, obj):
-            if isinstance(obj, h5py.Dataset):
-                found.append(name)
-
-        self._h5.visititems(visit)
-        for name in sorted(found, key=_natural):
-            ds = self._h5[name]
-            if name.startswith("optimizer/") and name.endswith("/keys") and ds.dtype == np.uint8:
-                # StableOptimizer.save_own_variables: the entry keys of datasets "0", "1", ...
-                try:
-                    keys = json.loads(np.asarray(ds[()], dtype=np.uint8).tobytes().decode())
-                except (ValueError, OSError) as err:
-                    self.problems.append((name, f"optimizer keys are unreadable ({err})"))
-                    continue
-                group = name[: -len("keys")]
-                self.optimizer_keys.update({f"{group}{i}": str(k) for i, k in enumerate(keys)})
-                continue
-            dtype = "bfloat16" if ds.attrs.get("dtype") == "bfloat16" else ds.dtype.name
-            self.entries.append(
-                Entry(
-                    section="optimizer" if name.startswith("optimizer/") else "model",
-                    key=name,
-                    dataset=name,
-                    shape=tuple(int(n) for n in ds.shape),
-                    dtype=dtype,
-                    nbytes=int(ds.size) * ds.dtype.itemsize,
-                )
-            )
-
-    # -- reading --------------------------------------------------------------------------
-    def read(self, entry: Entry) -> np.ndarray:
-        """Read one array, checking its CRC-32 (files written by keras_stable_state).
-
-        Returns:
-            The array, with ``bfloat16``/float8 arrays viewed as their ml_dtypes dtype.
-
-        Raises:
-            CorruptCheckpointError: naming ``entry.key`` if the array cannot be read
-                (truncation) or fails its checksum.
-        """
-        ds = self._h5[entry.dataset]
-        try:
-            stored = np.asarray(ds[()])
-        except (OSError, ValueError, RuntimeError) as err:
-            raise CorruptCheckpointError(
-                f"{self.path}: array for key {entry.key!r} cannot be read ({err}). The file is truncated "
-                f"or damaged; {_RESTORE_HINT}.",
-                key=entry.key,
-            ) from err
-        if entry.crc32 is not None:
-            computed = zlib.crc32(stored.tobytes()) & 0xFFFFFFFF
-            if computed != entry.crc32:
-                raise CorruptCheckpointError(
-                    f"{self.path}: array for key {entry.key!r} fails its CRC-32 checksum (expected "
-                    f"{entry.crc32}, computed {computed}). The file is damaged; {_RESTORE_HINT}.",
-                    key=entry.key,
-                    expected=entry.crc32,
-                    received=computed,
-                )
-        if entry.dtype != stored.dtype.name:
-            try:
-                target = storage.numpy_dtype(entry.dtype)
-            except TypeError:
-                return stored
-            if target.itemsize == stored.dtype.itemsize:
-                return stored.view(target)
-            return stored.astype(target)
-        return stored
-
-    def check_members(self, progress=None):
-        """Read every other archive member to the end, so that zip checks its CRC-32.
-
-        Appends failures to :attr:`damaged_members`.
-        """
-        if self._zip is None:
-            return
-        for name, _ in self.members:
-            if name == self._member or any(name == d for d, _ in self.damaged_members):
-                continue
-            try:
-                with self._zip.open(name) as fh:
-                    while chunk := fh.read(1 << 20):
-                        if progress is not None:
-                            progress(len(chunk))
-            except (zipfile.BadZipFile, OSError, zlib.error) as err:
-                self.damaged_members.append((name, str(err)))
-
-    def section(self, name) -> list:
-        """The entries of one section, in file order."""
-        return [e for e in self.entries if e.section == name]
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of array data in the file."""
-        return sum(e.nbytes for e in self.entries)
-
-    def describe(self) -> str:
-        """One line: what the file is and who wrote it."""
-        if self.kind == storage.FORMAT:
-            m = self.metadata
-            return (
-                f"keras_stable_state training state ({self.container}), written by "
-                f"{m.get('backend', '?')} / Keras {m.get('keras_version', '?')}"
-            )
-        version = self.metadata.get("keras_version")
-        return f"stock Keras {self.container}" + (f", Keras {version}" if version else "")
-
-    def close(self):
-        """Close the file."""
-        for handle in (self._h5, self._zip):
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    handle.close()
-        self._h5 = self._zip = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
+def _describe(f: CheckpointFile) -> str:
+    """One line: what the file is and who wrote it."""
+    if f.kind == storage.FORMAT:
+        m = f.metadata
+        return (
+            f"keras_stable_state training state ({f.container}), written by "
+            f"{m.get('backend', '?')} / Keras {m.get('keras_version', '?')}"
+        )
+    version = f.metadata.get("keras_version")
+    return f"stock Keras {f.container}" + (f", Keras {version}" if version else "")
 
 
 # -- output -------------------------------------------------------------------------------
@@ -654,7 +317,7 @@ def _record_json(f: CheckpointFile) -> dict:
         "container": f.container,
         "format_version": int(f.metadata.get("format_version", storage.FORMAT_VERSION)),
         "metadata": f.metadata,
-        "counts": {s: len(f.section(s)) for s in _SECTIONS},
+        "counts": {s: len(f.section(s)) for s in storage.SECTIONS},
         "bytes": f.total_bytes,
         "variables": [
             {
@@ -729,7 +392,7 @@ def _inspect_record(f: CheckpointFile, out: _Printer):
     m = f.metadata
     variables, globals_ = _variables(f)
     state_arrays = f.section("state")
-    out.line(f"{f.path}: {f.describe()}", style="bold")
+    out.line(f"{f.path}: {_describe(f)}", style="bold")
     model_state = m.get("model_state")
     states = {"all": "every model variable", "trainable": "trainable variables only", "none": "none"}
     out.fields(
@@ -832,7 +495,7 @@ def _inspect_record(f: CheckpointFile, out: _Printer):
 
 def _inspect_stock(f: CheckpointFile, out: _Printer):
     model, opt = f.section("model"), f.section("optimizer")
-    out.line(f"{f.path}: {f.describe()} (not written by keras_stable_state)", style="bold")
+    out.line(f"{f.path}: {_describe(f)} (not written by keras_stable_state)", style="bold")
     out.fields(
         [
             ("model class", f.model_class),
@@ -873,7 +536,7 @@ def _print_problems(f: CheckpointFile, out: _Printer):
 
 
 def _cmd_inspect(args) -> int:
-    with CheckpointFile(args.file) as f:
+    with _open(args.file) as f:
         if args.json:
             _print_json(_record_json(f) if f.kind == storage.FORMAT else _stock_json(f))
         elif f.kind == storage.FORMAT:
@@ -913,17 +576,17 @@ def verify_file(f: CheckpointFile, progress=None) -> list:
 
 def _cmd_verify(args) -> int:
     try:
-        f = CheckpointFile(args.file)
+        f = _open(args.file)
     except (CorruptCheckpointError, CheckpointFormatError) as err:
         if args.json:
             _print_json({"file": os.fspath(args.file), "ok": False, "damaged": [], "error": str(err)})
         print(f"{PROG} verify: DAMAGED: {err}", file=sys.stderr)
         return EXIT_DAMAGED
     with f:
-        members = sum(size for name, size in f.members if name != f._member)
+        members = sum(size for name, size in f.members if name != f.member)
         with _progress(f.total_bytes + members, f"verifying {os.path.basename(f.path)}") as advance:
             damaged = verify_file(f, advance)
-        counts = {s: len(f.section(s)) for s in _SECTIONS}
+        counts = {s: len(f.section(s)) for s in storage.SECTIONS}
         if args.json:
             _print_json(
                 {
@@ -1038,7 +701,7 @@ def _pair_sections(fa: CheckpointFile, fb: CheckpointFile):
     """``{section: (how, pairs, only in A, only in B)}`` and notes on how files were compared."""
     notes, out = [], {}
     if fa.kind == fb.kind:
-        for section in _SECTIONS:
+        for section in storage.SECTIONS:
             ea, eb = fa.section(section), fb.section(section)
             if not ea and not eb:
                 continue
@@ -1124,8 +787,8 @@ def diff_files(fa: CheckpointFile, fb: CheckpointFile, progress=None) -> dict:
     """
     sections, notes = _pair_sections(fa, fb)
     doc = {
-        "a": {"file": fa.path, "kind": fa.kind, "container": fa.container, "describe": fa.describe()},
-        "b": {"file": fb.path, "kind": fb.kind, "container": fb.container, "describe": fb.describe()},
+        "a": {"file": fa.path, "kind": fa.kind, "container": fa.container, "describe": _describe(fa)},
+        "b": {"file": fb.path, "kind": fb.kind, "container": fb.container, "describe": _describe(fb)},
         "notes": notes,
         "metadata": [],
         "contract": None,
@@ -1283,7 +946,7 @@ def _cmd_diff(args) -> int:
     files = []
     try:
         for path in (args.file_a, args.file_b):
-            files.append(CheckpointFile(path))
+            files.append(_open(path))
         fa, fb = files
         with _progress(fa.total_bytes + fb.total_bytes, "comparing") as advance:
             doc = diff_files(fa, fb, advance)
