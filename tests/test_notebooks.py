@@ -1,0 +1,96 @@
+"""The example notebooks run top to bottom on this backend, and their committed outputs are current.
+
+Each notebook is executed with nbclient, one after the other, in a ``python3`` kernel that runs
+this interpreter (``notebooks/_run.py`` hands the kernel manager a temporary kernelspec whose
+``argv`` is ``sys.executable``, so nothing has to be installed and no other ``python3``
+kernelspec on the machine is used) with ``KERAS_BACKEND`` set to this pytest process's backend.
+
+The committed outputs come from the JAX backend. In the JAX pass, the text outputs of the fresh
+run (stdout and ``text/plain``; not images, not stderr, not cells tagged ``volatile-output``)
+must equal the committed ones.
+"""
+
+import difflib
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from conftest import BACKEND
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = [
+    "01_quickstart.ipynb",
+    "02_resume_model_fit.ipynb",
+    "03_cross_backend_transfer.ipynb",
+    "04_finetune_frozen_and_lora.ipynb",
+    "05_custom_training_loop.ipynb",
+]
+
+_spec = importlib.util.spec_from_file_location("_kss_notebook_runner", NOTEBOOKS_DIR / "_run.py")
+runner = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(runner)
+
+
+def _committed(name):
+    return nbformat.read(NOTEBOOKS_DIR / name, as_version=4)
+
+
+def test_notebook_list_is_complete():
+    assert sorted(NOTEBOOKS) == runner.NOTEBOOKS
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_is_executed_and_clean(name):
+    nb = _committed(name)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.execution_count is not None for c in code), f"{name} is committed unexecuted"
+    assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), f"{name}: run top to bottom"
+    assert code[0].source.startswith('import os\n\nos.environ.setdefault("KERAS_BACKEND", "jax")')
+    for i, cell in enumerate(nb.cells):
+        assert "execution" not in cell.metadata, f"{name} cell {i}: execution timestamps"
+        for out in cell.get("outputs", []):
+            assert out.output_type != "error", f"{name} cell {i}: committed with an error"
+            text = out.get("text", "") + out.get("data", {}).get("text/plain", "")
+            assert not re.search(r"/tmp/|/var/folders/|\bat 0x[0-9a-f]+", text), (
+                f"{name} cell {i}: temporary path or object address in the output: {text[:300]!r}"
+            )
+
+
+def _image_count(nb):
+    return sum("image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", []))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_on_this_backend(name, tmp_path):
+    nb, probe = runner.execute(NOTEBOOKS_DIR / name, BACKEND, cwd=tmp_path, timeout=180)
+    # the kernel is this interpreter, on this backend
+    assert probe == [sys.executable, BACKEND]
+    assert not [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
+    if name.startswith("02_"):
+        assert _image_count(nb) >= 1, "the loss plot is missing"
+        assert _image_count(_committed(name)) >= 1, "the committed notebook has no plot"
+    if BACKEND != runner.COMMITTED_BACKEND:
+        return
+    fresh, committed = runner.text_outputs(nb), runner.text_outputs(_committed(name))
+    assert [i for i, _ in fresh] == [i for i, _ in committed], (
+        f"committed output is stale: re-run notebooks/{name} "
+        f"(python notebooks/_run.py {name}); its cells changed"
+    )
+    for (i, new), (_, old) in zip(fresh, committed, strict=True):
+        if new != old:
+            diff = "\n".join(
+                difflib.unified_diff(
+                    old.splitlines(), new.splitlines(), "committed", "fresh run", lineterm="", n=1
+                )
+            )
+            pytest.fail(
+                f"committed output is stale: re-run notebooks/{name} "
+                f"(python notebooks/_run.py {name}); "
+                f"cell {i} differs:\n{diff[:3000]}"
+            )
