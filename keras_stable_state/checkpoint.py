@@ -33,6 +33,9 @@ class RestoreReport:
         restored_state: Other state put back (``"callback:EarlyStopping/0"``,
             ``"state:<provider>"``, ``"rng"``).
         built_optimizer: ``True`` when the optimizer was built by the restore.
+        transfer_note: ``True`` when another backend wrote the file and the model
+            has layers whose continuation differs across backends (Embedding,
+            normalizations); ``str(report)`` then explains it.
         source: ``"keras_stable_state"`` or the kind of stock Keras file.
         writer: Metadata of the writer (backend, Keras version, format version);
             empty for stock files.
@@ -50,6 +53,7 @@ class RestoreReport:
     casts: list = dataclasses.field(default_factory=list)
     restored_state: list = dataclasses.field(default_factory=list)
     built_optimizer: bool = False
+    transfer_note: bool = False
     source: str = storage.FORMAT
     writer: dict = dataclasses.field(default_factory=dict)
 
@@ -84,7 +88,7 @@ class RestoreReport:
         ]
         for field, theirs, ours in self.writer_differs:
             lines.append(f"  written with {field} {theirs}, read with {ours}")
-        if any(field == "backend" for field, _, _ in self.writer_differs):
+        if self.transfer_note:
             lines.append(
                 "  note: the state above is restored exactly; continued training matches the writer's "
                 "within float rounding for Dense, Conv and normalization layers, but backends update "
@@ -101,6 +105,10 @@ class RestoreReport:
         for key, src, dst in self.casts:
             lines.append(f"  cast {key}: {src} -> {dst}")
         return "\n".join(lines)
+
+
+# Layers whose continued training differs across backends even from identical state.
+_DRIFTING = (keras.layers.Embedding, keras.layers.BatchNormalization, keras.layers.LayerNormalization)
 
 
 def _np(variable):
@@ -505,16 +513,19 @@ def restore_training_state(
         >>> print(report)
     """
     record = storage.read_file(filepath)
-    if not model.built:
+    if not model.built or not model.variables:
         raise StateError(
-            f"Model {model.name!r} is not built; build it (call it on a batch or `model.build(...)`) "
-            "before restoring its training state."
+            f"Model {model.name!r} has no variables yet; call it on a batch (a subclassed model's "
+            "`build(input_shape)` may create none) before restoring its training state."
         )
     report = RestoreReport()
     if isinstance(record, storage.StockWeights):
         report.source = record.source
     else:
         report.writer = dict(record.metadata)
+        report.transfer_note = any(f == "backend" for f, _, _ in report.writer_differs) and any(
+            isinstance(layer, _DRIFTING) for layer in model._flatten_layers()
+        )
     dropped_keys = []
     if isinstance(record, storage.StateRecord) and record.contract is not None:
         contract = TrainableContract.from_json(record.contract)

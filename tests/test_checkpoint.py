@@ -401,3 +401,21 @@ def test_plain_model_save_with_stable_optimizer_restores_slots_by_key(tmp_path, 
     opt_keys = [k for k in report.matched if "#" in k]
     assert opt_keys and all(report.matched[k] == "name" for k in opt_keys)
     _assert_same_state(src, dst)
+
+
+def test_subclassed_model_without_variables_is_refused_clearly(tmp_path, data):
+    kss.save_training_state(tmp_path / "s.h5", _trained(data))
+
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(1)
+
+        def call(self, x):
+            return self.d(x)
+
+    m = Sub()
+    with pytest.warns(UserWarning, match=r"does not have a `build\(\)` method"):
+        m.build((None, 4))  # Keras marks it built without creating variables
+    with pytest.raises(kss.StateError, match="has no variables yet; call it on a batch"):
+        kss.restore_training_state(tmp_path / "s.h5", m)
