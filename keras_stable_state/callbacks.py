@@ -160,6 +160,15 @@ class StableCheckpoint(keras.callbacks.Callback):
                 f"StableCheckpoint needs a built model to restore into; model {model.name!r} is not built. "
                 "Call it on a batch or `model.build(input_shape)` before fit()."
             )
+        spe = getattr(model, "steps_per_execution", 1)
+        if spe != 1:
+            raise StateError(
+                "StableCheckpoint resumes at a batch and needs `steps_per_execution=1`; the model was "
+                f"compiled with steps_per_execution={spe}. Compile with steps_per_execution=1, or use "
+                "save_freq='epoch' with keras_stable_state.save_training_state in your own callback.",
+                expected=1,
+                received=spe,
+            )
         self._position = _Position()
         self._pending_restore = None
         self.skipped_checkpoints = []

@@ -160,6 +160,14 @@ def _coerce(key, array, variable, allow_cast, report):
     return array.astype(storage.numpy_dtype(dst))
 
 
+def _optimizer_classes(optimizer) -> list:
+    """``["AdamW"]``, ``["LossScaleOptimizer", "inner_optimizer/Adam"]``: the classes that
+    decide how slots are used (a ``StableOptimizer`` wrapper is transparent)."""
+    from keras_stable_state.optimizer import _tree
+
+    return [f"{prefix}{type(opt).__name__}" for prefix, opt in _tree(optimizer)]
+
+
 def _top(optimizer):
     return optimizer.inner_optimizer if isinstance(optimizer, StableOptimizer) else optimizer
 
@@ -391,7 +399,11 @@ def save_training_state(
             opt_arrays[entry.key] = _np(entry.variable)
     extra, arrays = _collect_state(model, optimizer, callbacks, state, include_rng)
     record = storage.StateRecord(
-        metadata={**_writer_metadata(model), "model_state": model_state},
+        metadata={
+            **_writer_metadata(model),
+            "model_state": model_state,
+            "optimizer_classes": None if optimizer is None else _optimizer_classes(optimizer),
+        },
         contract=TrainableContract.capture(model).to_json(),
         model=model_arrays,
         optimizer=opt_arrays,
@@ -536,10 +548,23 @@ def restore_training_state(
             if reshaped or retyped:
                 contract.validate(model)
             dropped_keys = missing
-    registry = VariableRegistry.from_model(model)
-    plan = _plan_model(record, model, registry, strict, allow_cast, report)
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
+    if isinstance(record, storage.StateRecord) and optimizer is not None:
+        if check_schedule and "schedule" in record.extra:
+            state_mod.check_schedule(record.extra["schedule"], optimizer)
+        saved_classes = record.metadata.get("optimizer_classes")
+        live_classes = _optimizer_classes(optimizer)
+        if strict and saved_classes is not None and record.optimizer and saved_classes != live_classes:
+            raise BindingError(
+                f"The optimizer state was saved from {saved_classes} but the live optimizer is "
+                f"{live_classes}. Slots of another optimizer class would be applied with other update "
+                "rules; build the optimizer as saved, or pass strict=False to restore what matches.",
+                expected=saved_classes,
+                received=live_classes,
+            )
+    registry = VariableRegistry.from_model(model)
+    plan = _plan_model(record, model, registry, strict, allow_cast, report)
     saved_opt = record.optimizer if isinstance(record, storage.StateRecord) else record.optimizer
     if optimizer is not None and len(saved_opt):
         _ensure_built(optimizer, model, report)
@@ -570,8 +595,6 @@ def restore_training_state(
 def _plan_state(record, optimizer, callbacks, state, include_rng, check_schedule, report):
     """Check the non-variable state and return the calls that put it back."""
     extra, arrays = record.extra, record.arrays
-    if check_schedule and optimizer is not None and "schedule" in extra:
-        state_mod.check_schedule(extra["schedule"], optimizer)
     setters = []
     callbacks = list(callbacks or ())
     saved_cbs = extra.get("callbacks", {})

@@ -139,27 +139,30 @@ def _walk_children(obj):
     yield from saving_lib._walk_saveable(obj)
 
 
-def stable_variable_paths(model) -> dict:
-    """Map ``id(variable)`` to its stable path for every variable the walk reaches.
+def _walk(model, keras_style: bool) -> dict:
+    """``id(variable) -> (path, variable)`` for one walk over the model.
 
-    The walk mirrors ``keras.saving`` (``_walk_saveable``): Sequential and
-    functional ``layers`` first, then attributes in sorted order, private ones
-    last; a variable reached twice (a tied or shared layer) keeps its first path.
-    Optimizers are not walked.
-
-    Args:
-        model: A ``keras.Model`` or ``keras.layers.Layer``.
-
-    Returns:
-        ``dict`` from ``id(variable)`` to ``(path, variable, keras_path)``, where
-        ``keras_path`` is where stock Keras ``.weights.h5`` files keep the
-        variable (``"layers/dense/vars/0"``), or ``None`` for state stock Keras
-        does not save (seed generators).
+    ``keras_style=True`` reproduces Keras' own ``.weights.h5`` addressing
+    (``_walk_saveable`` order, class-name container entries, ``vars/<i>``).
+    ``keras_style=False`` gives stable paths: attribute-held layers are named by
+    their attribute even when the attribute sorts after ``layers`` (Keras would
+    reach them through the ``layers`` list first and number them by creation
+    order), list entries by their user-chosen name, dict entries by their key.
     """
     out: dict = {}
     visited: set = set()
 
-    def visit(obj, path, kpath):
+    def join(path, name):
+        return f"{path}/{name}" if path else name
+
+    def children(obj):
+        kids = list(_walk_children(obj))
+        if keras_style or obj._obj_type() in ("Sequential", "Functional"):
+            return kids
+        generic = ("layers", "_layers")
+        return [k for k in kids if k[0] not in generic] + [k for k in kids if k[0] in generic]
+
+    def visit(obj, path):
         if id(obj) in visited or isinstance(obj, keras.optimizers.Optimizer):
             return
         visited.add(id(obj))
@@ -170,36 +173,64 @@ def stable_variable_paths(model) -> dict:
             else 0
         )
         for i, v in enumerate(_own_variables(obj)):
-            vname = _unique(str(v.name).rsplit("/", 1)[-1], used)
-            k = (f"{kpath}/vars/{i}" if kpath else f"vars/{i}") if i < n_saved else None
-            out.setdefault(id(v), (f"{path}/{vname}" if path else vname, v, k))
-        for attr, child in _walk_children(obj):
-            child_path = f"{path}/{attr}" if path else attr
-            child_kpath = f"{kpath}/{attr}" if kpath else attr
+            if keras_style:
+                if i < n_saved:
+                    out.setdefault(id(v), (join(path, f"vars/{i}"), v))
+            else:
+                out.setdefault(id(v), (join(path, _unique(str(v.name).rsplit("/", 1)[-1], used)), v))
+        for attr, child in children(obj):
             if isinstance(child, (list, tuple, dict)):
-                visit_container(child, child_path, child_kpath)
+                visit_container(child, join(path, attr))
             elif isinstance(child, (keras.layers.Layer, keras.metrics.Metric)):
-                visit(child, child_path, child_kpath)
+                visit(child, join(path, attr))
 
-    def visit_container(container, path, kpath):
+    def visit_container(container, path):
         if id(container) in visited:
             return
         visited.add(id(container))
-        items = list(container.values()) if isinstance(container, dict) else list(container)
+        if isinstance(container, dict):
+            items = [(None if keras_style else str(k), v) for k, v in container.items()]
+        else:
+            items = [(None, v) for v in container]
         used: dict = {}
-        kused: dict = {}
-        for item in items:
+        for key, item in items:
             if isinstance(item, (keras.layers.Layer, keras.metrics.Metric)):
-                cls_name = _snake(type(item).__name__)
-                base = cls_name if _looks_auto_named(item) else item.name
-                visit(item, f"{path}/{_unique(base, used)}", f"{kpath}/{_unique(cls_name, kused)}")
+                if key is not None:
+                    base = key
+                elif keras_style or _looks_auto_named(item):
+                    base = _snake(type(item).__name__)
+                else:
+                    base = item.name
+                visit(item, f"{path}/{_unique(base, used)}")
             elif isinstance(item, (list, tuple, dict)):
-                visit_container(
-                    item, f"{path}/{_unique('container', used)}", f"{kpath}/{_unique('container', kused)}"
-                )
+                visit_container(item, f"{path}/{_unique(key or 'container', used)}")
 
-    visit(model, "", "")
+    visit(model, "")
     return out
+
+
+def stable_variable_paths(model) -> dict:
+    """Map ``id(variable)`` to its stable path for every variable the walk reaches.
+
+    The walk follows ``keras.saving`` (``_walk_saveable``) with three changes
+    that make paths stable: a layer held in an attribute is named by the
+    attribute (also when the attribute sorts after ``layers``), a layer in a
+    list by the name its user gave it (else its snake-case class name, made
+    unique in the list), a layer in a dict by its key. A variable reached twice
+    (a tied or shared layer) keeps its first path. Optimizers are not walked.
+
+    Args:
+        model: A ``keras.Model`` or ``keras.layers.Layer``.
+
+    Returns:
+        ``dict`` from ``id(variable)`` to ``(path, variable, keras_path)``, where
+        ``keras_path`` is where stock Keras ``.weights.h5`` files keep the
+        variable (``"layers/dense/vars/0"``), or ``None`` for state stock Keras
+        does not save (seed generators).
+    """
+    ours = _walk(model, keras_style=False)
+    theirs = _walk(model, keras_style=True)
+    return {i: (path, v, theirs.get(i, (None,))[0]) for i, (path, v) in ours.items()}
 
 
 class VariableRegistry:

@@ -109,7 +109,7 @@ def _diff(saved, current, path=""):
     if isinstance(saved, dict) and isinstance(current, dict):
         out = []
         for k in sorted(set(saved) | set(current)):
-            out += _diff(saved.get(k), current.get(k), f"{path}.{k}" if path else k)
+            out += _diff(saved.get(k), current.get(k), k if path == "schedule" else f"{path}.{k}")
         return out
     return [] if saved == current else [(path, saved, current)]
 
@@ -122,7 +122,7 @@ def check_schedule(saved: dict, optimizer) -> None:
             learning rate, decay steps...).
     """
     current = schedule_state(optimizer)["schedule"]
-    fields = _diff(saved.get("schedule"), current)
+    fields = _diff(saved.get("schedule"), current, "schedule")
     if fields:
         listed = "; ".join(f"{f}: saved {s!r}, now {c!r}" for f, s, c in fields)
         raise ScheduleMismatchError(

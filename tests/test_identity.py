@@ -129,3 +129,49 @@ def test_duplicate_keys_refused():
     v, w = _var((1,)), _var((1,))
     with pytest.raises(kss.BindingError, match="Duplicate variable keys"):
         VariableRegistry([(VariableKey.parse("path:a"), v), (VariableKey.parse("path:a"), w)])
+
+
+class _Proj(keras.Model):
+    """Attributes that sort after `layers` and a dict of layers (regression: both were
+    keyed by creation order, so swapping their creation swapped weights and slots)."""
+
+    def __init__(self, swap=False, **kw):
+        super().__init__(**kw)
+        names = ("q_proj", "p_proj") if swap else ("p_proj", "q_proj")
+        for name in names:
+            setattr(self, name, keras.layers.Dense(4))
+        self.heads = {k: keras.layers.Dense(4) for k in (("b", "a") if swap else ("a", "b"))}
+        self.out_a = keras.layers.Dense(1)
+
+    def call(self, x):
+        h = self.p_proj(x) * 2.0 + self.q_proj(x)
+        return self.out_a(self.heads["a"](h) * 2.0 + self.heads["b"](h))
+
+
+def test_attributes_after_layers_and_dict_entries_keyed_by_name():
+    x = np.ones((1, 3), "float32")
+    a, b = _Proj(), _Proj(swap=True)
+    a(x), b(x)
+    ra, rb = VariableRegistry.from_model(a), VariableRegistry.from_model(b)
+    for name, layer_a, layer_b in [
+        ("p_proj", a.p_proj, b.p_proj),
+        ("q_proj", a.q_proj, b.q_proj),
+        ("heads/a", a.heads["a"], b.heads["a"]),
+        ("out_a", a.out_a, b.out_a),
+    ]:
+        key = VariableKey.parse(f"path:{name}/kernel")
+        assert ra.variable_of(key) is layer_a.kernel and rb.variable_of(key) is layer_b.kernel
+    assert b.trainable_variables[0] is b.q_proj.kernel  # creation order really differs
+
+
+def test_keras_paths_still_follow_keras_weight_files(tmp_path):
+    import h5py
+
+    from keras_stable_state.identity import stable_variable_paths
+
+    m = _Proj()
+    m(np.ones((1, 3), "float32"))
+    m.save_weights(tmp_path / "w.weights.h5")
+    with h5py.File(tmp_path / "w.weights.h5") as f:
+        for _, var, kpath in stable_variable_paths(m).values():
+            np.testing.assert_array_equal(f[kpath][()], keras.ops.convert_to_numpy(var))

@@ -345,3 +345,31 @@ def test_mid_epoch_resume_with_shuffled_inputs(tmp_path, kind):
     assert int(ref.optimizer.iterations) == int(res.optimizer.iterations) == 18
     for a, b in zip(ref.get_weights(), res.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_optimizer_class_change_and_schedule_swap_are_refused(tmp_path):
+    def build(opt):
+        m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+        m.compile(optimizer=kss.StableOptimizer(opt), loss="mse")
+        m(X[:1])
+        return m
+
+    m = build(keras.optimizers.Adam(1e-2))
+    m.fit(X, Y, epochs=1, batch_size=16, verbose=0)
+    kss.save_training_state(tmp_path / "s.h5", m)
+    with pytest.raises(
+        kss.BindingError, match=r"saved from \['Adam'\] but the live optimizer is \['AdamW'\]"
+    ):
+        kss.restore_training_state(tmp_path / "s.h5", build(keras.optimizers.AdamW(1e-2)))
+    sched = keras.optimizers.schedules.CosineDecay(1e-2, decay_steps=10)
+    with pytest.raises(kss.ScheduleMismatchError, match=r"schedule: saved None, now \{"):
+        kss.restore_training_state(tmp_path / "s.h5", build(keras.optimizers.Adam(sched)))
+
+
+def test_stable_checkpoint_refuses_steps_per_execution(tmp_path):
+    if BACKEND == "torch":
+        pytest.skip("Keras refuses steps_per_execution > 1 on the torch backend itself")
+    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    m.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+    with pytest.raises(kss.StateError, match="steps_per_execution=2"):
+        m.fit(X, Y, epochs=1, verbose=0, callbacks=[kss.StableCheckpoint(tmp_path)])
