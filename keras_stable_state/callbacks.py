@@ -89,7 +89,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     The other callbacks are found through the ``fit`` call's callback list;
     pass ``callbacks=[...]`` to name them yourself. Callbacks that count
     batches themselves see the skipped batches' begin and end events (with
-    empty logs). The skip is exact with ``steps_per_execution=1``.
+    empty logs).
 
     Args:
         directory: Folder of the checkpoints (created if needed).
@@ -101,6 +101,10 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     Raises:
         ValueError: for an invalid ``save_freq`` or ``keep``.
+        StateError: on train begin, if the model is not built or was compiled
+            with ``steps_per_execution`` other than 1 (a resume lands on a batch),
+            and any error of :func:`keras_stable_state.restore_training_state`
+            for a readable checkpoint that does not fit the model.
 
     Example:
         >>> model.fit(x, y, epochs=10, callbacks=[StableCheckpoint("ckpts", save_freq=50), EarlyStopping()])
