@@ -219,15 +219,9 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._position.epoch_rng = state.rng_state()
 
     def _apply_pending(self, record):
-        cbs = self._callbacks
+        for setter in checkpoint.plan_callbacks(record, self._callbacks, self.restore_report):
+            setter()
         extra, arrays = record.extra, record.arrays
-        saved_cbs = extra.get("callbacks", {})
-        for cb in cbs:
-            if state.callback_state(cb) is None:
-                continue
-            key = state.callback_key(cbs, cb)
-            if key in saved_cbs:
-                state.set_callback_state(cb, state.join_arrays(saved_cbs[key], arrays))
         pos = self._position
         saved_rng = state.join_arrays(extra["rng"], arrays)
         if pos.step > 0:

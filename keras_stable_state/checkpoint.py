@@ -584,7 +584,7 @@ def restore_training_state(
         report.dropped.append("optimizer (the model has no optimizer; compile it to restore optimizer state)")
     setters = []
     if isinstance(record, storage.StateRecord):
-        setters = _plan_state(record, optimizer, callbacks, state, include_rng, check_schedule, report)
+        setters = _plan_state(record, callbacks, state, include_rng, report)
     for setter in setters:
         setter()
     for var, array in plan:
@@ -592,8 +592,11 @@ def restore_training_state(
     return report
 
 
-def _plan_state(record, optimizer, callbacks, state, include_rng, check_schedule, report):
-    """Check the non-variable state and return the calls that put it back."""
+def plan_callbacks(record, callbacks, report):
+    """The calls that put saved callback states back, matched by class name and index.
+
+    A stateful callback without a saved state is listed in ``report.left_fresh``.
+    """
     extra, arrays = record.extra, record.arrays
     setters = []
     callbacks = list(callbacks or ())
@@ -608,6 +611,13 @@ def _plan_state(record, optimizer, callbacks, state, include_rng, check_schedule
         value = state_mod.join_arrays(saved_cbs[key], arrays)
         setters.append(lambda cb=cb, value=value: state_mod.set_callback_state(cb, value))
         report.restored_state.append(f"callback:{key}")
+    return setters
+
+
+def _plan_state(record, callbacks, state, include_rng, report):
+    """Check the non-variable state and return the calls that put it back."""
+    extra, arrays = record.extra, record.arrays
+    setters = plan_callbacks(record, callbacks, report)
     for name, provider in (state or {}).items():
         if name not in extra.get("providers", {}):
             raise StateError(
