@@ -16,6 +16,7 @@ from keras_stable_state.contract import TrainableContract
 from keras_stable_state.errors import (
     BindingError,
     CheckpointFormatError,
+    CheckpointInUseError,
     ContractError,
     CorruptCheckpointError,
     DtypeMismatchError,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BindingError",
     "CheckpointFormatError",
+    "CheckpointInUseError",
     "ContractError",
     "CorruptCheckpointError",
     "DtypeMismatchError",

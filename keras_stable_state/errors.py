@@ -17,6 +17,7 @@ __all__ = [
     "DtypeMismatchError",
     "CheckpointFormatError",
     "CorruptCheckpointError",
+    "CheckpointInUseError",
 ]
 
 
@@ -115,3 +116,28 @@ class CorruptCheckpointError(StateError, OSError):
         >>> kss.restore_training_state("damaged.h5", model)
         CorruptCheckpointError: damaged.h5: array for key 'path:layers/hidden/kernel' fails its CRC-32 checksum ...
     """
+
+
+class CheckpointInUseError(StateError, BlockingIOError):
+    """A checkpoint file or checkpoint directory is held by another process.
+
+    Raised instead of :class:`CorruptCheckpointError` when a healthy file is
+    locked (open for writing by h5py, or ``flock``-ed exclusively) by another
+    process, and by :class:`~keras_stable_state.StableCheckpoint` when another
+    writer holds its directory's lock file. The file is not damaged: wait for
+    the other process, or stop it. :class:`~keras_stable_state.StableCheckpoint`
+    never falls back to an older checkpoint for this error.
+
+    Attributes:
+        path: The file or directory that is in use.
+        holder: What is known of the other process (``"pid 1234 on host x"``), or ``None``.
+
+    Example:
+        >>> kss.restore_training_state("run.h5", model)   # another process has it open for writing
+        CheckpointInUseError: 'run.h5' is in use by another process (locked for writing) ...
+    """
+
+    def __init__(self, message, *, path=None, holder=None, key=None):
+        super().__init__(message, key=key)
+        self.path = path
+        self.holder = holder

@@ -8,6 +8,7 @@ import keras_stable_state as kss
 PUBLIC = [
     "BindingError",
     "CheckpointFormatError",
+    "CheckpointInUseError",
     "ContractError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
@@ -41,6 +42,7 @@ def test_all_is_pinned():
         (kss.DtypeMismatchError, TypeError),
         (kss.CheckpointFormatError, ValueError),
         (kss.CorruptCheckpointError, OSError),
+        (kss.CheckpointInUseError, OSError),
         (kss.ScheduleMismatchError, ValueError),
     ],
 )
