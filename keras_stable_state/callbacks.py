@@ -2,19 +2,223 @@
 
 from __future__ import annotations
 
+import errno
+import itertools
+import json
 import os
 import re
+import socket
 import sys
+import threading
+import time
+import warnings
+import weakref
 
 import keras
 from keras.src.utils.io_utils import print_msg
 
 from keras_stable_state import checkpoint, state
-from keras_stable_state.errors import StateError
+from keras_stable_state.errors import (
+    CheckpointFormatError,
+    CheckpointInUseError,
+    CorruptCheckpointError,
+    StateError,
+)
 
-__all__ = ["StableCheckpoint"]
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the directory is not locked (see the docs)
+    fcntl = None
+
+__all__ = ["StableCheckpoint", "UnreadableCheckpointWarning"]
 
 _NAME = re.compile(r"^ckpt-(\d{10})\.h5$")
+LOCK_NAME = ".stable-checkpoint.lock"
+"""Name of the lock file a writing :class:`StableCheckpoint` holds in its directory."""
+TEMP_PREFIX = ".kss-"
+"""Prefix of the temporary files of atomic writes (``storage.atomic_path``)."""
+UNREADABLE_DIR = "unreadable"
+"""Subfolder of the checkpoint directory that unreadable checkpoints are moved into."""
+
+
+class UnreadableCheckpointWarning(UserWarning):
+    """:class:`StableCheckpoint` moved unreadable checkpoints aside on train begin.
+
+    Issued when it falls back past damaged checkpoints to an older one, or when
+    every checkpoint in the directory is unreadable and training starts fresh.
+    The message names each unreadable file, why it is unreadable and where it
+    was moved (``<directory>/unreadable/``).
+    """
+
+
+# -- the directory lock -------------------------------------------------------------------
+_HELD = {}  # realpath of a directory -> _DirectoryLock held by this process
+_HELD_GUARD = threading.Lock()
+_TOKENS = itertools.count(1)
+
+
+def _holder_text(info):
+    if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
+        return None
+    text = f"pid {info['pid']} on host {info.get('host', '?')}"
+    if info.get("since"):
+        text += f", since {info['since']}"
+    return text
+
+
+def _read_holder(fd):
+    try:
+        raw = os.pread(fd, 4096, 0)
+        return _holder_text(json.loads(raw.decode("utf-8")))
+    except (OSError, ValueError):  # being written right now, or not ours: holder unknown
+        return None
+
+
+class _DirectoryLock:
+    """An exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock``, held by one
+    :class:`StableCheckpoint` of this process at a time.
+
+    The lock file holds the writer's pid and host as JSON so that a refused writer
+    can name it. It is removed on release (while still locked; acquirers check that
+    the file they locked is still the one at the path). A lock of a dead process is
+    released by the operating system. Within one process, a ``StableCheckpoint``
+    whose ``fit`` raised (Keras then skips ``on_train_end``) keeps the lock until it
+    is garbage collected, the process exits, or another ``StableCheckpoint`` on the
+    same directory begins training in the same thread and takes the lock over.
+    """
+
+    def __init__(self, key, directory, path, fd):
+        self.key = key
+        self.directory = directory
+        self.path = path
+        self.fd = fd
+        self.pid = os.getpid()
+        self.token = None
+        self.thread = None
+
+    @classmethod
+    def acquire(cls, directory, token):
+        """Return the held lock of ``directory`` with ``token`` as owner, or raise
+        :class:`CheckpointInUseError`."""
+        key = os.path.realpath(directory)
+        with _HELD_GUARD:
+            held = _HELD.get(key)
+            if held is not None and not held._still_in_place():
+                held._close()  # the directory or lock file was removed meanwhile: lock afresh
+                held = None
+            if held is not None:
+                alive = {t.ident for t in threading.enumerate()}
+                if held.token != token and held.thread != threading.get_ident() and held.thread in alive:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                    holder = (
+                        f"pid {os.getpid()} on host {socket.gethostname()}, thread {names[held.thread]!r}"
+                    )
+                    raise CheckpointInUseError(
+                        f"Checkpoint directory {directory!r} is in use by another StableCheckpoint writer "
+                        f"({holder}: this process, another thread still training); wait for it to finish "
+                        "or use another directory.",
+                        path=directory,
+                        holder=holder,
+                    )
+            else:
+                held = cls(key, directory, *cls._lock(directory))
+                _HELD[key] = held
+            held.token, held.thread = token, threading.get_ident()
+            return held
+
+    @staticmethod
+    def _lock(directory):
+        path = os.path.join(directory, LOCK_NAME)
+        for _ in range(20):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise CheckpointInUseError(
+                    f"Checkpoint directory {directory!r} is in use by another StableCheckpoint writer "
+                    f"({holder or 'holder unknown: the lock file names none'}); wait for it to finish or "
+                    f"use another directory. (The lock is {path!r}, held with flock; the operating "
+                    "system releases it when that process ends.)",
+                    path=directory,
+                    holder=holder,
+                ) from None
+            except OSError as err:
+                os.close(fd)
+                raise OSError(
+                    err.errno,
+                    f"Cannot lock the checkpoint directory {directory!r}: flock on {path!r} failed "
+                    f"({err.strerror}). Use a directory on a local file system.",
+                    path,
+                ) from err
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder removed the file after we opened it: lock the new one
+        else:
+            raise CheckpointInUseError(
+                f"Checkpoint directory {directory!r}: its lock file {path!r} keeps being replaced; another "
+                "process is creating and removing it. Use another directory.",
+                path=directory,
+            )
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode("utf-8"), 0)
+        return path, fd
+
+    def _still_in_place(self):
+        try:
+            return os.path.samestat(os.fstat(self.fd), os.stat(self.path))
+        except FileNotFoundError:
+            return False
+
+    def _close(self):
+        fd, self.fd = self.fd, None
+        if _HELD.get(self.key) is self:
+            del _HELD[self.key]
+        os.close(fd)
+
+    def release(self, token):
+        """Unlock and remove the lock file if ``token`` owns the lock (else do nothing)."""
+        with _HELD_GUARD:
+            if self.fd is None or self.token != token:
+                return
+            try:
+                if self.pid == os.getpid() and self._still_in_place():
+                    os.unlink(self.path)
+            finally:
+                self._close()
+
+
+def _release_token(token):
+    for held in list(_HELD.values()):
+        held.release(token)
+
+
+def _forget_locks_in_child():
+    # A forked child shares the parent's lock; it must neither use nor remove it.
+    global _HELD_GUARD
+    _HELD_GUARD = threading.Lock()
+    for held in list(_HELD.values()):
+        if held.fd is not None:
+            try:
+                os.close(held.fd)
+            except OSError:
+                pass
+            held.fd = None
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 class _Position:
@@ -77,9 +281,29 @@ class StableCheckpoint(keras.callbacks.Callback):
     deterministic.
 
     Each save is one ``ckpt-<global step>.h5`` file (see
-    :func:`keras_stable_state.save_training_state`), written atomically; the
-    newest ``keep`` files are kept. If the newest file is unreadable (truncated
-    or failing its checksum), it says so and falls back to the one before.
+    :func:`keras_stable_state.save_training_state`), written atomically through a
+    ``.kss-*`` temporary file; the newest ``keep`` files are kept (only files named
+    ``ckpt-<10 digits>.h5`` count, and a file that vanished meanwhile is skipped).
+
+    The directory belongs to one writer at a time: on train begin the callback takes
+    an exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock`` (which names
+    its pid and host) and releases it, removing the file, on train end. A second
+    ``fit`` with a ``StableCheckpoint`` on the same directory, in another process or
+    in another thread, is refused. The operating system releases the lock of a
+    process that dies. If ``fit`` raises, Keras skips ``on_train_end``: the lock is
+    then released when the callback is garbage collected, when the process exits,
+    or when a ``StableCheckpoint`` on the same directory begins training again in
+    the same thread. Holding the lock, it removes the ``.kss-*`` temporary files
+    that a killed save left behind (``removed_temporary_files`` lists them).
+
+    An unreadable checkpoint (truncated, failing a checksum, or of an unknown
+    format) is moved into ``<directory>/unreadable/`` (``ckpt-<step>.h5``, or
+    ``ckpt-<step>.h5.<n>`` if that name is taken) and the one before is restored,
+    with an :class:`UnreadableCheckpointWarning` naming each moved file. If none is
+    readable, training starts fresh, with that warning. ``skipped_checkpoints``
+    lists ``(path, reason)`` and ``moved_checkpoints`` ``(path, new path)`` of each.
+    A checkpoint that is locked by another process is not damaged: the callback
+    raises :class:`~keras_stable_state.CheckpointInUseError` and never falls back.
 
     Saves happen after every callback has seen the epoch or batch end (a save
     requested at a batch end is written when the next batch or epoch begins),
@@ -92,19 +316,42 @@ class StableCheckpoint(keras.callbacks.Callback):
     empty logs).
 
     Args:
-        directory: Folder of the checkpoints (created if needed).
+        directory: Folder of the checkpoints (created if needed). Give each run
+            its own folder; nothing else should write into it.
         save_freq: ``"epoch"`` or an ``int``: save every that many batches.
         keep: How many newest checkpoints to keep (``>= 1``).
         verbose: ``1`` prints one line per save and restore.
         callbacks: Callbacks whose state to save and restore; default: the
             other callbacks of the ``fit`` call.
 
+    Attributes:
+        restore_report: The :class:`~keras_stable_state.RestoreReport` of the
+            checkpoint restored on train begin, or ``None`` (fresh start).
+        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint
+            skipped on train begin, newest first.
+        moved_checkpoints: ``(path, new path)`` of each of them, moved into
+            ``<directory>/unreadable/``.
+        removed_temporary_files: Stale ``.kss-*`` temporary files removed on train begin.
+
     Raises:
-        ValueError: for an invalid ``save_freq`` or ``keep``.
+        ValueError: for an invalid ``save_freq`` or ``keep`` (on construction).
         StateError: on train begin, if the model is not built or was compiled
             with ``steps_per_execution`` other than 1 (a resume lands on a batch),
-            and any error of :func:`keras_stable_state.restore_training_state`
-            for a readable checkpoint that does not fit the model.
+            or an unreadable checkpoint cannot be moved aside (it would count in
+            ``keep`` and be found again).
+        CheckpointInUseError: on train begin, if another ``StableCheckpoint``
+            writer (another process, or another thread of this one) holds the
+            directory, naming its pid and host; or if the newest checkpoint is
+            locked by another process (for example open for writing): it is not
+            damaged, so there is no fallback. Wait for the other process or use
+            another directory.
+        NotADirectoryError: on train begin, if ``directory`` is a file.
+        OSError: on train begin, if the lock file cannot be created or locked
+            (read-only folder, a file system without ``flock``), naming it.
+        ContractError, BindingError, DtypeMismatchError, ScheduleMismatchError:
+            and any other error of :func:`keras_stable_state.restore_training_state`
+            for a readable checkpoint that does not fit the model (the model or
+            its compile arguments changed): fix the model; nothing is moved aside.
 
     Example:
         >>> model.fit(x, y, epochs=10, callbacks=[StableCheckpoint("ckpts", save_freq=50), EarlyStopping()])
@@ -129,6 +376,11 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._rng_after_skip = None
         self.restore_report = None
         self.skipped_checkpoints = []
+        self.moved_checkpoints = []
+        self.removed_temporary_files = []
+        self._lock = None
+        self._lock_token = next(_TOKENS)
+        self._lock_finalizer = False
 
     # -- discovery ------------------------------------------------------------------
     def set_model(self, model):
@@ -156,6 +408,67 @@ class StableCheckpoint(keras.callbacks.Callback):
     def _providers(self):
         return {"position": self._position, "metrics": _Metrics(self.model)}
 
+    # -- the directory --------------------------------------------------------------
+    def _take_directory(self):
+        """Create ``directory``, lock it, remove stale temporary files."""
+        directory = self.directory
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"StableCheckpoint's directory {directory!r} is a file, not a folder. Pass a folder "
+                "(it holds ckpt-<step>.h5 files); to save one file use keras_stable_state.save_training_state",
+                directory,
+            )
+        os.makedirs(directory, exist_ok=True)
+        if fcntl is not None:
+            self._lock = _DirectoryLock.acquire(directory, self._lock_token)
+            if not self._lock_finalizer:
+                # released when this callback is garbage collected or the process exits
+                weakref.finalize(self, _release_token, self._lock_token)
+                self._lock_finalizer = True
+        removed = []
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue
+                removed.append(entry.path)
+        self.removed_temporary_files = removed
+        if removed:
+            self._say(f"removed {len(removed)} temporary file(s) of an interrupted save: {removed}")
+
+    def _release_directory(self):
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release(self._lock_token)
+
+    def _move_aside(self, path):
+        """Move an unreadable checkpoint into ``<directory>/unreadable/``; its new path."""
+        folder = os.path.join(self.directory, UNREADABLE_DIR)
+        name = os.path.basename(path)
+        target = os.path.join(folder, name)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            n = 1
+            while os.path.lexists(target):
+                target = os.path.join(folder, f"{name}.{n}")
+                n += 1
+            os.rename(path, target)
+        except FileNotFoundError:
+            if not os.path.lexists(path):
+                return None  # removed meanwhile: nothing left to count in `keep`
+            raise
+        except OSError as err:
+            raise StateError(
+                f"Checkpoint {path!r} is unreadable and could not be moved aside to {target!r} ({err}). "
+                "Move or delete it yourself: StableCheckpoint does not restore it, and left in place it "
+                "would count as one of the `keep` newest checkpoints.",
+            ) from err
+        return target
+
     # -- restore ----------------------------------------------------------------------
     def on_train_begin(self, logs=None):
         model = self.model
@@ -175,22 +488,76 @@ class StableCheckpoint(keras.callbacks.Callback):
             )
         self._position = _Position()
         self._pending_restore = None
+        self._save_requested = False
+        self._skip_until = 0
+        self._rng_after_skip = None
+        self.restore_report = None
         self.skipped_checkpoints = []
+        self.moved_checkpoints = []
+        self._take_directory()
+        try:
+            self._restore_newest()
+        except BaseException:
+            self._release_directory()  # fit stops here; Keras will not call on_train_end
+            raise
+
+    def _restore_newest(self):
+        restored = None
         for path in self.checkpoints():
             try:
                 record = checkpoint.storage.read_file(path)
-            except (
-                checkpoint.storage.CorruptCheckpointError,
-                checkpoint.storage.CheckpointFormatError,
-            ) as err:
+                self._restore(path, record)
+            except CheckpointInUseError as err:
+                holder = f" ({err.holder})" if err.holder else ""
+                raise CheckpointInUseError(
+                    f"Checkpoint {path!r}, the newest in {self.directory!r}, is in use by another "
+                    f"process{holder}: {err} It is not damaged, so StableCheckpoint does not fall back to "
+                    "an older checkpoint. Wait for that process to close it, or stop it, then fit again.",
+                    path=path,
+                    holder=err.holder,
+                ) from err
+            except (CorruptCheckpointError, CheckpointFormatError) as err:
+                self._position = _Position()
+                self._pending_restore = None
+                self.restore_report = None
                 self.skipped_checkpoints.append((path, str(err)))
-                print_msg(
-                    f"StableCheckpoint: {os.path.basename(path)} is unreadable ({err}); falling back to the one before."
-                )
+                self.moved_checkpoints.append((path, self._move_aside(path)))
                 continue
-            self._restore(path, record)
-            return
-        self._say(f"no checkpoint in {self.directory}; starting fresh")
+            restored = path
+            break
+        if self.skipped_checkpoints:
+            self._warn_unreadable(restored)
+        elif restored is None:
+            self._say(f"no checkpoint in {self.directory}; starting fresh")
+
+    def _warn_unreadable(self, restored):
+        reasons = dict(self.skipped_checkpoints)
+        moved = "; ".join(
+            f"{path!r} -> {target!r} ({reasons[path]})"
+            if target is not None
+            else f"{path!r} (removed meanwhile; {reasons[path]})"
+            for path, target in self.moved_checkpoints
+        )
+        count = len(self.moved_checkpoints)
+        head = (
+            f"StableCheckpoint: {count} unreadable checkpoint{'s' if count > 1 else ''} in {self.directory!r}"
+        )
+        if restored is None:
+            tail = (
+                "No readable checkpoint is left: training starts fresh from the model's current weights. "
+                "If you have a copy of a good checkpoint, stop and put it back in the directory."
+            )
+        else:
+            pos = self._position
+            tail = (
+                f"Fell back to the older {restored!r} (epoch {pos.epoch}, step {pos.step} of the epoch, "
+                f"global step {pos.global_step}); the training after it is redone."
+            )
+        warnings.warn(
+            f"{head}, moved aside: {moved}. {tail}",
+            UnreadableCheckpointWarning,
+            stacklevel=2,
+        )
 
     def _restore(self, path, record):
         # Variables, optimizer, schedule check and position now; callbacks, metrics and
@@ -285,9 +652,12 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._save_requested = True
 
     def on_train_end(self, logs=None):
-        if self._save_requested:
-            self._save()
-        self.model._initial_epoch = None
+        try:
+            if self._save_requested:
+                self._save()
+        finally:
+            self.model._initial_epoch = None
+            self._release_directory()
 
     def _save(self):
         self._save_requested = False
@@ -297,6 +667,10 @@ class StableCheckpoint(keras.callbacks.Callback):
         name = f"ckpt-{pos.global_step:010d}.h5"
         path = os.path.join(self.directory, name)
         checkpoint.save_training_state(path, self.model, callbacks=self._callbacks, state=self._providers())
-        for old in self.checkpoints()[self.keep :]:
-            os.remove(old)
+        # The file just written always stays, even if an older run left higher step numbers.
+        for old in [p for p in self.checkpoints() if p != path][self.keep - 1 :]:
+            try:
+                os.remove(old)
+            except FileNotFoundError:
+                continue  # removed by someone else since it was listed
         self._say(f"saved {name} (epoch {pos.epoch}, step {pos.step}, global step {pos.global_step})")
