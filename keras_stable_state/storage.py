@@ -1,12 +1,13 @@
 """The on-disk format of a training state.
 
-A training-state record is an HDF5 file (h5py) laid out as::
+A training-state record (format 2) is an HDF5 file (h5py) laid out as::
 
-    /                  attrs: format="keras_stable_state", format_version=1
-    /metadata          JSON string: backend, keras_version, dtype_policy, model_state, ...
-    /contract          JSON string: list of [key, shape, dtype]
-    /extra             JSON string: schedule, callbacks, RNG, position, providers
-    /model/0, /1 ...   one dataset per model variable; attrs: key, crc32, dtype
+    user block (512 bytes)  "KSS-SEAL 2 sha256 <hex> <length>\\n": SHA-256 of every byte after it
+    /                  attrs: format="keras_stable_state", format_version=2
+    /metadata          JSON (UTF-8 bytes as uint8): backend, keras_version, dtype_policy, ...
+    /contract          JSON: list of [key, shape, dtype]
+    /extra             JSON: schedule, callbacks, RNG, position, providers
+    /model/0, /1 ...   one dataset per model variable; attrs: key, dtype, crc32
     /optimizer/0 ...   one dataset per optimizer variable; same attrs
     /state/0 ...       arrays of the other state (callbacks, RNG, accumulators); same attrs
 
@@ -16,9 +17,32 @@ beside Keras' own ``config.json`` and ``model.weights.h5``, so
 the record alone. Arrays whose dtype NumPy does not know natively
 (``bfloat16``, float8 from ``ml_dtypes``) are stored as unsigned integers of
 the same width with their dtype in the ``dtype`` attribute, so their bits are
-kept exactly. Each array carries a CRC-32 (``zlib.crc32``) of its bytes, read
-back and checked before anything is restored. Writes are atomic: a temporary
-file in the same folder, ``fsync``, then ``os.replace``.
+kept exactly.
+
+Integrity, in the order a reader checks it (see docs: Security and integrity):
+
+1. The whole HDF5 image is covered by the SHA-256 seal in its user block
+   (HDF5 skips the user block, so h5py and Keras still open the file). The
+   seal is checked before HDF5 parses a byte: a damaged file is refused
+   before it can crash or hang the HDF5 library. Files without a seal (stock
+   Keras files, format-1 records) are first read in a separate process
+   (:mod:`keras_stable_state._hdf5_checks`), so whatever HDF5 does with them
+   cannot kill the caller.
+2. The structure: only hard links, no external storage or virtual datasets,
+   contiguous uncompressed data inside the file, plain little-endian numeric
+   dtypes, exactly the groups and numbered datasets above, every attribute of
+   the expected type, each dataset's stored dtype and shape equal to what its
+   attributes say.
+3. The records: each JSON record has its own CRC-32 and a schema check
+   (nesting depth, field types, RNG records, array references).
+4. Each array's CRC-32 (``zlib.crc32``) covers its key, dtype name, shape and
+   bytes, checked when it is read.
+
+Archives: members' zip CRC-32s are checked, members whose unpacked size is far
+beyond their stored size are refused, and nothing in an archive is extracted,
+deserialized or executed. Writes are atomic: a temporary file in the same
+folder, ``fsync``, ``os.replace``, then ``fsync`` of the folder; the file gets
+the permissions ``open`` would give (``0o666`` less the umask).
 
 Stock Keras files (``.keras`` archives without the member, ``.weights.h5``)
 are read through :class:`StockWeights`.
@@ -26,19 +50,25 @@ are read through :class:`StockWeights`.
 This module is the one reader of the format: :func:`open_file` lists every
 array from the HDF5 metadata alone (:class:`CheckpointFile`, :class:`Entry`)
 and reads and checksums one array at a time; :func:`read_file` reads a whole
-file through it; the command line (:mod:`keras_stable_state.cli`) inspects,
-verifies and compares files through it. It imports no Keras.
+file through it, with every check; the command line
+(:mod:`keras_stable_state.cli`) inspects, verifies and compares files through
+it. It imports no Keras.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import hashlib
 import io
 import json
 import os
-import struct
+import re
+import subprocess
+import sys
 import tempfile
+import threading
 import zipfile
 import zlib
 
@@ -46,7 +76,18 @@ import h5py
 import ml_dtypes
 import numpy as np
 
-from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+from keras_stable_state import _hdf5_checks as checks
+from keras_stable_state.errors import (
+    CheckpointFormatError,
+    CheckpointInUseError,
+    CorruptCheckpointError,
+    StateError,
+)
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; files are still checked
+    fcntl = None
 
 __all__ = [
     "FORMAT",
@@ -61,17 +102,43 @@ __all__ = [
     "open_file",
     "read_file",
     "atomic_path",
+    "seal",
+    "reseal",
 ]
 
 FORMAT = "keras_stable_state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 MEMBER = "keras_stable_state.h5"
 KERAS_WEIGHTS_MEMBER = "model.weights.h5"
+USERBLOCK_SIZE = 512
+SECTIONS = ("model", "optimizer", "state")
+RECORDS = ("metadata", "contract", "extra")
+JSON_MAX_DEPTH = 100
+# An archive member may unpack to at most this many times its stored size (plus the slack).
+MAX_UNPACK_RATIO = 100
+UNPACK_SLACK = 1 << 20
+PROBE_TIMEOUT = 120.0
+_SEAL_RE = re.compile(rb"KSS-SEAL 2 sha256 ([0-9a-f]{64}) ([0-9]{1,20})\n")
+_SEAL_MAGIC = b"KSS-SEAL"
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_ZIP_SIGNATURE = b"PK\x03\x04"
 _EXOTIC = {
     "bfloat16": ml_dtypes.bfloat16,
     "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
     "float8_e5m2": ml_dtypes.float8_e5m2,
 }
+_DTYPES = {
+    "bool",
+    *(f"int{n}" for n in (8, 16, 32, 64)),
+    *(f"uint{n}" for n in (8, 16, 32, 64)),
+    "float16",
+    "float32",
+    "float64",
+    *_EXOTIC,
+}
+_RESTORE_HINT = "restore from an earlier checkpoint"
+_CHUNK = 1 << 22
 
 
 @dataclasses.dataclass
@@ -106,65 +173,166 @@ def dtype_name(array) -> str:
     return np.dtype(array.dtype).name
 
 
+def _stored_dtype(name: str) -> np.dtype:
+    """The little-endian dtype an array of dtype ``name`` is stored as."""
+    if name in _EXOTIC:
+        return np.dtype(f"<u{np.dtype(_EXOTIC[name]).itemsize}")
+    return np.dtype(name).newbyteorder("<") if np.dtype(name).itemsize > 1 else np.dtype(name)
+
+
 def _encode(array):
     array = np.array(array, order="C", copy=True)
     name = dtype_name(array)
-    if name in _EXOTIC:
-        return array.view(np.dtype(f"uint{array.dtype.itemsize * 8}")), name
-    return array, name
+    if name not in _DTYPES:
+        raise CheckpointFormatError(
+            f"Arrays of dtype {name} cannot be stored (only bool, int, uint, float, bfloat16 and float8).",
+            received=name,
+        )
+    # np.array(..., copy=True) above made it C-contiguous; the view and astype keep the shape (0-d too).
+    stored = (
+        array.view(_stored_dtype(name)) if name in _EXOTIC else array.astype(_stored_dtype(name), copy=False)
+    )
+    return stored, name
 
 
-def _crc(array) -> int:
-    # tobytes() is C order whatever the layout: the same bytes the writer stored.
-    return zlib.crc32(np.asarray(array).tobytes()) & 0xFFFFFFFF
-
-
+# -- writing ------------------------------------------------------------------------------
 def _write_group(group, arrays: dict):
     for i, (key, value) in enumerate(arrays.items()):
         stored, name = _encode(np.asarray(value))
         ds = group.create_dataset(str(i), data=stored)
-        ds.attrs["key"] = key
+        ds.attrs["key"] = str(key)
         ds.attrs["dtype"] = name
-        ds.attrs["crc32"] = _crc(stored)
+        ds.attrs["crc32"] = checks.crc_v2(str(key), name, stored.shape, stored.tobytes())
+
+
+def _json_array(value) -> np.ndarray:
+    return np.frombuffer(json.dumps(value).encode("utf-8"), dtype=np.uint8)
+
+
+def seal(data: bytes) -> bytes:
+    """``data`` (an HDF5 image written with a 512-byte user block) with its user
+    block replaced by the seal: ``KSS-SEAL 2 sha256 <hex> <length>``, zero padded."""
+    body = data[USERBLOCK_SIZE:]
+    head = b"KSS-SEAL 2 sha256 %s %d\n" % (hashlib.sha256(body).hexdigest().encode(), len(body))
+    return head.ljust(USERBLOCK_SIZE, b"\0") + body
 
 
 def _record_bytes(record: StateRecord) -> bytes:
     buf = io.BytesIO()
-    with h5py.File(buf, "w") as f:
+    with h5py.File(buf, "w", userblock_size=USERBLOCK_SIZE) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
-        # JSON records are string datasets, not attributes: HDF5 caps attributes at 64 KiB.
-        for name in ("metadata", "contract", "extra"):
-            f.create_dataset(name, data=json.dumps(getattr(record, name)))
-        _write_group(f.create_group("model"), record.model)
-        _write_group(f.create_group("optimizer"), record.optimizer)
-        _write_group(f.create_group("state"), record.arrays)
-    return buf.getvalue()
+        # JSON records are uint8 datasets: no HDF5 attribute size cap, no variable-length types.
+        for name in RECORDS:
+            data = _json_array(getattr(record, name))
+            ds = f.create_dataset(name, data=data)
+            ds.attrs["crc32"] = checks.crc_v2(name, "json", data.shape, data.tobytes())
+        for section, arrays in zip(SECTIONS, (record.model, record.optimizer, record.arrays), strict=True):
+            _write_group(f.create_group(section), arrays)
+    return seal(buf.getvalue())
+
+
+def reseal(filepath) -> None:
+    """Recompute the seal of a record edited on purpose (tests, tools); ``.h5`` or ``.keras``.
+
+    The seal detects damage, not forgery: anyone who can write the file can reseal it.
+    """
+    path = os.fspath(filepath)
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as zf:
+            members = [(info, zf.read(info.filename)) for info in zf.infolist()]
+        with zipfile.ZipFile(path, "w") as zf:
+            for info, data in members:
+                zf.writestr(info, seal(data) if info.filename == MEMBER else data)
+        return
+    with open(path, "rb") as fh:
+        data = fh.read()
+    with open(path, "wb") as fh:
+        fh.write(seal(data))
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: str) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_error(path: str, err: OSError) -> OSError:
+    reason = err.strerror or str(err)
+    extra = " (the disk is full)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return OSError(
+        err.errno,
+        f"Could not write the training state to {path!r}: {reason}{extra}. Nothing was written there: "
+        "the file that was at that path, if any, is unchanged. Free space or choose another folder.",
+        path,
+    )
 
 
 class atomic_path:
-    """Context manager yielding a temporary path beside ``filepath``; on success it
-    is fsynced and renamed onto ``filepath`` (``os.replace``), on error removed."""
+    """Context manager yielding a temporary path beside ``filepath``; on success the
+    file gets ``0o666 & ~umask`` permissions, is fsynced and renamed onto
+    ``filepath`` (``os.replace``), and the folder is fsynced; on error it is removed.
+
+    Raises:
+        CheckpointFormatError: if ``filepath`` is a directory.
+        OSError: naming ``filepath`` when writing fails (disk full, permissions);
+            the previous file at ``filepath`` is left as it was.
+    """
 
     def __init__(self, filepath, suffix=""):
-        self.filepath = os.fspath(filepath)
+        self.filepath = os.fsdecode(os.fspath(filepath))
         self.suffix = suffix
 
     def __enter__(self):
+        if os.path.isdir(self.filepath):
+            raise CheckpointFormatError(
+                f"{self.filepath!r} is a directory; a training state is one file. Choose a file path "
+                "(e.g. 'run.h5' or 'run.keras').",
+                received=self.filepath,
+            )
         folder = os.path.dirname(os.path.abspath(self.filepath))
-        os.makedirs(folder, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=".kss-", suffix=self.suffix, dir=folder)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, self.tmp = tempfile.mkstemp(prefix=".kss-", suffix=self.suffix, dir=folder)
+        except OSError as err:
+            raise _write_error(self.filepath, err) from err
         os.close(fd)
+        self.folder = folder
         return self.tmp
+
+    def _discard(self):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.tmp)
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
-            if os.path.exists(self.tmp):
-                os.remove(self.tmp)
+            self._discard()
+            if isinstance(exc, OSError) and not isinstance(exc, StateError):
+                raise _write_error(self.filepath, exc) from exc
             return False
-        with open(self.tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(self.tmp, self.filepath)
+        try:
+            os.chmod(self.tmp, 0o666 & ~_umask())
+            with open(self.tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(self.tmp, self.filepath)
+        except OSError as err:
+            self._discard()
+            raise _write_error(self.filepath, err) from err
+        _fsync_dir(self.folder)
         return False
 
 
@@ -178,24 +346,26 @@ def write_record(filepath, record: StateRecord, keras_archive_writer=None):
             path and writing Keras' own archive there (``model.save``).
 
     Raises:
-        CheckpointFormatError: for another extension.
+        CheckpointFormatError: for another extension, or a path that is a directory.
+        OSError: naming the path when the write fails (e.g. disk full); the
+            previous file at that path is left intact.
     """
-    path = os.fspath(filepath)
+    path = os.fsdecode(os.fspath(filepath))
+    if not path.endswith((".keras", ".h5")):
+        raise CheckpointFormatError(
+            f"Unsupported training-state path {path!r}: use a '.keras' or '.h5' extension.",
+            received=path,
+        )
     data = _record_bytes(record)
     if path.endswith(".keras"):
         with atomic_path(path, suffix=".keras") as tmp:
             keras_archive_writer(tmp)
             with zipfile.ZipFile(tmp, "a") as zf:
                 zf.writestr(MEMBER, data)
-    elif path.endswith(".h5"):
+    else:
         with atomic_path(path, suffix=".h5") as tmp:
             with open(tmp, "wb") as fh:
                 fh.write(data)
-    else:
-        raise CheckpointFormatError(
-            f"Unsupported training-state path {path!r}: use a '.keras' or '.h5' extension.",
-            received=path,
-        )
 
 
 @dataclasses.dataclass
@@ -215,11 +385,7 @@ class StockWeights:
 
 
 # -- reading ------------------------------------------------------------------------------
-SECTIONS = ("model", "optimizer", "state")
 _STOCK_OPTIMIZER = "optimizer/vars/"
-_RESTORE_HINT = "restore from an earlier checkpoint"
-# What h5py, zipfile and zlib raise on a truncated or malformed file.
-_READ_ERRORS = (OSError, KeyError, ValueError, RuntimeError, EOFError, zipfile.BadZipFile, zlib.error)
 
 
 @dataclasses.dataclass
@@ -252,51 +418,114 @@ def _natural(path: str):
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("/"))
 
 
-def _raw_member(path: str, info: zipfile.ZipInfo) -> bytes:
-    """A zip member's bytes without the zip CRC check (to find which array is damaged)."""
-    with open(path, "rb") as fh:
-        fh.seek(info.header_offset)
-        header = fh.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise zipfile.BadZipFile(f"bad local header for member {info.filename!r}")
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        fh.seek(info.header_offset + 30 + name_len + extra_len)
-        data = fh.read(info.compress_size)
-    if info.compress_type == zipfile.ZIP_STORED:
-        return data
-    if info.compress_type == zipfile.ZIP_DEFLATED:
-        return zlib.decompressobj(-15).decompress(data)
-    raise zipfile.BadZipFile(f"member {info.filename!r} uses compression {info.compress_type}")
+def _damaged(where: str, what: str, key=None, **kw) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {what}. The file is damaged; {_RESTORE_HINT}.", key=key, **kw)
 
 
-def _unreadable(path: str, err: BaseException) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{path!r} cannot be read as a .keras archive or HDF5 file ({err}). It is truncated or "
-        f"damaged; {_RESTORE_HINT}.",
-    )
+def _probe(path: str, member: str | None = None) -> dict:
+    """Read an HDF5 file (or archive member) in a separate process.
+
+    Returns:
+        The probe's findings (see :func:`keras_stable_state._hdf5_checks.probe`),
+        or ``{"crashed": reason}`` when the process died, hung or raised.
+    """
+    cmd = [sys.executable, "-I", checks.__file__, path, member or ""]
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=PROBE_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        return {"crashed": f"reading it did not finish within {PROBE_TIMEOUT:.0f} s"}
+    if done.returncode < 0:
+        return {"crashed": f"reading it killed a probe process (signal {-done.returncode})"}
+    if done.returncode != 0:
+        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+        return {"crashed": f"HDF5 cannot read it ({last[0][:300]})"}
+    try:
+        return json.loads(done.stdout)
+    except ValueError:
+        return {"crashed": "the probe process printed no result"}
+
+
+def _probe_or_refuse(where: str, path: str, member: str | None = None) -> None:
+    """Refuse a file that crashes, hangs or fails a structure check in a probe process."""
+    result = _probe(path, member)
+    if "crashed" in result:
+        raise _damaged(where, f"{result['crashed']}; its HDF5 structure is broken")
+    if result.get("structure"):
+        raise _damaged(where, f"HDF5 object {result['structure']}")
+
+
+def _diagnose(where: str, path: str, member: str | None, what: str) -> CorruptCheckpointError:
+    """A refusal for a file that fails its seal, naming the damaged keys a probe finds."""
+    result = _probe(path, member)
+    damaged = [key for key, _ in result.get("damaged", [])]
+    if damaged:
+        listed = ", ".join(repr(k) for k in damaged)
+        return _damaged(where, f"{what}: {listed} fail(s) its CRC-32 checksum", key=damaged[0])
+    if "crashed" in result:
+        return _damaged(where, f"{what}; {result['crashed']}")
+    return _damaged(where, f"{what} (its metadata, a record or the layout was changed)")
+
+
+def _parse_seal(head: bytes, where: str) -> tuple[bytes, int]:
+    match = _SEAL_RE.match(head)
+    if match is None or any(head[match.end() : USERBLOCK_SIZE]):
+        raise _damaged(where, "its seal (the SHA-256 header in the first 512 bytes) is malformed")
+    return bytes.fromhex(match.group(1).decode()), int(match.group(2))
+
+
+def _check_json_depth(value, where: str):
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > JSON_MAX_DEPTH:
+            raise _damaged(where, f"a JSON record is nested deeper than {JSON_MAX_DEPTH} levels")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def _refs(value) -> list:
+    """Every ``{"__array__": name}`` reference inside a JSON value."""
+    found, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if set(item) == {"__array__"}:
+                found.append(item["__array__"])
+                continue
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class CheckpointFile:
     """A training-state file or stock Keras weights file, opened for reading.
 
-    Lists every array (:attr:`entries`) from the HDF5 metadata alone;
-    :meth:`read` reads one array and checks its CRC-32. Use as a context
-    manager (see :func:`open_file`), or call :meth:`close`. Listing refuses a
-    file whose structure is broken; damage that does not stop the listing
-    (a duplicate key, an archive member failing its zip CRC-32) is recorded in
-    :attr:`problems` and :attr:`damaged_members` so that a caller can name
-    everything wrong. :func:`read_file` refuses such a file.
+    Opening checks the whole-file seal (records), or reads the file once in a
+    probe process (unsealed files), then lists every array (:attr:`entries`)
+    from the HDF5 metadata and checks the structure and the records' schema;
+    :meth:`read` reads one array and checks its CRC-32; :meth:`check` reads
+    everything. The file is held with a shared ``flock`` while open, so a
+    writer holding it exclusively is detected. Use as a context manager (see
+    :func:`open_file`), or call :meth:`close`.
 
     Args:
         path: A ``.keras`` archive or an HDF5 file (``.h5``, ``.weights.h5``).
 
     Attributes:
-        path: The path given, as a string.
-        kind: ``"keras_stable_state"`` (:data:`FORMAT`) or ``"stock"``.
+        path: The file's path.
+        kind: ``"keras_stable_state"`` for training states, ``"stock"`` for stock Keras files.
         container: ``".keras archive"``, ``".h5 file"`` or ``".weights.h5 file"``.
-        where: How error messages name the data: ``path``, or ``"path:member"`` in an archive.
-        metadata: Writer metadata (backend, Keras version, dtype policy, ...);
-            for stock archives Keras' ``metadata.json``; else ``{}``.
+        where: What error messages call it: the path, or ``"<path>:<member>"``.
+        version: The record's format version (``None`` for stock files).
+        sealed: ``True`` when the file carries the SHA-256 seal (format 2).
+        metadata: The writer's metadata (stock archives: Keras' ``metadata.json``).
         contract: ``[key, shape, dtype]`` lists, or ``None``.
         extra: Other state as JSON (schedule, callbacks, providers, RNG), or ``{}``.
         entries: Every array, as :class:`Entry`, in file order (stock files: by
@@ -307,27 +536,37 @@ class CheckpointFile:
         member: The archive member holding the arrays (:data:`MEMBER` or
             ``"model.weights.h5"``), or ``None`` for HDF5 files.
         model_class: The model's class name from an archive's ``config.json``, or ``None``.
-        damaged_members: ``(member, reason)`` for archive members whose zip CRC-32
-            fails; the arrays of a damaged :attr:`member` are still listed and
-            read past the zip check, so their own checksums name the damaged keys.
-        problems: ``(key or dataset, reason)`` found while listing: a key that
-            appears twice in a section, a dataset without a key, unreadable
-            ``StableOptimizer`` keys.
+        damaged_members: ``(member, reason)`` for archive members found damaged by :meth:`check`.
+        problems: Always empty (kept for callers of version 0.1: problems now raise).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        CorruptCheckpointError: if the file is truncated, not a ``.keras``
-            archive or HDF5 file, lacks its metadata, a group or a numbered
-            dataset, or a damaged archive member cannot be read at all.
-        CheckpointFormatError: for a format version this version does not
-            read, or a zip archive holding neither a training state nor Keras weights.
+        CheckpointFormatError: if ``path`` is a directory, for a format version
+            this version does not read, a legacy Keras HDF5 file, or a zip
+            archive holding neither a training state nor Keras weights.
+        CheckpointInUseError: if another process holds the file locked for writing.
+        CorruptCheckpointError: if the file is truncated, fails its seal, is
+            not a ``.keras`` archive or HDF5 file, has links, external or
+            virtual storage, non-numeric or big-endian dtypes, data outside the
+            file, missing or unexpected objects or attributes, malformed JSON
+            records, an archive member that unpacks far beyond its stored
+            size, or crashes or hangs HDF5 in the probe process. The message
+            names the key, dataset or member concerned where there is one.
     """
 
     def __init__(self, path):
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"A checkpoint path must be a str or os.PathLike. Received: {type(path).__name__} {path!r}"
+            )
         self.path = os.fspath(path)
         self.kind = "stock"
         self.container = ".h5 file"
         self.where = self.path
+        self.version = None
+        self.sealed = False
         self.metadata = {}
         self.contract = None
         self.extra = {}
@@ -338,50 +577,138 @@ class CheckpointFile:
         self.model_class = None
         self.damaged_members = []
         self.problems = []
+        self._fh = None
         self._zip = None
         self._h5 = None
         self._keras_metadata = {}
         self._key_groups = set()
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"No training-state file at {self.path!r}.")
+        if os.path.isdir(self.path):
+            raise CheckpointFormatError(
+                f"{self.path!r} is a directory, not a training-state file. Pass one .keras or .h5 file "
+                "(StableCheckpoint keeps ckpt-<step>.h5 files in its directory; the newest is the last "
+                "in name order).",
+                received=self.path,
+            )
         try:
             self._open()
         except BaseException as err:
             self.close()
-            if isinstance(err, _READ_ERRORS) and not isinstance(err, StateError):
-                raise _unreadable(self.path, err) from err
+            if isinstance(err, StateError | FileNotFoundError):
+                raise
+            if isinstance(err, OSError | KeyError | ValueError | RuntimeError | EOFError | TypeError):
+                raise _damaged(
+                    self.path, f"it cannot be read as a .keras archive or HDF5 file ({err})"
+                ) from err
+            if isinstance(err, zipfile.BadZipFile | zlib.error | RecursionError | UnicodeError):
+                raise _damaged(
+                    self.path, f"it cannot be read as a .keras archive or HDF5 file ({err})"
+                ) from err
             raise
 
     # -- opening --------------------------------------------------------------------------
+    def _lock(self):
+        if fcntl is None:
+            return
+        try:
+            fcntl.flock(self._fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise CheckpointInUseError(
+                f"{self.path!r} is in use: another process holds it locked for writing (h5py open in "
+                "'w'/'a'/'r+' mode, or an exclusive flock). The file is not known to be damaged; wait for "
+                "that process to close it, then retry.",
+                path=self.path,
+            ) from err
+
     def _open(self):
-        if zipfile.is_zipfile(self.path):
+        self._fh = open(self.path, "rb")  # noqa: SIM115 (held open, and locked, until close())
+        self._lock()
+        head = self._fh.read(USERBLOCK_SIZE)
+        self._fh.seek(0)
+        if head.startswith(_SEAL_MAGIC):
+            size = self._fh.seek(0, 2)
+            self._fh.seek(0)
+            self._check_seal_stream(head, size)
+            self._h5 = h5py.File(self._fh, "r")
+            self.sealed = True
+        elif head.startswith(_HDF5_SIGNATURE):
+            _probe_or_refuse(self.path, self.path)
+            self._h5 = h5py.File(self._fh, "r")
+        elif head.startswith(_ZIP_SIGNATURE) or zipfile.is_zipfile(self._fh):
+            self._fh.seek(0)
+            if not zipfile.is_zipfile(self._fh):
+                raise _damaged(
+                    self.path, "the zip archive has no central directory at its end: it is truncated"
+                )
+            self._fh.seek(0)
             self._open_archive()
         else:
-            with open(self.path, "rb") as fh:
-                head = fh.read(4)
-            if head == b"PK\x03\x04":
-                raise CorruptCheckpointError(
-                    f"{self.path}: the zip archive has no central directory at its end: the file is "
-                    f"truncated or damaged; {_RESTORE_HINT}."
-                )
-            self._h5 = h5py.File(self.path, "r")
-            if self.path.endswith(".weights.h5"):
-                self.container = ".weights.h5 file"
-            if self._h5.attrs.get("format") == FORMAT:
-                self.kind = FORMAT
-        if self.kind == FORMAT:
+            raise _damaged(
+                self.path, "it is neither a .keras archive nor an HDF5 file (no zip, HDF5 or seal signature)"
+            )
+        if self.path.endswith(".weights.h5"):
+            self.container = ".weights.h5 file"
+        if self._h5.attrs.get("format") == FORMAT:
+            self.kind = FORMAT
             self._list_record()
+        elif self.member == MEMBER:
+            raise _damaged(self.where, f"the member does not say it is a {FORMAT} record")
         else:
             self._list_stock()
 
+    def _check_seal_stream(self, head: bytes, size: int):
+        digest, length = _parse_seal(head, self.path)
+        if size != USERBLOCK_SIZE + length:
+            raise _damaged(
+                self.path,
+                f"it is truncated or damaged: {size} bytes long, but its seal says {USERBLOCK_SIZE + length}",
+                expected=USERBLOCK_SIZE + length,
+                received=size,
+            )
+        sha = hashlib.sha256()
+        self._fh.seek(USERBLOCK_SIZE)
+        while chunk := self._fh.read(_CHUNK):
+            sha.update(chunk)
+        self._fh.seek(0)
+        if sha.digest() != digest:
+            raise _diagnose(self.path, self.path, None, "its content fails its SHA-256 seal")
+
     def _open_archive(self):
         self.container = ".keras archive"
-        self._zip = zipfile.ZipFile(self.path)
-        infos = {info.filename: info for info in self._zip.infolist()}
-        self.members = [(name, info.file_size) for name, info in infos.items()]
-        if MEMBER in infos:
-            self.member, self.kind = MEMBER, FORMAT
-        elif KERAS_WEIGHTS_MEMBER in infos:
+        self._zip = zipfile.ZipFile(self._fh)
+        infos = self._zip.infolist()
+        names = [info.filename for info in infos]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise _damaged(self.path, f"archive members {twice} appear twice")
+        for info in infos:
+            name = info.filename
+            if name.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", name) or ":" in name.split("/")[0]:
+                raise _damaged(self.path, f"archive member {name!r} has an unsafe path (absolute or '..')")
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise _damaged(
+                    self.path, f"archive member {name!r} uses compression method {info.compress_type}"
+                )
+            if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+                raise _damaged(
+                    self.path,
+                    f"archive member {name!r} is stored uncompressed but declares {info.file_size} bytes "
+                    f"for {info.compress_size} stored",
+                )
+            if info.file_size > MAX_UNPACK_RATIO * info.compress_size + UNPACK_SLACK:
+                raise _damaged(
+                    self.path,
+                    f"archive member {name!r} would unpack to {info.file_size} bytes from "
+                    f"{info.compress_size} stored (more than {MAX_UNPACK_RATIO}x): refused as a "
+                    "decompression bomb",
+                    key=name,
+                )
+        self.members = [(info.filename, info.file_size) for info in infos]
+        present = set(names)
+        if MEMBER in present:
+            self.member = MEMBER
+        elif KERAS_WEIGHTS_MEMBER in present:
             self.member = KERAS_WEIGHTS_MEMBER
         else:
             raise CheckpointFormatError(
@@ -393,117 +720,335 @@ class CheckpointFile:
         self.where = f"{self.path}:{self.member}"
         try:
             data = self._zip.read(self.member)
-        except (zipfile.BadZipFile, zlib.error, EOFError) as err:
-            # Read it anyway: the per-array checksums then name the damaged arrays.
-            self.damaged_members.append((self.member, str(err)))
-            try:
-                data = _raw_member(self.path, infos[self.member])
-            except (OSError, zipfile.BadZipFile, zlib.error) as raw_err:
-                raise CorruptCheckpointError(
-                    f"{self.where}: the archive member fails its zip CRC-32 ({err}) and cannot be read "
-                    f"past it ({raw_err}). The file is damaged; {_RESTORE_HINT}."
-                ) from raw_err
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as err:
+            raise _damaged(
+                self.where, f"the archive member fails its zip checks ({err})", key=self.member
+            ) from err
+        if data.startswith(_SEAL_MAGIC):
+            digest, length = _parse_seal(data[:USERBLOCK_SIZE], self.where)
+            if (
+                len(data) != USERBLOCK_SIZE + length
+                or hashlib.sha256(data[USERBLOCK_SIZE:]).digest() != digest
+            ):
+                raise _diagnose(self.where, self.path, self.member, "its content fails its SHA-256 seal")
+            self.sealed = True
+        elif data.startswith(_HDF5_SIGNATURE):
+            _probe_or_refuse(self.where, self.path, self.member)
+        else:
+            raise _damaged(self.where, "the archive member is not an HDF5 file", key=self.member)
         self._h5 = h5py.File(io.BytesIO(data), "r")
+        self._data_size = len(data)
         for name in ("metadata.json", "config.json"):
-            if name not in infos:
+            if name not in present:
                 continue
             try:
                 value = json.loads(self._zip.read(name))
-            except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as err:
-                self.damaged_members.append((name, str(err)))
-                continue
+                _check_json_depth(value, f"{self.path}:{name}")
+            except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, RecursionError) as err:
+                raise _damaged(
+                    f"{self.path}:{name}", f"the archive member is unreadable ({err})", key=name
+                ) from err
             if isinstance(value, dict) and name == "config.json":
-                self.model_class = value.get("class_name")
+                cls = value.get("class_name")
+                self.model_class = cls if isinstance(cls, str) else None
             elif isinstance(value, dict):
                 self._keras_metadata = value
 
-    def _list_record(self):
+    def _data_limit(self) -> int:
+        # Dataset offsets count from the start of the file, user block included.
+        return self._data_size if self._zip is not None else os.fstat(self._fh.fileno()).st_size
+
+    def _walk(self, strings=()):
+        try:
+            return checks.walk(self._h5, self._data_limit()) if not strings else self._walk_v1(strings)
+        except checks.StructureError as err:
+            raise _damaged(self.where, f"HDF5 object {err}", key=err.where) from err
+
+    def _walk_v1(self, strings):
+        # Format 1 kept its JSON records as variable-length strings: check them apart.
+        found = []
+        for name in self._h5:
+            link = self._h5.get(name, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                raise checks.StructureError(name, f"is a {type(link).__name__} (links are not followed)")
+            obj = self._h5[name]
+            if name in strings and isinstance(obj, h5py.Dataset) and obj.shape == ():
+                if h5py.check_string_dtype(obj.dtype) is None:
+                    raise checks.StructureError(name, "is not a string record")
+                continue
+            if isinstance(obj, h5py.Group):
+                found += checks.walk(obj, self._data_limit(), f"{name}/")
+            else:
+                raise checks.StructureError(name, "is not a group of arrays")
+        return found
+
+    # -- records --------------------------------------------------------------------------
+    def _root_attrs(self):
         f = self._h5
-        version = int(f.attrs.get("format_version", -1))
-        if version != FORMAT_VERSION:
+        unknown = sorted(set(f.attrs) - {"format", "format_version"})
+        if unknown:
+            raise _damaged(self.where, f"unexpected root attributes {unknown}")
+        version = f.attrs.get("format_version")
+        if not isinstance(version, int | np.integer) or isinstance(version, bool):
+            raise _damaged(self.where, f"its format_version attribute is {version!r}, not an integer")
+        version = int(version)
+        if version not in READ_VERSIONS:
             raise CheckpointFormatError(
-                f"{self.where}: format version {version} is not one this version reads ({FORMAT_VERSION}). "
-                "Upgrade keras_stable_state.",
+                f"{self.where}: format version {version} is not one this version reads "
+                f"({', '.join(map(str, READ_VERSIONS))}). Upgrade keras_stable_state.",
                 expected=FORMAT_VERSION,
                 received=version,
             )
+        if version >= 2 and not self.sealed:
+            raise _damaged(self.where, f"a format-{version} record without its seal")
+        self.version = version
+
+    def _read_json(self, name: str):
+        f = self._h5
+        if name not in f or not isinstance(f[name], h5py.Dataset):
+            raise _damaged(self.where, f"record {name!r} is missing", key=name)
+        ds = f[name]
         try:
-            self.metadata, self.contract, self.extra = (
-                json.loads(f[name][()]) for name in ("metadata", "contract", "extra")
-            )
-        except (KeyError, ValueError, OSError) as err:
-            raise CorruptCheckpointError(
-                f"{self.where}: the metadata is unreadable ({err}). The file is damaged; {_RESTORE_HINT}."
-            ) from err
+            if self.version == 1:
+                text = ds[()]
+                text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+            else:
+                if ds.dtype != np.uint8 or ds.ndim != 1:
+                    raise _damaged(
+                        self.where, f"record {name!r} is {ds.dtype} {ds.shape}, not UTF-8 bytes", key=name
+                    )
+                if set(ds.attrs) != {"crc32"}:
+                    raise _damaged(self.where, f"record {name!r} has attributes {sorted(ds.attrs)}", key=name)
+                raw = checks.read_dataset(ds)
+                crc = ds.attrs["crc32"]
+                if not isinstance(crc, int | np.integer) or int(crc) != checks.crc_v2(
+                    name, "json", raw.shape, raw.tobytes()
+                ):
+                    raise _damaged(self.where, f"record {name!r} fails its CRC-32 checksum", key=name)
+                text = raw.tobytes().decode("utf-8")
+            value = json.loads(text)
+        except (ValueError, RecursionError, UnicodeError, OSError) as err:
+            raise _damaged(self.where, f"record {name!r} is not valid JSON ({err})", key=name) from err
+        _check_json_depth(value, self.where)
+        return value
+
+    def _list_record(self):
+        self._root_attrs()
+        f = self._h5
+        expected = {*RECORDS, *SECTIONS}
+        unknown = sorted(set(f) - expected)
+        if unknown:
+            raise _damaged(self.where, f"unexpected objects {unknown} at the root", key=unknown[0])
+        datasets = dict(self._walk(RECORDS if self.version == 1 else ()))
+        self.metadata, self.contract, self.extra = (self._read_json(name) for name in RECORDS)
         for section in SECTIONS:
             if section not in f:
                 if section == "state":
                     continue
-                raise CorruptCheckpointError(
-                    f"{self.where}: group {section!r} is missing. The file is damaged; {_RESTORE_HINT}.",
+                raise _damaged(self.where, f"group {section!r} is missing", key=section)
+            group = f[section]
+            if not isinstance(group, h5py.Group):
+                raise _damaged(self.where, f"{section!r} is not a group", key=section)
+            names = set(group)
+            if names != {str(i) for i in range(len(names))}:
+                odd = sorted(names - {str(i) for i in range(len(names))})
+                raise _damaged(
+                    self.where,
+                    f"group {section!r} holds {odd}, not only datasets numbered 0..{len(names) - 1}",
                     key=section,
                 )
-            group = f[section]
             seen = set()
-            for i in range(len(group)):
+            for i in range(len(names)):
                 name = f"{section}/{i}"
-                ds = group.get(str(i))
-                if not isinstance(ds, h5py.Dataset):
-                    raise CorruptCheckpointError(
-                        f"{self.where}: dataset {name} is missing ({len(group)} arrays expected). The file "
-                        f"is damaged; {_RESTORE_HINT}.",
-                        key=name,
+                ds = datasets.get(name)
+                if ds is None:
+                    raise _damaged(self.where, f"{name} is not a dataset", key=name)
+                entry = self._record_entry(section, name, ds)
+                if entry.key in seen:
+                    raise _damaged(
+                        self.where, f"key {entry.key!r} appears twice in {section!r}", key=entry.key
                     )
-                key = ds.attrs.get("key")
-                if key is None:
-                    self.problems.append((name, "has no key attribute"))
-                    key = name
-                key = str(key)
-                if key in seen:
-                    self.problems.append((key, f"appears twice in {section!r}"))
-                seen.add(key)
-                crc = ds.attrs.get("crc32")
-                self.entries.append(
-                    Entry(
-                        section=section,
-                        key=key,
-                        dataset=ds.name,
-                        shape=tuple(int(n) for n in ds.shape),
-                        dtype=str(ds.attrs.get("dtype", ds.dtype.name)),
-                        nbytes=int(ds.size) * ds.dtype.itemsize,
-                        crc32=None if crc is None else int(crc),
-                    )
+                seen.add(entry.key)
+                self.entries.append(entry)
+        self._check_schema()
+
+    def _record_entry(self, section: str, name: str, ds) -> Entry:
+        attrs = set(ds.attrs)
+        if attrs != {"key", "dtype", "crc32"}:
+            raise _damaged(
+                self.where, f"dataset {name} has attributes {sorted(attrs)}, not key, dtype, crc32", key=name
+            )
+        key, dtype, crc = ds.attrs["key"], ds.attrs["dtype"], ds.attrs["crc32"]
+        if not isinstance(key, str) or not key or not isinstance(dtype, str):
+            raise _damaged(
+                self.where, f"dataset {name} has a key or dtype attribute that is not text", key=name
+            )
+        if not isinstance(crc, int | np.integer) or isinstance(crc, bool) or not 0 <= int(crc) <= 0xFFFFFFFF:
+            raise _damaged(self.where, f"array for key {key!r} has a malformed crc32 attribute", key=key)
+        if dtype not in _DTYPES:
+            raise _damaged(
+                self.where,
+                f"array for key {key!r} says dtype {dtype!r}, not one this library writes",
+                key=key,
+            )
+        stored = _stored_dtype(dtype)
+        if ds.dtype != stored:
+            raise _damaged(
+                self.where,
+                f"array for key {key!r} is stored as {ds.dtype.str} but its dtype attribute {dtype!r} "
+                f"means {stored.str}",
+                key=key,
+                expected=stored.str,
+                received=ds.dtype.str,
+            )
+        return Entry(
+            section=section,
+            key=key,
+            dataset=ds.name,
+            shape=tuple(int(n) for n in ds.shape),
+            dtype=dtype,
+            nbytes=int(ds.size) * ds.dtype.itemsize,
+            crc32=int(crc),
+        )
+
+    def _check_schema(self):
+        """Field types of the metadata, the contract and the other-state record."""
+        where, m = self.where, self.metadata
+
+        def bad(record, what):
+            return _damaged(where, f"record {record!r}: {what}", key=record)
+
+        if not isinstance(m, dict):
+            raise bad("metadata", f"is a {type(m).__name__}, not an object")
+        for field in ("backend", "keras_version"):
+            if not isinstance(m.get(field), str):
+                raise bad("metadata", f"field {field!r} is {m.get(field)!r}, not text")
+        if m.get("model_state", "all") not in ("all", "trainable", "none"):
+            raise bad("metadata", f"model_state is {m.get('model_state')!r}")
+        classes = m.get("optimizer_classes")
+        if classes is not None and not (
+            isinstance(classes, list) and all(isinstance(c, str) for c in classes)
+        ):
+            raise bad("metadata", f"optimizer_classes is {classes!r}, not a list of names")
+        if self.contract is not None:
+            if not isinstance(self.contract, list):
+                raise bad("contract", "is not a list")
+            for item in self.contract:
+                if not (
+                    isinstance(item, list)
+                    and len(item) == 3
+                    and isinstance(item[0], str)
+                    and isinstance(item[1], list)
+                    and all(_is_int(n) and n >= 0 for n in item[1])
+                    and isinstance(item[2], str)
+                ):
+                    raise bad("contract", f"entry {str(item)[:120]} is not [key, shape, dtype]")
+        x = self.extra
+        if not isinstance(x, dict):
+            raise bad("extra", "is not an object")
+        for field in ("callbacks", "providers"):
+            if not isinstance(x.get(field, {}), dict):
+                raise bad("extra", f"{field!r} is not an object")
+        if not isinstance(x.get("schedule", {}), dict | None):
+            raise bad("extra", "'schedule' is not an object")
+        state = {e.key: e for e in self.section("state")}
+        refs = _refs(x)
+        for ref in refs:
+            if not isinstance(ref, str) or ref not in state:
+                raise bad("extra", f"refers to array {ref!r}, which the file does not hold")
+        orphans = sorted(set(state) - set(refs))
+        if orphans:
+            raise bad("extra", f"arrays {orphans} of the other state are referred to by nothing")
+        if x.get("rng") is not None:
+            self._check_rng(x["rng"], state, bad)
+
+    @staticmethod
+    def _check_rng(rng, state, bad):
+        def array(value, name, dtype, shape=None):
+            ref = value.get("__array__") if isinstance(value, dict) else None
+            e = state.get(ref)
+            if e is None or e.dtype != dtype or (shape is not None and e.shape != shape):
+                raise bad(
+                    "extra",
+                    f"RNG record {name!r} is not a {dtype} array{'' if shape is None else f' of shape {shape}'}",
                 )
 
+        if not isinstance(rng, dict):
+            raise bad("extra", "the RNG record is not an object")
+        n, p = rng.get("numpy"), rng.get("python")
+        if not (
+            isinstance(n, dict)
+            and n.get("name") == "MT19937"
+            and _is_int(n.get("pos"))
+            and 0 <= n["pos"] <= 624
+            and n.get("has_gauss") in (0, 1)
+            and isinstance(n.get("cached"), float | int)
+        ):
+            raise bad("extra", "RNG record 'rng/numpy' is malformed")
+        array(n.get("keys"), "rng/numpy/keys", "uint32", (624,))
+        internal = p.get("internal") if isinstance(p, dict) else None
+        if not (
+            isinstance(p, dict)
+            and _is_int(p.get("version"))
+            and isinstance(internal, list)
+            and len(internal) == 625
+            and all(_is_int(v) and 0 <= v < 2**32 for v in internal)
+            and internal[-1] <= 624
+            and (p.get("gauss") is None or isinstance(p.get("gauss"), float))
+        ):
+            raise bad("extra", "RNG record 'rng/python' is malformed")
+        if rng.get("keras_global_seed") is not None:
+            ref = (
+                rng["keras_global_seed"].get("__array__")
+                if isinstance(rng["keras_global_seed"], dict)
+                else None
+            )
+            if ref not in state:
+                raise bad("extra", "RNG record 'rng/keras_global_seed' is not an array")
+        if rng.get("torch") is not None:
+            array(rng["torch"], "rng/torch", "uint8")
+
     def _list_stock(self):
+        f = self._h5
+        if "model_weights" in f or "layer_names" in f.attrs or "model_config" in f.attrs:
+            raise CheckpointFormatError(
+                f"{self.where}: this is a legacy Keras HDF5 file (`model.save('x.h5')` or "
+                "`save_weights('x.h5')` of Keras 2 / tf.keras), which keeps weights by layer order and no "
+                "optimizer state by key. Load it with `keras.models.load_model` or `model.load_weights`, "
+                "then save a training state with save_training_state.",
+                received=self.where,
+            )
         self.metadata = dict(self._keras_metadata)
-        found = []
-
-        def visit(name, obj):
-            if isinstance(obj, h5py.Dataset):
-                found.append(name)
-
-        self._h5.visititems(visit)
-        for name in sorted(found, key=_natural):
-            ds = self._h5[name]
+        datasets = self._walk()
+        if not datasets:
+            raise CheckpointFormatError(
+                f"{self.where}: this HDF5 file holds no arrays; it is neither a training state nor a Keras "
+                "weights file.",
+                received=self.where,
+            )
+        for name, ds in sorted(datasets, key=lambda item: _natural(item[0])):
             if name.startswith("optimizer/") and name.endswith("/keys"):
                 # StableOptimizer.save_own_variables: the entry keys of datasets "0", "1", ...
                 group = name[: -len("keys")]
                 self._key_groups.add(group)
                 try:
-                    keys = json.loads(np.asarray(ds[()], dtype=np.uint8).tobytes().decode())
-                except (ValueError, TypeError, OSError) as err:
-                    self.problems.append((name, f"optimizer keys are unreadable ({err})"))
-                    continue
-                self.optimizer_keys.update({f"{group}{i}": str(k) for i, k in enumerate(keys)})
+                    keys = json.loads(checks.read_dataset(ds).astype(np.uint8).tobytes().decode())
+                except (ValueError, TypeError, OSError, RecursionError, UnicodeError) as err:
+                    raise _damaged(
+                        self.where, f"optimizer keys {name!r} are unreadable ({err})", key=name
+                    ) from err
+                if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+                    raise _damaged(self.where, f"optimizer keys {name!r} are not a list of keys", key=name)
+                self.optimizer_keys.update({f"{group}{i}": k for i, k in enumerate(keys)})
                 continue
+            dtype = "bfloat16" if ds.attrs.get("dtype") == "bfloat16" else ds.dtype.name
             self.entries.append(
                 Entry(
                     section="optimizer" if name.startswith("optimizer/") else "model",
                     key=name,
                     dataset=name,
                     shape=tuple(int(n) for n in ds.shape),
-                    dtype="bfloat16" if ds.attrs.get("dtype") == "bfloat16" else ds.dtype.name,
+                    dtype=dtype,
                     nbytes=int(ds.size) * ds.dtype.itemsize,
                 )
             )
@@ -522,41 +1067,38 @@ class CheckpointFile:
 
         Raises:
             CorruptCheckpointError: naming ``entry.key`` if the array cannot be
-                read (truncation), fails its CRC-32 checksum (``.expected`` the
-                stored, ``.received`` the computed value), or, in a
-                keras_stable_state file, carries no checksum.
+                read (truncation) or fails its CRC-32 checksum (``.expected`` the
+                stored, ``.received`` the computed value; format 2 covers the
+                key, dtype, shape and bytes).
             ValueError: if the file is closed.
         """
         if self._h5 is None:
             raise ValueError(f"{self.path}: the file is closed; read inside `with storage.open_file(path)`.")
-        ds = self._h5[entry.dataset]
         try:
-            stored = np.asarray(ds[()])
-        except (OSError, ValueError, RuntimeError) as err:
-            raise CorruptCheckpointError(
-                f"{self.where}: array for key {entry.key!r} cannot be read ({err}). The file is truncated "
-                f"or damaged; {_RESTORE_HINT}.",
-                key=entry.key,
+            stored = checks.read_dataset(self._h5[entry.dataset])
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+            raise _damaged(
+                self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
             ) from err
         if self.kind == FORMAT:
-            if entry.crc32 is None:
-                raise CorruptCheckpointError(
-                    f"{self.where}: array for key {entry.key!r} has no CRC-32 checksum. The file was not "
-                    f"written by keras_stable_state or is damaged; {_RESTORE_HINT}.",
-                    key=entry.key,
-                )
-            computed = _crc(stored)
+            if self.version == 1:
+                computed = checks.crc_v1(stored.tobytes())
+            else:
+                computed = checks.crc_v2(entry.key, entry.dtype, stored.shape, stored.tobytes())
             if computed != entry.crc32:
-                raise CorruptCheckpointError(
-                    f"{self.where}: array for key {entry.key!r} fails its CRC-32 checksum (expected "
-                    f"{entry.crc32}, computed {computed}). The file is damaged; {_RESTORE_HINT}.",
+                raise _damaged(
+                    self.where,
+                    f"array for key {entry.key!r} fails its CRC-32 checksum (expected {entry.crc32}, "
+                    f"computed {computed})",
                     key=entry.key,
                     expected=entry.crc32,
                     received=computed,
                 )
         if entry.dtype in _EXOTIC and stored.dtype.name != entry.dtype:
             target = np.dtype(_EXOTIC[entry.dtype])
-            return stored.view(target) if target.itemsize == stored.dtype.itemsize else stored.astype(target)
+            if target.itemsize != stored.dtype.itemsize:
+                raise _damaged(self.where, f"array for key {entry.key!r} is not {entry.dtype}", key=entry.key)
+            return stored.view(target)
         return stored
 
     def check_members(self, progress=None):
@@ -580,6 +1122,30 @@ class CheckpointFile:
             except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:
                 self.damaged_members.append((name, str(err)))
 
+    def check(self, progress=None) -> list:
+        """Read every array and every archive member and check them.
+
+        Args:
+            progress: Optional callable given the bytes read after each array or chunk.
+
+        Returns:
+            ``[(key or member, reason)]`` for everything damaged; empty when intact.
+        """
+        damaged = []
+        for e in self.entries:
+            try:
+                self.read(e)
+            except CorruptCheckpointError as err:
+                damaged.append((str(err.key), str(err)))
+            if progress is not None:
+                progress(e.nbytes)
+        self.check_members(progress)
+        damaged += [
+            (member, f"archive member {member!r} fails its zip CRC-32 ({reason})")
+            for member, reason in self.damaged_members
+        ]
+        return damaged
+
     def section(self, name: str) -> list:
         """The entries of one section (``"model"``, ``"optimizer"``, ``"state"``), in file order."""
         return [e for e in self.entries if e.section == name]
@@ -590,12 +1156,13 @@ class CheckpointFile:
         return sum(e.nbytes for e in self.entries)
 
     def close(self):
-        """Close the file; :meth:`read` then raises ``ValueError``. Closing twice is harmless."""
-        for handle in (self._h5, self._zip):
+        """Close the file and release its lock; :meth:`read` then raises ``ValueError``.
+        Closing twice is harmless."""
+        for handle in (self._h5, self._zip, self._fh):
             if handle is not None:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(OSError, ValueError, RuntimeError):
                     handle.close()
-        self._h5 = self._zip = None
+        self._h5 = self._zip = self._fh = None
 
     def __enter__(self):
         return self
@@ -608,7 +1175,8 @@ class CheckpointFile:
 def open_file(filepath) -> CheckpointFile:
     """Open a training-state file or stock Keras weights file for reading, lazily.
 
-    Nothing but HDF5 metadata is read until :meth:`CheckpointFile.read`.
+    The seal (or, for unsealed files, a probe process), the structure and the
+    records are checked; no array is read until :meth:`CheckpointFile.read`.
 
     Example:
         >>> with storage.open_file("run.keras") as f:
@@ -618,27 +1186,9 @@ def open_file(filepath) -> CheckpointFile:
         A :class:`CheckpointFile`, to use as a context manager.
 
     Raises:
-        FileNotFoundError: if the path does not exist.
-        CorruptCheckpointError: if the file is truncated or not a ``.keras``/HDF5 file.
-        CheckpointFormatError: for an unknown format version, or a zip archive
-            holding neither a training state nor Keras weights.
+        The errors of :class:`CheckpointFile`.
     """
     return CheckpointFile(filepath)
-
-
-def _refuse_damage(f: CheckpointFile):
-    for member, reason in f.damaged_members:
-        if member == f.member:
-            raise CorruptCheckpointError(
-                f"{f.where}: the archive member fails its zip CRC-32 ({reason}). The file is damaged; "
-                f"{_RESTORE_HINT}."
-            )
-    if f.problems:
-        listed = "; ".join(f"{where!r} {reason}" for where, reason in f.problems)
-        raise CorruptCheckpointError(
-            f"{f.where}: {listed}. The file was not written by keras_stable_state or is damaged.",
-            key=f.problems[0][0],
-        )
 
 
 def _stock_weights(f: CheckpointFile, arrays: dict) -> StockWeights:
@@ -674,10 +1224,12 @@ def _stock_weights(f: CheckpointFile, arrays: dict) -> StockWeights:
 
 
 def read_file(filepath):
-    """Read a training-state file, or a stock Keras weights file, whole.
+    """Read a training-state file, or a stock Keras weights file, whole, with every check.
 
     Every array is read and (keras_stable_state files) checked against its
-    CRC-32 before anything is returned. Built on :func:`open_file`.
+    CRC-32, and every archive member against its zip CRC-32, before anything
+    is returned. Built on :func:`open_file`; the command line's ``verify``
+    runs exactly these checks.
 
     Returns:
         :class:`StateRecord` for files written by keras_stable_state,
@@ -685,24 +1237,25 @@ def read_file(filepath):
 
     Raises:
         FileNotFoundError: if the path does not exist.
-        CorruptCheckpointError: if the file is truncated, not an archive/HDF5
-            file, an array fails its checksum (naming its key, also when the
-            archive member holding it fails its zip CRC-32), the archive
-            member fails its zip CRC-32, a key appears twice in a section, or
-            positional optimizer variables or their ``StableOptimizer`` keys are missing.
-        CheckpointFormatError: for an unknown format version, or a zip archive
-            holding neither a training state nor Keras weights.
+        CheckpointInUseError: if another process holds the file locked for writing.
+        CorruptCheckpointError: for every kind of damage :class:`CheckpointFile`
+            lists, an array failing its checksum (naming its key), an archive
+            member failing its zip CRC-32 (naming it), or positional optimizer
+            variables or their ``StableOptimizer`` keys missing.
+        CheckpointFormatError: for a directory, an unknown format version, a
+            legacy Keras HDF5 file, or a zip archive holding neither a training
+            state nor Keras weights.
     """
     with open_file(filepath) as f:
-        try:
-            arrays = {section: {e.key: f.read(e) for e in f.section(section)} for section in SECTIONS}
-            _refuse_damage(f)
-            if f.kind != FORMAT:
-                return _stock_weights(f, arrays)
-        except StateError:
-            raise
-        except _READ_ERRORS as err:
-            raise _unreadable(f.path, err) from err
+        arrays = {section: {} for section in SECTIONS}
+        for e in f.entries:
+            arrays[e.section][e.key] = f.read(e)
+        f.check_members()
+        if f.damaged_members:
+            member, reason = f.damaged_members[0]
+            raise _damaged(f.path, f"archive member {member!r} fails its zip CRC-32 ({reason})", key=member)
+        if f.kind != FORMAT:
+            return _stock_weights(f, arrays)
         return StateRecord(
             metadata=f.metadata,
             contract=f.contract,

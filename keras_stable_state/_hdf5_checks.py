@@ -1,0 +1,209 @@
+"""Structure checks of an HDF5 file that need h5py and NumPy only.
+
+Used in two ways:
+
+* imported by :mod:`keras_stable_state.storage`, which runs these checks on
+  every file before reading an array: no soft or external links, no external
+  storage, no virtual, chunked or filtered datasets, plain little-endian
+  numeric dtypes only, and each dataset's data inside the file (so a small
+  file cannot make the reader allocate more than its own size);
+* run as a script (``python -I _hdf5_checks.py FILE [MEMBER]``) in a separate
+  process, to read a file that has no whole-file hash (stock Keras files,
+  format-1 records) or whose hash fails: whatever HDF5 does with a damaged
+  file (a segmentation fault, an endless loop) happens in that process, never
+  in the training process. The script prints one JSON document: the
+  structure problem, and the keys whose per-array CRC-32 fails.
+
+It imports nothing from keras_stable_state, so the script starts in a fraction
+of a second.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import zipfile
+import zlib
+
+import h5py
+import numpy as np
+
+MAX_DEPTH = 64
+MAX_OBJECTS = 1_000_000
+# Stored dtypes a file may hold: little-endian (or single-byte) bool, int, uint, float.
+_KINDS = "biuf"
+
+
+class StructureError(Exception):
+    """A file's HDF5 structure is not one this library reads.
+
+    Attributes:
+        where: The HDF5 path of the object concerned.
+        reason: What is wrong with it.
+    """
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"{where!r} {reason}")
+        self.where = where
+        self.reason = reason
+
+
+def crc_v2(key: str, dtype: str, shape, data: bytes) -> int:
+    """CRC-32 (``zlib.crc32``) of a format-2 array: its key, dtype name and shape, then its bytes."""
+    head = f"{key}\0{dtype}\0{','.join(str(int(n)) for n in shape)}\0".encode()
+    return zlib.crc32(data, zlib.crc32(head)) & 0xFFFFFFFF
+
+
+def crc_v1(data: bytes) -> int:
+    """CRC-32 of a format-1 array: its bytes only."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def check_dtype(dtype, where: str) -> None:
+    """Refuse anything but a plain little-endian bool/int/uint/float dtype."""
+    dtype = np.dtype(dtype)
+    if dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in _KINDS:
+        raise StructureError(where, f"has dtype {dtype} (only plain numeric arrays are read)")
+    if dtype.byteorder not in ("<", "|", "=") or (dtype.byteorder == "=" and sys.byteorder != "little"):
+        raise StructureError(where, f"has big-endian dtype {dtype.str} (files are written little-endian)")
+
+
+def check_dataset(ds, data_limit: int) -> None:
+    """Refuse a dataset whose data is not plain, contiguous and inside the file.
+
+    Args:
+        ds: An ``h5py.Dataset``.
+        data_limit: The file's length in bytes (dataset offsets count from its start).
+
+    Raises:
+        StructureError: for virtual datasets, external storage, chunked or
+            filtered layouts, non-numeric or big-endian dtypes, or data that
+            does not lie inside the file.
+    """
+    where = ds.name
+    if ds.is_virtual:
+        raise StructureError(where, "is a virtual dataset (it would read other files)")
+    plist = ds.id.get_create_plist()
+    if plist.get_external_count():
+        raise StructureError(where, "keeps its data in an external file (it would read another file)")
+    layout = plist.get_layout()
+    if layout not in (h5py.h5d.CONTIGUOUS, h5py.h5d.COMPACT):
+        raise StructureError(where, "is chunked (files are written contiguous)")
+    if plist.get_nfilters():
+        raise StructureError(where, "is compressed or filtered (files are written uncompressed)")
+    check_dtype(ds.dtype, where)
+    nbytes = int(np.prod(ds.shape, dtype=np.int64)) * ds.dtype.itemsize if ds.shape is not None else 0
+    if nbytes > data_limit:
+        raise StructureError(where, f"declares {nbytes} bytes of data in a file of {data_limit} bytes")
+    if layout == h5py.h5d.CONTIGUOUS and nbytes:
+        stored = ds.id.get_storage_size()
+        offset = ds.id.get_offset()
+        if stored != nbytes or offset is None or offset + stored > data_limit:
+            raise StructureError(
+                where, f"declares {nbytes} bytes but {stored} are stored at offset {offset} of {data_limit}"
+            )
+
+
+def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None) -> list:
+    """Every dataset under ``group`` as ``(path, dataset)``, refusing links and odd objects.
+
+    Only hard links are followed; soft links, external links, user-defined
+    links, named datatypes and cycles are refused, as is nesting deeper than
+    :data:`MAX_DEPTH` or more than :data:`MAX_OBJECTS` objects.
+
+    Raises:
+        StructureError: naming the object.
+    """
+    seen = set() if seen is None else seen
+    if depth > MAX_DEPTH:
+        raise StructureError(prefix or "/", f"is nested deeper than {MAX_DEPTH} groups")
+    found = []
+    for name in group:
+        path = f"{prefix}{name}"
+        link = group.get(name, getlink=True)
+        if not isinstance(link, h5py.HardLink):
+            raise StructureError(path, f"is a {type(link).__name__} (links are not followed)")
+        obj = group[name]
+        addr = h5py.h5o.get_info(obj.id).addr
+        if addr in seen:
+            raise StructureError(path, "is linked twice (hard-link cycle or alias)")
+        seen.add(addr)
+        if len(seen) > MAX_OBJECTS:
+            raise StructureError(path, f"is past {MAX_OBJECTS} objects")
+        if isinstance(obj, h5py.Dataset):
+            check_dataset(obj, data_limit)
+            found.append((path, obj))
+        elif isinstance(obj, h5py.Group):
+            found += walk(obj, data_limit, f"{path}/", depth + 1, seen)
+        else:
+            raise StructureError(path, f"is a {type(obj).__name__} (only groups and datasets are read)")
+    return found
+
+
+def read_dataset(ds) -> np.ndarray:
+    """The dataset's data as stored (no dtype conversion), C order."""
+    out = np.empty(ds.shape, dtype=ds.dtype)
+    if out.size:
+        ds.read_direct(out)
+    return out
+
+
+def _attr(ds, name):
+    value = ds.attrs.get(name)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def probe(data: bytes | None, path: str | None) -> dict:
+    """Open an HDF5 image (``data``) or file (``path``), check its structure, read
+    every dataset and check each keyed array's CRC-32.
+
+    Returns:
+        ``{"structure": None | "reason", "damaged": [[key, reason], ...], "datasets": n}``.
+    """
+    source = io.BytesIO(data) if data is not None else path
+    with h5py.File(source, "r", locking=False) as f:
+        limit = len(data) if data is not None else _file_size(path)
+        version = f.attrs.get("format_version")
+        try:
+            datasets = walk(f, limit)
+        except StructureError as err:
+            return {"structure": str(err), "damaged": [], "datasets": 0}
+        damaged = []
+        for name, ds in datasets:
+            array = read_dataset(ds)
+            for attr in list(ds.attrs):
+                ds.attrs[attr]  # noqa: B018 (reading every attribute is the probe)
+            key, crc, dtype = _attr(ds, "key"), _attr(ds, "crc32"), _attr(ds, "dtype")
+            if crc is None:
+                continue
+            if version == 1:
+                computed = crc_v1(array.tobytes())
+            else:
+                computed = crc_v2(
+                    str(key if key is not None else name), str(dtype), array.shape, array.tobytes()
+                )
+            if int(crc) != computed:
+                damaged.append([str(key if key is not None else name), "fails its CRC-32 checksum"])
+    return {"structure": None, "damaged": damaged, "datasets": len(datasets)}
+
+
+def _file_size(path: str) -> int:
+    with open(path, "rb") as fh:
+        return fh.seek(0, 2)
+
+
+def main(argv) -> int:
+    path = argv[0]
+    member = argv[1] if len(argv) > 1 and argv[1] else None
+    data = None
+    if member is not None:
+        with zipfile.ZipFile(path) as zf:
+            data = zf.read(member)
+    result = probe(data, None if data is not None else path)
+    sys.stdout.write(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
