@@ -174,17 +174,17 @@ def probe(data: bytes | None, path: str | None) -> dict:
             array = read_dataset(ds)
             for attr in list(ds.attrs):
                 ds.attrs[attr]  # noqa: B018 (reading every attribute is the probe)
-            key, crc, dtype = _attr(ds, "key"), _attr(ds, "crc32"), _attr(ds, "dtype")
+            crc = _attr(ds, "crc32")
             if crc is None:
                 continue
+            # arrays carry key and dtype attributes; JSON records are named by their dataset
+            key, dtype = str(_attr(ds, "key") or name), str(_attr(ds, "dtype") or "json")
             if version == 1:
                 computed = crc_v1(array.tobytes())
             else:
-                computed = crc_v2(
-                    str(key if key is not None else name), str(dtype), array.shape, array.tobytes()
-                )
+                computed = crc_v2(key, dtype, array.shape, array.tobytes())
             if int(crc) != computed:
-                damaged.append([str(key if key is not None else name), "fails its CRC-32 checksum"])
+                damaged.append([key, "fails its CRC-32 checksum"])
     return {"structure": None, "damaged": damaged, "datasets": len(datasets)}
 
 

@@ -34,7 +34,7 @@ import sys
 import numpy as np
 
 from keras_stable_state import storage
-from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 from keras_stable_state.storage import CheckpointFile, Entry
 
 __all__ = [
@@ -97,6 +97,15 @@ def _describe(f: CheckpointFile) -> str:
 
 
 # -- output -------------------------------------------------------------------------------
+def _safe(text) -> str:
+    """``text`` with control and other unprintable characters escaped (``\\x1b``, ``\\n``), so
+    that a key read from a file cannot move the cursor, recolour or rewrite the terminal."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _isatty(stream) -> bool:
     try:
         return bool(stream.isatty())
@@ -139,9 +148,9 @@ class _Printer:
         if self.rich:
             from rich.text import Text
 
-            self.console.print(Text(text, style=style or ""))
+            self.console.print(Text(_safe(text), style=style or ""))
         else:
-            print(text, file=self.stream)
+            print(_safe(text), file=self.stream)
 
     def heading(self, text):
         self.line()
@@ -158,15 +167,15 @@ class _Printer:
             table.add_column(style="bold")
             table.add_column()
             for k, v in pairs:
-                table.add_row(Text(k), Text(str(v)))
+                table.add_row(Text(_safe(k)), Text(_safe(v)))
             self.console.print(table)
         else:
             for k, v in pairs:
-                print(f"  {k.ljust(width)}  {v}", file=self.stream)
+                print(f"  {_safe(k).ljust(width)}  {_safe(v)}", file=self.stream)
 
     def table(self, title, columns, rows, right=()):
         """``columns``: header names; ``rows``: lists of cells; ``right``: right-aligned columns."""
-        rows = [[str(c) for c in row] for row in rows]
+        rows = [[_safe(c) for c in row] for row in rows]
         if self.rich:
             from rich import box
             from rich.table import Table
@@ -557,30 +566,20 @@ def verify_file(f: CheckpointFile, progress=None) -> list:
     Returns:
         ``[(key or member, reason)]`` for everything damaged; empty when intact.
     """
-    damaged = []
-    for e in f.entries:
-        try:
-            f.read(e)
-        except CorruptCheckpointError as err:
-            damaged.append((str(err.key), str(err)))
-        if progress is not None:
-            progress(e.nbytes)
-    f.check_members(progress)
-    damaged += [
-        (member, f"archive member {member!r} fails its zip CRC-32 ({reason})")
-        for member, reason in f.damaged_members
-    ]
-    damaged += list(f.problems)
-    return damaged
+    return f.check(progress)
 
 
 def _cmd_verify(args) -> int:
     try:
         f = _open(args.file)
     except (CorruptCheckpointError, CheckpointFormatError) as err:
+        # Opening runs the whole-file checks (seal, structure, records): the file is refused as a whole.
+        damaged = [{"key": err.key if err.key is not None else os.fspath(args.file), "reason": str(err)}]
         if args.json:
-            _print_json({"file": os.fspath(args.file), "ok": False, "damaged": [], "error": str(err)})
-        print(f"{PROG} verify: DAMAGED: {err}", file=sys.stderr)
+            _print_json({"file": os.fspath(args.file), "ok": False, "damaged": damaged, "error": str(err)})
+        else:
+            _Printer().line(f"DAMAGED {os.fspath(args.file)}: {err}", style="bold red")
+        print(f"{PROG} verify: DAMAGED: {_safe(str(err))}", file=sys.stderr)
         return EXIT_DAMAGED
     with f:
         members = sum(size for name, size in f.members if name != f.member)
@@ -1023,12 +1022,19 @@ def main(argv=None) -> int:
     except CliError as err:
         print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code
-    except (CorruptCheckpointError, CheckpointFormatError) as err:
-        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
-        return EXIT_ERROR
     except BrokenPipeError:
         # The reader went away (`| head`); say nothing more.
         with contextlib.suppress(OSError, ValueError, AttributeError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
+    except (StateError, OSError) as err:
+        print(f"{PROG} {args.command}: error: {_safe(err)}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as err:  # noqa: BLE001 (the command line never prints a traceback)
+        print(
+            f"{PROG} {args.command}: internal error: {type(err).__name__}: {_safe(err)}. Please report it "
+            "with the file that caused it.",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR

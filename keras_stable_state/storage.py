@@ -65,6 +65,7 @@ import io
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -454,7 +455,23 @@ def _probe_or_refuse(where: str, path: str, member: str | None = None) -> None:
         raise _damaged(where, f"HDF5 object {result['structure']}")
 
 
-def _diagnose(where: str, path: str, member: str | None, what: str) -> CorruptCheckpointError:
+def _raw_member(fh, info: zipfile.ZipInfo) -> bytes:
+    """A zip member's bytes without the zip CRC check (to find which array is damaged)."""
+    fh.seek(info.header_offset)
+    header = fh.read(30)
+    if len(header) != 30 or header[:4] != _ZIP_SIGNATURE:
+        raise zipfile.BadZipFile(f"bad local header for member {info.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    fh.seek(info.header_offset + 30 + name_len + extra_len)
+    data = fh.read(info.compress_size)
+    if info.compress_type == zipfile.ZIP_DEFLATED:
+        return zlib.decompressobj(-15).decompress(data, info.file_size)
+    return data
+
+
+def _diagnose(
+    where: str, path: str, member: str | None, what: str, default_key=None
+) -> CorruptCheckpointError:
     """A refusal for a file that fails its seal, naming the damaged keys a probe finds."""
     result = _probe(path, member)
     damaged = [key for key, _ in result.get("damaged", [])]
@@ -462,8 +479,8 @@ def _diagnose(where: str, path: str, member: str | None, what: str) -> CorruptCh
         listed = ", ".join(repr(k) for k in damaged)
         return _damaged(where, f"{what}: {listed} fail(s) its CRC-32 checksum", key=damaged[0])
     if "crashed" in result:
-        return _damaged(where, f"{what}; {result['crashed']}")
-    return _damaged(where, f"{what} (its metadata, a record or the layout was changed)")
+        return _damaged(where, f"{what}; {result['crashed']}", key=default_key)
+    return _damaged(where, f"{what} (its metadata, a record or the layout was changed)", key=default_key)
 
 
 def _parse_seal(head: bytes, where: str) -> tuple[bytes, int]:
@@ -721,9 +738,7 @@ class CheckpointFile:
         try:
             data = self._zip.read(self.member)
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as err:
-            raise _damaged(
-                self.where, f"the archive member fails its zip checks ({err})", key=self.member
-            ) from err
+            raise self._diagnose_member(f"the archive member fails its zip CRC-32 ({err})") from err
         if data.startswith(_SEAL_MAGIC):
             digest, length = _parse_seal(data[:USERBLOCK_SIZE], self.where)
             if (
@@ -753,6 +768,19 @@ class CheckpointFile:
                 self.model_class = cls if isinstance(cls, str) else None
             elif isinstance(value, dict):
                 self._keras_metadata = value
+
+    def _diagnose_member(self, what: str) -> CorruptCheckpointError:
+        """Name the damaged arrays of a member that fails its zip CRC-32: its raw bytes,
+        read past the zip check, are probed in a separate process."""
+        try:
+            raw = _raw_member(self._fh, self._zip.getinfo(self.member))
+        except (OSError, zipfile.BadZipFile, zlib.error, EOFError) as err:
+            return _damaged(self.where, f"{what}, and it cannot be read past it ({err})", key=self.member)
+        with tempfile.TemporaryDirectory(prefix="kss-probe-") as folder:
+            copy = os.path.join(folder, "member.h5")
+            with open(copy, "wb") as fh:
+                fh.write(raw)
+            return _diagnose(self.where, copy, None, what, default_key=self.member)
 
     def _data_limit(self) -> int:
         # Dataset offsets count from the start of the file, user block included.
