@@ -30,6 +30,7 @@ import h5py
 import numpy as np
 
 MAX_DEPTH = 64
+FORMAT_1_RECORDS = ("metadata", "contract", "extra")
 MAX_OBJECTS = 1_000_000
 # Stored dtypes a file may hold: little-endian (or single-byte) bool, int, uint, float.
 _KINDS = "biuf"
@@ -105,12 +106,14 @@ def check_dataset(ds, data_limit: int) -> None:
             )
 
 
-def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None) -> list:
+def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None, strings=()) -> list:
     """Every dataset under ``group`` as ``(path, dataset)``, refusing links and odd objects.
 
     Only hard links are followed; soft links, external links, user-defined
     links, named datatypes and cycles are refused, as is nesting deeper than
-    :data:`MAX_DEPTH` or more than :data:`MAX_OBJECTS` objects.
+    :data:`MAX_DEPTH` or more than :data:`MAX_OBJECTS` objects. Datasets named
+    in ``strings`` (paths) may instead be scalar strings: format 1 kept its
+    JSON records so.
 
     Raises:
         StructureError: naming the object.
@@ -131,11 +134,14 @@ def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None) ->
         seen.add(addr)
         if len(seen) > MAX_OBJECTS:
             raise StructureError(path, f"is past {MAX_OBJECTS} objects")
-        if isinstance(obj, h5py.Dataset):
+        if isinstance(obj, h5py.Dataset) and path in strings:
+            if obj.shape != () or h5py.check_string_dtype(obj.dtype) is None:
+                raise StructureError(path, f"is {obj.dtype} {obj.shape}, not a string record")
+        elif isinstance(obj, h5py.Dataset):
             check_dataset(obj, data_limit)
             found.append((path, obj))
         elif isinstance(obj, h5py.Group):
-            found += walk(obj, data_limit, f"{path}/", depth + 1, seen)
+            found += walk(obj, data_limit, f"{path}/", depth + 1, seen, strings)
         else:
             raise StructureError(path, f"is a {type(obj).__name__} (only groups and datasets are read)")
     return found
@@ -165,8 +171,9 @@ def probe(data: bytes | None, path: str | None) -> dict:
     with h5py.File(source, "r", locking=False) as f:
         limit = len(data) if data is not None else _file_size(path)
         version = f.attrs.get("format_version")
+        strings = FORMAT_1_RECORDS if f.attrs.get("format") == "keras_stable_state" and version == 1 else ()
         try:
-            datasets = walk(f, limit)
+            datasets = walk(f, limit, strings=strings)
         except StructureError as err:
             return {"structure": str(err), "damaged": [], "datasets": 0}
         damaged = []

@@ -652,6 +652,8 @@ class CheckpointFile:
         elif head.startswith(_HDF5_SIGNATURE):
             _probe_or_refuse(self.path, self.path)
             self._h5 = h5py.File(self._fh, "r")
+        elif head[: len(_SEAL_MAGIC)] != _SEAL_MAGIC and self._hdf5_after_user_block():
+            raise _damaged(self.path, "its seal (the first 512 bytes) is missing or damaged")
         elif head.startswith(_ZIP_SIGNATURE) or zipfile.is_zipfile(self._fh):
             self._fh.seek(0)
             if not zipfile.is_zipfile(self._fh):
@@ -673,6 +675,12 @@ class CheckpointFile:
             raise _damaged(self.where, f"the member does not say it is a {FORMAT} record")
         else:
             self._list_stock()
+
+    def _hdf5_after_user_block(self) -> bool:
+        self._fh.seek(USERBLOCK_SIZE)
+        found = self._fh.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE
+        self._fh.seek(0)
+        return found
 
     def _check_seal_stream(self, head: bytes, size: int):
         digest, length = _parse_seal(head, self.path)
@@ -788,27 +796,9 @@ class CheckpointFile:
 
     def _walk(self, strings=()):
         try:
-            return checks.walk(self._h5, self._data_limit()) if not strings else self._walk_v1(strings)
+            return checks.walk(self._h5, self._data_limit(), strings=strings)
         except checks.StructureError as err:
             raise _damaged(self.where, f"HDF5 object {err}", key=err.where) from err
-
-    def _walk_v1(self, strings):
-        # Format 1 kept its JSON records as variable-length strings: check them apart.
-        found = []
-        for name in self._h5:
-            link = self._h5.get(name, getlink=True)
-            if not isinstance(link, h5py.HardLink):
-                raise checks.StructureError(name, f"is a {type(link).__name__} (links are not followed)")
-            obj = self._h5[name]
-            if name in strings and isinstance(obj, h5py.Dataset) and obj.shape == ():
-                if h5py.check_string_dtype(obj.dtype) is None:
-                    raise checks.StructureError(name, "is not a string record")
-                continue
-            if isinstance(obj, h5py.Group):
-                found += checks.walk(obj, self._data_limit(), f"{name}/")
-            else:
-                raise checks.StructureError(name, "is not a group of arrays")
-        return found
 
     # -- records --------------------------------------------------------------------------
     def _root_attrs(self):

@@ -1,0 +1,184 @@
+"""The format-2 file: seal, format-1 files still read, atomic writes, what is not a training state."""
+
+import errno
+import json
+import os
+import stat
+import warnings
+import zlib
+
+import h5py
+import keras
+import numpy as np
+import pytest
+from conftest import to_np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import keras_stable_state as kss
+from keras_stable_state import cli, storage
+
+
+def _model():
+    m = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, name="hidden"), keras.layers.Dense(1, name="out")]
+    )
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    return m
+
+
+def _trained(data):
+    m = _model()
+    m.fit(*data, epochs=1, batch_size=8, verbose=0, shuffle=False)
+    return m
+
+
+def _values(m):
+    return [to_np(v) for v in m.variables] + [to_np(v) for v in m.optimizer.variables]
+
+
+def _write_v1(record: storage.StateRecord, path):
+    """A record as keras_stable_state 0.1 wrote it (format 1)."""
+    with h5py.File(path, "w") as f:
+        f.attrs["format"] = storage.FORMAT
+        f.attrs["format_version"] = 1
+        for name in ("metadata", "contract", "extra"):
+            value = getattr(record, name)
+            if name == "metadata":
+                value = {**value, "format_version": 1}
+            f.create_dataset(name, data=json.dumps(value))
+        for section, arrays in (
+            ("model", record.model),
+            ("optimizer", record.optimizer),
+            ("state", record.arrays),
+        ):
+            group = f.create_group(section)
+            for i, (key, value) in enumerate(arrays.items()):
+                stored, name = storage._encode(value)
+                ds = group.create_dataset(str(i), data=stored)
+                ds.attrs["key"] = key
+                ds.attrs["dtype"] = name
+                ds.attrs["crc32"] = zlib.crc32(stored.tobytes()) & 0xFFFFFFFF
+
+
+def test_the_seal_covers_every_byte_after_the_user_block(tmp_path, data):
+    src = _trained(data)
+    path = tmp_path / "s.h5"
+    kss.save_training_state(path, src)
+    raw = path.read_bytes()
+    assert raw.startswith(b"KSS-SEAL 2 sha256 ")
+    with h5py.File(path, "r") as f:  # plain h5py still opens it
+        assert f.userblock_size == storage.USERBLOCK_SIZE and int(f.attrs["format_version"]) == 2
+    with storage.open_file(path) as f:
+        assert f.sealed and f.version == 2
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
+def test_any_flipped_byte_of_a_record_is_refused_before_hdf5_parses_it(tmp_path, data, where, mask):
+    path = tmp_path / "s.h5"  # tmp_path is shared by the examples of one test call: save once
+    if not path.exists():
+        kss.save_training_state(path, _trained(data))
+    raw = bytearray(path.read_bytes())
+    raw[int(where * len(raw))] ^= mask
+    bad = tmp_path / "bad.h5"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(kss.CorruptCheckpointError, match="bad.h5"):
+        storage.read_file(bad)
+
+
+def test_format_1_files_are_still_read_exactly(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+    _write_v1(storage.read_file(tmp_path / "s.h5"), tmp_path / "v1.h5")
+    dst = _model()
+    dst.build((None, 4))
+    report = kss.restore_training_state(tmp_path / "v1.h5", dst)
+    assert report.writer["format_version"] == 1
+    for a, b in zip(_values(src), _values(dst), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with storage.open_file(tmp_path / "v1.h5") as f:
+        assert f.version == 1 and not f.sealed
+    assert cli.main(["verify", str(tmp_path / "v1.h5")]) == 0
+
+
+def test_a_damaged_format_1_file_names_the_key(tmp_path, data):
+    src = _trained(data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+    _write_v1(storage.read_file(tmp_path / "s.h5"), tmp_path / "v1.h5")
+    raw = bytearray((tmp_path / "v1.h5").read_bytes())
+    kernel = to_np(src.get_layer("hidden").kernel).tobytes()
+    at = bytes(raw).find(kernel[:16])
+    raw[at + 4] ^= 0x10
+    (tmp_path / "bad.h5").write_bytes(bytes(raw))
+    dst = _model()
+    dst.build((None, 4))
+    before = _values(dst)
+    with pytest.raises(kss.CorruptCheckpointError, match="path:layers/hidden/kernel.*CRC-32") as info:
+        kss.restore_training_state(tmp_path / "bad.h5", dst)
+    assert info.value.key == "path:layers/hidden/kernel"
+    for a, b in zip(before, _values(dst), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_record_without_its_seal_is_refused(tmp_path, data):
+    kss.save_training_state(tmp_path / "s.h5", _trained(data))
+    raw = bytearray((tmp_path / "s.h5").read_bytes())
+    raw[: storage.USERBLOCK_SIZE] = bytes(storage.USERBLOCK_SIZE)  # a format-2 record, seal wiped
+    (tmp_path / "bad.h5").write_bytes(bytes(raw))
+    with pytest.raises(kss.CorruptCheckpointError, match="seal .* is missing or damaged"):
+        storage.read_file(tmp_path / "bad.h5")
+
+
+def test_files_get_the_umask_permissions_like_model_save(tmp_path, data):
+    m = _trained(data)
+    old = os.umask(0o027)
+    try:
+        for ext in ("h5", "keras"):
+            kss.save_training_state(tmp_path / f"s.{ext}", m)
+            assert stat.S_IMODE(os.stat(tmp_path / f"s.{ext}").st_mode) == 0o640
+    finally:
+        os.umask(old)
+
+
+def test_saving_onto_a_directory_is_refused_and_leaves_nothing(tmp_path, data):
+    (tmp_path / "x.h5").mkdir()
+    with pytest.raises(kss.CheckpointFormatError, match="is a directory"):
+        kss.save_training_state(tmp_path / "x.h5", _trained(data))
+    assert sorted(os.listdir(tmp_path)) == ["x.h5"]
+    with pytest.raises(kss.CheckpointFormatError, match="is a directory, not a training-state file"):
+        kss.restore_training_state(tmp_path / "x.h5", _trained(data))
+
+
+def test_disk_full_names_the_file_and_keeps_the_previous_one(tmp_path, data, monkeypatch):
+    m = _trained(data)
+    path = tmp_path / "s.h5"
+    kss.save_training_state(path, m)
+    good = path.read_bytes()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=r"s\.h5.*disk is full.*unchanged") as info:
+        kss.save_training_state(path, m)
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert path.read_bytes() == good
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".kss-")] == []
+
+
+def test_a_legacy_keras_h5_file_is_named_as_such(tmp_path, data, capsys):
+    m = _trained(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.save(tmp_path / "legacy.h5")
+    with pytest.raises(kss.CheckpointFormatError, match="legacy Keras HDF5 file"):
+        kss.restore_training_state(tmp_path / "legacy.h5", _model())
+    assert cli.main(["verify", str(tmp_path / "legacy.h5")]) != 0
+    assert "legacy Keras HDF5 file" in capsys.readouterr().err
