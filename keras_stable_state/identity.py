@@ -11,6 +11,9 @@ alone:
   (``dense``, ``dense_1``). Nothing in a path depends on Keras' process-global
   auto-naming counters, so building the same model twice, or after other
   models, gives the same keys.
+  A layer's own variable is named by its variable name, or, when Keras named it
+  with its global counter (``add_weight(shape=...)`` without ``name`` gives
+  ``variable_3``), by the layer attribute holding it, else ``variable@<i>``.
 * ``order:<i>``: an *ordered* key, the variable's registration index in the
   list the registry was built over. It is the fallback for variables the walk
   does not reach, and for files that carry no names (stock Keras files).
@@ -29,11 +32,12 @@ import keras
 
 from keras_stable_state.errors import BindingError, KeyFormatError
 
-__all__ = ["VariableKey", "VariableRegistry", "stable_variable_paths"]
+__all__ = ["VariableKey", "VariableRegistry", "stable_layer_paths", "stable_variable_paths"]
 
 NAMED = "path"
 ORDERED = "order"
-_KEY_RE = re.compile(r"^(path):(.+)$|^(order):(0|[1-9][0-9]*)$")
+EXTRA = "var"
+_KEY_RE = re.compile(r"^(path):(.+)$|^(order):(0|[1-9][0-9]*)$|^(var):([^/#\s]+)$")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -41,8 +45,10 @@ class VariableKey:
     """A durable key for one variable.
 
     Attributes:
-        kind: ``"path"`` (named, from a stable path) or ``"order"`` (registration index).
-        value: The stable path, or the decimal registration index.
+        kind: ``"path"`` (named, from a stable path), ``"order"`` (registration
+            index) or ``"var"`` (a variable outside the model that the caller
+            named, ``save_training_state(..., variables={"log_alpha": v})``).
+        value: The stable path, the decimal registration index, or the caller's name.
 
     Example:
         >>> key = VariableKey.parse("path:layers/dense/kernel")
@@ -60,7 +66,8 @@ class VariableKey:
 
     @property
     def named(self) -> bool:
-        return self.kind == NAMED
+        """``True`` for keys bound by name (``path:`` and ``var:``), ``False`` for ``order:``."""
+        return self.kind in (NAMED, EXTRA)
 
     @property
     def index(self) -> int:
@@ -75,17 +82,17 @@ class VariableKey:
 
     @classmethod
     def parse(cls, text) -> VariableKey:
-        """Parse ``"path:<path>"`` or ``"order:<int>"``.
+        """Parse ``"path:<path>"``, ``"order:<int>"`` or ``"var:<name>"``.
 
         Raises:
-            KeyFormatError: if ``text`` is neither form (the file was written by
-                something else, or damaged).
+            KeyFormatError: if ``text`` is none of these forms (the file was
+                written by something else, or damaged).
         """
         match = _KEY_RE.match(text) if isinstance(text, str) else None
         if match is None or (match.group(2) is not None and _bad_path(match.group(2))):
             raise KeyFormatError(
-                f"Malformed variable key {text!r} in the file: expected 'path:<stable path>' "
-                "or 'order:<non-negative integer>'. The file was not written by "
+                f"Malformed variable key {text!r} in the file: expected 'path:<stable path>', "
+                "'order:<non-negative integer>' or 'var:<name>'. The file was not written by "
                 "keras_stable_state or is damaged; run `keras-stable-state verify FILE`.",
                 key=text,
                 expected="path:<path> | order:<int>",
@@ -93,6 +100,8 @@ class VariableKey:
             )
         if match.group(1):
             return cls(NAMED, match.group(2))
+        if match.group(5):
+            return cls(EXTRA, match.group(6))
         return cls(ORDERED, match.group(4))
 
 
@@ -120,6 +129,40 @@ def _unique(name: str, used: dict) -> str:
     return name
 
 
+def _is_unnamed(variable) -> bool:
+    """True when Keras named ``variable`` with its process-global counter
+    (``add_weight(shape=...)`` without ``name`` gives ``variable``, ``variable_3``)."""
+    name = str(variable.name).rsplit("/", 1)[-1]
+    prefixes = {"variable", _snake(type(variable).__name__)}
+    return any(re.fullmatch(re.escape(p) + r"(_[0-9]+)?", name) for p in prefixes)
+
+
+def _own_names(obj, own: list) -> list:
+    """A stable name for each of ``own`` (the variables ``obj`` owns, in Keras' order).
+
+    A named variable keeps its name. An unnamed one (named by Keras' global
+    counter) is named by the attribute of ``obj`` holding it (``self.gamma =
+    self.add_weight(shape=...)`` gives ``gamma``; leading underscores dropped),
+    else ``variable@<i>``, ``i`` its index among ``obj``'s own unnamed variables
+    that no attribute holds. Names are made unique inside ``obj``.
+    """
+    attrs = {}
+    for attr, value in sorted(vars(obj).items()):
+        if isinstance(value, keras.Variable) and id(value) not in attrs:
+            attrs[id(value)] = attr.lstrip("_") or attr
+    names, used, index = [], {}, 0
+    for v in own:
+        if not _is_unnamed(v):
+            base = str(v.name).rsplit("/", 1)[-1]
+        elif id(v) in attrs:
+            base = attrs[id(v)]
+        else:
+            base = f"variable@{index}"
+            index += 1
+        names.append(_unique(base, used))
+    return names
+
+
 def _own_variables(obj) -> list:
     """Variables an object owns itself (not through children), in Keras' order."""
     if isinstance(obj, keras.layers.Layer):
@@ -139,18 +182,26 @@ def _walk_children(obj):
     yield from saving_lib._walk_saveable(obj)
 
 
-def _walk(model, keras_style: bool) -> dict:
+def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
     """``id(variable) -> (path, variable)`` for one walk over the model.
+
+    ``layers``, if given, receives ``id(layer) -> (path, layer)`` for every layer
+    reached (the model itself at ``""``).
 
     ``keras_style=True`` reproduces Keras' own ``.weights.h5`` addressing
     (``_walk_saveable`` order, class-name container entries, ``vars/<i>``).
     ``keras_style=False`` gives stable paths: attribute-held layers are named by
     their attribute even when the attribute sorts after ``layers`` (Keras would
     reach them through the ``layers`` list first and number them by creation
-    order), list entries by their user-chosen name, dict entries by their key.
+    order), list entries by their user-chosen name, dict entries by their key,
+    and a layer's own variables by name, never by Keras' global counter
+    (:func:`_own_names`).
     """
     out: dict = {}
     visited: set = set()
+    # Containers such as ``Sequential.layers`` are built anew on each access: hold on to
+    # every visited one so that a later list cannot reuse its id() and be skipped.
+    alive: list = []
 
     def join(path, name):
         return f"{path}/{name}" if path else name
@@ -166,18 +217,17 @@ def _walk(model, keras_style: bool) -> dict:
         if id(obj) in visited or isinstance(obj, keras.optimizers.Optimizer):
             return
         visited.add(id(obj))
-        used: dict = {}
         n_saved = (
             len(obj._trainable_variables) + len(obj._non_trainable_variables)
             if isinstance(obj, keras.layers.Layer)
             else 0
         )
-        for i, v in enumerate(_own_variables(obj)):
-            if keras_style:
-                if i < n_saved:
-                    out.setdefault(id(v), (join(path, f"vars/{i}"), v))
-            else:
-                out.setdefault(id(v), (join(path, _unique(str(v.name).rsplit("/", 1)[-1], used)), v))
+        own = _own_variables(obj)
+        names = [f"vars/{i}" for i in range(n_saved)] if keras_style else _own_names(obj, own)
+        for v, name in zip(own, names, strict=False):
+            out.setdefault(id(v), (join(path, name), v))
+        if layers is not None and isinstance(obj, keras.layers.Layer):
+            layers.setdefault(id(obj), (path, obj))
         for attr, child in children(obj):
             if isinstance(child, (list, tuple, dict)):
                 visit_container(child, join(path, attr))
@@ -188,6 +238,7 @@ def _walk(model, keras_style: bool) -> dict:
         if id(container) in visited:
             return
         visited.add(id(container))
+        alive.append(container)
         if isinstance(container, dict):
             items = [(None if keras_style else str(k), v) for k, v in container.items()]
         else:
@@ -231,6 +282,29 @@ def stable_variable_paths(model) -> dict:
     ours = _walk(model, keras_style=False)
     theirs = _walk(model, keras_style=True)
     return {i: (path, v, theirs.get(i, (None,))[0]) for i, (path, v) in ours.items()}
+
+
+def stable_layer_paths(model) -> dict:
+    """Map ``id(layer)`` to ``(path, layer)`` for every layer the walk reaches.
+
+    Paths are the ones :func:`stable_variable_paths` builds variable paths
+    from (``"layers/lookup"``, ``"encoder/norm"``), so they never depend on
+    Keras' global naming counters; the model itself is at ``""``. A layer
+    reached twice keeps its first path.
+
+    Args:
+        model: A ``keras.Model`` or ``keras.layers.Layer``.
+
+    Returns:
+        ``dict`` from ``id(layer)`` to ``(path, layer)``, in walk order.
+
+    Example:
+        >>> [path for path, _ in stable_layer_paths(model).values()]
+        ['', 'layers/lookup', 'layers/embedding']
+    """
+    layers: dict = {}
+    _walk(model, keras_style=False, layers=layers)
+    return layers
 
 
 class VariableRegistry:
