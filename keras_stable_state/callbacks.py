@@ -494,8 +494,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
-        self._take_directory()
         try:
+            self._take_directory()
             self._restore_newest()
         except BaseException:
             self._release_directory()  # fit stops here; Keras will not call on_train_end
@@ -510,12 +510,17 @@ class StableCheckpoint(keras.callbacks.Callback):
             except CheckpointInUseError as err:
                 holder = f" ({err.holder})" if err.holder else ""
                 raise CheckpointInUseError(
-                    f"Checkpoint {path!r}, the newest in {self.directory!r}, is in use by another "
-                    f"process{holder}: {err} It is not damaged, so StableCheckpoint does not fall back to "
-                    "an older checkpoint. Wait for that process to close it, or stop it, then fit again.",
+                    f"Checkpoint {path!r}, the newest one left in {self.directory!r}, is in use by "
+                    f"another process{holder}: {err} It is not damaged, so StableCheckpoint does not fall "
+                    "back to an older checkpoint. Wait for that process to close it, or stop it, then fit "
+                    "again.",
                     path=path,
                     holder=err.holder,
                 ) from err
+            except FileNotFoundError:
+                if os.path.lexists(path):
+                    raise
+                continue  # removed since it was listed: the next one is the newest
             except (CorruptCheckpointError, CheckpointFormatError) as err:
                 self._position = _Position()
                 self._pending_restore = None
