@@ -1,0 +1,84 @@
+"""Regression tests for edited records (issue 8, fault 2): an edited position or random state in
+the newest StableCheckpoint file is refused by restore and by ``verify``, and training resumes
+from the older checkpoint to the same numbers as an uninterrupted run."""
+
+import os
+
+import h5py
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND, to_np
+
+import keras_stable_state as kss
+from keras_stable_state import _hdf5_checks, cli
+from keras_stable_state.callbacks import UnreadableCheckpointWarning
+
+RNG = np.random.default_rng(3)
+X = RNG.normal(size=(24, 6)).astype("float32")
+Y = RNG.normal(size=(24, 1)).astype("float32")
+TOL = 1e-6 if BACKEND == "tensorflow" else 0.0
+
+
+def _fit(directory, epochs):
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    callbacks = [] if directory is None else [kss.StableCheckpoint(directory)]
+    history = m.fit(X, Y, epochs=epochs, batch_size=8, shuffle=True, verbose=0, callbacks=callbacks)
+    return m, history
+
+
+def _edit_record(path, name, old: bytes, new: bytes):
+    """Replace ``old`` by ``new`` (same length) in a JSON record and fix the record's own CRC-32,
+    as a careless tool would: only the seal is left to notice."""
+    with h5py.File(path, "r+") as f:
+        ds = f[name]
+        raw = ds[()].tobytes()
+        assert old in raw, raw[:400]
+        edited = np.frombuffer(raw.replace(old, new, 1), dtype=np.uint8)
+        ds[...] = edited
+        ds.attrs["crc32"] = _hdf5_checks.crc_v2(name, "json", edited.shape, edited.tobytes())
+
+
+def _edit_rng_array(path):
+    """Flip one word of NumPy's saved generator keys and fix that array's CRC-32."""
+    with h5py.File(path, "r+") as f:
+        for ds in f["state"].values():
+            if ds.attrs["key"] == "rng/numpy/keys":
+                values = ds[()]
+                values[7] ^= 1
+                ds[...] = values
+                ds.attrs["crc32"] = _hdf5_checks.crc_v2(
+                    ds.attrs["key"], ds.attrs["dtype"], values.shape, values.tobytes()
+                )
+                return
+    raise AssertionError("no rng/numpy/keys array")
+
+
+@pytest.mark.parametrize("edit", ["epoch", "step", "rng"])
+def test_an_edited_newest_checkpoint_is_refused_and_training_resumes_from_the_older(tmp_path, capsys, edit):
+    d = tmp_path / "ckpts"
+    _fit(d, epochs=3)
+    newest = os.path.join(d, sorted(n for n in os.listdir(d) if n.startswith("ckpt-"))[-1])
+    if edit == "epoch":
+        _edit_record(newest, "extra", b'"epoch": 3', b'"epoch": 8')
+    elif edit == "step":
+        _edit_record(newest, "extra", b'"global_step": 9', b'"global_step": 7')
+    else:
+        _edit_rng_array(newest)
+    assert cli.main(["verify", newest]) == 1
+    assert "SHA-256 seal" in capsys.readouterr().out
+    m0 = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    m0.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    with pytest.raises(kss.CorruptCheckpointError, match="SHA-256 seal"):
+        kss.restore_training_state(newest, m0)
+
+    with pytest.warns(UnreadableCheckpointWarning, match="ckpt-0000000009.h5"):
+        resumed, history = _fit(d, epochs=6)
+    # History came back from the older checkpoint (epochs 0, 1); 2..5 were trained: none skipped or repeated
+    assert history.epoch == [0, 1, 2, 3, 4, 5]
+    straight, straight_history = _fit(None, epochs=6)
+    np.testing.assert_allclose(history.history["loss"], straight_history.history["loss"], rtol=0, atol=TOL)
+    for a, b in zip(straight.weights, resumed.weights, strict=True):
+        np.testing.assert_allclose(to_np(a), to_np(b), rtol=0, atol=TOL)
