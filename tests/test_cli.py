@@ -356,3 +356,23 @@ def test_the_command_line_itself_does_not_import_keras(saved):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_keys_with_control_characters_are_printed_escaped(capsys, tmp_path):
+    evil = "path:layers/\x1b[2J\x1b[31mred\nOK fake line\r"
+    record = storage.StateRecord(
+        metadata={"backend": BACKEND, "keras_version": keras.__version__, "format_version": 2},
+        contract=[[evil, [2], "float32"]],
+        model={evil: np.ones(2, "float32")},
+        optimizer={},
+        extra={"callbacks": {}, "providers": {}, "rng": None},
+    )
+    path = tmp_path / "evil.h5"
+    storage.write_record(path, record)
+    for command in ("inspect", "verify"):
+        code, out, err = _run(capsys, command, path)
+        assert code == 0, err
+        assert "\x1b" not in out + err and "\r" not in out + err
+        assert "\nOK fake line" not in out
+    code, out, _ = _run(capsys, "inspect", path)
+    assert "\\x1b[2J\\x1b[31mred\\nOK fake line\\r" in out
