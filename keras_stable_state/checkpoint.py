@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import weakref
 
 import keras
 import numpy as np
 
+from keras_stable_state import layer_state, storage
 from keras_stable_state import state as state_mod
-from keras_stable_state import storage
 from keras_stable_state.contract import TrainableContract
 from keras_stable_state.errors import (
     BindingError,
@@ -19,8 +21,19 @@ from keras_stable_state.errors import (
     KeyFormatError,
     StateError,
 )
-from keras_stable_state.identity import VariableKey, VariableRegistry
-from keras_stable_state.optimizer import StableOptimizer, optimizer_entries, parse_entry_key
+from keras_stable_state.identity import EXTRA, VariableKey, VariableRegistry
+from keras_stable_state.optimizer import MAIN as MAIN_OPTIMIZER
+from keras_stable_state.optimizer import (
+    StableOptimizer,
+    _check_name,
+    _tree,
+    accumulation,
+    optimizer_entries,
+    parse_entry_key,
+    routing,
+    split_entry_name,
+    tracked_optimizers,
+)
 
 __all__ = ["RestoreReport", "MalformedKeyError", "save_training_state", "restore_training_state"]
 
@@ -120,13 +133,24 @@ def _check_optimizer(optimizer, verb, model):
     return optimizer
 
 
-def _check_callbacks(callbacks, verb):
+def _check_callbacks(callbacks, verb) -> dict:
+    """``{key: callback}``: a dict's names as given, a list's ``"<ClassName>/<i>"`` keys."""
     if callbacks is None:
-        return []
+        return {}
+    if isinstance(callbacks, dict):
+        for name, cb in callbacks.items():
+            _check_name(name, "callback name")
+            if not isinstance(cb, keras.callbacks.Callback):
+                raise TypeError(
+                    f"`callbacks[{name!r}]` of {verb} must be a keras.callbacks.Callback instance "
+                    "(e.g. callbacks={'es': early_stopping}). " + _received(f"callbacks[{name!r}]", cb)
+                )
+        return dict(callbacks)
     if isinstance(callbacks, keras.callbacks.Callback) or not isinstance(callbacks, (list, tuple)):
         raise TypeError(
-            f"`callbacks` of {verb} must be a list of keras.callbacks.Callback instances "
-            "(e.g. callbacks=[early_stopping]). " + _received("callbacks", callbacks)
+            f"`callbacks` of {verb} must be a dict {{name: callback}} or a list of "
+            "keras.callbacks.Callback instances (e.g. callbacks={'es': early_stopping}). "
+            + _received("callbacks", callbacks)
         )
     bad = [(i, cb) for i, cb in enumerate(callbacks) if not isinstance(cb, keras.callbacks.Callback)]
     if bad:
@@ -135,7 +159,8 @@ def _check_callbacks(callbacks, verb):
             f"`callbacks` of {verb} must be a list of keras.callbacks.Callback instances; item {i} is "
             f"not. " + _received(f"callbacks[{i}]", cb)
         )
-    return list(callbacks)
+    callbacks = list(callbacks)
+    return {state_mod.callback_key(callbacks, cb): cb for cb in callbacks}
 
 
 def _check_providers(state, verb):
@@ -169,6 +194,87 @@ def _check_flags(verb, **flags):
             raise TypeError(f"`{name}` of {verb} must be True or False. " + _received(name, value))
 
 
+_EXTRA_NAME = re.compile(r"[^/#\s]+")
+
+
+def _check_variables(variables, verb, model) -> dict:
+    """``{name: keras.Variable}`` of variables outside ``model`` (keys ``var:<name>``)."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        raise TypeError(
+            f"`variables` of {verb} must be a dict {{name: keras.Variable}} of variables outside the "
+            "model that the optimizer trains (e.g. variables={'log_alpha': log_alpha}). "
+            + _received("variables", variables)
+        )
+    in_model = {id(v): str(k) for k, v in VariableRegistry.from_model(model).entries}
+    seen = {}
+    for name, var in variables.items():
+        if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
+            raise ValueError(
+                f"`variables` names of {verb} must be non-empty strings without '/', '#' or "
+                f"whitespace; they become keys 'var:<name>' in the file. Received: a variable named {name!r}"
+            )
+        if not isinstance(var, keras.Variable):
+            raise TypeError(
+                f"`variables[{name!r}]` of {verb} must be a keras.Variable (a variable outside the "
+                "model, trained by the same optimizer). " + _received(f"variables[{name!r}]", var)
+            )
+        if id(var) in in_model:
+            raise ValueError(
+                f"`variables[{name!r}]` of {verb} is the model's own variable {in_model[id(var)]}, which "
+                "is saved and restored with the model already; pass only variables outside the model."
+            )
+        if id(var) in seen:
+            raise ValueError(
+                f"`variables` of {verb} names one variable twice, as both {seen[id(var)]!r} and "
+                f"{name!r}; give each variable one name."
+            )
+        seen[id(var)] = name
+    return dict(variables)
+
+
+def _check_rename(prefix, rename, verb):
+    """The key rename rules: ``[(compiled pattern, replacement)]``, or ``None``."""
+    if prefix is not None and rename is not None:
+        raise ValueError(
+            f"Pass either `prefix` or `rename` to {verb}, not both: prefix='P' is the rule "
+            "(r'^path:', 'path:P/'); add it to `rename` instead. "
+            + _received("prefix", prefix)
+            + "; "
+            + _received("rename", rename)
+        )
+    if prefix is not None:
+        if not isinstance(prefix, str) or not prefix or prefix != prefix.strip("/") or "//" in prefix:
+            raise ValueError(
+                f"`prefix` of {verb} must be the stable path of the nested model inside `model`, such "
+                "as 'layers/base' (no leading or trailing '/'): a saved key 'path:<p>' is restored as "
+                "'path:<prefix>/<p>'. " + _received("prefix", prefix)
+            )
+        return [(re.compile(r"^path:"), "path:" + prefix.replace("\\", "\\\\") + "/")]
+    if rename is None:
+        return None
+    pairs = isinstance(rename, (list, tuple)) and all(
+        isinstance(rule, (list, tuple)) and len(rule) == 2 and all(isinstance(x, str) for x in rule)
+        for rule in rename
+    )
+    if not pairs:
+        raise TypeError(
+            f"`rename` of {verb} must be a list of (pattern, replacement) string pairs, e.g. "
+            "rename=[(r'^path:layers/base/', 'path:')]. " + _received("rename", rename)
+        )
+    rules = []
+    for pattern, replacement in rename:
+        try:
+            rules.append((re.compile(pattern), replacement))
+        except re.error as err:
+            raise ValueError(
+                f"rename rule ({pattern!r}, {replacement!r}) of {verb}: {pattern!r} is not a valid "
+                f"regular expression ({err})."
+            ) from err
+    return rules
+
+
 @dataclasses.dataclass
 class RestoreReport:
     """What :func:`restore_training_state` did.
@@ -178,12 +284,26 @@ class RestoreReport:
             and optimizer variable: how its saved array was matched.
         left_fresh: Keys of live variables the file had no value for (they
             keep their current values).
-        dropped: Saved keys that were not restored (``strict=False`` only:
-            slots of variables that are no longer trained).
+        dropped: Saved keys that were not restored; ``dropped_reasons`` says why.
+        dropped_reasons: ``{saved key: reason}`` for every key in ``dropped``:
+            ``"no longer trained"`` (frozen since, ``strict=False``),
+            ``"not in the model (renamed or removed)"``, ``"no such variable in
+            the live optimizer"``, ``"extra variable not passed in `variables=`"``,
+            ``"no rename rule matches"``, ``"no optimizer to restore into
+            (compile the model or pass optimizer=)"``, ``"kept the compiled
+            learning rate (keep_learning_rate=True)"``.
+        renamed: ``(saved key, key restored as)`` for every key a ``prefix`` or
+            ``rename`` rule changed.
+        learning_rates: ``(key, compiled value, saved value, "replaced" | "kept")``
+            for every learning-rate variable whose saved value differs from the
+            compiled one (``"kept"`` with ``keep_learning_rate=True``).
         casts: ``(key, saved dtype, variable dtype)`` for every array cast.
         restored_state: Other state put back (``"callback:EarlyStopping/0"``,
             ``"state:<provider>"``, ``"rng"``).
         built_optimizer: ``True`` when the optimizer was built by the restore.
+        order_keys: Saved keys that are registration-order keys
+            (``order:<i>#<slot>``): the state was saved with
+            ``allow_order_keys=True`` and these were matched by position.
         transfer_note: ``True`` when another backend wrote the file and the model
             has layers whose continuation differs across backends (Embedding,
             normalizations); ``str(report)`` then explains it.
@@ -201,12 +321,21 @@ class RestoreReport:
     matched: dict = dataclasses.field(default_factory=dict)
     left_fresh: list = dataclasses.field(default_factory=list)
     dropped: list = dataclasses.field(default_factory=list)
+    dropped_reasons: dict = dataclasses.field(default_factory=dict)
+    renamed: list = dataclasses.field(default_factory=list)
+    learning_rates: list = dataclasses.field(default_factory=list)
     casts: list = dataclasses.field(default_factory=list)
     restored_state: list = dataclasses.field(default_factory=list)
     built_optimizer: bool = False
+    order_keys: list = dataclasses.field(default_factory=list)
     transfer_note: bool = False
     source: str = storage.FORMAT
     writer: dict = dataclasses.field(default_factory=dict)
+
+    def drop(self, key, reason) -> None:
+        """List ``key`` in ``dropped`` with its ``reason``."""
+        self.dropped.append(key)
+        self.dropped_reasons[key] = reason
 
     @property
     def by_name(self) -> list:
@@ -239,6 +368,11 @@ class RestoreReport:
         ]
         for field, theirs, ours in self.writer_differs:
             lines.append(f"  written with {field} {theirs}, read with {ours}")
+        if self.order_keys:
+            lines.append(
+                "  keyed by registration order (saved with allow_order_keys=True), matched by position: "
+                f"{self.order_keys}"
+            )
         if self.transfer_note:
             lines.append(
                 "  note: the state above is restored exactly; continued training matches the writer's "
@@ -251,8 +385,22 @@ class RestoreReport:
             lines.append("  the optimizer was not built; the restore built it")
         if self.left_fresh:
             lines.append(f"  left fresh (no saved value): {self.left_fresh}")
-        if self.dropped:
-            lines.append(f"  dropped (no longer trained): {self.dropped}")
+        if self.renamed:
+            old, new = self.renamed[0]
+            lines.append(f"  renamed {len(self.renamed)} saved keys (e.g. {old} -> {new})")
+        by_reason = {}
+        for key in self.dropped:
+            by_reason.setdefault(self.dropped_reasons.get(key, "not restored"), []).append(key)
+        for reason, keys in by_reason.items():
+            lines.append(f"  dropped ({reason}): {keys}")
+        for key, live, saved, action in self.learning_rates:
+            if action == "kept":
+                lines.append(f"  learning rate {key}: compiled {live:.6g} kept (saved {saved:.6g})")
+            else:
+                lines.append(
+                    f"  learning rate {key}: compiled {live:.6g} replaced by saved {saved:.6g} "
+                    "(pass keep_learning_rate=True to keep the compiled value)"
+                )
         for key, src, dst in self.casts:
             lines.append(f"  cast {key}: {src} -> {dst}")
         return "\n".join(lines)
@@ -336,12 +484,93 @@ def _top(optimizer):
     return optimizer.inner_optimizer if isinstance(optimizer, StableOptimizer) else optimizer
 
 
-def _optimizer_registry(optimizer, model):
-    return VariableRegistry.from_model(model, _top(optimizer)._trainable_variables)
+def _optimizer_registry(optimizer, model, extras=None):
+    """Keys for the variables the optimizer was built with: the model's stable paths,
+    ``var:<name>`` for the caller's ``extras``, registration order for the rest."""
+    registry = VariableRegistry.from_model(model, _top(optimizer)._trainable_variables)
+    if not extras:
+        return registry
+    names = {id(v): VariableKey(EXTRA, name) for name, v in extras.items()}
+    keyed = VariableRegistry([(names.get(id(v), key), v) for key, v in registry.entries])
+    keyed.keras_paths = registry.keras_paths
+    return keyed
+
+
+def _keyed_optimizer_entries(optimizer, model, extras=None, **kwargs) -> list:
+    """:func:`optimizer_entries` keyed by ``model``'s paths and ``extras``' names."""
+    return optimizer_entries(optimizer, _optimizer_registry(optimizer, model, extras), **kwargs)
+
+
+def _model_registry(model, extras):
+    """The model's variables by stable path, then ``extras`` as ``var:<name>``."""
+    registry = VariableRegistry.from_model(model)
+    if not extras:
+        return registry
+    keyed = VariableRegistry(registry.entries + [(VariableKey(EXTRA, n), v) for n, v in extras.items()])
+    keyed.keras_paths = registry.keras_paths
+    return keyed
+
+
+def _check_inside(optimizer, model, extras, verb):
+    """Refuse an optimizer that trains variables neither in ``model`` nor in ``extras``."""
+    inside = {id(v) for v in model.variables} | {id(v) for v in extras.values()}
+    outside = [v for v in _top(optimizer)._trainable_variables if id(v) not in inside]
+    if not outside:
+        return
+    paths = [str(getattr(v, "path", v.name)) for v in outside]
+    names = [re.sub(r"[/#\s]", "_", str(v.name).rsplit("/", 1)[-1]) or "name" for v in outside]
+    hint = ", ".join(f"'{n}': {n}" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    raise BindingError(
+        f"Optimizer {optimizer.name!r} trains {len(outside)} variable(s) outside model {model.name!r}: "
+        f"{paths}. Their values would not be saved with the model and their slots could only be "
+        "keyed by registration order, so they are refused. Variables of no model (a temperature, "
+        f"a loss weight): pass them by name, {verb}(..., variables={{{hint}}}), and the same "
+        "`variables=` to both save_training_state and restore_training_state. Variables of an "
+        f"outer model that contains {model.name!r}: use that model, with prefix='layers/<name>' "
+        f"to restore a state saved from {model.name!r} alone.",
+        key=paths[0],
+        expected=f"variables of model {model.name!r} or in `variables`",
+        received=paths,
+    )
+
+
+def _learning_rate_ids(optimizer) -> set:
+    """``id`` of every learning-rate variable of the optimizer and the ones it wraps."""
+    from keras_stable_state.optimizer import _tree
+
+    return {
+        id(opt._learning_rate)
+        for _, opt in _tree(optimizer)
+        if isinstance(getattr(opt, "_learning_rate", None), keras.Variable)
+    }
+
+
+_NOT_IN_MODEL = "not in the model (renamed or removed)"
+_NOT_PASSED = "extra variable not passed in `variables=`"
+_KEPT_LR = "kept the compiled learning rate (keep_learning_rate=True)"
+_NO_OPTIMIZER = "no optimizer to restore into (compile the model or pass optimizer=)"
+
+
+def _drop_reason(vkey, dropped_keys) -> str:
+    if str(vkey) in dropped_keys:
+        return "no longer trained"
+    return _NOT_PASSED if vkey.kind == EXTRA else _NOT_IN_MODEL
 
 
 def plan_optimizer_arrays(
-    optimizer, model, arrays, *, keyed, strict, allow_cast, report, dropped_keys=(), where=None
+    optimizer,
+    model,
+    arrays,
+    *,
+    keyed,
+    strict,
+    allow_cast,
+    report,
+    dropped_keys=(),
+    where=None,
+    name=None,
+    extras=None,
+    keep_learning_rate=False,
 ):
     """Match saved optimizer arrays to live optimizer variables.
 
@@ -355,6 +584,11 @@ def plan_optimizer_arrays(
         dropped_keys: Variable keys whose slots are dropped on purpose
             (``strict=False`` contract differences).
         where: The file, for messages.
+        name: The optimizer's name among the model's optimizers (its keys'
+            ``@<name>/`` prefix); ``None`` for ``model.optimizer``.
+        extras: ``{name: variable}`` outside the model, keyed ``var:<name>``.
+        keep_learning_rate: Leave learning-rate variables at their live value;
+            every difference is listed in ``report.learning_rates`` either way.
 
     Returns:
         A list of ``(variable, array)`` to assign.
@@ -365,8 +599,10 @@ def plan_optimizer_arrays(
         DtypeMismatchError: dtype differences without ``allow_cast``, between
             kinds (integer, boolean, float), or an integer out of range.
     """
-    registry = _optimizer_registry(optimizer, model)
-    live = optimizer_entries(optimizer, registry)
+    registry = _optimizer_registry(optimizer, model, extras)
+    # Live keys only match saved ones: an order key here binds nothing a saved named key owns.
+    live = optimizer_entries(optimizer, registry, name=name, allow_order_keys=True)
+    lr_ids = _learning_rate_ids(optimizer)
     plan = []
     if not keyed:
         if len(arrays) != len(live):
@@ -405,13 +641,21 @@ def plan_optimizer_arrays(
     dropped_keys = set(dropped_keys)
     unmatched = [k for k in unmatched if str(k) not in dropped_keys]
     if unmatched and strict:
+        extra = sorted(k.value for k in unmatched if k.kind == EXTRA)
+        hint = (
+            f" Slots of {['var:' + n for n in extra]} belong to variables passed by name when saving; "
+            f"pass variables={{{', '.join(repr(n) + ': ...' for n in extra)}}} to restore them."
+            if extra
+            else ""
+        )
         raise BindingError(
             f"Saved optimizer slots belong to variables the model does not have: "
             f"{sorted(map(str, unmatched))}. The model differs from the one saved; rebuild it as "
-            "it was, or pass strict=False to drop these slots.",
+            f"it was, or pass strict=False to drop these slots.{hint}",
             key=str(unmatched[0]),
         )
     used = set()
+    report.order_keys.extend(k for k, (vkey, _) in parsed.items() if vkey is not None and not vkey.named)
     for key, array in arrays.items():
         vkey, slot = parsed[key]
         if vkey is None:
@@ -420,9 +664,17 @@ def plan_optimizer_arrays(
             var, how = bound[vkey]
             live_key = f"{registry.key_of(var)}#{slot}"
         else:
-            report.dropped.append(key)
+            report.drop(key, _drop_reason(vkey, dropped_keys))
             continue
         entry = live_by_key.get(live_key)
+        if (
+            entry is None
+            and keep_learning_rate
+            and vkey is None
+            and slot.rsplit("/", 1)[-1] == "learning_rate"
+        ):
+            report.drop(key, _KEPT_LR)
+            continue
         if entry is None:
             if strict:
                 raise BindingError(
@@ -431,12 +683,22 @@ def plan_optimizer_arrays(
                     "(another class or options); build the same optimizer, or pass strict=False.",
                     key=key,
                 )
-            report.dropped.append(key)
+            report.drop(key, "no such variable in the live optimizer")
             continue
         used.add(live_key)
-        plan.append((entry.variable, _coerce(live_key, array, entry.variable, allow_cast, report)))
+        value = _coerce(live_key, array, entry.variable, allow_cast, report)
+        if id(entry.variable) in lr_ids:
+            compiled, saved = float(_np(entry.variable)), float(value)
+            if compiled != saved:
+                action = "kept" if keep_learning_rate else "replaced"
+                report.learning_rates.append((live_key, compiled, saved, action))
+            if keep_learning_rate:
+                continue
+        plan.append((entry.variable, value))
         report.matched[live_key] = how
-    fresh = [e.key for e in live if e.key not in used]
+    fresh = [
+        e.key for e in live if e.key not in used and not (keep_learning_rate and id(e.variable) in lr_ids)
+    ]
     if fresh and strict:
         raise BindingError(
             f"The file has no saved value for optimizer variables {fresh}. The optimizer differs "
@@ -457,6 +719,268 @@ def restore_optimizer_arrays(optimizer, model, arrays, *, keyed, strict=True, al
     )
     _apply([_variable_step(var, array) for var, array in plan])
     return report
+
+
+# -- several optimizers (a GAN's d_optimizer / g_optimizer), groups and windows -------------
+def _check_optimizers(optimizer, verb, model) -> dict:
+    """``{name: optimizer}``: ``optimizer`` as given (one, or a dict by name), else every
+    optimizer the model tracks (``model.optimizer`` and optimizer attributes)."""
+    if isinstance(optimizer, dict):
+        for name, opt in optimizer.items():
+            _check_name(name, "optimizer name")
+            if not isinstance(opt, keras.optimizers.Optimizer):
+                raise TypeError(
+                    f"`optimizer[{name!r}]` of {verb} must be a keras.optimizers.Optimizer instance "
+                    "(e.g. optimizer={'d': d_optimizer, 'g': g_optimizer}). "
+                    + _received(f"optimizer[{name!r}]", opt)
+                )
+        return dict(optimizer)
+    if optimizer is not None:
+        return {MAIN_OPTIMIZER: _check_optimizer(optimizer, verb, model)}
+    _check_optimizer(None, verb, model)
+    return tracked_optimizers(model)
+
+
+def _build_for(name, opt, model, meta, report, where, extras=None):
+    """Build an unbuilt optimizer: ``model.optimizer`` on the model's trainable variables,
+    any other on the variables it was saved with; a ``MultiOptimizer`` routed as saved."""
+    if opt.built:
+        return
+    if name == MAIN_OPTIMIZER:
+        # Never fewer variables than the model trains (not the nested model of a wrapper).
+        _check_not_nested(opt, model)
+        variables = [*model.trainable_variables, *(v for v in (extras or {}).values() if v.trainable)]
+    else:
+        saved = (meta or {}).get("variables")
+        if not isinstance(saved, list):
+            raise BindingError(
+                f"Optimizer {name!r} is not built and {where} does not say which variables it trains; "
+                f"build it on them (`model.{name}.build(model.<part>.trainable_variables)`) before "
+                "restoring.",
+                key=name,
+            )
+        by_key = {str(k): v for k, v in VariableRegistry.from_model(model).entries}
+        absent = [k for k in saved if k not in by_key]
+        if absent:
+            raise BindingError(
+                f"Optimizer {name!r} is not built, and the variables it was saved with in {where} are "
+                f"not all in the model (missing: {absent}); build it on the variables it trains "
+                f"(`model.{name}.build(...)`) before restoring.",
+                key=absent[0],
+            )
+        variables = [by_key[k] for k in saved]
+    saved_routing = (meta or {}).get("routing") or {}
+    registry = VariableRegistry.from_model(model, variables)
+    for prefix, multi in _tree(opt):
+        if isinstance(multi, keras.optimizers.MultiOptimizer) and not multi.built and prefix in saved_routing:
+            _build_routed(multi, variables, registry, saved_routing[prefix])
+    opt.build(variables)
+    if report is not None:
+        report.built_optimizer = True
+
+
+def _build_routed(multi, variables, registry, groups):
+    """Build a ``MultiOptimizer`` routing each variable to the group it was saved in
+    (its pattern decides only for variables the file has no group for)."""
+    n = len(multi._inner_optimizers)
+    if not n or any(not isinstance(g, int) or not 0 <= g < n for g in groups.values()):
+        return  # a callable selector adds its groups while building: route by it, compare later
+    multi._var_to_optimizer_idx = {}
+    multi._trainable_variables_indices = {}
+    per_group = [[] for _ in range(n)]
+    for i, var in enumerate(variables):
+        idx = groups.get(str(registry.key_of(var)))
+        if idx is None:
+            idx = multi._inner_optimizers.index(multi._optimizer_map(var))
+        multi._var_to_optimizer_idx[multi._var_key(var)] = idx
+        multi._trainable_variables_indices[multi._var_key(var)] = i
+        per_group[idx].append(var)
+    for sub, group in zip(multi._inner_optimizers, per_group, strict=True):
+        if group:
+            sub.build(group)
+    super(keras.optimizers.MultiOptimizer, multi).build(variables)
+
+
+def _check_windows_and_groups(name, opt, model, meta, where):
+    """Refuse a changed accumulation window or parameter-group routing, naming it."""
+    label = "model.optimizer" if name == MAIN_OPTIMIZER else f"optimizer {name!r}"
+    saved_acc = meta.get("accumulation") or {}
+    live_acc = accumulation(opt)
+    for prefix in sorted(set(saved_acc) | set(live_acc)):
+        saved_k = (saved_acc.get(prefix) or {}).get("steps")
+        live_k = (live_acc.get(prefix) or {}).get("steps")
+        if saved_k != live_k:
+            position = (saved_acc.get(prefix) or {}).get("position", 0)
+            window = (
+                f"The checkpoint was taken {position} micro-step(s) into an accumulation window of "
+                f"{saved_k}: those accumulated gradients belong to a window of {saved_k}. "
+                if position
+                else ""
+            )
+            raise BindingError(
+                f"{label}{' (' + prefix.rstrip('/') + ')' if prefix else ''} in {where} was saved with "
+                f"gradient_accumulation_steps={saved_k}, the live one has gradient_accumulation_steps="
+                f"{live_k}. {window}The iteration counter counts micro-steps, so the update count, the "
+                "learning-rate schedule and the bias corrections would change too. Build the optimizer "
+                f"with gradient_accumulation_steps={saved_k} to resume this checkpoint.",
+                key="gradient_accumulation_steps",
+                expected=saved_k,
+                received=live_k,
+            )
+    saved_routing = meta.get("routing") or {}
+    if not saved_routing:
+        return
+    registry = _optimizer_registry(opt, model)
+    live_routing = routing(opt, registry)
+    moved = []
+    for prefix, groups in sorted(saved_routing.items()):
+        live = live_routing.get(prefix, {})
+        multi = dict(_tree(opt)).get(prefix)
+        subs = list(getattr(multi, "_inner_optimizers", []) or [])
+        for key, group in sorted(groups.items()):
+            now = live.get(key)
+            if now is not None and now != group:
+                var = registry.variable_of(VariableKey.parse(key))
+                sub = type(subs[now]).__name__ if now < len(subs) else "?"
+                moved.append(
+                    f"{key}: saved in group {group}, the live MultiOptimizer routes it to group {now} "
+                    f"({sub}; its pattern sees variable.path {str(getattr(var, 'path', '?'))!r})"
+                )
+    if moved:
+        raise BindingError(
+            f"The parameter groups of {label} differ from the ones saved in {where}: "
+            + "; ".join(moved)
+            + ". Each group's slots (and its learning rate and clipping) would be applied to other "
+            "variables. MultiOptimizer routes by `variable.path`, which holds Keras' auto-generated layer "
+            "names: name the layers your patterns match (see docs: parameter groups), or restore into an "
+            "optimizer that is not built yet (the restore then routes every variable to its saved group).",
+            key=moved[0].split(":")[0] + ":" + moved[0].split(":")[1],
+            expected=saved_routing,
+            received=live_routing,
+        )
+
+
+def _save_optimizers(optimizers, model, allow_order_keys, extras=None):
+    """The keyed arrays of every optimizer, and per optimizer: classes, variables, groups, windows."""
+    arrays, meta = {}, {}
+    for name, opt in optimizers.items():
+        if not opt.built and name != MAIN_OPTIMIZER:
+            meta[name] = {"classes": _optimizer_classes(opt), "built": False}
+            continue
+        _ensure_built(opt, model, extras=extras)
+        if isinstance(opt, StableOptimizer):
+            opt._model_ref = weakref.ref(model)
+        allow = allow_order_keys or getattr(opt, "allow_order_keys", False)
+        if not allow:
+            _check_inside(opt, model, extras or {}, "save_training_state")
+        registry = _optimizer_registry(opt, model, extras)
+        for entry in optimizer_entries(opt, registry, name=name, allow_order_keys=allow):
+            arrays[entry.key] = _np(entry.variable)
+        meta[name] = {
+            "classes": _optimizer_classes(opt),
+            "variables": [str(registry.key_of(v)) for v in _top(opt)._trainable_variables if v in registry],
+            "routing": routing(opt, registry),
+            "accumulation": accumulation(opt),
+        }
+    return arrays, meta
+
+
+def _plan_optimizers(
+    record,
+    optimizers,
+    model,
+    strict,
+    allow_cast,
+    report,
+    dropped_keys,
+    filepath,
+    *,
+    extras=None,
+    keep_learning_rate=False,
+):
+    """Plan every optimizer's arrays: saved names matched to live names."""
+    where = _where(filepath)
+    saved_opt = record.optimizer
+    meta_all = record.metadata.get("optimizers") if isinstance(record, storage.StateRecord) else None
+    meta_all = meta_all if isinstance(meta_all, dict) else {}
+    if isinstance(saved_opt, dict):
+        groups = {}
+        for key, array in saved_opt.items():
+            _, slot = _parse_optimizer_key(key, where)
+            groups.setdefault(split_entry_name(slot)[0], {})[key] = array
+    else:
+        groups = {MAIN_OPTIMIZER: saved_opt} if len(saved_opt) else {}
+    if not optimizers:
+        for saved in groups.values():
+            for key in saved if isinstance(saved, dict) else range(len(saved)):
+                report.drop(key if isinstance(key, str) else f"optimizer[{key}]", _NO_OPTIMIZER)
+        return []
+    absent = sorted(set(groups) - set(optimizers))
+    if absent and strict:
+        raise BindingError(
+            f"{where} holds the state of optimizers {absent}, which the model does not track (it has "
+            f"{sorted(optimizers)}). Set them on the model as attributes named as saved, pass them as "
+            "optimizer={name: optimizer}, or pass strict=False to leave their state out.",
+            key=absent[0],
+            expected=absent,
+            received=sorted(optimizers),
+        )
+    for n in absent:
+        report.drop(f"optimizer:{n}", "no live optimizer of that name")
+    if not groups:
+        return []  # the file holds no optimizer state (saved without an optimizer)
+    unsaved = sorted(
+        n
+        for n, o in optimizers.items()
+        if n not in groups and o.built and (meta_all.get(n) or {}).get("built", True)
+    )
+    if unsaved and strict:
+        raise BindingError(
+            f"{where} has no state for optimizers {unsaved} of the model (it holds {sorted(groups)}): "
+            "they would keep fresh slots. Restore a checkpoint saved with them, or pass strict=False.",
+            key=unsaved[0],
+        )
+    report.left_fresh.extend(f"optimizer:{n}" for n in unsaved)
+    plan = []
+    for name, saved in groups.items():
+        opt = optimizers.get(name)
+        if opt is None:
+            continue
+        meta = meta_all.get(name) or {}
+        if name == MAIN_OPTIMIZER and not meta:
+            meta = {"classes": record.metadata.get("optimizer_classes")} if meta_all == {} else {}
+        saved_classes = meta.get("classes")
+        live_classes = _optimizer_classes(opt)
+        if strict and saved_classes is not None and saved_classes != live_classes:
+            label = "" if name == MAIN_OPTIMIZER else f" {name!r}"
+            raise BindingError(
+                f"The optimizer{label} state in {where} was saved from {saved_classes} but the live "
+                f"optimizer is {live_classes}. Slots of another optimizer class would be applied with other "
+                "update rules; build the optimizer as saved, or pass strict=False to restore what matches.",
+                key=name,
+                expected=saved_classes,
+                received=live_classes,
+            )
+        _build_for(name, opt, model, meta, report, where, extras)
+        if isinstance(opt, StableOptimizer):
+            opt._model_ref = weakref.ref(model)
+        _check_inside(opt, model, extras or {}, "restore_training_state")
+        _check_windows_and_groups(name, opt, model, meta, where)
+        plan += plan_optimizer_arrays(
+            opt,
+            model,
+            saved,
+            keyed=isinstance(saved, dict),
+            strict=strict,
+            allow_cast=allow_cast,
+            report=report,
+            dropped_keys=dropped_keys,
+            where=filepath,
+            name=name,
+            extras=extras,
+            keep_learning_rate=keep_learning_rate,
+        )
+    return plan
 
 
 # -- assigning: all or nothing ----------------------------------------------------------
@@ -549,7 +1073,7 @@ def _writer_metadata(model) -> dict:
     }
 
 
-def _ensure_built(optimizer, model, report=None):
+def _ensure_built(optimizer, model, report=None, extras=None):
     if optimizer.built:
         return
     if not model.built:
@@ -558,9 +1082,28 @@ def _ensure_built(optimizer, model, report=None):
             "so there are no variables to attach slots to. Build the model first (call it on a batch "
             "or `model.build(input_shape)`).",
         )
-    optimizer.build(model.trainable_variables)
+    _check_not_nested(optimizer, model)
+    optimizer.build([*model.trainable_variables, *(v for v in (extras or {}).values() if v.trainable)])
     if report is not None:
         report.built_optimizer = True
+
+
+def _check_not_nested(optimizer, model):
+    """Refuse to build ``optimizer`` on a model that is a layer of another model."""
+    if optimizer is not getattr(model, "optimizer", None) and getattr(model, "_inbound_nodes", None):
+        raise BindingError(
+            f"Optimizer {optimizer.name!r} is not built, and model {model.name!r} is used as a layer "
+            "inside another model (it was called on that model's inputs). Building the optimizer here "
+            f"would build it on the {len(model.trainable_variables)} trainable variables of "
+            f"{model.name!r} only, and the outer model's next fit would fail on its other variables. "
+            "Restore into the outer model, which trains every variable: "
+            f"restore_training_state(path, outer_model, prefix='layers/{model.name}') for a state "
+            f"saved from {model.name!r} alone; or build the optimizer on the outer model first "
+            "(optimizer.build(outer_model.trainable_variables)).",
+            key=None,
+            expected="an optimizer built on the outer model, or the outer model",
+            received=model.name,
+        )
 
 
 _MODEL_STATES = ("all", "trainable", "none")
@@ -576,10 +1119,10 @@ def _collect_state(model, optimizer, callbacks, state, include_rng):
         extra[section][name] = json_value
         arrays.update(found)
 
-    for cb in callbacks:
+    for key, cb in callbacks.items():
         value = state_mod.callback_state(cb)
         if value is not None:
-            put("callbacks", state_mod.callback_key(callbacks, cb), value)
+            put("callbacks", key, value)
     for name, provider in state.items():
         put("providers", name, provider.get_state())
     if include_rng:
@@ -589,7 +1132,16 @@ def _collect_state(model, optimizer, callbacks, state, include_rng):
 
 
 def save_training_state(
-    filepath, model, optimizer=None, *, model_state="all", callbacks=(), state=None, include_rng=True
+    filepath,
+    model,
+    optimizer=None,
+    *,
+    model_state="all",
+    callbacks=(),
+    state=None,
+    include_rng=True,
+    allow_order_keys=False,
+    variables=None,
 ):
     """Save the whole training state by key: variables, optimizer, contract and the rest.
 
@@ -617,6 +1169,11 @@ def save_training_state(
         state: ``{name: provider}`` for other objects with ``get_state()`` /
             ``set_state()`` (e.g. a :class:`~keras_stable_state.GradientAccumulator`).
         include_rng: Save NumPy's, Python's and Keras' global random state.
+        variables: ``{name: keras.Variable}``: variables outside the model that
+            the optimizer trains (a temperature ``log_alpha`` passed to
+            ``optimizer.apply`` next to ``model.trainable_variables``). Their
+            values and slots are saved under ``var:<name>``; pass the same
+            names to :func:`restore_training_state`.
 
     Raises:
         TypeError: naming the argument, for a ``filepath`` that is not a path, a
@@ -645,28 +1202,32 @@ def save_training_state(
         raise ValueError(
             f"`model_state` must be one of {_MODEL_STATES}. Received: model_state={model_state!r}"
         )
-    optimizer = _check_optimizer(optimizer, verb, model)
+    optimizers = _check_optimizers(optimizer, verb, model)
+    optimizer = optimizers.get(MAIN_OPTIMIZER)
     callbacks = _check_callbacks(callbacks, verb)
     state = _check_providers(state, verb)
-    _check_flags(verb, include_rng=include_rng)
+    _check_flags(verb, include_rng=include_rng, allow_order_keys=allow_order_keys)
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
-    variables = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
+    extras = _check_variables(variables, verb, model)
+    saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
-    model_arrays = {str(registry.key_of(v)): _np(v) for v in variables}
-    opt_arrays = {}
-    if optimizer is not None:
-        _ensure_built(optimizer, model)
-        if isinstance(optimizer, StableOptimizer):
-            optimizer.bind(model)
-        for entry in optimizer_entries(optimizer, _optimizer_registry(optimizer, model)):
-            opt_arrays[entry.key] = _np(entry.variable)
+    model_arrays = {str(registry.key_of(v)): _np(v) for v in saved_vars}
+    model_arrays.update(
+        (f"{EXTRA}:{n}", _np(v)) for n, v in extras.items() if _extra_saved(v, model_state)
+    )
+    opt_arrays, opt_meta = _save_optimizers(optimizers, model, allow_order_keys, extras)
     extra, arrays = _collect_state(model, optimizer, callbacks, state, include_rng)
+    extra[layer_state.SECTION], found = state_mod.split_arrays(
+        layer_state.collect_layer_state(model), layer_state.SECTION
+    )
+    arrays.update(found)
     record = storage.StateRecord(
         metadata={
             **_writer_metadata(model),
             "model_state": model_state,
             "optimizer_classes": None if optimizer is None else _optimizer_classes(optimizer),
+            "optimizers": opt_meta,
         },
         contract=TrainableContract.capture(model).to_json(),
         model=model_arrays,
@@ -678,6 +1239,162 @@ def save_training_state(
         filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
     )
     return filepath
+
+
+def _check_extras_saved(record, extras, strict, report, where):
+    """With ``strict``, refuse an extra variable the file has no value for."""
+    if not strict or not extras or not isinstance(record, storage.StateRecord):
+        return
+    model_state = record.metadata.get("model_state", "all")
+    absent = [
+        f"{EXTRA}:{n}" for n, v in extras.items() if _extra_saved(v, model_state) and f"{EXTRA}:{n}" not in record.model
+    ]
+    if absent:
+        raise BindingError(
+            f"{where} has no saved value for {absent}, named in `variables`: the state was saved "
+            "without them (save_training_state(..., variables={...})). Leave them out of `variables`, "
+            "or pass strict=False to leave them fresh (listed in report.left_fresh).",
+            key=absent[0],
+            expected=absent,
+            received=sorted(k for k in record.model if k.startswith(f"{EXTRA}:")),
+        )
+
+
+def _extra_saved(variable, model_state) -> bool:
+    """Whether ``model_state`` saves the value of an extra variable (as for model variables)."""
+    return model_state == "all" or (model_state == "trainable" and variable.trainable)
+
+
+def _renamed_record(record, rules, strict, report, where):
+    """``record`` with every variable key renamed by the first rule that matches it.
+
+    Model keys, the owners of slot keys and contract keys are renamed alike; a
+    key no rule matches is refused (``strict``) or dropped.
+    """
+    if not isinstance(record, storage.StateRecord):
+        raise ValueError(
+            f"`prefix` and `rename` rename the keys of a keras_stable_state file; {where} is a "
+            f"{record.source}, matched by position and layer structure, with no keys to rename."
+        )
+    cache = {}
+
+    def rename(key):
+        if key not in cache:
+            _parse_model_key(key, where)
+            new = None
+            for pattern, replacement in rules:
+                if pattern.search(key):
+                    new = pattern.sub(replacement, key, count=1)
+                    try:
+                        VariableKey.parse(new)
+                    except KeyFormatError as err:
+                        raise ValueError(
+                            f"rename rule ({pattern.pattern!r}, {replacement!r}) turns {key!r} into "
+                            f"{new!r}, which is not a key ('path:<stable path>', 'order:<int>' or "
+                            "'var:<name>'); fix the replacement."
+                        ) from err
+                    break
+            cache[key] = new
+        return cache[key]
+
+    outside, model, optimizer, sources = [], {}, {}, {}
+
+    def put(section, old, new, array):
+        if new in sources:
+            raise ValueError(
+                f"The rename rules map both {sources[new]!r} and {old!r} in {where} to {new!r}; "
+                "each saved key must land on its own key. Make the rules more specific."
+            )
+        sources[new] = old
+        section[new] = array
+        if new != old:
+            report.renamed.append((old, new))
+
+    for key, array in record.model.items():
+        new = rename(key)
+        if new is None:
+            outside.append(key)
+        else:
+            put(model, key, new, array)
+    for key, array in record.optimizer.items():
+        owner, sep, slot = key.rpartition("#")
+        if not sep or owner == "optimizer":
+            optimizer[key] = array
+            continue
+        new = rename(owner)
+        if new is None:
+            outside.append(key)
+        else:
+            put(optimizer, key, f"{new}#{slot}", array)
+    contract = record.contract
+    if contract is not None:
+        contract = [[rename(k), s, d] for k, s, d in contract if rename(k) is not None]
+    if outside:
+        if strict:
+            raise BindingError(
+                f"In {where}, no rename rule matches the saved keys {outside[:8]}"
+                f"{'...' if len(outside) > 8 else ''}, so they would not be restored; with strict=True "
+                "every saved key must be. Add a rule for them, or pass strict=False to leave them out "
+                "(listed in report.dropped).",
+                key=outside[0],
+                expected="a rule matching every saved key",
+                received=outside,
+            )
+        for key in outside:
+            report.drop(key, "no rename rule matches")
+    return dataclasses.replace(record, model=model, optimizer=optimizer, contract=contract)
+
+
+def _nesting_prefix(inner, outer):
+    """The shortest path ``P`` with ``P/k`` in ``outer`` for every ``k`` in ``inner``, or ``None``."""
+    counts = {}
+    for key in outer:
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[i:]) in inner:
+                prefix = "/".join(parts[:i])
+                counts[prefix] = counts.get(prefix, 0) + 1
+    full = [p for p, n in counts.items() if n >= len(inner)]
+    return min(full, key=len) if full else None
+
+
+def _check_scope(record, registry, model, where):
+    """Refuse a state whose keys belong to another scope: a model now nested in ``model``,
+    or a wrapper around it. Binding those keys as they are would put one layer's values
+    on another that happens to share its path (a bind across scopes)."""
+    owners = [*record.model, *(k for k, *_ in record.contract or ())]
+    owners += [k.rpartition("#")[0] for k in record.optimizer if isinstance(k, str)]
+    saved = {k[len("path:") :] for k in owners if k.startswith("path:")}
+    live = {k.value for k in registry.keys() if k.kind == "path"}
+    if not saved or not live:
+        return
+    direct = saved & live
+    prefix = _nesting_prefix(saved, live) if len(direct) < len(saved) else None
+    if prefix is not None:
+        example = sorted(saved)[0]
+        raise BindingError(
+            f"The training state in {where} was saved from a model that is now nested in "
+            f"{model.name!r} at {prefix!r}: every one of its {len(saved)} saved keys is there (e.g. "
+            f"'path:{example}' is 'path:{prefix}/{example}'), while only {len(direct)} of them name "
+            "variables of the outer model by the same path. A bind across scopes is never made. Pass "
+            f"prefix={prefix!r} to restore into the nested model (strict=False leaves the outer "
+            "model's other variables fresh, listed in report.left_fresh).",
+            key=f"path:{example}",
+            expected=f"path:{prefix}/{example}",
+            received=f"path:{example}",
+        )
+    prefix = _nesting_prefix(live, saved) if len(direct) < len(live) else None
+    if prefix is not None:
+        raise BindingError(
+            f"The training state in {where} was saved from a model that contains this model at "
+            f"{prefix!r}: every variable of {model.name!r} is saved as 'path:{prefix}/...', and the "
+            "other saved keys belong to the outer model; they are never bound here. Pass "
+            f"rename=[(r'^path:{prefix}/', 'path:')] to restore the nested part (with strict=False "
+            "the outer model's keys are dropped and listed in report.dropped).",
+            key=f"path:{prefix}",
+            expected=f"path:{prefix}/...",
+            received=sorted(live)[:4],
+        )
 
 
 def _save_keras_archive(model, tmp, filepath):
@@ -743,13 +1460,25 @@ def _plan_model(record, model, registry, strict, allow_cast, report, where):
             key=str(saved[0][0]),
         )
     if unmatched:
+        extra = sorted(k.value for k in unmatched if k.kind == EXTRA)
+        if strict and extra:
+            raise BindingError(
+                f"{where} holds variables saved by name outside the model, {[f'{EXTRA}:{n}' for n in extra]}"
+                f", which `variables` does not name; pass them to restore them: restore_training_state"
+                f"(..., variables={{{', '.join(f'{n!r}: ...' for n in extra)}}}), or pass strict=False "
+                "to skip them.",
+                key=f"{EXTRA}:{extra[0]}",
+                expected=[f"{EXTRA}:{n}" for n in extra],
+                received=None,
+            )
         if strict:
             raise BindingError(
                 f"Saved model variables {sorted(map(str, unmatched))} in {where} are not in the model. "
                 "Rebuild the model as it was saved, or pass strict=False to skip them.",
                 key=str(unmatched[0]),
             )
-        report.dropped.extend(str(k) for k in unmatched)
+        for k in unmatched:
+            report.drop(str(k), _drop_reason(k, ()))
     for key, array in record.model.items():
         vkey = keys[key]
         if vkey in bound:
@@ -772,6 +1501,10 @@ def restore_training_state(
     state=None,
     include_rng=True,
     check_schedule=True,
+    variables=None,
+    prefix=None,
+    rename=None,
+    keep_learning_rate=False,
 ) -> RestoreReport:
     """Restore a training state saved by :func:`save_training_state` (or a stock Keras file).
 
@@ -850,12 +1583,20 @@ def restore_training_state(
     verb = "restore_training_state"
     filepath = _check_filepath(filepath, verb)
     _check_model(model, verb)
-    optimizer = _check_optimizer(optimizer, verb, model)
+    optimizers = _check_optimizers(optimizer, verb, model)
+    optimizer = optimizers.get(MAIN_OPTIMIZER)
     callbacks = _check_callbacks(callbacks, verb)
     providers = _check_providers(state, verb)
     _check_flags(
-        verb, strict=strict, allow_cast=allow_cast, include_rng=include_rng, check_schedule=check_schedule
+        verb,
+        strict=strict,
+        allow_cast=allow_cast,
+        include_rng=include_rng,
+        check_schedule=check_schedule,
+        keep_learning_rate=keep_learning_rate,
     )
+    extras = _check_variables(variables, verb, model)
+    rules = _check_rename(prefix, rename, verb)
     record = storage.read_file(filepath)
     where = _where(filepath)
     if not model.built or not model.variables:
@@ -872,6 +1613,11 @@ def restore_training_state(
             isinstance(layer, _DRIFTING) for layer in model._flatten_layers()
         )
     # 1. Check and convert everything; nothing is assigned before step 2.
+    registry = _model_registry(model, extras)
+    if rules is not None:
+        record = _renamed_record(record, rules, strict, report, where)
+    elif isinstance(record, storage.StateRecord):
+        _check_scope(record, registry, model, where)
     dropped_keys = []
     if isinstance(record, storage.StateRecord) and record.contract is not None:
         contract = TrainableContract.from_json(record.contract)
@@ -883,38 +1629,22 @@ def restore_training_state(
                 contract.validate(model)
             dropped_keys = missing
     if isinstance(record, storage.StateRecord) and optimizer is not None:
-        if check_schedule and "schedule" in record.extra:
+        if check_schedule and not keep_learning_rate and "schedule" in record.extra:
             state_mod.check_schedule(record.extra["schedule"], optimizer)
-        saved_classes = record.metadata.get("optimizer_classes")
-        live_classes = _optimizer_classes(optimizer)
-        if strict and saved_classes is not None and record.optimizer and saved_classes != live_classes:
-            raise BindingError(
-                f"The optimizer state in {where} was saved from {saved_classes} but the live optimizer "
-                f"is {live_classes}. Slots of another optimizer class would be applied with other update "
-                "rules; build the optimizer as saved, or pass strict=False to restore what matches.",
-                expected=saved_classes,
-                received=live_classes,
-            )
-    registry = VariableRegistry.from_model(model)
     plan = _plan_model(record, model, registry, strict, allow_cast, report, where)
-    saved_opt = record.optimizer
-    if optimizer is not None and len(saved_opt):
-        _ensure_built(optimizer, model, report)
-        if isinstance(optimizer, StableOptimizer):
-            optimizer.bind(model)
-        plan += plan_optimizer_arrays(
-            optimizer,
-            model,
-            saved_opt,
-            keyed=isinstance(saved_opt, dict),
-            strict=strict,
-            allow_cast=allow_cast,
-            report=report,
-            dropped_keys=dropped_keys,
-            where=filepath,
-        )
-    elif len(saved_opt) and optimizer is None:
-        report.dropped.append("optimizer (the model has no optimizer; compile it to restore optimizer state)")
+    _check_extras_saved(record, extras, strict, report, where)
+    plan += _plan_optimizers(
+        record,
+        optimizers,
+        model,
+        strict,
+        allow_cast,
+        report,
+        dropped_keys,
+        filepath,
+        extras=extras,
+        keep_learning_rate=keep_learning_rate,
+    )
     steps = []
     if isinstance(record, storage.StateRecord):
         steps = _plan_state(record, callbacks, providers, include_rng, report, where)
@@ -925,8 +1655,13 @@ def restore_training_state(
             "save_training_state(..., state={name: provider}).",
             key=sorted(providers)[0],
         )
-    # 2. Assign: every planned value, or (if an assignment fails) none.
+    # Vocabularies and bin boundaries: checked now, set before the variables.
+    steps += layer_state.plan_layer_state(
+        record, model, strict=strict, report=report, where=where, rules=rules
+    )
+    # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
     steps += [_variable_step(var, array) for var, array in plan]
+    steps += layer_state.finalize_steps(model)
     _apply(steps, filepath)
     return report
 
@@ -934,14 +1669,14 @@ def restore_training_state(
 def plan_callbacks(record, callbacks, report, where=None):
     """Check the saved callback states and return the call that puts them back.
 
-    Callbacks are matched by class name and index among callbacks of that class;
-    every saved state is checked before anything is set, and the returned call
+    Callbacks are matched by key: the names of a dict (``{"es": cb}``), or for a
+    list the class name and index among callbacks of that class; every saved state is checked before anything is set, and the returned call
     sets all of them or (if one refuses) none. A stateful callback without a
     saved state is listed in ``report.left_fresh``.
 
     Args:
         record: A :class:`~keras_stable_state.storage.StateRecord`.
-        callbacks: The live callbacks.
+        callbacks: The live callbacks: a dict ``{name: callback}`` or a list.
         report: The :class:`RestoreReport` to add to.
         where: The file, for messages.
 
@@ -952,7 +1687,8 @@ def plan_callbacks(record, callbacks, report, where=None):
         CorruptCheckpointError: naming the record (``"callbacks/EarlyStopping/0"``)
             of a malformed saved state.
     """
-    steps = _callback_steps(record, list(callbacks or ()), report, None if where is None else _where(where))
+    callbacks = _check_callbacks(callbacks, "StableCheckpoint")
+    steps = _callback_steps(record, callbacks, report, None if where is None else _where(where))
     return [lambda: _apply(steps, where)] if steps else []
 
 
@@ -960,10 +1696,9 @@ def _callback_steps(record, callbacks, report, where):
     extra, arrays = record.extra, record.arrays
     steps = []
     saved_cbs = extra.get("callbacks", {})
-    for cb in callbacks:
+    for key, cb in callbacks.items():
         if state_mod.callback_state(cb) is None:
             continue
-        key = state_mod.callback_key(callbacks, cb)
         if key not in saved_cbs:
             report.left_fresh.append(f"callback:{key}")
             continue
