@@ -8,7 +8,6 @@ import json
 import os
 import re
 import socket
-import sys
 import threading
 import time
 import warnings
@@ -24,6 +23,7 @@ from keras_stable_state.errors import (
     CorruptCheckpointError,
     StateError,
 )
+from keras_stable_state.optimizer import StableOptimizer, tracked_optimizers
 
 try:
     import fcntl
@@ -270,7 +270,7 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     On train begin it restores the newest readable checkpoint in ``directory``
     (model and optimizer variables by key, the learning-rate schedule check,
-    the state of the other callbacks of the same ``fit`` call, the global random
+    the state of the callbacks given as ``callbacks=``, the global random
     state, metric accumulators and the position) and starts ``fit`` at the saved
     epoch. A checkpoint taken mid-epoch resumes at the next unseen batch: the
     batches already applied are drawn from the data and skipped, not trained on
@@ -310,10 +310,20 @@ class StableCheckpoint(keras.callbacks.Callback):
     so the state of callbacks listed after this one, e.g. a learning rate that
     ``ReduceLROnPlateau`` just reduced, is in the checkpoint.
 
-    The other callbacks are found through the ``fit`` call's callback list;
-    pass ``callbacks=[...]`` to name them yourself. Callbacks that count
-    batches themselves see the skipped batches' begin and end events (with
-    empty logs).
+    The state of other callbacks (``EarlyStopping``, ``ReduceLROnPlateau``,
+    ``ModelCheckpoint``...) is saved for the callbacks given as ``callbacks=``,
+    by the name you give them: ``StableCheckpoint(d, callbacks={"es": es})``,
+    then ``fit(..., callbacks=[ckpt, es])``. Keras gives a callback no public
+    way to see the other callbacks of a ``fit`` call, so none are guessed: a
+    callback not given here restarts with a fresh state on resume, as with
+    Keras' ``BackupAndRestore``. Callbacks that count batches themselves see
+    the skipped batches' begin and end events (with empty logs).
+
+    On train begin every ``StableOptimizer`` the model tracks
+    (``model.optimizer`` and optimizer attributes such as a GAN's
+    ``d_optimizer``) is bound to the ``fit`` model (see
+    :meth:`~keras_stable_state.StableOptimizer.bind`), and every optimizer the
+    model tracks is saved and restored, each under its attribute name.
 
     Args:
         directory: Folder of the checkpoints (created if needed). Give each run
@@ -321,8 +331,10 @@ class StableCheckpoint(keras.callbacks.Callback):
         save_freq: ``"epoch"`` or an ``int``: save every that many batches.
         keep: How many newest checkpoints to keep (``>= 1``).
         verbose: ``1`` prints one line per save and restore.
-        callbacks: Callbacks whose state to save and restore; default: the
-            other callbacks of the ``fit`` call.
+        callbacks: Callbacks whose state to save and restore: a dict
+            ``{name: callback}`` (the names key their state in the checkpoint)
+            or a list (keyed by class name and index among callbacks of that
+            class). Default: none.
 
     Attributes:
         restore_report: The :class:`~keras_stable_state.RestoreReport` of the
@@ -334,7 +346,12 @@ class StableCheckpoint(keras.callbacks.Callback):
         removed_temporary_files: Stale ``.kss-*`` temporary files removed on train begin.
 
     Raises:
-        ValueError: for an invalid ``save_freq`` or ``keep`` (on construction).
+        ValueError: for an invalid ``save_freq`` or ``keep``, or a callback name
+            that is empty or holds ``/``, ``#``, ``@`` or whitespace (on construction).
+        TypeError: if ``callbacks`` is not a dict or list of callbacks (on construction).
+        BindingError: on train begin, if a ``StableOptimizer`` of the model is
+            built on variables the model does not hold, or its state loaded by
+            ``load_model`` does not fit the model.
         StateError: on train begin, if the model is not built or was compiled
             with ``steps_per_execution`` other than 1 (a resume lands on a batch),
             or an unreadable checkpoint cannot be moved aside (it would count in
@@ -367,8 +384,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.keep = keep
         self.verbose = verbose
-        self._explicit_callbacks = None if callbacks is None else list(callbacks)
-        self._siblings = []
+        self._callbacks = checkpoint._check_callbacks(callbacks, "StableCheckpoint")
         self._position = _Position()
         self._pending_restore = None
         self._save_requested = False
@@ -383,16 +399,6 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._lock_finalizer = False
 
     # -- discovery ------------------------------------------------------------------
-    def set_model(self, model):
-        super().set_model(model)
-        caller = sys._getframe(1).f_locals.get("self")
-        if isinstance(caller, keras.callbacks.CallbackList):
-            self._siblings = [cb for cb in caller.callbacks if cb is not self]
-
-    @property
-    def _callbacks(self):
-        return self._explicit_callbacks if self._explicit_callbacks is not None else self._siblings
-
     def _say(self, message):
         if self.verbose:
             print_msg(f"StableCheckpoint: {message}")
@@ -486,6 +492,9 @@ class StableCheckpoint(keras.callbacks.Callback):
                 expected=1,
                 received=spe,
             )
+        for opt in tracked_optimizers(model).values():
+            if isinstance(opt, StableOptimizer):
+                opt.bind(model)  # model.optimizer is opt (or an optimizer attribute): its owner
         self._position = _Position()
         self._pending_restore = None
         self._save_requested = False
