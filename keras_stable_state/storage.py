@@ -102,6 +102,8 @@ __all__ = [
     "write_record",
     "open_file",
     "read_file",
+    "read_bytes",
+    "record_to_bytes",
     "atomic_path",
     "seal",
     "reseal",
@@ -337,6 +339,12 @@ class atomic_path:
         return False
 
 
+def record_to_bytes(record: StateRecord) -> bytes:
+    """``record`` as the bytes of a sealed ``.h5`` training state (for object stores);
+    :func:`read_bytes` reads them back."""
+    return _record_bytes(record)
+
+
 def write_record(filepath, record: StateRecord, keras_archive_writer=None):
     """Write ``record`` atomically to ``filepath``.
 
@@ -477,7 +485,8 @@ def _diagnose(
     damaged = [key for key, _ in result.get("damaged", [])]
     if damaged:
         listed = ", ".join(repr(k) for k in damaged)
-        return _damaged(where, f"{what}: {listed} fail(s) its CRC-32 checksum", key=damaged[0])
+        verb = "fails its CRC-32 checksum" if len(damaged) == 1 else "fail their CRC-32 checksums"
+        return _damaged(where, f"{what}: {listed} {verb}", key=damaged[0])
     if "crashed" in result:
         return _damaged(where, f"{what}; {result['crashed']}", key=default_key)
     return _damaged(where, f"{what} (its metadata, a record or the layout was changed)", key=default_key)
@@ -571,7 +580,10 @@ class CheckpointFile:
             names the key, dataset or member concerned where there is one.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, *, data: bytes | None = None):
+        self._data = None if data is None else bytes(data)
+        if self._data is not None:
+            path = "<bytes>"
         if isinstance(path, bytes):
             path = os.fsdecode(path)
         if not isinstance(path, (str, os.PathLike)):
@@ -599,9 +611,9 @@ class CheckpointFile:
         self._h5 = None
         self._keras_metadata = {}
         self._key_groups = set()
-        if not os.path.exists(self.path):
+        if self._data is None and not os.path.exists(self.path):
             raise FileNotFoundError(f"No training-state file at {self.path!r}.")
-        if os.path.isdir(self.path):
+        if self._data is None and os.path.isdir(self.path):
             raise CheckpointFormatError(
                 f"{self.path!r} is a directory, not a training-state file. Pass one .keras or .h5 file "
                 "(StableCheckpoint keeps ckpt-<step>.h5 files in its directory; the newest is the last "
@@ -638,9 +650,32 @@ class CheckpointFile:
                 path=self.path,
             ) from err
 
+    @classmethod
+    def from_bytes(cls, data: bytes) -> CheckpointFile:
+        """Open a training state held in memory (e.g. fetched from an object store), with
+        the same checks as a file; :attr:`path` is ``"<bytes>"``."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(f"A training state in memory must be bytes. Received: {type(data).__name__}")
+        return cls("<bytes>", data=data)
+
+    @contextlib.contextmanager
+    def _on_disk(self):
+        """A path holding the file's bytes, for a probe process."""
+        if self._data is None:
+            yield self.path
+            return
+        with tempfile.TemporaryDirectory(prefix="kss-probe-") as folder:
+            copy = os.path.join(folder, "state")
+            with open(copy, "wb") as fh:
+                fh.write(self._data)
+            yield copy
+
     def _open(self):
-        self._fh = open(self.path, "rb")  # noqa: SIM115 (held open, and locked, until close())
-        self._lock()
+        if self._data is not None:
+            self._fh = io.BytesIO(self._data)
+        else:
+            self._fh = open(self.path, "rb")  # noqa: SIM115 (held open, and locked, until close())
+            self._lock()
         head = self._fh.read(USERBLOCK_SIZE)
         self._fh.seek(0)
         if head.startswith(_SEAL_MAGIC):
@@ -650,7 +685,8 @@ class CheckpointFile:
             self._h5 = h5py.File(self._fh, "r")
             self.sealed = True
         elif head.startswith(_HDF5_SIGNATURE):
-            _probe_or_refuse(self.path, self.path)
+            with self._on_disk() as path:
+                _probe_or_refuse(self.path, path)
             self._h5 = h5py.File(self._fh, "r")
         elif head[: len(_SEAL_MAGIC)] != _SEAL_MAGIC and self._hdf5_after_user_block():
             raise _damaged(self.path, "its seal (the first 512 bytes) is missing or damaged")
@@ -697,7 +733,8 @@ class CheckpointFile:
             sha.update(chunk)
         self._fh.seek(0)
         if sha.digest() != digest:
-            raise _diagnose(self.path, self.path, None, "its content fails its SHA-256 seal")
+            with self._on_disk() as path:
+                raise _diagnose(self.path, path, None, "its content fails its SHA-256 seal")
 
     def _open_archive(self):
         self.container = ".keras archive"
@@ -753,10 +790,12 @@ class CheckpointFile:
                 len(data) != USERBLOCK_SIZE + length
                 or hashlib.sha256(data[USERBLOCK_SIZE:]).digest() != digest
             ):
-                raise _diagnose(self.where, self.path, self.member, "its content fails its SHA-256 seal")
+                with self._on_disk() as path:
+                    raise _diagnose(self.where, path, self.member, "its content fails its SHA-256 seal")
             self.sealed = True
         elif data.startswith(_HDF5_SIGNATURE):
-            _probe_or_refuse(self.where, self.path, self.member)
+            with self._on_disk() as path:
+                _probe_or_refuse(self.where, path, self.member)
         else:
             raise _damaged(self.where, "the archive member is not an HDF5 file", key=self.member)
         self._h5 = h5py.File(io.BytesIO(data), "r")
@@ -792,7 +831,9 @@ class CheckpointFile:
 
     def _data_limit(self) -> int:
         # Dataset offsets count from the start of the file, user block included.
-        return self._data_size if self._zip is not None else os.fstat(self._fh.fileno()).st_size
+        if self._zip is not None:
+            return self._data_size
+        return len(self._data) if self._data is not None else os.fstat(self._fh.fileno()).st_size
 
     def _walk(self, strings=()):
         try:
@@ -1241,6 +1282,11 @@ def _stock_weights(f: CheckpointFile, arrays: dict) -> StockWeights:
     return StockWeights(arrays=arrays["model"], optimizer=optimizer, source=source)
 
 
+def read_bytes(data: bytes):
+    """:func:`read_file` for a training state held in memory (``.h5`` or ``.keras`` bytes)."""
+    return _read_whole(CheckpointFile.from_bytes(data))
+
+
 def read_file(filepath):
     """Read a training-state file, or a stock Keras weights file, whole, with every check.
 
@@ -1264,7 +1310,11 @@ def read_file(filepath):
             legacy Keras HDF5 file, or a zip archive holding neither a training
             state nor Keras weights.
     """
-    with open_file(filepath) as f:
+    return _read_whole(open_file(filepath))
+
+
+def _read_whole(f: CheckpointFile):
+    with f:
         arrays = {section: {} for section in SECTIONS}
         for e in f.entries:
             arrays[e.section][e.key] = f.read(e)
