@@ -675,6 +675,8 @@ def plan_optimizer_arrays(
         ):
             report.drop(key, _KEPT_LR)
             continue
+        if entry is None and vkey is not None and strict:
+            _refuse_regrouped(key, live_key, live_by_key, optimizer, where)
         if entry is None:
             if strict:
                 raise BindingError(
@@ -708,6 +710,33 @@ def plan_optimizer_arrays(
         )
     report.left_fresh.extend(fresh)
     return plan
+
+
+def _refuse_regrouped(key, live_key, live_by_key, optimizer, where):
+    """A saved slot of group ``optimizers/<i>/`` whose variable the live MultiOptimizer has
+    in another group: refuse naming the routing change."""
+    pattern = re.compile(r"optimizers/[0-9]+/")
+    if not pattern.search(live_key):
+        return
+    shape = pattern.sub("optimizers/*/", live_key)
+    elsewhere = [k for k in live_by_key if pattern.sub("optimizers/*/", k) == shape]
+    if not elsewhere:
+        return
+    saved_group = pattern.search(live_key).group(0)
+    live_group = pattern.search(elsewhere[0]).group(0)
+    var = live_by_key[elsewhere[0]].reference
+    raise BindingError(
+        f"Parameter groups differ: {key} in {_where(where)} was saved in group {saved_group.rstrip('/')}, "
+        f"but the live MultiOptimizer routes its variable to group {live_group.rstrip('/')} ({elsewhere[0]}); "
+        f"its pattern sees variable.path {str(getattr(var, 'path', '?'))!r}. Each group's slots, learning "
+        "rate and clipping would be applied to other variables. MultiOptimizer routes by `variable.path`, "
+        "which holds Keras' auto-generated layer names: name the layers your patterns match (see docs: "
+        "parameter groups), or restore with kss.restore_training_state into an optimizer that is not "
+        "built yet (it then routes every variable to its saved group).",
+        key=key,
+        expected=saved_group.rstrip("/"),
+        received=live_group.rstrip("/"),
+    )
 
 
 def restore_optimizer_arrays(optimizer, model, arrays, *, keyed, strict=True, allow_cast=False):
@@ -1213,9 +1242,7 @@ def save_training_state(
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
     model_arrays = {str(registry.key_of(v)): _np(v) for v in saved_vars}
-    model_arrays.update(
-        (f"{EXTRA}:{n}", _np(v)) for n, v in extras.items() if _extra_saved(v, model_state)
-    )
+    model_arrays.update((f"{EXTRA}:{n}", _np(v)) for n, v in extras.items() if _extra_saved(v, model_state))
     opt_arrays, opt_meta = _save_optimizers(optimizers, model, allow_order_keys, extras)
     extra, arrays = _collect_state(model, optimizer, callbacks, state, include_rng)
     extra[layer_state.SECTION], found = state_mod.split_arrays(
@@ -1247,7 +1274,9 @@ def _check_extras_saved(record, extras, strict, report, where):
         return
     model_state = record.metadata.get("model_state", "all")
     absent = [
-        f"{EXTRA}:{n}" for n, v in extras.items() if _extra_saved(v, model_state) and f"{EXTRA}:{n}" not in record.model
+        f"{EXTRA}:{n}"
+        for n, v in extras.items()
+        if _extra_saved(v, model_state) and f"{EXTRA}:{n}" not in record.model
     ]
     if absent:
         raise BindingError(
