@@ -8,7 +8,7 @@ BACKENDS := tensorflow jax torch
 BACKEND ?= jax
 export TF_CPP_MIN_LOG_LEVEL := 3
 
-.PHONY: setup demo test test-% lint docs bench clean
+.PHONY: setup demo test test-% lint docs bench clean fuzz
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,19 @@ test: setup lint docs
 		echo "=== backend: $$b ==="; \
 		KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider tests || exit 1; \
 	done
+
+# Long fuzz campaign of damaged files on every backend (tests/test_integrity.py); override
+# the budget with e.g. `make fuzz KSS_FUZZ_FLIPS=5000`; KSS_FUZZ_SEED draws other cases.
+KSS_FUZZ_FLIPS ?= 2000
+KSS_FUZZ_TRUNCATIONS ?= 100
+KSS_FUZZ_EDITS ?= 300
+fuzz: setup
+	@status=0; for b in $(BACKENDS); do \
+		echo "=== fuzz campaign, backend: $$b ==="; \
+		KSS_FUZZ_FLIPS=$(KSS_FUZZ_FLIPS) KSS_FUZZ_TRUNCATIONS=$(KSS_FUZZ_TRUNCATIONS) \
+		KSS_FUZZ_EDITS=$(KSS_FUZZ_EDITS) KSS_FUZZ_INSPECT_EVERY=1 KERAS_BACKEND=$$b \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_integrity.py || status=1; \
+	done; exit $$status
 
 bench: setup
 	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(BIN)/python benchmarks/step_overhead.py || exit 1; done
