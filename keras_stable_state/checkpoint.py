@@ -551,8 +551,10 @@ _KEPT_LR = "kept the compiled learning rate (keep_learning_rate=True)"
 _NO_OPTIMIZER = "no optimizer to restore into (compile the model or pass optimizer=)"
 
 
-def _drop_reason(vkey, dropped_keys) -> str:
-    if str(vkey) in dropped_keys:
+def _drop_reason(vkey, frozen) -> str:
+    """Why the slots of saved variable ``vkey`` are dropped; ``frozen``: keys of model
+    variables that are no longer trained."""
+    if str(vkey) in frozen:
         return "no longer trained"
     return _NOT_PASSED if vkey.kind == EXTRA else _NOT_IN_MODEL
 
@@ -654,7 +656,7 @@ def plan_optimizer_arrays(
             f"it was, or pass strict=False to drop these slots.{hint}",
             key=str(unmatched[0]),
         )
-    used = set()
+    used, frozen = set(), None
     report.order_keys.extend(k for k, (vkey, _) in parsed.items() if vkey is not None and not vkey.named)
     for key, array in arrays.items():
         vkey, slot = parsed[key]
@@ -664,7 +666,10 @@ def plan_optimizer_arrays(
             var, how = bound[vkey]
             live_key = f"{registry.key_of(var)}#{slot}"
         else:
-            report.drop(key, _drop_reason(vkey, dropped_keys))
+            if frozen is None:
+                in_model = {str(k) for k in VariableRegistry.from_model(model).keys()} if model else set()
+                frozen = dropped_keys & in_model
+            report.drop(key, _drop_reason(vkey, frozen))
             continue
         entry = live_by_key.get(live_key)
         if (
@@ -977,7 +982,8 @@ def _plan_optimizers(
             continue
         meta = meta_all.get(name) or {}
         if name == MAIN_OPTIMIZER and not meta:
-            meta = {"classes": record.metadata.get("optimizer_classes")} if meta_all == {} else {}
+            classes = getattr(record, "metadata", {}).get("optimizer_classes")
+            meta = {"classes": classes} if meta_all == {} else {}
         saved_classes = meta.get("classes")
         live_classes = _optimizer_classes(opt)
         if strict and saved_classes is not None and saved_classes != live_classes:

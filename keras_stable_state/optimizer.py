@@ -270,7 +270,9 @@ def optimizer_entries(
 
     Returns:
         A list of :class:`OptimizerEntry`, one per variable in
-        ``optimizer.variables``, in that order.
+        ``optimizer.variables``, in that order (model variables an optimizer
+        tracks because it holds them, e.g. in ``(variable, slot)`` pairs, are
+        not its state and are left out).
 
     Raises:
         StateError: if the optimizer is not built, or holds a variable that is
@@ -293,8 +295,10 @@ def optimizer_entries(
     head = entry_prefix(name)
     by_id = {}
     ordered = []
+    model_vars = set()  # model variables an optimizer tracks by holding them (pairs): not its state
     for prefix, opt in _tree(optimizer):
         slots = _Slots(opt)
+        model_vars |= set(slots._ref_ids)
         if slots.conflicts:
             var, found = slots.conflicts[0]
             raise BindingError(
@@ -305,7 +309,7 @@ def optimizer_entries(
             )
         used, unnamed = {}, []
         for index, var in enumerate(opt._variables):
-            if id(var) in by_id:
+            if id(var) in by_id or id(var) in model_vars:
                 continue
             hit = slots.by_var.get(id(var))
             if hit is None and id(var) not in slots._own:
@@ -345,6 +349,8 @@ def optimizer_entries(
         )
     entries = []
     for var in optimizer.variables:
+        if id(var) in model_vars and id(var) not in by_id:
+            continue
         if id(var) not in by_id:
             raise StateError(
                 f"Optimizer variable {var.path!r} of {type(optimizer).__name__} is neither the "
