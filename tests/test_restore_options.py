@@ -1,0 +1,182 @@
+"""Restore options: variables outside the model (issue 9, fault 6), report wording
+(fault 12), deferred restore and per-key mappers."""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+from conftest import to_np
+
+import keras_stable_state as kss
+from keras_stable_state.checkpoint import _keyed_optimizer_entries
+
+
+def _slots(optimizer, model, extras=None):
+    """``{entry key: numpy array}`` keyed by ``model``'s paths and ``extras``' names."""
+    return {e.key: to_np(e.variable) for e in _keyed_optimizer_entries(optimizer, model, extras)}
+
+
+def _model():
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3, name="hidden"),
+            keras.layers.Dense(1, name="out"),
+        ]
+    )
+
+
+def _step(optimizer, variables, scale=1.0):
+    grads = [keras.ops.ones(v.shape) * scale for v in variables]
+    optimizer.apply(grads, variables)
+
+
+def _trained_with_temperature():
+    """A custom loop training ``log_alpha`` next to the model (SAC's temperature)."""
+    model = _model()
+    log_alpha = keras.Variable(0.5, name="log_alpha")
+    opt = keras.optimizers.Adam(0.1)
+    for i in range(3):
+        _step(opt, [*model.trainable_variables, log_alpha], scale=1.0 + i)
+    return model, log_alpha, opt
+
+
+# -- fault 6: variables outside the model --------------------------------------------
+def test_extra_variable_value_and_slots_restored_by_key(tmp_path):
+    model, log_alpha, opt = _trained_with_temperature()
+    kss.save_training_state(tmp_path / "s.h5", model, opt, variables={"log_alpha": log_alpha})
+    model2, log_alpha2, opt2 = _model(), keras.Variable(0.5, name="log_alpha"), keras.optimizers.Adam(0.1)
+    report = kss.restore_training_state(tmp_path / "s.h5", model2, opt2, variables={"log_alpha": log_alpha2})
+    np.testing.assert_array_equal(to_np(log_alpha2), to_np(log_alpha))
+    assert float(to_np(log_alpha2)) != 0.5
+    assert report.matched["var:log_alpha"] == "name"
+    assert report.matched["var:log_alpha#momentums"] == "name"
+    assert report.built_optimizer and len(opt2._trainable_variables) == 5
+    assert not report.by_order and not report.left_fresh and not report.dropped
+    saved = _slots(opt, model, {"log_alpha": log_alpha})
+    live = _slots(opt2, model2, {"log_alpha": log_alpha2})
+    assert saved.keys() == live.keys() and "var:log_alpha#velocities" in live
+    for k in saved:
+        np.testing.assert_array_equal(live[k], saved[k], err_msg=k)
+    # training continues identically
+    _step(opt, [*model.trainable_variables, log_alpha])
+    _step(opt2, [*model2.trainable_variables, log_alpha2])
+    np.testing.assert_array_equal(to_np(log_alpha2), to_np(log_alpha))
+
+
+def test_slot_of_variable_outside_model_refused_at_save_naming_it(tmp_path):
+    model, _, opt = _trained_with_temperature()
+    with pytest.raises(kss.BindingError, match=r"log_alpha.*variables=\{'log_alpha': .*\}"):
+        kss.save_training_state(tmp_path / "s.h5", model, opt)
+    assert not (tmp_path / "s.h5").exists()
+
+
+def test_extra_variable_missing_at_restore(tmp_path):
+    model, log_alpha, opt = _trained_with_temperature()
+    kss.save_training_state(tmp_path / "s.h5", model, opt, variables={"log_alpha": log_alpha})
+    model2 = _model()
+    opt2 = keras.optimizers.Adam(0.1)
+    with pytest.raises(kss.BindingError, match=r"var:log_alpha.*variables=\{'log_alpha'"):
+        kss.restore_training_state(tmp_path / "s.h5", model2, opt2)
+    assert not opt2.built
+    report = kss.restore_training_state(tmp_path / "s.h5", model2, opt2, strict=False)
+    assert set(report.dropped) == {"var:log_alpha", "var:log_alpha#momentums", "var:log_alpha#velocities"}
+    assert "not passed in `variables=`" in report.dropped_reasons["var:log_alpha"]
+    assert "not passed in `variables=`" in str(report)
+
+
+def test_extra_variable_not_in_file(tmp_path):
+    model = _model()
+    opt = keras.optimizers.Adam(0.1)
+    _step(opt, model.trainable_variables)
+    kss.save_training_state(tmp_path / "s.h5", model, opt)
+    extra = keras.Variable(1.0, name="log_alpha")
+    with pytest.raises(kss.BindingError, match=r"var:log_alpha"):
+        kss.restore_training_state(tmp_path / "s.h5", _model(), opt, variables={"log_alpha": extra})
+    report = kss.restore_training_state(
+        tmp_path / "s.h5", _model(), keras.optimizers.Adam(0.1), strict=False, variables={"log_alpha": extra}
+    )
+    assert "var:log_alpha" in report.left_fresh and float(to_np(extra)) == 1.0
+
+
+def test_variables_argument_checked():
+    model = _model()
+    v = keras.Variable(1.0)
+    with pytest.raises(TypeError, match=r"`variables` of save_training_state must be a dict"):
+        kss.save_training_state("x.h5", model, variables=[v])
+    with pytest.raises(TypeError, match=r"variables\['t'\].*keras.Variable"):
+        kss.save_training_state("x.h5", model, variables={"t": 1.0})
+    with pytest.raises(ValueError, match=r"names .* non-empty strings"):
+        kss.save_training_state("x.h5", model, variables={"a#b": v})
+    with pytest.raises(ValueError, match=r"path:layers/hidden/kernel"):
+        kss.save_training_state("x.h5", model, variables={"k": model.get_layer("hidden").kernel})
+    with pytest.raises(ValueError, match=r"both 'a' and 'b'"):
+        kss.restore_training_state("x.h5", model, variables={"a": v, "b": v})
+
+
+def test_var_key_grammar():
+    key = kss.VariableKey.parse("var:log_alpha")
+    assert key.kind == "var" and key.named and str(key) == "var:log_alpha"
+    with pytest.raises(kss.KeyFormatError):
+        kss.VariableKey.parse("var:a/b")
+
+
+# -- fault 12: report wording -----------------------------------------------------------
+def test_drop_reasons_are_distinct(tmp_path):
+    model = _model()
+    model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    x = np.ones((4, 4), "float32")
+    model.fit(x, x[:, :1], verbose=0)
+    kss.save_training_state(tmp_path / "s.h5", model)
+    # renamed layer: its weights and slots are "not in the model", not "no longer trained"
+    renamed = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3, name="hidden"), keras.layers.Dense(1, name="head")]
+    )
+    renamed.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    report = kss.restore_training_state(tmp_path / "s.h5", renamed, strict=False)
+    assert "path:layers/out/kernel" in report.dropped
+    assert report.dropped_reasons["path:layers/out/kernel"].startswith("not in the model")
+    assert report.dropped_reasons["path:layers/out/kernel#momentums"].startswith("not in the model")
+    text = str(report)
+    assert "no longer trained" not in text and "not in the model (renamed or removed)" in text
+    assert "path:layers/head/kernel#momentums" in report.left_fresh
+    # frozen layer: "no longer trained"
+    frozen = _model()
+    frozen.get_layer("hidden").trainable = False
+    frozen.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    report = kss.restore_training_state(tmp_path / "s.h5", frozen, strict=False)
+    assert report.dropped_reasons["path:layers/hidden/kernel#momentums"] == "no longer trained"
+    assert "dropped (no longer trained)" in str(report)
+    # no optimizer: every optimizer key dropped with its own reason
+    bare = _model()
+    report = kss.restore_training_state(tmp_path / "s.h5", bare)
+    assert "optimizer#iteration" in report.dropped
+    assert set(report.dropped) == set(_slots(model.optimizer, model))
+    assert {r for r in report.dropped_reasons.values()} == {
+        "no optimizer to restore into (compile the model or pass optimizer=)"
+    }
+    assert "dropped (no optimizer to restore into" in str(report)
+    assert "no longer trained" not in str(report)
+
+
+def test_report_never_prints_order_keys_for_slots_of_path_keyed_variables(tmp_path):
+    model, log_alpha, opt = _trained_with_temperature()
+    kss.save_training_state(tmp_path / "s.h5", model, opt, variables={"log_alpha": log_alpha})
+    bigger = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3, name="hidden"),
+            keras.layers.Dense(1, name="out"),
+            keras.layers.Dense(1, name="new"),
+        ]
+    )
+    report = kss.restore_training_state(
+        tmp_path / "s.h5",
+        bigger,
+        keras.optimizers.Adam(0.1),
+        strict=False,
+        variables={"log_alpha": keras.Variable(0.5)},
+    )
+    assert "path:layers/new/kernel#momentums" in report.left_fresh
+    assert not re.search(r"order:[0-9]", str(report))
