@@ -70,8 +70,15 @@ def _index_lookup_class():
     return IndexLookup
 
 
+def _lookup(layer):
+    """The lookup layer holding ``layer``'s vocabulary (``TextVectorization`` keeps one inside)."""
+    if isinstance(layer, keras.layers.TextVectorization):
+        return layer._lookup_layer
+    return layer
+
+
 def _kind(layer):
-    if isinstance(layer, _index_lookup_class()):
+    if isinstance(layer, (_index_lookup_class(), keras.layers.TextVectorization)):
         return VOCABULARY
     if isinstance(layer, keras.layers.Discretization):
         return BIN_BOUNDARIES
@@ -84,13 +91,16 @@ def layer_key(path: str) -> str:
 
 
 def _stateful_layers(model) -> list:
-    """``(key, layer, kind)`` for every layer with non-variable state, in walk order."""
-    found = []
+    """``(key, layer, kind)`` for every layer with non-variable state, in walk order
+    (a ``TextVectorization`` stands for the lookup layer inside it)."""
+    found, inner = [], set()
     for path, layer in stable_layer_paths(model).values():
         kind = _kind(layer)
         if kind is not None:
             found.append((layer_key(path), layer, kind))
-    return found
+            if _lookup(layer) is not layer:
+                inner.add(id(_lookup(layer)))
+    return [entry for entry in found if id(entry[1]) not in inner]
 
 
 def _json_token(token, key):
@@ -127,15 +137,28 @@ def _json_option(value, key):
     return _json_token(value, key)
 
 
-def _lookup_state(layer, key) -> dict:
+def _lookup_state(holder, key) -> dict:
+    layer = _lookup(holder)
     options = {name: _json_option(getattr(layer, name, None), key) for name in _LOOKUP_OPTIONS}
-    vocabulary = [_json_token(t, key) for t in layer.get_vocabulary(include_special_tokens=True)]
+    try:
+        raw = layer.get_vocabulary(include_special_tokens=True)
+    except UnicodeDecodeError as err:
+        raise StateError(
+            f"Cannot save the vocabulary of layer {key!r} ({type(holder).__name__}): a token is not "
+            f"UTF-8 text ({err.object[err.start : err.end + 8]!r}...), and vocabularies are saved as "
+            "text. Build the vocabulary from UTF-8 strings, or map the tokens to integers first "
+            "(IntegerLookup).",
+            key=key,
+            expected="UTF-8 tokens",
+            received=err.object[:40],
+        ) from err
+    vocabulary = [_json_token(t, key) for t in raw]
     idf = None
     if layer.output_mode == "tf_idf" and getattr(layer, "idf_weights_const", None) is not None:
         idf = np.array(keras.ops.convert_to_numpy(layer.idf_weights_const), copy=True)
     return {
         "kind": VOCABULARY,
-        "class": type(layer).__name__,
+        "class": type(holder).__name__,
         "options": options,
         "vocabulary": vocabulary,
         "idf_weights": idf,
@@ -238,7 +261,7 @@ def _check_vocabulary(saved, layer, key, name, where) -> dict:
         raise state_mod.malformed(
             name, f"its vocabulary is not a list of {token_type.__name__} tokens", where
         )
-    start = layer._token_start_index()
+    start = _lookup(layer)._token_start_index()
     special = live["vocabulary"][:start]
     tokens = vocabulary[start:]
     if vocabulary[:start] != special or len(set(tokens)) != len(tokens):
@@ -251,7 +274,7 @@ def _check_vocabulary(saved, layer, key, name, where) -> dict:
             f"its vocabulary has {len(vocabulary)} entries, over max_tokens={options['max_tokens']}",
             where,
         )
-    frozen = getattr(layer, "_frozen_vocab_size", None)
+    frozen = getattr(_lookup(layer), "_frozen_vocab_size", None)
     if (
         options["output_mode"] != "int"
         and not options["pad_to_max_tokens"]
@@ -297,13 +320,14 @@ def _set_state(layer, key, kind, value):
         bins = value["bin_boundaries"]
         layer.bin_boundaries = None if bins is None else bins.tolist()
     else:
+        lookup = _lookup(layer)
         vocabulary, idf = value["vocabulary"], value["idf_weights"]
-        if len(vocabulary) > layer._token_start_index():
+        if len(vocabulary) > lookup._token_start_index():
             weights = None if idf is None else idf[: len(vocabulary)]
-            layer.set_vocabulary(vocabulary, idf_weights=weights)
+            lookup.set_vocabulary(vocabulary, idf_weights=weights)
         else:  # no tokens: back to an empty vocabulary (set_vocabulary refuses one)
-            layer.lookup_table = layer._uninitialized_lookup_table()
-            layer._record_vocabulary_size()
+            lookup.lookup_table = lookup._uninitialized_lookup_table()
+            lookup._record_vocabulary_size()
     after = _layer_state(layer, key, kind)
     if not state_mod.same_state(after, value):
         raise StateError(
@@ -436,7 +460,7 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
         steps.append(
             _snapshot_step(
                 _record(key),
-                layer,
+                _lookup(layer) if kind == VOCABULARY else layer,
                 lambda layer=layer, key=key, kind=kind, v=value: _set_state(layer, key, kind, v),
             )
         )
