@@ -1215,10 +1215,15 @@ def save_training_state(
             ``model`` that is not a ``keras.Model``, an ``optimizer`` that is not
             a ``keras.optimizers.Optimizer`` (a name such as ``"adam"`` included),
             ``callbacks`` that are not a list of ``keras.callbacks.Callback``, a
-            ``state`` provider without ``get_state()`` / ``set_state()``, or a
-            flag that is not a bool.
-        ValueError: for an unknown ``model_state``, or a provider name that is
-            empty or holds ``/``.
+            ``state`` provider without ``get_state()`` / ``set_state()``,
+            ``variables`` that are not a dict of ``keras.Variable``, or a flag
+            that is not a bool.
+        ValueError: for an unknown ``model_state``, a provider or variable name
+            that is empty or holds ``/``, or a ``variables`` entry that is a
+            model variable or named twice.
+        BindingError: if the optimizer trains a variable that is neither in the
+            model nor in ``variables`` (naming its path and the fix), or is
+            unbuilt while ``model`` is a layer of another model.
         CheckpointFormatError: for another extension, a directory, or a
             ``.keras`` path for a model Keras cannot serialize (a subclassed
             model without ``get_config()``): save to ``.h5`` instead.
@@ -1576,6 +1581,30 @@ def restore_training_state(
         include_rng: Put back NumPy's, Python's and Keras' global random state.
         check_schedule: Refuse a learning-rate schedule whose config differs
             from the saved one.
+        variables: ``{name: keras.Variable}``: the variables outside the model
+            passed by name to :func:`save_training_state`; their values and
+            slots (``var:<name>``) are restored too.
+        prefix: Restore a state saved from a model that is now nested in
+            ``model`` (transfer learning: ``Sequential([base, head])``): the
+            nested model's stable path, e.g. ``"layers/base"``. Every saved
+            ``path:<p>`` key (weights and slots alike) is restored as
+            ``path:<prefix>/<p>``. The same as ``rename=[(r"^path:",
+            "path:<prefix>/")]``.
+        rename: ``[(pattern, replacement), ...]`` rules for saved variable keys
+            (weights, the owners of slots, the contract), applied with
+            ``re.sub(pattern, replacement, key, count=1)`` by the first rule
+            whose pattern ``re.search`` finds; a saved key no rule matches is
+            not restored (refused with ``strict``, else listed in
+            ``report.dropped``). E.g. ``[(r"^path:layers/base/", "path:")]``
+            restores the base of a saved wrapper into the bare base. Without
+            rules, a state whose keys fit a nested model or a wrapper of
+            ``model`` is refused: a layer is never bound to another one of a
+            different scope that happens to share its path.
+        keep_learning_rate: Keep the optimizer's compiled learning rate (the
+            fine-tuning case: saved at 1e-3, compiled at 1e-4) instead of the
+            saved one, and skip the schedule check. Either way every saved
+            learning rate that differs from the compiled one is listed in
+            ``report.learning_rates``.
 
     Returns:
         A :class:`RestoreReport`.
@@ -1585,9 +1614,15 @@ def restore_training_state(
             a ``model`` that is not a ``keras.Model``, an ``optimizer`` that is
             not a ``keras.optimizers.Optimizer`` (a name such as ``"adam"``
             included), ``callbacks`` that are not a list of callbacks, a
-            ``state`` provider without ``get_state()`` / ``set_state()``, or a
-            flag that is not a bool.
-        ValueError: for a provider name that is empty or holds ``/``.
+            ``state`` provider without ``get_state()`` / ``set_state()``,
+            ``variables`` that are not a dict of ``keras.Variable``, ``rename``
+            that is not a list of string pairs, or a flag that is not a bool.
+        ValueError: for a provider or variable name that is empty or holds
+            ``/``, a ``variables`` entry that is a model variable or named
+            twice, a ``prefix`` that is not a relative path, both ``prefix``
+            and ``rename``, a rename pattern that is not a regular expression,
+            a rule that makes a malformed key or maps two saved keys to one,
+            and rules for a stock Keras file.
         FileNotFoundError: if there is no file.
         CheckpointInUseError: if another process holds the file locked for writing.
         CorruptCheckpointError: if the file is truncated or damaged, an array
@@ -1601,12 +1636,20 @@ def restore_training_state(
         ContractError: (``strict``) if the trainable variables differ from the contract.
         BindingError: if saved arrays cannot be matched to variables (keys,
             shapes, counts), naming the first or every key concerned; with
-            ``strict``, also if a stock Keras file lacks a model variable.
+            ``strict``, also if a stock Keras file lacks a model variable, a
+            ``var:<name>`` variable is saved but not passed or passed but not
+            saved, or a saved key matches no rename rule. Also, whatever
+            ``strict``: if the saved keys fit a nested model or a wrapper of
+            ``model`` (naming the ``prefix`` / ``rename`` to pass), if the
+            optimizer trains variables outside ``model`` and ``variables``
+            (naming them), or if the optimizer is unbuilt and ``model`` is a
+            layer of another model (it would be built on too few variables).
         DtypeMismatchError: for a floating-point dtype difference without
             ``allow_cast``, a difference between kinds (integer, boolean,
             float), or an integer out of the target's range.
-        ScheduleMismatchError: (``check_schedule``) if the schedule changed,
-            naming the differing fields.
+        ScheduleMismatchError: (``check_schedule`` without
+            ``keep_learning_rate``) if the schedule changed, naming the
+            differing fields.
         StateError: if the model is not built, a provider in ``state`` has no
             saved state, or putting values back after a failed assignment
             failed too (naming them).
