@@ -13,7 +13,7 @@ import random
 import keras
 import numpy as np
 import pytest
-from conftest import BACKEND, slots_by_key, to_np
+from conftest import BACKEND, to_np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -93,7 +93,8 @@ class World:
         gen = global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
         out = {
             "variables": [np.array(to_np(v), copy=True) for v in self.model.variables],
-            "slots": {k: np.array(v, copy=True) for k, v in slots_by_key(self.model.optimizer).items()},
+            # every optimizer variable (slots, iteration, learning rate), in optimizer order
+            "slots": [np.array(to_np(v), copy=True) for v in self.model.optimizer.variables],
             "numpy_rng": copy.deepcopy(np.random.get_state()),
             "python_rng": random.getstate(),
             "keras_seed": None if gen is None else np.array(to_np(gen.state.value), copy=True),
