@@ -127,6 +127,12 @@ class _Slots:
         self.by_var = {}  # id(slot variable) -> (ref, slot name)
         self.conflicts = []  # (slot variable, [(ref, slot name), ...]) found twice, differently
         self._ref_ids = {id(v): v for v in self.refs}
+        self._by_var_key = {}
+        for ref in self.refs:
+            try:
+                self._by_var_key[optimizer._var_key(ref)] = ref
+            except (AttributeError, TypeError):  # an optimizer without Keras' _var_key
+                pass
         self._by_path = {}
         for ref in self.refs:
             self._by_path.setdefault(str(getattr(ref, "path", "")), []).append(ref)
@@ -150,6 +156,8 @@ class _Slots:
             return key
         if isinstance(key, int) and key in self._ref_ids:
             return self._ref_ids[key]
+        if isinstance(key, int) and key in self._by_var_key:  # Keras' `_var_key` (TensorFlow: _unique_id)
+            return self._by_var_key[key]
         if isinstance(key, str):
             refs = self._by_path.get(key, [])
             return refs[0] if len(refs) == 1 else None
@@ -441,6 +449,15 @@ def _saved_by_wrapper(store):
     return None
 
 
+def _hand_over(inner):
+    """Hand the save/load of every optimizer inside the wrapper (the inner optimizer, a
+    LossScaleOptimizer's inner one, a MultiOptimizer's groups) to the wrapper's keyed store:
+    Keras' saving walk visits them too and would save and load them by position."""
+    for _, opt in _tree(inner):
+        opt.save_own_variables = _saved_by_wrapper
+        opt.load_own_variables = _saved_by_wrapper
+
+
 def _check_bindable(optimizer, model, variables):
     """Refuse binding ``model`` to an optimizer built on variables the model does not hold."""
     if not isinstance(model, keras.Model):
@@ -540,11 +557,10 @@ class StableOptimizer(keras.optimizers.Optimizer):
         inner = keras.optimizers.get(inner_optimizer)
         if isinstance(inner, StableOptimizer):
             raise ValueError("StableOptimizer cannot wrap another StableOptimizer.")
-        # Keras' saving walk also visits `inner_optimizer` and would save and load
-        # it by position after this wrapper restored it by key. While wrapped, the
-        # inner optimizer's own save/load is handed to the wrapper (this instance only).
-        inner.save_own_variables = _saved_by_wrapper
-        inner.load_own_variables = _saved_by_wrapper
+        # Keras' saving walk also visits `inner_optimizer` (and the optimizers inside it)
+        # and would save and load them by position after this wrapper restored them by
+        # key. While wrapped, their own save/load is handed to the wrapper (these instances).
+        _hand_over(inner)
         self.inner_optimizer = inner
         self.allow_order_keys = allow_order_keys
         self._model_ref = None
@@ -591,6 +607,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
             _check_bindable(self, model, var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
+            _hand_over(self.inner_optimizer)  # a selector may have added sub-optimizers
         self._trainable_variables = var_list[:]
         self.built = True
         self._load_pending()

@@ -262,13 +262,15 @@ class _Custom(keras.optimizers.Optimizer):
 
     def _slot(self, variable):
         kind = self.container
+        # `variable` may be the backend's own (TensorFlow): look it up by index.
+        index = self._get_variable_index(variable)
         if kind == "dict":
-            return self._m[variable.path]
+            return self._m[self._trainable_variables[index].path]
         if kind == "pairs":
-            return next(m for v, m in self._m if v is variable)
+            return self._m[index][1]
         if kind == "attrs":
-            return getattr(self, self._names[self._get_variable_index(variable)])
-        return self._m[self._get_variable_index(variable)]
+            return getattr(self, self._names[index])
+        return self._m[index]
 
     def update_step(self, gradient, variable, learning_rate):
         m = self._slot(variable)
