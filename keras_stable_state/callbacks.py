@@ -23,7 +23,7 @@ from keras_stable_state.errors import (
     CorruptCheckpointError,
     StateError,
 )
-from keras_stable_state.optimizer import StableOptimizer, tracked_optimizers
+from keras_stable_state.optimizer import stable_optimizer_in, tracked_optimizers
 
 try:
     import fcntl
@@ -493,8 +493,9 @@ class StableCheckpoint(keras.callbacks.Callback):
                 received=spe,
             )
         for opt in tracked_optimizers(model).values():
-            if isinstance(opt, StableOptimizer):
-                opt.bind(model)  # model.optimizer is opt (or an optimizer attribute): its owner
+            stable = stable_optimizer_in(opt)
+            if stable is not None:
+                stable.bind(model)  # model.optimizer is opt (or an optimizer attribute): its owner
         self._position = _Position()
         self._pending_restore = None
         self._save_requested = False

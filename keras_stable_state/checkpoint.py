@@ -32,6 +32,7 @@ from keras_stable_state.optimizer import (
     parse_entry_key,
     routing,
     split_entry_name,
+    stable_optimizer_in,
     tracked_optimizers,
 )
 
@@ -902,8 +903,8 @@ def _save_optimizers(optimizers, model, allow_order_keys, extras=None):
             meta[name] = {"classes": _optimizer_classes(opt), "built": False}
             continue
         _ensure_built(opt, model, extras=extras)
-        if isinstance(opt, StableOptimizer):
-            opt._model_ref = weakref.ref(model)
+        if stable_optimizer_in(opt) is not None:
+            stable_optimizer_in(opt)._model_ref = weakref.ref(model)  # bound to the model given
         allow = allow_order_keys or getattr(opt, "allow_order_keys", False)
         if not allow:
             _check_inside(opt, model, extras or {}, "save_training_state")
@@ -997,8 +998,8 @@ def _plan_optimizers(
                 received=live_classes,
             )
         _build_for(name, opt, model, meta, report, where, extras)
-        if isinstance(opt, StableOptimizer):
-            opt._model_ref = weakref.ref(model)
+        if stable_optimizer_in(opt) is not None:
+            stable_optimizer_in(opt)._model_ref = weakref.ref(model)  # bound to the model given
         _check_inside(opt, model, extras or {}, "restore_training_state")
         _check_windows_and_groups(name, opt, model, meta, where)
         plan += plan_optimizer_arrays(

@@ -225,7 +225,7 @@ def make_model(cls, args, x_sample, stable=True, seed=True):
     model(x_sample[:1])
     adam = keras.optimizers.Adam(learning_rate=args.lr)
     model.compile(
-        optimizer=kss.StableOptimizer(adam) if stable else adam,
+        optimizer=kss.StableOptimizer(adam, model=model) if stable else adam,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )

@@ -415,6 +415,18 @@ def tracked_optimizers(model) -> dict:
     return found
 
 
+def stable_optimizer_in(optimizer):
+    """The :class:`StableOptimizer` an optimizer is or wraps (Keras' mixed-precision
+    ``LossScaleOptimizer`` wraps the compiled one), or ``None``."""
+    seen = set()
+    while isinstance(optimizer, keras.optimizers.Optimizer) and id(optimizer) not in seen:
+        if isinstance(optimizer, StableOptimizer):
+            return optimizer
+        seen.add(id(optimizer))
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
 def routing(optimizer, registry) -> dict:
     """``{prefix: {variable key: group index}}`` for every ``MultiOptimizer`` in the optimizer.
 

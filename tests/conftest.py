@@ -39,5 +39,5 @@ def slots_by_key(optimizer):
     if hasattr(optimizer, "entries"):
         entries = optimizer.entries()
     else:
-        entries = optimizer_entries(optimizer)
+        entries = optimizer_entries(optimizer, allow_order_keys=True)  # a bare optimizer: no model
     return {e.key: to_np(e.variable) for e in entries}

@@ -53,7 +53,7 @@ def _model(units=8):
             keras.layers.Dense(1, name="out"),
         ]
     )
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
     return m
 
 

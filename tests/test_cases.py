@@ -48,13 +48,13 @@ class NetV2(NetV1):  # refactor: branch_b declared first, same math
 def test_01_slots_follow_their_variable_after_refactor(tmp_path, named, ext, make_opt):
     keras.utils.set_random_seed(1)
     a = NetV1(named)
-    a.compile(optimizer=kss.StableOptimizer(make_opt()), loss="mse")
+    a.compile(optimizer=kss.StableOptimizer(make_opt(), model=a), loss="mse")
     a.fit(X, Y, epochs=2, batch_size=8, verbose=0, shuffle=False)
     path = tmp_path / f"ckpt.{ext}"
     kss.save_training_state(path, a)
 
     b = NetV2(named)
-    b.compile(optimizer=kss.StableOptimizer(make_opt()), loss="mse")
+    b.compile(optimizer=kss.StableOptimizer(make_opt(), model=b), loss="mse")
     b(X[:1])
     # the refactor really permutes the trainable variables (the fault's precondition)
     assert b.trainable_variables[0] is b.branch_b.kernel and a.trainable_variables[0] is a.branch_a.kernel
@@ -85,12 +85,12 @@ def test_01_model_save_load_model_round_trip_after_refactor(tmp_path):
     """Same fault through model.save / load_model: slots load by key, not position."""
     keras.utils.set_random_seed(1)
     a = NetV1()
-    a.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    a.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=a), loss="mse")
     a.fit(X, Y, epochs=1, batch_size=8, verbose=0, shuffle=False)
     a.save(tmp_path / "m.keras")
     # load the file into the refactored class: weights by attribute, slots by key
     b = NetV2()
-    b.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    b.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=b), loss="mse")
     b(X[:1])
     b.optimizer.build(b.trainable_variables)
     b.load_weights(tmp_path / "m.keras")
@@ -102,7 +102,7 @@ def test_01_model_save_load_model_round_trip_after_refactor(tmp_path):
 # -- 02: auto-name shift ----------------------------------------------------------
 def _build02():
     m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam()), loss="mse")
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(), model=m), loss="mse")
     return m
 
 
@@ -129,7 +129,7 @@ def test_02_restore_that_matches_nothing_raises(tmp_path):
     first(X[:1, :3])
     kss.save_training_state(tmp_path / "s.h5", first)
     other = NetV1()
-    other.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam()), loss="mse")
+    other.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(), model=other), loss="mse")
     other(X[:1])
     with pytest.raises(kss.StateError, match="missing|No saved model variable matches"):
         kss.restore_training_state(tmp_path / "s.h5", other)
@@ -141,7 +141,7 @@ def test_02_restore_that_matches_nothing_raises(tmp_path):
 def _build03():
     sched = keras.optimizers.schedules.CosineDecay(1e-2, decay_steps=40)
     m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(sched)), loss="mse")
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(sched), model=m), loss="mse")
     return m
 
 
@@ -188,11 +188,11 @@ class CustomCompileNet(keras.Model):
 def test_03_custom_compile_model_keeps_its_optimizer_state(tmp_path):
     x, y = X[:, :3], Y
     net = CustomCompileNet()
-    net.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)))
+    net.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=net))
     net.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
     kss.save_training_state(tmp_path / "net.keras", net)
     back = CustomCompileNet()
-    back.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)))
+    back.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=back))
     back(x[:1])
     kss.restore_training_state(tmp_path / "net.keras", back)
     assert int(back.optimizer.iterations) == int(net.optimizer.iterations) == 8
@@ -249,14 +249,16 @@ def _session06(directory, interrupt=None):
     keras.utils.set_random_seed(0)
     x, y = X[:16, :3], Y[:16]
     m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-6)), loss="mse")  # plateau
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-6), model=m), loss="mse")  # plateau
     es = keras.callbacks.EarlyStopping(monitor="loss", patience=3, min_delta=1.0)
     rlr = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=2, factor=0.5, min_delta=1.0)
     best = keras.callbacks.ModelCheckpoint(
         str(directory) + "_best.keras", monitor="loss", save_best_only=True
     )
     log = _LrLog()
-    cbs = [kss.StableCheckpoint(directory), es, rlr, best, log] + ([interrupt] if interrupt else [])
+    cbs = [kss.StableCheckpoint(directory, callbacks=[es, rlr, best, log]), es, rlr, best, log] + (
+        [interrupt] if interrupt else []
+    )
     try:
         history = m.fit(x, y, epochs=30, batch_size=16, verbose=0, callbacks=cbs)
     except RuntimeError:
@@ -286,11 +288,11 @@ def _run08(directory, extra=()):
     x = data.normal(size=(40, 3)).astype("float32")  # 5 batches of 8 per epoch
     y = data.normal(size=(40, 1)).astype("float32")
     m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-2)), loss="mse")
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-2), model=m), loss="mse")
     try:
         m.fit(
             x, y, epochs=3, batch_size=8, shuffle=False, verbose=0,
-            callbacks=[kss.StableCheckpoint(directory, save_freq=2), *extra],
+            callbacks=[kss.StableCheckpoint(directory, save_freq=2, callbacks=extra), *extra],
         )  # fmt: skip
     except RuntimeError:
         pass

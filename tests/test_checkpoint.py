@@ -20,7 +20,7 @@ def _model(opt=None, dtype=None):
             keras.layers.Dense(1, name="out", dtype=dtype),
         ]
     )
-    m.compile(optimizer=opt or kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.compile(optimizer=opt or kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
     return m
 
 
@@ -75,6 +75,7 @@ def test_keras_file_still_loads_with_load_model(tmp_path, data):
         assert storage.MEMBER in zf.namelist() and "model.weights.h5" in zf.namelist()
     back = keras.saving.load_model(tmp_path / "s.keras")
     assert isinstance(back.optimizer, kss.StableOptimizer)
+    back.optimizer.bind(back)  # the loaded slots are restored by key now
     _assert_same_state(src, back)
     x, _ = data
     np.testing.assert_array_equal(src.predict(x, verbose=0), back.predict(x, verbose=0))
@@ -127,7 +128,7 @@ def test_restore_is_all_or_nothing(tmp_path, data):
     dst = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8, name="hidden"), keras.layers.Dense(2, name="out")]
     )
-    dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=dst), loss="mse")
     before = _weights(dst)
     with pytest.raises(kss.ContractError, match="reshaped: path:layers/out/kernel saved"):
         kss.restore_training_state(tmp_path / "s.h5", dst)
@@ -195,7 +196,7 @@ def test_frozen_layer_raises_contract_error_or_drops_slots(tmp_path, data):
     kss.save_training_state(tmp_path / "s.h5", src)
     dst = _model()
     dst.get_layer("hidden").trainable = False
-    dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=dst), loss="mse")
     with pytest.raises(
         kss.ContractError, match=r"missing .*path:layers/hidden/kernel.*path:layers/hidden/bias"
     ) as e:
@@ -308,7 +309,7 @@ def test_mixed_precision_auto_wrap_keys_and_round_trip(tmp_path, data, mixed_flo
         m = keras.Sequential(
             [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1, dtype="float32")]
         )
-        m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-3)), loss="mse")
+        m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-3), model=m), loss="mse")
         return m
 
     src = build()
@@ -326,6 +327,7 @@ def test_mixed_precision_auto_wrap_keys_and_round_trip(tmp_path, data, mixed_flo
     dst = build()
     kss.restore_training_state(tmp_path / "s.keras", dst)
     back = keras.saving.load_model(tmp_path / "s.keras")
+    back.optimizer.inner_optimizer.bind(back)  # the StableOptimizer inside Keras' LossScaleOptimizer
     for other in (dst, back):
         got = slots_by_key(other.optimizer)
         assert got.keys() == saved.keys()
@@ -336,7 +338,7 @@ def test_mixed_precision_auto_wrap_keys_and_round_trip(tmp_path, data, mixed_flo
 def test_bfloat16_variables_and_slots_round_trip_exactly(tmp_path, data):
     x, y = data
     m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, dtype="bfloat16"), keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
     m.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)
     assert str(m.layers[0].kernel.dtype) == "bfloat16"
     kss.save_training_state(tmp_path / "s.h5", m)
@@ -345,7 +347,7 @@ def test_bfloat16_variables_and_slots_round_trip_exactly(tmp_path, data):
     dst = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8, dtype="bfloat16"), keras.layers.Dense(1)]
     )
-    dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=dst), loss="mse")
     kss.restore_training_state(tmp_path / "s.h5", dst)
     _assert_same_state(m, dst)
     bits = to_np(dst.layers[0].kernel).view("uint16")

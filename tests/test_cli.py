@@ -36,7 +36,7 @@ def _model(opt=None, extra_layer=False):
         layers.append(keras.layers.Dense(8, name="extra"))
     layers.append(keras.layers.Dense(1, name="out"))
     m = keras.Sequential(layers)
-    m.compile(optimizer=opt or kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.compile(optimizer=opt or kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
     return m
 
 

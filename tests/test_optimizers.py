@@ -174,6 +174,8 @@ def _compiled_by_default(name):
 
 
 def _compile(model, optimizer, compiled=False):
+    if isinstance(optimizer, kss.StableOptimizer):
+        optimizer.bind(model)  # explicit: nothing is guessed from the calling code
     model.compile(optimizer=optimizer, loss="mse", run_eagerly=not compiled)
 
 
@@ -353,6 +355,7 @@ def test_model_save_load_model_round_trip(original):
     _build_other_things_first()
 
     loaded = keras.saving.load_model(run.model_file)
+    loaded.optimizer.bind(loaded)  # the loaded slots are restored by key now
 
     assert isinstance(loaded, OptBranchesV1)
     assert isinstance(loaded.optimizer, kss.StableOptimizer)

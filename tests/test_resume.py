@@ -57,7 +57,9 @@ def test_fit_killed_with_sigkill_at_random_steps_finishes_like_uninterrupted(tmp
 def _acc_model(steps=4):
     m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(1)])
     m.compile(
-        optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2, gradient_accumulation_steps=steps)),
+        optimizer=kss.StableOptimizer(
+            keras.optimizers.Adam(1e-2, gradient_accumulation_steps=steps), model=m
+        ),
         loss="mse",
     )
     return m
@@ -202,7 +204,7 @@ def _lora_model(base_weights, lora=True):
     if lora:
         for name in ("d1", "d2"):
             m.get_layer(name).enable_lora(4)
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
     return m
 
 
@@ -245,7 +247,7 @@ def test_changed_schedule_raises_naming_fields(tmp_path):
     def build(decay_steps):
         m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
         sched = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=decay_steps, decay_rate=0.5)
-        m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(sched)), loss="mse")
+        m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(sched), model=m), loss="mse")
         return m
 
     m = build(10)
@@ -266,7 +268,7 @@ def test_changed_schedule_raises_naming_fields(tmp_path):
 def _fit_with_checkpoint(directory, epochs, extra=(), save_freq=2):
     keras.utils.set_random_seed(0)
     m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-2)), loss="mse")
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-2), model=m), loss="mse")
     ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, keep=3)
     m.fit(X, Y, epochs=epochs, batch_size=8, shuffle=False, verbose=0, callbacks=[ckpt, *extra])
     return m, ckpt
@@ -328,12 +330,12 @@ def test_mid_epoch_resume_with_shuffled_inputs(tmp_path, kind):
         m = keras.Sequential(
             [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
         )
-        m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+        m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
         inputs = dict(x=X, y=Y, batch_size=8) if kind == "numpy" else dict(x=_Batches(X, Y, 8))
         try:
             m.fit(
                 **inputs, epochs=3, shuffle=True, verbose=0,
-                callbacks=[kss.StableCheckpoint(directory, save_freq=4), *extra],
+                callbacks=[kss.StableCheckpoint(directory, save_freq=4, callbacks=extra), *extra],
             )  # fmt: skip
         except RuntimeError:
             pass
@@ -350,7 +352,7 @@ def test_mid_epoch_resume_with_shuffled_inputs(tmp_path, kind):
 def test_optimizer_class_change_and_schedule_swap_are_refused(tmp_path):
     def build(opt):
         m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
-        m.compile(optimizer=kss.StableOptimizer(opt), loss="mse")
+        m.compile(optimizer=kss.StableOptimizer(opt, model=m), loss="mse")
         m(X[:1])
         return m
 

@@ -33,7 +33,7 @@ model = keras.Sequential(
         keras.layers.Dense(1),
     ]
 )
-model.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(3e-2)), loss="mse")
+model.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(3e-2), model=model), loss="mse")
 
 
 class Kill(keras.callbacks.Callback):

@@ -65,7 +65,10 @@ def build(case):
         ]
     model = keras.Sequential(layers)
     sched = keras.optimizers.schedules.CosineDecay(3e-3, decay_steps=200)
-    model.compile(optimizer=kss.StableOptimizer(keras.optimizers.AdamW(sched, weight_decay=1e-3)), loss="mse")
+    model.compile(
+        optimizer=kss.StableOptimizer(keras.optimizers.AdamW(sched, weight_decay=1e-3), model=model),
+        loss="mse",
+    )
     return model
 
 
