@@ -388,3 +388,24 @@ def test_functional_model_with_string_input(tmp_path):
     dst = build(tf.constant([["c"], ["z"], ["z"]]))
     kss.restore_training_state(tmp_path / "s.keras", dst)
     np.testing.assert_array_equal(to_np(dst(data)), to_np(src(data)))
+
+
+def test_vocabulary_follows_the_prefix_into_a_wrapping_model(tmp_path):
+    make, data, other = _KINDS["string"]
+    src = _tokens(make(), data)
+    kss.save_training_state(tmp_path / "s.h5", src)
+
+    class _Wrapper(keras.Model):
+        def __init__(self, base, **kwargs):
+            super().__init__(**kwargs)
+            self.base = base
+
+        def call(self, ids):
+            return self.base(ids)
+
+    wrapper = _Wrapper(_tokens(make(), other))
+    wrapper(wrapper.base.lookup(other))
+    report = kss.restore_training_state(tmp_path / "s.h5", wrapper, prefix="base")
+    assert "layer:base/lookup" in report.restored_state
+    assert wrapper.base.lookup.get_vocabulary() == src.lookup.get_vocabulary()
+    np.testing.assert_array_equal(to_np(wrapper(wrapper.base.lookup(data))), to_np(src(src.lookup(data))))
