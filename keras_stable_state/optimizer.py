@@ -400,13 +400,18 @@ def tracked_optimizers(model) -> dict:
             found[name] = opt
 
     add(MAIN, getattr(model, "optimizer", None))
-    for attr, value in sorted(vars(model).items()):
-        if attr.startswith("__") or attr in ("optimizer", "_tracker"):
-            continue
-        name = attr.lstrip("_") or attr
+    attrs = [
+        (attr, value)
+        for attr, value in sorted(vars(model).items())
+        # not Keras' tracker, nor TensorFlow's trackable bookkeeping (`_self_unconditional_...`)
+        if not attr.startswith(("__", "_self_")) and attr not in ("optimizer", "_tracker")
+    ]
+    for attr, value in attrs:
         if isinstance(value, keras.optimizers.Optimizer):
-            add(name, value)
-        elif isinstance(value, dict):
+            add(attr.lstrip("_") or attr, value)
+    for attr, value in attrs:
+        name = attr.lstrip("_") or attr
+        if isinstance(value, dict):
             for k, v in value.items():
                 add(f"{name}.{k}", v)
         elif isinstance(value, (list, tuple)):

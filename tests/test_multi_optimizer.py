@@ -182,7 +182,7 @@ def _train(model, opt, n):
 def _groups(model, opt):
     multi = opt.inner_optimizer if isinstance(opt, kss.StableOptimizer) else opt
     where = {id(v): f"{a}/{v.name}" for a in ("body", "head") for v in getattr(model, a).weights}
-    return {where[id(v)]: multi._var_to_optimizer_idx[id(v)] for v in model.trainable_variables}
+    return {where[id(v)]: multi._var_to_optimizer_idx[multi._var_key(v)] for v in model.trainable_variables}
 
 
 def _saved_run(tmp_path):
