@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import os
 import re
@@ -36,7 +37,13 @@ from keras_stable_state.optimizer import (
     tracked_optimizers,
 )
 
-__all__ = ["RestoreReport", "MalformedKeyError", "save_training_state", "restore_training_state"]
+__all__ = [
+    "RestoreReport",
+    "MalformedKeyError",
+    "PendingRestore",
+    "save_training_state",
+    "restore_training_state",
+]
 
 
 class MalformedKeyError(CorruptCheckpointError, KeyFormatError):
@@ -1546,7 +1553,8 @@ def restore_training_state(
     prefix=None,
     rename=None,
     keep_learning_rate=False,
-) -> RestoreReport:
+    defer=False,
+) -> RestoreReport | PendingRestore:
     """Restore a training state saved by :func:`save_training_state` (or a stock Keras file).
 
     Everything is read, checksummed, checked and converted before the first
@@ -1606,9 +1614,17 @@ def restore_training_state(
             saved one, and skip the schedule check. Either way every saved
             learning rate that differs from the compiled one is listed in
             ``report.learning_rates``.
+        defer: Restore into a model that is not built yet: the file is read
+            and every array checksummed now, and the returned
+            :class:`PendingRestore` assigns them once the variables exist (as a
+            ``model.fit`` callback, at ``on_train_begin``, after ``fit`` built
+            the model and its optimizer on JAX and PyTorch; or by calling
+            ``restore()`` once the model is built), with every check above
+            made then. A model that is built already is restored at once.
 
     Returns:
-        A :class:`RestoreReport`.
+        A :class:`RestoreReport`; with ``defer=True`` a :class:`PendingRestore`
+        (its ``report`` set once restored).
 
     Raises:
         TypeError: naming the argument, for a ``filepath`` that is not a path,
@@ -1662,6 +1678,7 @@ def restore_training_state(
     verb = "restore_training_state"
     filepath = _check_filepath(filepath, verb)
     _check_model(model, verb)
+    given_optimizer = optimizer
     optimizers = _check_optimizers(optimizer, verb, model)
     optimizer = optimizers.get(MAIN_OPTIMIZER)
     callbacks = _check_callbacks(callbacks, verb)
@@ -1676,7 +1693,27 @@ def restore_training_state(
     )
     extras = _check_variables(variables, verb, model)
     rules = _check_rename(prefix, rename, verb)
-    record = storage.read_file(filepath)
+    _check_flags(verb, defer=defer)
+    preloaded = _PRELOADED.get()
+    record = preloaded[1] if preloaded and preloaded[0] == filepath else storage.read_file(filepath)
+    if defer:
+        options = {
+            "optimizer": given_optimizer,
+            "strict": strict,
+            "allow_cast": allow_cast,
+            "callbacks": callbacks,
+            "state": state,
+            "include_rng": include_rng,
+            "check_schedule": check_schedule,
+            "variables": variables,
+            "prefix": prefix,
+            "rename": rename,
+            "keep_learning_rate": keep_learning_rate,
+        }
+        pending = PendingRestore(filepath, record, model, options)
+        if model.built and model.variables:
+            pending.restore()
+        return pending
     where = _where(filepath)
     if not model.built or not model.variables:
         raise StateError(
@@ -1743,6 +1780,94 @@ def restore_training_state(
     steps += layer_state.finalize_steps(model)
     _apply(steps, filepath)
     return report
+
+
+# The record a PendingRestore read when it was made: its restore uses it, not the file now.
+_PRELOADED = contextvars.ContextVar("keras_stable_state_preloaded_record", default=None)
+
+
+class PendingRestore(keras.callbacks.Callback):
+    """A restore waiting for the model's variables: ``restore_training_state(..., defer=True)``.
+
+    The file was read and every array checksummed when it was made; nothing is
+    assigned until the model is built. Then :meth:`restore` matches, checks and
+    assigns everything exactly as :func:`restore_training_state` does (all or
+    nothing). Passed to ``model.fit`` as a callback it restores at
+    ``on_train_begin``, when ``fit`` has built the model and its optimizer
+    (Keras' ``BackupAndRestore`` restores there too) on the JAX and PyTorch
+    backends; TensorFlow builds the model inside the first training step, so
+    there build it first and call :meth:`restore` before ``fit`` (the callback
+    raises a ``StateError`` saying so rather than train unrestored).
+
+    Attributes:
+        filepath: The file the state was read from.
+        report: The :class:`RestoreReport` once restored, else ``None``.
+
+    Example:
+        >>> model = build_model()                      # not built: no input shape yet
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> pending = kss.restore_training_state("run.h5", model, defer=True)
+        >>> model.fit(x, y, callbacks=[pending])       # restored before the first batch
+        >>> print(pending.report)
+    """
+
+    def __init__(self, filepath, record, target, options):
+        super().__init__()
+        self.filepath = filepath
+        self.report = None
+        self._record = record
+        self._target = target
+        self._options = options
+
+    @property
+    def done(self) -> bool:
+        """``True`` once the state is restored."""
+        return self.report is not None
+
+    def restore(self) -> RestoreReport:
+        """Restore now (the model must be built).
+
+        Returns:
+            The :class:`RestoreReport`, also kept as ``self.report``.
+
+        Raises:
+            StateError: if it was restored already or the model is still not
+                built, and every error of :func:`restore_training_state`.
+        """
+        if self.report is not None:
+            raise StateError(
+                f"The state of {_where(self.filepath)} was already restored into {self._target.name!r} "
+                "by this PendingRestore; call restore_training_state again to restore it twice."
+            )
+        token = _PRELOADED.set((self.filepath, self._record))
+        try:
+            report = restore_training_state(self.filepath, self._target, **self._options)
+        finally:
+            _PRELOADED.reset(token)
+        self.report, self._record = report, None
+        return report
+
+    def on_train_begin(self, logs=None):
+        if self.model is not None and self.model is not self._target:
+            raise StateError(
+                f"This PendingRestore restores into model {self._target.name!r}, but it was passed to "
+                f"fit of model {self.model.name!r}; pass it to the fit of the model it restores into.",
+                expected=self._target.name,
+                received=self.model.name,
+            )
+        if self.report is None:
+            if not (self._target.built and self._target.variables):
+                raise StateError(
+                    f"fit has not built model {self._target.name!r} by on_train_begin (the TensorFlow "
+                    "backend builds it inside the first training step, after the callbacks' "
+                    "on_train_begin), so the pending restore of "
+                    f"{_where(self.filepath)} cannot run before training starts. Build the model first "
+                    "(`model.build(input_shape)` or call it on a batch), then call `pending.restore()` "
+                    "before fit.",
+                    expected="a built model",
+                    received=self._target.name,
+                )
+            self.restore()
 
 
 def plan_callbacks(record, callbacks, report, where=None):

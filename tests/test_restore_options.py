@@ -6,7 +6,7 @@ import re
 import keras
 import numpy as np
 import pytest
-from conftest import to_np
+from conftest import BACKEND, to_np
 
 import keras_stable_state as kss
 from keras_stable_state.checkpoint import _keyed_optimizer_entries
@@ -180,3 +180,75 @@ def test_report_never_prints_order_keys_for_slots_of_path_keyed_variables(tmp_pa
     )
     assert "path:layers/new/kernel#momentums" in report.left_fresh
     assert not re.search(r"order:[0-9]", str(report))
+
+
+# -- deferred restore: before the model is built ----------------------------------------
+def _unbuilt():
+    model = keras.Sequential([keras.layers.Dense(3, name="hidden"), keras.layers.Dense(1, name="out")])
+    model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    return model
+
+
+def _trained_compiled(tmp_path):
+    src = _model()
+    src.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    src.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0)
+    kss.save_training_state(tmp_path / "s.h5", src)
+    return src, x
+
+
+def test_deferred_restore_waits_for_the_variables(tmp_path):
+    src, x = _trained_compiled(tmp_path)
+    dst = _unbuilt()
+    pending = kss.restore_training_state(tmp_path / "s.h5", dst, defer=True)
+    assert isinstance(pending, kss.checkpoint.PendingRestore) and not pending.done
+    (tmp_path / "s.h5").unlink()  # the arrays were read (and checked) already
+    dst.build((None, 4))
+    report = pending.restore()
+    assert pending.done and pending.report is report and report.built_optimizer
+    for a, b in zip(src.variables, dst.variables, strict=True):
+        np.testing.assert_array_equal(to_np(a), to_np(b))
+    assert _slots(dst.optimizer, dst).keys() == _slots(src.optimizer, src).keys()
+    with pytest.raises(kss.StateError, match=r"already restored"):
+        pending.restore()
+
+
+def test_deferred_restore_as_fit_callback(tmp_path):
+    src, x = _trained_compiled(tmp_path)
+    dst = _unbuilt()
+    pending = kss.restore_training_state(tmp_path / "s.h5", dst, defer=True)
+    if BACKEND == "tensorflow":  # fit builds the model inside its first step: too late
+        with pytest.raises(kss.StateError, match=r"not built .* by on_train_begin .*pending.restore\(\)"):
+            dst.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[pending])
+        assert not pending.done
+        dst = _unbuilt()
+        pending = kss.restore_training_state(tmp_path / "s.h5", dst, defer=True)
+        dst.build((None, 4))
+        pending.restore()
+    dst.fit(x, x[:, :1], batch_size=4, epochs=1, verbose=0, callbacks=[pending])
+    assert pending.done
+    assert int(to_np(dst.optimizer.iterations)) == int(to_np(src.optimizer.iterations)) + 2
+
+
+def test_deferred_restore_checks_file_now_and_model_later(tmp_path):
+    src, x = _trained_compiled(tmp_path)
+    (tmp_path / "bad.h5").write_bytes(b"not a checkpoint")
+    with pytest.raises(kss.StateError):
+        kss.restore_training_state(tmp_path / "bad.h5", _unbuilt(), defer=True)
+    other = keras.Sequential([keras.layers.Dense(5, name="hidden"), keras.layers.Dense(1, name="out")])
+    pending = kss.restore_training_state(tmp_path / "s.h5", other, defer=True)
+    other.build((None, 4))
+    with pytest.raises(kss.ContractError):
+        pending.restore()
+    assert not pending.done
+    with pytest.raises(TypeError, match=r"`defer`"):
+        kss.restore_training_state(tmp_path / "s.h5", other, defer="yes")
+
+
+def test_deferred_restore_of_built_model_restores_at_once(tmp_path):
+    _trained_compiled(tmp_path)
+    dst = _model()
+    dst.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+    pending = kss.restore_training_state(tmp_path / "s.h5", dst, defer=True)
+    assert pending.done and isinstance(pending.report, kss.RestoreReport)
