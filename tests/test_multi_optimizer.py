@@ -72,7 +72,7 @@ class Gan(keras.Model):
         d_vars = self.discriminator.trainable_variables
         d_grads = _grads(
             lambda: (
-                keras.ops.mean((self.discriminator(T) - L) ** 2)
+                keras.ops.mean(keras.ops.subtract(self.discriminator(T), L) ** 2)
                 + keras.ops.mean(self.discriminator(self.generator(Z)) ** 2)
             ),
             d_vars,
@@ -176,7 +176,9 @@ def _tower():
 def _train(model, opt, n):
     variables = model.trainable_variables
     for _ in range(n):
-        _apply(opt, _grads(lambda: keras.ops.mean((model(Z) - L) ** 2), variables), variables)
+        _apply(
+            opt, _grads(lambda: keras.ops.mean(keras.ops.subtract(model(Z), L) ** 2), variables), variables
+        )
 
 
 def _groups(model, opt):
