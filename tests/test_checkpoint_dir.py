@@ -43,7 +43,7 @@ y = (x @ rng.normal(size=(6, 1))).astype("float32")
 keras.utils.set_random_seed(0)
 layers = [keras.layers.Dense(int(w), activation="tanh") for w in hidden.split(",")]
 model = keras.Sequential([keras.Input((6,)), *layers, keras.layers.Dense(1)])
-model.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+model.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=model), loss="mse")
 
 
 class Signal(keras.callbacks.Callback):
@@ -80,7 +80,7 @@ def _model(hidden=(4,)):
     keras.utils.set_random_seed(0)
     layers = [keras.layers.Dense(w, activation="tanh") for w in hidden]
     m = keras.Sequential([keras.Input((6,)), *layers, keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
     return m
 
 
