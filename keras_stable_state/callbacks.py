@@ -334,7 +334,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         callbacks: Callbacks whose state to save and restore: a dict
             ``{name: callback}`` (the names key their state in the checkpoint)
             or a list (keyed by class name and index among callbacks of that
-            class). Default: none.
+            class). Default: none. The ``History`` of the ``fit`` call
+            (``model.history``) is always included, as ``"History/0"``.
 
     Attributes:
         restore_report: The :class:`~keras_stable_state.RestoreReport` of the
@@ -384,7 +385,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.keep = keep
         self.verbose = verbose
-        self._callbacks = checkpoint._check_callbacks(callbacks, "StableCheckpoint")
+        self._given_callbacks = checkpoint._check_callbacks(callbacks, "StableCheckpoint")
         self._position = _Position()
         self._pending_restore = None
         self._save_requested = False
@@ -399,6 +400,17 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._lock_finalizer = False
 
     # -- discovery ------------------------------------------------------------------
+    @property
+    def _callbacks(self):
+        """The callbacks given, and the ``History`` of the ``fit`` call (``model.history``,
+        which Keras sets for every fit) so that a resumed run's history is whole."""
+        found = dict(self._given_callbacks)
+        history = getattr(self.model, "history", None) if self.model is not None else None
+        given = [cb for cb in found.values() if isinstance(cb, keras.callbacks.History)]
+        if isinstance(history, keras.callbacks.History) and not given:
+            found.setdefault("History/0", history)
+        return found
+
     def _say(self, message):
         if self.verbose:
             print_msg(f"StableCheckpoint: {message}")

@@ -147,7 +147,11 @@ def _check_callbacks(callbacks, verb) -> dict:
         return {}
     if isinstance(callbacks, dict):
         for name, cb in callbacks.items():
-            _check_name(name, "callback name")
+            if not isinstance(name, str) or not name.strip() or name != name.strip() or "#" in name:
+                raise ValueError(
+                    f"`callbacks` names of {verb} must be non-empty strings without '#' or surrounding "
+                    f"whitespace; they key the callback's state in the file. Received: {name!r}"
+                )
             if not isinstance(cb, keras.callbacks.Callback):
                 raise TypeError(
                     f"`callbacks[{name!r}]` of {verb} must be a keras.callbacks.Callback instance "
