@@ -238,7 +238,21 @@ class _Position:
             "epoch_rng": self.epoch_rng,
         }
 
+    def validate_state(self, value):
+        """Refuse a position that is not three counts >= 0 and an epoch-start random state."""
+        for field in ("epoch", "step", "global_step"):
+            count = value.get(field) if isinstance(value, dict) else None
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise CorruptCheckpointError(
+                    f"The checkpoint's position record has {field}={count!r}, not a count >= 0. The "
+                    "file is damaged; restore from an earlier checkpoint.",
+                    key=f"providers/position/{field}",
+                )
+        if value.get("epoch_rng") is not None:
+            state.parse_rng_state(value["epoch_rng"])
+
     def set_state(self, value):
+        self.validate_state(value)
         self.epoch, self.step, self.global_step = value["epoch"], value["step"], value["global_step"]
         self.epoch_rng = value["epoch_rng"]
 
@@ -251,6 +265,34 @@ class _Metrics:
 
     def get_state(self):
         return {"values": [keras.ops.convert_to_numpy(v.value) for v in self.model.metrics_variables]}
+
+    def validate_state(self, value):
+        """Refuse metric values whose count or shapes differ from the model's metric variables."""
+        variables = self.model.metrics_variables
+        values = value.get("values") if isinstance(value, dict) else None
+        if not isinstance(values, list):
+            raise CorruptCheckpointError(
+                "The checkpoint's metrics record holds no list of values. The file is damaged; restore "
+                "from an earlier checkpoint.",
+                key="providers/metrics",
+            )
+        if len(variables) != len(values):
+            raise StateError(
+                f"The checkpoint holds {len(values)} metric variables, the model has "
+                f"{len(variables)}: it was compiled with other metrics. Compile it as when saved.",
+                expected=len(variables),
+                received=len(values),
+            )
+        for v, a in zip(variables, values, strict=True):
+            if tuple(getattr(a, "shape", ())) != tuple(v.shape):
+                raise StateError(
+                    f"The checkpoint's metric variable {v.path!r} has shape {tuple(getattr(a, 'shape', ()))}, "
+                    f"the model's has {tuple(v.shape)}: it was compiled with other metrics. Compile it as "
+                    "when saved.",
+                    key=v.path,
+                    expected=tuple(v.shape),
+                    received=tuple(getattr(a, "shape", ())),
+                )
 
     def set_state(self, value):
         variables = self.model.metrics_variables
@@ -613,21 +655,29 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._position.epoch_rng = state.rng_state()
 
     def _apply_pending(self, record):
-        for setter in checkpoint.plan_callbacks(record, self._callbacks, self.restore_report):
-            setter()
+        # Check everything first (callback states, both random states, metric values), then set.
+        setters = checkpoint.plan_callbacks(record, self._callbacks, self.restore_report)
         extra, arrays = record.extra, record.arrays
         pos = self._position
-        saved_rng = state.join_arrays(extra["rng"], arrays)
+        saved_rng = state.join_arrays(extra.get("rng"), arrays)
+        parsed_saved = state.parse_rng_state(saved_rng)
+        metrics, values = _Metrics(self.model), None
+        if pos.step > 0:
+            parsed_epoch = state.parse_rng_state(pos.epoch_rng)
+            values = state.join_arrays(extra.get("providers", {}).get("metrics"), arrays)
+            metrics.validate_state(values)
+        for setter in setters:
+            setter()
         if pos.step > 0:
             # Replay the epoch's data order from the random state it was drawn with, skip
             # the batches already applied, then continue from the random state at the save
             # (e.g. Torch's unseeded dropout draws from the global generator every step).
-            state.set_rng_state(pos.epoch_rng)
-            _Metrics(self.model).set_state(state.join_arrays(extra["providers"]["metrics"], arrays))
+            state.apply_rng_state(parsed_epoch)
+            metrics.set_state(values)
             self._skip_batches(pos.step)
             self._rng_after_skip = saved_rng
         else:
-            state.set_rng_state(saved_rng)
+            state.apply_rng_state(parsed_saved)
 
     def _skip_batches(self, count):
         """Draw ``count`` batches from the data without training on them."""

@@ -133,7 +133,7 @@ def test_02_restore_that_matches_nothing_raises(tmp_path):
     other(X[:1])
     with pytest.raises(kss.StateError, match="missing|No saved model variable matches"):
         kss.restore_training_state(tmp_path / "s.h5", other)
-    with pytest.raises(kss.BindingError, match="No saved model variable matches this model"):
+    with pytest.raises(kss.BindingError, match=r"No saved model variable in .* matches this model"):
         kss.restore_training_state(tmp_path / "s.h5", other, strict=False)
 
 

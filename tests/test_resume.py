@@ -1,6 +1,7 @@
 """Exact resume: model.fit killed and restarted, accumulation windows, custom loops, LoRA, fallbacks."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from conftest import BACKEND, slots_by_key, to_np
 
 import keras_stable_state as kss
 from keras_stable_state import storage
+from keras_stable_state.callbacks import UNREADABLE_DIR, UnreadableCheckpointWarning
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "crash_fit.py")
 rng = np.random.default_rng(0)
@@ -274,16 +276,18 @@ def _fit_with_checkpoint(directory, epochs, extra=(), save_freq=2):
     return m, ckpt
 
 
-def test_truncated_newest_checkpoint_falls_back_and_says_so(tmp_path, capsys):
+def test_truncated_newest_checkpoint_falls_back_and_says_so(tmp_path):
     ref, _ = _fit_with_checkpoint(tmp_path / "ref", epochs=3)
     _, ckpt = _fit_with_checkpoint(tmp_path / "run", epochs=2)
     newest = ckpt.checkpoints()[0]
     data = Path(newest).read_bytes()
     Path(newest).write_bytes(data[: len(data) // 3])
-    resumed, ckpt2 = _fit_with_checkpoint(tmp_path / "run", epochs=3)
-    out = capsys.readouterr().out
-    assert f"{os.path.basename(newest)} is unreadable" in out and "falling back to the one before" in out
+    with pytest.warns(UnreadableCheckpointWarning, match=re.escape(repr(newest))):
+        resumed, ckpt2 = _fit_with_checkpoint(tmp_path / "run", epochs=3)
     assert ckpt2.skipped_checkpoints[0][0] == newest
+    assert (tmp_path / "run" / UNREADABLE_DIR / os.path.basename(newest)).read_bytes() == data[
+        : len(data) // 3
+    ]
     assert ckpt2.restore_report is not None  # restored the older one, not a silent restart
     for a, b in zip(ref.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
