@@ -5,8 +5,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_stable_state import keys
 from keras_stable_state.errors import BindingError, StateError
-from keras_stable_state.identity import VariableKey, VariableRegistry
+from keras_stable_state.identity import VariableRegistry
+from keras_stable_state.keys import VariableKey
 
 __all__ = ["GradientAccumulator"]
 
@@ -128,7 +130,7 @@ class GradientAccumulator:
                     "then save.",
                     key=key,
                 )
-            sums[f"{key}#grad_sum"] = value
+            sums[keys.slot_key(key, "grad_sum")] = value
         return {
             "sums": sums,
             "total_weight": float(keras.ops.convert_to_numpy(self.total_weight.value)),
@@ -144,7 +146,7 @@ class GradientAccumulator:
         if not self.built:
             self.build()
         registry = self._registry()
-        saved = {VariableKey.parse(k.rpartition("#")[0]): v for k, v in state["sums"].items()}
+        saved = {VariableKey.parse(keys.split_entry_key(k)[0] or ""): v for k, v in state["sums"].items()}
         bound, unmatched = registry.bind((k, None, None) for k in saved)
         if unmatched or len(bound) != len(self.targets):
             raise BindingError(

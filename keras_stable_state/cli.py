@@ -35,6 +35,7 @@ import numpy as np
 
 from keras_stable_state import storage
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+from keras_stable_state.keys import GLOBAL, split_entry_key
 from keras_stable_state.storage import CheckpointFile, Entry
 
 __all__ = [
@@ -52,7 +53,7 @@ EXIT_DAMAGED = 1
 EXIT_ERROR = 2
 
 PROG = "keras-stable-state"
-GLOBAL_OWNER = "optimizer"  # optimizer entry keys "optimizer#<name>" (see optimizer.py)
+GLOBAL_OWNER = GLOBAL  # optimizer entry keys "optimizer#<name>" (see keys.py)
 PROGRESS_MIN_BYTES = 32 * 2**20  # show a progress bar from this many array bytes on
 _SECTION_TITLES = {"model": "Model variables", "optimizer": "Optimizer variables", "state": "Other arrays"}
 _RESTORE_HINT = "restore from an earlier checkpoint"
@@ -252,8 +253,8 @@ def _variables(f: CheckpointFile):
         rows[e.key] = {"key": e.key, "entry": e, "slots": {}}
     globals_ = []
     for e in f.section("optimizer"):
-        owner, sep, slot = e.key.rpartition("#")
-        if not sep or not owner or owner == GLOBAL_OWNER or owner.startswith(f"{GLOBAL_OWNER}/"):
+        owner, slot = split_entry_key(e.key)
+        if not owner or owner == GLOBAL_OWNER or owner.startswith(f"{GLOBAL_OWNER}/"):
             globals_.append(e)
             continue
         rows.setdefault(owner, {"key": owner, "entry": None, "slots": {}})["slots"][slot] = e

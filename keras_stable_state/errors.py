@@ -17,6 +17,7 @@ __all__ = [
     "DtypeMismatchError",
     "CheckpointFormatError",
     "CorruptCheckpointError",
+    "MalformedKeyError",
     "CheckpointInUseError",
 ]
 
@@ -115,6 +116,18 @@ class CorruptCheckpointError(StateError, OSError):
     Example:
         >>> kss.restore_training_state("damaged.h5", model)
         CorruptCheckpointError: damaged.h5: array for key 'path:layers/hidden/kernel' fails its CRC-32 checksum ...
+    """
+
+
+class MalformedKeyError(CorruptCheckpointError, KeyFormatError):
+    """A key in a file cannot be parsed: the file is damaged (or was written by
+    something else), not a model that differs. Both a
+    :class:`~keras_stable_state.CorruptCheckpointError` and a
+    :class:`~keras_stable_state.KeyFormatError`.
+
+    Example:
+        >>> kss.restore_training_state("damaged.h5", model)
+        MalformedKeyError: damaged.h5: model variable key 'layers/hidden/kernel' is malformed ...
     """
 
 

@@ -25,92 +25,20 @@ a named key owns, and must agree in shape and dtype.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import keras
 
-from keras_stable_state.errors import BindingError, KeyFormatError
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state.errors import BindingError
+from keras_stable_state.keys import NAMED, ORDERED, VariableKey
 
+# VariableKey lives in keys.py (the key grammar, no Keras); it stays importable from here.
 __all__ = ["VariableKey", "VariableRegistry", "stable_layer_paths", "stable_variable_paths"]
-
-NAMED = "path"
-ORDERED = "order"
-EXTRA = "var"
-_KEY_RE = re.compile(r"^(path):(.+)$|^(order):(0|[1-9][0-9]*)$|^(var):([^/#\s]+)$")
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class VariableKey:
-    """A durable key for one variable.
-
-    Attributes:
-        kind: ``"path"`` (named, from a stable path), ``"order"`` (registration
-            index) or ``"var"`` (a variable outside the model that the caller
-            named, ``save_training_state(..., variables={"log_alpha": v})``).
-        value: The stable path, the decimal registration index, or the caller's name.
-
-    Example:
-        >>> key = VariableKey.parse("path:layers/dense/kernel")
-        >>> key.named, str(key)
-        (True, 'path:layers/dense/kernel')
-        >>> VariableKey.parse("order:3").index
-        3
-    """
-
-    kind: str
-    value: str
-
-    def __str__(self) -> str:
-        return f"{self.kind}:{self.value}"
-
-    @property
-    def named(self) -> bool:
-        """``True`` for keys bound by name (``path:`` and ``var:``), ``False`` for ``order:``."""
-        return self.kind in (NAMED, EXTRA)
-
-    @property
-    def index(self) -> int:
-        """Registration index of an ordered key.
-
-        Raises:
-            KeyFormatError: if the key is named.
-        """
-        if self.kind != ORDERED:
-            raise KeyFormatError(f"Key {self} is named; it has no registration index.", key=str(self))
-        return int(self.value)
-
-    @classmethod
-    def parse(cls, text) -> VariableKey:
-        """Parse ``"path:<path>"``, ``"order:<int>"`` or ``"var:<name>"``.
-
-        Raises:
-            KeyFormatError: if ``text`` is none of these forms (the file was
-                written by something else, or damaged).
-        """
-        match = _KEY_RE.match(text) if isinstance(text, str) else None
-        if match is None or (match.group(2) is not None and _bad_path(match.group(2))):
-            raise KeyFormatError(
-                f"Malformed variable key {text!r} in the file: expected 'path:<stable path>', "
-                "'order:<non-negative integer>' or 'var:<name>'. The file was not written by "
-                "keras_stable_state or is damaged; run `keras-stable-state verify FILE`.",
-                key=text,
-                expected="path:<path> | order:<int>",
-                received=text,
-            )
-        if match.group(1):
-            return cls(NAMED, match.group(2))
-        if match.group(5):
-            return cls(EXTRA, match.group(6))
-        return cls(ORDERED, match.group(4))
-
-
-def _bad_path(path: str) -> bool:
-    return path.startswith("/") or path.endswith("/") or "//" in path or any(c in path for c in "\n\r\t")
 
 
 def _snake(name: str) -> str:
-    return keras.src.utils.naming.to_snake_case(name)
+    return compat.to_snake_case(name)
 
 
 def _looks_auto_named(obj) -> bool:
@@ -166,20 +94,11 @@ def _own_names(obj, own: list) -> list:
 def _own_variables(obj) -> list:
     """Variables an object owns itself (not through children), in Keras' order."""
     if isinstance(obj, keras.layers.Layer):
-        own = list(obj._trainable_variables) + list(obj._non_trainable_variables)
-        own += [sg.state for sg in obj._seed_generators]
-        return own
+        trainable, non_trainable = compat.layer_own_variables(obj)
+        return trainable + non_trainable + compat.seed_generator_states(obj)
     if isinstance(obj, keras.metrics.Metric):
-        return list(obj._variables)
+        return compat.metric_own_variables(obj)
     return []
-
-
-def _walk_children(obj):
-    from keras.src.saving import saving_lib
-
-    if not isinstance(obj, keras.src.saving.keras_saveable.KerasSaveable):
-        return
-    yield from saving_lib._walk_saveable(obj)
 
 
 def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
@@ -207,8 +126,8 @@ def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
         return f"{path}/{name}" if path else name
 
     def children(obj):
-        kids = list(_walk_children(obj))
-        if keras_style or obj._obj_type() in ("Sequential", "Functional"):
+        kids = list(compat.walk_saveable(obj))
+        if keras_style or compat.obj_type(obj) in ("Sequential", "Functional"):
             return kids
         generic = ("layers", "_layers")
         return [k for k in kids if k[0] not in generic] + [k for k in kids if k[0] in generic]
@@ -217,11 +136,7 @@ def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
         if id(obj) in visited or isinstance(obj, keras.optimizers.Optimizer):
             return
         visited.add(id(obj))
-        n_saved = (
-            len(obj._trainable_variables) + len(obj._non_trainable_variables)
-            if isinstance(obj, keras.layers.Layer)
-            else 0
-        )
+        n_saved = sum(map(len, compat.layer_own_variables(obj))) if isinstance(obj, keras.layers.Layer) else 0
         own = _own_variables(obj)
         names = [f"vars/{i}" for i in range(n_saved)] if keras_style else _own_names(obj, own)
         for v, name in zip(own, names, strict=False):

@@ -11,15 +11,17 @@ to it and saves/loads its variables by key inside ``.keras`` files.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import weakref
 
 import keras
 import numpy as np
 
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state import keys
 from keras_stable_state.errors import BindingError, StateError
-from keras_stable_state.identity import VariableKey, VariableRegistry
+from keras_stable_state.identity import VariableRegistry
+from keras_stable_state.keys import MAIN, entry_prefix, parse_entry_key
 
 __all__ = [
     "StableOptimizer",
@@ -29,8 +31,7 @@ __all__ = [
     "tracked_optimizers",
 ]
 
-GLOBAL = "optimizer"
-MAIN = "optimizer"  # the name of `model.optimizer` among several optimizers
+# The key grammar (entry keys, optimizer names, parse_entry_key) lives in keys.py.
 _BASE_DEFAULTS = {
     "weight_decay": None,
     "clipnorm": None,
@@ -65,38 +66,19 @@ class OptimizerEntry:
         return self.reference is not None
 
 
-def parse_entry_key(text: str):
-    """Split an optimizer entry key into ``(VariableKey | None, slot name)``.
-
-    Raises:
-        KeyFormatError: if the variable part of a slot key is malformed.
-        BindingError: if the key has no ``#`` separator.
-    """
-    owner, sep, slot = text.rpartition("#")
-    if not sep or not slot:
-        raise BindingError(
-            f"Malformed optimizer entry key {text!r}: expected '<variable key>#<slot>' or "
-            "'optimizer#<name>'. The file is damaged or was not written by keras_stable_state.",
-            key=text,
-        )
-    if owner == GLOBAL:
-        return None, slot
-    return VariableKey.parse(owner), slot
-
-
-def _tree(optimizer, prefix=""):
+def optimizer_tree(optimizer, prefix=""):
     """Yield ``(prefix, optimizer)`` for the optimizer and every optimizer it wraps."""
     if isinstance(optimizer, StableOptimizer):
-        yield from _tree(optimizer.inner_optimizer, prefix)
+        yield from optimizer_tree(optimizer.inner_optimizer, prefix)
         return
     yield prefix, optimizer
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, keras.optimizers.Optimizer):
-        yield from _tree(inner, f"{prefix}inner_optimizer/")
-    subs = getattr(optimizer, "_inner_optimizers", None)
+        yield from optimizer_tree(inner, f"{prefix}inner_optimizer/")
+    subs = compat.sub_optimizers(optimizer)
     if isinstance(optimizer, keras.optimizers.MultiOptimizer) and subs:
         for i, sub in enumerate(subs):
-            yield from _tree(sub, f"{prefix}optimizers/{i}/")
+            yield from optimizer_tree(sub, f"{prefix}optimizers/{i}/")
 
 
 # Attributes every optimizer keeps that are not per-variable slots (the tracked variables
@@ -123,20 +105,20 @@ class _Slots:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self.refs = list(getattr(optimizer, "_trainable_variables", []) or [])
+        self.refs = compat.built_variables(optimizer)
         self.by_var = {}  # id(slot variable) -> (ref, slot name)
         self.conflicts = []  # (slot variable, [(ref, slot name), ...]) found twice, differently
         self._ref_ids = {id(v): v for v in self.refs}
         self._by_var_key = {}
         for ref in self.refs:
             try:
-                self._by_var_key[optimizer._var_key(ref)] = ref
+                self._by_var_key[compat.var_key(optimizer, ref)] = ref
             except (AttributeError, TypeError):  # an optimizer without Keras' _var_key
                 pass
         self._by_path = {}
         for ref in self.refs:
             self._by_path.setdefault(str(getattr(ref, "path", "")), []).append(ref)
-        own = (getattr(optimizer, "_iterations", None), getattr(optimizer, "_learning_rate", None))
+        own = (compat.iterations_variable(optimizer), compat.learning_rate_variable(optimizer))
         self._own = {id(v) for v in own if v is not None}
         if self.refs:
             self._walk()
@@ -227,29 +209,6 @@ def _global_name(optimizer, var, index) -> str:
     return f"variable@{index}"
 
 
-def _check_name(name, what="optimizer name"):
-    if not isinstance(name, str) or not name or any(c in name for c in "/#@ \n\r\t"):
-        raise ValueError(
-            f"An {what} must be a non-empty string without '/', '#', '@' or whitespace: it becomes part "
-            f"of the keys in the file. Received: {name!r}"
-        )
-
-
-def entry_prefix(name) -> str:
-    """The slot-part prefix of entry keys of the optimizer named ``name``: ``""`` for
-    ``"optimizer"`` (``model.optimizer``), else ``"@<name>/"``
-    (``"path:generator/dense/kernel#@g_optimizer/momentums"``)."""
-    return "" if name in (None, MAIN) else f"@{name}/"
-
-
-def split_entry_name(slot: str):
-    """``(optimizer name, slot part without the prefix)`` of an entry key's slot part."""
-    if slot.startswith("@") and "/" in slot:
-        name, _, rest = slot[1:].partition("/")
-        return name, rest
-    return MAIN, slot
-
-
 def optimizer_entries(
     optimizer, registry: VariableRegistry | None = None, *, name=None, allow_order_keys=False
 ):
@@ -299,12 +258,12 @@ def optimizer_entries(
     if registry is None:
         if not allow_order_keys:
             raise BindingError(_unbound_message(optimizer), key=optimizer.name)
-        registry = VariableRegistry.from_model(None, top._trainable_variables)
+        registry = VariableRegistry.from_model(None, compat.built_variables(top))
     head = entry_prefix(name)
     by_id = {}
     ordered = []
     model_vars = set()  # model variables an optimizer tracks by holding them (pairs): not its state
-    for prefix, opt in _tree(optimizer):
+    for prefix, opt in optimizer_tree(optimizer):
         slots = _Slots(opt)
         model_vars |= set(slots._ref_ids)
         if slots.conflicts:
@@ -316,7 +275,7 @@ def optimizer_entries(
                 key=str(var.name),
             )
         used, unnamed = {}, []
-        for index, var in enumerate(opt._variables):
+        for index, var in enumerate(compat.own_variables(opt)):
             if id(var) in by_id or id(var) in model_vars:
                 continue
             hit = slots.by_var.get(id(var))
@@ -327,7 +286,7 @@ def optimizer_entries(
                 vkey = registry.key_of(ref)
                 if not vkey.named:
                     ordered.append(ref)
-                by_id[id(var)] = OptimizerEntry(f"{vkey}#{head}{prefix}{slot}", var, ref)
+                by_id[id(var)] = OptimizerEntry(keys.slot_key(vkey, f"{head}{prefix}{slot}"), var, ref)
                 continue
             gname = _global_name(opt, var, index)
             used.setdefault(gname, []).append(var)
@@ -342,7 +301,7 @@ def optimizer_entries(
                 key=sorted(shared)[0],
             )
         for gname, var in unnamed:
-            by_id[id(var)] = OptimizerEntry(f"{GLOBAL}#{head}{prefix}{gname}", var)
+            by_id[id(var)] = OptimizerEntry(keys.global_key(f"{head}{prefix}{gname}"), var)
     if ordered and not allow_order_keys:
         paths = sorted({str(getattr(r, "path", r)) for r in ordered})
         raise BindingError(
@@ -439,11 +398,11 @@ def routing(optimizer, registry) -> dict:
     (``optimizer.optimizers[i]``); its slots are keyed ``...#optimizers/<i>/<slot>``.
     """
     out = {}
-    for prefix, opt in _tree(optimizer):
+    for prefix, opt in optimizer_tree(optimizer):
         if isinstance(opt, keras.optimizers.MultiOptimizer) and opt.built:
             out[prefix] = {
-                str(registry.key_of(v)): int(opt._var_to_optimizer_idx[opt._var_key(v)])
-                for v in opt._trainable_variables
+                str(registry.key_of(v)): compat.group_of(opt, v)
+                for v in compat.built_variables(opt)
                 if v in registry
             }
     return out
@@ -453,26 +412,35 @@ def accumulation(optimizer) -> dict:
     """``{prefix: {"steps": k, "position": micro-steps into the open window}}`` for every
     optimizer in the tree with ``gradient_accumulation_steps``."""
     out = {}
-    for prefix, opt in _tree(optimizer):
+    for prefix, opt in optimizer_tree(optimizer):
         k = getattr(opt, "gradient_accumulation_steps", None)
         if k:
-            position = int(keras.ops.convert_to_numpy(opt._iterations.value)) % int(k) if opt.built else 0
+            iterations = compat.iterations_variable(opt)
+            position = int(keras.ops.convert_to_numpy(iterations.value)) % int(k) if opt.built else 0
             out[prefix] = {"steps": int(k), "position": position}
     return out
 
 
-def _saved_by_wrapper(store):
-    """Save/load hook of a wrapped inner optimizer: its state is in the wrapper's store."""
-    return None
-
-
-def _hand_over(inner):
+def _hand_over(wrapper):
     """Hand the save/load of every optimizer inside the wrapper (the inner optimizer, a
     LossScaleOptimizer's inner one, a MultiOptimizer's groups) to the wrapper's keyed store:
-    Keras' saving walk visits them too and would save and load them by position."""
-    for _, opt in _tree(inner):
-        opt.save_own_variables = _saved_by_wrapper
-        opt.load_own_variables = _saved_by_wrapper
+    Keras' saving walk visits them too and would save and load them by position. Used on
+    their own (taken out of the wrapper), they raise (see ``_keras_compat.hand_over``)."""
+    compat.hand_over([opt for _, opt in optimizer_tree(wrapper.inner_optimizer)], wrapper.name)
+
+
+# The keyed restore StableOptimizer.load_own_variables uses: slots.restore_optimizer_arrays,
+# registered by keras_stable_state.slots (imported with the package), so that this module
+# does not import the modules that match slots (they import this one).
+_keyed_restore = None
+
+
+def register_keyed_restore(restore) -> None:
+    """Set the function ``restore(optimizer, model, arrays, *, keyed, strict)`` that
+    :meth:`StableOptimizer.load_own_variables` restores with (``slots`` registers
+    ``restore_optimizer_arrays``)."""
+    global _keyed_restore
+    _keyed_restore = restore
 
 
 def _check_bindable(optimizer, model, variables):
@@ -577,8 +545,8 @@ class StableOptimizer(keras.optimizers.Optimizer):
         # Keras' saving walk also visits `inner_optimizer` (and the optimizers inside it)
         # and would save and load them by position after this wrapper restored them by
         # key. While wrapped, their own save/load is handed to the wrapper (these instances).
-        _hand_over(inner)
         self.inner_optimizer = inner
+        _hand_over(self)
         self.allow_order_keys = allow_order_keys
         self._model_ref = None
         self._pending_store = None
@@ -624,7 +592,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
             _check_bindable(self, model, var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-            _hand_over(self.inner_optimizer)  # a selector may have added sub-optimizers
+            _hand_over(self)  # a selector may have added sub-optimizers
         self._trainable_variables = var_list[:]
         self.built = True
         self._load_pending()
@@ -698,7 +666,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
                 not hold (naming them), or the loaded state does not fit.
         """
         if self.built:
-            _check_bindable(self, model, self.inner_optimizer._trainable_variables)
+            _check_bindable(self, model, compat.built_variables(self.inner_optimizer))
         elif not isinstance(model, keras.Model):
             _check_bindable(self, model, [])
         self._model_ref = weakref.ref(model)
@@ -721,7 +689,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
             model = self.bound_model()
             if model is None and not allow:
                 raise BindingError(_unbound_message(self), key=self.name)
-            registry = VariableRegistry.from_model(model, self.inner_optimizer._trainable_variables)
+            registry = VariableRegistry.from_model(model, compat.built_variables(self.inner_optimizer))
         return optimizer_entries(self, registry, name=name, allow_order_keys=allow)
 
     # -- .keras serialization -----------------------------------------------------
@@ -735,11 +703,11 @@ class StableOptimizer(keras.optimizers.Optimizer):
             BindingError: if the optimizer is not bound to a model (and
                 ``allow_order_keys`` is False): bind it first.
         """
+        compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "save")
         if not self.built:
             return
         entries = self.entries()
-        keys = [e.key for e in entries]
-        store["keys"] = np.frombuffer(json.dumps(keys).encode(), dtype=np.uint8).copy()
+        store["keys"] = keys.encode_key_list(e.key for e in entries)
         for i, entry in enumerate(entries):
             store[str(i)] = keras.ops.convert_to_numpy(entry.variable.value)
 
@@ -752,8 +720,9 @@ class StableOptimizer(keras.optimizers.Optimizer):
 
         Raises:
             BindingError, ContractError, DtypeMismatchError: see
-                :func:`keras_stable_state.checkpoint.apply_optimizer_arrays`.
+                :func:`keras_stable_state.slots.restore_optimizer_arrays`.
         """
+        compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "load")
         self._pending_store = {k: np.array(store[k]) for k in store.keys()}
         self._load_pending()
 
@@ -770,18 +739,15 @@ class StableOptimizer(keras.optimizers.Optimizer):
             raise
 
     def _load_keyed(self, store):
-        from keras_stable_state import checkpoint
-
         names = list(store.keys())
         if "keys" in names:
-            keys = json.loads(np.asarray(store["keys"], dtype=np.uint8).tobytes().decode())
-            arrays = {k: np.asarray(store[str(i)]) for i, k in enumerate(keys)}
+            arrays = {k: np.asarray(store[str(i)]) for i, k in enumerate(keys.decode_key_list(store["keys"]))}
             keyed = True
         else:
             arrays = {int(k): np.asarray(store[k]) for k in names}
             arrays = [arrays[i] for i in sorted(arrays)]
             keyed = False
-        checkpoint.restore_optimizer_arrays(self, self.bound_model(), arrays, keyed=keyed, strict=True)
+        _keyed_restore(self, self.bound_model(), arrays, keyed=keyed, strict=True)
 
     # -- config ---------------------------------------------------------------
     def get_config(self):

@@ -1,0 +1,162 @@
+"""Check first, assign last: converting saved arrays for their variables, and applying
+every step of a restore or, when one fails, putting back every value already assigned."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import numpy as np
+
+from keras_stable_state import state as state_mod
+from keras_stable_state import storage
+from keras_stable_state.errors import (
+    BindingError,
+    DtypeMismatchError,
+    KeyFormatError,
+    MalformedKeyError,
+    StateError,
+)
+from keras_stable_state.keys import file_label, malformed_key
+
+
+def to_numpy(variable):
+    return keras.ops.convert_to_numpy(variable.value)
+
+
+def _dtype(variable) -> str:
+    return keras.backend.standardize_dtype(variable.dtype)
+
+
+def coerce(key, array, variable, allow_cast, report):
+    """Return ``array`` ready to assign to ``variable``, checking shape and dtype."""
+    array = np.asarray(array)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if tuple(array.shape) != tuple(variable.shape):
+        raise BindingError(
+            f"Saved array for {key} has shape {tuple(array.shape)}, but its variable has shape "
+            f"{tuple(variable.shape)}. The model was changed since the state was saved; rebuild it "
+            "as it was, or restore with a model of that shape.",
+            key=key,
+            expected=tuple(variable.shape),
+            received=tuple(array.shape),
+        )
+    src, dst = storage.dtype_name(array), _dtype(variable)
+    if src == dst:
+        return array
+    if np.issubdtype(array.dtype, np.integer) and dst.startswith(("int", "uint")):
+        info = np.iinfo(np.dtype(dst))
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise DtypeMismatchError(
+                f"Saved {src} value of {key} ({array.min()}..{array.max()}) does not fit the "
+                f"variable's {dst} range [{info.min}, {info.max}]; it would wrap around. Use a "
+                "backend whose counter dtype holds it (TensorFlow keeps int64).",
+                key=key,
+                expected=dst,
+                received=src,
+            )
+        report.casts.append((key, src, dst))
+        return array.astype(storage.numpy_dtype(dst))
+    floats = ("float", "bfloat16")
+    if not (src.startswith(floats) and dst.startswith(floats)):
+        raise DtypeMismatchError(
+            f"Saved array for {key} is {src}, but its variable is {dst}. Only floating-point arrays "
+            "are cast (allow_cast=True) and integers within range; a cast between integers, booleans "
+            "and floats would change what the values mean. The file does not belong to this model, or "
+            "is damaged; restore a state saved from this model.",
+            key=key,
+            expected=dst,
+            received=src,
+        )
+    if not allow_cast:
+        raise DtypeMismatchError(
+            f"Saved array for {key} is {src}, but its variable is {dst}. Casting could lose "
+            "precision, so it is refused; pass allow_cast=True to cast and have each cast listed "
+            "in the report.",
+            key=key,
+            expected=dst,
+            received=src,
+        )
+    report.casts.append((key, src, dst))
+    return array.astype(storage.numpy_dtype(dst))
+
+
+# -- assigning: all or nothing ----------------------------------------------------------
+@dataclasses.dataclass
+class Step:
+    """One assignment of a restore. ``snapshot()`` (called before the first step of
+    the restore is applied) returns ``(undo, changed)``: a callable putting the
+    current value back, and one telling whether the value differs from it now."""
+
+    name: str
+    apply: object
+    snapshot: object
+
+
+def variable_step(var, array, name=None):
+    def snapshot():
+        old = np.array(to_numpy(var), copy=True)
+        return (lambda: var.assign(old)), (lambda: not state_mod.same_state(np.asarray(to_numpy(var)), old))
+
+    return Step(name or getattr(var, "path", var.name), lambda: var.assign(array), snapshot)
+
+
+def state_step(name, get, put, value):
+    def snapshot():
+        old = state_mod.copy_state(get())
+        return (lambda: put(state_mod.copy_state(old))), (lambda: not state_mod.same_state(get(), old))
+
+    return Step(name, lambda: put(value), snapshot)
+
+
+def rng_step(parsed):
+    def snapshot():
+        undo = state_mod._rng_snapshot()
+        return undo, (lambda: True)
+
+    return Step("rng", lambda: state_mod.apply_rng_state(parsed), snapshot)
+
+
+def apply_steps(steps, where=None):
+    """Apply ``steps`` in order. If one raises, put back every step already applied
+    (and the failing one, if it changed anything) from snapshots taken before the
+    first, then re-raise.
+
+    Raises:
+        The error of the failing step (a ``KeyFormatError`` from a provider as
+        :class:`MalformedKeyError`), or :class:`StateError` naming what could
+        not be put back when the rollback itself fails.
+    """
+    snapshots = [step.snapshot() for step in steps]
+    done = []
+    for step, (undo, changed) in zip(steps, snapshots, strict=True):
+        try:
+            step.apply()
+        except BaseException as err:
+            failed = _roll_back([*reversed(done), (step, undo, changed, True)])
+            if failed:
+                raise StateError(
+                    f"Restoring {file_label(where)} failed at {step.name} ({type(err).__name__}: {err}), and "
+                    f"putting back the values from before the restore failed for {failed}: the model "
+                    "and training state are now partly restored. Restore a checkpoint again (or rebuild "
+                    "the model) before training.",
+                    key=step.name,
+                ) from err
+            if isinstance(err, KeyFormatError) and not isinstance(err, MalformedKeyError):
+                raise malformed_key(file_label(where), step.name, err.key, err) from err
+            raise
+        done.append((step, undo, changed, False))
+
+
+def _roll_back(applied) -> list:
+    """Undo ``(step, undo, changed, failing)`` in order; the names that could not be undone."""
+    failed = []
+    for step, undo, changed, failing in applied:
+        try:
+            if failing and not changed():
+                continue
+            undo()
+        except Exception as err:  # noqa: BLE001 - every failure is reported by name to the caller
+            failed.append(f"{step.name} ({type(err).__name__}: {err})")
+    return failed

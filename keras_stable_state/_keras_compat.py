@@ -1,0 +1,296 @@
+"""Every use of Keras internals, in one place, checked against the supported Keras range.
+
+keras_stable_state relies on a few things Keras does not export: its saving
+walk (``keras/src/saving/saving_lib.py``), the variable lists layers and
+optimizers keep (``_trainable_variables``, ``_non_trainable_variables``,
+``_variables``), ``MultiOptimizer``'s routing tables, the trainer's
+``train_function`` and ``_initial_epoch``, ``ModelCheckpoint``'s counters,
+Keras' global seed generator and ``print_msg``. They are reached only through
+the functions here, so a Keras release that changes them breaks one module.
+
+The supported range is pyproject's ``keras>=3.15,<4``. Importing the package
+with a Keras outside it raises :class:`UnsupportedKerasError` (an
+``ImportError``): these internals decide which slot lands on which variable, and
+a silent mismatch is exactly what this library exists to prevent.
+
+The save/load methods of an optimizer wrapped by ``StableOptimizer`` are
+replaced here too (:func:`hand_over`): while wrapped, its state is saved and
+loaded by key by the wrapper; used on its own after being taken out of the
+wrapper, they raise a :class:`~keras_stable_state.StateError`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import keras
+
+from keras_stable_state.errors import StateError
+
+__all__ = ["SUPPORTED_KERAS", "UnsupportedKerasError", "check_keras_version"]
+
+SUPPORTED_KERAS = ((3, 15), (4, 0))  # [lowest, first unsupported): pyproject's keras>=3.15,<4
+
+
+class UnsupportedKerasError(ImportError):
+    """The installed Keras is outside the range whose internals this package uses."""
+
+
+def check_keras_version(version: str) -> None:
+    """Refuse a Keras version outside :data:`SUPPORTED_KERAS`.
+
+    Raises:
+        UnsupportedKerasError: naming the installed and the supported versions.
+    """
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    (lo, hi) = SUPPORTED_KERAS
+    if match is not None and lo <= (int(match.group(1)), int(match.group(2))) < hi:
+        return
+    raise UnsupportedKerasError(
+        f"keras_stable_state supports Keras >={lo[0]}.{lo[1]},<{hi[0]}; installed: Keras {version}. It uses "
+        "Keras internals (the saving walk, optimizer variable lists) that decide which saved slot lands on "
+        f"which variable, and refuses to guess with another version. Install 'keras>={lo[0]}.{lo[1]},"
+        f"<{hi[0]}'."
+    )
+
+
+check_keras_version(keras.__version__)
+
+
+# -- naming and the saving walk ------------------------------------------------------------
+def to_snake_case(name: str) -> str:
+    """Keras' ``to_snake_case`` (the base of its auto-generated layer names)."""
+    return keras.src.utils.naming.to_snake_case(name)
+
+
+def walk_saveable(obj):
+    """``(attribute, child)`` pairs Keras' saving walk visits under ``obj`` (none for
+    objects Keras does not save)."""
+    from keras.src.saving import keras_saveable, saving_lib
+
+    if not isinstance(obj, keras_saveable.KerasSaveable):
+        return
+    yield from saving_lib._walk_saveable(obj)
+
+
+def obj_type(obj) -> str:
+    """Keras' ``_obj_type()`` (``"Sequential"``, ``"Functional"``, ``"Layer"``...)."""
+    return obj._obj_type()
+
+
+# -- layers and models -----------------------------------------------------------------------
+def layer_own_variables(layer):
+    """``(trainable, non_trainable)``: the variables a layer owns itself, in Keras' order."""
+    return list(layer._trainable_variables), list(layer._non_trainable_variables)
+
+
+def seed_generator_states(layer) -> list:
+    """The state variables of a layer's own seed generators."""
+    return [sg.state for sg in layer._seed_generators]
+
+
+def metric_own_variables(metric) -> list:
+    return list(metric._variables)
+
+
+def flatten_layers(model):
+    """Every layer inside ``model`` (Keras' ``_flatten_layers``)."""
+    return model._flatten_layers()
+
+
+def called_as_layer(model) -> bool:
+    """Whether ``model`` was called on another model's inputs (it is a layer of that model)."""
+    return bool(getattr(model, "_inbound_nodes", None))
+
+
+def index_lookup_class():
+    """Keras' ``IndexLookup``, the base of ``StringLookup`` and ``IntegerLookup``."""
+    from keras.src.layers.preprocessing.index_lookup import IndexLookup
+
+    return IndexLookup
+
+
+# -- optimizers ----------------------------------------------------------------------------
+def built_variables(optimizer) -> list:
+    """The variables ``optimizer`` was built with (``_trainable_variables``), ``[]`` if none."""
+    return list(getattr(optimizer, "_trainable_variables", None) or [])
+
+
+def own_variables(optimizer) -> list:
+    """Every variable ``optimizer`` itself tracks (``_variables``): slots and its own."""
+    return list(optimizer._variables)
+
+
+def iterations_variable(optimizer):
+    return getattr(optimizer, "_iterations", None)
+
+
+def learning_rate_variable(optimizer):
+    """The learning-rate variable (``None`` for a schedule, or an optimizer without one)."""
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def var_key(optimizer, variable):
+    """Keras' ``_var_key`` (the key its optimizers index per-variable tables by)."""
+    return optimizer._var_key(variable)
+
+
+def sub_optimizers(optimizer):
+    """A ``MultiOptimizer``'s groups (``_inner_optimizers``), or ``None``."""
+    return getattr(optimizer, "_inner_optimizers", None)
+
+
+def group_of(multi, variable) -> int:
+    """The index of the group a built ``MultiOptimizer`` routes ``variable`` to."""
+    return int(multi._var_to_optimizer_idx[multi._var_key(variable)])
+
+
+def build_routed(multi, variables, group_for) -> None:
+    """Build a ``MultiOptimizer`` with each variable in the group ``group_for(variable)``
+    names (an index into its groups; ``None``: its pattern decides)."""
+    subs = multi._inner_optimizers
+    multi._var_to_optimizer_idx = {}
+    multi._trainable_variables_indices = {}
+    per_group = [[] for _ in subs]
+    for i, var in enumerate(variables):
+        idx = group_for(var)
+        if idx is None:
+            idx = subs.index(multi._optimizer_map(var))
+        multi._var_to_optimizer_idx[multi._var_key(var)] = idx
+        multi._trainable_variables_indices[multi._var_key(var)] = i
+        per_group[idx].append(var)
+    for sub, group in zip(subs, per_group, strict=True):
+        if group:
+            sub.build(group)
+    super(keras.optimizers.MultiOptimizer, multi).build(variables)
+
+
+class _WrappedHook:
+    """``save_own_variables`` / ``load_own_variables`` of an optimizer inside a
+    ``StableOptimizer``. Keras' saving walk reaches it right after the wrapper, which
+    saved or loaded its state by key and armed this hook: it then does nothing. Called
+    unarmed, the optimizer is being saved or loaded on its own (taken out of the
+    wrapper), where it would silently save or load nothing: it raises."""
+
+    def __init__(self, optimizer, wrapper_name, verb):
+        self.name = f"{optimizer.name!r} ({type(optimizer).__name__})"
+        self.wrapper_name = wrapper_name
+        self.verb = verb
+        self.armed = False
+
+    def __call__(self, store):
+        if self.armed:
+            self.armed = False
+            return None
+        raise StateError(
+            f"Optimizer {self.name} was wrapped by StableOptimizer {self.wrapper_name!r}, which "
+            f"{self.verb}s its state by key; it cannot {self.verb} its state on its own (its "
+            f"{self.verb}_own_variables belongs to the wrapper), so {'saving' if self.verb == 'save' else 'loading'} "
+            "it outside the wrapper would silently leave its slots out. Compile the model with the "
+            "StableOptimizer, or with a new optimizer of its own (`type(opt).from_config(opt.get_config())`).",
+            key=self.name,
+            expected=f"StableOptimizer {self.wrapper_name!r}",
+            received=self.name,
+        )
+
+
+def hand_over(optimizers, wrapper_name) -> None:
+    """Replace the save/load methods of ``optimizers`` (every optimizer inside a
+    ``StableOptimizer``) with hooks that only the wrapper arms (:func:`arm`)."""
+    for opt in optimizers:
+        for verb in ("save", "load"):
+            if not isinstance(opt.__dict__.get(f"{verb}_own_variables"), _WrappedHook):
+                setattr(opt, f"{verb}_own_variables", _WrappedHook(opt, wrapper_name, verb))
+
+
+def arm(optimizers, verb) -> None:
+    """Let the next ``<verb>_own_variables`` call of each of ``optimizers`` (from Keras'
+    saving walk, right after the wrapper's) pass."""
+    for opt in optimizers:
+        hook = opt.__dict__.get(f"{verb}_own_variables")
+        if isinstance(hook, _WrappedHook):
+            hook.armed = True
+
+
+# -- trainer -------------------------------------------------------------------------------
+def print_msg(message: str) -> None:
+    """Keras' ``print_msg`` (stdout, or absl logging when Keras is set to log)."""
+    from keras.src.utils.io_utils import print_msg as keras_print_msg
+
+    keras_print_msg(message)
+
+
+def set_initial_epoch(model, epoch) -> None:
+    """Set the epoch ``fit`` starts from (the trainer's ``_initial_epoch``; ``None``: fit's own)."""
+    model._initial_epoch = epoch
+
+
+def skip_batches(model, count: int) -> None:
+    """Make ``model``'s next ``count`` training steps draw their batch without training on
+    it (``fit`` calls ``train_function`` once per step), then put the step back."""
+    original = model.train_function
+    remaining = [count]
+    backend = keras.backend.backend()
+
+    def skip(*args):
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            model.train_function = original
+        if backend == "jax":
+            state_arg, iterator = args
+            next(iterator)
+            return {}, state_arg
+        if backend == "tensorflow":
+            next(args[0])
+            return {}
+        return {}
+
+    model.train_function = skip
+
+
+# -- callbacks -----------------------------------------------------------------------------
+def model_checkpoint_counters(cb) -> dict:
+    """``ModelCheckpoint``'s private save counters."""
+    return {
+        "batches_seen_since_last_saving": int(getattr(cb, "_batches_seen_since_last_saving", 0)),
+        "last_batch_seen": getattr(cb, "_last_batch_seen", None),
+        "current_epoch": int(getattr(cb, "_current_epoch", 0)),
+    }
+
+
+def set_model_checkpoint_counters(cb, state) -> None:
+    cb._batches_seen_since_last_saving = state["batches_seen_since_last_saving"]
+    cb._last_batch_seen = state["last_batch_seen"]
+    cb._current_epoch = state["current_epoch"]
+
+
+# -- random state --------------------------------------------------------------------------
+def global_seed_generator():
+    """Keras' global ``SeedGenerator`` (``keras.random`` ops without a seed), or ``None``
+    when none was made yet."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    return global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+
+
+def set_global_seed_generator(gen) -> None:
+    """Make ``gen`` (or ``None``) Keras' global seed generator."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, gen)
+
+
+def make_global_seed_generator():
+    """Keras' global seed generator, made if there is none yet."""
+    from keras.src.random import seed_generator
+
+    return seed_generator.global_seed_generator()
+
+
+def random_seed_dtype() -> str:
+    """The dtype this backend keeps seed states in."""
+    from keras.src.backend import random_seed_dtype as keras_random_seed_dtype
+
+    return keras_random_seed_dtype()

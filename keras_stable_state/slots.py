@@ -1,0 +1,595 @@
+"""Slot matching: saved optimizer arrays to live optimizer variables, by key.
+
+Which slot belongs to which model variable, for every optimizer a model tracks
+(``model.optimizer`` and optimizer attributes): keyed on save
+(:func:`save_optimizers`), matched, checked and planned on restore
+(:func:`plan_optimizers`, :func:`plan_optimizer_arrays`), including the checks
+of parameter-group routing (``MultiOptimizer``) and accumulation windows
+(``gradient_accumulation_steps``). ``StableOptimizer.load_own_variables``
+restores through :func:`restore_optimizer_arrays` (registered with
+:mod:`keras_stable_state.optimizer`, which does not import this module).
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+
+import keras
+import numpy as np
+
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state import optimizer as optimizer_mod
+from keras_stable_state import storage
+from keras_stable_state._apply import apply_steps, coerce, to_numpy, variable_step
+from keras_stable_state.errors import BindingError, StateError
+from keras_stable_state.identity import VariableRegistry
+from keras_stable_state.keys import (
+    EXTRA,
+    MAIN,
+    VariableKey,
+    file_label,
+    parse_optimizer_key,
+    split_entry_name,
+)
+from keras_stable_state.optimizer import (
+    StableOptimizer,
+    accumulation,
+    optimizer_entries,
+    optimizer_tree,
+    routing,
+    stable_optimizer_in,
+)
+from keras_stable_state.report import RestoreReport
+
+__all__ = [
+    "optimizer_classes",
+    "optimizer_registry",
+    "plan_optimizer_arrays",
+    "plan_optimizers",
+    "restore_optimizer_arrays",
+    "save_optimizers",
+]
+
+
+def optimizer_classes(optimizer) -> list:
+    """``["AdamW"]``, ``["LossScaleOptimizer", "inner_optimizer/Adam"]``: the classes that
+    decide how slots are used (a ``StableOptimizer`` wrapper is transparent)."""
+    return [f"{prefix}{type(opt).__name__}" for prefix, opt in optimizer_tree(optimizer)]
+
+
+def top_optimizer(optimizer):
+    return optimizer.inner_optimizer if isinstance(optimizer, StableOptimizer) else optimizer
+
+
+def optimizer_registry(optimizer, model, extras=None):
+    """Keys for the variables the optimizer was built with: the model's stable paths,
+    ``var:<name>`` for the caller's ``extras``, registration order for the rest."""
+    registry = VariableRegistry.from_model(model, compat.built_variables(top_optimizer(optimizer)))
+    if not extras:
+        return registry
+    names = {id(v): VariableKey(EXTRA, name) for name, v in extras.items()}
+    keyed = VariableRegistry([(names.get(id(v), key), v) for key, v in registry.entries])
+    keyed.keras_paths = registry.keras_paths
+    return keyed
+
+
+def keyed_optimizer_entries(optimizer, model, extras=None, **kwargs) -> list:
+    """:func:`optimizer_entries` keyed by ``model``'s paths and ``extras``' names."""
+    return optimizer_entries(optimizer, optimizer_registry(optimizer, model, extras), **kwargs)
+
+
+def check_inside(optimizer, model, extras, verb):
+    """Refuse an optimizer that trains variables neither in ``model`` nor in ``extras``."""
+    inside = {id(v) for v in model.variables} | {id(v) for v in extras.values()}
+    outside = [v for v in compat.built_variables(top_optimizer(optimizer)) if id(v) not in inside]
+    if not outside:
+        return
+    paths = [str(getattr(v, "path", v.name)) for v in outside]
+    names = [re.sub(r"[/#\s]", "_", str(v.name).rsplit("/", 1)[-1]) or "name" for v in outside]
+    hint = ", ".join(f"'{n}': {n}" for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    raise BindingError(
+        f"Optimizer {optimizer.name!r} trains {len(outside)} variable(s) outside model {model.name!r}: "
+        f"{paths}. Their values would not be saved with the model and their slots could only be "
+        "keyed by registration order, so they are refused. Variables of no model (a temperature, "
+        f"a loss weight): pass them by name, {verb}(..., variables={{{hint}}}), and the same "
+        "`variables=` to both save_training_state and restore_training_state. Variables of an "
+        f"outer model that contains {model.name!r}: use that model, with prefix='layers/<name>' "
+        f"to restore a state saved from {model.name!r} alone.",
+        key=paths[0],
+        expected=f"variables of model {model.name!r} or in `variables`",
+        received=paths,
+    )
+
+
+def _learning_rate_ids(optimizer) -> set:
+    """``id`` of every learning-rate variable of the optimizer and the ones it wraps."""
+    return {
+        id(compat.learning_rate_variable(opt))
+        for _, opt in optimizer_tree(optimizer)
+        if isinstance(compat.learning_rate_variable(opt), keras.Variable)
+    }
+
+
+NOT_IN_MODEL = "not in the model (renamed or removed)"
+
+
+NOT_PASSED = "extra variable not passed in `variables=`"
+
+
+KEPT_LR = "kept the compiled learning rate (keep_learning_rate=True)"
+
+
+NO_OPTIMIZER = "no optimizer to restore into (compile the model or pass optimizer=)"
+
+
+def drop_reason(vkey, frozen) -> str:
+    """Why the slots of saved variable ``vkey`` are dropped; ``frozen``: keys of model
+    variables that are no longer trained."""
+    if str(vkey) in frozen:
+        return "no longer trained"
+    return NOT_PASSED if vkey.kind == EXTRA else NOT_IN_MODEL
+
+
+def plan_optimizer_arrays(
+    optimizer,
+    model,
+    arrays,
+    *,
+    keyed,
+    strict,
+    allow_cast,
+    report,
+    dropped_keys=(),
+    where=None,
+    name=None,
+    extras=None,
+    keep_learning_rate=False,
+):
+    """Match saved optimizer arrays to live optimizer variables.
+
+    Args:
+        optimizer: A built optimizer.
+        model: The model keying its variables (``None``: registration order).
+        arrays: ``{entry key: array}`` when ``keyed``, else a list in
+            ``optimizer.variables`` order (stock Keras files).
+        strict: Refuse saved slots without a live slot and live variables
+            without a saved value.
+        dropped_keys: Variable keys whose slots are dropped on purpose
+            (``strict=False`` contract differences).
+        where: The file, for messages.
+        name: The optimizer's name among the model's optimizers (its keys'
+            ``@<name>/`` prefix); ``None`` for ``model.optimizer``.
+        extras: ``{name: variable}`` outside the model, keyed ``var:<name>``.
+        keep_learning_rate: Leave learning-rate variables at their live value;
+            every difference is listed in ``report.learning_rates`` either way.
+
+    Returns:
+        A list of ``(variable, array)`` to assign.
+
+    Raises:
+        MalformedKeyError: a saved entry key cannot be parsed (a damaged file).
+        BindingError: count, shape or key mismatches (named in the message).
+        DtypeMismatchError: dtype differences without ``allow_cast``, between
+            kinds (integer, boolean, float), or an integer out of range.
+    """
+    registry = optimizer_registry(optimizer, model, extras)
+    # Live keys only match saved ones: an order key here binds nothing a saved named key owns.
+    live = optimizer_entries(optimizer, registry, name=name, allow_order_keys=True)
+    lr_ids = _learning_rate_ids(optimizer)
+    plan = []
+    if not keyed:
+        if len(arrays) != len(live):
+            first = live[min(len(arrays), len(live) - 1)].key if live else "(none)"
+            raise BindingError(
+                f"The file holds {len(arrays)} optimizer variables in positional order, but "
+                f"{type(top_optimizer(optimizer)).__name__} has {len(live)}; the first that differs is "
+                f"#{min(len(arrays), len(live))} ({first}). The optimizer or the model's trainable "
+                "variables differ from the ones saved; build the same optimizer on the same model.",
+                key=first,
+                expected=len(live),
+                received=len(arrays),
+            )
+        for i, (entry, array) in enumerate(zip(live, arrays, strict=True)):
+            if tuple(np.shape(array)) != tuple(entry.variable.shape):
+                raise BindingError(
+                    f"Positional optimizer variable #{i} in the file has shape {tuple(np.shape(array))}, "
+                    f"but the live slot at that position, {entry.key}, has shape "
+                    f"{tuple(entry.variable.shape)}. Stock Keras saves optimizer state by position; "
+                    "the model's trainable variables are not in the order they were saved in.",
+                    key=entry.key,
+                    expected=tuple(entry.variable.shape),
+                    received=tuple(np.shape(array)),
+                )
+            plan.append((entry.variable, coerce(entry.key, array, entry.variable, allow_cast, report)))
+            report.matched[f"optimizer[{i}] -> {entry.key}"] = "order"
+        return plan
+
+    live_by_key = {e.key: e for e in live}
+    parsed = {k: parse_optimizer_key(k, file_label(where)) for k in arrays}
+    owners = {}
+    for vkey, _ in parsed.values():
+        if vkey is not None:
+            owners.setdefault(vkey, (vkey, None, None))
+    bound, unmatched = registry.bind(owners.values())
+    dropped_keys = set(dropped_keys)
+    unmatched = [k for k in unmatched if str(k) not in dropped_keys]
+    if unmatched and strict:
+        extra = sorted(k.value for k in unmatched if k.kind == EXTRA)
+        hint = (
+            f" Slots of {['var:' + n for n in extra]} belong to variables passed by name when saving; "
+            f"pass variables={{{', '.join(repr(n) + ': ...' for n in extra)}}} to restore them."
+            if extra
+            else ""
+        )
+        raise BindingError(
+            f"Saved optimizer slots belong to variables the model does not have: "
+            f"{sorted(map(str, unmatched))}. The model differs from the one saved; rebuild it as "
+            f"it was, or pass strict=False to drop these slots.{hint}",
+            key=str(unmatched[0]),
+        )
+    used, frozen = set(), None
+    report.order_keys.extend(k for k, (vkey, _) in parsed.items() if vkey is not None and not vkey.named)
+    for key, array in arrays.items():
+        vkey, slot = parsed[key]
+        if vkey is None:
+            live_key, how = key, "name"
+        elif vkey in bound:
+            var, how = bound[vkey]
+            live_key = f"{registry.key_of(var)}#{slot}"
+        else:
+            if frozen is None:
+                in_model = {str(k) for k in VariableRegistry.from_model(model).keys()} if model else set()
+                frozen = dropped_keys & in_model
+            report.drop(key, drop_reason(vkey, frozen))
+            continue
+        entry = live_by_key.get(live_key)
+        if (
+            entry is None
+            and keep_learning_rate
+            and vkey is None
+            and slot.rsplit("/", 1)[-1] == "learning_rate"
+        ):
+            report.drop(key, KEPT_LR)
+            continue
+        if entry is None and vkey is not None and strict:
+            _refuse_regrouped(key, live_key, live_by_key, optimizer, where)
+        if entry is None:
+            if strict:
+                raise BindingError(
+                    f"Saved optimizer variable {key} has no live counterpart {live_key} in "
+                    f"{type(top_optimizer(optimizer)).__name__}. The optimizer differs from the one saved "
+                    "(another class or options); build the same optimizer, or pass strict=False.",
+                    key=key,
+                )
+            report.drop(key, "no such variable in the live optimizer")
+            continue
+        used.add(live_key)
+        value = coerce(live_key, array, entry.variable, allow_cast, report)
+        if id(entry.variable) in lr_ids:
+            compiled, saved = float(to_numpy(entry.variable)), float(value)
+            if compiled != saved:
+                action = "kept" if keep_learning_rate else "replaced"
+                report.learning_rates.append((live_key, compiled, saved, action))
+            if keep_learning_rate:
+                continue
+        plan.append((entry.variable, value))
+        report.matched[live_key] = how
+    fresh = [
+        e.key for e in live if e.key not in used and not (keep_learning_rate and id(e.variable) in lr_ids)
+    ]
+    if fresh and strict:
+        raise BindingError(
+            f"The file has no saved value for optimizer variables {fresh}. The optimizer differs "
+            "from the one saved, or variables became trainable since; pass strict=False to leave "
+            "them fresh.",
+            key=fresh[0],
+        )
+    report.left_fresh.extend(fresh)
+    return plan
+
+
+def _refuse_regrouped(key, live_key, live_by_key, optimizer, where):
+    """A saved slot of group ``optimizers/<i>/`` whose variable the live MultiOptimizer has
+    in another group: refuse naming the routing change."""
+    pattern = re.compile(r"optimizers/[0-9]+/")
+    if not pattern.search(live_key):
+        return
+    shape = pattern.sub("optimizers/*/", live_key)
+    elsewhere = [k for k in live_by_key if pattern.sub("optimizers/*/", k) == shape]
+    if not elsewhere:
+        return
+    saved_group = pattern.search(live_key).group(0)
+    live_group = pattern.search(elsewhere[0]).group(0)
+    var = live_by_key[elsewhere[0]].reference
+    raise BindingError(
+        f"Parameter groups differ: {key} in {file_label(where)} was saved in group {saved_group.rstrip('/')}, "
+        f"but the live MultiOptimizer routes its variable to group {live_group.rstrip('/')} ({elsewhere[0]}); "
+        f"its pattern sees variable.path {str(getattr(var, 'path', '?'))!r}. Each group's slots, learning "
+        "rate and clipping would be applied to other variables. MultiOptimizer routes by `variable.path`, "
+        "which holds Keras' auto-generated layer names: name the layers your patterns match (see docs: "
+        "parameter groups), or restore with kss.restore_training_state into an optimizer that is not "
+        "built yet (it then routes every variable to its saved group).",
+        key=key,
+        expected=saved_group.rstrip("/"),
+        received=live_group.rstrip("/"),
+    )
+
+
+def restore_optimizer_arrays(optimizer, model, arrays, *, keyed, strict=True, allow_cast=False):
+    """Plan, check and assign optimizer arrays (used by ``StableOptimizer.load_own_variables``);
+    all or nothing."""
+    report = RestoreReport()
+    plan = plan_optimizer_arrays(
+        optimizer, model, arrays, keyed=keyed, strict=strict, allow_cast=allow_cast, report=report
+    )
+    apply_steps([variable_step(var, array) for var, array in plan])
+    return report
+
+
+def build_for(name, opt, model, meta, report, where, extras=None):
+    """Build an unbuilt optimizer: ``model.optimizer`` on the model's trainable variables,
+    any other on the variables it was saved with; a ``MultiOptimizer`` routed as saved."""
+    if opt.built:
+        return
+    if name == MAIN:
+        # Never fewer variables than the model trains (not the nested model of a wrapper).
+        check_not_nested(opt, model)
+        variables = [*model.trainable_variables, *(v for v in (extras or {}).values() if v.trainable)]
+    else:
+        saved = (meta or {}).get("variables")
+        if not isinstance(saved, list):
+            raise BindingError(
+                f"Optimizer {name!r} is not built and {where} does not say which variables it trains; "
+                f"build it on them (`model.{name}.build(model.<part>.trainable_variables)`) before "
+                "restoring.",
+                key=name,
+            )
+        by_key = {str(k): v for k, v in VariableRegistry.from_model(model).entries}
+        absent = [k for k in saved if k not in by_key]
+        if absent:
+            raise BindingError(
+                f"Optimizer {name!r} is not built, and the variables it was saved with in {where} are "
+                f"not all in the model (missing: {absent}); build it on the variables it trains "
+                f"(`model.{name}.build(...)`) before restoring.",
+                key=absent[0],
+            )
+        variables = [by_key[k] for k in saved]
+    saved_routing = (meta or {}).get("routing") or {}
+    registry = VariableRegistry.from_model(model, variables)
+    for prefix, multi in optimizer_tree(opt):
+        if isinstance(multi, keras.optimizers.MultiOptimizer) and not multi.built and prefix in saved_routing:
+            _build_routed(multi, variables, registry, saved_routing[prefix])
+    opt.build(variables)
+    if report is not None:
+        report.built_optimizer = True
+
+
+def _build_routed(multi, variables, registry, groups):
+    """Build a ``MultiOptimizer`` routing each variable to the group it was saved in
+    (its pattern decides only for variables the file has no group for)."""
+    n = len(compat.sub_optimizers(multi) or ())
+    if not n or any(not isinstance(g, int) or not 0 <= g < n for g in groups.values()):
+        return  # a callable selector adds its groups while building: route by it, compare later
+    compat.build_routed(multi, variables, lambda var: groups.get(str(registry.key_of(var))))
+
+
+def check_windows_and_groups(name, opt, model, meta, where):
+    """Refuse a changed accumulation window or parameter-group routing, naming it."""
+    label = "model.optimizer" if name == MAIN else f"optimizer {name!r}"
+    saved_acc = meta.get("accumulation") or {}
+    live_acc = accumulation(opt)
+    for prefix in sorted(set(saved_acc) | set(live_acc)):
+        saved_k = (saved_acc.get(prefix) or {}).get("steps")
+        live_k = (live_acc.get(prefix) or {}).get("steps")
+        if saved_k != live_k:
+            position = (saved_acc.get(prefix) or {}).get("position", 0)
+            window = (
+                f"The checkpoint was taken {position} micro-step(s) into an accumulation window of "
+                f"{saved_k}: those accumulated gradients belong to a window of {saved_k}. "
+                if position
+                else ""
+            )
+            raise BindingError(
+                f"{label}{' (' + prefix.rstrip('/') + ')' if prefix else ''} in {where} was saved with "
+                f"gradient_accumulation_steps={saved_k}, the live one has gradient_accumulation_steps="
+                f"{live_k}. {window}The iteration counter counts micro-steps, so the update count, the "
+                "learning-rate schedule and the bias corrections would change too. Build the optimizer "
+                f"with gradient_accumulation_steps={saved_k} to resume this checkpoint.",
+                key="gradient_accumulation_steps",
+                expected=saved_k,
+                received=live_k,
+            )
+    saved_routing = meta.get("routing") or {}
+    if not saved_routing:
+        return
+    registry = optimizer_registry(opt, model)
+    live_routing = routing(opt, registry)
+    moved = []
+    for prefix, groups in sorted(saved_routing.items()):
+        live = live_routing.get(prefix, {})
+        multi = dict(optimizer_tree(opt)).get(prefix)
+        subs = list(compat.sub_optimizers(multi) or [])
+        for key, group in sorted(groups.items()):
+            now = live.get(key)
+            if now is not None and now != group:
+                var = registry.variable_of(VariableKey.parse(key))
+                sub = type(subs[now]).__name__ if now < len(subs) else "?"
+                moved.append(
+                    f"{key}: saved in group {group}, the live MultiOptimizer routes it to group {now} "
+                    f"({sub}; its pattern sees variable.path {str(getattr(var, 'path', '?'))!r})"
+                )
+    if moved:
+        raise BindingError(
+            f"The parameter groups of {label} differ from the ones saved in {where}: "
+            + "; ".join(moved)
+            + ". Each group's slots (and its learning rate and clipping) would be applied to other "
+            "variables. MultiOptimizer routes by `variable.path`, which holds Keras' auto-generated layer "
+            "names: name the layers your patterns match (see docs: parameter groups), or restore into an "
+            "optimizer that is not built yet (the restore then routes every variable to its saved group).",
+            key=moved[0].split(":")[0] + ":" + moved[0].split(":")[1],
+            expected=saved_routing,
+            received=live_routing,
+        )
+
+
+def save_optimizers(optimizers, model, allow_order_keys, extras=None):
+    """The keyed arrays of every optimizer, and per optimizer: classes, variables, groups, windows."""
+    arrays, meta = {}, {}
+    for name, opt in optimizers.items():
+        if not opt.built and name != MAIN:
+            meta[name] = {"classes": optimizer_classes(opt), "built": False}
+            continue
+        ensure_built(opt, model, extras=extras)
+        if stable_optimizer_in(opt) is not None:
+            stable_optimizer_in(opt)._model_ref = weakref.ref(model)  # bound to the model given
+        allow = allow_order_keys or getattr(opt, "allow_order_keys", False)
+        if not allow:
+            check_inside(opt, model, extras or {}, "save_training_state")
+        registry = optimizer_registry(opt, model, extras)
+        for entry in optimizer_entries(opt, registry, name=name, allow_order_keys=allow):
+            arrays[entry.key] = to_numpy(entry.variable)
+        meta[name] = {
+            "classes": optimizer_classes(opt),
+            "variables": [
+                str(registry.key_of(v)) for v in compat.built_variables(top_optimizer(opt)) if v in registry
+            ],
+            "routing": routing(opt, registry),
+            "accumulation": accumulation(opt),
+        }
+    return arrays, meta
+
+
+def plan_optimizers(
+    record,
+    optimizers,
+    model,
+    strict,
+    allow_cast,
+    report,
+    dropped_keys,
+    filepath,
+    *,
+    extras=None,
+    keep_learning_rate=False,
+):
+    """Plan every optimizer's arrays: saved names matched to live names."""
+    where = file_label(filepath)
+    saved_opt = record.optimizer
+    meta_all = record.metadata.get("optimizers") if isinstance(record, storage.StateRecord) else None
+    meta_all = meta_all if isinstance(meta_all, dict) else {}
+    if isinstance(saved_opt, dict):
+        groups = {}
+        for key, array in saved_opt.items():
+            _, slot = parse_optimizer_key(key, where)
+            groups.setdefault(split_entry_name(slot)[0], {})[key] = array
+    else:
+        groups = {MAIN: saved_opt} if len(saved_opt) else {}
+    if not optimizers:
+        for saved in groups.values():
+            for key in saved if isinstance(saved, dict) else range(len(saved)):
+                report.drop(key if isinstance(key, str) else f"optimizer[{key}]", NO_OPTIMIZER)
+        return []
+    absent = sorted(set(groups) - set(optimizers))
+    if absent and strict:
+        raise BindingError(
+            f"{where} holds the state of optimizers {absent}, which the model does not track (it has "
+            f"{sorted(optimizers)}). Set them on the model as attributes named as saved, pass them as "
+            "optimizer={name: optimizer}, or pass strict=False to leave their state out.",
+            key=absent[0],
+            expected=absent,
+            received=sorted(optimizers),
+        )
+    for n in absent:
+        report.drop(f"optimizer:{n}", "no live optimizer of that name")
+    if not groups:
+        return []  # the file holds no optimizer state (saved without an optimizer)
+    unsaved = sorted(
+        n
+        for n, o in optimizers.items()
+        if n not in groups and o.built and (meta_all.get(n) or {}).get("built", True)
+    )
+    if unsaved and strict:
+        raise BindingError(
+            f"{where} has no state for optimizers {unsaved} of the model (it holds {sorted(groups)}): "
+            "they would keep fresh slots. Restore a checkpoint saved with them, or pass strict=False.",
+            key=unsaved[0],
+        )
+    report.left_fresh.extend(f"optimizer:{n}" for n in unsaved)
+    plan = []
+    for name, saved in groups.items():
+        opt = optimizers.get(name)
+        if opt is None:
+            continue
+        meta = meta_all.get(name) or {}
+        if name == MAIN and not meta:
+            classes = getattr(record, "metadata", {}).get("optimizer_classes")
+            meta = {"classes": classes} if meta_all == {} else {}
+        saved_classes = meta.get("classes")
+        live_classes = optimizer_classes(opt)
+        if strict and saved_classes is not None and saved_classes != live_classes:
+            label = "" if name == MAIN else f" {name!r}"
+            raise BindingError(
+                f"The optimizer{label} state in {where} was saved from {saved_classes} but the live "
+                f"optimizer is {live_classes}. Slots of another optimizer class would be applied with other "
+                "update rules; build the optimizer as saved, or pass strict=False to restore what matches.",
+                key=name,
+                expected=saved_classes,
+                received=live_classes,
+            )
+        build_for(name, opt, model, meta, report, where, extras)
+        if stable_optimizer_in(opt) is not None:
+            stable_optimizer_in(opt)._model_ref = weakref.ref(model)  # bound to the model given
+        check_inside(opt, model, extras or {}, "restore_training_state")
+        check_windows_and_groups(name, opt, model, meta, where)
+        plan += plan_optimizer_arrays(
+            opt,
+            model,
+            saved,
+            keyed=isinstance(saved, dict),
+            strict=strict,
+            allow_cast=allow_cast,
+            report=report,
+            dropped_keys=dropped_keys,
+            where=filepath,
+            name=name,
+            extras=extras,
+            keep_learning_rate=keep_learning_rate,
+        )
+    return plan
+
+
+def ensure_built(optimizer, model, report=None, extras=None):
+    if optimizer.built:
+        return
+    if not model.built:
+        raise StateError(
+            f"Optimizer {optimizer.name!r} is not built and model {model.name!r} is not built either, "
+            "so there are no variables to attach slots to. Build the model first (call it on a batch "
+            "or `model.build(input_shape)`).",
+        )
+    check_not_nested(optimizer, model)
+    optimizer.build([*model.trainable_variables, *(v for v in (extras or {}).values() if v.trainable)])
+    if report is not None:
+        report.built_optimizer = True
+
+
+def check_not_nested(optimizer, model):
+    """Refuse to build ``optimizer`` on a model that is a layer of another model."""
+    if optimizer is not getattr(model, "optimizer", None) and compat.called_as_layer(model):
+        raise BindingError(
+            f"Optimizer {optimizer.name!r} is not built, and model {model.name!r} is used as a layer "
+            "inside another model (it was called on that model's inputs). Building the optimizer here "
+            f"would build it on the {len(model.trainable_variables)} trainable variables of "
+            f"{model.name!r} only, and the outer model's next fit would fail on its other variables. "
+            "Restore into the outer model, which trains every variable: "
+            f"restore_training_state(path, outer_model, prefix='layers/{model.name}') for a state "
+            f"saved from {model.name!r} alone; or build the optimizer on the outer model first "
+            "(optimizer.build(outer_model.trainable_variables)).",
+            key=None,
+            expected="an optimizer built on the outer model, or the outer model",
+            received=model.name,
+        )
+
+
+optimizer_mod.register_keyed_restore(restore_optimizer_arrays)
