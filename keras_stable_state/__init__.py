@@ -10,8 +10,8 @@ Public API (see ``docs/`` and DESIGN.md)::
 """
 
 from keras_stable_state.accumulator import GradientAccumulator
-from keras_stable_state.callbacks import StableCheckpoint
-from keras_stable_state.checkpoint import RestoreReport, restore_training_state, save_training_state
+from keras_stable_state.callbacks import StableCheckpoint, UnreadableCheckpointWarning
+from keras_stable_state.checkpoint import PendingRestore, restore_training_state, save_training_state
 from keras_stable_state.contract import TrainableContract
 from keras_stable_state.errors import (
     BindingError,
@@ -21,10 +21,12 @@ from keras_stable_state.errors import (
     CorruptCheckpointError,
     DtypeMismatchError,
     KeyFormatError,
+    MalformedKeyError,
     StateError,
 )
 from keras_stable_state.identity import VariableKey, VariableRegistry
 from keras_stable_state.optimizer import StableOptimizer
+from keras_stable_state.report import RestoreReport
 from keras_stable_state.state import ScheduleMismatchError
 
 __version__ = "0.1.0"
@@ -38,12 +40,15 @@ __all__ = [
     "DtypeMismatchError",
     "GradientAccumulator",
     "KeyFormatError",
+    "MalformedKeyError",
+    "PendingRestore",
     "RestoreReport",
     "ScheduleMismatchError",
     "StableCheckpoint",
     "StableOptimizer",
     "StateError",
     "TrainableContract",
+    "UnreadableCheckpointWarning",
     "VariableKey",
     "VariableRegistry",
     "restore_training_state",

@@ -110,6 +110,22 @@ def index_lookup_class():
     return IndexLookup
 
 
+def text_vectorization_lookup(layer):
+    """The lookup layer a ``TextVectorization`` keeps its vocabulary in."""
+    return layer._lookup_layer
+
+
+def lookup_token_start(lookup) -> int:
+    """How many special tokens (mask, OOV) come before the first vocabulary token."""
+    return lookup._token_start_index()
+
+
+def clear_vocabulary(lookup) -> None:
+    """Put a lookup layer back to an empty vocabulary (``set_vocabulary`` refuses one)."""
+    lookup.lookup_table = lookup._uninitialized_lookup_table()
+    lookup._record_vocabulary_size()
+
+
 # -- optimizers ----------------------------------------------------------------------------
 def built_variables(optimizer) -> list:
     """The variables ``optimizer`` was built with (``_trainable_variables``), ``[]`` if none."""

@@ -14,8 +14,8 @@ import warnings
 import weakref
 
 import keras
-from keras.src.utils.io_utils import print_msg
 
+from keras_stable_state import _keras_compat as compat
 from keras_stable_state import checkpoint, state
 from keras_stable_state.errors import (
     CheckpointFormatError,
@@ -48,6 +48,12 @@ class UnreadableCheckpointWarning(UserWarning):
     every checkpoint in the directory is unreadable and training starts fresh.
     The message names each unreadable file, why it is unreadable and where it
     was moved (``<directory>/unreadable/``).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     model.fit(x, y, callbacks=[kss.StableCheckpoint("ckpts")])
+        >>> [w.message for w in caught if issubclass(w.category, kss.UnreadableCheckpointWarning)]
     """
 
 
@@ -455,7 +461,7 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     def _say(self, message):
         if self.verbose:
-            print_msg(f"StableCheckpoint: {message}")
+            compat.print_msg(f"StableCheckpoint: {message}")
 
     # -- files ------------------------------------------------------------------------
     def checkpoints(self) -> list:
@@ -636,7 +642,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         )
         pos = self._position
         self._pending_restore = record
-        self.model._initial_epoch = pos.epoch
+        compat.set_initial_epoch(self.model, pos.epoch)
         self._say(
             f"restored {os.path.basename(path)}: epoch {pos.epoch}, step {pos.step} of the epoch, "
             f"global step {pos.global_step}"
@@ -682,25 +688,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     def _skip_batches(self, count):
         """Draw ``count`` batches from the data without training on them."""
         self._skip_until = count
-        model = self.model
-        original = model.train_function
-        remaining = [count]
-        backend = keras.backend.backend()
-
-        def skip(*args):
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                model.train_function = original
-            if backend == "jax":
-                state_arg, iterator = args
-                next(iterator)
-                return {}, state_arg
-            if backend == "tensorflow":
-                next(args[0])
-                return {}
-            return {}
-
-        model.train_function = skip
+        compat.skip_batches(self.model, count)
 
     # -- save -------------------------------------------------------------------------
     def on_train_batch_begin(self, batch, logs=None):
@@ -733,7 +721,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             if self._save_requested:
                 self._save()
         finally:
-            self.model._initial_epoch = None
+            compat.set_initial_epoch(self.model, None)
             self._release_directory()
 
     def _save(self):

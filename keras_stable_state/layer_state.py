@@ -29,6 +29,7 @@ import dataclasses
 import keras
 import numpy as np
 
+from keras_stable_state import _keras_compat as compat
 from keras_stable_state import state as state_mod
 from keras_stable_state.errors import BindingError, StateError
 from keras_stable_state.identity import stable_layer_paths
@@ -56,7 +57,7 @@ _LOOKUP_OPTIONS = (
 
 @dataclasses.dataclass
 class LayerStep:
-    """One assignment of a restore (the shape ``checkpoint._apply`` runs):
+    """One assignment of a restore (the shape ``_apply.apply_steps`` runs):
     ``snapshot()`` returns ``(undo, changed)``."""
 
     name: str
@@ -65,15 +66,13 @@ class LayerStep:
 
 
 def _index_lookup_class():
-    from keras.src.layers.preprocessing.index_lookup import IndexLookup
-
-    return IndexLookup
+    return compat.index_lookup_class()
 
 
 def _lookup(layer):
     """The lookup layer holding ``layer``'s vocabulary (``TextVectorization`` keeps one inside)."""
     if isinstance(layer, keras.layers.TextVectorization):
-        return layer._lookup_layer
+        return compat.text_vectorization_lookup(layer)
     return layer
 
 
@@ -261,7 +260,7 @@ def _check_vocabulary(saved, layer, key, name, where) -> dict:
         raise state_mod.malformed(
             name, f"its vocabulary is not a list of {token_type.__name__} tokens", where
         )
-    start = _lookup(layer)._token_start_index()
+    start = compat.lookup_token_start(_lookup(layer))
     special = live["vocabulary"][:start]
     tokens = vocabulary[start:]
     if vocabulary[:start] != special or len(set(tokens)) != len(tokens):
@@ -322,12 +321,11 @@ def _set_state(layer, key, kind, value):
     else:
         lookup = _lookup(layer)
         vocabulary, idf = value["vocabulary"], value["idf_weights"]
-        if len(vocabulary) > lookup._token_start_index():
+        if len(vocabulary) > compat.lookup_token_start(lookup):
             weights = None if idf is None else idf[: len(vocabulary)]
             lookup.set_vocabulary(vocabulary, idf_weights=weights)
         else:  # no tokens: back to an empty vocabulary (set_vocabulary refuses one)
-            lookup.lookup_table = lookup._uninitialized_lookup_table()
-            lookup._record_vocabulary_size()
+            compat.clear_vocabulary(lookup)
     after = _layer_state(layer, key, kind)
     if not state_mod.same_state(after, value):
         raise StateError(
@@ -484,6 +482,6 @@ def finalize_steps(model) -> list:
     steps = []
     for path, layer in stable_layer_paths(model).values():
         finalize = getattr(layer, "finalize_state", None)
-        if callable(finalize) and (layer._trainable_variables or layer._non_trainable_variables):
+        if callable(finalize) and any(compat.layer_own_variables(layer)):
             steps.append(_snapshot_step(f"finalize_state:{layer_key(path)}", layer, finalize))
     return steps

@@ -32,6 +32,7 @@ import random
 import keras
 import numpy as np
 
+from keras_stable_state import _keras_compat as compat
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 
 __all__ = [
@@ -204,7 +205,7 @@ def _schedule(optimizer):
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, keras.optimizers.Optimizer):
         return _schedule(inner)
-    lr = getattr(optimizer, "_learning_rate", None)
+    lr = compat.learning_rate_variable(optimizer)
     return lr if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else None
 
 
@@ -285,17 +286,13 @@ def _plateau_set(cb, state):
 def _checkpoint_get(cb):
     return {
         "best": _monitor_best(cb),
-        "batches_seen_since_last_saving": int(getattr(cb, "_batches_seen_since_last_saving", 0)),
-        "last_batch_seen": getattr(cb, "_last_batch_seen", None),
-        "current_epoch": int(getattr(cb, "_current_epoch", 0)),
+        **compat.model_checkpoint_counters(cb),
     }
 
 
 def _checkpoint_set(cb, state):
     cb.best = state["best"]
-    cb._batches_seen_since_last_saving = state["batches_seen_since_last_saving"]
-    cb._last_batch_seen = state["last_batch_seen"]
-    cb._current_epoch = state["current_epoch"]
+    compat.set_model_checkpoint_counters(cb, state)
 
 
 def _history_get(cb):
@@ -499,9 +496,7 @@ def rng_state() -> dict:
     """NumPy's, Python's and Torch's (Torch backend) global generator states and Keras' global seed generator."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
-    from keras.src.random import seed_generator
-
-    gen = keras.src.backend.common.global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+    gen = compat.global_seed_generator()
     out = {
         "numpy": {
             "name": name,
@@ -541,11 +536,8 @@ class ParsedRng:
 
 
 def _seed_dtype():
-    from keras.src.backend import random_seed_dtype
-    from keras.src.random import seed_generator
-
-    gen = keras.src.backend.common.global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
-    return keras.backend.standardize_dtype(gen.state.dtype if gen is not None else random_seed_dtype())
+    gen = compat.global_seed_generator()
+    return keras.backend.standardize_dtype(gen.state.dtype if gen is not None else compat.random_seed_dtype())
 
 
 def _seed_array(value, record, where):
@@ -673,11 +665,8 @@ def parse_rng_state(state, where: str | None = None) -> ParsedRng:
 
 def _rng_snapshot():
     """A callable that puts every global random state back as it is now."""
-    from keras.src.backend.common import global_state
-    from keras.src.random import seed_generator
-
     numpy_state, python_state = np.random.get_state(), random.getstate()
-    gen = global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)
+    gen = compat.global_seed_generator()
     gen_value = None if gen is None else np.array(keras.ops.convert_to_numpy(gen.state.value), copy=True)
     torch_state = None
     if keras.backend.backend() == "torch":
@@ -688,7 +677,7 @@ def _rng_snapshot():
     def put_back():
         np.random.set_state(numpy_state)
         random.setstate(python_state)
-        global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, gen)
+        compat.set_global_seed_generator(gen)
         if gen is not None:
             gen.state.assign(gen_value)
         if torch_state is not None:
@@ -707,9 +696,7 @@ def apply_rng_state(parsed: ParsedRng) -> None:
         np.random.set_state(parsed.numpy)
         random.setstate(parsed.python)
         if parsed.keras_global_seed is not None:
-            from keras.src.random import seed_generator
-
-            seed_generator.global_seed_generator().state.assign(parsed.keras_global_seed)
+            compat.make_global_seed_generator().state.assign(parsed.keras_global_seed)
         if parsed.torch is not None:
             import torch
 

@@ -14,12 +14,15 @@ PUBLIC = [
     "DtypeMismatchError",
     "GradientAccumulator",
     "KeyFormatError",
+    "MalformedKeyError",
+    "PendingRestore",
     "RestoreReport",
     "ScheduleMismatchError",
     "StableCheckpoint",
     "StableOptimizer",
     "StateError",
     "TrainableContract",
+    "UnreadableCheckpointWarning",
     "VariableKey",
     "VariableRegistry",
     "restore_training_state",
@@ -43,11 +46,19 @@ def test_all_is_pinned():
         (kss.CheckpointFormatError, ValueError),
         (kss.CorruptCheckpointError, OSError),
         (kss.CheckpointInUseError, OSError),
+        (kss.MalformedKeyError, OSError),
+        (kss.MalformedKeyError, ValueError),
         (kss.ScheduleMismatchError, ValueError),
     ],
 )
 def test_errors_share_one_base_and_a_builtin(cls, builtin):
     assert issubclass(cls, kss.StateError) and issubclass(cls, builtin)
+
+
+def test_malformed_key_error_is_corrupt_and_key_format():
+    assert issubclass(kss.MalformedKeyError, kss.CorruptCheckpointError)
+    assert issubclass(kss.MalformedKeyError, kss.KeyFormatError)
+    assert kss.checkpoint.MalformedKeyError is kss.MalformedKeyError
 
 
 def test_stable_optimizer_config_round_trip():
