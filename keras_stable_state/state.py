@@ -693,10 +693,12 @@ def apply_rng_state(parsed: ParsedRng) -> None:
     every one already set and re-raise."""
     put_back = _rng_snapshot()
     try:
-        np.random.set_state(parsed.numpy)
-        random.setstate(parsed.python)
+        # Keras' global seed generator draws its seed from Python's generator when it is
+        # created: create (and set) it before Python's state is put back.
         if parsed.keras_global_seed is not None:
             compat.make_global_seed_generator().state.assign(parsed.keras_global_seed)
+        np.random.set_state(parsed.numpy)
+        random.setstate(parsed.python)
         if parsed.torch is not None:
             import torch
 

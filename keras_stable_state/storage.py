@@ -530,6 +530,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_key(where: str, section: str, key: str) -> None:
+    """Refuse a key that restore could not parse (verify and restore refuse the same files)."""
+    from keras_stable_state import keys
+
+    if section == "model":
+        keys.parse_model_key(key, where)
+    elif section == "optimizer":
+        keys.parse_optimizer_key(key, where)
+
+
 class CheckpointFile:
     """A training-state file or stock Keras weights file, opened for reading.
 
@@ -704,6 +714,8 @@ class CheckpointFile:
             )
         if self.path.endswith(".weights.h5"):
             self.container = ".weights.h5 file"
+        if self.sealed and self._h5.attrs.get("format") != FORMAT:
+            raise _damaged(self.where, f"a sealed record whose format attribute is not {FORMAT!r}")
         if self._h5.attrs.get("format") == FORMAT:
             self.kind = FORMAT
             self._list_record()
@@ -839,7 +851,17 @@ class CheckpointFile:
         try:
             return checks.walk(self._h5, self._data_limit(), strings=strings)
         except checks.StructureError as err:
-            raise _damaged(self.where, f"HDF5 object {err}", key=err.where) from err
+            key = self._key_of(err.where)
+            named = f"array for key {key!r}: " if key != err.where else ""
+            raise _damaged(self.where, f"{named}HDF5 object {err}", key=key) from err
+
+    def _key_of(self, where: str) -> str:
+        """The ``key`` attribute of the object at ``where`` when it is plain text, else ``where``."""
+        try:
+            key = self._h5[where].attrs.get("key")
+        except (KeyError, OSError, ValueError, TypeError, RuntimeError):
+            return where
+        return key if isinstance(key, str) and key else where
 
     # -- records --------------------------------------------------------------------------
     def _root_attrs(self):
@@ -923,6 +945,7 @@ class CheckpointFile:
                 if ds is None:
                     raise _damaged(self.where, f"{name} is not a dataset", key=name)
                 entry = self._record_entry(section, name, ds)
+                _check_key(self.where, section, entry.key)
                 if entry.key in seen:
                     raise _damaged(
                         self.where, f"key {entry.key!r} appears twice in {section!r}", key=entry.key
