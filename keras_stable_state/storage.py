@@ -121,7 +121,9 @@ JSON_MAX_DEPTH = 100
 # An archive member may unpack to at most this many times its stored size (plus the slack).
 MAX_UNPACK_RATIO = 100
 UNPACK_SLACK = 1 << 20
-PROBE_TIMEOUT = 120.0
+PROBE_TIMEOUT = 60.0
+# A file that already failed its seal is probed only to name its damaged keys: never wait long.
+DIAGNOSE_TIMEOUT = 5.0
 _SEAL_RE = re.compile(rb"KSS-SEAL 2 sha256 ([0-9a-f]{64}) ([0-9]{1,20})\n")
 _SEAL_MAGIC = b"KSS-SEAL"
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -431,7 +433,7 @@ def _damaged(where: str, what: str, key=None, **kw) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{where}: {what}. The file is damaged; {_RESTORE_HINT}.", key=key, **kw)
 
 
-def _probe(path: str, member: str | None = None) -> dict:
+def _probe(path: str, member: str | None = None, timeout: float = PROBE_TIMEOUT) -> dict:
     """Read an HDF5 file (or archive member) in a separate process.
 
     Returns:
@@ -440,9 +442,9 @@ def _probe(path: str, member: str | None = None) -> dict:
     """
     cmd = [sys.executable, "-I", checks.__file__, path, member or ""]
     try:
-        done = subprocess.run(cmd, capture_output=True, timeout=PROBE_TIMEOUT, check=False)
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return {"crashed": f"reading it did not finish within {PROBE_TIMEOUT:.0f} s"}
+        return {"crashed": f"reading it did not finish within {timeout:.0f} s"}
     if done.returncode < 0:
         return {"crashed": f"reading it killed a probe process (signal {-done.returncode})"}
     if done.returncode != 0:
@@ -481,7 +483,7 @@ def _diagnose(
     where: str, path: str, member: str | None, what: str, default_key=None
 ) -> CorruptCheckpointError:
     """A refusal for a file that fails its seal, naming the damaged keys a probe finds."""
-    result = _probe(path, member)
+    result = _probe(path, member, timeout=DIAGNOSE_TIMEOUT)
     damaged = [key for key, _ in result.get("damaged", [])]
     if damaged:
         listed = ", ".join(repr(k) for k in damaged)
