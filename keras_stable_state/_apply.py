@@ -21,7 +21,21 @@ from keras_stable_state.keys import file_label, malformed_key
 
 
 def to_numpy(variable):
-    return keras.ops.convert_to_numpy(variable.value)
+    """A variable's value as a NumPy array (``bfloat16`` via ml_dtypes).
+
+    On Torch the tensor is converted with ``Tensor.numpy()``: Keras' ``convert_to_numpy``
+    goes through ``np.array(tensor)``, which warns (NumPy 2 ``copy=`` protocol) on torch.
+    """
+    value = variable.value
+    if keras.backend.backend() == "torch":
+        tensor = value.detach().cpu()
+        if str(tensor.dtype) == "torch.bfloat16":
+            import ml_dtypes
+            import torch
+
+            return tensor.to(torch.float32).numpy().astype(ml_dtypes.bfloat16)
+        return tensor.numpy()
+    return keras.ops.convert_to_numpy(value)
 
 
 def _dtype(variable) -> str:
