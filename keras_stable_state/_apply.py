@@ -23,11 +23,15 @@ from keras_stable_state.keys import file_label, malformed_key
 def to_numpy(variable):
     """A variable's value as a NumPy array (``bfloat16`` via ml_dtypes).
 
-    On Torch the tensor is converted with ``Tensor.numpy()``: Keras' ``convert_to_numpy``
-    goes through ``np.array(tensor)``, which warns (NumPy 2 ``copy=`` protocol) on torch.
+    On TensorFlow and Torch the value is converted with its own ``.numpy()``: Keras'
+    ``convert_to_numpy`` goes through ``np.array(value)``, which warns (NumPy 2 ``copy=``
+    protocol) on ``tf.Variable`` and ``torch.Tensor``.
     """
-    value = variable.value
-    if keras.backend.backend() == "torch":
+    value = getattr(variable, "value", variable)
+    backend = keras.backend.backend()
+    if backend == "tensorflow" and hasattr(value, "numpy"):
+        return value.numpy()
+    if backend == "torch":
         tensor = value.detach().cpu()
         if str(tensor.dtype) == "torch.bfloat16":
             import ml_dtypes
