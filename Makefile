@@ -6,6 +6,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 BACKENDS := tensorflow jax torch
 BACKEND ?= jax
+# Test processes per backend (pytest-xdist); CI has 2 cores.
+JOBS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS)
 export TF_CPP_MIN_LOG_LEVEL := 3
 
 .PHONY: setup demo test test-% lint docs bench clean fuzz
@@ -29,12 +32,12 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d build/site
 
 test-%: setup
-	KERAS_BACKEND=$* $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	KERAS_BACKEND=$* $(PYTEST) tests
 
 test: setup lint docs
 	@for b in $(BACKENDS); do \
 		echo "=== backend: $$b ==="; \
-		KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider tests || exit 1; \
+		KERAS_BACKEND=$$b $(PYTEST) tests || exit 1; \
 	done
 
 # Long fuzz campaign of damaged files on every backend (tests/test_integrity.py); override
