@@ -8,8 +8,8 @@ import dataclasses
 import keras
 import numpy as np
 
+from keras_stable_state import _multiprocess, storage
 from keras_stable_state import state as state_mod
-from keras_stable_state import storage
 from keras_stable_state.errors import (
     BindingError,
     DtypeMismatchError,
@@ -25,7 +25,9 @@ def to_numpy(variable):
 
     On TensorFlow and Torch the value is converted with its own ``.numpy()``: Keras'
     ``convert_to_numpy`` goes through ``np.array(value)``, which warns (NumPy 2 ``copy=``
-    protocol) on ``tf.Variable`` and ``torch.Tensor``.
+    protocol) on ``tf.Variable`` and ``torch.Tensor``. A JAX array sharded across
+    several processes is gathered whole on every process (a collective: every
+    process must call this for the same variables in the same order).
     """
     value = getattr(variable, "value", variable)
     backend = keras.backend.backend()
@@ -39,6 +41,8 @@ def to_numpy(variable):
 
             return tensor.to(torch.float32).numpy().astype(ml_dtypes.bfloat16)
         return tensor.numpy()
+    if backend == "jax" and _multiprocess.process_count() > 1 and hasattr(value, "sharding"):
+        return _multiprocess.gather(value)
     return keras.ops.convert_to_numpy(value)
 
 
@@ -117,7 +121,12 @@ def variable_step(var, array, name=None):
         old = np.array(to_numpy(var), copy=True)
         return (lambda: var.assign(old)), (lambda: not state_mod.same_state(np.asarray(to_numpy(var)), old))
 
-    return Step(name or getattr(var, "path", var.name), lambda: var.assign(array), snapshot)
+    # On JAX the value is placed on the variable's current sharding (each process its own shards).
+    return Step(
+        name or getattr(var, "path", var.name),
+        lambda: var.assign(_multiprocess.place(var, array)),
+        snapshot,
+    )
 
 
 def state_step(name, get, put, value):

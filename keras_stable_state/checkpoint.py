@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import layer_state, storage
+from keras_stable_state import _multiprocess, layer_state, storage
 from keras_stable_state import state as state_mod
 from keras_stable_state._apply import apply_steps, coerce, rng_step, state_step, to_numpy, variable_step
 from keras_stable_state._arguments import (
@@ -177,6 +177,7 @@ def save_training_state(
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
     extras = check_variables(variables, verb, model)
+    _check_processes(filepath)
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
     model_arrays = {str(registry.key_of(v)): to_numpy(v) for v in saved_vars}
@@ -202,10 +203,29 @@ def save_training_state(
         extra=extra,
         arrays=arrays,
     )
-    storage.write_record(
-        filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+    # With several JAX processes every process gathered the same arrays; process 0 alone writes.
+    _multiprocess.run_on_primary(
+        filepath,
+        lambda: storage.write_record(
+            filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+        ),
     )
     return filepath
+
+
+def _check_processes(filepath):
+    """Refuse a ``.keras`` archive with several JAX processes: Keras' own ``model.save`` cannot
+    read arrays whose shards live on other processes."""
+    if filepath.endswith(".keras") and _multiprocess.process_count() > 1:
+        raise CheckpointFormatError(
+            f"Cannot save {filepath!r} with {_multiprocess.process_count()} JAX processes: a '.keras' "
+            "archive holds Keras' own weights, and keras' model.save cannot read the shards held by other "
+            "processes. Save to a '.h5' path (every process gathers, process 0 writes) or to a '.orbax' "
+            "directory (each process writes its own shards).",
+            key=None,
+            expected="a '.h5' or '.orbax' path",
+            received=filepath,
+        )
 
 
 def _check_extras_saved(record, extras, strict, report, where):
