@@ -51,7 +51,14 @@ def _dtype(variable) -> str:
 
 
 def coerce(key, array, variable, allow_cast, report):
-    """Return ``array`` ready to assign to ``variable``, checking shape and dtype."""
+    """Return ``array`` ready to assign to ``variable``, checking shape and dtype.
+
+    An array not read yet (``.orbax``) of the variable's dtype is checked from its
+    shape and dtype and returned unread; one to cast is read first.
+    """
+    lazy = hasattr(array, "leaf") and hasattr(array, "digest") and not isinstance(array, np.ndarray)
+    if lazy and storage.dtype_name(array) == _dtype(variable) and tuple(array.shape) == tuple(variable.shape):
+        return array
     array = np.asarray(array)
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _multiprocess, layer_state, storage
+from keras_stable_state import _multiprocess, _orbax_engine, layer_state, storage
 from keras_stable_state import state as state_mod
 from keras_stable_state._apply import apply_steps, coerce, rng_step, state_step, to_numpy, variable_step
 from keras_stable_state._arguments import (
@@ -180,11 +180,18 @@ def save_training_state(
     _check_processes(filepath)
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
-    model_arrays = {str(registry.key_of(v)): to_numpy(v) for v in saved_vars}
+    orbax = _orbax_engine.is_orbax_path(filepath)
+    if orbax:
+        _orbax_engine.check_installed()
+
+    def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
+        return _orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
+
+    model_arrays = {str(registry.key_of(v)): convert(v) for v in saved_vars}
     model_arrays.update(
-        (f"{EXTRA}:{n}", to_numpy(v)) for n, v in extras.items() if _extra_saved(v, model_state)
+        (f"{EXTRA}:{n}", convert(v)) for n, v in extras.items() if _extra_saved(v, model_state)
     )
-    opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras)
+    opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras, convert=convert)
     extra, arrays = _collect_state(model, optimizer, callbacks, state, include_rng)
     extra[layer_state.SECTION], found = state_mod.split_arrays(
         layer_state.collect_layer_state(model), layer_state.SECTION
@@ -203,6 +210,8 @@ def save_training_state(
         extra=extra,
         arrays=arrays,
     )
+    if orbax:  # each process writes its own shards; process 0 the sealed record
+        return _orbax_engine.write(filepath, record)
     # With several JAX processes every process gathered the same arrays; process 0 alone writes.
     _multiprocess.run_on_primary(
         filepath,
@@ -504,7 +513,12 @@ def restore_training_state(
     rules = check_rename(prefix, rename, verb)
     check_flags(verb, defer=defer)
     preloaded = _PRELOADED.get()
-    record = preloaded[1] if preloaded and preloaded[0] == filepath else storage.read_file(filepath)
+    if preloaded and preloaded[0] == filepath:
+        record = preloaded[1]
+    elif _orbax_engine.is_orbax_path(filepath):
+        record = _orbax_engine.read(filepath)
+    else:
+        record = storage.read_file(filepath)
     if defer:
         options = {
             "optimizer": given_optimizer,
@@ -585,6 +599,7 @@ def restore_training_state(
         record, model, strict=strict, report=report, where=where, rules=rules
     )
     # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
+    plan = _orbax_engine.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
     steps += [variable_step(var, array) for var, array in plan]
     steps += layer_state.finalize_steps(model)
     apply_steps(steps, filepath)
