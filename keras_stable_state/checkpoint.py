@@ -116,7 +116,11 @@ def save_training_state(
     Args:
         filepath: ``str`` or path ending in ``.keras`` (a Keras archive that
             ``keras.saving.load_model`` loads, with the training state as an
-            extra member) or ``.h5`` (the training state alone).
+            extra member), ``.h5`` (the training state alone) or ``.orbax``
+            (a directory: model and optimizer arrays stored with Orbax, each
+            JAX process writing only its own shards; needs the ``[orbax]``
+            extra). With several JAX processes every process must call this
+            (it runs collectives); for ``.h5`` process 0 alone writes.
         model: A built ``keras.Model``.
         optimizer: The optimizer to save; default ``model.optimizer``. An
             unbuilt optimizer is built on ``model.trainable_variables`` first.
@@ -153,9 +157,12 @@ def save_training_state(
             unbuilt while ``model`` is a layer of another model.
         CheckpointFormatError: for another extension, a directory, or a
             ``.keras`` path for a model Keras cannot serialize (a subclassed
-            model without ``get_config()``): save to ``.h5`` instead.
+            model without ``get_config()``): save to ``.h5`` instead; with
+            several JAX processes, for a ``.keras`` path.
         StateError: if the model is not built, or a provider refuses
-            (e.g. pending gradients for a variable that is no longer trainable).
+            (e.g. pending gradients for a variable that is no longer trainable);
+            for ``.orbax`` if orbax-checkpoint is not installed; with several
+            JAX processes, on the others, if process 0 failed to write.
         OSError: naming the path when the write fails (disk full); the
             previous file is left intact.
 
@@ -389,8 +396,11 @@ def restore_training_state(
 
     Args:
         filepath: A ``.keras`` or ``.h5`` file written by
-            :func:`save_training_state`, or a stock Keras ``.keras`` /
-            ``.weights.h5`` file.
+            :func:`save_training_state`, a ``.orbax`` directory it wrote
+            (each array read onto the variable's current sharding, each JAX
+            process reading only its own shards), or a stock Keras ``.keras`` /
+            ``.weights.h5`` file. With several JAX processes every process
+            must call this (it runs collectives).
         model: The built ``keras.Model`` to restore into, however it was built.
         optimizer: Default ``model.optimizer``; ``None`` with an uncompiled
             model restores model variables only.
@@ -461,8 +471,8 @@ def restore_training_state(
         FileNotFoundError: if there is no file.
         CheckpointInUseError: if another process holds the file locked for writing.
         CorruptCheckpointError: if the file is truncated or damaged, an array
-            fails its checksum, or a record (RNG, callback, provider state) is
-            malformed; the key or record is named.
+            fails its checksum (for ``.orbax``: its hash), or a record (RNG,
+            callback, provider state) is malformed; the key or record is named.
         MalformedKeyError: (a ``CorruptCheckpointError`` and a
             ``KeyFormatError``) if a key in the file cannot be parsed: the file
             is damaged, the model is not to blame.
@@ -485,8 +495,8 @@ def restore_training_state(
         ScheduleMismatchError: (``check_schedule`` without
             ``keep_learning_rate``) if the schedule changed, naming the
             differing fields.
-        StateError: if the model is not built, a provider in ``state`` has no
-            saved state, or putting values back after a failed assignment
+        StateError: if the model is not built, orbax-checkpoint is not
+            installed (``.orbax``), a provider in ``state`` has no saved state, or putting values back after a failed assignment
             failed too (naming them).
 
     Example:
