@@ -8,8 +8,8 @@ import dataclasses
 import keras
 import numpy as np
 
+from keras_stable_state import _multiprocess, storage
 from keras_stable_state import state as state_mod
-from keras_stable_state import storage
 from keras_stable_state.errors import (
     BindingError,
     DtypeMismatchError,
@@ -25,7 +25,9 @@ def to_numpy(variable):
 
     On TensorFlow and Torch the value is converted with its own ``.numpy()``: Keras'
     ``convert_to_numpy`` goes through ``np.array(value)``, which warns (NumPy 2 ``copy=``
-    protocol) on ``tf.Variable`` and ``torch.Tensor``.
+    protocol) on ``tf.Variable`` and ``torch.Tensor``. A JAX array sharded across
+    several processes is gathered whole on every process (a collective: every
+    process must call this for the same variables in the same order).
     """
     value = getattr(variable, "value", variable)
     backend = keras.backend.backend()
@@ -39,6 +41,8 @@ def to_numpy(variable):
 
             return tensor.to(torch.float32).numpy().astype(ml_dtypes.bfloat16)
         return tensor.numpy()
+    if backend == "jax" and _multiprocess.process_count() > 1 and hasattr(value, "sharding"):
+        return _multiprocess.gather(value)
     return keras.ops.convert_to_numpy(value)
 
 
@@ -47,7 +51,14 @@ def _dtype(variable) -> str:
 
 
 def coerce(key, array, variable, allow_cast, report):
-    """Return ``array`` ready to assign to ``variable``, checking shape and dtype."""
+    """Return ``array`` ready to assign to ``variable``, checking shape and dtype.
+
+    An array not read yet (``.orbax``) of the variable's dtype is checked from its
+    shape and dtype and returned unread; one to cast is read first.
+    """
+    lazy = hasattr(array, "leaf") and hasattr(array, "digest") and not isinstance(array, np.ndarray)
+    if lazy and storage.dtype_name(array) == _dtype(variable) and tuple(array.shape) == tuple(variable.shape):
+        return array
     array = np.asarray(array)
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
@@ -117,7 +128,12 @@ def variable_step(var, array, name=None):
         old = np.array(to_numpy(var), copy=True)
         return (lambda: var.assign(old)), (lambda: not state_mod.same_state(np.asarray(to_numpy(var)), old))
 
-    return Step(name or getattr(var, "path", var.name), lambda: var.assign(array), snapshot)
+    # On JAX the value is placed on the variable's current sharding (each process its own shards).
+    return Step(
+        name or getattr(var, "path", var.name),
+        lambda: var.assign(_multiprocess.place(var, array)),
+        snapshot,
+    )
 
 
 def state_step(name, get, put, value):

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import layer_state, storage
+from keras_stable_state import _multiprocess, _orbax_engine, layer_state, storage
 from keras_stable_state import state as state_mod
 from keras_stable_state._apply import apply_steps, coerce, rng_step, state_step, to_numpy, variable_step
 from keras_stable_state._arguments import (
@@ -116,7 +116,11 @@ def save_training_state(
     Args:
         filepath: ``str`` or path ending in ``.keras`` (a Keras archive that
             ``keras.saving.load_model`` loads, with the training state as an
-            extra member) or ``.h5`` (the training state alone).
+            extra member), ``.h5`` (the training state alone) or ``.orbax``
+            (a directory: model and optimizer arrays stored with Orbax, each
+            JAX process writing only its own shards; needs the ``[orbax]``
+            extra). With several JAX processes every process must call this
+            (it runs collectives); for ``.h5`` process 0 alone writes.
         model: A built ``keras.Model``.
         optimizer: The optimizer to save; default ``model.optimizer``. An
             unbuilt optimizer is built on ``model.trainable_variables`` first.
@@ -153,9 +157,12 @@ def save_training_state(
             unbuilt while ``model`` is a layer of another model.
         CheckpointFormatError: for another extension, a directory, or a
             ``.keras`` path for a model Keras cannot serialize (a subclassed
-            model without ``get_config()``): save to ``.h5`` instead.
+            model without ``get_config()``): save to ``.h5`` instead; with
+            several JAX processes, for a ``.keras`` path.
         StateError: if the model is not built, or a provider refuses
-            (e.g. pending gradients for a variable that is no longer trainable).
+            (e.g. pending gradients for a variable that is no longer trainable);
+            for ``.orbax`` if orbax-checkpoint is not installed; with several
+            JAX processes, on the others, if process 0 failed to write.
         OSError: naming the path when the write fails (disk full); the
             previous file is left intact.
 
@@ -177,13 +184,21 @@ def save_training_state(
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
     extras = check_variables(variables, verb, model)
+    _check_processes(filepath)
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
-    model_arrays = {str(registry.key_of(v)): to_numpy(v) for v in saved_vars}
+    orbax = _orbax_engine.is_orbax_path(filepath)
+    if orbax:
+        _orbax_engine.check_installed()
+
+    def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
+        return _orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
+
+    model_arrays = {str(registry.key_of(v)): convert(v) for v in saved_vars}
     model_arrays.update(
-        (f"{EXTRA}:{n}", to_numpy(v)) for n, v in extras.items() if _extra_saved(v, model_state)
+        (f"{EXTRA}:{n}", convert(v)) for n, v in extras.items() if _extra_saved(v, model_state)
     )
-    opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras)
+    opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras, convert=convert)
     extra, arrays = _collect_state(model, optimizer, callbacks, state, include_rng)
     extra[layer_state.SECTION], found = state_mod.split_arrays(
         layer_state.collect_layer_state(model), layer_state.SECTION
@@ -202,10 +217,31 @@ def save_training_state(
         extra=extra,
         arrays=arrays,
     )
-    storage.write_record(
-        filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+    if orbax:  # each process writes its own shards; process 0 the sealed record
+        return _orbax_engine.write(filepath, record)
+    # With several JAX processes every process gathered the same arrays; process 0 alone writes.
+    _multiprocess.run_on_primary(
+        filepath,
+        lambda: storage.write_record(
+            filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+        ),
     )
     return filepath
+
+
+def _check_processes(filepath):
+    """Refuse a ``.keras`` archive with several JAX processes: Keras' own ``model.save`` cannot
+    read arrays whose shards live on other processes."""
+    if filepath.endswith(".keras") and _multiprocess.process_count() > 1:
+        raise CheckpointFormatError(
+            f"Cannot save {filepath!r} with {_multiprocess.process_count()} JAX processes: a '.keras' "
+            "archive holds Keras' own weights, and keras' model.save cannot read the shards held by other "
+            "processes. Save to a '.h5' path (every process gathers, process 0 writes) or to a '.orbax' "
+            "directory (each process writes its own shards).",
+            key=None,
+            expected="a '.h5' or '.orbax' path",
+            received=filepath,
+        )
 
 
 def _check_extras_saved(record, extras, strict, report, where):
@@ -360,8 +396,11 @@ def restore_training_state(
 
     Args:
         filepath: A ``.keras`` or ``.h5`` file written by
-            :func:`save_training_state`, or a stock Keras ``.keras`` /
-            ``.weights.h5`` file.
+            :func:`save_training_state`, a ``.orbax`` directory it wrote
+            (each array read onto the variable's current sharding, each JAX
+            process reading only its own shards), or a stock Keras ``.keras`` /
+            ``.weights.h5`` file. With several JAX processes every process
+            must call this (it runs collectives).
         model: The built ``keras.Model`` to restore into, however it was built.
         optimizer: Default ``model.optimizer``; ``None`` with an uncompiled
             model restores model variables only.
@@ -432,8 +471,8 @@ def restore_training_state(
         FileNotFoundError: if there is no file.
         CheckpointInUseError: if another process holds the file locked for writing.
         CorruptCheckpointError: if the file is truncated or damaged, an array
-            fails its checksum, or a record (RNG, callback, provider state) is
-            malformed; the key or record is named.
+            fails its checksum (for ``.orbax``: its hash), or a record (RNG,
+            callback, provider state) is malformed; the key or record is named.
         MalformedKeyError: (a ``CorruptCheckpointError`` and a
             ``KeyFormatError``) if a key in the file cannot be parsed: the file
             is damaged, the model is not to blame.
@@ -456,8 +495,8 @@ def restore_training_state(
         ScheduleMismatchError: (``check_schedule`` without
             ``keep_learning_rate``) if the schedule changed, naming the
             differing fields.
-        StateError: if the model is not built, a provider in ``state`` has no
-            saved state, or putting values back after a failed assignment
+        StateError: if the model is not built, orbax-checkpoint is not
+            installed (``.orbax``), a provider in ``state`` has no saved state, or putting values back after a failed assignment
             failed too (naming them).
 
     Example:
@@ -484,7 +523,12 @@ def restore_training_state(
     rules = check_rename(prefix, rename, verb)
     check_flags(verb, defer=defer)
     preloaded = _PRELOADED.get()
-    record = preloaded[1] if preloaded and preloaded[0] == filepath else storage.read_file(filepath)
+    if preloaded and preloaded[0] == filepath:
+        record = preloaded[1]
+    elif _orbax_engine.is_orbax_path(filepath):
+        record = _orbax_engine.read(filepath)
+    else:
+        record = storage.read_file(filepath)
     if defer:
         options = {
             "optimizer": given_optimizer,
@@ -565,6 +609,7 @@ def restore_training_state(
         record, model, strict=strict, report=report, where=where, rules=rules
     )
     # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
+    plan = _orbax_engine.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
     steps += [variable_step(var, array) for var, array in plan]
     steps += layer_state.finalize_steps(model)
     apply_steps(steps, filepath)

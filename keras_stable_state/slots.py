@@ -433,8 +433,9 @@ def check_windows_and_groups(name, opt, model, meta, where):
         )
 
 
-def save_optimizers(optimizers, model, allow_order_keys, extras=None):
-    """The keyed arrays of every optimizer, and per optimizer: classes, variables, groups, windows."""
+def save_optimizers(optimizers, model, allow_order_keys, extras=None, convert=to_numpy):
+    """The keyed arrays of every optimizer (each variable passed through ``convert``), and per
+    optimizer: classes, variables, groups, windows."""
     arrays, meta = {}, {}
     for name, opt in optimizers.items():
         if not opt.built and name != MAIN:
@@ -448,7 +449,7 @@ def save_optimizers(optimizers, model, allow_order_keys, extras=None):
             check_inside(opt, model, extras or {}, "save_training_state")
         registry = optimizer_registry(opt, model, extras)
         for entry in optimizer_entries(opt, registry, name=name, allow_order_keys=allow):
-            arrays[entry.key] = to_numpy(entry.variable)
+            arrays[entry.key] = convert(entry.variable)
         meta[name] = {
             "classes": optimizer_classes(opt),
             "variables": [

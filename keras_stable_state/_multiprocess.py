@@ -1,0 +1,113 @@
+"""Several JAX processes (``jax.distributed``): who writes, gathering and placing arrays.
+
+On the TensorFlow and PyTorch backends, and on JAX with one process, every
+function here is the one-process case (no collective is run). With several JAX
+processes every function that gathers or agrees is a collective: every process
+must call it, in the same order, as ``jax.experimental.multihost_utils``
+requires.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from keras_stable_state.errors import StateError
+
+
+def _jax():
+    if keras.backend.backend() != "jax":
+        return None
+    import jax
+
+    return jax
+
+
+def process_count() -> int:
+    """The number of JAX processes (``jax.process_count()``); 1 on other backends."""
+    jax = _jax()
+    return 1 if jax is None else jax.process_count()
+
+
+def process_index() -> int:
+    """This process' index (``jax.process_index()``); 0 on other backends."""
+    jax = _jax()
+    return 0 if jax is None else jax.process_index()
+
+
+def is_sharded(value) -> bool:
+    """Whether ``value`` is a ``jax.Array`` with shards on more than one device."""
+    jax = _jax()
+    return jax is not None and isinstance(value, jax.Array) and len(value.sharding.device_set) > 1
+
+
+def gather(value) -> np.ndarray:
+    """The whole of a JAX array as NumPy, on every process.
+
+    An array that this process holds whole (one process, or replicated on its
+    devices) is copied to the host; otherwise every process takes part in
+    ``multihost_utils.process_allgather`` (a collective).
+    """
+    if value.is_fully_addressable or value.is_fully_replicated:
+        return np.asarray(value)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+def place(variable, array):
+    """``array`` put on ``variable``'s current sharding, each process building only its own shards.
+
+    On backends other than JAX, for an unsharded variable, or for a value that
+    is already a ``jax.Array`` (placed by the Orbax engine), ``array`` is
+    returned as it is and ``variable.assign`` places it.
+    """
+    jax = _jax()
+    if jax is None or isinstance(array, jax.Array):
+        return array
+    current = getattr(variable, "value", None)
+    if not is_sharded(current):
+        return array
+    host = np.asarray(array)
+    return jax.make_array_from_callback(host.shape, current.sharding, lambda index: host[index])
+
+
+def run_on_primary(what: str, write):
+    """Call ``write()`` on process 0 only; every process returns once it is done.
+
+    The other processes wait for process 0's outcome (a broadcast, so also a
+    barrier): if it failed there, process 0 re-raises its error and the others
+    raise a :class:`StateError` saying so.
+
+    Args:
+        what: The file written, for the message.
+        write: A callable doing the write.
+
+    Raises:
+        StateError: on processes other than 0, when the write failed on process 0.
+        Exception: on process 0, whatever ``write`` raised.
+    """
+    if process_count() == 1:
+        return write()
+    from jax.experimental import multihost_utils
+
+    failure = None
+    result = None
+    if process_index() == 0:
+        try:
+            result = write()
+        except Exception as err:  # noqa: BLE001 - re-raised below, after the others heard of it
+            failure = err
+    ok = int(multihost_utils.broadcast_one_to_all(np.int32(failure is None)))
+    if failure is not None:
+        raise failure
+    if not ok:
+        raise StateError(
+            f"Process 0 failed to write {what!r} (its error is raised there); nothing was written by this "
+            f"process ({process_index()}), which only gathers arrays for process 0. Fix the error that "
+            "process 0 reports and save again.",
+            key=None,
+            expected="a write on process 0",
+            received="a failure on process 0",
+        )
+    return result
