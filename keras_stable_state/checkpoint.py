@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import layer_state, storage
+from keras_stable_state import mappers as mappers_mod
 from keras_stable_state import state as state_mod
 from keras_stable_state._apply import apply_steps, coerce, rng_step, state_step, to_numpy, variable_step
 from keras_stable_state._arguments import (
@@ -104,6 +105,7 @@ def save_training_state(
     include_rng=True,
     allow_order_keys=False,
     variables=None,
+    mappers=None,
 ):
     """Save the whole training state by key: variables, optimizer, contract and the rest.
 
@@ -162,8 +164,40 @@ def save_training_state(
     Example:
         >>> save_training_state("run.keras", model)
     """
-    verb = "save_training_state"
-    filepath = check_filepath(filepath, verb)
+    filepath = check_filepath(filepath, "save_training_state")
+    record = training_state_record(
+        model,
+        optimizer,
+        verb="save_training_state",
+        model_state=model_state,
+        callbacks=callbacks,
+        state=state,
+        include_rng=include_rng,
+        allow_order_keys=allow_order_keys,
+        variables=variables,
+        mappers=mappers,
+    )
+    storage.write_record(
+        filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+    )
+    return filepath
+
+
+def training_state_record(
+    model,
+    optimizer=None,
+    *,
+    verb,
+    model_state="all",
+    callbacks=(),
+    state=None,
+    include_rng=True,
+    allow_order_keys=False,
+    variables=None,
+    mappers=None,
+):
+    """The :class:`~keras_stable_state.storage.StateRecord` that :func:`save_training_state`
+    writes, with every argument checked as it says (``verb`` names the caller in messages)."""
     check_model(model, verb)
     if model_state not in MODEL_STATES:
         raise ValueError(
@@ -177,6 +211,7 @@ def save_training_state(
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
     extras = check_variables(variables, verb, model)
+    mapper_rules = mappers_mod.check_mappers(mappers, verb)
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
     model_arrays = {str(registry.key_of(v)): to_numpy(v) for v in saved_vars}
@@ -189,7 +224,12 @@ def save_training_state(
         layer_state.collect_layer_state(model), layer_state.SECTION
     )
     arrays.update(found)
-    record = storage.StateRecord(
+    if mapper_rules:
+        model_arrays, opt_arrays, extra[mappers_mod.SECTION], found = mappers_mod.encode_arrays(
+            mapper_rules, model_arrays, opt_arrays
+        )
+        arrays.update(found)
+    return storage.StateRecord(
         metadata={
             **writer_metadata(model),
             "model_state": model_state,
@@ -202,10 +242,6 @@ def save_training_state(
         extra=extra,
         arrays=arrays,
     )
-    storage.write_record(
-        filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
-    )
-    return filepath
 
 
 def _check_extras_saved(record, extras, strict, report, where):
@@ -486,6 +522,7 @@ def restore_training_state(
     preloaded = _PRELOADED.get()
     record = preloaded[1] if preloaded and preloaded[0] == filepath else storage.read_file(filepath)
     if defer:
+        mappers_mod.decode_record(record, file_label(filepath))  # an unknown mapper is refused now
         options = {
             "optimizer": given_optimizer,
             "strict": strict,
@@ -509,7 +546,10 @@ def restore_training_state(
             f"Model {model.name!r} has no variables yet; call it on a batch (a subclassed model's "
             "`build(input_shape)` may create none) before restoring its training state."
         )
+    record, mapped = mappers_mod.decode_record(record, where)
     report = RestoreReport()
+    report.mapped = {k: repr(m) for k, m in mapped.items()}
+    report.lossy = [k for k, m in mapped.items() if m.lossy]
     if isinstance(record, storage.StockWeights):
         report.source = record.source
     else:
