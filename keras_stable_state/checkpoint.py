@@ -9,6 +9,7 @@ report (``report``). Names used from here before the split are re-exported.
 from __future__ import annotations
 
 import contextvars
+import functools
 
 import keras
 import numpy as np
@@ -34,6 +35,7 @@ from keras_stable_state.contract import TrainableContract
 from keras_stable_state.errors import BindingError, CheckpointFormatError, MalformedKeyError, StateError
 from keras_stable_state.identity import VariableRegistry
 from keras_stable_state.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
+from keras_stable_state.optimizer import tracked_optimizers
 from keras_stable_state.report import RestoreReport, writer_metadata
 from keras_stable_state.slots import (
     drop_reason,
@@ -363,6 +365,33 @@ def _plan_model(record, model, registry, strict, allow_cast, report, where):
     return plan
 
 
+def _builds_undone_on_refusal(restore):
+    """Whatever ``restore`` refuses, or fails at, after building an unbuilt optimizer
+    (a slot that cannot be assigned, a provider without saved state, a failed
+    assignment), the optimizer is put back unbuilt: a refused restore leaves
+    the optimizers as they were, as it leaves every value."""
+
+    @functools.wraps(restore)
+    def guarded(filepath, model, optimizer=None, *args, **kwargs):
+        if isinstance(optimizer, dict):
+            touched = list(optimizer.values())
+        elif optimizer is not None:
+            touched = [optimizer]
+        else:
+            touched = list(tracked_optimizers(model).values()) if isinstance(model, keras.Model) else []
+        undo = compat.snapshot_unbuilt(
+            [o for o in touched if isinstance(o, keras.optimizers.Optimizer) and not o.built]
+        )
+        try:
+            return restore(filepath, model, optimizer, *args, **kwargs)
+        except BaseException:
+            undo()
+            raise
+
+    return guarded
+
+
+@_builds_undone_on_refusal
 def restore_training_state(
     filepath,
     model,

@@ -146,7 +146,8 @@ class CastMapper(StateMapper):
         return self.dtype != "float64"
 
     def encode(self, key, array):
-        stored = np.asarray(array).astype(storage.numpy_dtype(self.dtype))
+        with np.errstate(over="ignore"):  # an overflow is refused below, naming the key
+            stored = np.asarray(array).astype(storage.numpy_dtype(self.dtype))
         overflow = np.isfinite(array) & ~np.isfinite(stored)
         if overflow.any():
             worst = float(np.max(np.abs(np.asarray(array, dtype=np.float64)[overflow])))
@@ -301,6 +302,7 @@ def _encode_one(rule, key, array):
         )
     result = rule.mapper.encode(key, np.array(array, copy=True))
     stored, params = result if isinstance(result, tuple) else (result, {})
+    stored = np.asarray(stored) if isinstance(stored, np.generic) else stored  # a 0-d result
     if not isinstance(stored, np.ndarray) or storage.dtype_name(stored) not in storage._DTYPES:
         raise TypeError(
             f"{rule.mapper!r}.encode({key!r}, ...) must return a NumPy array of a storable dtype (bool, "
@@ -423,6 +425,7 @@ def decode_record(record, where):
                 f"{where}: decoding {key} with {mapper!r} failed ({type(err).__name__}: {err}).",
                 key=key,
             ) from err
+        value = np.asarray(value) if isinstance(value, np.generic) else value  # a 0-d result
         shape, dtype = tuple(spec["shape"]), spec["dtype"]
         if not isinstance(value, np.ndarray) or value.shape != shape or storage.dtype_name(value) != dtype:
             raise StateError(
