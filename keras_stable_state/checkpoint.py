@@ -140,6 +140,11 @@ def save_training_state(
             ``optimizer.apply`` next to ``model.trainable_variables``). Their
             values and slots are saved under ``var:<name>``; pass the same
             names to :func:`restore_training_state`.
+        mappers: ``{pattern: StateMapper}``: store each model or optimizer
+            array whose key ``re.search(pattern, key)`` finds through the mapper
+            (e.g. ``{r"^path:.*kernel$": CastMapper("bfloat16")}``); the file
+            records each mapper so the restore decodes without it being passed
+            again, and the report lists the keys (docs: smaller checkpoints).
 
     Raises:
         TypeError: naming the argument, for a ``filepath`` that is not a path, a
@@ -150,16 +155,22 @@ def save_training_state(
             ``variables`` that are not a dict of ``keras.Variable``, or a flag
             that is not a bool.
         ValueError: for an unknown ``model_state``, a provider or variable name
-            that is empty or holds ``/``, or a ``variables`` entry that is a
-            model variable or named twice.
+            that is empty or holds ``/``, a ``variables`` entry that is a
+            model variable or named twice, or a ``mappers`` pattern that is not
+            a regular expression, matches no saved key, or shares a key with
+            another pattern.
+        DtypeMismatchError: for a ``mappers`` pattern matching an array that is
+            not floating-point (``optimizer#iteration``), naming the key.
         BindingError: if the optimizer trains a variable that is neither in the
             model nor in ``variables`` (naming its path and the fix), or is
             unbuilt while ``model`` is a layer of another model.
         CheckpointFormatError: for another extension, a directory, or a
             ``.keras`` path for a model Keras cannot serialize (a subclassed
             model without ``get_config()``): save to ``.h5`` instead.
-        StateError: if the model is not built, or a provider refuses
-            (e.g. pending gradients for a variable that is no longer trainable).
+        StateError: if the model is not built, a provider refuses
+            (e.g. pending gradients for a variable that is no longer trainable),
+            or a mapper refuses a value (a float16 overflow, NaN for int8),
+            naming the key.
         OSError: naming the path when the write fails (disk full); the
             previous file is left intact.
 
@@ -522,8 +533,15 @@ def restore_training_state(
             ``keep_learning_rate``) if the schedule changed, naming the
             differing fields.
         StateError: if the model is not built, a provider in ``state`` has no
-            saved state, or putting values back after a failed assignment
-            failed too (naming them).
+            saved state, putting values back after a failed assignment
+            failed too (naming them), or an array stored through a mapper
+            cannot be decoded: the mapper is not registered in this process,
+            refuses its stored config, or decodes to another shape or dtype
+            (naming the key).
+
+    Whatever is refused, the model, its optimizers and the other state are left
+    as they were: an optimizer the restore built before the refusal is put back
+    unbuilt.
 
     Example:
         >>> report = restore_training_state("run.keras", model)
