@@ -336,12 +336,12 @@ def _containers(obj) -> list:
     if tracker is not None:
         values += list(getattr(tracker, "stored_ids", {}).values())
     for value in values:
-        if isinstance(value, list):
-            kept.append((value, list.copy(value)))
-        elif isinstance(value, dict):
-            kept.append((value, dict.copy(value)))
-        elif isinstance(value, set):
-            kept.append((value, set.copy(value)))
+        for kind in (list, dict, set):
+            if isinstance(value, kind):
+                kept.append((value, kind.copy(value)))
+                # TensorFlow's ListWrapper / DictWrapper keep their items in a plain `_storage`.
+                inner = getattr(value, "__dict__", {}).values()
+                kept += [(c, type(c).copy(c)) for c in inner if type(c) in (list, dict, set)]
     return kept
 
 
