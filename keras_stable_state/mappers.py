@@ -134,6 +134,10 @@ class CastMapper(StateMapper):
         ValueError: for another dtype.
         StateError: at save, naming the key, when a finite value overflows
             ``dtype`` (e.g. 1e5 to float16): it would be stored as infinity.
+
+    Example:
+        >>> kss.save_training_state("run.h5", model, mappers={r"^path:": kss.CastMapper("bfloat16")})
+        >>> kss.restore_training_state("run.h5", model).lossy   # every model variable's key
     """
 
     def __init__(self, dtype="bfloat16"):
@@ -188,6 +192,10 @@ class QuantizeMapper(StateMapper):
 
     Raises:
         StateError: at save, naming the key, for an array holding NaN or infinity.
+
+    Example:
+        >>> kss.save_training_state("run.h5", model, mappers={r"^path:.*#": kss.QuantizeMapper()})
+        >>> err_bound = kss.QuantizeMapper.bound(momentum_array)   # |restored - saved| <= err_bound
     """
 
     lossy = True
