@@ -7,6 +7,8 @@ Public API (see ``docs/`` and DESIGN.md)::
     kss.TrainableContract.capture(model).validate(model)
     kss.save_training_state(path, model)
     kss.restore_training_state(path, model) -> kss.RestoreReport
+    kss.training_state_to_bytes(model) -> bytes
+    kss.restore_training_state_from_bytes(data, model) -> kss.RestoreReport
 """
 
 from keras_stable_state.accumulator import GradientAccumulator
@@ -25,6 +27,8 @@ from keras_stable_state.errors import (
     StateError,
 )
 from keras_stable_state.identity import VariableKey, VariableRegistry
+from keras_stable_state.in_memory import restore_training_state_from_bytes, training_state_to_bytes
+from keras_stable_state.mappers import CastMapper, QuantizeMapper, StateMapper
 from keras_stable_state.optimizer import StableOptimizer
 from keras_stable_state.report import RestoreReport
 from keras_stable_state.state import ScheduleMismatchError
@@ -33,6 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BindingError",
+    "CastMapper",
     "CheckpointFormatError",
     "CheckpointInUseError",
     "ContractError",
@@ -42,15 +47,19 @@ __all__ = [
     "KeyFormatError",
     "MalformedKeyError",
     "PendingRestore",
+    "QuantizeMapper",
     "RestoreReport",
     "ScheduleMismatchError",
     "StableCheckpoint",
     "StableOptimizer",
     "StateError",
+    "StateMapper",
     "TrainableContract",
     "UnreadableCheckpointWarning",
     "VariableKey",
     "VariableRegistry",
     "restore_training_state",
+    "restore_training_state_from_bytes",
     "save_training_state",
+    "training_state_to_bytes",
 ]

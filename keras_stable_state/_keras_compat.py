@@ -310,3 +310,66 @@ def random_seed_dtype() -> str:
     from keras.src.backend import random_seed_dtype as keras_random_seed_dtype
 
     return keras_random_seed_dtype()
+
+
+# -- undoing an optimizer build -------------------------------------------------------------
+def _optimizer_tree(optimizer) -> list:
+    """``optimizer`` and every optimizer it holds (an inner optimizer, MultiOptimizer's groups)."""
+    found, todo = [], [optimizer]
+    while todo:
+        opt = todo.pop()
+        if any(opt is f for f in found):
+            continue
+        found.append(opt)
+        for value in vars(opt).values():
+            items = value if isinstance(value, list | tuple) else [value]
+            todo += [v for v in items if isinstance(v, keras.optimizers.Optimizer)]
+    return found
+
+
+def _containers(obj) -> list:
+    """``(container, copy of its items)`` for the lists, dicts and sets in ``obj.__dict__``
+    (Keras' tracked lists and TensorFlow's dependency lists among them) and the tracker's id sets."""
+    kept = []
+    values = list(vars(obj).values())
+    tracker = vars(obj).get("_tracker")
+    if tracker is not None:
+        values += list(getattr(tracker, "stored_ids", {}).values())
+    for value in values:
+        for kind in (list, dict, set):
+            if isinstance(value, kind):
+                kept.append((value, kind.copy(value)))
+                # TensorFlow's ListWrapper / DictWrapper keep their items in a plain `_storage`.
+                inner = getattr(value, "__dict__", {}).values()
+                kept += [(c, type(c).copy(c)) for c in inner if type(c) in (list, dict, set)]
+    return kept
+
+
+def snapshot_unbuilt(optimizers):
+    """A callable that puts every unbuilt optimizer of ``optimizers`` (and the optimizers
+    it holds) back as it is now: unbuilt, without the variables a build created.
+
+    ``Optimizer.build`` only adds attributes, replaces a few (``built``,
+    ``_trainable_variables``) and appends to the variable lists and the tracker's
+    id sets; the snapshot keeps the attribute dict and the items of every list,
+    dict and set in it, and the undo puts them back in place (bypassing Keras'
+    attribute tracking). Built optimizers are not touched.
+    """
+    saved = []
+    for top in optimizers:
+        if top is None or getattr(top, "built", True):
+            continue
+        for opt in _optimizer_tree(top):
+            saved.append((opt, dict(vars(opt)), _containers(opt)))
+
+    def undo():
+        for opt, attrs, containers in saved:
+            state = vars(opt)
+            for name in [n for n in state if n not in attrs]:
+                del state[name]
+            state.update(attrs)
+            for container, items in containers:
+                type(items).clear(container)
+                (list.extend if isinstance(items, list) else type(items).update)(container, items)
+
+    return undo

@@ -9,12 +9,14 @@ report (``report``). Names used from here before the split are re-exported.
 from __future__ import annotations
 
 import contextvars
+import functools
 
 import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _multiprocess, _orbax_engine, layer_state, storage
+from keras_stable_state import mappers as mappers_mod
 from keras_stable_state import state as state_mod
 from keras_stable_state._apply import apply_steps, coerce, rng_step, state_step, to_numpy, variable_step
 from keras_stable_state._arguments import (
@@ -33,6 +35,7 @@ from keras_stable_state.contract import TrainableContract
 from keras_stable_state.errors import BindingError, CheckpointFormatError, MalformedKeyError, StateError
 from keras_stable_state.identity import VariableRegistry
 from keras_stable_state.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
+from keras_stable_state.optimizer import tracked_optimizers
 from keras_stable_state.report import RestoreReport, writer_metadata
 from keras_stable_state.slots import (
     drop_reason,
@@ -104,6 +107,7 @@ def save_training_state(
     include_rng=True,
     allow_order_keys=False,
     variables=None,
+    mappers=None,
 ):
     """Save the whole training state by key: variables, optimizer, contract and the rest.
 
@@ -140,6 +144,11 @@ def save_training_state(
             ``optimizer.apply`` next to ``model.trainable_variables``). Their
             values and slots are saved under ``var:<name>``; pass the same
             names to :func:`restore_training_state`.
+        mappers: ``{pattern: StateMapper}``: store each model or optimizer
+            array whose key ``re.search(pattern, key)`` finds through the mapper
+            (e.g. ``{r"^path:.*kernel$": CastMapper("bfloat16")}``); the file
+            records each mapper so the restore decodes without it being passed
+            again, and the report lists the keys (docs: smaller checkpoints).
 
     Raises:
         TypeError: naming the argument, for a ``filepath`` that is not a path, a
@@ -150,8 +159,12 @@ def save_training_state(
             ``variables`` that are not a dict of ``keras.Variable``, or a flag
             that is not a bool.
         ValueError: for an unknown ``model_state``, a provider or variable name
-            that is empty or holds ``/``, or a ``variables`` entry that is a
-            model variable or named twice.
+            that is empty or holds ``/``, a ``variables`` entry that is a
+            model variable or named twice, or a ``mappers`` pattern that is not
+            a regular expression, matches no saved key, or shares a key with
+            another pattern.
+        DtypeMismatchError: for a ``mappers`` pattern matching an array that is
+            not floating-point (``optimizer#iteration``), naming the key.
         BindingError: if the optimizer trains a variable that is neither in the
             model nor in ``variables`` (naming its path and the fix), or is
             unbuilt while ``model`` is a layer of another model.
@@ -159,18 +172,68 @@ def save_training_state(
             ``.keras`` path for a model Keras cannot serialize (a subclassed
             model without ``get_config()``): save to ``.h5`` instead; with
             several JAX processes, for a ``.keras`` path.
-        StateError: if the model is not built, or a provider refuses
-            (e.g. pending gradients for a variable that is no longer trainable);
-            for ``.orbax`` if orbax-checkpoint is not installed; with several
-            JAX processes, on the others, if process 0 failed to write.
+        StateError: if the model is not built, a provider refuses
+            (e.g. pending gradients for a variable that is no longer trainable),
+            or a mapper refuses a value (a float16 overflow, NaN for int8),
+            naming the key; for ``.orbax`` if orbax-checkpoint is not installed;
+            with several JAX processes, on the others, if process 0 failed to write.
         OSError: naming the path when the write fails (disk full); the
             previous file is left intact.
 
     Example:
         >>> save_training_state("run.keras", model)
     """
-    verb = "save_training_state"
-    filepath = check_filepath(filepath, verb)
+    filepath = check_filepath(filepath, "save_training_state")
+    _check_processes(filepath)
+    orbax = _orbax_engine.is_orbax_path(filepath)
+    if orbax:
+        _orbax_engine.check_installed()
+
+    def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
+        return _orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
+
+    record = training_state_record(
+        model,
+        optimizer,
+        verb="save_training_state",
+        convert=convert,
+        model_state=model_state,
+        callbacks=callbacks,
+        state=state,
+        include_rng=include_rng,
+        allow_order_keys=allow_order_keys,
+        variables=variables,
+        mappers=mappers,
+    )
+    if orbax:  # each process writes its own shards; process 0 the sealed record
+        return _orbax_engine.write(filepath, record)
+    # With several JAX processes every process gathered the same arrays; process 0 alone writes.
+    _multiprocess.run_on_primary(
+        filepath,
+        lambda: storage.write_record(
+            filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+        ),
+    )
+    return filepath
+
+
+def training_state_record(
+    model,
+    optimizer=None,
+    *,
+    verb,
+    model_state="all",
+    callbacks=(),
+    state=None,
+    include_rng=True,
+    allow_order_keys=False,
+    variables=None,
+    mappers=None,
+    convert=to_numpy,
+):
+    """The :class:`~keras_stable_state.storage.StateRecord` that :func:`save_training_state`
+    writes, with every argument checked as it says (``verb`` names the caller in messages;
+    ``convert`` turns a variable into the value stored)."""
     check_model(model, verb)
     if model_state not in MODEL_STATES:
         raise ValueError(
@@ -184,16 +247,9 @@ def save_training_state(
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
     extras = check_variables(variables, verb, model)
-    _check_processes(filepath)
+    mapper_rules = mappers_mod.check_mappers(mappers, verb)
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
-    orbax = _orbax_engine.is_orbax_path(filepath)
-    if orbax:
-        _orbax_engine.check_installed()
-
-    def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
-        return _orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
-
     model_arrays = {str(registry.key_of(v)): convert(v) for v in saved_vars}
     model_arrays.update(
         (f"{EXTRA}:{n}", convert(v)) for n, v in extras.items() if _extra_saved(v, model_state)
@@ -204,7 +260,12 @@ def save_training_state(
         layer_state.collect_layer_state(model), layer_state.SECTION
     )
     arrays.update(found)
-    record = storage.StateRecord(
+    if mapper_rules:
+        model_arrays, opt_arrays, extra[mappers_mod.SECTION], found = mappers_mod.encode_arrays(
+            mapper_rules, model_arrays, opt_arrays
+        )
+        arrays.update(found)
+    return storage.StateRecord(
         metadata={
             **writer_metadata(model),
             "model_state": model_state,
@@ -217,16 +278,6 @@ def save_training_state(
         extra=extra,
         arrays=arrays,
     )
-    if orbax:  # each process writes its own shards; process 0 the sealed record
-        return _orbax_engine.write(filepath, record)
-    # With several JAX processes every process gathered the same arrays; process 0 alone writes.
-    _multiprocess.run_on_primary(
-        filepath,
-        lambda: storage.write_record(
-            filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
-        ),
-    )
-    return filepath
 
 
 def _check_processes(filepath):
@@ -363,6 +414,33 @@ def _plan_model(record, model, registry, strict, allow_cast, report, where):
     return plan
 
 
+def _builds_undone_on_refusal(restore):
+    """Whatever ``restore`` refuses, or fails at, after building an unbuilt optimizer
+    (a slot that cannot be assigned, a provider without saved state, a failed
+    assignment), the optimizer is put back unbuilt: a refused restore leaves
+    the optimizers as they were, as it leaves every value."""
+
+    @functools.wraps(restore)
+    def guarded(filepath, model, optimizer=None, *args, **kwargs):
+        if isinstance(optimizer, dict):
+            touched = list(optimizer.values())
+        elif optimizer is not None:
+            touched = [optimizer]
+        else:
+            touched = list(tracked_optimizers(model).values()) if isinstance(model, keras.Model) else []
+        undo = compat.snapshot_unbuilt(
+            [o for o in touched if isinstance(o, keras.optimizers.Optimizer) and not o.built]
+        )
+        try:
+            return restore(filepath, model, optimizer, *args, **kwargs)
+        except BaseException:
+            undo()
+            raise
+
+    return guarded
+
+
+@_builds_undone_on_refusal
 def restore_training_state(
     filepath,
     model,
@@ -496,8 +574,15 @@ def restore_training_state(
             ``keep_learning_rate``) if the schedule changed, naming the
             differing fields.
         StateError: if the model is not built, orbax-checkpoint is not
-            installed (``.orbax``), a provider in ``state`` has no saved state, or putting values back after a failed assignment
-            failed too (naming them).
+            installed (``.orbax``), a provider in ``state`` has no saved state,
+            putting values back after a failed assignment failed too (naming
+            them), or an array stored through a mapper cannot be decoded: the
+            mapper is not registered in this process, refuses its stored config,
+            or decodes to another shape or dtype (naming the key).
+
+    Whatever is refused, the model, its optimizers and the other state are left
+    as they were: an optimizer the restore built before the refusal is put back
+    unbuilt.
 
     Example:
         >>> report = restore_training_state("run.keras", model)
@@ -530,6 +615,7 @@ def restore_training_state(
     else:
         record = storage.read_file(filepath)
     if defer:
+        mappers_mod.decode_record(record, file_label(filepath))  # an unknown mapper is refused now
         options = {
             "optimizer": given_optimizer,
             "strict": strict,
@@ -553,7 +639,10 @@ def restore_training_state(
             f"Model {model.name!r} has no variables yet; call it on a batch (a subclassed model's "
             "`build(input_shape)` may create none) before restoring its training state."
         )
+    record, mapped = mappers_mod.decode_record(record, where)
     report = RestoreReport()
+    report.mapped = {k: repr(m) for k, m in mapped.items()}
+    report.lossy = [k for k, m in mapped.items() if m.lossy]
     if isinstance(record, storage.StockWeights):
         report.source = record.source
     else:

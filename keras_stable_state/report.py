@@ -34,6 +34,11 @@ class RestoreReport:
             for every learning-rate variable whose saved value differs from the
             compiled one (``"kept"`` with ``keep_learning_rate=True``).
         casts: ``(key, saved dtype, variable dtype)`` for every array cast.
+        mapped: ``{key: mapper}`` (the mapper's repr, e.g.
+            ``"CastMapper(dtype='bfloat16')"``) for every array stored through
+            a mapper (``save_training_state(..., mappers=...)``) and decoded.
+        lossy: The keys of ``mapped`` whose mapper is lossy: they hold the
+            decoded stored values, not bit-exactly the values saved.
         restored_state: Other state put back (``"callback:EarlyStopping/0"``,
             ``"state:<provider>"``, ``"rng"``).
         built_optimizer: ``True`` when the optimizer was built by the restore.
@@ -61,6 +66,8 @@ class RestoreReport:
     renamed: list = dataclasses.field(default_factory=list)
     learning_rates: list = dataclasses.field(default_factory=list)
     casts: list = dataclasses.field(default_factory=list)
+    mapped: dict = dataclasses.field(default_factory=dict)
+    lossy: list = dataclasses.field(default_factory=list)
     restored_state: list = dataclasses.field(default_factory=list)
     built_optimizer: bool = False
     order_keys: list = dataclasses.field(default_factory=list)
@@ -139,6 +146,16 @@ class RestoreReport:
                 )
         for key, src, dst in self.casts:
             lines.append(f"  cast {key}: {src} -> {dst}")
+        by_mapper = {}
+        for key, mapper in self.mapped.items():
+            by_mapper.setdefault(mapper, []).append(key)
+        for mapper, keys in by_mapper.items():
+            lines.append(f"  stored through {mapper}, decoded: {keys}")
+        if self.lossy:
+            lines.append(
+                f"  not restored bit-exactly (lossy mappers: the values are the decoded stored ones, "
+                f"not the values saved): {self.lossy}"
+            )
         return "\n".join(lines)
 
 

@@ -1045,6 +1045,31 @@ class CheckpointFile:
             raise bad("extra", f"arrays {orphans} of the other state are referred to by nothing")
         if x.get("rng") is not None:
             self._check_rng(x["rng"], state, bad)
+        if "mappers" in x:
+            self._check_mappers(x["mappers"], bad)
+
+    def _check_mappers(self, mappers, bad):
+        """``extra["mappers"]``: ``{key: {mapper: {class_name, config}, dtype, shape, params}}``
+        for keys of the model and optimizer sections (see :mod:`keras_stable_state.mappers`)."""
+        keys = {e.key for e in self.entries if e.section in ("model", "optimizer")}
+        if not isinstance(mappers, dict):
+            raise bad("extra", "'mappers' is not an object")
+        for key, spec in mappers.items():
+            mapper = spec.get("mapper") if isinstance(spec, dict) else None
+            ok = (
+                key in keys
+                and set(spec) == {"mapper", "dtype", "shape", "params"}
+                and isinstance(mapper, dict)
+                and set(mapper) == {"class_name", "config"}
+                and isinstance(mapper["class_name"], str)
+                and isinstance(mapper["config"], dict)
+                and spec["dtype"] in _DTYPES
+                and isinstance(spec["shape"], list)
+                and all(_is_int(n) and n >= 0 for n in spec["shape"])
+                and isinstance(spec["params"], dict)
+            )
+            if not ok:
+                raise bad("extra", f"mapper record for {key!r} is malformed: {str(spec)[:160]}")
 
     @staticmethod
     def _check_rng(rng, state, bad):

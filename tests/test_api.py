@@ -7,6 +7,7 @@ import keras_stable_state as kss
 
 PUBLIC = [
     "BindingError",
+    "CastMapper",
     "CheckpointFormatError",
     "CheckpointInUseError",
     "ContractError",
@@ -16,17 +17,21 @@ PUBLIC = [
     "KeyFormatError",
     "MalformedKeyError",
     "PendingRestore",
+    "QuantizeMapper",
     "RestoreReport",
     "ScheduleMismatchError",
     "StableCheckpoint",
     "StableOptimizer",
     "StateError",
+    "StateMapper",
     "TrainableContract",
     "UnreadableCheckpointWarning",
     "VariableKey",
     "VariableRegistry",
     "restore_training_state",
+    "restore_training_state_from_bytes",
     "save_training_state",
+    "training_state_to_bytes",
 ]
 
 

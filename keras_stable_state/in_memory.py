@@ -1,0 +1,106 @@
+"""A training state as bytes, for object stores: ``training_state_to_bytes`` and
+``restore_training_state_from_bytes``.
+
+The bytes are exactly a sealed ``.h5`` training state (what
+``save_training_state("x.h5", ...)`` writes), and reading them runs exactly the
+checks a file gets: the SHA-256 seal, the HDF5 structure, the records' CRC-32
+and schema, every array's CRC-32 (:func:`keras_stable_state.storage.read_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from keras_stable_state import checkpoint, storage
+
+__all__ = ["restore_training_state_from_bytes", "training_state_to_bytes"]
+
+_LABEL = "<bytes>"
+
+
+def training_state_to_bytes(model, optimizer=None, **kwargs) -> bytes:
+    """The training state as the bytes of a sealed ``.h5`` file, e.g. to put in an object store.
+
+    Takes the arguments of :func:`~keras_stable_state.save_training_state`
+    except ``filepath``, and saves the same state (a ``.keras`` archive's model
+    config is not included: build the model in code, or save the model
+    separately). Writing the bytes to a file ``x.h5`` gives a file that
+    :func:`~keras_stable_state.restore_training_state` restores.
+
+    Args:
+        model: A built ``keras.Model``.
+        optimizer: As for ``save_training_state``; default ``model.optimizer``.
+        **kwargs: ``model_state``, ``callbacks``, ``state``, ``include_rng``,
+            ``allow_order_keys``, ``variables``, ``mappers``: as for
+            ``save_training_state``.
+
+    Returns:
+        ``bytes``: a 512-byte seal block (``KSS-SEAL 2 sha256 <hex> <length>``)
+        then the HDF5 image; about the size of the arrays plus a few KiB.
+
+    Raises:
+        Every error of ``save_training_state`` but those about the path.
+
+    Example:
+        >>> data = kss.training_state_to_bytes(model)
+        >>> bucket.put_object(Key="run/step-100.h5", Body=data)
+    """
+    record = checkpoint.training_state_record(model, optimizer, verb="training_state_to_bytes", **kwargs)
+    return storage.record_to_bytes(record)
+
+
+def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, allow_cast=False, **kwargs):
+    """Restore a training state from bytes (from :func:`training_state_to_bytes`, or a
+    ``.h5`` / ``.keras`` file's bytes fetched from an object store).
+
+    The bytes get every check a file gets (seal, structure, records, every
+    array's CRC-32) before anything is assigned; then the restore is exactly
+    :func:`~keras_stable_state.restore_training_state`'s, all or nothing.
+    Messages name the source as ``'<bytes>'``.
+
+    Args:
+        data: ``bytes``, ``bytearray`` or ``memoryview``.
+        model: The built ``keras.Model`` to restore into.
+        optimizer, strict, allow_cast: As for ``restore_training_state``.
+        **kwargs: ``callbacks``, ``state``, ``include_rng``,
+            ``check_schedule``, ``variables``, ``prefix``, ``rename``,
+            ``keep_learning_rate``, ``defer``: as for ``restore_training_state``.
+
+    Returns:
+        A :class:`~keras_stable_state.RestoreReport` (with ``defer=True`` a
+        :class:`~keras_stable_state.PendingRestore`).
+
+    Raises:
+        TypeError: if ``data`` is not bytes-like (a path: use
+            ``restore_training_state``).
+        CorruptCheckpointError: if the bytes are truncated or damaged (seal,
+            structure, a record or an array's checksum), naming the key where
+            there is one; the model is left untouched.
+        Every other error of ``restore_training_state``.
+
+    Example:
+        >>> data = bucket.get_object(Key="run/step-100.h5")["Body"].read()
+        >>> report = kss.restore_training_state_from_bytes(data, model)
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        hint = (
+            " To restore from a file, call restore_training_state(path, model)."
+            if isinstance(data, str)
+            else ""
+        )
+        raise TypeError(
+            "`data` of restore_training_state_from_bytes must be bytes (or bytearray / memoryview) "
+            f"holding a training state.{hint} Received: {type(data).__name__} {data!r:.60}"
+        )
+    record = storage.read_bytes(bytes(data))
+    with _preloaded(record):
+        return checkpoint.restore_training_state(_LABEL, model, optimizer, strict, allow_cast, **kwargs)
+
+
+@contextlib.contextmanager
+def _preloaded(record):
+    token = checkpoint._PRELOADED.set((_LABEL, record))
+    try:
+        yield
+    finally:
+        checkpoint._PRELOADED.reset(token)
