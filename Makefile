@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 BACKENDS := tensorflow jax torch
 BACKEND ?= jax
+comma := ,
+space := $(subst ,, )
 export TF_CPP_MIN_LOG_LEVEL := 3
 
 .PHONY: setup demo test test-% lint docs bench clean fuzz
@@ -50,8 +52,12 @@ fuzz: setup
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_integrity.py || status=1; \
 	done; exit $$status
 
+# Benchmarks: step overhead, then save/restore, many variables and memory on every backend,
+# whose table is written into docs/performance.md (BENCH_ARGS=--full for 600 MB / 100k variables).
+BENCH_ARGS ?=
 bench: setup
 	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(BIN)/python benchmarks/step_overhead.py || exit 1; done
+	$(BIN)/python benchmarks/report.py --backends $(subst $(space),$(comma),$(BACKENDS)) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
