@@ -12,6 +12,7 @@ restores through :func:`restore_optimizer_arrays` (registered with
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 
@@ -448,7 +449,8 @@ def save_optimizers(optimizers, model, allow_order_keys, extras=None):
             check_inside(opt, model, extras or {}, "save_training_state")
         registry = optimizer_registry(opt, model, extras)
         for entry in optimizer_entries(opt, registry, name=name, allow_order_keys=allow):
-            arrays[entry.key] = to_numpy(entry.variable)
+            # Converted when written, one at a time (storage.StateRecord takes callables).
+            arrays[entry.key] = functools.partial(to_numpy, entry.variable)
         meta[name] = {
             "classes": optimizer_classes(opt),
             "variables": [
