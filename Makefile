@@ -9,6 +9,8 @@ BACKEND ?= jax
 # Test processes per backend (pytest-xdist); CI has 2 cores.
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS)
+comma := ,
+space := $(subst ,, )
 export TF_CPP_MIN_LOG_LEVEL := 3
 
 .PHONY: setup demo test test-% lint docs bench clean fuzz
@@ -53,8 +55,12 @@ fuzz: setup
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_integrity.py || status=1; \
 	done; exit $$status
 
+# Benchmarks: step overhead, then save/restore, many variables and memory on every backend,
+# whose table is written into docs/performance.md (BENCH_ARGS=--full for 600 MB / 100k variables).
+BENCH_ARGS ?=
 bench: setup
 	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(BIN)/python benchmarks/step_overhead.py || exit 1; done
+	$(BIN)/python benchmarks/report.py --backends $(subst $(space),$(comma),$(BACKENDS)) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

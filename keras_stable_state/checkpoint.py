@@ -33,7 +33,7 @@ from keras_stable_state._arguments import (
 from keras_stable_state._scope import check_scope, renamed_record
 from keras_stable_state.contract import TrainableContract
 from keras_stable_state.errors import BindingError, CheckpointFormatError, MalformedKeyError, StateError
-from keras_stable_state.identity import VariableRegistry
+from keras_stable_state.identity import VariableRegistry, one_walk
 from keras_stable_state.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
 from keras_stable_state.optimizer import tracked_optimizers
 from keras_stable_state.report import RestoreReport, writer_metadata
@@ -96,6 +96,19 @@ def _collect_state(model, optimizer, callbacks, state, include_rng):
     return extra, arrays
 
 
+def _walking_once(fn):
+    """Run ``fn`` inside :func:`~keras_stable_state.identity.one_walk`: every registry it
+    builds reuses one walk of the model."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with one_walk():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_walking_once
 def save_training_state(
     filepath,
     model,
@@ -250,9 +263,12 @@ def training_state_record(
     mapper_rules = mappers_mod.check_mappers(mappers, verb)
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
-    model_arrays = {str(registry.key_of(v)): convert(v) for v in saved_vars}
+    # Converted to host arrays one at a time as the file is written (storage.StateRecord).
+    model_arrays = {str(registry.key_of(v)): functools.partial(convert, v) for v in saved_vars}
     model_arrays.update(
-        (f"{EXTRA}:{n}", convert(v)) for n, v in extras.items() if _extra_saved(v, model_state)
+        (f"{EXTRA}:{n}", functools.partial(convert, v))
+        for n, v in extras.items()
+        if _extra_saved(v, model_state)
     )
     opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras, convert=convert)
     extra, arrays = _collect_state(model, optimizer, callbacks, state, include_rng)
@@ -441,6 +457,7 @@ def _builds_undone_on_refusal(restore):
 
 
 @_builds_undone_on_refusal
+@_walking_once
 def restore_training_state(
     filepath,
     model,

@@ -25,6 +25,8 @@ a named key owns, and must agree in shape and dtype.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 
 import keras
@@ -101,11 +103,51 @@ def _own_variables(obj) -> list:
     return []
 
 
-def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
-    """``id(variable) -> (path, variable)`` for one walk over the model.
+# Inside ``one_walk()``: what Keras' saving walk yields per object, and each finished
+# walk, so one save or restore walks the model once however many registries it builds.
+_WALKS = contextvars.ContextVar("keras_stable_state_walks", default=None)
 
-    ``layers``, if given, receives ``id(layer) -> (path, layer)`` for every layer
-    reached (the model itself at ``""``).
+
+@contextlib.contextmanager
+def one_walk():
+    """Within this context the model's structure is walked once and reused.
+
+    ``save_training_state`` and ``restore_training_state`` build several registries
+    (model, contract, each optimizer, layer state) from one unchanged model; each
+    used to walk it again (Keras' ``dir()`` walk costs about 1 ms per layer). Inside
+    the context the children Keras' walk yields for each object and each complete
+    walk are kept and reused; on leaving, they are dropped. Nested contexts share
+    the outer one. Do not add or remove layers or variables inside it.
+    """
+    if _WALKS.get() is not None:
+        yield
+        return
+    token = _WALKS.set({})
+    try:
+        yield
+    finally:
+        _WALKS.reset(token)
+
+
+def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
+    cache = _WALKS.get()
+    if cache is None:
+        out, found = _walk_once(model, keras_style, None)
+    else:
+        hit = cache.get(("walk", id(model), keras_style))
+        if hit is None or hit[0] is not model:
+            hit = cache[("walk", id(model), keras_style)] = (model, *_walk_once(model, keras_style, cache))
+        _, out, found = hit
+    if layers is not None:
+        for k, v in found.items():
+            layers.setdefault(k, v)
+    return out
+
+
+def _walk_once(model, keras_style: bool, cache: dict | None):
+    """``(id(variable) -> (path, variable), id(layer) -> (path, layer))`` for one walk
+    over the model; every layer reached is listed (the model itself at ``""``).
+    ``cache`` (from :func:`one_walk`) keeps what Keras' walk yields per object.
 
     ``keras_style=True`` reproduces Keras' own ``.weights.h5`` addressing
     (``_walk_saveable`` order, class-name container entries, ``vars/<i>``).
@@ -117,6 +159,7 @@ def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
     (:func:`_own_names`).
     """
     out: dict = {}
+    layers: dict = {}
     visited: set = set()
     # Containers such as ``Sequential.layers`` are built anew on each access: hold on to
     # every visited one so that a later list cannot reuse its id() and be skipped.
@@ -126,7 +169,13 @@ def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
         return f"{path}/{name}" if path else name
 
     def children(obj):
-        kids = list(compat.walk_saveable(obj))
+        hit = None if cache is None else cache.get(("kids", id(obj)))
+        if hit is not None and hit[0] is obj:
+            kids = hit[1]
+        else:
+            kids = list(compat.walk_saveable(obj))
+            if cache is not None:
+                cache[("kids", id(obj))] = (obj, kids)
         if keras_style or compat.obj_type(obj) in ("Sequential", "Functional"):
             return kids
         generic = ("layers", "_layers")
@@ -141,7 +190,7 @@ def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
         names = [f"vars/{i}" for i in range(n_saved)] if keras_style else _own_names(obj, own)
         for v, name in zip(own, names, strict=False):
             out.setdefault(id(v), (join(path, name), v))
-        if layers is not None and isinstance(obj, keras.layers.Layer):
+        if isinstance(obj, keras.layers.Layer):
             layers.setdefault(id(obj), (path, obj))
         for attr, child in children(obj):
             if isinstance(child, (list, tuple, dict)):
@@ -172,7 +221,7 @@ def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
                 visit_container(item, f"{path}/{_unique(key or 'container', used)}")
 
     visit(model, "")
-    return out
+    return out, layers
 
 
 def stable_variable_paths(model) -> dict:

@@ -354,6 +354,8 @@ def encode_arrays(rules, model_arrays, opt_arrays):
                 continue
             rule = hits[0]
             used.add(rule.pattern)
+            if callable(array):  # converted lazily by save_training_state (storage.StateRecord)
+                array = array()
             stored, params = _encode_one(rule, key, array)
             json_params, refs = state_mod.split_arrays(params, f"{SECTION}/{key}")
             found.update(refs)

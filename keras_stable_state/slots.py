@@ -12,6 +12,7 @@ restores through :func:`restore_optimizer_arrays` (registered with
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 
@@ -449,7 +450,8 @@ def save_optimizers(optimizers, model, allow_order_keys, extras=None, convert=to
             check_inside(opt, model, extras or {}, "save_training_state")
         registry = optimizer_registry(opt, model, extras)
         for entry in optimizer_entries(opt, registry, name=name, allow_order_keys=allow):
-            arrays[entry.key] = convert(entry.variable)
+            # Converted when written, one at a time (storage.StateRecord takes callables).
+            arrays[entry.key] = functools.partial(convert, entry.variable)
         meta[name] = {
             "classes": optimizer_classes(opt),
             "variables": [

@@ -65,11 +65,13 @@ import io
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import zipfile
 import zlib
 
@@ -158,6 +160,13 @@ class StateRecord:
         extra: Other state (schedule, callbacks, RNG, position, providers) as
             JSON, with arrays replaced by references into ``arrays``.
         arrays: Arrays of the other state by name.
+
+    For writing (:func:`write_record`), a value in ``model``, ``optimizer`` or
+    ``arrays`` may also be a zero-argument callable returning the array: it is
+    called when that array is written, and the array dropped once it is on disk,
+    so a save holds one host copy at a time (``save_training_state`` passes the
+    variables' conversions so; an asynchronous writer may pass host copies made
+    beforehand). Records read back always hold arrays.
     """
 
     metadata: dict
@@ -186,14 +195,15 @@ def _stored_dtype(name: str) -> np.dtype:
 
 
 def _encode(array):
-    array = np.array(array, order="C", copy=True)
+    # C order without a copy when it already is (the value is written, then dropped).
+    array = np.asarray(array, order="C")
     name = dtype_name(array)
     if name not in _DTYPES:
         raise CheckpointFormatError(
             f"Arrays of dtype {name} cannot be stored (only bool, int, uint, float, bfloat16 and float8).",
             received=name,
         )
-    # np.array(..., copy=True) above made it C-contiguous; the view and astype keep the shape (0-d too).
+    # np.asarray(..., order="C") above made it C-contiguous; the view and astype keep the shape (0-d too).
     stored = (
         array.view(_stored_dtype(name)) if name in _EXOTIC else array.astype(_stored_dtype(name), copy=False)
     )
@@ -201,13 +211,24 @@ def _encode(array):
 
 
 # -- writing ------------------------------------------------------------------------------
-def _write_group(group, arrays: dict):
-    for i, (key, value) in enumerate(arrays.items()):
+def _write_group(group, arrays):
+    """One dataset per array, in order, each converted, written and dropped in turn.
+
+    ``arrays``: a dict ``{key: array or zero-argument callable returning one}``, or
+    an iterable of ``(key, array or callable)`` pairs.
+    """
+    items = arrays.items() if isinstance(arrays, dict) else arrays
+    for i, (key, value) in enumerate(items):
+        if callable(value):
+            value = value()
         stored, name = _encode(np.asarray(value))
+        del value
         ds = group.create_dataset(str(i), data=stored)
         ds.attrs["key"] = str(key)
         ds.attrs["dtype"] = name
-        ds.attrs["crc32"] = checks.crc_v2(str(key), name, stored.shape, stored.tobytes())
+        # zlib reads the array's buffer: no bytes copy (C order: the same bytes as tobytes()).
+        ds.attrs["crc32"] = checks.crc_v2(str(key), name, stored.shape, stored)
+        del stored
 
 
 def _json_array(value) -> np.ndarray:
@@ -222,9 +243,10 @@ def seal(data: bytes) -> bytes:
     return head.ljust(USERBLOCK_SIZE, b"\0") + body
 
 
-def _record_bytes(record: StateRecord) -> bytes:
-    buf = io.BytesIO()
-    with h5py.File(buf, "w", userblock_size=USERBLOCK_SIZE) as f:
+def _write_h5(target, record: StateRecord) -> None:
+    """Write ``record``'s HDF5 image, user block left zero, to ``target`` (a path or a
+    binary file object), one array at a time."""
+    with h5py.File(target, "w", userblock_size=USERBLOCK_SIZE) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         # JSON records are uint8 datasets: no HDF5 attribute size cap, no variable-length types.
@@ -234,7 +256,34 @@ def _record_bytes(record: StateRecord) -> bytes:
             ds.attrs["crc32"] = checks.crc_v2(name, "json", data.shape, data.tobytes())
         for section, arrays in zip(SECTIONS, (record.model, record.optimizer, record.arrays), strict=True):
             _write_group(f.create_group(section), arrays)
+
+
+def _record_bytes(record: StateRecord) -> bytes:
+    buf = io.BytesIO()
+    _write_h5(buf, record)
     return seal(buf.getvalue())
+
+
+def _seal_file(path: str) -> None:
+    """Write the seal into the user block of the HDF5 image at ``path`` (as :func:`seal`),
+    hashing the file in chunks of :data:`_CHUNK` bytes."""
+    sha = hashlib.sha256()
+    length = 0
+    buf = bytearray(_CHUNK)
+    with open(path, "rb+") as fh:
+        fh.seek(USERBLOCK_SIZE)
+        while n := fh.readinto(buf):
+            sha.update(memoryview(buf)[:n])
+            length += n
+        head = b"KSS-SEAL 2 sha256 %s %d\n" % (sha.hexdigest().encode(), length)
+        fh.seek(0)
+        fh.write(head.ljust(USERBLOCK_SIZE, b"\0"))
+
+
+def _write_sealed(path: str, record: StateRecord) -> None:
+    """A sealed record file at ``path``: the HDF5 image written array by array, then sealed."""
+    _write_h5(path, record)
+    _seal_file(path)
 
 
 def reseal(filepath) -> None:
@@ -367,16 +416,32 @@ def write_record(filepath, record: StateRecord, keras_archive_writer=None):
             f"Unsupported training-state path {path!r}: use a '.keras' or '.h5' extension.",
             received=path,
         )
-    data = _record_bytes(record)
     if path.endswith(".keras"):
         with atomic_path(path, suffix=".keras") as tmp:
             keras_archive_writer(tmp)
-            with zipfile.ZipFile(tmp, "a") as zf:
-                zf.writestr(MEMBER, data)
+            member = f"{tmp}.member.h5"
+            try:
+                _write_sealed(member, record)
+                _append_member(tmp, member)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(member)
     else:
         with atomic_path(path, suffix=".h5") as tmp:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
+            _write_sealed(tmp, record)
+
+
+def _append_member(archive: str, member_path: str) -> None:
+    """Append the file at ``member_path`` to the zip ``archive`` as :data:`MEMBER`, stored,
+    copied in chunks (as ``ZipFile.writestr`` would store it, without holding it in memory)."""
+    size = os.path.getsize(member_path)
+    with zipfile.ZipFile(archive, "a") as zf:
+        info = zipfile.ZipInfo(MEMBER, date_time=time.localtime(time.time())[:6])
+        info.compress_type = zf.compression
+        info.external_attr = 0o600 << 16
+        info.file_size = size
+        with open(member_path, "rb") as src, zf.open(info, "w") as out:
+            shutil.copyfileobj(src, out, _CHUNK)
 
 
 @dataclasses.dataclass
@@ -1190,10 +1255,11 @@ class CheckpointFile:
                 self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
             ) from err
         if self.kind == FORMAT:
+            # zlib reads the (C-order) array's buffer: the bytes of tobytes(), without the copy.
             if self.version == 1:
-                computed = checks.crc_v1(stored.tobytes())
+                computed = checks.crc_v1(stored)
             else:
-                computed = checks.crc_v2(entry.key, entry.dtype, stored.shape, stored.tobytes())
+                computed = checks.crc_v2(entry.key, entry.dtype, stored.shape, stored)
             if computed != entry.crc32:
                 raise _damaged(
                     self.where,

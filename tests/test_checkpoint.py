@@ -267,7 +267,7 @@ def test_write_is_atomic(tmp_path, data, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage, "_record_bytes", boom)
+    monkeypatch.setattr(storage, "_write_h5", boom)
     with pytest.raises(OSError, match="disk full"):
         kss.save_training_state(path, src)
     assert path.read_bytes() == good

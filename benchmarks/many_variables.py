@@ -1,0 +1,137 @@
+"""Per-variable cost of ``save_training_state`` / ``restore_training_state`` for many small variables.
+
+Usage::
+
+    KERAS_BACKEND=jax python benchmarks/many_variables.py [--counts 1000,10000] [--rounds 3] [--json out.json]
+
+A subclassed model holds ``n / 6`` ``Dense(4)`` layers (kernel 4x4, bias 4) in a
+list, compiled with Adam and its optimizer built: about ``n`` small arrays in
+all (weights and two Adam slots each). ``--counts 1000,10000,100000`` is the
+full run. In one process, round by round in a rotating order:
+
+* save: ``save_training_state(".h5")`` against plain h5py writing one dataset
+  per array of the same shapes, then ``fsync`` (timed twice: A/A);
+* restore: ``restore_training_state(".h5")`` in place against h5py
+  ``read_direct`` of the same datasets into preallocated arrays (twice: A/A).
+
+Printed: ratios per round (median, min, max), and microseconds per array.
+Target (issue 10): <= 1.5x one raw h5py dataset per variable, growth linear,
+restore of 100k variables < 5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as c  # noqa: E402
+
+c.configure_threads_env()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_stable_state as kss  # noqa: E402
+
+TARGET = 1.5
+
+
+class ManyDense(keras.Model):
+    """``k`` parallel ``Dense(4)`` layers summed (no deep chain: Keras recurses per layer)."""
+
+    def __init__(self, k, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = [keras.layers.Dense(4, name=f"d{i}") for i in range(k)]
+
+    def call(self, x):
+        out = x
+        for block in self.blocks:
+            out = out + block(x)
+        return out
+
+
+def build(n):
+    keras.utils.set_random_seed(0)
+    model = ManyDense(max(1, n // 6))
+    model(np.zeros((1, 4), "float32"))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--counts", default="1000,10000", help="array counts (full: 1000,10000,100000)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per count (default 3)")
+    p.add_argument("--json", default=None, help="write the results here for benchmarks/report.py")
+    return p.parse_args(argv)
+
+
+def bench(n, rounds, folder):
+    model = build(n)
+    arrays = c.state_arrays(model)
+    targets = [np.empty_like(a) for a in arrays]
+    h5raw, h5raw2, ours = (os.path.join(folder, f) for f in ("raw.h5", "raw2.h5", "s.h5"))
+    save_ops = {
+        "raw": lambda: c.h5py_write_datasets(h5raw, arrays),
+        "raw2": lambda: c.h5py_write_datasets(h5raw2, arrays),
+        "h5": lambda: kss.save_training_state(ours, model),
+    }
+    for op in save_ops.values():
+        op()
+    print(f"\n== {len(arrays)} arrays, save", flush=True)
+    st = c.run_rounds(save_ops, rounds, log=_log)
+    restore_ops = {
+        "rd": lambda: c.h5py_read_direct(h5raw, targets),
+        "rd2": lambda: c.h5py_read_direct(h5raw, targets),
+        "h5": lambda: kss.restore_training_state(ours, model),
+    }
+    restore_ops["h5"]()
+    print(f"== {len(arrays)} arrays, restore", flush=True)
+    rt = c.run_rounds(restore_ops, rounds, log=_log)
+    per = {k: c.summary(v)[0] / len(arrays) * 1e6 for k, v in st.items()}
+    rper = {k: c.summary(v)[0] / len(arrays) * 1e6 for k, v in rt.items()}
+    title = (
+        f"{len(arrays)} small arrays ({keras.backend.backend()}): per array, save {per['h5']:.0f} us vs raw "
+        f"h5py {per['raw']:.0f} us; restore {rper['h5']:.0f} us vs read_direct {rper['rd']:.0f} us; "
+        f"restore total {c.summary(rt['h5'])[0]:.2f} s"
+    )
+    rows = [
+        ("save_training_state .h5 / h5py datasets+fsync", c.summary(c.ratios(st, "h5", "raw")), TARGET),
+        ("A/A h5py write / h5py write", c.summary(c.ratios(st, "raw2", "raw")), None),
+        ("restore_training_state .h5 / h5py read_direct", c.summary(c.ratios(rt, "h5", "rd")), TARGET),
+        ("A/A read_direct / read_direct", c.summary(c.ratios(rt, "rd2", "rd")), None),
+    ]
+    return title, rows
+
+
+def _log(r, got):
+    print(f"  round {r + 1}: " + "  ".join(f"{n} {t:7.3f} s" for n, t in got.items()), flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    counts = [int(s) for s in args.counts.split(",") if s]
+    print(f"many_variables: {c.machine()}; {args.rounds} rounds; counts {counts}", flush=True)
+    folder = tempfile.mkdtemp(prefix="kss-bench-")
+    sections = []
+    try:
+        for n in counts:
+            title, rows = bench(n, args.rounds, folder)
+            c.print_rows(title, rows)
+            sections.append({"title": title, "rows": rows})
+            keras.backend.clear_session()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    c.dump_json(args.json, "many_variables", sections)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

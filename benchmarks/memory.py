@@ -1,0 +1,174 @@
+"""Extra peak memory of saving and restoring a training state, per byte of state.
+
+Usage::
+
+    KERAS_BACKEND=jax python benchmarks/memory.py [--size 120] [--rounds 2] [--json out.json]
+
+Each operation runs in a fresh process: it builds the 8 x Dense MLP with Adam
+(``--size`` MB of weights and slots, float32), lets the garbage collector run,
+reads its resident memory, resets the kernel's peak-RSS mark (``5`` written to
+``/proc/self/clear_refs``, Linux), runs the one operation and reads the peak
+(``VmHWM``). Printed: (peak - resident before) / state bytes, median with min and
+max over rounds, operations interleaved across rounds. The files restored from
+are written beforehand by another process, so no freed save buffer is reused.
+
+Operations: ``save_training_state`` ``.h5`` / ``.keras``, ``restore_training_state``
+``.h5`` / ``.keras`` (in place), stock ``save_weights`` / ``load_weights``, and the
+floors: plain h5py datasets written from host arrays already made, and h5py
+``read_direct`` into preallocated arrays (run twice: the A/A rows).
+Target (issue 10): <= 0.1 for save and restore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TARGET = 0.1
+OPS = [
+    "save_h5",
+    "save_keras",
+    "restore_h5",
+    "restore_keras",
+    "stock_save",
+    "stock_load",
+    "h5py_write",
+    "read_direct",
+    "read_direct_again",
+]
+LABELS = {
+    "save_h5": ("save_training_state .h5", TARGET),
+    "save_keras": ("save_training_state .keras", TARGET),
+    "restore_h5": ("restore_training_state .h5", TARGET),
+    "restore_keras": ("restore_training_state .keras", TARGET),
+    "stock_save": ("stock save_weights", None),
+    "stock_load": ("stock load_weights", None),
+    "h5py_write": ("h5py datasets from host arrays (floor)", None),
+    "read_direct": ("h5py read_direct into preallocated arrays (floor)", None),
+    "read_direct_again": ("A/A: read_direct in another process", None),
+}
+
+
+def _status():
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def child(op, size_mb, folder):
+    """Run one operation in this (fresh) process; print a JSON line."""
+    sys.path.insert(0, HERE)
+    import _common as c
+
+    c.configure_threads_env()
+    import numpy as np
+
+    import keras_stable_state as kss
+
+    model = c.mlp_for_bytes(size_mb * 10**6)
+    p = {n: os.path.join(folder, n) for n in ("s.h5", "s.keras", "w.weights.h5", "raw.h5", "out.h5")}
+    if op == "prepare":
+        kss.save_training_state(p["s.h5"], model)
+        kss.save_training_state(p["s.keras"], model)
+        model.save_weights(p["w.weights.h5"])
+        c.h5py_write_datasets(p["raw.h5"], c.state_arrays(model))
+        return
+    arrays = c.state_arrays(model) if op == "h5py_write" else None
+    targets = [np.empty_like(a) for a in c.state_arrays(model)] if op.startswith("read_direct") else None
+    nbytes = sum(int(np.prod(v.shape)) * 4 for v in model.variables + model.optimizer.variables)
+    if targets is not None:
+        for t in targets:
+            t.fill(0)  # touched: resident before the mark is reset
+    run = {
+        "save_h5": lambda: kss.save_training_state(p["out.h5"], model),
+        "save_keras": lambda: kss.save_training_state(p["out.h5"][:-3] + ".keras", model),
+        "restore_h5": lambda: kss.restore_training_state(p["s.h5"], model),
+        "restore_keras": lambda: kss.restore_training_state(p["s.keras"], model),
+        "stock_save": lambda: model.save_weights(p["out.h5"][:-3] + ".weights.h5"),
+        "stock_load": lambda: model.load_weights(p["w.weights.h5"]),
+        "h5py_write": lambda: c.h5py_write_datasets(p["out.h5"], arrays),
+        "read_direct": lambda: c.h5py_read_direct(p["raw.h5"], targets),
+        "read_direct_again": lambda: c.h5py_read_direct(p["raw.h5"], targets),
+    }[op]
+    gc.collect()
+    before = _status()["VmRSS"]
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    run()
+    peak = _status()["VmHWM"]
+    print("RESULT " + json.dumps({"op": op, "extra": peak - before, "state": nbytes}), flush=True)
+
+
+def spawn(op, size_mb, folder):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", op, "--size", str(size_mb), "--dir", folder],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{op} failed:\n{out.stderr[-3000:]}")
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=120, help="state size in MB (default 120)")
+    p.add_argument("--rounds", type=int, default=2, help="fresh processes per operation (default 2)")
+    p.add_argument("--ops", default=",".join(OPS), help="operations, comma separated")
+    p.add_argument("--json", default=None, help="write the results here for benchmarks/report.py")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        child(args.child, args.size, args.dir)
+        return 0
+    sys.path.insert(0, HERE)
+    import _common as c
+
+    backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+    ops = [o for o in args.ops.split(",") if o]
+    print(f"memory: backend {backend}, {args.size} MB state, {args.rounds} rounds, ops {ops}", flush=True)
+    folder = tempfile.mkdtemp(prefix="kss-bench-")
+    got = {op: [] for op in ops}
+    try:
+        spawn("prepare", args.size, folder)
+        for r in range(args.rounds):
+            order = ops[r % len(ops) :] + ops[: r % len(ops)]
+            for op in order:
+                res = spawn(op, args.size, folder)
+                got[op].append(res["extra"] / res["state"])
+                print(
+                    f"  round {r + 1}: {op:<18} +{res['extra'] / 1e6:8.1f} MB  {got[op][-1]:.3f}x", flush=True
+                )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    rows = [(LABELS[op][0], c.summary(got[op]), LABELS[op][1]) for op in ops]
+    title = f"{args.size} MB state ({backend}): extra peak RSS / state bytes, fresh process per operation"
+    c.print_rows(title, rows)
+    c.dump_json(args.json, "memory", [{"title": title, "rows": rows}])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

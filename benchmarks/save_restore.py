@@ -1,0 +1,150 @@
+"""Time of ``save_training_state`` / ``restore_training_state`` against the I/O floor.
+
+Usage::
+
+    KERAS_BACKEND=jax python benchmarks/save_restore.py [--sizes 12,120] [--rounds 5] [--json out.json]
+
+For each state size (MB of weights + Adam slots, float32; ``--sizes 12,120,600``
+for the full run) an 8 x Dense MLP with Adam is built, and in one process,
+round by round in a rotating order:
+
+* save: ``save_training_state`` to ``.h5`` and to ``.keras``, stock
+  ``model.save_weights`` + ``fsync``, and the floor: a durable raw write of the
+  same number of bytes (one ``write`` + ``fsync``), timed twice (A/A);
+* restore (in place, into the same model): ``restore_training_state`` from the
+  ``.h5`` and the ``.keras``, stock ``model.load_weights``, and the floor: h5py
+  ``Dataset.read_direct`` of the same arrays into preallocated arrays, timed
+  twice (A/A). Files are warm in the page cache for every contender alike.
+
+Ratios are per round; the median with min and max is printed. Targets (issue
+10): save / raw write <= 1.15, restore / read_direct <= 1.3. The machine is
+shared: a ratio inside the A/A band is "no measurable difference".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as c  # noqa: E402
+
+c.configure_threads_env()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_stable_state as kss  # noqa: E402
+
+SAVE_TARGET = 1.15
+RESTORE_TARGET = 1.3
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="12,120", help="state sizes in MB, comma separated (full: 12,120,600)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size (default 5)")
+    p.add_argument("--dir", default=None, help="folder for the files (default: a temporary folder)")
+    p.add_argument("--json", default=None, help="write the results here for benchmarks/report.py")
+    return p.parse_args(argv)
+
+
+def bench_size(mb: int, rounds: int, folder: str):
+    model = c.mlp_for_bytes(mb * 10**6)
+    arrays = c.state_arrays(model)
+    nbytes = sum(a.nbytes for a in arrays)
+    buffer = np.ones(nbytes, dtype=np.uint8)
+    targets = [np.empty_like(a) for a in arrays]
+    p = {n: os.path.join(folder, n) for n in ("raw.bin", "raw2.bin", "s.h5", "s.keras", "w.weights.h5")}
+    p["h5raw"] = os.path.join(folder, "raw.h5")
+    c.h5py_write_datasets(p["h5raw"], arrays)
+
+    def stock_save():
+        model.save_weights(p["w.weights.h5"])
+        c.fsync_path(p["w.weights.h5"])
+
+    save_ops = {
+        "raw": lambda: c.durable_raw_write(p["raw.bin"], buffer),
+        "raw2": lambda: c.durable_raw_write(p["raw2.bin"], buffer),
+        "h5": lambda: kss.save_training_state(p["s.h5"], model),
+        "keras": lambda: kss.save_training_state(p["s.keras"], model),
+        "stock": stock_save,
+    }
+    for op in save_ops.values():  # warm-up: first-touch memory, imports, tracing
+        op()
+    print(f"\n== {mb} MB state ({nbytes / 1e6:.1f} MB in {len(arrays)} arrays), save", flush=True)
+    st = c.run_rounds(save_ops, rounds, log=_log)
+    restore_ops = {
+        "rd": lambda: c.h5py_read_direct(p["h5raw"], targets),
+        "rd2": lambda: c.h5py_read_direct(p["h5raw"], targets),
+        "h5": lambda: kss.restore_training_state(p["s.h5"], model),
+        "keras": lambda: kss.restore_training_state(p["s.keras"], model),
+        "stock": lambda: model.load_weights(p["w.weights.h5"]),
+    }
+    for op in restore_ops.values():
+        op()
+    print(f"== {mb} MB state, restore", flush=True)
+    rt = c.run_rounds(restore_ops, rounds, log=_log)
+    raw_s = c.summary(st["raw"])[0]
+    rd_s = c.summary(rt["rd"])[0]
+    save_rows = [
+        ("save_training_state .h5 / durable raw write", c.summary(c.ratios(st, "h5", "raw")), SAVE_TARGET),
+        (
+            "save_training_state .keras / durable raw write",
+            c.summary(c.ratios(st, "keras", "raw")),
+            SAVE_TARGET,
+        ),
+        ("stock save_weights+fsync / durable raw write", c.summary(c.ratios(st, "stock", "raw")), None),
+        ("A/A raw write / raw write", c.summary(c.ratios(st, "raw2", "raw")), None),
+    ]
+    restore_rows = [
+        (
+            "restore_training_state .h5 / h5py read_direct",
+            c.summary(c.ratios(rt, "h5", "rd")),
+            RESTORE_TARGET,
+        ),
+        (
+            "restore_training_state .keras / h5py read_direct",
+            c.summary(c.ratios(rt, "keras", "rd")),
+            RESTORE_TARGET,
+        ),
+        ("stock load_weights / h5py read_direct", c.summary(c.ratios(rt, "stock", "rd")), None),
+        ("A/A read_direct / read_direct", c.summary(c.ratios(rt, "rd2", "rd")), None),
+    ]
+    title = (
+        f"{mb} MB state ({keras.backend.backend()}): raw write {raw_s * 1e3:.0f} ms "
+        f"({nbytes / raw_s / 1e9:.2f} GB/s), read_direct {rd_s * 1e3:.0f} ms ({nbytes / rd_s / 1e9:.2f} GB/s)"
+    )
+    return title, save_rows + restore_rows
+
+
+def _log(r, got):
+    print(f"  round {r + 1}: " + "  ".join(f"{n} {t * 1e3:7.1f} ms" for n, t in got.items()), flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    print(f"save_restore: {c.machine()}; {args.rounds} rounds; sizes {sizes} MB", flush=True)
+    folder = args.dir or tempfile.mkdtemp(prefix="kss-bench-")
+    sections = []
+    try:
+        for mb in sizes:
+            title, rows = bench_size(mb, args.rounds, folder)
+            c.print_rows(title, rows)
+            sections.append({"title": title, "rows": rows})
+            keras.backend.clear_session()
+    finally:
+        if args.dir is None:
+            shutil.rmtree(folder, ignore_errors=True)
+    c.dump_json(args.json, "save_restore", sections)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
