@@ -195,9 +195,7 @@ def write(path: str, record: storage.StateRecord) -> str:
     _multiprocess.run_on_primary(partial, clear)
     index, tree = [], {}
     # Values may be zero-argument callables (converted lazily, storage.StateRecord).
-    entries = [
-        (s, k, v() if callable(v) else v) for s in _SECTIONS for k, v in getattr(record, s).items()
-    ]
+    entries = [(s, k, v() if callable(v) else v) for s in _SECTIONS for k, v in getattr(record, s).items()]
     dtypes = [storage.dtype_name(v) for _, _, v in entries]
     hashes = _shard_hashes([v for _, _, v in entries], [k for _, k, _ in entries], dtypes)
     counters = dict.fromkeys(_SECTIONS, 0)
