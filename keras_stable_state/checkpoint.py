@@ -9,12 +9,14 @@ report (``report``). Names used from here before the split are re-exported.
 from __future__ import annotations
 
 import contextvars
+import io
+import time
 
 import keras
 import numpy as np
 
+from keras_stable_state import _async, layer_state, storage
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import layer_state, storage
 from keras_stable_state import state as state_mod
 from keras_stable_state._apply import apply_steps, coerce, rng_step, state_step, to_numpy, variable_step
 from keras_stable_state._arguments import (
@@ -104,6 +106,7 @@ def save_training_state(
     include_rng=True,
     allow_order_keys=False,
     variables=None,
+    blocking=True,
 ):
     """Save the whole training state by key: variables, optimizer, contract and the rest.
 
@@ -136,6 +139,18 @@ def save_training_state(
             ``optimizer.apply`` next to ``model.trainable_variables``). Their
             values and slots are saved under ``var:<name>``; pass the same
             names to :func:`restore_training_state`.
+        blocking: ``True``: return once the file is written. ``False``: return a
+            :class:`~keras_stable_state.SaveHandle` once every value is copied to
+            host memory, and write the file in a background thread (see
+            "Asynchronous saves" in the docs). The call first waits for the
+            previous background write into the same folder. For ``.keras`` paths,
+            Keras' own archive (config and weights) is also built in memory
+            before the call returns, since it reads the live model.
+
+    Returns:
+        ``filepath`` (``str``) with ``blocking=True``; a
+        :class:`~keras_stable_state.SaveHandle` with ``blocking=False``, whose
+        ``wait()`` raises the ``OSError`` or other error of the background write.
 
     Raises:
         TypeError: naming the argument, for a ``filepath`` that is not a path, a
@@ -151,17 +166,22 @@ def save_training_state(
         BindingError: if the optimizer trains a variable that is neither in the
             model nor in ``variables`` (naming its path and the fix), or is
             unbuilt while ``model`` is a layer of another model.
-        CheckpointFormatError: for another extension, a directory, or a
+        CheckpointFormatError: (raised by the call, also with ``blocking=False``)
+            for another extension, a directory, or a
             ``.keras`` path for a model Keras cannot serialize (a subclassed
             model without ``get_config()``): save to ``.h5`` instead.
         StateError: if the model is not built, or a provider refuses
             (e.g. pending gradients for a variable that is no longer trainable).
         OSError: naming the path when the write fails (disk full); the
-            previous file is left intact.
+            previous file is left intact. With ``blocking=False`` it is raised
+            by the handle's ``wait()``, not by the call.
 
     Example:
         >>> save_training_state("run.keras", model)
+        >>> handle = save_training_state("run.h5", model, blocking=False)
+        >>> handle.wait()
     """
+    started = time.perf_counter()
     verb = "save_training_state"
     filepath = check_filepath(filepath, verb)
     check_model(model, verb)
@@ -173,10 +193,14 @@ def save_training_state(
     optimizer = optimizers.get(MAIN)
     callbacks = check_callbacks(callbacks, verb)
     state = check_providers(state, verb)
-    check_flags(verb, include_rng=include_rng, allow_order_keys=allow_order_keys)
+    check_flags(verb, include_rng=include_rng, allow_order_keys=allow_order_keys, blocking=blocking)
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
     extras = check_variables(variables, verb, model)
+    if not blocking:
+        storage.check_target(filepath)
+        # At most one host copy waiting: the previous write into this folder ends first.
+        _async.wait_for_folder(_async.folder_of(filepath))
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
     model_arrays = {str(registry.key_of(v)): to_numpy(v) for v in saved_vars}
@@ -202,10 +226,33 @@ def save_training_state(
         extra=extra,
         arrays=arrays,
     )
-    storage.write_record(
-        filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+    if blocking:
+        storage.write_record(
+            filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+        )
+        return filepath
+    return _save_in_background(filepath, model, record, started)
+
+
+def _save_in_background(filepath, model, record, started):
+    """Copy what is still shared with live objects, then write in a background thread."""
+    record = _async.host_record(record)
+    archive_writer = None
+    if filepath.endswith(".keras"):
+        buffer = io.BytesIO()
+        _save_keras_archive(model, buffer, filepath)
+        archive = buffer.getvalue()
+        del buffer
+
+        def archive_writer(tmp):
+            with open(tmp, "wb") as fh:
+                fh.write(archive)
+
+    return _async.submit(
+        filepath,
+        lambda: storage.write_record(filepath, record, keras_archive_writer=archive_writer),
+        started,
     )
-    return filepath
 
 
 def _check_extras_saved(record, extras, strict, report, where):
@@ -236,7 +283,10 @@ def _extra_saved(variable, model_state) -> bool:
 
 def _save_keras_archive(model, tmp, filepath):
     try:
-        model.save(tmp)
+        if isinstance(tmp, io.IOBase):
+            compat.save_keras_archive_to(model, tmp)
+        else:
+            model.save(tmp)
     except NotImplementedError as err:
         if "get_config" not in str(err):
             raise

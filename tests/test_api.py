@@ -17,6 +17,7 @@ PUBLIC = [
     "MalformedKeyError",
     "PendingRestore",
     "RestoreReport",
+    "SaveHandle",
     "ScheduleMismatchError",
     "StableCheckpoint",
     "StableOptimizer",
