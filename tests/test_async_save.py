@@ -48,16 +48,25 @@ def _assert_records_equal(a, b):
 
 # -- save_training_state(blocking=False) -------------------------------------------------------
 @pytest.mark.parametrize("ext", ["h5", "keras"])
-def test_async_save_writes_what_a_blocking_save_writes_while_training_goes_on(tmp_path, ext):
+def test_async_save_writes_what_a_blocking_save_writes_while_training_goes_on(tmp_path, ext, monkeypatch):
     m = _model()
     _train(m)
     weights = [to_np(v).copy() for v in m.weights]
     slots = {k: v.copy() for k, v in slots_by_key(m.optimizer).items()}
     blocking = kss.save_training_state(tmp_path / f"blocking.{ext}", m)
+    trained, real = threading.Event(), storage.write_record
+
+    def write_after_training(*args, **kwargs):
+        assert trained.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "write_record", write_after_training)
     handle = kss.save_training_state(tmp_path / f"async.{ext}", m, blocking=False)
     assert isinstance(handle, kss.SaveHandle) and handle.path == str(tmp_path / f"async.{ext}")
-    assert handle.blocked_secs > 0
-    _train(m)  # changes every variable (in place on Torch) while the file may still be written
+    assert handle.blocked_secs > 0 and not handle.done()
+    _train(m)  # changes every variable (in place on Torch) before the file is written
+    assert not np.array_equal(to_np(m.weights[0]), weights[0])
+    trained.set()
     assert handle.wait() == handle.path and handle.done()
     assert handle.nbytes == os.path.getsize(handle.path) and handle.write_secs > 0
     _assert_records_equal(storage.read_file(handle.path), storage.read_file(blocking))
