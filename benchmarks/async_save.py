@@ -124,10 +124,10 @@ def main(argv=None):
                 else:
                     handle = kss.save_training_state(path, model, blocking=name != "A")
                 got[name] = time.perf_counter() - t
+                blocked[name].append(got[name])
                 if name == "C":
                     del copies
                     continue
-                blocked[name].append(got[name])
                 if name == "A":
                     during = []
                     while not handle.done():
