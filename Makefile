@@ -1,6 +1,7 @@
 # Two entry points for a new user (see README.md):
 #   make demo   set up .venv and run the main job (interrupt, resume, compare)
 #   make test   set up .venv and run every test on all three backends
+#   make lab    open the example notebooks in JupyterLab (BACKEND=jax|tensorflow|torch)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +14,7 @@ comma := ,
 space := $(subst ,, )
 export TF_CPP_MIN_LOG_LEVEL := 3
 
-.PHONY: setup demo test test-% lint docs bench clean fuzz
+.PHONY: setup demo test test-% lint docs bench clean fuzz lab
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +62,15 @@ BENCH_ARGS ?=
 bench: setup
 	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(BIN)/python benchmarks/step_overhead.py || exit 1; done
 	$(BIN)/python benchmarks/report.py --backends $(subst $(space),$(comma),$(BACKENDS)) $(BENCH_ARGS)
+	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(BIN)/python benchmarks/async_save.py || exit 1; done
+
+# The notebooks extra (JupyterLab, matplotlib) on top of the dev setup, once per pyproject change.
+$(VENV)/.notebooks: $(VENV)/.installed pyproject.toml
+	$(BIN)/pip install -q -c constraints.txt -e ".[notebooks]"
+	touch $@
+
+lab: $(VENV)/.notebooks
+	KERAS_BACKEND=$(BACKEND) $(BIN)/jupyter lab notebooks/
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -11,6 +11,7 @@ Public API (see ``docs/`` and DESIGN.md)::
     kss.restore_training_state_from_bytes(data, model) -> kss.RestoreReport
 """
 
+from keras_stable_state._async import SaveHandle
 from keras_stable_state.accumulator import GradientAccumulator
 from keras_stable_state.callbacks import StableCheckpoint, UnreadableCheckpointWarning
 from keras_stable_state.checkpoint import PendingRestore, restore_training_state, save_training_state
@@ -49,6 +50,7 @@ __all__ = [
     "PendingRestore",
     "QuantizeMapper",
     "RestoreReport",
+    "SaveHandle",
     "ScheduleMismatchError",
     "StableCheckpoint",
     "StableOptimizer",

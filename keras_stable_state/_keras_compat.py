@@ -261,6 +261,14 @@ def print_msg(message: str) -> None:
     keras_print_msg(message)
 
 
+def save_keras_archive_to(model, fileobj) -> None:
+    """Keras' own ``.keras`` archive of ``model`` (config and weights) into a binary file
+    object, e.g. ``io.BytesIO`` (``model.save`` takes only paths)."""
+    from keras.src.saving import saving_lib
+
+    saving_lib.save_model(model, fileobj)
+
+
 def set_initial_epoch(model, epoch) -> None:
     """Set the epoch ``fit`` starts from (the trainer's ``_initial_epoch``; ``None``: fit's own)."""
     model._initial_epoch = epoch

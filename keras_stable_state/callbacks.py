@@ -15,8 +15,8 @@ import weakref
 
 import keras
 
+from keras_stable_state import _async, checkpoint, state
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import checkpoint, state
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,
@@ -183,7 +183,7 @@ class _DirectoryLock:
     def _still_in_place(self):
         try:
             return os.path.samestat(os.fstat(self.fd), os.stat(self.path))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # the directory was removed (or replaced by a file)
             return False
 
     def _close(self):
@@ -377,13 +377,30 @@ class StableCheckpoint(keras.callbacks.Callback):
         directory: Folder of the checkpoints (created if needed). Give each run
             its own folder; nothing else should write into it.
         save_freq: ``"epoch"`` or an ``int``: save every that many batches.
-        keep: How many newest checkpoints to keep (``>= 1``).
-        verbose: ``1`` prints one line per save and restore.
+        keep: How many newest checkpoints to keep (``>= 1``). Only fully
+            written files count: with ``async_save`` the older files are
+            removed once the new one is written.
+        verbose: ``1`` prints one line per restore, and per save its file
+            name, size (MB) and time (ms): with ``async_save``, the time of the
+            background write and the time training was blocked, printed once
+            the write has ended (at a later batch, the next save or train end).
+            Lines go through Keras' ``print_msg`` (stdout, or absl logging
+            when Keras is set to log).
         callbacks: Callbacks whose state to save and restore: a dict
             ``{name: callback}`` (the names key their state in the checkpoint)
             or a list (keyed by class name and index among callbacks of that
             class). Default: none. The ``History`` of the ``fit`` call
             (``model.history``) is always included, as ``"History/0"``.
+        async_save: ``True`` writes each checkpoint in a background thread
+            (:func:`~keras_stable_state.save_training_state` with
+            ``blocking=False``): the training step waits only while the state
+            is copied to host memory. A save first waits for the previous one;
+            a failed background write raises its error (an ``OSError`` naming
+            the file, or what the write raised) at the next batch, save or
+            train end, whichever comes first; ``on_train_end`` waits for the
+            last write and raises its failure (none is swallowed). A process
+            killed during a write leaves a ``.kss-*`` temporary file, removed
+            on the next train begin, and the checkpoints written before it.
 
     Attributes:
         restore_report: The :class:`~keras_stable_state.RestoreReport` of the
@@ -393,11 +410,17 @@ class StableCheckpoint(keras.callbacks.Callback):
         moved_checkpoints: ``(path, new path)`` of each of them, moved into
             ``<directory>/unreadable/``.
         removed_temporary_files: Stale ``.kss-*`` temporary files removed on train begin.
+        last_save: The :class:`~keras_stable_state.SaveHandle` of the newest
+            background save (``async_save=True``), or ``None``.
 
     Raises:
-        ValueError: for an invalid ``save_freq`` or ``keep``, or a callback name
+        ValueError: for an invalid ``save_freq``, ``keep`` or ``verbose``, or a callback name
             that is empty or holds ``/``, ``#``, ``@`` or whitespace (on construction).
-        TypeError: if ``callbacks`` is not a dict or list of callbacks (on construction).
+        TypeError: if ``callbacks`` is not a dict or list of callbacks, or
+            ``async_save`` is not a bool (on construction).
+        OSError: with ``async_save``, at a later batch, the next save or train
+            end: the error of a background write that failed (disk full, folder
+            removed), naming the file; the checkpoints written before it are intact.
         BindingError: on train begin, if a ``StableOptimizer`` of the model is
             built on variables the model does not hold, or its state loaded by
             ``load_model`` does not fit the model.
@@ -423,16 +446,27 @@ class StableCheckpoint(keras.callbacks.Callback):
         >>> model.fit(x, y, epochs=10, callbacks=[StableCheckpoint("ckpts", save_freq=50), EarlyStopping()])
     """
 
-    def __init__(self, directory, save_freq="epoch", keep=3, verbose=0, callbacks=None):
+    def __init__(self, directory, save_freq="epoch", keep=3, verbose=0, callbacks=None, async_save=False):
         super().__init__()
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq >= 1):
             raise ValueError(f"`save_freq` must be 'epoch' or an int >= 1. Received: save_freq={save_freq!r}")
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"`keep` must be an int >= 1. Received: keep={keep!r}")
+        if verbose not in (0, 1) or isinstance(verbose, float):
+            raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        if not isinstance(async_save, bool):
+            raise TypeError(
+                f"`async_save` must be True or False. Received: async_save={async_save!r} "
+                f"(of type {type(async_save).__name__})"
+            )
         self.directory = os.fspath(directory)
         self.save_freq = save_freq
         self.keep = keep
-        self.verbose = verbose
+        self.verbose = int(verbose)
+        self.async_save = async_save
+        self.last_save = None
+        self._in_flight = None
+        self._in_flight_where = None
         self._given_callbacks = checkpoint._check_callbacks(callbacks, "StableCheckpoint")
         self._position = _Position()
         self._pending_restore = None
@@ -446,6 +480,25 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._lock = None
         self._lock_token = next(_TOKENS)
         self._lock_finalizer = False
+
+    def get_config(self):
+        """The constructor arguments but ``callbacks`` (live objects: pass them again).
+
+        Returns:
+            ``{"directory", "save_freq", "keep", "verbose", "async_save"}``.
+        """
+        return {
+            "directory": self.directory,
+            "save_freq": self.save_freq,
+            "keep": self.keep,
+            "verbose": self.verbose,
+            "async_save": self.async_save,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        """A ``StableCheckpoint`` from :meth:`get_config`'s dict (plus ``callbacks=`` if given)."""
+        return cls(**config)
 
     # -- discovery ------------------------------------------------------------------
     @property
@@ -564,6 +617,10 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
+        # A background save of an earlier fit (one that raised) is written before the
+        # directory is read; its error belonged to that fit.
+        self._in_flight = None
+        _async.wait_for_folder(_async.folder_of(os.path.join(self.directory, "ckpt")))
         try:
             self._take_directory()
             self._restore_newest()
@@ -649,6 +706,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         )
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._collect(wait=False)
         record, self._pending_restore = self._pending_restore, None
         if record is not None:
             self._apply_pending(record)
@@ -692,6 +750,7 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     # -- save -------------------------------------------------------------------------
     def on_train_batch_begin(self, batch, logs=None):
+        self._collect(wait=False)
         if batch < self._skip_until:
             return
         if self._rng_after_skip is not None:
@@ -720,22 +779,54 @@ class StableCheckpoint(keras.callbacks.Callback):
         try:
             if self._save_requested:
                 self._save()
+            self._collect(wait=True)  # the last background save: waited for, and its failure raised
         finally:
             compat.set_initial_epoch(self.model, None)
             self._release_directory()
 
     def _save(self):
         self._save_requested = False
+        self._collect(wait=True)  # the previous background save ends first; its failure is raised
         pos = self._position
         if pos.step == 0:
             pos.epoch_rng = state.rng_state()
         name = f"ckpt-{pos.global_step:010d}.h5"
         path = os.path.join(self.directory, name)
-        checkpoint.save_training_state(path, self.model, callbacks=self._callbacks, state=self._providers())
+        where = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"
+        started = time.perf_counter()
+        result = checkpoint.save_training_state(
+            path,
+            self.model,
+            callbacks=self._callbacks,
+            state=self._providers(),
+            blocking=not self.async_save,
+        )
+        if self.async_save:
+            self.last_save = self._in_flight = result
+            self._in_flight_where = where
+            return
+        self._saved(path, where, time.perf_counter() - started, None)
+
+    def _collect(self, wait):
+        """Finish the background save in flight, if any (with ``wait=False`` only if it has
+        ended): raise its error, or prune and report it."""
+        handle = self._in_flight
+        if handle is None or (not wait and not handle.done()):
+            return
+        self._in_flight = None
+        handle.wait()
+        self._saved(handle.path, self._in_flight_where, handle.write_secs, handle.blocked_secs)
+
+    def _saved(self, path, where, secs, blocked_secs):
         # The file just written always stays, even if an older run left higher step numbers.
         for old in [p for p in self.checkpoints() if p != path][self.keep - 1 :]:
             try:
                 os.remove(old)
             except FileNotFoundError:
                 continue  # removed by someone else since it was listed
-        self._say(f"saved {name} (epoch {pos.epoch}, step {pos.step}, global step {pos.global_step})")
+        if self.verbose:
+            size_mb = os.path.getsize(path) / 1e6
+            timing = f"{secs * 1e3:.0f} ms"
+            if blocked_secs is not None:
+                timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"
+            self._say(f"saved {os.path.basename(path)} ({where}): {size_mb:.2f} MB in {timing}")

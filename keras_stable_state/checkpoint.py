@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import io
+import time
 
 import keras
 import numpy as np
 
+from keras_stable_state import _async, _multiprocess, _orbax_engine, layer_state, storage
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _multiprocess, _orbax_engine, layer_state, storage
 from keras_stable_state import mappers as mappers_mod
 from keras_stable_state import state as state_mod
 from keras_stable_state._apply import apply_steps, coerce, rng_step, state_step, to_numpy, variable_step
@@ -121,6 +123,7 @@ def save_training_state(
     allow_order_keys=False,
     variables=None,
     mappers=None,
+    blocking=True,
 ):
     """Save the whole training state by key: variables, optimizer, contract and the rest.
 
@@ -162,6 +165,18 @@ def save_training_state(
             (e.g. ``{r"^path:.*kernel$": CastMapper("bfloat16")}``); the file
             records each mapper so the restore decodes without it being passed
             again, and the report lists the keys (docs: smaller checkpoints).
+        blocking: ``True``: return once the file is written. ``False``: return a
+            :class:`~keras_stable_state.SaveHandle` once every value is copied to
+            host memory, and write the file in a background thread (see
+            "Asynchronous saves" in the docs). The call first waits for the
+            previous background write into the same folder. For ``.keras`` paths,
+            Keras' own archive (config and weights) is also built in memory
+            before the call returns, since it reads the live model.
+
+    Returns:
+        ``filepath`` (``str``) with ``blocking=True``; a
+        :class:`~keras_stable_state.SaveHandle` with ``blocking=False``, whose
+        ``wait()`` raises the ``OSError`` or other error of the background write.
 
     Raises:
         TypeError: naming the argument, for a ``filepath`` that is not a path, a
@@ -181,7 +196,8 @@ def save_training_state(
         BindingError: if the optimizer trains a variable that is neither in the
             model nor in ``variables`` (naming its path and the fix), or is
             unbuilt while ``model`` is a layer of another model.
-        CheckpointFormatError: for another extension, a directory, or a
+        CheckpointFormatError: (raised by the call, also with ``blocking=False``)
+            for another extension, a directory, or a
             ``.keras`` path for a model Keras cannot serialize (a subclassed
             model without ``get_config()``): save to ``.h5`` instead; with
             several JAX processes, for a ``.keras`` path.
@@ -191,16 +207,34 @@ def save_training_state(
             naming the key; for ``.orbax`` if orbax-checkpoint is not installed;
             with several JAX processes, on the others, if process 0 failed to write.
         OSError: naming the path when the write fails (disk full); the
-            previous file is left intact.
+            previous file is left intact. With ``blocking=False`` it is raised
+            by the handle's ``wait()``, not by the call.
 
     Example:
         >>> save_training_state("run.keras", model)
+        >>> handle = save_training_state("run.h5", model, blocking=False)
+        >>> handle.wait()
     """
-    filepath = check_filepath(filepath, "save_training_state")
+    started = time.perf_counter()
+    verb = "save_training_state"
+    filepath = check_filepath(filepath, verb)
+    check_flags(verb, blocking=blocking)
     _check_processes(filepath)
     orbax = _orbax_engine.is_orbax_path(filepath)
     if orbax:
         _orbax_engine.check_installed()
+        if not blocking:
+            raise CheckpointFormatError(
+                f"Cannot save {filepath!r} with blocking=False: the '.orbax' engine writes in the calling "
+                "thread. Pass blocking=True, or save to a '.h5' / '.keras' path in the background.",
+                expected="blocking=True for a '.orbax' path",
+                received="blocking=False",
+            )
+    if not blocking and _multiprocess.process_count() > 1:
+        raise StateError(
+            f"Cannot save {filepath!r} with blocking=False with {_multiprocess.process_count()} JAX "
+            "processes: the save runs collectives on the calling thread. Pass blocking=True."
+        )
 
     def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
         return _orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
@@ -208,7 +242,7 @@ def save_training_state(
     record = training_state_record(
         model,
         optimizer,
-        verb="save_training_state",
+        verb=verb,
         convert=convert,
         model_state=model_state,
         callbacks=callbacks,
@@ -217,9 +251,12 @@ def save_training_state(
         allow_order_keys=allow_order_keys,
         variables=variables,
         mappers=mappers,
+        before_copy=None if blocking else lambda: _wait_before_copy(filepath),
     )
     if orbax:  # each process writes its own shards; process 0 the sealed record
         return _orbax_engine.write(filepath, record)
+    if not blocking:
+        return _save_in_background(filepath, model, record, started)
     # With several JAX processes every process gathered the same arrays; process 0 alone writes.
     _multiprocess.run_on_primary(
         filepath,
@@ -228,6 +265,13 @@ def save_training_state(
         ),
     )
     return filepath
+
+
+def _wait_before_copy(filepath):
+    """Before a background save copies anything: the target is writable, and the previous
+    write into its folder has ended (at most one host copy waiting)."""
+    storage.check_target(filepath)
+    _async.wait_for_folder(_async.folder_of(filepath))
 
 
 def training_state_record(
@@ -243,10 +287,12 @@ def training_state_record(
     variables=None,
     mappers=None,
     convert=to_numpy,
+    before_copy=None,
 ):
     """The :class:`~keras_stable_state.storage.StateRecord` that :func:`save_training_state`
     writes, with every argument checked as it says (``verb`` names the caller in messages;
-    ``convert`` turns a variable into the value stored)."""
+    ``convert`` turns a variable into the value stored; ``before_copy`` runs once the
+    arguments are checked, before any value is read)."""
     check_model(model, verb)
     if model_state not in MODEL_STATES:
         raise ValueError(
@@ -261,6 +307,8 @@ def training_state_record(
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
     extras = check_variables(variables, verb, model)
     mapper_rules = mappers_mod.check_mappers(mappers, verb)
+    if before_copy is not None:
+        before_copy()
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
     registry = VariableRegistry.from_model(model)
     # Converted to host arrays one at a time as the file is written (storage.StateRecord).
@@ -311,6 +359,27 @@ def _check_processes(filepath):
         )
 
 
+def _save_in_background(filepath, model, record, started):
+    """Copy what is still shared with live objects, then write in a background thread."""
+    record = _async.host_record(record)
+    archive_writer = None
+    if filepath.endswith(".keras"):
+        buffer = io.BytesIO()
+        _save_keras_archive(model, buffer, filepath)
+        archive = buffer.getvalue()
+        del buffer
+
+        def archive_writer(tmp):
+            with open(tmp, "wb") as fh:
+                fh.write(archive)
+
+    return _async.submit(
+        filepath,
+        lambda: storage.write_record(filepath, record, keras_archive_writer=archive_writer),
+        started,
+    )
+
+
 def _check_extras_saved(record, extras, strict, report, where):
     """With ``strict``, refuse an extra variable the file has no value for."""
     if not strict or not extras or not isinstance(record, storage.StateRecord):
@@ -339,7 +408,10 @@ def _extra_saved(variable, model_state) -> bool:
 
 def _save_keras_archive(model, tmp, filepath):
     try:
-        model.save(tmp)
+        if isinstance(tmp, io.IOBase):
+            compat.save_keras_archive_to(model, tmp)
+        else:
+            model.save(tmp)
     except NotImplementedError as err:
         if "get_config" not in str(err):
             raise

@@ -102,6 +102,7 @@ __all__ = [
     "Entry",
     "CheckpointFile",
     "write_record",
+    "check_target",
     "open_file",
     "read_file",
     "read_bytes",
@@ -336,6 +337,14 @@ def _write_error(path: str, err: OSError) -> OSError:
     )
 
 
+def _directory_error(path: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{path!r} is a directory; a training state is one file. Choose a file path "
+        "(e.g. 'run.h5' or 'run.keras').",
+        received=path,
+    )
+
+
 class atomic_path:
     """Context manager yielding a temporary path beside ``filepath``; on success the
     file gets ``0o666 & ~umask`` permissions, is fsynced and renamed onto
@@ -353,11 +362,7 @@ class atomic_path:
 
     def __enter__(self):
         if os.path.isdir(self.filepath):
-            raise CheckpointFormatError(
-                f"{self.filepath!r} is a directory; a training state is one file. Choose a file path "
-                "(e.g. 'run.h5' or 'run.keras').",
-                received=self.filepath,
-            )
+            raise _directory_error(self.filepath)
         folder = os.path.dirname(os.path.abspath(self.filepath))
         try:
             os.makedirs(folder, exist_ok=True)
@@ -396,6 +401,24 @@ def record_to_bytes(record: StateRecord) -> bytes:
     return _record_bytes(record)
 
 
+def check_target(filepath) -> str:
+    """``filepath`` as a ``str``, if a training state can be written there.
+
+    Raises:
+        CheckpointFormatError: for an extension other than ``.keras`` / ``.h5``, or
+            a path that is a directory.
+    """
+    path = os.fsdecode(os.fspath(filepath))
+    if not path.endswith((".keras", ".h5")):
+        raise CheckpointFormatError(
+            f"Unsupported training-state path {path!r}: use a '.keras' or '.h5' extension.",
+            received=path,
+        )
+    if os.path.isdir(path):
+        raise _directory_error(path)
+    return path
+
+
 def write_record(filepath, record: StateRecord, keras_archive_writer=None):
     """Write ``record`` atomically to ``filepath``.
 
@@ -410,12 +433,7 @@ def write_record(filepath, record: StateRecord, keras_archive_writer=None):
         OSError: naming the path when the write fails (e.g. disk full); the
             previous file at that path is left intact.
     """
-    path = os.fsdecode(os.fspath(filepath))
-    if not path.endswith((".keras", ".h5")):
-        raise CheckpointFormatError(
-            f"Unsupported training-state path {path!r}: use a '.keras' or '.h5' extension.",
-            received=path,
-        )
+    path = check_target(filepath)
     if path.endswith(".keras"):
         with atomic_path(path, suffix=".keras") as tmp:
             keras_archive_writer(tmp)

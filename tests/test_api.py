@@ -19,6 +19,7 @@ PUBLIC = [
     "PendingRestore",
     "QuantizeMapper",
     "RestoreReport",
+    "SaveHandle",
     "ScheduleMismatchError",
     "StableCheckpoint",
     "StableOptimizer",

@@ -1,0 +1,223 @@
+"""Background writes of training states: ``save_training_state(..., blocking=False)``.
+
+The calling thread builds the whole :class:`~keras_stable_state.storage.StateRecord`
+(every array copied to host NumPy) and hands it to :func:`submit`; one shared
+``concurrent.futures.ThreadPoolExecutor`` runs the write (the same
+``storage.write_record`` a blocking save calls: seal, temporary file, ``fsync``,
+atomic rename). Writes into one folder run one after the other, in the order they
+were submitted: each waits for the previous write into its folder before it starts.
+
+Pending writes finish before the interpreter exits (``concurrent.futures`` joins its
+worker threads at exit); a process that is killed leaves at most a ``.kss-*``
+temporary file, never a partial checkpoint under its final name.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import os
+import threading
+import time
+
+import numpy as np
+
+from keras_stable_state import storage
+
+__all__ = ["SaveHandle", "folder_of", "host_record", "submit", "wait_for_folder"]
+
+_WORKERS = 4
+_GUARD = threading.Lock()
+_EXECUTOR = None
+_LATEST = {}  # real path of a folder -> the SaveHandle submitted last into it
+
+
+def _forget_in_child():
+    # A forked child has no worker threads; it must not wait on its parent's writes.
+    global _GUARD, _EXECUTOR
+    _GUARD = threading.Lock()
+    _EXECUTOR = None
+    _LATEST.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+class SaveHandle:
+    """A training-state save whose file write runs in a background thread.
+
+    Returned by :func:`~keras_stable_state.save_training_state` with
+    ``blocking=False``. When it is returned, every value has been copied to host
+    memory: training may change the model and optimizer at once without changing
+    what is written. The write (HDF5 record, seal, temporary file, ``fsync``,
+    atomic rename) runs in a background thread; until it ends, the previous file at
+    ``path`` (if any) is left as it was, and a process killed meanwhile leaves only a
+    ``.kss-*`` temporary file beside it.
+
+    Attributes:
+        path: The file being written (``str``).
+        blocked_secs: Seconds the calling thread spent in ``save_training_state``
+            (``float``): waiting for the previous write into the same folder, and
+            copying and collecting the state.
+        write_secs: Seconds the background write took, from its start to the
+            rename (``float``), or ``None`` while it runs or if it failed.
+        nbytes: Size of the written file in bytes (``int``), or ``None`` while it
+            runs or if it failed.
+
+    Example:
+        >>> handle = kss.save_training_state("run.h5", model, blocking=False)
+        >>> ...                                    # keep training
+        >>> handle.wait()                          # raises what the write raised
+        'run.h5'
+    """
+
+    def __init__(self, path, future, blocked_secs):
+        self.path = path
+        self.blocked_secs = blocked_secs
+        self.write_secs = None
+        self.nbytes = None
+        self._future = future
+
+    def done(self) -> bool:
+        """``True`` once the write has finished, successfully or not (never blocks)."""
+        return self._future.done()
+
+    def wait(self, timeout=None) -> str:
+        """Wait for the write to finish and return :attr:`path`.
+
+        Args:
+            timeout: Seconds to wait at most (``float``); ``None`` waits as long as
+                the write takes.
+
+        Returns:
+            The path of the written file (``str``).
+
+        Raises:
+            TimeoutError: if the write has not finished within ``timeout``
+                seconds; it goes on, and ``wait`` may be called again.
+            OSError: the error of the write itself, of its original type, naming
+                the path (disk full, folder removed or unwritable); the previous
+                file at ``path`` is left intact. Every other error the write
+                raised (e.g. :class:`~keras_stable_state.CheckpointFormatError`)
+                is re-raised as it is, each time ``wait`` is called.
+        """
+        try:
+            self._future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"The background save of {self.path!r} has not finished within {timeout} s; it goes on. "
+                "Call wait() again, or wait(None) to wait until it ends."
+            ) from None
+        return self.path
+
+    def __repr__(self):
+        status = "writing" if not self.done() else ("failed" if self._future.exception() else "written")
+        return f"<SaveHandle {self.path!r} {status}>"
+
+
+def folder_of(path) -> str:
+    """The real path of the folder ``path`` is written into (the key that orders writes)."""
+    return os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
+
+
+def _latest(folder):
+    with _GUARD:
+        return _LATEST.get(folder)
+
+
+def wait_for_folder(folder, timeout=None) -> None:
+    """Wait until the last write submitted into ``folder`` (see :func:`folder_of`) has finished.
+
+    Its error, if any, is not raised here: it belongs to its :class:`SaveHandle`.
+
+    Raises:
+        TimeoutError: if it has not finished within ``timeout`` seconds.
+    """
+    handle = _latest(folder)
+    if handle is not None:
+        _, pending = concurrent.futures.wait([handle._future], timeout=timeout)
+        if pending:
+            raise TimeoutError(f"The background save of {handle.path!r} has not finished within {timeout} s.")
+
+
+def _owned(array, always):
+    if callable(array):  # converted lazily by save_training_state (storage.StateRecord)
+        array = array()
+    array = np.asarray(array)
+    # Torch's .numpy() shares the tensor's memory, which the next step updates in place.
+    if always or not array.flags.owndata or array.base is not None:
+        return np.array(array, copy=True)
+    return array
+
+
+def host_record(record: storage.StateRecord) -> storage.StateRecord:
+    """``record`` with nothing shared with live objects: arrays that do not own their
+    memory (a view of a Torch tensor), every array of the other state (a provider may
+    update its own array in place) and the JSON parts are copied."""
+    return dataclasses.replace(
+        record,
+        metadata=copy.deepcopy(record.metadata),
+        contract=copy.deepcopy(record.contract),
+        extra=copy.deepcopy(record.extra),
+        model={k: _owned(a, False) for k, a in record.model.items()},
+        optimizer={k: _owned(a, False) for k, a in record.optimizer.items()},
+        arrays={k: _owned(a, True) for k, a in record.arrays.items()},
+    )
+
+
+def _executor():
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(
+            max_workers=_WORKERS, thread_name_prefix="keras-stable-state-save"
+        )
+    return _EXECUTOR
+
+
+def _name_path(err, path):
+    """Add ``path`` to an error that does not name it (OSErrors of the writer do)."""
+    if path not in str(err) and hasattr(err, "add_note"):
+        err.add_note(f"(raised by the background save of {path!r})")
+
+
+def submit(path, write, started) -> SaveHandle:
+    """Run ``write()`` (which writes ``path``) in the background, after the writes
+    submitted earlier into the same folder.
+
+    Args:
+        path: The file ``write`` writes (``str``).
+        write: A callable taking no argument.
+        started: ``time.perf_counter()`` when the save began in the calling thread.
+
+    Returns:
+        The :class:`SaveHandle`.
+    """
+    folder = folder_of(path)
+    box = {}
+
+    def run():
+        earlier = box["previous"]
+        if earlier is not None:
+            concurrent.futures.wait([earlier._future])
+        begin = time.perf_counter()
+        try:
+            write()
+        except BaseException as err:
+            _name_path(err, path)
+            raise
+        handle = box["handle"]
+        handle.write_secs = time.perf_counter() - begin
+        handle.nbytes = os.path.getsize(path)
+
+    with _GUARD:
+        for done in [f for f, h in _LATEST.items() if h.done()]:
+            del _LATEST[done]
+        box["previous"] = _LATEST.get(folder)
+        handle = SaveHandle(path, None, None)
+        box["handle"] = handle
+        handle._future = _executor().submit(run)
+        _LATEST[folder] = handle
+    handle.blocked_secs = time.perf_counter() - started
+    return handle
