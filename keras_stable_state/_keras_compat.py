@@ -241,9 +241,12 @@ def set_initial_epoch(model, epoch) -> None:
     model._initial_epoch = epoch
 
 
-def skip_batches(model, count: int) -> None:
-    """Make ``model``'s next ``count`` training steps draw their batch without training on
-    it (``fit`` calls ``train_function`` once per step), then put the step back."""
+def skip_batches(model, count: int, per_call: int = 1) -> None:
+    """Make ``model``'s next ``count`` calls of its train function draw their batches
+    (``per_call`` each: the ``steps_per_execution`` it was compiled with) without training
+    on them, then put the train function back. ``fit`` calls ``train_function`` once per
+    execution: on JAX with ``(state, iterator)``, on TensorFlow with ``(iterator)``, on
+    Torch with a list of ``per_call`` batches already drawn (Torch allows only 1)."""
     original = model.train_function
     remaining = [count]
     backend = keras.backend.backend()
@@ -254,10 +257,12 @@ def skip_batches(model, count: int) -> None:
             model.train_function = original
         if backend == "jax":
             state_arg, iterator = args
-            next(iterator)
+            for _ in range(per_call):
+                next(iterator)
             return {}, state_arg
         if backend == "tensorflow":
-            next(args[0])
+            for _ in range(per_call):
+                next(args[0])
             return {}
         return {}
 

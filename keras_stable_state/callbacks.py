@@ -230,11 +230,12 @@ if hasattr(os, "register_at_fork"):
 class _Position:
     """Epoch, step within the epoch and global step, as a state provider."""
 
-    def __init__(self):
+    def __init__(self, steps_per_execution=1):
         self.epoch = 0
         self.step = 0
         self.global_step = 0
         self.epoch_rng = None
+        self.steps_per_execution = steps_per_execution
 
     def get_state(self):
         return {
@@ -254,6 +255,18 @@ class _Position:
                     "file is damaged; restore from an earlier checkpoint.",
                     key=f"providers/position/{field}",
                 )
+        spe = self.steps_per_execution
+        if value["step"] % spe:
+            raise StateError(
+                f"The checkpoint was saved after batch {value['step']} of epoch {value['epoch']}, inside "
+                f"an execution of the model's steps_per_execution={spe} batches (it was written with "
+                "another steps_per_execution): a resume cannot start there and train the same batches. "
+                f"Compile with a steps_per_execution that divides {value['step']} (e.g. the one used "
+                "when it was saved, or 1) to resume from it.",
+                key="providers/position/step",
+                expected=f"a multiple of steps_per_execution={spe}",
+                received=value["step"],
+            )
         if value.get("epoch_rng") is not None:
             state.parse_rng_state(value["epoch_rng"])
 
@@ -353,6 +366,13 @@ class StableCheckpoint(keras.callbacks.Callback):
     A checkpoint that is locked by another process is not damaged: the callback
     raises :class:`~keras_stable_state.CheckpointInUseError` and never falls back.
 
+    With ``steps_per_execution=k`` (TensorFlow and JAX; Keras refuses ``k > 1`` on
+    Torch) Keras calls the batch callbacks once per execution of ``k`` batches, so
+    saves happen at execution boundaries: an int ``save_freq`` must be a multiple
+    of ``k`` and a save is taken at the first execution boundary at or after each
+    multiple of ``save_freq`` batches (an epoch's last execution may hold fewer
+    than ``k`` batches). A mid-epoch resume draws and skips whole executions.
+
     Saves happen after every callback has seen the epoch or batch end (a save
     requested at a batch end is written when the next batch or epoch begins),
     so the state of callbacks listed after this one, e.g. a learning rate that
@@ -376,7 +396,8 @@ class StableCheckpoint(keras.callbacks.Callback):
     Args:
         directory: Folder of the checkpoints (created if needed). Give each run
             its own folder; nothing else should write into it.
-        save_freq: ``"epoch"`` or an ``int``: save every that many batches.
+        save_freq: ``"epoch"`` or an ``int``: save every that many batches (a
+            multiple of the model's ``steps_per_execution``).
         keep: How many newest checkpoints to keep (``>= 1``).
         verbose: ``1`` prints one line per save and restore.
         callbacks: Callbacks whose state to save and restore: a dict
@@ -401,10 +422,13 @@ class StableCheckpoint(keras.callbacks.Callback):
         BindingError: on train begin, if a ``StableOptimizer`` of the model is
             built on variables the model does not hold, or its state loaded by
             ``load_model`` does not fit the model.
-        StateError: on train begin, if the model is not built or was compiled
-            with ``steps_per_execution`` other than 1 (a resume lands on a batch),
-            or an unreadable checkpoint cannot be moved aside (it would count in
-            ``keep`` and be found again).
+        StateError: on train begin, if the model is not built; if an int
+            ``save_freq`` is not a multiple of the model's ``steps_per_execution``
+            (such a save would fall inside an execution); if the checkpoint to
+            resume was saved at a batch inside an execution of the current
+            ``steps_per_execution`` (saved with another one); or if an unreadable
+            checkpoint cannot be moved aside (it would count in ``keep`` and be
+            found again).
         CheckpointInUseError: on train begin, if another ``StableCheckpoint``
             writer (another process, or another thread of this one) holds the
             directory, naming its pid and host; or if the newest checkpoint is
@@ -439,6 +463,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._save_requested = False
         self._skip_until = 0
         self._rng_after_skip = None
+        self._spe = 1
+        self._execution_begin = 0
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
@@ -543,24 +569,29 @@ class StableCheckpoint(keras.callbacks.Callback):
                 f"StableCheckpoint needs a built model to restore into; model {model.name!r} is not built. "
                 "Call it on a batch or `model.build(input_shape)` before fit()."
             )
-        spe = getattr(model, "steps_per_execution", 1)
-        if spe != 1:
+        spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        if self.save_freq != "epoch" and self.save_freq % spe:
             raise StateError(
-                "StableCheckpoint resumes at a batch and needs `steps_per_execution=1`; the model was "
-                f"compiled with steps_per_execution={spe}. Compile with steps_per_execution=1, or use "
-                "save_freq='epoch' with keras_stable_state.save_training_state in your own callback.",
-                expected=1,
-                received=spe,
+                f"StableCheckpoint(save_freq={self.save_freq}) asks for saves inside an execution: the "
+                f"model was compiled with steps_per_execution={spe}, so callbacks see only every "
+                f"{spe}th batch and a save after {self.save_freq} batches cannot be taken. Use a "
+                f"save_freq that is a multiple of {spe} (e.g. {spe * max(1, round(self.save_freq / spe))}), "
+                "or save_freq='epoch', or compile with a steps_per_execution that divides it.",
+                key="save_freq",
+                expected=f"a multiple of steps_per_execution={spe}",
+                received=self.save_freq,
             )
+        self._spe = spe
         for opt in tracked_optimizers(model).values():
             stable = stable_optimizer_in(opt)
             if stable is not None:
                 stable.bind(model)  # model.optimizer is opt (or an optimizer attribute): its owner
-        self._position = _Position()
+        self._position = _Position(spe)
         self._pending_restore = None
         self._save_requested = False
         self._skip_until = 0
         self._rng_after_skip = None
+        self._execution_begin = 0
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
@@ -592,7 +623,7 @@ class StableCheckpoint(keras.callbacks.Callback):
                     raise
                 continue  # removed since it was listed: the next one is the newest
             except (CorruptCheckpointError, CheckpointFormatError) as err:
-                self._position = _Position()
+                self._position = _Position(self._spe)
                 self._pending_restore = None
                 self.restore_report = None
                 self.skipped_checkpoints.append((path, str(err)))
@@ -686,12 +717,16 @@ class StableCheckpoint(keras.callbacks.Callback):
             state.apply_rng_state(parsed_saved)
 
     def _skip_batches(self, count):
-        """Draw ``count`` batches from the data without training on them."""
+        """Draw ``count`` batches (whole executions of ``steps_per_execution`` batches) from
+        the data without training on them."""
         self._skip_until = count
-        compat.skip_batches(self.model, count)
+        compat.skip_batches(self.model, count // self._spe, per_call=self._spe)
 
     # -- save -------------------------------------------------------------------------
     def on_train_batch_begin(self, batch, logs=None):
+        # With steps_per_execution=k, Keras calls this once per execution, with the
+        # execution's first batch, and on_train_batch_end with its last.
+        self._execution_begin = batch
         if batch < self._skip_until:
             return
         if self._rng_after_skip is not None:
@@ -704,9 +739,18 @@ class StableCheckpoint(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch < self._skip_until:  # a batch applied before the checkpoint, drawn and skipped
             return
-        self._position.global_step += 1
-        self._position.step = batch + 1
-        if self.save_freq != "epoch" and self._position.global_step % self.save_freq == 0:
+        last = batch
+        steps = (self.params or {}).get("steps")
+        if steps:  # the epoch's last execution may hold fewer than steps_per_execution batches
+            last = min(last, steps - 1)
+        count = max(1, last - self._execution_begin + 1)
+        before = self._position.global_step
+        self._position.global_step += count
+        self._position.step = self._execution_begin + count
+        if (
+            self.save_freq != "epoch"
+            and self._position.global_step // self.save_freq > before // self.save_freq
+        ):
             self._save_requested = True
 
     def on_epoch_end(self, epoch, logs=None):
