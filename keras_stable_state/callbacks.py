@@ -30,7 +30,7 @@ try:
 except ImportError:  # Windows: no flock; the directory is not locked (see the docs)
     fcntl = None
 
-__all__ = ["StableCheckpoint", "UnreadableCheckpointWarning"]
+__all__ = ["StableCheckpoint", "UnreadableCheckpointWarning", "InexactResumeWarning"]
 
 _NAME = re.compile(r"^ckpt-(\d{10})\.h5$")
 LOCK_NAME = ".stable-checkpoint.lock"
@@ -54,6 +54,21 @@ class UnreadableCheckpointWarning(UserWarning):
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     model.fit(x, y, callbacks=[kss.StableCheckpoint("ckpts")])
         >>> [w.message for w in caught if issubclass(w.category, kss.UnreadableCheckpointWarning)]
+    """
+
+
+class InexactResumeWarning(UserWarning):
+    """:class:`StableCheckpoint` cannot make a resumed ``fit`` see the same data as an
+    uninterrupted one.
+
+    Issued on train begin, naming the input and what a resumed run will see otherwise:
+    a ``keras.utils.PyDataset`` that overrides ``on_epoch_end`` (e.g. to shuffle) but
+    keeps its order without ``get_state()`` / ``set_state()``, or a ``tf.data`` pipeline
+    with ``shuffle(..., reshuffle_each_iteration=True)``.
+
+    Example:
+        >>> import warnings
+        >>> warnings.simplefilter("error", InexactResumeWarning)  # refuse such inputs
     """
 
 
@@ -465,6 +480,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._rng_after_skip = None
         self._spe = 1
         self._execution_begin = 0
+        self._input = None
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
@@ -498,7 +514,52 @@ class StableCheckpoint(keras.callbacks.Callback):
         return [os.path.join(self.directory, n) for n in names]
 
     def _providers(self):
-        return {"position": self._position, "metrics": _Metrics(self.model)}
+        found = {"position": self._position, "metrics": _Metrics(self.model)}
+        if self._input is not None:
+            found["input"] = self._input
+        return found
+
+    def _inspect_input(self):
+        """The ``fit`` input whose own state is saved (a ``PyDataset`` with ``get_state``
+        and ``set_state``), or ``None``; warns for inputs a resume cannot replay."""
+        adapter = compat.fit_data_adapter()
+        if adapter is None:
+            return None
+        dataset = compat.py_dataset_of(adapter)
+        if dataset is not None:
+            compat.discard_prefetched(adapter)
+            name = f"{type(dataset).__name__} (a keras.utils.PyDataset)"
+            if callable(getattr(dataset, "get_state", None)) and callable(
+                getattr(dataset, "set_state", None)
+            ):
+                return dataset
+            if type(dataset).on_epoch_end is not keras.utils.PyDataset.on_epoch_end:
+                warnings.warn(
+                    f"StableCheckpoint: the input {name} overrides on_epoch_end() but has no "
+                    "get_state()/set_state(), so the order or other state it sets there is not saved: "
+                    "a resumed run reads its batches in another order from the resumed epoch on, and "
+                    "does not end like an uninterrupted one. Define get_state() (a dict of JSON values "
+                    "and NumPy arrays, e.g. the shuffled indices) and set_state(state) on it to resume "
+                    "exactly.",
+                    InexactResumeWarning,
+                    stacklevel=3,
+                )
+            return None
+        dataset = compat.tf_dataset_of(adapter)
+        if dataset is not None:
+            for op in compat.reshuffling_ops(dataset):
+                warnings.warn(
+                    f"StableCheckpoint: the input tf.data dataset {dataset!r} shuffles with "
+                    f"{op!r}.shuffle(reshuffle_each_iteration=True): its order is drawn by tf.data "
+                    "for each iteration and is not saved, so a resumed run sees another order from "
+                    "the resumed epoch on (a mid-epoch resume skips batches of another order) and "
+                    "does not end like an uninterrupted one. To resume exactly, use "
+                    "reshuffle_each_iteration=False with a seed, or NumPy arrays or a "
+                    "keras.utils.PyDataset with fit(shuffle=True).",
+                    InexactResumeWarning,
+                    stacklevel=3,
+                )
+        return None
 
     # -- the directory --------------------------------------------------------------
     def _take_directory(self):
@@ -595,6 +656,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
+        self._input = self._inspect_input()
         try:
             self._take_directory()
             self._restore_newest()
@@ -699,12 +761,17 @@ class StableCheckpoint(keras.callbacks.Callback):
         saved_rng = state.join_arrays(extra.get("rng"), arrays)
         parsed_saved = state.parse_rng_state(saved_rng)
         metrics, values = _Metrics(self.model), None
+        input_state = self._plan_input(extra, arrays)
         if pos.step > 0:
             parsed_epoch = state.parse_rng_state(pos.epoch_rng)
             values = state.join_arrays(extra.get("providers", {}).get("metrics"), arrays)
             metrics.validate_state(values)
         for setter in setters:
             setter()
+        if input_state is not None:
+            # Before the epoch's iterator exists, so before any worker prefetches a batch.
+            self._input.set_state(input_state)
+            self.restore_report.restored_state.append("state:input")
         if pos.step > 0:
             # Replay the epoch's data order from the random state it was drawn with, skip
             # the batches already applied, then continue from the random state at the save
@@ -715,6 +782,31 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._rng_after_skip = saved_rng
         else:
             state.apply_rng_state(parsed_saved)
+
+    def _plan_input(self, extra, arrays):
+        """The checked saved state of the ``fit`` input, or ``None`` when neither the
+        checkpoint nor the input has one."""
+        saved = extra.get("providers", {}).get("input")
+        name = None if self._input is None else type(self._input).__name__
+        if saved is None and self._input is None:
+            return None
+        if saved is None:
+            raise StateError(
+                f"The fit input {name} defines get_state()/set_state(), but the checkpoint holds no "
+                "input state (it was saved from an input without them): its order cannot be put "
+                "back. Resume with the input the checkpoint was saved with, or start a new run in "
+                "another directory.",
+                key="providers/input",
+            )
+        if self._input is None:
+            raise StateError(
+                "The checkpoint holds the state of its fit input (a keras.utils.PyDataset with "
+                "get_state()/set_state()), but this fit's input has none: its order cannot be put "
+                "back. Pass the same kind of input as when it was saved.",
+                key="providers/input",
+            )
+        value = state.join_arrays(saved, arrays)
+        return state.check_provider_state(self._input, value, "providers/input")
 
     def _skip_batches(self, count):
         """Draw ``count`` batches (whole executions of ``steps_per_execution`` batches) from

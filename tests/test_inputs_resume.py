@@ -11,7 +11,7 @@ import keras_stable_state as kss
 rng = np.random.default_rng(1)
 X = rng.normal(size=(80, 6)).astype("float32")  # 10 batches of 8 per epoch
 Y = (X @ rng.normal(size=(6, 1))).astype("float32")
-EPOCHS = 3
+EPOCHS = 2
 STEPS = 10 * EPOCHS
 
 
@@ -86,7 +86,7 @@ needs_spe = pytest.mark.skipif(
 
 @needs_spe
 def test_steps_per_execution_resumes_exactly_at_an_epoch_boundary(tmp_path):
-    ckpt = _assert_resume_exact(tmp_path, _arrays, stop=(2, 0), spe=4, save_freq="epoch")
+    ckpt = _assert_resume_exact(tmp_path, _arrays, stop=(1, 0), spe=4, save_freq="epoch")
     assert ckpt._position.epoch == EPOCHS
 
 
@@ -110,3 +110,56 @@ def test_checkpoint_inside_an_execution_is_refused_naming_steps_per_execution(tm
     _fit(tmp_path, _arrays, stop=(1, 3), spe=1, save_freq=2)  # newest save: epoch 1, step 2
     with pytest.raises(kss.StateError, match=r"after batch 2 of epoch 1.*steps_per_execution=4"):
         _fit(tmp_path, _arrays, spe=4, save_freq=4)
+
+
+# -- PyDataset: worker threads and on_epoch_end shuffling ------------------------------
+class _Batches(keras.utils.PyDataset):
+    """Batches of 8 in index order (``fit(shuffle=True)`` shuffles the batch indices)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+    def __len__(self):
+        return len(X) // 8
+
+    def __getitem__(self, i):
+        s = slice(i * 8, (i + 1) * 8)
+        return X[s], Y[s]
+
+
+class _EpochShuffled(_Batches):
+    """Shuffles its samples in ``on_epoch_end`` (the Keras docs' pattern); keeps the order
+    with ``get_state()`` / ``set_state()``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.order = np.arange(len(X))
+
+    def on_epoch_end(self):
+        self.order = np.random.permutation(len(X))
+
+    def __getitem__(self, i):
+        idx = self.order[i * 8 : (i + 1) * 8]
+        return X[idx], Y[idx]
+
+    def get_state(self):
+        return {"order": self.order.copy()}
+
+    def set_state(self, state):
+        self.order = np.array(state["order"])
+
+
+class _EpochShuffledNoState(_EpochShuffled):
+    get_state = None
+    set_state = None
+
+
+@pytest.mark.parametrize("stop", [(1, 3), (1, 0)], ids=["mid-epoch", "epoch-boundary"])
+def test_pydataset_with_two_worker_threads_resumes_exactly(tmp_path, stop):
+    _assert_resume_exact(tmp_path, lambda: dict(x=_Batches(workers=2)), stop=stop, save_freq=3)
+
+
+@pytest.mark.parametrize("stop", [(1, 3), (1, 0)], ids=["mid-epoch", "epoch-boundary"])
+def test_pydataset_shuffling_in_on_epoch_end_resumes_exactly(tmp_path, stop):
+    ckpt = _assert_resume_exact(tmp_path, lambda: dict(x=_EpochShuffled(workers=2)), stop=stop, save_freq=3)
+    assert "state:input" in ckpt.restore_report.restored_state
