@@ -30,7 +30,7 @@ class _StopAt(keras.callbacks.Callback):
             raise RuntimeError("preempted")
 
 
-def _fit(directory, inputs, *, stop=None, spe=1, save_freq=4, ckpt_callbacks=None):
+def _fit(directory, inputs, *, stop=None, spe=1, save_freq=4, ckpt_callbacks=None, shuffle=True):
     """One ``fit`` of a small model with Dropout, shuffle=True and a StableCheckpoint; a
     ``stop=(epoch, batch)`` preempts it there. ``inputs()`` makes fresh fit inputs."""
     keras.utils.set_random_seed(0)
@@ -50,7 +50,7 @@ def _fit(directory, inputs, *, stop=None, spe=1, save_freq=4, ckpt_callbacks=Non
     ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, keep=2, callbacks=ckpt_callbacks)
     extra = [] if stop is None else [_StopAt(*stop)]
     try:
-        m.fit(**inputs(), epochs=EPOCHS, shuffle=True, verbose=0, callbacks=[ckpt, *extra])
+        m.fit(**inputs(), epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=[ckpt, *extra])
     except RuntimeError as err:
         assert stop is not None and str(err) == "preempted", err
     return m, ckpt
@@ -60,12 +60,15 @@ def _weights(m):
     return [np.array(w) for w in m.get_weights()]
 
 
-def _assert_resume_exact(tmp_path, inputs, stop, **kw):
+def _assert_resume_exact(tmp_path, inputs, stop, saved_at, **kw):
+    """Uninterrupted twice (equal), then preempted at ``stop`` with the newest checkpoint
+    at global step ``saved_at``, then resumed: equal to the uninterrupted run."""
     ref, _ = _fit(tmp_path / "ref", inputs, **kw)
     again, _ = _fit(tmp_path / "again", inputs, **kw)
     for a, b in zip(_weights(ref), _weights(again), strict=True):  # the reference repeats itself
         np.testing.assert_array_equal(a, b)
-    _fit(tmp_path / "run", inputs, stop=stop, **kw)
+    _, stopped = _fit(tmp_path / "run", inputs, stop=stop, **kw)
+    assert stopped.checkpoints()[0].endswith(f"ckpt-{saved_at:010d}.h5")
     res, ckpt = _fit(tmp_path / "run", inputs, **kw)
     assert ckpt.restore_report is not None  # really resumed, not restarted
     assert int(ref.optimizer.iterations) == int(res.optimizer.iterations) == STEPS
@@ -86,7 +89,7 @@ needs_spe = pytest.mark.skipif(
 
 @needs_spe
 def test_steps_per_execution_resumes_exactly_at_an_epoch_boundary(tmp_path):
-    ckpt = _assert_resume_exact(tmp_path, _arrays, stop=(1, 0), spe=4, save_freq="epoch")
+    ckpt = _assert_resume_exact(tmp_path, _arrays, stop=(1, 0), saved_at=10, spe=4, save_freq="epoch")
     assert ckpt._position.epoch == EPOCHS
 
 
@@ -95,7 +98,7 @@ def test_steps_per_execution_resumes_exactly_at_an_execution_boundary(tmp_path):
     # 10 batches per epoch: executions [0-3] [4-7] [8-9]; save_freq=4 saves after global
     # steps 4, 8, 14, 18...; stopping as epoch 1's execution at batch 8 begins resumes from
     # the save taken there (epoch 1, step 8): two executions are drawn and skipped.
-    _assert_resume_exact(tmp_path, _arrays, stop=(1, 8), spe=4, save_freq=4)
+    _assert_resume_exact(tmp_path, _arrays, stop=(1, 8), saved_at=18, spe=4, save_freq=4)
 
 
 @needs_spe
@@ -154,12 +157,46 @@ class _EpochShuffledNoState(_EpochShuffled):
     set_state = None
 
 
-@pytest.mark.parametrize("stop", [(1, 3), (1, 0)], ids=["mid-epoch", "epoch-boundary"])
-def test_pydataset_with_two_worker_threads_resumes_exactly(tmp_path, stop):
-    _assert_resume_exact(tmp_path, lambda: dict(x=_Batches(workers=2)), stop=stop, save_freq=3)
+@pytest.mark.parametrize(
+    ("stop", "saved_at"), [((1, 7), 15), ((1, 0), 10)], ids=["mid-epoch", "epoch-boundary"]
+)
+def test_pydataset_with_two_worker_threads_resumes_exactly(tmp_path, stop, saved_at):
+    _assert_resume_exact(
+        tmp_path, lambda: dict(x=_Batches(workers=2)), stop=stop, saved_at=saved_at, save_freq=5
+    )
 
 
-@pytest.mark.parametrize("stop", [(1, 3), (1, 0)], ids=["mid-epoch", "epoch-boundary"])
-def test_pydataset_shuffling_in_on_epoch_end_resumes_exactly(tmp_path, stop):
-    ckpt = _assert_resume_exact(tmp_path, lambda: dict(x=_EpochShuffled(workers=2)), stop=stop, save_freq=3)
+@pytest.mark.parametrize(
+    ("stop", "saved_at"), [((1, 7), 15), ((1, 0), 10)], ids=["mid-epoch", "epoch-boundary"]
+)
+def test_pydataset_shuffling_in_on_epoch_end_resumes_exactly(tmp_path, stop, saved_at):
+    ckpt = _assert_resume_exact(
+        tmp_path, lambda: dict(x=_EpochShuffled(workers=2)), stop=stop, saved_at=saved_at, save_freq=5
+    )
     assert "state:input" in ckpt.restore_report.restored_state
+
+
+def test_pydataset_shuffling_in_on_epoch_end_without_state_warns_naming_it(tmp_path):
+    with pytest.warns(kss.callbacks.InexactResumeWarning, match=r"_EpochShuffledNoState.*on_epoch_end"):
+        _fit(tmp_path, lambda: dict(x=_EpochShuffledNoState()))
+
+
+def test_input_state_missing_from_the_checkpoint_is_refused(tmp_path):
+    _fit(tmp_path, lambda: dict(x=_Batches()), stop=(1, 0), save_freq=5)
+    with pytest.raises(kss.StateError, match=r"_EpochShuffled defines get_state\(\)/set_state\(\).*no input"):
+        _fit(tmp_path, lambda: dict(x=_EpochShuffled()), save_freq=5)
+
+
+# -- tf.data ------------------------------------------------------------------------------
+def test_tf_data_reshuffling_each_iteration_warns_naming_the_dataset(tmp_path):
+    tf = pytest.importorskip("tensorflow", reason="tf.data inputs need TensorFlow installed")
+
+    def inputs(reshuffle):
+        ds = tf.data.Dataset.from_tensor_slices((X, Y))
+        return dict(x=ds.shuffle(80, seed=1, reshuffle_each_iteration=reshuffle).batch(8))
+
+    with pytest.warns(
+        kss.callbacks.InexactResumeWarning, match=r"tf.data dataset .*reshuffle_each_iteration=True"
+    ):
+        _fit(tmp_path / "a", lambda: inputs(True), shuffle=False)
+    _fit(tmp_path / "b", lambda: inputs(False), shuffle=False)  # warnings are errors: none here
