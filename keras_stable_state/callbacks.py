@@ -68,7 +68,7 @@ class InexactResumeWarning(UserWarning):
 
     Example:
         >>> import warnings
-        >>> warnings.simplefilter("error", InexactResumeWarning)  # refuse such inputs
+        >>> warnings.simplefilter("error", kss.InexactResumeWarning)  # refuse such inputs
     """
 
 
@@ -351,10 +351,19 @@ class StableCheckpoint(keras.callbacks.Callback):
     epoch. A checkpoint taken mid-epoch resumes at the next unseen batch: the
     batches already applied are drawn from the data and skipped, not trained on
     again. This is exact for NumPy array inputs and ``keras.utils.PyDataset``
-    (whose order is decided by the saved global NumPy/Python random state);
-    for ``tf.data`` datasets and generators the skipped batches are drawn from
-    a fresh iterator, so the resume is exact only if their order is
-    deterministic.
+    (whose order is decided by the saved global NumPy/Python random state), also
+    with ``workers > 1`` threads. A ``PyDataset`` that defines ``get_state()``
+    (a dict of JSON values and NumPy arrays) and ``set_state(state)`` has that
+    state saved (record ``providers/input``) and put back before the resumed
+    epoch's iterator starts, so one that shuffles in ``on_epoch_end`` resumes
+    exactly; one that overrides ``on_epoch_end`` without them, and a ``tf.data``
+    pipeline that shuffles with ``reshuffle_each_iteration=True``, get an
+    :class:`InexactResumeWarning` on train begin. The input is found through
+    ``fit``'s call frame (Keras gives callbacks no handle on it); the batches a
+    ``PyDataset``'s workers prefetched while ``fit`` built the model are dropped,
+    so each epoch reads its own order. For other ``tf.data`` datasets and
+    generators the skipped batches are drawn from a fresh iterator, so the
+    resume is exact only if their order is deterministic.
 
     Each save is one ``ckpt-<global step>.h5`` file (see
     :func:`keras_stable_state.save_training_state`), written atomically through a
@@ -437,7 +446,9 @@ class StableCheckpoint(keras.callbacks.Callback):
         BindingError: on train begin, if a ``StableOptimizer`` of the model is
             built on variables the model does not hold, or its state loaded by
             ``load_model`` does not fit the model.
-        StateError: on train begin, if the model is not built; if an int
+        StateError: on train begin, if the checkpoint holds input state and the
+            ``fit`` input defines no ``get_state()``/``set_state()``, or the other
+            way round; if the model is not built; if an int
             ``save_freq`` is not a multiple of the model's ``steps_per_execution``
             (such a save would fall inside an execution); if the checkpoint to
             resume was saved at a batch inside an execution of the current

@@ -23,6 +23,7 @@ PUBLIC = [
     "StateError",
     "TrainableContract",
     "UnreadableCheckpointWarning",
+    "InexactResumeWarning",
     "VariableKey",
     "VariableRegistry",
     "restore_training_state",

@@ -177,7 +177,7 @@ def test_pydataset_shuffling_in_on_epoch_end_resumes_exactly(tmp_path, stop, sav
 
 
 def test_pydataset_shuffling_in_on_epoch_end_without_state_warns_naming_it(tmp_path):
-    with pytest.warns(kss.callbacks.InexactResumeWarning, match=r"_EpochShuffledNoState.*on_epoch_end"):
+    with pytest.warns(kss.InexactResumeWarning, match=r"_EpochShuffledNoState.*on_epoch_end"):
         _fit(tmp_path, lambda: dict(x=_EpochShuffledNoState()))
 
 
@@ -196,7 +196,7 @@ def test_tf_data_reshuffling_each_iteration_warns_naming_the_dataset(tmp_path):
         return dict(x=ds.shuffle(80, seed=1, reshuffle_each_iteration=reshuffle).batch(8))
 
     with pytest.warns(
-        kss.callbacks.InexactResumeWarning, match=r"tf.data dataset .*reshuffle_each_iteration=True"
+        kss.InexactResumeWarning, match=r"tf.data dataset .*reshuffle_each_iteration=True"
     ):
         _fit(tmp_path / "a", lambda: inputs(True), shuffle=False)
     _fit(tmp_path / "b", lambda: inputs(False), shuffle=False)  # warnings are errors: none here
