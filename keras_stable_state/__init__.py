@@ -13,7 +13,7 @@ Public API (see ``docs/`` and DESIGN.md)::
 
 from keras_stable_state._async import SaveHandle
 from keras_stable_state.accumulator import GradientAccumulator
-from keras_stable_state.callbacks import StableCheckpoint, UnreadableCheckpointWarning
+from keras_stable_state.callbacks import InexactResumeWarning, StableCheckpoint, UnreadableCheckpointWarning
 from keras_stable_state.checkpoint import PendingRestore, restore_training_state, save_training_state
 from keras_stable_state.contract import TrainableContract
 from keras_stable_state.errors import (
@@ -58,6 +58,7 @@ __all__ = [
     "StateMapper",
     "TrainableContract",
     "UnreadableCheckpointWarning",
+    "InexactResumeWarning",
     "VariableKey",
     "VariableRegistry",
     "restore_training_state",

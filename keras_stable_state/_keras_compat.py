@@ -21,7 +21,9 @@ wrapper, they raise a :class:`~keras_stable_state.StateError`.
 
 from __future__ import annotations
 
+import queue
 import re
+import sys
 
 import keras
 
@@ -274,9 +276,12 @@ def set_initial_epoch(model, epoch) -> None:
     model._initial_epoch = epoch
 
 
-def skip_batches(model, count: int) -> None:
-    """Make ``model``'s next ``count`` training steps draw their batch without training on
-    it (``fit`` calls ``train_function`` once per step), then put the step back."""
+def skip_batches(model, count: int, per_call: int = 1) -> None:
+    """Make ``model``'s next ``count`` calls of its train function draw their batches
+    (``per_call`` each: the ``steps_per_execution`` it was compiled with) without training
+    on them, then put the train function back. ``fit`` calls ``train_function`` once per
+    execution: on JAX with ``(state, iterator)``, on TensorFlow with ``(iterator)``, on
+    Torch with a list of ``per_call`` batches already drawn (Torch allows only 1)."""
     original = model.train_function
     remaining = [count]
     backend = keras.backend.backend()
@@ -287,14 +292,88 @@ def skip_batches(model, count: int) -> None:
             model.train_function = original
         if backend == "jax":
             state_arg, iterator = args
-            next(iterator)
+            for _ in range(per_call):
+                next(iterator)
             return {}, state_arg
         if backend == "tensorflow":
-            next(args[0])
+            for _ in range(per_call):
+                next(args[0])
             return {}
         return {}
 
     model.train_function = skip
+
+
+def fit_data_adapter():
+    """The data adapter of the ``fit`` call running in this thread, or ``None``.
+
+    Keras gives a callback no handle on ``fit``'s inputs: this looks up the call stack
+    for the ``fit`` frame of a Keras trainer (TensorFlow, JAX and Torch name its
+    ``EpochIterator`` ``epoch_iterator``) and returns that iterator's ``data_adapter``
+    (``keras/src/trainers/epoch_iterator.py``). ``None`` outside ``fit`` or under a
+    trainer that keeps it elsewhere."""
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and "epoch_iterator" in frame.f_code.co_varnames:
+            found = frame.f_locals.get("epoch_iterator")
+            if isinstance(found, EpochIterator):
+                return found.data_adapter
+        frame = frame.f_back
+    return None
+
+
+def py_dataset_of(adapter):
+    """The ``keras.utils.PyDataset`` a data adapter reads, or ``None``."""
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    return adapter.py_dataset if isinstance(adapter, PyDatasetAdapter) else None
+
+
+def discard_prefetched(adapter) -> int:
+    """Drop the batches a ``PyDataset``'s worker queue kept from before the first epoch;
+    their number.
+
+    ``fit`` draws one batch to build the model, which starts the workers, then stops
+    them; Keras' ``OrderedEnqueuer.stop`` moves the batches they had prefetched into its
+    ``ready_queue``, and the next epoch serves those first (so each epoch is served the
+    order of the one before it). Emptying it makes the first epoch draw its own order."""
+    enqueuer = getattr(adapter, "enqueuer", None)
+    ready = getattr(enqueuer, "ready_queue", None)
+    if ready is None or enqueuer.is_running():
+        return 0
+    count = 0
+    while True:
+        try:
+            ready.get_nowait()
+        except queue.Empty:
+            return count
+        count += 1
+
+
+def tf_dataset_of(adapter):
+    """The ``tf.data.Dataset`` a data adapter reads, or ``None``."""
+    from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
+
+    return adapter._dataset if isinstance(adapter, TFDatasetAdapter) else None
+
+
+def reshuffling_ops(dataset) -> list:
+    """``shuffle`` ops with ``reshuffle_each_iteration=True`` in a ``tf.data`` pipeline
+    (``tensorflow/python/data/ops/shuffle_op.py``), found through each dataset's inputs."""
+    found, todo, seen = [], [dataset], set()
+    while todo:
+        ds = todo.pop()
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        if type(ds).__name__ == "_ShuffleDataset" and getattr(ds, "_reshuffle_each_iteration", False):
+            found.append(ds)
+        inputs = getattr(ds, "_inputs", None)
+        if callable(inputs):
+            todo.extend(inputs())
+    return found
 
 
 # -- callbacks -----------------------------------------------------------------------------

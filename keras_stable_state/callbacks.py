@@ -30,7 +30,7 @@ try:
 except ImportError:  # Windows: no flock; the directory is not locked (see the docs)
     fcntl = None
 
-__all__ = ["StableCheckpoint", "UnreadableCheckpointWarning"]
+__all__ = ["StableCheckpoint", "UnreadableCheckpointWarning", "InexactResumeWarning"]
 
 _NAME = re.compile(r"^ckpt-(\d{10})\.h5$")
 LOCK_NAME = ".stable-checkpoint.lock"
@@ -54,6 +54,21 @@ class UnreadableCheckpointWarning(UserWarning):
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     model.fit(x, y, callbacks=[kss.StableCheckpoint("ckpts")])
         >>> [w.message for w in caught if issubclass(w.category, kss.UnreadableCheckpointWarning)]
+    """
+
+
+class InexactResumeWarning(UserWarning):
+    """:class:`StableCheckpoint` cannot make a resumed ``fit`` see the same data as an
+    uninterrupted one.
+
+    Issued on train begin, naming the input and what a resumed run will see otherwise:
+    a ``keras.utils.PyDataset`` that overrides ``on_epoch_end`` (e.g. to shuffle) but
+    keeps its order without ``get_state()`` / ``set_state()``, or a ``tf.data`` pipeline
+    with ``shuffle(..., reshuffle_each_iteration=True)``.
+
+    Example:
+        >>> import warnings
+        >>> warnings.simplefilter("error", kss.InexactResumeWarning)  # refuse such inputs
     """
 
 
@@ -230,11 +245,12 @@ if hasattr(os, "register_at_fork"):
 class _Position:
     """Epoch, step within the epoch and global step, as a state provider."""
 
-    def __init__(self):
+    def __init__(self, steps_per_execution=1):
         self.epoch = 0
         self.step = 0
         self.global_step = 0
         self.epoch_rng = None
+        self.steps_per_execution = steps_per_execution
 
     def get_state(self):
         return {
@@ -254,6 +270,18 @@ class _Position:
                     "file is damaged; restore from an earlier checkpoint.",
                     key=f"providers/position/{field}",
                 )
+        spe = self.steps_per_execution
+        if value["step"] % spe:
+            raise StateError(
+                f"The checkpoint was saved after batch {value['step']} of epoch {value['epoch']}, inside "
+                f"an execution of the model's steps_per_execution={spe} batches (it was written with "
+                "another steps_per_execution): a resume cannot start there and train the same batches. "
+                f"Compile with a steps_per_execution that divides {value['step']} (e.g. the one used "
+                "when it was saved, or 1) to resume from it.",
+                key="providers/position/step",
+                expected=f"a multiple of steps_per_execution={spe}",
+                received=value["step"],
+            )
         if value.get("epoch_rng") is not None:
             state.parse_rng_state(value["epoch_rng"])
 
@@ -323,10 +351,19 @@ class StableCheckpoint(keras.callbacks.Callback):
     epoch. A checkpoint taken mid-epoch resumes at the next unseen batch: the
     batches already applied are drawn from the data and skipped, not trained on
     again. This is exact for NumPy array inputs and ``keras.utils.PyDataset``
-    (whose order is decided by the saved global NumPy/Python random state);
-    for ``tf.data`` datasets and generators the skipped batches are drawn from
-    a fresh iterator, so the resume is exact only if their order is
-    deterministic.
+    (whose order is decided by the saved global NumPy/Python random state), also
+    with ``workers > 1`` threads. A ``PyDataset`` that defines ``get_state()``
+    (a dict of JSON values and NumPy arrays) and ``set_state(state)`` has that
+    state saved (record ``providers/input``) and put back before the resumed
+    epoch's iterator starts, so one that shuffles in ``on_epoch_end`` resumes
+    exactly; one that overrides ``on_epoch_end`` without them, and a ``tf.data``
+    pipeline that shuffles with ``reshuffle_each_iteration=True``, get an
+    :class:`InexactResumeWarning` on train begin. The input is found through
+    ``fit``'s call frame (Keras gives callbacks no handle on it); the batches a
+    ``PyDataset``'s workers prefetched while ``fit`` built the model are dropped,
+    so each epoch reads its own order. For other ``tf.data`` datasets and
+    generators the skipped batches are drawn from a fresh iterator, so the
+    resume is exact only if their order is deterministic.
 
     Each save is one ``ckpt-<global step>.h5`` file (see
     :func:`keras_stable_state.save_training_state`), written atomically through a
@@ -353,6 +390,13 @@ class StableCheckpoint(keras.callbacks.Callback):
     A checkpoint that is locked by another process is not damaged: the callback
     raises :class:`~keras_stable_state.CheckpointInUseError` and never falls back.
 
+    With ``steps_per_execution=k`` (TensorFlow and JAX; Keras refuses ``k > 1`` on
+    Torch) Keras calls the batch callbacks once per execution of ``k`` batches, so
+    saves happen at execution boundaries: an int ``save_freq`` must be a multiple
+    of ``k`` and a save is taken at the first execution boundary at or after each
+    multiple of ``save_freq`` batches (an epoch's last execution may hold fewer
+    than ``k`` batches). A mid-epoch resume draws and skips whole executions.
+
     Saves happen after every callback has seen the epoch or batch end (a save
     requested at a batch end is written when the next batch or epoch begins),
     so the state of callbacks listed after this one, e.g. a learning rate that
@@ -376,7 +420,8 @@ class StableCheckpoint(keras.callbacks.Callback):
     Args:
         directory: Folder of the checkpoints (created if needed). Give each run
             its own folder; nothing else should write into it.
-        save_freq: ``"epoch"`` or an ``int``: save every that many batches.
+        save_freq: ``"epoch"`` or an ``int``: save every that many batches (a
+            multiple of the model's ``steps_per_execution``).
         keep: How many newest checkpoints to keep (``>= 1``). Only fully
             written files count: with ``async_save`` the older files are
             removed once the new one is written.
@@ -424,10 +469,15 @@ class StableCheckpoint(keras.callbacks.Callback):
         BindingError: on train begin, if a ``StableOptimizer`` of the model is
             built on variables the model does not hold, or its state loaded by
             ``load_model`` does not fit the model.
-        StateError: on train begin, if the model is not built or was compiled
-            with ``steps_per_execution`` other than 1 (a resume lands on a batch),
-            or an unreadable checkpoint cannot be moved aside (it would count in
-            ``keep`` and be found again).
+        StateError: on train begin, if the checkpoint holds input state and the
+            ``fit`` input defines no ``get_state()``/``set_state()``, or the other
+            way round; if the model is not built; if an int
+            ``save_freq`` is not a multiple of the model's ``steps_per_execution``
+            (such a save would fall inside an execution); if the checkpoint to
+            resume was saved at a batch inside an execution of the current
+            ``steps_per_execution`` (saved with another one); or if an unreadable
+            checkpoint cannot be moved aside (it would count in ``keep`` and be
+            found again).
         CheckpointInUseError: on train begin, if another ``StableCheckpoint``
             writer (another process, or another thread of this one) holds the
             directory, naming its pid and host; or if the newest checkpoint is
@@ -473,6 +523,9 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._save_requested = False
         self._skip_until = 0
         self._rng_after_skip = None
+        self._spe = 1
+        self._execution_begin = 0
+        self._input = None
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
@@ -525,7 +578,52 @@ class StableCheckpoint(keras.callbacks.Callback):
         return [os.path.join(self.directory, n) for n in names]
 
     def _providers(self):
-        return {"position": self._position, "metrics": _Metrics(self.model)}
+        found = {"position": self._position, "metrics": _Metrics(self.model)}
+        if self._input is not None:
+            found["input"] = self._input
+        return found
+
+    def _inspect_input(self):
+        """The ``fit`` input whose own state is saved (a ``PyDataset`` with ``get_state``
+        and ``set_state``), or ``None``; warns for inputs a resume cannot replay."""
+        adapter = compat.fit_data_adapter()
+        if adapter is None:
+            return None
+        dataset = compat.py_dataset_of(adapter)
+        if dataset is not None:
+            compat.discard_prefetched(adapter)
+            name = f"{type(dataset).__name__} (a keras.utils.PyDataset)"
+            if callable(getattr(dataset, "get_state", None)) and callable(
+                getattr(dataset, "set_state", None)
+            ):
+                return dataset
+            if type(dataset).on_epoch_end is not keras.utils.PyDataset.on_epoch_end:
+                warnings.warn(
+                    f"StableCheckpoint: the input {name} overrides on_epoch_end() but has no "
+                    "get_state()/set_state(), so the order or other state it sets there is not saved: "
+                    "a resumed run reads its batches in another order from the resumed epoch on, and "
+                    "does not end like an uninterrupted one. Define get_state() (a dict of JSON values "
+                    "and NumPy arrays, e.g. the shuffled indices) and set_state(state) on it to resume "
+                    "exactly.",
+                    InexactResumeWarning,
+                    stacklevel=3,
+                )
+            return None
+        dataset = compat.tf_dataset_of(adapter)
+        if dataset is not None:
+            for op in compat.reshuffling_ops(dataset):
+                warnings.warn(
+                    f"StableCheckpoint: the input tf.data dataset {dataset!r} shuffles with "
+                    f"{op!r}.shuffle(reshuffle_each_iteration=True): its order is drawn by tf.data "
+                    "for each iteration and is not saved, so a resumed run sees another order from "
+                    "the resumed epoch on (a mid-epoch resume skips batches of another order) and "
+                    "does not end like an uninterrupted one. To resume exactly, use "
+                    "reshuffle_each_iteration=False with a seed, or NumPy arrays or a "
+                    "keras.utils.PyDataset with fit(shuffle=True).",
+                    InexactResumeWarning,
+                    stacklevel=3,
+                )
+        return None
 
     # -- the directory --------------------------------------------------------------
     def _take_directory(self):
@@ -596,24 +694,29 @@ class StableCheckpoint(keras.callbacks.Callback):
                 f"StableCheckpoint needs a built model to restore into; model {model.name!r} is not built. "
                 "Call it on a batch or `model.build(input_shape)` before fit()."
             )
-        spe = getattr(model, "steps_per_execution", 1)
-        if spe != 1:
+        spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        if self.save_freq != "epoch" and self.save_freq % spe:
             raise StateError(
-                "StableCheckpoint resumes at a batch and needs `steps_per_execution=1`; the model was "
-                f"compiled with steps_per_execution={spe}. Compile with steps_per_execution=1, or use "
-                "save_freq='epoch' with keras_stable_state.save_training_state in your own callback.",
-                expected=1,
-                received=spe,
+                f"StableCheckpoint(save_freq={self.save_freq}) asks for saves inside an execution: the "
+                f"model was compiled with steps_per_execution={spe}, so callbacks see only every "
+                f"{spe}th batch and a save after {self.save_freq} batches cannot be taken. Use a "
+                f"save_freq that is a multiple of {spe} (e.g. {spe * max(1, round(self.save_freq / spe))}), "
+                "or save_freq='epoch', or compile with a steps_per_execution that divides it.",
+                key="save_freq",
+                expected=f"a multiple of steps_per_execution={spe}",
+                received=self.save_freq,
             )
+        self._spe = spe
         for opt in tracked_optimizers(model).values():
             stable = stable_optimizer_in(opt)
             if stable is not None:
                 stable.bind(model)  # model.optimizer is opt (or an optimizer attribute): its owner
-        self._position = _Position()
+        self._position = _Position(spe)
         self._pending_restore = None
         self._save_requested = False
         self._skip_until = 0
         self._rng_after_skip = None
+        self._execution_begin = 0
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
@@ -621,6 +724,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         # directory is read; its error belonged to that fit.
         self._in_flight = None
         _async.wait_for_folder(_async.folder_of(os.path.join(self.directory, "ckpt")))
+        self._input = self._inspect_input()
         try:
             self._take_directory()
             self._restore_newest()
@@ -649,7 +753,7 @@ class StableCheckpoint(keras.callbacks.Callback):
                     raise
                 continue  # removed since it was listed: the next one is the newest
             except (CorruptCheckpointError, CheckpointFormatError) as err:
-                self._position = _Position()
+                self._position = _Position(self._spe)
                 self._pending_restore = None
                 self.restore_report = None
                 self.skipped_checkpoints.append((path, str(err)))
@@ -726,12 +830,17 @@ class StableCheckpoint(keras.callbacks.Callback):
         saved_rng = state.join_arrays(extra.get("rng"), arrays)
         parsed_saved = state.parse_rng_state(saved_rng)
         metrics, values = _Metrics(self.model), None
+        input_state = self._plan_input(extra, arrays)
         if pos.step > 0:
             parsed_epoch = state.parse_rng_state(pos.epoch_rng)
             values = state.join_arrays(extra.get("providers", {}).get("metrics"), arrays)
             metrics.validate_state(values)
         for setter in setters:
             setter()
+        if input_state is not None:
+            # Before the epoch's iterator exists, so before any worker prefetches a batch.
+            self._input.set_state(input_state)
+            self.restore_report.restored_state.append("state:input")
         if pos.step > 0:
             # Replay the epoch's data order from the random state it was drawn with, skip
             # the batches already applied, then continue from the random state at the save
@@ -743,14 +852,43 @@ class StableCheckpoint(keras.callbacks.Callback):
         else:
             state.apply_rng_state(parsed_saved)
 
+    def _plan_input(self, extra, arrays):
+        """The checked saved state of the ``fit`` input, or ``None`` when neither the
+        checkpoint nor the input has one."""
+        saved = extra.get("providers", {}).get("input")
+        name = None if self._input is None else type(self._input).__name__
+        if saved is None and self._input is None:
+            return None
+        if saved is None:
+            raise StateError(
+                f"The fit input {name} defines get_state()/set_state(), but the checkpoint holds no "
+                "input state (it was saved from an input without them): its order cannot be put "
+                "back. Resume with the input the checkpoint was saved with, or start a new run in "
+                "another directory.",
+                key="providers/input",
+            )
+        if self._input is None:
+            raise StateError(
+                "The checkpoint holds the state of its fit input (a keras.utils.PyDataset with "
+                "get_state()/set_state()), but this fit's input has none: its order cannot be put "
+                "back. Pass the same kind of input as when it was saved.",
+                key="providers/input",
+            )
+        value = state.join_arrays(saved, arrays)
+        return state.check_provider_state(self._input, value, "providers/input")
+
     def _skip_batches(self, count):
-        """Draw ``count`` batches from the data without training on them."""
+        """Draw ``count`` batches (whole executions of ``steps_per_execution`` batches) from
+        the data without training on them."""
         self._skip_until = count
-        compat.skip_batches(self.model, count)
+        compat.skip_batches(self.model, count // self._spe, per_call=self._spe)
 
     # -- save -------------------------------------------------------------------------
     def on_train_batch_begin(self, batch, logs=None):
         self._collect(wait=False)
+        # With steps_per_execution=k, Keras calls this once per execution, with the
+        # execution's first batch, and on_train_batch_end with its last.
+        self._execution_begin = batch
         if batch < self._skip_until:
             return
         if self._rng_after_skip is not None:
@@ -763,9 +901,18 @@ class StableCheckpoint(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch < self._skip_until:  # a batch applied before the checkpoint, drawn and skipped
             return
-        self._position.global_step += 1
-        self._position.step = batch + 1
-        if self.save_freq != "epoch" and self._position.global_step % self.save_freq == 0:
+        last = batch
+        steps = (self.params or {}).get("steps")
+        if steps:  # the epoch's last execution may hold fewer than steps_per_execution batches
+            last = min(last, steps - 1)
+        count = max(1, last - self._execution_begin + 1)
+        before = self._position.global_step
+        self._position.global_step += count
+        self._position.step = self._execution_begin + count
+        if (
+            self.save_freq != "epoch"
+            and self._position.global_step // self.save_freq > before // self.save_freq
+        ):
             self._save_requested = True
 
     def on_epoch_end(self, epoch, logs=None):

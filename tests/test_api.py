@@ -27,6 +27,7 @@ PUBLIC = [
     "StateMapper",
     "TrainableContract",
     "UnreadableCheckpointWarning",
+    "InexactResumeWarning",
     "VariableKey",
     "VariableRegistry",
     "restore_training_state",

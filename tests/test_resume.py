@@ -372,10 +372,11 @@ def test_optimizer_class_change_and_schedule_swap_are_refused(tmp_path):
         kss.restore_training_state(tmp_path / "s.h5", build(keras.optimizers.Adam(sched)))
 
 
-def test_stable_checkpoint_refuses_steps_per_execution(tmp_path):
+def test_stable_checkpoint_refuses_saves_inside_an_execution(tmp_path):
+    # (exact resume with steps_per_execution > 1: tests/test_inputs_resume.py)
     if BACKEND == "torch":
         pytest.skip("Keras refuses steps_per_execution > 1 on the torch backend itself")
     m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
     m.compile(optimizer="adam", loss="mse", steps_per_execution=2)
     with pytest.raises(kss.StateError, match="steps_per_execution=2"):
-        m.fit(X, Y, epochs=1, verbose=0, callbacks=[kss.StableCheckpoint(tmp_path)])
+        m.fit(X, Y, epochs=1, verbose=0, callbacks=[kss.StableCheckpoint(tmp_path, save_freq=3)])

@@ -1,0 +1,200 @@
+"""Exact resume with steps_per_execution > 1 and with parallel and stateful inputs
+(PyDataset workers, on_epoch_end shuffling, tf.data reshuffling)."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND
+
+import keras_stable_state as kss
+
+rng = np.random.default_rng(1)
+X = rng.normal(size=(80, 6)).astype("float32")  # 10 batches of 8 per epoch
+Y = (X @ rng.normal(size=(6, 1))).astype("float32")
+EPOCHS = 2
+STEPS = 10 * EPOCHS
+
+
+class _StopAt(keras.callbacks.Callback):
+    """Raise (a preemption) when the batch (or execution) starting at ``batch`` of ``epoch`` begins."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("preempted")
+
+
+def _fit(directory, inputs, *, stop=None, spe=1, save_freq=4, ckpt_callbacks=None, shuffle=True):
+    """One ``fit`` of a small model with Dropout, shuffle=True and a StableCheckpoint; a
+    ``stop=(epoch, batch)`` preempts it there. ``inputs()`` makes fresh fit inputs."""
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(1),
+        ]
+    )
+    m.compile(
+        optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m),
+        loss="mse",
+        steps_per_execution=spe,
+    )
+    ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, keep=2, callbacks=ckpt_callbacks)
+    extra = [] if stop is None else [_StopAt(*stop)]
+    try:
+        m.fit(**inputs(), epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=[ckpt, *extra])
+    except RuntimeError as err:
+        assert stop is not None and str(err) == "preempted", err
+    return m, ckpt
+
+
+def _weights(m):
+    return [np.array(w) for w in m.get_weights()]
+
+
+def _assert_resume_exact(tmp_path, inputs, stop, saved_at, **kw):
+    """Uninterrupted twice (equal), then preempted at ``stop`` with the newest checkpoint
+    at global step ``saved_at``, then resumed: equal to the uninterrupted run."""
+    ref, _ = _fit(tmp_path / "ref", inputs, **kw)
+    again, _ = _fit(tmp_path / "again", inputs, **kw)
+    for a, b in zip(_weights(ref), _weights(again), strict=True):  # the reference repeats itself
+        np.testing.assert_array_equal(a, b)
+    _, stopped = _fit(tmp_path / "run", inputs, stop=stop, **kw)
+    assert stopped.checkpoints()[0].endswith(f"ckpt-{saved_at:010d}.h5")
+    res, ckpt = _fit(tmp_path / "run", inputs, **kw)
+    assert ckpt.restore_report is not None  # really resumed, not restarted
+    assert int(ref.optimizer.iterations) == int(res.optimizer.iterations) == STEPS
+    for a, b in zip(_weights(ref), _weights(res), strict=True):
+        np.testing.assert_array_equal(a, b)
+    return ckpt
+
+
+def _arrays():
+    return dict(x=X, y=Y, batch_size=8)
+
+
+# -- steps_per_execution ------------------------------------------------------------------
+needs_spe = pytest.mark.skipif(
+    BACKEND == "torch", reason="Keras refuses steps_per_execution > 1 on the torch backend itself"
+)
+
+
+@needs_spe
+def test_steps_per_execution_resumes_exactly_at_an_epoch_boundary(tmp_path):
+    ckpt = _assert_resume_exact(tmp_path, _arrays, stop=(1, 0), saved_at=10, spe=4, save_freq="epoch")
+    assert ckpt._position.epoch == EPOCHS
+
+
+@needs_spe
+def test_steps_per_execution_resumes_exactly_at_an_execution_boundary(tmp_path):
+    # 10 batches per epoch: executions [0-3] [4-7] [8-9]; save_freq=4 saves after global
+    # steps 4, 8, 14, 18...; stopping as epoch 1's execution at batch 8 begins resumes from
+    # the save taken there (epoch 1, step 8): two executions are drawn and skipped.
+    _assert_resume_exact(tmp_path, _arrays, stop=(1, 8), saved_at=18, spe=4, save_freq=4)
+
+
+@needs_spe
+def test_save_freq_inside_an_execution_is_refused_at_train_begin(tmp_path):
+    with pytest.raises(kss.StateError, match=r"save_freq=6.*steps_per_execution=4.*multiple of 4"):
+        _fit(tmp_path, _arrays, spe=4, save_freq=6)
+    assert not list(tmp_path.glob("ckpt-*"))
+
+
+@needs_spe
+def test_checkpoint_inside_an_execution_is_refused_naming_steps_per_execution(tmp_path):
+    _fit(tmp_path, _arrays, stop=(1, 3), spe=1, save_freq=2)  # newest save: epoch 1, step 2
+    with pytest.raises(kss.StateError, match=r"after batch 2 of epoch 1.*steps_per_execution=4"):
+        _fit(tmp_path, _arrays, spe=4, save_freq=4)
+
+
+# -- PyDataset: worker threads and on_epoch_end shuffling ------------------------------
+class _Batches(keras.utils.PyDataset):
+    """Batches of 8 in index order (``fit(shuffle=True)`` shuffles the batch indices)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+
+    def __len__(self):
+        return len(X) // 8
+
+    def __getitem__(self, i):
+        s = slice(i * 8, (i + 1) * 8)
+        return X[s], Y[s]
+
+
+class _EpochShuffled(_Batches):
+    """Shuffles its samples in ``on_epoch_end`` (the Keras docs' pattern); keeps the order
+    with ``get_state()`` / ``set_state()``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.order = np.arange(len(X))
+
+    def on_epoch_end(self):
+        self.order = np.random.permutation(len(X))
+
+    def __getitem__(self, i):
+        idx = self.order[i * 8 : (i + 1) * 8]
+        return X[idx], Y[idx]
+
+    def get_state(self):
+        return {"order": self.order.copy()}
+
+    def set_state(self, state):
+        self.order = np.array(state["order"])
+
+
+class _EpochShuffledNoState(_EpochShuffled):
+    get_state = None
+    set_state = None
+
+
+@pytest.mark.parametrize(
+    ("stop", "saved_at"), [((1, 7), 15), ((1, 0), 10)], ids=["mid-epoch", "epoch-boundary"]
+)
+def test_pydataset_with_two_worker_threads_resumes_exactly(tmp_path, stop, saved_at):
+    _assert_resume_exact(
+        tmp_path, lambda: dict(x=_Batches(workers=2)), stop=stop, saved_at=saved_at, save_freq=5
+    )
+
+
+@pytest.mark.parametrize(
+    ("stop", "saved_at"), [((1, 7), 15), ((1, 0), 10)], ids=["mid-epoch", "epoch-boundary"]
+)
+def test_pydataset_shuffling_in_on_epoch_end_resumes_exactly(tmp_path, stop, saved_at):
+    ckpt = _assert_resume_exact(
+        tmp_path, lambda: dict(x=_EpochShuffled(workers=2)), stop=stop, saved_at=saved_at, save_freq=5
+    )
+    assert "state:input" in ckpt.restore_report.restored_state
+
+
+def test_pydataset_shuffling_in_on_epoch_end_without_state_warns_naming_it(tmp_path):
+    with pytest.warns(kss.InexactResumeWarning, match=r"_EpochShuffledNoState.*on_epoch_end"):
+        _fit(tmp_path, lambda: dict(x=_EpochShuffledNoState()))
+
+
+def test_input_state_missing_from_the_checkpoint_is_refused(tmp_path):
+    _fit(tmp_path, lambda: dict(x=_Batches()), stop=(1, 0), save_freq=5)
+    with pytest.raises(kss.StateError, match=r"_EpochShuffled defines get_state\(\)/set_state\(\).*no input"):
+        _fit(tmp_path, lambda: dict(x=_EpochShuffled()), save_freq=5)
+
+
+# -- tf.data ------------------------------------------------------------------------------
+def test_tf_data_reshuffling_each_iteration_warns_naming_the_dataset(tmp_path):
+    tf = pytest.importorskip("tensorflow", reason="tf.data inputs need TensorFlow installed")
+
+    def inputs(reshuffle):
+        ds = tf.data.Dataset.from_tensor_slices((X, Y))
+        return dict(x=ds.shuffle(80, seed=1, reshuffle_each_iteration=reshuffle).batch(8))
+
+    with pytest.warns(kss.InexactResumeWarning, match=r"tf.data dataset .*reshuffle_each_iteration=True"):
+        _fit(tmp_path / "a", lambda: inputs(True), shuffle=False)
+    _fit(tmp_path / "b", lambda: inputs(False), shuffle=False)  # warnings are errors: none here
