@@ -324,6 +324,22 @@ def fit_data_adapter():
     return None
 
 
+def fit_callbacks() -> list:
+    """The callbacks of the ``fit`` call running in this thread (its ``CallbackList``), or ``[]``.
+
+    Used only to warn about stateful callbacks that were not given to ``StableCheckpoint``
+    (never to key or save them): the same look-up as :func:`fit_data_adapter`, for the
+    ``callbacks`` local that TensorFlow, JAX and Torch trainers' ``fit`` build."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and "callbacks" in frame.f_code.co_varnames:
+            found = frame.f_locals.get("callbacks")
+            if isinstance(found, keras.callbacks.CallbackList):
+                return list(found.callbacks)
+        frame = frame.f_back
+    return []
+
+
 def py_dataset_of(adapter):
     """The ``keras.utils.PyDataset`` a data adapter reads, or ``None``."""
     from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter

@@ -625,6 +625,28 @@ class StableCheckpoint(keras.callbacks.Callback):
                 )
         return None
 
+    def _warn_unsaved_callbacks(self):
+        """Warn for each stateful callback of this ``fit`` not given in ``callbacks=``: a
+        resume restarts it fresh (e.g. EarlyStopping's ``wait`` and ``best``)."""
+        given = [id(cb) for cb in self._callbacks.values()]
+        for cb in compat.fit_callbacks():
+            if cb is self or id(cb) in given or isinstance(cb, keras.callbacks.History):
+                continue
+            saved = state.callback_state(cb)
+            if not saved:  # no state we know of, or none to keep (LearningRateScheduler)
+                continue
+            name = type(cb).__name__
+            fields = ", ".join(sorted(map(str, saved))) if isinstance(saved, dict) else "its get_state()"
+            warnings.warn(
+                f"StableCheckpoint: the callback {name} of this fit keeps state "
+                f"({fields}) that is not saved, because it is not given in "
+                f"StableCheckpoint(callbacks=...): a resumed run restarts it fresh, so it may act "
+                "(stop, change the learning rate, save) at another step than an uninterrupted run. "
+                f'Pass it by name, e.g. StableCheckpoint(directory, callbacks={{"{name.lower()}": cb}}).',
+                InexactResumeWarning,
+                stacklevel=3,
+            )
+
     # -- the directory --------------------------------------------------------------
     def _take_directory(self):
         """Create ``directory``, lock it, remove stale temporary files."""
@@ -725,6 +747,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._in_flight = None
         _async.wait_for_folder(_async.folder_of(os.path.join(self.directory, "ckpt")))
         self._input = self._inspect_input()
+        self._warn_unsaved_callbacks()
         try:
             self._take_directory()
             self._restore_newest()

@@ -49,9 +49,9 @@ class LrLog(keras.callbacks.Callback):
         logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
 
 
-ckpt = kss.StableCheckpoint(ckpt_dir, save_freq=save_freq, keep=2)
 es = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=0.02, restore_best_weights=True)
 rlr = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.05)
+ckpt = kss.StableCheckpoint(ckpt_dir, save_freq=save_freq, keep=2, callbacks={"es": es, "rlr": rlr})
 history = model.fit(
     x, y, epochs=14, batch_size=16, shuffle=True, verbose=0, callbacks=[ckpt, Kill(), rlr, es, LrLog()]
 )
