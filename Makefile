@@ -48,12 +48,17 @@ test: setup lint docs
 KSS_FUZZ_FLIPS ?= 2000
 KSS_FUZZ_TRUNCATIONS ?= 100
 KSS_FUZZ_EDITS ?= 300
+# SIGKILLs at random moments during StableCheckpoint saves (tests/test_checkpoint_dir.py).
+KSS_KILL_SAVES ?= 50
 fuzz: setup
 	@status=0; for b in $(BACKENDS); do \
 		echo "=== fuzz campaign, backend: $$b ==="; \
 		KSS_FUZZ_FLIPS=$(KSS_FUZZ_FLIPS) KSS_FUZZ_TRUNCATIONS=$(KSS_FUZZ_TRUNCATIONS) \
 		KSS_FUZZ_EDITS=$(KSS_FUZZ_EDITS) KSS_FUZZ_INSPECT_EVERY=1 KERAS_BACKEND=$$b \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_integrity.py || status=1; \
+		echo "=== $(KSS_KILL_SAVES) SIGKILLs during saves, backend: $$b ==="; \
+		KSS_KILL_SAVES=$(KSS_KILL_SAVES) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider -rP \
+			tests/test_checkpoint_dir.py -k sigkill_at_random_moments || status=1; \
 	done; exit $$status
 
 # Benchmarks: step overhead, then save/restore, many variables and memory on every backend,

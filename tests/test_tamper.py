@@ -3,6 +3,7 @@ the newest StableCheckpoint file is refused by restore and by ``verify``, and tr
 from the older checkpoint to the same numbers as an uninterrupted run."""
 
 import os
+import zipfile
 
 import h5py
 import keras
@@ -11,7 +12,7 @@ import pytest
 from conftest import BACKEND, to_np
 
 import keras_stable_state as kss
-from keras_stable_state import _hdf5_checks, cli
+from keras_stable_state import _hdf5_checks, cli, storage
 from keras_stable_state.callbacks import UnreadableCheckpointWarning
 
 RNG = np.random.default_rng(3)
@@ -82,3 +83,43 @@ def test_an_edited_newest_checkpoint_is_refused_and_training_resumes_from_the_ol
     np.testing.assert_allclose(history.history["loss"], straight_history.history["loss"], rtol=0, atol=TOL)
     for a, b in zip(straight.weights, resumed.weights, strict=True):
         np.testing.assert_allclose(to_np(a), to_np(b), rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("ext", [".h5", ".keras"])
+def test_a_resealed_file_without_its_last_optimizer_slot_is_refused_naming_it(tmp_path, capsys, ext):
+    """Fuzz finding (jax, edit delete_dataset + reseal): with the last dataset of a group removed
+    and the file resealed, the file is self-consistent (the seal detects damage, not forgery), so
+    ``verify`` finds it intact; restore must still refuse it, naming the missing slot, and leave
+    the model and optimizer as they were."""
+    m, _ = _fit(None, epochs=1)
+    path = str(tmp_path / f"state{ext}")
+    kss.save_training_state(path, m)
+    member = path
+    if ext == ".keras":
+        member = str(tmp_path / "member.h5")
+        with zipfile.ZipFile(path) as zf:
+            members = [(info, zf.read(info.filename)) for info in zf.infolist()]
+        with open(member, "wb") as fh:
+            fh.write(dict((i.filename, d) for i, d in members)[storage.MEMBER])
+    with h5py.File(member, "r+") as f:
+        last = str(len(f["optimizer"]) - 1)
+        missing = str(f["optimizer"][last].attrs["key"])
+        del f["optimizer"][last]
+    if ext == ".keras":
+        with open(member, "rb") as fh:
+            data = fh.read()
+        with zipfile.ZipFile(path, "w") as zf:
+            for info, old in members:
+                zf.writestr(info, data if info.filename == storage.MEMBER else old)
+    storage.reseal(path)
+    assert cli.main(["verify", path]) == 0  # intact: nothing in the file contradicts itself
+    capsys.readouterr()
+
+    for v in [*m.variables, *m.optimizer.variables]:  # live values other than the saved ones
+        v.assign(to_np(v) + np.ones((), to_np(v).dtype))
+    before = [to_np(v) for v in [*m.variables, *m.optimizer.variables]]
+    with pytest.raises(kss.BindingError) as info:
+        kss.restore_training_state(path, m)
+    assert missing in str(info.value)
+    for v, b in zip([*m.variables, *m.optimizer.variables], before, strict=True):
+        np.testing.assert_array_equal(to_np(v), b)
