@@ -466,7 +466,12 @@ def _containers(obj) -> list:
     for value in values:
         for kind in (list, dict, set):
             if isinstance(value, kind):
-                kept.append((value, kind.copy(value)))
+                # TensorFlow's _DictWrapper is a proxy (wrapt) of a plain dict: keep the dict.
+                if not issubclass(type(value), kind) and issubclass(
+                    type(getattr(value, "__wrapped__", None)), kind
+                ):
+                    value = value.__wrapped__
+                kept.append((value, kind(value)))
                 # TensorFlow's ListWrapper / DictWrapper keep their items in a plain `_storage`.
                 inner = getattr(value, "__dict__", {}).values()
                 kept += [(c, type(c).copy(c)) for c in inner if type(c) in (list, dict, set)]

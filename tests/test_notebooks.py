@@ -61,6 +61,11 @@ def test_committed_notebook_is_executed_and_clean(name):
             )
 
 
+def _timeless(outputs):
+    """Text outputs with durations masked (StableCheckpoint(verbose=1) prints "in 34 ms")."""
+    return [(i, re.sub(r"\b\d+(?:\.\d+)? ms\b", "N ms", text)) for i, text in outputs]
+
+
 def _image_count(nb):
     return sum("image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", []))
 
@@ -77,7 +82,7 @@ def test_notebook_runs_on_this_backend(name, tmp_path):
         assert _image_count(_committed(name)) >= 1, "the committed notebook has no plot"
     if BACKEND != runner.COMMITTED_BACKEND:
         return
-    fresh, committed = runner.text_outputs(nb), runner.text_outputs(_committed(name))
+    fresh, committed = _timeless(runner.text_outputs(nb)), _timeless(runner.text_outputs(_committed(name)))
     assert [i for i, _ in fresh] == [i for i, _ in committed], (
         f"committed output is stale: re-run notebooks/{name} "
         f"(python notebooks/_run.py {name}); its cells changed"
