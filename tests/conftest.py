@@ -5,6 +5,31 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+
+def _jax_compilation_cache():
+    """Every test builds fresh models, and JAX compiles each one's train step anew (about
+    4 s each on a 2-core machine): JAX's persistent compilation cache, keyed by the
+    computation, gives the same executable back from disk in a fraction of that. Set
+    through the environment, so that the training subprocesses some tests start use it
+    too. Eviction on (a size limit) makes JAX lock the folder, so that pytest-xdist workers
+    never read an entry another one is still writing; without the ``filelock`` package that
+    needs, no cache. ``KSS_JAX_CACHE_DIR=`` (empty) turns it off."""
+    import importlib.util
+    import tempfile
+
+    folder = os.environ.get(
+        "KSS_JAX_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"kss-test-jax-cache-{os.getuid()}")
+    )
+    if not folder or importlib.util.find_spec("filelock") is None:
+        return
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", folder)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(512 * 2**20))
+
+
+_jax_compilation_cache()
+
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -27,6 +52,12 @@ def data():
     x = rng.normal(size=(32, 4)).astype("float32")
     y = rng.normal(size=(32, 1)).astype("float32")
     return x, y
+
+
+def hypothesis_examples(default):
+    """``max_examples`` for a property test: ``default`` (small, for ``make test``), or
+    ``KSS_HYPOTHESIS_EXAMPLES`` where a longer campaign sets it."""
+    return int(os.environ.get("KSS_HYPOTHESIS_EXAMPLES", default))
 
 
 def to_np(v):

@@ -279,12 +279,13 @@ def test_sigkill_inside_a_background_write_leaves_only_a_temporary_file(tmp_path
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_during_background_writes_resumes_a_whole_checkpoint(tmp_path):
-    """``KSS_KILL_SAVES=50`` runs a campaign of 50 kills (``KSS_CRASH_SEED`` draws the moments).
+    """One kill by default (each costs a training process); ``KSS_KILL_SAVES=50`` runs a
+    campaign of 50 kills (``KSS_CRASH_SEED`` draws the moments).
 
     Each restarted child's train begin restores the newest checkpoint; one that a kill left
     damaged would be moved into ``unreadable/`` (and fallen back from): none may be."""
     d = tmp_path / "ckpts"
-    kills = int(os.environ.get("KSS_KILL_SAVES", "3"))
+    kills = int(os.environ.get("KSS_KILL_SAVES", "1"))
     seed = int(os.environ.get("KSS_CRASH_SEED", np.random.SeedSequence().entropy % 2**32))
     delays = np.random.default_rng(seed).uniform(0.0, 1.0, size=kills)
     for i, delay in enumerate(delays):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import keras_stable_state as kss
 from keras_stable_state import storage
-from tests.conftest import to_np
+from tests.conftest import hypothesis_examples, to_np
 
 
 def _model(seed=0):
@@ -89,7 +89,11 @@ def _blob_and_values(backend):
     return kss.training_state_to_bytes(model, include_rng=False), _everything(model)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=hypothesis_examples(10),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(position=st.floats(0, 1, exclude_max=True), flip=st.integers(1, 255), truncate=st.booleans())
 def test_any_flip_or_truncation_is_refused_and_leaves_the_model_untouched(position, flip, truncate):
     blob, saved = _blob_and_values(keras.backend.backend())
@@ -128,19 +132,30 @@ def _half_slot(blob):
     return storage.record_to_bytes(record)
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["slot dtype", "provider not saved", "provider set_state fails"],
-)
-def test_refusal_after_the_build_leaves_the_optimizer_unbuilt(data, case):
+@pytest.fixture(scope="module")
+def saved_and_continued():
+    """A model trained one epoch: its state (bytes, with provider ``p``) and values, and its
+    values after one more epoch (the uninterrupted run). Shared: the tests only read them."""
+    rng = np.random.default_rng(0)
+    data = (rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 1)).astype("float32"))
     model = _model()
     _train(model, data, 1)
     saved = _everything(model)
     blob = kss.training_state_to_bytes(model, state={"p": _Provider()})
+    _train(model, data, 1)
+    return data, blob, saved, [to_np(v) for v in model.variables]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["slot dtype", "provider not saved", "provider set_state fails"],
+)
+def test_refusal_after_the_build_leaves_the_optimizer_unbuilt(saved_and_continued, case):
+    data, good_blob, saved, continued = saved_and_continued
     target = _fresh()
     assert not target.optimizer.built
     before = _everything(target)
-    kwargs = {"state": {"p": _Provider()}}
+    blob, kwargs = good_blob, {"state": {"p": _Provider()}}
     if case == "slot dtype":
         blob, error, match = _half_slot(blob), kss.DtypeMismatchError, r"kernel#momentums is float16"
     elif case == "provider not saved":
@@ -152,12 +167,9 @@ def test_refusal_after_the_build_leaves_the_optimizer_unbuilt(data, case):
     assert not target.optimizer.built
     _assert_same(_everything(target), before)
     # The optimizer put back unbuilt builds and restores as if the refusal never happened.
-    report = kss.restore_training_state_from_bytes(
-        kss.training_state_to_bytes(model, state={"p": _Provider()}), target, state={"p": _Provider()}
-    )
+    report = kss.restore_training_state_from_bytes(good_blob, target, state={"p": _Provider()})
     assert report.built_optimizer
     _assert_same(_everything(target), saved)
     _train(target, data, 1)
-    _train(model, data, 1)
-    for a, b in zip(target.variables, model.variables, strict=True):
-        np.testing.assert_allclose(to_np(a), to_np(b), rtol=1e-6, atol=1e-7)
+    for a, b in zip(target.variables, continued, strict=True):
+        np.testing.assert_allclose(to_np(a), b, rtol=1e-6, atol=1e-7)

@@ -11,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 import keras_stable_state as kss
 from keras_stable_state import mappers, storage
 from keras_stable_state.slots import keyed_optimizer_entries
-from tests.conftest import to_np
+from tests.conftest import hypothesis_examples, to_np
 
 KERNELS = r"^path:.*kernel$"
 SLOTS = r"^path:.*#"
@@ -36,10 +36,14 @@ def _values(model):
     return {str(k): to_np(v) for k, v in reg.entries}
 
 
-@pytest.fixture
-def trained(data):
+@pytest.fixture(scope="module")
+def trained():
+    """A trained model and its values, shared by the tests (they only read it)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
     model = _model()
-    model.fit(*data, epochs=2, batch_size=8, shuffle=False, verbose=0)
+    model.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
     return model, _values(model), slots_by_key(model)
 
 
@@ -134,10 +138,16 @@ def test_bad_mapper_arguments_are_refused(trained):
 
 
 def test_overflowing_cast_is_refused_naming_the_key(trained):
-    model, _, _ = trained
-    model.get_layer("out").kernel.assign(np.full((3, 1), 1e6, "float32"))
-    with pytest.raises(kss.StateError, match=r"path:layers/out/kernel: values up to 1e\+06 overflow float16"):
-        kss.training_state_to_bytes(model, mappers={KERNELS: kss.CastMapper("float16")})
+    model, values, _ = trained
+    kernel = model.get_layer("out").kernel
+    kernel.assign(np.full((3, 1), 1e6, "float32"))
+    try:
+        with pytest.raises(
+            kss.StateError, match=r"path:layers/out/kernel: values up to 1e\+06 overflow float16"
+        ):
+            kss.training_state_to_bytes(model, mappers={KERNELS: kss.CastMapper("float16")})
+    finally:
+        kernel.assign(values["path:layers/out/kernel"])  # the shared model, as the other tests read it
 
 
 def test_unregistered_mapper_at_restore_is_refused_naming_the_key(trained):
@@ -199,7 +209,11 @@ _FLOAT_ARRAYS = hnp.arrays(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=hypothesis_examples(10),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(a=_FLOAT_ARRAYS, b=_FLOAT_ARRAYS)
 def test_round_trip_through_the_file_property(a, b):
     """Any float array, any shape: bfloat16 equals the cast; int8 stays within the bound."""

@@ -11,7 +11,7 @@ import h5py
 import keras
 import numpy as np
 import pytest
-from conftest import to_np
+from conftest import hypothesis_examples, to_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -74,7 +74,7 @@ def test_the_seal_covers_every_byte_after_the_user_block(tmp_path, data):
 
 
 @settings(
-    max_examples=25,
+    max_examples=hypothesis_examples(10),
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
