@@ -49,8 +49,10 @@ test: setup lint docs
 KSS_FUZZ_FLIPS ?= 2000
 KSS_FUZZ_TRUNCATIONS ?= 100
 KSS_FUZZ_EDITS ?= 300
-# SIGKILLs at random moments during StableCheckpoint saves (tests/test_checkpoint_dir.py).
+# SIGKILLs at random moments during saves (StableCheckpoint, async saves, fit), and examples
+# per hypothesis property test (make test runs 10).
 KSS_KILL_SAVES ?= 50
+KSS_HYPOTHESIS_EXAMPLES ?= 200
 fuzz: setup
 	@status=0; for b in $(BACKENDS); do \
 		echo "=== fuzz campaign, backend: $$b ==="; \
@@ -59,7 +61,10 @@ fuzz: setup
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_integrity.py || status=1; \
 		echo "=== $(KSS_KILL_SAVES) SIGKILLs during saves, backend: $$b ==="; \
 		KSS_KILL_SAVES=$(KSS_KILL_SAVES) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider -rP \
-			tests/test_checkpoint_dir.py -k sigkill_at_random_moments || status=1; \
+			tests/test_checkpoint_dir.py tests/test_async_save.py -k sigkill_at_random_moments || status=1; \
+		echo "=== property tests with $(KSS_HYPOTHESIS_EXAMPLES) examples, backend: $$b ==="; \
+		KSS_HYPOTHESIS_EXAMPLES=$(KSS_HYPOTHESIS_EXAMPLES) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
+			-p no:cacheprovider tests/test_storage_format.py tests/test_bytes.py tests/test_mappers.py || status=1; \
 	done; exit $$status
 
 # Benchmarks: step overhead, then save/restore, many variables and memory on every backend,
