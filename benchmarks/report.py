@@ -61,7 +61,7 @@ def render(results: list, full: bool) -> str:
             f"Measured {datetime.date.today().isoformat()} ({'full' if full else 'quick'} sizes) on "
             f"{m['cpus']} CPU cores, {m['ram_gib']} GiB RAM, {m['platform']}; Python {m['python']}, "
             f"Keras {m.get('keras')}, {versions}; h5py {m['h5py']} (HDF5 {m['hdf5']}), NumPy {m['numpy']}. "
-            "The machine was shared with other jobs: read each ratio against its A/A row.",
+            "Read each ratio against its A/A row (the noise of the machine during the run).",
             "",
         ]
     for r in results:
