@@ -73,3 +73,18 @@ def slots_by_key(optimizer):
     else:
         entries = optimizer_entries(optimizer, allow_order_keys=True)  # a bare optimizer: no model
     return {e.key: to_np(e.variable) for e in entries}
+
+
+class StopAt(keras.callbacks.Callback):
+    """Raise (a preemption) when the batch (or execution) starting at ``batch`` of ``epoch`` begins."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("preempted")

@@ -7,8 +7,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +14,8 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from conftest import BACKEND, slots_by_key, to_np
+import test_checkpoint_dir
+from conftest import StopAt, slots_by_key, to_np
 from test_checkpoint_dir import CHILD, X, Y, _check_resume_after_kills, _finish, _temporaries, _wait_for
 
 import keras_stable_state as kss
@@ -135,17 +134,6 @@ def test_saves_into_one_folder_are_written_in_order_and_the_next_call_waits(tmp_
 
 
 # -- StableCheckpoint(async_save=True) ----------------------------------------------------------
-class _StopAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), -1
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise RuntimeError("preempted")
 
 
 def _fit(directory, extra=(), epochs=3, **options):
@@ -160,7 +148,7 @@ def _fit(directory, extra=(), epochs=3, **options):
 
 def test_fit_with_async_checkpoints_interrupted_and_resumed_equals_uninterrupted(tmp_path):
     ref, _ = _fit(tmp_path / "ref")
-    _fit(tmp_path / "run", extra=[_StopAt(epoch=1, batch=5)])  # last save: global step 8
+    _fit(tmp_path / "run", extra=[StopAt(epoch=1, batch=5)])  # last save: global step 8
     res, ckpt = _fit(tmp_path / "run")
     assert ckpt.restore_report is not None and ckpt._position.global_step == 18
     assert int(ref.optimizer.iterations) == int(res.optimizer.iterations) == 18
@@ -254,14 +242,7 @@ assert "async_save=True" in ASYNC_CHILD and "os._exit(3)" in ASYNC_CHILD
 
 
 def _start(tmp_path, mode, directory, *args, hidden="4"):
-    script = tmp_path / "async_child.py"
-    script.write_text(ASYNC_CHILD)
-    log = open(tmp_path / f"child-{mode}.log", "ab")  # noqa: SIM115  (closed by _finish)
-    env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="3")
-    cmd = [sys.executable, str(script), mode, str(directory), hidden, *map(str, args)]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    proc.log, proc.log_path = log, tmp_path / f"child-{mode}.log"
-    return proc
+    return test_checkpoint_dir._start(tmp_path, mode, directory, *args, hidden=hidden, source=ASYNC_CHILD)
 
 
 def test_sigkill_inside_a_background_write_leaves_only_a_temporary_file(tmp_path):

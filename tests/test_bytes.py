@@ -6,21 +6,13 @@ import functools
 import keras
 import numpy as np
 import pytest
+from conftest import hypothesis_examples, to_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_mappers import _model
 
 import keras_stable_state as kss
 from keras_stable_state import storage
-from tests.conftest import hypothesis_examples, to_np
-
-
-def _model(seed=0):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(3, name="hidden"), keras.layers.Dense(1, name="out")]
-    )
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    return model
 
 
 def _everything(model):

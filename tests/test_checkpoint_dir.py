@@ -99,9 +99,10 @@ def _temporaries(directory):
     return sorted(n for n in os.listdir(directory) if n.startswith(".kss-"))
 
 
-def _start(tmp_path, mode, directory, *args, hidden="4"):
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
+def _start(tmp_path, mode, directory, *args, hidden="4", source=None):
+    """Start the child script (``source``, default :data:`CHILD`) in ``mode``."""
+    script = tmp_path / ("child.py" if source is None else "other_child.py")
+    script.write_text(CHILD if source is None else source)
     log = open(tmp_path / f"child-{mode}.log", "ab")  # noqa: SIM115  (closed by _finish)
     env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="3")
     cmd = [sys.executable, str(script), mode, str(directory), hidden, *map(str, args)]

@@ -4,7 +4,7 @@
 import keras
 import numpy as np
 import pytest
-from conftest import BACKEND
+from conftest import BACKEND, StopAt
 
 import keras_stable_state as kss
 
@@ -13,21 +13,6 @@ X = rng.normal(size=(80, 6)).astype("float32")  # 10 batches of 8 per epoch
 Y = (X @ rng.normal(size=(6, 1))).astype("float32")
 EPOCHS = 2
 STEPS = 10 * EPOCHS
-
-
-class _StopAt(keras.callbacks.Callback):
-    """Raise (a preemption) when the batch (or execution) starting at ``batch`` of ``epoch`` begins."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), -1
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise RuntimeError("preempted")
 
 
 def _fit(directory, inputs, *, stop=None, spe=1, save_freq=4, ckpt_callbacks=None, shuffle=True):
@@ -48,7 +33,7 @@ def _fit(directory, inputs, *, stop=None, spe=1, save_freq=4, ckpt_callbacks=Non
         steps_per_execution=spe,
     )
     ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, keep=2, callbacks=ckpt_callbacks)
-    extra = [] if stop is None else [_StopAt(*stop)]
+    extra = [] if stop is None else [StopAt(*stop)]
     try:
         m.fit(**inputs(), epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=[ckpt, *extra])
     except RuntimeError as err:

@@ -4,6 +4,7 @@ import keras
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import hypothesis_examples, to_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -11,7 +12,6 @@ from hypothesis.extra import numpy as hnp
 import keras_stable_state as kss
 from keras_stable_state import mappers, storage
 from keras_stable_state.slots import keyed_optimizer_entries
-from tests.conftest import hypothesis_examples, to_np
 
 KERNELS = r"^path:.*kernel$"
 SLOTS = r"^path:.*#"

@@ -13,8 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-
-from tests.conftest import BACKEND
+from conftest import BACKEND
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "jax", reason="jax.distributed is JAX's; TensorFlow and PyTorch have no keras.distribution"

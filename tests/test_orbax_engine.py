@@ -8,12 +8,12 @@ import shutil
 import keras
 import numpy as np
 import pytest
+from conftest import to_np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keras_stable_state as kss
 from keras_stable_state import _orbax_engine
-from tests.conftest import to_np
 
 orbax = pytest.importorskip(
     "orbax.checkpoint", reason="orbax-checkpoint (the [orbax] extra) is not installed"

@@ -9,7 +9,7 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from conftest import BACKEND, slots_by_key, to_np
+from conftest import BACKEND, StopAt, slots_by_key, to_np
 
 import keras_stable_state as kss
 from keras_stable_state import storage
@@ -316,19 +316,6 @@ class _Batches(keras.utils.PyDataset):
         return self.x[s], self.y[s]
 
 
-class _StopAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), -1
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise RuntimeError("preempted")
-
-
 @pytest.mark.parametrize("kind", ["numpy", "pydataset"])
 def test_mid_epoch_resume_with_shuffled_inputs(tmp_path, kind):
     def fit(directory, extra=()):
@@ -348,7 +335,7 @@ def test_mid_epoch_resume_with_shuffled_inputs(tmp_path, kind):
         return m
 
     ref = fit(tmp_path / "ref")
-    fit(tmp_path / "run", extra=[_StopAt(epoch=1, batch=5)])  # last save: global step 8 = epoch 1, batch 2
+    fit(tmp_path / "run", extra=[StopAt(epoch=1, batch=5)])  # last save: global step 8 = epoch 1, batch 2
     res = fit(tmp_path / "run")
     assert int(ref.optimizer.iterations) == int(res.optimizer.iterations) == 18
     for a, b in zip(ref.get_weights(), res.get_weights(), strict=True):
