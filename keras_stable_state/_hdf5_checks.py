@@ -12,7 +12,7 @@ Used in two ways:
   format-1 records) or whose hash fails: whatever HDF5 does with a damaged
   file (a segmentation fault, an endless loop) happens in that process, never
   in the training process. The script prints one JSON document: the
-  structure problem, and the keys whose per-array CRC-32 fails.
+  structure problem, and the keys whose per-array checksum fails.
 
 It imports nothing from keras_stable_state, so the script starts in a fraction
 of a second.
@@ -28,6 +28,7 @@ import zlib
 
 import h5py
 import numpy as np
+import xxhash
 
 MAX_DEPTH = 64
 FORMAT_1_RECORDS = ("metadata", "contract", "extra")
@@ -54,6 +55,14 @@ def crc_v2(key: str, dtype: str, shape, data: bytes) -> int:
     """CRC-32 (``zlib.crc32``) of a format-2 array: its key, dtype name and shape, then its bytes."""
     head = f"{key}\0{dtype}\0{','.join(str(int(n)) for n in shape)}\0".encode()
     return zlib.crc32(data, zlib.crc32(head)) & 0xFFFFFFFF
+
+
+def digest_v3(key: str, dtype: str, shape, data) -> int:
+    """xxh3-64 (``xxhash.xxh3_64``, https://github.com/Cyan4973/xxHash) of a format-3 array
+    or record: its key, dtype name and shape, then its bytes (any C-contiguous buffer)."""
+    h = xxhash.xxh3_64(f"{key}\0{dtype}\0{','.join(str(int(n)) for n in shape)}\0".encode())
+    h.update(data)
+    return h.intdigest()
 
 
 def crc_v1(data: bytes) -> int:
@@ -162,7 +171,8 @@ def _attr(ds, name):
 
 def probe(data: bytes | None, path: str | None) -> dict:
     """Open an HDF5 image (``data``) or file (``path``), check its structure, read
-    every dataset and check each keyed array's CRC-32.
+    every dataset and check each keyed array's checksum (formats 1-2: CRC-32 attributes;
+    format 3: the xxh3-64 of each record and, from an intact index, of each array).
 
     Returns:
         ``{"structure": None | "reason", "damaged": [[key, reason], ...], "datasets": n}``.
@@ -192,7 +202,52 @@ def probe(data: bytes | None, path: str | None) -> dict:
                 computed = crc_v2(key, dtype, array.shape, array.tobytes())
             if int(crc) != computed:
                 damaged.append([key, "fails its CRC-32 checksum"])
+        if f.attrs.get("format") == "keras_stable_state" and version == 3:
+            damaged += _damaged_v3(dict(datasets))
     return {"structure": None, "damaged": damaged, "datasets": len(datasets)}
+
+
+def _damaged_v3(datasets: dict) -> list:
+    """``[[name, reason]]`` for the JSON records and indexed arrays of a format-3 record
+    whose xxh3-64 fails; arrays are checked only when the index itself is intact."""
+    damaged, index = [], None
+    for name in ("metadata", "contract", "extra", "index"):
+        ds = datasets.get(name)
+        stored = _attr(ds, "xxh3") if ds is not None else None
+        if stored is None:
+            continue
+        raw = read_dataset(ds)
+        if not isinstance(stored, np.unsignedinteger) or int(stored) != digest_v3(
+            name, "json", raw.shape, raw
+        ):
+            damaged.append([name, "fails its xxh3-64 checksum"])
+        elif name == "index":
+            try:
+                index = json.loads(raw.tobytes())
+            except (ValueError, RecursionError):
+                index = None
+    if not isinstance(index, dict):
+        return damaged
+    blobs = {}
+    for section, rows in index.items():
+        for row in rows if isinstance(rows, list) else ():
+            try:
+                key, dtype, shape, blob, offset, digest = row
+                name = f"{section}/{blob}"
+                if name not in blobs:
+                    blobs[name] = read_dataset(datasets[name])
+                nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+                raw = blobs[name][offset : offset + nbytes]
+                if digest != f"{digest_v3(key, dtype, shape, raw):016x}":
+                    damaged.append([key, "fails its xxh3-64 checksum"])
+            except (ValueError, TypeError, KeyError, IndexError, OverflowError):
+                continue
+    return damaged
+
+
+def _itemsize(dtype: str) -> int:
+    bits = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+    return bits[dtype] if dtype in bits else np.dtype(dtype).itemsize
 
 
 def _file_size(path: str) -> int:

@@ -613,7 +613,8 @@ def _cmd_verify(args) -> int:
         if f.kind == storage.FORMAT:
             what = f"{counts['model']} model, {counts['optimizer']} optimizer, {counts['state']} other"
             out.line(
-                f"OK {f.path}: all {len(f.entries)} arrays ({what}) match their CRC-32 checksums"
+                f"OK {f.path}: all {len(f.entries)} arrays ({what}) match their "
+                f"{f.entries[0].checksum if f.entries else 'xxh3-64'} checksums"
                 f"{zipped}; {_human(f.total_bytes)} read.",
                 style="bold green",
             )
@@ -986,7 +987,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "verify",
         help="read every array and check its checksum; exit 1 naming damaged keys",
-        description="Read every array and check its CRC-32 (stock Keras files: that it can be read).",
+        description="Read every array and check its checksum (stock Keras files: that it can be read).",
     )
     p.add_argument("file", metavar="FILE", help=".keras or .h5 file")
     p.add_argument("--json", action="store_true", help="print one JSON document")

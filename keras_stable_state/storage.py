@@ -1,42 +1,59 @@
 """The on-disk format of a training state.
 
-A training-state record (format 2) is an HDF5 file (h5py) laid out as::
+A training-state record (format 3) is an HDF5 file (h5py) laid out as::
 
-    user block (512 bytes)  "KSS-SEAL 2 sha256 <hex> <length>\\n": SHA-256 of every byte after it
-    /                  attrs: format="keras_stable_state", format_version=2
+    user block (512 bytes)  "KSS-SEAL 3 xxh3-128 <hex> <length>\\n": xxh3-128 of every byte after it
+    /                  attrs: format="keras_stable_state", format_version=3
     /metadata          JSON (UTF-8 bytes as uint8): backend, keras_version, dtype_policy, ...
     /contract          JSON: list of [key, shape, dtype]
     /extra             JSON: schedule, callbacks, RNG, position, providers
-    /model/0, /1 ...   one dataset per model variable; attrs: key, dtype, crc32
-    /optimizer/0 ...   one dataset per optimizer variable; same attrs
-    /state/0 ...       arrays of the other state (callbacks, RNG, accumulators); same attrs
+    /index             JSON: {section: [[key, dtype, shape, blob, offset, xxh3-64 hex], ...]}
+    /model/0, /1 ...   blobs: uint8 datasets holding the model variables' bytes
+    /optimizer/0 ...   blobs of the optimizer variables
+    /state/0 ...       blobs of the other state's arrays (callbacks, RNG, accumulators)
+
+Each JSON dataset carries an ``xxh3`` attribute (uint64): the xxh3-64 of its name and bytes.
+An array larger than :data:`PACK_LIMIT` bytes has a blob of its own; smaller
+arrays are packed, in index order, into shared blobs of about
+:data:`BLOB_TARGET` bytes, each starting at an offset that is a multiple of
+:data:`ALIGN`, so that thousands of small variables cost a few HDF5 datasets
+rather than one each. The index lists every array in file order; a reader
+requires the blobs to hold exactly the listed arrays, in that order, at those
+offsets.
+
+Formats 1 and 2 (one dataset per array with ``key``/``dtype``/``crc32``
+attributes; format 2 sealed with SHA-256 and CRC-32 over key, dtype, shape and
+bytes) are still read.
 
 Inside a ``.keras`` archive the record is the member ``keras_stable_state.h5``
 beside Keras' own ``config.json`` and ``model.weights.h5``, so
 ``keras.saving.load_model`` still loads the model. A plain ``.h5`` path holds
 the record alone. Arrays whose dtype NumPy does not know natively
 (``bfloat16``, float8 from ``ml_dtypes``) are stored as unsigned integers of
-the same width with their dtype in the ``dtype`` attribute, so their bits are
-kept exactly.
+the same width, their dtype named in the index, so their bits are kept
+exactly.
 
 Integrity, in the order a reader checks it (see docs: Security and integrity):
 
-1. The whole HDF5 image is covered by the SHA-256 seal in its user block
-   (HDF5 skips the user block, so h5py and Keras still open the file). The
-   seal is checked before HDF5 parses a byte: a damaged file is refused
-   before it can crash or hang the HDF5 library. Files without a seal (stock
-   Keras files, format-1 records) are first read in a separate process
+1. The whole HDF5 image is covered by the seal in its user block (format 3:
+   xxh3-128, https://github.com/Cyan4973/xxHash, through the ``xxhash``
+   package; format 2: SHA-256). HDF5 skips the user block, so h5py and Keras
+   still open the file. The seal is checked before HDF5 parses a byte: a
+   damaged file is refused before it can crash or hang the HDF5 library. The
+   seal detects damage, not forgery. Files without a seal (stock Keras files,
+   format-1 records) are first read in a separate process
    (:mod:`keras_stable_state._hdf5_checks`), so whatever HDF5 does with them
    cannot kill the caller.
 2. The structure: only hard links, no external storage or virtual datasets,
    contiguous uncompressed data inside the file, plain little-endian numeric
    dtypes, exactly the groups and numbered datasets above, every attribute of
-   the expected type, each dataset's stored dtype and shape equal to what its
-   attributes say.
-3. The records: each JSON record has its own CRC-32 and a schema check
+   the expected type; format 3: every index row well formed and the blobs
+   holding exactly the listed arrays; formats 1-2: each dataset's stored dtype
+   and shape equal to what its attributes say.
+3. The records: each JSON record has its own checksum and a schema check
    (nesting depth, field types, RNG records, array references).
-4. Each array's CRC-32 (``zlib.crc32``) covers its key, dtype name, shape and
-   bytes, checked when it is read.
+4. Each array's checksum (format 3: xxh3-64; format 2: CRC-32 ``zlib.crc32``)
+   covers its key, dtype name, shape and bytes, checked when it is read.
 
 Archives: members' zip CRC-32s are checked, members whose unpacked size is far
 beyond their stored size are refused, and nothing in an archive is extracted,
@@ -63,6 +80,7 @@ import errno
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -78,6 +96,7 @@ import zlib
 import h5py
 import ml_dtypes
 import numpy as np
+import xxhash
 
 from keras_stable_state import _hdf5_checks as checks
 from keras_stable_state.errors import (
@@ -113,13 +132,24 @@ __all__ = [
 ]
 
 FORMAT = "keras_stable_state"
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 MEMBER = "keras_stable_state.h5"
 KERAS_WEIGHTS_MEMBER = "model.weights.h5"
 USERBLOCK_SIZE = 512
 SECTIONS = ("model", "optimizer", "state")
 RECORDS = ("metadata", "contract", "extra")
+INDEX = "index"
+# Format 3 packing: arrays up to PACK_LIMIT bytes share blobs, a blob is written once it
+# holds BLOB_TARGET bytes (so a save holds at most about BLOB_TARGET + PACK_LIMIT bytes of
+# packed arrays), and each packed array starts at a multiple of ALIGN.
+PACK_LIMIT = 1 << 16
+BLOB_TARGET = 1 << 20
+ALIGN = 16
+# Blobs up to this size are kept after a read, for the next array of the same blob.
+_BLOB_CACHE_LIMIT = 4 * BLOB_TARGET
+MAX_NDIM = 32
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 JSON_MAX_DEPTH = 100
 # An archive member may unpack to at most this many times its stored size (plus the slack).
 MAX_UNPACK_RATIO = 100
@@ -127,7 +157,10 @@ UNPACK_SLACK = 1 << 20
 PROBE_TIMEOUT = 60.0
 # A file that already failed its seal is probed only to name its damaged keys: never wait long.
 DIAGNOSE_TIMEOUT = 5.0
-_SEAL_RE = re.compile(rb"KSS-SEAL 2 sha256 ([0-9a-f]{64}) ([0-9]{1,20})\n")
+_SEAL_RE = re.compile(rb"KSS-SEAL (2 sha256 [0-9a-f]{64}|3 xxh3-128 [0-9a-f]{32}) ([0-9]{1,20})\n")
+# The seal's hash by format version.
+_SEAL_HASH = {2: ("SHA-256", hashlib.sha256), 3: ("xxh3-128", xxhash.xxh3_128)}
+_SEAL_NAME = {2: b"sha256", 3: b"xxh3-128"}
 _SEAL_MAGIC = b"KSS-SEAL"
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _ZIP_SIGNATURE = b"PK\x03\x04"
@@ -212,51 +245,105 @@ def _encode(array):
 
 
 # -- writing ------------------------------------------------------------------------------
-def _write_group(group, arrays):
-    """One dataset per array, in order, each converted, written and dropped in turn.
+class _SectionWriter:
+    """Writes one section's arrays into numbered uint8 blobs (format 3), one array at a
+    time, and builds the section's index rows."""
 
-    ``arrays``: a dict ``{key: array or zero-argument callable returning one}``, or
-    an iterable of ``(key, array or callable)`` pairs.
-    """
-    items = arrays.items() if isinstance(arrays, dict) else arrays
-    for i, (key, value) in enumerate(items):
+    def __init__(self, group):
+        self.group = group
+        self.rows = []
+        self.blobs = 0
+        self.buf = bytearray()
+        self.open = False  # a shared blob is being filled (it may hold zero-size arrays only)
+
+    def add(self, key, value):
         if callable(value):
             value = value()
         stored, name = _encode(np.asarray(value))
         del value
-        ds = group.create_dataset(str(i), data=stored)
-        ds.attrs["key"] = str(key)
-        ds.attrs["dtype"] = name
-        # zlib reads the array's buffer: no bytes copy (C order: the same bytes as tobytes()).
-        ds.attrs["crc32"] = checks.crc_v2(str(key), name, stored.shape, stored)
-        del stored
+        # C order (from _encode): the raw view is the bytes of tobytes(), without the copy.
+        raw = stored.reshape(-1).view(np.uint8)
+        digest = f"{checks.digest_v3(str(key), name, stored.shape, raw):016x}"
+        shape = [int(n) for n in stored.shape]
+        if raw.nbytes > PACK_LIMIT:
+            self.flush()
+            self.group.create_dataset(str(self.blobs), data=raw)
+            self.rows.append([str(key), name, shape, self.blobs, 0, digest])
+            self.blobs += 1
+            return
+        offset = _aligned(len(self.buf)) if self.buf else 0
+        self.buf += bytes(offset - len(self.buf))
+        self.rows.append([str(key), name, shape, self.blobs, offset, digest])
+        self.buf += raw.data
+        self.open = True
+        if len(self.buf) >= BLOB_TARGET:
+            self.flush()
+
+    def flush(self):
+        if not self.open:
+            return
+        self.group.create_dataset(str(self.blobs), data=np.frombuffer(self.buf, dtype=np.uint8))
+        self.blobs += 1
+        self.buf = bytearray()
+        self.open = False
+
+
+def _aligned(n: int) -> int:
+    return n + (-n) % ALIGN
+
+
+def _write_section(group, arrays) -> list:
+    """Write ``arrays`` into ``group`` as blobs (format 3); return the section's index rows.
+
+    ``arrays``: a dict ``{key: array or zero-argument callable returning one}``, or
+    an iterable of ``(key, array or callable)`` pairs; each is converted, written
+    (or packed) and dropped in turn.
+    """
+    writer = _SectionWriter(group)
+    for key, value in arrays.items() if isinstance(arrays, dict) else arrays:
+        writer.add(key, value)
+    writer.flush()
+    return writer.rows
 
 
 def _json_array(value) -> np.ndarray:
     return np.frombuffer(json.dumps(value).encode("utf-8"), dtype=np.uint8)
 
 
+def _seal_head(version: int, digest: str, length: int) -> bytes:
+    return b"KSS-SEAL %d %s %s %d\n" % (version, _SEAL_NAME[version], digest.encode(), length)
+
+
+def _seal_version(head: bytes) -> int:
+    """The format version of an existing seal (format 2 files are resealed as such), else the current."""
+    return 2 if head.startswith(b"KSS-SEAL 2 ") else FORMAT_VERSION
+
+
 def seal(data: bytes) -> bytes:
-    """``data`` (an HDF5 image written with a 512-byte user block) with its user
-    block replaced by the seal: ``KSS-SEAL 2 sha256 <hex> <length>``, zero padded."""
+    """``data`` (an HDF5 image written with a 512-byte user block) with its user block
+    replaced by the seal ``KSS-SEAL 3 xxh3-128 <hex> <length>`` (``KSS-SEAL 2 sha256 ...``
+    for an image that already carries a format-2 seal), zero padded."""
+    version = _seal_version(data[:USERBLOCK_SIZE])
     body = data[USERBLOCK_SIZE:]
-    head = b"KSS-SEAL 2 sha256 %s %d\n" % (hashlib.sha256(body).hexdigest().encode(), len(body))
+    head = _seal_head(version, _SEAL_HASH[version][1](body).hexdigest(), len(body))
     return head.ljust(USERBLOCK_SIZE, b"\0") + body
 
 
 def _write_h5(target, record: StateRecord) -> None:
-    """Write ``record``'s HDF5 image, user block left zero, to ``target`` (a path or a
-    binary file object), one array at a time."""
+    """Write ``record``'s HDF5 image (format 3), user block left zero, to ``target`` (a
+    path or a binary file object), one array at a time."""
     with h5py.File(target, "w", userblock_size=USERBLOCK_SIZE) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
+        index = {
+            section: _write_section(f.create_group(section), arrays)
+            for section, arrays in zip(SECTIONS, (record.model, record.optimizer, record.arrays), strict=True)
+        }
         # JSON records are uint8 datasets: no HDF5 attribute size cap, no variable-length types.
-        for name in RECORDS:
-            data = _json_array(getattr(record, name))
+        for name in (*RECORDS, INDEX):
+            data = _json_array(index if name == INDEX else getattr(record, name))
             ds = f.create_dataset(name, data=data)
-            ds.attrs["crc32"] = checks.crc_v2(name, "json", data.shape, data.tobytes())
-        for section, arrays in zip(SECTIONS, (record.model, record.optimizer, record.arrays), strict=True):
-            _write_group(f.create_group(section), arrays)
+            ds.attrs["xxh3"] = np.uint64(checks.digest_v3(name, "json", data.shape, data))
 
 
 def _record_bytes(record: StateRecord) -> bytes:
@@ -268,17 +355,16 @@ def _record_bytes(record: StateRecord) -> bytes:
 def _seal_file(path: str) -> None:
     """Write the seal into the user block of the HDF5 image at ``path`` (as :func:`seal`),
     hashing the file in chunks of :data:`_CHUNK` bytes."""
-    sha = hashlib.sha256()
+    h = _SEAL_HASH[FORMAT_VERSION][1]()
     length = 0
     buf = bytearray(_CHUNK)
     with open(path, "rb+") as fh:
         fh.seek(USERBLOCK_SIZE)
         while n := fh.readinto(buf):
-            sha.update(memoryview(buf)[:n])
+            h.update(memoryview(buf)[:n])
             length += n
-        head = b"KSS-SEAL 2 sha256 %s %d\n" % (sha.hexdigest().encode(), length)
         fh.seek(0)
-        fh.write(head.ljust(USERBLOCK_SIZE, b"\0"))
+        fh.write(_seal_head(FORMAT_VERSION, h.hexdigest(), length).ljust(USERBLOCK_SIZE, b"\0"))
 
 
 def _write_sealed(path: str, record: StateRecord) -> None:
@@ -492,11 +578,14 @@ class Entry:
         key: Its key (``"path:layers/dense/kernel"``, ``"path:layers/dense/kernel#momentums"``,
             ``"optimizer#iteration"``) or, in a stock Keras file, its HDF5 path
             (``"layers/dense/vars/0"``).
-        dataset: The HDF5 path of the dataset holding it (``"/model/0"``).
+        dataset: The HDF5 path of the dataset holding it (``"/model/0"``; format 3: its
+            blob, shared with other arrays when small).
         shape: Its shape, a tuple of ints.
         dtype: Its dtype name (``"bfloat16"`` for arrays stored as their bits).
         nbytes: Size of its stored data in bytes.
-        crc32: Its stored CRC-32, ``None`` in stock Keras files (they carry none).
+        crc32: Its stored CRC-32 (formats 1-2), else ``None`` (stock Keras files carry none).
+        offset: Format 3: where its bytes start in its blob; else 0.
+        xxh3: Format 3: its stored xxh3-64 (over key, dtype, shape and bytes), else ``None``.
     """
 
     section: str
@@ -506,6 +595,13 @@ class Entry:
     dtype: str
     nbytes: int
     crc32: int | None = None
+    offset: int = 0
+    xxh3: int | None = None
+
+    @property
+    def checksum(self) -> str:
+        """The name of the checksum it carries: ``"xxh3-64"``, ``"CRC-32"`` or ``""`` (stock files)."""
+        return "xxh3-64" if self.xxh3 is not None else "CRC-32" if self.crc32 is not None else ""
 
 
 def _natural(path: str):
@@ -567,21 +663,25 @@ def _diagnose(
 ) -> CorruptCheckpointError:
     """A refusal for a file that fails its seal, naming the damaged keys a probe finds."""
     result = _probe(path, member, timeout=DIAGNOSE_TIMEOUT)
-    damaged = [key for key, _ in result.get("damaged", [])]
+    found = result.get("damaged", [])
+    damaged = [key for key, _ in found]
     if damaged:
         listed = ", ".join(repr(k) for k in damaged)
-        verb = "fails its CRC-32 checksum" if len(damaged) == 1 else "fail their CRC-32 checksums"
+        # the probe's reason: "fails its CRC-32 checksum" (formats 1-2) or "fails its xxh3-64 checksum"
+        verb = found[0][1] if len(damaged) == 1 else found[0][1].replace("fails its", "fail their") + "s"
         return _damaged(where, f"{what}: {listed} {verb}", key=damaged[0])
     if "crashed" in result:
         return _damaged(where, f"{what}; {result['crashed']}", key=default_key)
     return _damaged(where, f"{what} (its metadata, a record or the layout was changed)", key=default_key)
 
 
-def _parse_seal(head: bytes, where: str) -> tuple[bytes, int]:
+def _parse_seal(head: bytes, where: str) -> tuple[int, bytes, int]:
+    """``(format version, digest, length)`` of a seal."""
     match = _SEAL_RE.match(head)
     if match is None or any(head[match.end() : USERBLOCK_SIZE]):
-        raise _damaged(where, "its seal (the SHA-256 header in the first 512 bytes) is malformed")
-    return bytes.fromhex(match.group(1).decode()), int(match.group(2))
+        raise _damaged(where, "its seal (the hash header in the first 512 bytes) is malformed")
+    version, _, digest = match.group(1).decode().split(" ")
+    return int(version), bytes.fromhex(digest), int(match.group(2))
 
 
 def _check_json_depth(value, where: str):
@@ -691,6 +791,7 @@ class CheckpointFile:
         self.where = self.path
         self.version = None
         self.sealed = False
+        self.seal_version = None
         self.metadata = {}
         self.contract = None
         self.extra = {}
@@ -706,6 +807,7 @@ class CheckpointFile:
         self._h5 = None
         self._keras_metadata = {}
         self._key_groups = set()
+        self._blob = (None, None)
         if self._data is None and not os.path.exists(self.path):
             raise FileNotFoundError(f"No training-state file at {self.path!r}.")
         if self._data is None and os.path.isdir(self.path):
@@ -816,7 +918,7 @@ class CheckpointFile:
         return found
 
     def _check_seal_stream(self, head: bytes, size: int):
-        digest, length = _parse_seal(head, self.path)
+        version, digest, length = _parse_seal(head, self.path)
         if size != USERBLOCK_SIZE + length:
             raise _damaged(
                 self.path,
@@ -824,14 +926,17 @@ class CheckpointFile:
                 expected=USERBLOCK_SIZE + length,
                 received=size,
             )
-        sha = hashlib.sha256()
+        name, hasher = _SEAL_HASH[version]
+        h = hasher()
         self._fh.seek(USERBLOCK_SIZE)
-        while chunk := self._fh.read(_CHUNK):
-            sha.update(chunk)
+        buf = bytearray(_CHUNK)
+        while n := self._fh.readinto(buf):
+            h.update(memoryview(buf)[:n])
         self._fh.seek(0)
-        if sha.digest() != digest:
+        if h.digest() != digest:
             with self._on_disk() as path:
-                raise _diagnose(self.path, path, None, "its content fails its SHA-256 seal")
+                raise _diagnose(self.path, path, None, f"its content fails its {name} seal")
+        self.seal_version = version
 
     def _open_archive(self):
         self.container = ".keras archive"
@@ -882,14 +987,16 @@ class CheckpointFile:
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as err:
             raise self._diagnose_member(f"the archive member fails its zip CRC-32 ({err})") from err
         if data.startswith(_SEAL_MAGIC):
-            digest, length = _parse_seal(data[:USERBLOCK_SIZE], self.where)
+            version, digest, length = _parse_seal(data[:USERBLOCK_SIZE], self.where)
+            name, hasher = _SEAL_HASH[version]
             if (
                 len(data) != USERBLOCK_SIZE + length
-                or hashlib.sha256(data[USERBLOCK_SIZE:]).digest() != digest
+                or hasher(memoryview(data)[USERBLOCK_SIZE:]).digest() != digest
             ):
                 with self._on_disk() as path:
-                    raise _diagnose(self.where, path, self.member, "its content fails its SHA-256 seal")
+                    raise _diagnose(self.where, path, self.member, f"its content fails its {name} seal")
             self.sealed = True
+            self.seal_version = version
         elif data.startswith(_HDF5_SIGNATURE):
             with self._on_disk() as path:
                 _probe_or_refuse(self.where, path, self.member)
@@ -938,15 +1045,54 @@ class CheckpointFile:
         except checks.StructureError as err:
             key = self._key_of(err.where)
             named = f"array for key {key!r}: " if key != err.where else ""
+            if self.version is not None and self.version >= 3 and key != err.where:
+                raise self._refuse_blob(
+                    err.where.lstrip("/"), None, f"is refused: HDF5 object {err}"
+                ) from err
             raise _damaged(self.where, f"{named}HDF5 object {err}", key=key) from err
 
     def _key_of(self, where: str) -> str:
-        """The ``key`` attribute of the object at ``where`` when it is plain text, else ``where``."""
+        """The ``key`` attribute of the object at ``where`` when it is plain text (format 3:
+        the first key the index puts in that blob), else ``where``."""
+        if self.version is not None and self.version >= 3:
+            keys = self._blob_keys(where)
+            return keys[0] if keys else where
         try:
             key = self._h5[where].attrs.get("key")
         except (KeyError, OSError, ValueError, TypeError, RuntimeError):
             return where
         return key if isinstance(key, str) and key else where
+
+    def _blob_keys(self, where: str, rows=None) -> list:
+        """Format 3: the keys the index puts in blob ``where`` (``"model/0"``), to name them
+        when the blob is refused; ``[]`` when the index itself cannot be read."""
+        match = re.fullmatch(r"/?(model|optimizer|state)/([0-9]+)", where)
+        if match is None:
+            return []
+        section, blob = match.group(1), int(match.group(2))
+        if rows is None:
+            if self._h5 is None or INDEX not in self._h5:
+                return []
+            try:
+                checks.check_dataset(self._h5[INDEX], self._data_limit())
+                rows = self._read_json(INDEX)[section]
+            except (StateError, checks.StructureError, KeyError, TypeError, OSError, ValueError):
+                return []
+        return [
+            row[0]
+            for row in rows
+            if isinstance(row, list) and len(row) > 3 and isinstance(row[0], str) and row[3] == blob
+        ]
+
+    def _refuse_blob(self, name: str, rows: list, what: str, **kw):
+        keys = self._blob_keys(name, rows)
+        named = ""
+        if keys:
+            listed = ", ".join(repr(k) for k in keys[:4]) + (
+                f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+            )
+            named = f" (it holds the array{'s' if len(keys) > 1 else ''} for key{'s' if len(keys) > 1 else ''} {listed})"
+        return _damaged(self.where, f"{name}{named} {what}", key=keys[0] if keys else name, **kw)
 
     # -- records --------------------------------------------------------------------------
     def _root_attrs(self):
@@ -967,6 +1113,8 @@ class CheckpointFile:
             )
         if version >= 2 and not self.sealed:
             raise _damaged(self.where, f"a format-{version} record without its seal")
+        if version >= 2 and version != self.seal_version:
+            raise _damaged(self.where, f"a format-{version} record under a format-{self.seal_version} seal")
         self.version = version
 
     def _read_json(self, name: str):
@@ -983,14 +1131,22 @@ class CheckpointFile:
                     raise _damaged(
                         self.where, f"record {name!r} is {ds.dtype} {ds.shape}, not UTF-8 bytes", key=name
                     )
-                if set(ds.attrs) != {"crc32"}:
+                attr = "crc32" if self.version == 2 else "xxh3"
+                if set(ds.attrs) != {attr}:
                     raise _damaged(self.where, f"record {name!r} has attributes {sorted(ds.attrs)}", key=name)
                 raw = checks.read_dataset(ds)
-                crc = ds.attrs["crc32"]
-                if not isinstance(crc, int | np.integer) or int(crc) != checks.crc_v2(
-                    name, "json", raw.shape, raw.tobytes()
-                ):
-                    raise _damaged(self.where, f"record {name!r} fails its CRC-32 checksum", key=name)
+                stored = ds.attrs[attr]
+                if self.version == 2:
+                    ok = isinstance(stored, int | np.integer) and int(stored) == checks.crc_v2(
+                        name, "json", raw.shape, raw.tobytes()
+                    )
+                else:
+                    ok = isinstance(stored, np.unsignedinteger) and int(stored) == checks.digest_v3(
+                        name, "json", raw.shape, raw
+                    )
+                if not ok:
+                    what = "CRC-32" if self.version == 2 else "xxh3-64"
+                    raise _damaged(self.where, f"record {name!r} fails its {what} checksum", key=name)
                 text = raw.tobytes().decode("utf-8")
             value = json.loads(text)
         except (ValueError, RecursionError, UnicodeError, OSError) as err:
@@ -1001,12 +1157,16 @@ class CheckpointFile:
     def _list_record(self):
         self._root_attrs()
         f = self._h5
-        expected = {*RECORDS, *SECTIONS}
+        expected = {*RECORDS, *SECTIONS, *((INDEX,) if self.version >= 3 else ())}
         unknown = sorted(set(f) - expected)
         if unknown:
             raise _damaged(self.where, f"unexpected objects {unknown} at the root", key=unknown[0])
         datasets = dict(self._walk(RECORDS if self.version == 1 else ()))
         self.metadata, self.contract, self.extra = (self._read_json(name) for name in RECORDS)
+        if self.version >= 3:
+            self._list_index(datasets, self._read_json(INDEX))
+            self._check_schema()
+            return
         for section in SECTIONS:
             if section not in f:
                 if section == "state":
@@ -1038,6 +1198,145 @@ class CheckpointFile:
                 seen.add(entry.key)
                 self.entries.append(entry)
         self._check_schema()
+
+    def _blobs(self, section: str, datasets: dict, rows: list) -> list:
+        """Sizes in bytes of the blobs ``section/0``, ``section/1``, ... (format 3)."""
+        if section not in self._h5:
+            raise _damaged(self.where, f"group {section!r} is missing", key=section)
+        group = self._h5[section]
+        if not isinstance(group, h5py.Group):
+            raise _damaged(self.where, f"{section!r} is not a group", key=section)
+        names = set(group)
+        if names != {str(i) for i in range(len(names))}:
+            odd = sorted(names - {str(i) for i in range(len(names))})
+            raise _damaged(
+                self.where,
+                f"group {section!r} holds {odd}, not only blobs numbered 0..{len(names) - 1}",
+                key=section,
+            )
+        sizes = []
+        for i in range(len(names)):
+            name = f"{section}/{i}"
+            ds = datasets.get(name)
+            if ds is None:
+                raise _damaged(self.where, f"{name} is not a dataset", key=name)
+            if ds.dtype != np.uint8 or ds.ndim != 1 or len(ds.attrs):
+                raise self._refuse_blob(
+                    name,
+                    rows,
+                    f"is stored as {ds.dtype.str} {ds.shape} with attributes {sorted(ds.attrs)}, not as the "
+                    "uint8 blob without attributes the index describes",
+                )
+            sizes.append(int(ds.shape[0]))
+        return sizes
+
+    def _list_index(self, datasets: dict, index):
+        """List the arrays of a format-3 record from its index, checking that each
+        section's blobs hold exactly the listed arrays, in order, at the offsets the
+        writer gives them (packed from 0, each start aligned to :data:`ALIGN`)."""
+        if not isinstance(index, dict) or set(index) != set(SECTIONS):
+            raise _damaged(
+                self.where,
+                f"record 'index' is not an object with exactly the sections {list(SECTIONS)}",
+                key=INDEX,
+            )
+        for section in SECTIONS:
+            rows = index[section]
+            if not isinstance(rows, list):
+                raise _damaged(self.where, f"record 'index': section {section!r} is not a list", key=INDEX)
+            sizes = self._blobs(section, datasets, rows)
+            ends = [None] * len(sizes)
+            seen = set()
+            for row in rows:
+                entry = self._index_entry(section, row, sizes, ends)
+                _check_key(self.where, section, entry.key)
+                if entry.key in seen:
+                    raise _damaged(
+                        self.where, f"key {entry.key!r} appears twice in {section!r}", key=entry.key
+                    )
+                seen.add(entry.key)
+                self.entries.append(entry)
+            for i, (end, size) in enumerate(zip(ends, sizes, strict=True)):
+                if end is None:
+                    raise _damaged(
+                        self.where,
+                        f"blob {section}/{i} ({size} bytes) holds no array of the index",
+                        key=f"{section}/{i}",
+                    )
+                if end != size:
+                    raise self._refuse_blob(
+                        f"{section}/{i}",
+                        rows,
+                        f"is {size} bytes long, but the arrays the index puts in it end at byte {end}",
+                        expected=end,
+                        received=size,
+                    )
+
+    def _index_entry(self, section: str, row, sizes: list, ends: list) -> Entry:
+        ok = (
+            isinstance(row, list)
+            and len(row) == 6
+            and isinstance(row[0], str)
+            and row[0]
+            and isinstance(row[1], str)
+            and isinstance(row[2], list)
+            and len(row[2]) <= MAX_NDIM
+            and all(_is_int(n) and 0 <= n < 2**62 for n in row[2])
+            and _is_int(row[3])
+            and _is_int(row[4])
+            and isinstance(row[5], str)
+            and _HEX16.fullmatch(row[5]) is not None
+        )
+        if not ok:
+            key = row[0] if isinstance(row, list) and row and isinstance(row[0], str) and row[0] else INDEX
+            raise _damaged(
+                self.where,
+                f"record 'index': row {str(row)[:160]} of {section!r} is not "
+                "[key, dtype, shape, blob, offset, xxh3-64 hex]",
+                key=key,
+            )
+        key, dtype, shape, blob, offset, digest = row
+        if dtype not in _DTYPES:
+            raise _damaged(
+                self.where,
+                f"array for key {key!r} says dtype {dtype!r}, not one this library writes",
+                key=key,
+            )
+        if not 0 <= blob < len(sizes):
+            raise _damaged(
+                self.where,
+                f"array for key {key!r} is in blob {blob}, but {section!r} has blobs 0..{len(sizes) - 1}",
+                key=key,
+            )
+        nbytes = math.prod(shape) * _stored_dtype(dtype).itemsize
+        start = _aligned(ends[blob] or 0)
+        if offset != start:
+            raise _damaged(
+                self.where,
+                f"array for key {key!r} starts at byte {offset} of blob {section}/{blob}, where the arrays "
+                f"before it put the next start at byte {start}",
+                key=key,
+                expected=start,
+                received=offset,
+            )
+        if offset + nbytes > sizes[blob]:
+            raise _damaged(
+                self.where,
+                f"array for key {key!r} ({dtype} {tuple(shape)}: {nbytes} bytes at byte {offset}) runs past "
+                f"the end of blob {section}/{blob} ({sizes[blob]} bytes)",
+                key=key,
+            )
+        ends[blob] = offset + nbytes
+        return Entry(
+            section=section,
+            key=key,
+            dataset=f"/{section}/{blob}",
+            shape=tuple(shape),
+            dtype=dtype,
+            nbytes=nbytes,
+            offset=offset,
+            xxh3=int(digest, 16),
+        )
 
     def _record_entry(self, section: str, name: str, ds) -> Entry:
         attrs = set(ds.attrs)
@@ -1266,6 +1565,8 @@ class CheckpointFile:
         """
         if self._h5 is None:
             raise ValueError(f"{self.path}: the file is closed; read inside `with storage.open_file(path)`.")
+        if entry.xxh3 is not None:
+            return self._read_packed(entry)
         try:
             stored = checks.read_dataset(self._h5[entry.dataset])
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
@@ -1292,6 +1593,36 @@ class CheckpointFile:
             if target.itemsize != stored.dtype.itemsize:
                 raise _damaged(self.where, f"array for key {entry.key!r} is not {entry.dtype}", key=entry.key)
             return stored.view(target)
+        return stored
+
+    def _read_packed(self, entry: Entry) -> np.ndarray:
+        """Format 3: the array's bytes from its blob (a blob up to :data:`_BLOB_CACHE_LIMIT`
+        bytes is kept for the next array in it), checked against its xxh3-64."""
+        try:
+            name, blob = self._blob
+            if name != entry.dataset:
+                blob = checks.read_dataset(self._h5[entry.dataset])
+                self._blob = (entry.dataset, blob) if blob.nbytes <= _BLOB_CACHE_LIMIT else (None, None)
+            raw = blob[entry.offset : entry.offset + entry.nbytes]
+            if raw.nbytes != entry.nbytes:
+                raise ValueError(f"{raw.nbytes} of its {entry.nbytes} bytes are in the blob")
+            computed = checks.digest_v3(entry.key, entry.dtype, entry.shape, raw)
+            stored = raw.view(_stored_dtype(entry.dtype)).reshape(entry.shape)
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+            raise _damaged(
+                self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
+            ) from err
+        if computed != entry.xxh3:
+            raise _damaged(
+                self.where,
+                f"array for key {entry.key!r} fails its xxh3-64 checksum (expected {entry.xxh3:016x}, "
+                f"computed {computed:016x})",
+                key=entry.key,
+                expected=f"{entry.xxh3:016x}",
+                received=f"{computed:016x}",
+            )
+        if entry.dtype in _EXOTIC:
+            return stored.view(np.dtype(_EXOTIC[entry.dtype]))
         return stored
 
     def check_members(self, progress=None):
@@ -1356,6 +1687,7 @@ class CheckpointFile:
                 with contextlib.suppress(OSError, ValueError, RuntimeError):
                     handle.close()
         self._h5 = self._zip = self._fh = None
+        self._blob = (None, None)
 
     def __enter__(self):
         return self

@@ -163,7 +163,7 @@ def test_verify_intact_files(capsys, saved, name):
     if name.startswith("stock"):
         assert "no per-array checksums" in out
     else:
-        assert "match their CRC-32 checksums" in out
+        assert "match their xxh3-64 checksums" in out
     code, out, _ = _run(capsys, "verify", folder / name, "--json")
     doc = json.loads(out)
     assert code == 0 and doc["ok"] is True and doc["damaged"] == []
@@ -187,12 +187,12 @@ def test_verify_names_the_damaged_key(capsys, saved, ext):
     code, out, _ = _run(capsys, "verify", bad)
     assert code == 1
     assert out.startswith(f"DAMAGED {bad}")
-    assert "path:layers/hidden/kernel" in out and "CRC-32 checksum" in out
+    assert "path:layers/hidden/kernel" in out and "xxh3-64 checksum" in out
     assert "path:layers/hidden/bias " not in out
     if ext == "keras":
         assert "the archive member fails its zip CRC-32" in out
     else:
-        assert "fails its SHA-256 seal" in out
+        assert "fails its xxh3-128 seal" in out
     code, out, _ = _run(capsys, "verify", bad, "--json")
     doc = json.loads(out)
     assert code == 1 and doc["ok"] is False

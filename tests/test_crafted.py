@@ -22,6 +22,7 @@ import sys
 import zipfile
 import zlib
 
+import _records
 import h5py
 import keras
 import numpy as np
@@ -29,7 +30,7 @@ import pytest
 from conftest import to_np
 
 import keras_stable_state as kss
-from keras_stable_state import cli, storage
+from keras_stable_state import _hdf5_checks, cli, storage
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
 
 REFUSALS = (CorruptCheckpointError, CheckpointFormatError)
@@ -148,6 +149,9 @@ def _edit(path, fn, reseal=True):
 
 
 def _dataset_of(f, key):
+    """The HDF5 path of the dataset holding ``key``: its blob (format 3) or its dataset."""
+    if "index" in f:
+        return _records.dataset_of(f, key)
     for section in ("model", "optimizer", "state"):
         for name, ds in f[section].items():
             if ds.attrs.get("key") == key:
@@ -168,8 +172,18 @@ def _replace(f, key, make, *, crc_over=None):
     if isinstance(obj, h5py.Dataset):
         for k, v in attrs.items():
             obj.attrs[k] = v
-        if crc_over is not None:
+        if crc_over is not None and "crc32" in attrs:
             obj.attrs["crc32"] = _forged_crc(key, str(attrs["dtype"]), crc_over, shape)
+    if crc_over is not None and "index" in f:
+        # format 3: the index claims the key's bytes are crc_over, at offset 0 of the new object
+        index = _records.index(f)
+        _, row = _records.row_of(f, key)
+        for rows in index.values():
+            for r in rows:
+                if r[0] == key:
+                    r[4] = 0
+                    r[5] = f"{_hdf5_checks.digest_v3(key, row[1], row[2], crc_over):016x}"
+        _records.write_json(f, "index", index)
     return where
 
 
@@ -330,7 +344,7 @@ def _odd_dtype_dataset(kind):
             ds[0] = g.file["model"].ref
             return ds
         if kind == "region-reference":
-            target = g.file["model/1"]
+            target = g.file["metadata"]
             ds = g.create_dataset(n, shape=(1,), dtype=h5py.regionref_dtype)
             ds[0] = target.regionref[0:2]
             return ds
@@ -432,6 +446,8 @@ def _set_record(f, name, text: bytes):
             ds.attrs[k] = v
         if "crc32" in attrs:
             ds.attrs["crc32"] = _forged_crc(name, "json", text, data.shape)
+        if "xxh3" in attrs:
+            ds.attrs["xxh3"] = np.uint64(_hdf5_checks.digest_v3(name, "json", data.shape, data))
     else:  # format 1: a string dataset
         f.create_dataset(name, data=text.decode())
 

@@ -66,11 +66,11 @@ def test_the_seal_covers_every_byte_after_the_user_block(tmp_path, data):
     path = tmp_path / "s.h5"
     kss.save_training_state(path, src)
     raw = path.read_bytes()
-    assert raw.startswith(b"KSS-SEAL 2 sha256 ")
+    assert raw.startswith(b"KSS-SEAL 3 xxh3-128 ")
     with h5py.File(path, "r") as f:  # plain h5py still opens it
-        assert f.userblock_size == storage.USERBLOCK_SIZE and int(f.attrs["format_version"]) == 2
+        assert f.userblock_size == storage.USERBLOCK_SIZE and int(f.attrs["format_version"]) == 3
     with storage.open_file(path) as f:
-        assert f.sealed and f.version == 2
+        assert f.sealed and f.version == 3
 
 
 @settings(
