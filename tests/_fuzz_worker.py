@@ -46,6 +46,7 @@ import zlib
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 faulthandler.enable()
 
+import _records  # noqa: E402
 import h5py  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -71,6 +72,9 @@ EDITS = (
     "reshape",
     "delete_dataset",
     "add_dataset",
+    "index_row",
+    "blob_size",
+    "blob_retype",
 )
 SECTIONS = ("model", "optimizer", "state")
 RECORDS = ("metadata", "contract", "extra")
@@ -422,6 +426,28 @@ def edit_h5(path, edit, pick, pick2):
             else:
                 f.attrs[k] = str(old) + "x"
             return f"root attr {k!r}: {old!r} -> {f.attrs[k]!r}"
+        if edit == "index_row":  # format 3: one index row (or the rows' order) changed
+            if "index" not in f:
+                return None
+            idx = _records.index(f)
+            section = SECTIONS[pick % len(SECTIONS)] if idx[SECTIONS[pick % len(SECTIONS)]] else "model"
+            field = _records.FIELDS[pick2 % len(_records.FIELDS)]
+            _records.mutate_index(idx, section, pick, field, 1 + pick2 % 64)
+            _records.write_json(f, "index", idx)
+            return f"index {section} row {pick}: {field} changed"
+        if edit in ("blob_size", "blob_retype"):  # format 3: a blob longer, shorter or retyped
+            blobs = [ds for ds in _datasets(f, "uint8") if ds.parent.name != "/"]
+            if "index" not in f or not blobs:
+                return None
+            ds = blobs[pick % len(blobs)]
+            data = ds[()]
+            if edit == "blob_size":
+                new = np.concatenate([data, np.zeros(1 + pick2 % 32, np.uint8)]) if pick2 % 2 else data[:-1]
+                _recreate(ds, new)
+                return f"{ds.name}: {data.size} -> {new.size} bytes"
+            new = data.view("<u4") if data.size % 4 == 0 else data.astype("<u2")
+            _recreate(ds, new)
+            return f"{ds.name}: stored type uint8 -> {new.dtype}"
         if edit == "add_dataset":
             group = f[SECTIONS[pick % 2]]
             value = np.zeros((3,), "float32")

@@ -89,3 +89,40 @@ def drop_last(f, section: str) -> str:
         del f[name]
     write_json(f, "index", idx)
     return key
+
+
+FIELDS = ["offset", "shape", "dtype", "blob", "digest", "key", "swap", "drop", "duplicate"]
+
+
+def mutate_index(index, section, i, field, amount):
+    """Change one row of ``index[section]`` (or the rows' order): ``field`` one of
+    :data:`FIELDS`, ``i`` picks the row, ``amount`` (>= 1) the change."""
+    rows = index[section]
+    row = rows[i % len(rows)]
+    other = rows[(i + 1) % len(rows)]
+    if field == "offset":
+        row[4] += amount
+    elif field == "shape":
+        row[2] = [*row[2], 1] if amount % 2 else ([row[2][0] + amount] + row[2][1:] if row[2] else [amount])
+    elif field == "dtype":
+        row[1] = {"float32": "int32", "int64": "float64"}.get(
+            row[1], "float32" if row[1] != "float32" else "int32"
+        )
+    elif field == "blob":
+        row[3] += amount
+    elif field == "digest":
+        row[5] = f"{int(row[5], 16) ^ amount:016x}"
+    elif field == "key":
+        if other is row:
+            row[0] = row[0] + "x"
+        else:
+            row[0] = other[0]
+    elif field == "swap":
+        if other is row:
+            row[4] += amount
+        else:
+            rows[i % len(rows)], rows[(i + 1) % len(rows)] = other, row
+    elif field == "drop":
+        rows.remove(row)
+    else:
+        rows.insert(i % len(rows), list(row))

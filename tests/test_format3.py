@@ -133,41 +133,6 @@ def pristine(tmp_path_factory):
     return str(path), m
 
 
-_FIELDS = ["offset", "shape", "dtype", "blob", "digest", "key", "swap", "drop", "duplicate"]
-
-
-def _mutate(index, section, i, field, amount):
-    rows = index[section]
-    row = rows[i % len(rows)]
-    other = rows[(i + 1) % len(rows)]
-    if field == "offset":
-        row[4] += amount
-    elif field == "shape":
-        row[2] = [*row[2], 1] if amount % 2 else ([row[2][0] + amount] + row[2][1:] if row[2] else [amount])
-    elif field == "dtype":
-        row[1] = {"float32": "int32", "int64": "float64"}.get(
-            row[1], "float32" if row[1] != "float32" else "int32"
-        )
-    elif field == "blob":
-        row[3] += amount
-    elif field == "digest":
-        row[5] = f"{int(row[5], 16) ^ amount:016x}"
-    elif field == "key":
-        if other is row:
-            row[0] = row[0] + "x"
-        else:
-            row[0] = other[0]
-    elif field == "swap":
-        if other is row:
-            row[4] += amount
-        else:
-            rows[i % len(rows)], rows[(i + 1) % len(rows)] = other, row
-    elif field == "drop":
-        rows.remove(row)
-    else:
-        rows.insert(i % len(rows), list(row))
-
-
 @settings(
     max_examples=hypothesis_examples(10),
     deadline=None,
@@ -177,7 +142,7 @@ def _mutate(index, section, i, field, amount):
 @given(
     section=st.sampled_from(["model", "optimizer", "state"]),
     i=st.integers(0, 50),
-    field=st.sampled_from(_FIELDS),
+    field=st.sampled_from(_records.FIELDS),
     amount=st.integers(1, 64),
 )
 def test_any_edit_of_the_index_resealed_is_refused_and_nothing_changes(
@@ -193,7 +158,7 @@ def test_any_edit_of_the_index_resealed_is_refused_and_nothing_changes(
         index = _records.index(f)
         if not index[section]:
             section = "model"
-        _mutate(index, section, i, field, amount)
+        _records.mutate_index(index, section, i, field, amount)
         _records.write_json(f, "index", index)
     storage.reseal(path)
 
