@@ -99,6 +99,7 @@ import numpy as np
 import xxhash
 
 from keras_stable_state import _hdf5_checks as checks
+from keras_stable_state import _shared
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,
@@ -140,6 +141,8 @@ USERBLOCK_SIZE = 512
 SECTIONS = ("model", "optimizer", "state")
 RECORDS = ("metadata", "contract", "extra")
 INDEX = "index"
+# Index field of a .keras record naming Keras' weights member it shares model arrays with.
+SHARED = "shared"
 # Format 3 packing: arrays up to PACK_LIMIT bytes share blobs, a blob is written once it
 # holds BLOB_TARGET bytes (so a save holds at most about BLOB_TARGET + PACK_LIMIT bytes of
 # packed arrays), and each packed array starts at a multiple of ALIGN.
@@ -249,8 +252,9 @@ class _SectionWriter:
     """Writes one section's arrays into numbered uint8 blobs (format 3), one array at a
     time, and builds the section's index rows."""
 
-    def __init__(self, group):
+    def __init__(self, group, shared=None):
         self.group = group
+        self.shared = shared
         self.rows = []
         self.blobs = 0
         self.buf = bytearray()
@@ -265,6 +269,10 @@ class _SectionWriter:
         raw = stored.reshape(-1).view(np.uint8)
         digest = f"{checks.digest_v3(str(key), name, stored.shape, raw):016x}"
         shape = [int(n) for n in stored.shape]
+        ref = self.shared.find(stored) if self.shared is not None and raw.nbytes else None
+        if ref is not None:  # the same bytes are in Keras' model.weights.h5: not written twice
+            self.rows.append([str(key), name, shape, ref, 0, digest])
+            return
         if raw.nbytes > PACK_LIMIT:
             self.flush()
             self.group.create_dataset(str(self.blobs), data=raw)
@@ -292,14 +300,14 @@ def _aligned(n: int) -> int:
     return n + (-n) % ALIGN
 
 
-def _write_section(group, arrays) -> list:
+def _write_section(group, arrays, shared=None) -> list:
     """Write ``arrays`` into ``group`` as blobs (format 3); return the section's index rows.
 
     ``arrays``: a dict ``{key: array or zero-argument callable returning one}``, or
     an iterable of ``(key, array or callable)`` pairs; each is converted, written
     (or packed) and dropped in turn.
     """
-    writer = _SectionWriter(group)
+    writer = _SectionWriter(group, shared)
     for key, value in arrays.items() if isinstance(arrays, dict) else arrays:
         writer.add(key, value)
     writer.flush()
@@ -329,16 +337,19 @@ def seal(data: bytes) -> bytes:
     return head.ljust(USERBLOCK_SIZE, b"\0") + body
 
 
-def _write_h5(target, record: StateRecord) -> None:
+def _write_h5(target, record: StateRecord, shared: _shared.KerasWeights | None = None) -> None:
     """Write ``record``'s HDF5 image (format 3), user block left zero, to ``target`` (a
-    path or a binary file object), one array at a time."""
+    path or a binary file object), one array at a time; model arrays found in
+    ``shared`` (Keras' weights of the same archive) are referred to, not written."""
     with h5py.File(target, "w", userblock_size=USERBLOCK_SIZE) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         index = {
-            section: _write_section(f.create_group(section), arrays)
+            section: _write_section(f.create_group(section), arrays, shared if section == "model" else None)
             for section, arrays in zip(SECTIONS, (record.model, record.optimizer, record.arrays), strict=True)
         }
+        if any(isinstance(row[3], str) for row in index["model"]):
+            index[SHARED] = shared.spec
         # JSON records are uint8 datasets: no HDF5 attribute size cap, no variable-length types.
         for name in (*RECORDS, INDEX):
             data = _json_array(index if name == INDEX else getattr(record, name))
@@ -367,9 +378,9 @@ def _seal_file(path: str) -> None:
         fh.write(_seal_head(FORMAT_VERSION, h.hexdigest(), length).ljust(USERBLOCK_SIZE, b"\0"))
 
 
-def _write_sealed(path: str, record: StateRecord) -> None:
+def _write_sealed(path: str, record: StateRecord, shared=None) -> None:
     """A sealed record file at ``path``: the HDF5 image written array by array, then sealed."""
-    _write_h5(path, record)
+    _write_h5(path, record, shared)
     _seal_file(path)
 
 
@@ -525,7 +536,7 @@ def write_record(filepath, record: StateRecord, keras_archive_writer=None):
             keras_archive_writer(tmp)
             member = f"{tmp}.member.h5"
             try:
-                _write_sealed(member, record)
+                _write_sealed(member, record, _shared.KerasWeights.of_archive(tmp))
                 _append_member(tmp, member)
             finally:
                 with contextlib.suppress(FileNotFoundError):
@@ -808,6 +819,8 @@ class CheckpointFile:
         self._keras_metadata = {}
         self._key_groups = set()
         self._blob = (None, None)
+        self._shared_h5 = None
+        self._shared = {}
         if self._data is None and not os.path.exists(self.path):
             raise FileNotFoundError(f"No training-state file at {self.path!r}.")
         if self._data is None and os.path.isdir(self.path):
@@ -1234,12 +1247,14 @@ class CheckpointFile:
         """List the arrays of a format-3 record from its index, checking that each
         section's blobs hold exactly the listed arrays, in order, at the offsets the
         writer gives them (packed from 0, each start aligned to :data:`ALIGN`)."""
-        if not isinstance(index, dict) or set(index) != set(SECTIONS):
+        if not isinstance(index, dict) or set(index) - {SHARED} != set(SECTIONS):
             raise _damaged(
                 self.where,
                 f"record 'index' is not an object with exactly the sections {list(SECTIONS)}",
                 key=INDEX,
             )
+        if SHARED in index:
+            self._open_shared(index[SHARED])
         for section in SECTIONS:
             rows = index[section]
             if not isinstance(rows, list):
@@ -1282,7 +1297,7 @@ class CheckpointFile:
             and isinstance(row[2], list)
             and len(row[2]) <= MAX_NDIM
             and all(_is_int(n) and 0 <= n < 2**62 for n in row[2])
-            and _is_int(row[3])
+            and (_is_int(row[3]) or isinstance(row[3], str))
             and _is_int(row[4])
             and isinstance(row[5], str)
             and _HEX16.fullmatch(row[5]) is not None
@@ -1302,6 +1317,8 @@ class CheckpointFile:
                 f"array for key {key!r} says dtype {dtype!r}, not one this library writes",
                 key=key,
             )
+        if isinstance(blob, str):
+            return self._shared_entry(section, row)
         if not 0 <= blob < len(sizes):
             raise _damaged(
                 self.where,
@@ -1335,6 +1352,81 @@ class CheckpointFile:
             dtype=dtype,
             nbytes=nbytes,
             offset=offset,
+            xxh3=int(digest, 16),
+        )
+
+    def _open_shared(self, spec):
+        """Keras' weights member a ``.keras`` record shares model arrays with: its length
+        and xxh3-128 are checked against ``spec`` (from the sealed index) before HDF5
+        parses it, then its structure, as for a record (:mod:`keras_stable_state._shared`)."""
+        where = f"{self.path}:{_shared.MEMBER}"
+        ok = (
+            isinstance(spec, dict)
+            and set(spec) == {"member", "bytes", "xxh3-128"}
+            and spec["member"] == _shared.MEMBER
+            and _is_int(spec["bytes"])
+            and isinstance(spec["xxh3-128"], str)
+            and re.fullmatch(r"[0-9a-f]{32}", spec["xxh3-128"]) is not None
+        )
+        if not ok:
+            raise _damaged(
+                self.where, f"record 'index': field {SHARED!r} is malformed: {str(spec)[:160]}", key=INDEX
+            )
+        if self._zip is None:
+            raise _damaged(
+                self.where,
+                f"record 'index' shares arrays with Keras' {_shared.MEMBER}, but this is not a .keras archive",
+                key=INDEX,
+            )
+        try:
+            info = self._zip.getinfo(_shared.MEMBER)
+        except KeyError:
+            raise _damaged(
+                self.path,
+                f"the record shares model arrays with {_shared.MEMBER}, which the archive lacks",
+                key=_shared.MEMBER,
+            ) from None
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise _damaged(
+                where,
+                "the member is compressed, but the record reads its arrays in place (Keras and this "
+                "library write it stored); it was rewritten by another tool",
+                key=_shared.MEMBER,
+            )
+        start, size = _shared.member_span(self._fh, info)
+        if size != spec["bytes"] or _shared.hash_span(self._fh, start, size) != spec["xxh3-128"]:
+            raise _damaged(
+                where,
+                f"the member ({size} bytes) is not the one the training state was written with "
+                f"({spec['bytes']} bytes, xxh3-128 {spec['xxh3-128']}); its model arrays cannot be trusted",
+                key=_shared.MEMBER,
+            )
+        self._shared_h5 = h5py.File(_shared.Window(self._fh, start, size), "r")
+        try:
+            self._shared = {f"{_shared.PREFIX}/{path}": ds for path, ds in checks.walk(self._shared_h5, size)}
+        except checks.StructureError as err:
+            raise _damaged(where, f"HDF5 object {err}", key=_shared.MEMBER) from err
+
+    def _shared_entry(self, section: str, row) -> Entry:
+        key, dtype, shape, ref, offset, digest = row
+        ds = self._shared.get(ref) if section == "model" and offset == 0 else None
+        stored = _stored_dtype(dtype)
+        if ds is None or ds.dtype != stored or tuple(ds.shape) != tuple(shape):
+            found = "no such dataset" if ds is None else f"{ds.dtype.str} {tuple(ds.shape)}"
+            raise _damaged(
+                self.where,
+                f"array for key {key!r} refers to {ref!r} at offset {offset} in section {section!r}, but "
+                f"that is {found}, not the model array {stored.str} {tuple(shape)} the index says",
+                key=key,
+            )
+        return Entry(
+            section=section,
+            key=key,
+            dataset=ref,
+            shape=tuple(shape),
+            dtype=dtype,
+            nbytes=math.prod(shape) * stored.itemsize,
+            offset=0,
             xxh3=int(digest, 16),
         )
 
@@ -1600,7 +1692,9 @@ class CheckpointFile:
         bytes is kept for the next array in it), checked against its xxh3-64."""
         try:
             name, blob = self._blob
-            if name != entry.dataset:
+            if entry.dataset.startswith(_shared.PREFIX):
+                blob = checks.read_dataset(self._shared[entry.dataset]).reshape(-1).view(np.uint8)
+            elif name != entry.dataset:
                 blob = checks.read_dataset(self._h5[entry.dataset])
                 self._blob = (entry.dataset, blob) if blob.nbytes <= _BLOB_CACHE_LIMIT else (None, None)
             raw = blob[entry.offset : entry.offset + entry.nbytes]
@@ -1682,12 +1776,13 @@ class CheckpointFile:
     def close(self):
         """Close the file and release its lock; :meth:`read` then raises ``ValueError``.
         Closing twice is harmless."""
-        for handle in (self._h5, self._zip, self._fh):
+        for handle in (self._shared_h5, self._h5, self._zip, self._fh):
             if handle is not None:
                 with contextlib.suppress(OSError, ValueError, RuntimeError):
                     handle.close()
-        self._h5 = self._zip = self._fh = None
+        self._h5 = self._zip = self._fh = self._shared_h5 = None
         self._blob = (None, None)
+        self._shared = {}
 
     def __enter__(self):
         return self

@@ -1,0 +1,145 @@
+"""Arrays a ``.keras`` training state shares with Keras' own ``model.weights.h5``.
+
+A ``.keras`` training state is Keras' archive (``config.json``,
+``model.weights.h5``: what ``keras.saving.load_model`` reads) plus the record
+member ``keras_stable_state.h5``. The model variables would be stored twice;
+instead, a model array whose dtype, shape and bytes equal a dataset of Keras'
+weights file is not written again: its index row names that dataset
+(``"model.weights.h5:/layers/dense/vars/0"``). Matching is by content, so it
+holds for any layer's ``save_own_variables``; an array Keras stores otherwise
+(transformed, another dtype) is simply kept in the record.
+
+The record's sealed index holds the xxh3-128 and length of the whole weights
+member, checked before HDF5 parses a byte of it, and each shared array's own
+xxh3-64 (over its key, dtype, shape and bytes), checked when it is read. The
+member must be stored uncompressed (Keras writes it so): it is read in place
+through :class:`Window`, never copied whole into memory.
+
+This module imports no Keras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import struct
+import zipfile
+
+import numpy as np
+import xxhash
+
+from keras_stable_state import _hdf5_checks as checks
+
+MEMBER = "model.weights.h5"
+PREFIX = f"{MEMBER}:"
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+_CHUNK = 1 << 22
+
+
+class Window(io.RawIOBase):
+    """A read-only, seekable file over ``size`` bytes of ``fh`` starting at ``start``
+    (an archive member stored uncompressed), for h5py."""
+
+    def __init__(self, fh, start: int, size: int):
+        super().__init__()
+        self._fh, self._start, self._size, self._pos = fh, start, size, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buf):
+        n = max(0, min(len(buf), self._size - self._pos))
+        if not n:
+            return 0
+        self._fh.seek(self._start + self._pos)
+        got = self._fh.readinto(memoryview(buf)[:n])
+        self._pos += got or 0
+        return got or 0
+
+
+def member_span(fh, info: zipfile.ZipInfo) -> tuple[int, int]:
+    """``(start, size)`` of a stored member's bytes inside the archive file ``fh``.
+
+    Raises:
+        zipfile.BadZipFile: if its local header is not where the central directory says.
+    """
+    fh.seek(info.header_offset)
+    header = fh.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"bad local header for member {info.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size
+
+
+def hash_span(fh, start: int, size: int) -> str:
+    """xxh3-128 (hex) of ``size`` bytes of ``fh`` from ``start``, read in chunks."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(_CHUNK)
+    fh.seek(start)
+    left = size
+    while left:
+        n = fh.readinto(memoryview(buf)[: min(left, _CHUNK)])
+        if not n:
+            break
+        h.update(memoryview(buf)[:n])
+        left -= n
+    return h.hexdigest()
+
+
+def content_key(stored: np.ndarray) -> tuple:
+    """What two arrays must share to be the same stored array: dtype, shape and bytes."""
+    raw = np.ascontiguousarray(stored).reshape(-1).view(np.uint8)
+    return stored.dtype.str, tuple(int(n) for n in stored.shape), xxhash.xxh3_128(raw).hexdigest()
+
+
+@dataclasses.dataclass
+class KerasWeights:
+    """Keras' ``model.weights.h5`` of a freshly written archive, by content.
+
+    Attributes:
+        spec: ``{"member", "bytes", "xxh3-128"}`` for the record's index.
+        by_content: ``{content_key: "model.weights.h5:/path"}``.
+    """
+
+    spec: dict
+    by_content: dict
+
+    @classmethod
+    def of_archive(cls, archive: str) -> KerasWeights | None:
+        """The weights member of the archive Keras just wrote at ``archive``; ``None``
+        when it has none or compressed it (then nothing is shared)."""
+        import h5py
+
+        with open(archive, "rb") as fh, zipfile.ZipFile(fh) as zf:
+            try:
+                info = zf.getinfo(MEMBER)
+            except KeyError:
+                return None
+            if info.compress_type != zipfile.ZIP_STORED:
+                return None
+            start, size = member_span(fh, info)
+            spec = {"member": MEMBER, "bytes": size, "xxh3-128": hash_span(fh, start, size)}
+            by_content = {}
+            with h5py.File(Window(fh, start, size), "r") as f:
+                for path, ds in checks.walk(f, size):
+                    try:
+                        checks.check_dtype(ds.dtype, path)
+                    except checks.StructureError:
+                        continue
+                    by_content.setdefault(content_key(checks.read_dataset(ds)), f"{PREFIX}/{path}")
+        return cls(spec=spec, by_content=by_content)
+
+    def find(self, stored: np.ndarray) -> str | None:
+        """The dataset of Keras' weights holding exactly ``stored``, or ``None``."""
+        return self.by_content.get(content_key(stored))
