@@ -4,6 +4,7 @@ checksums; files written in format 2 still restore exactly."""
 import json
 import os
 import shutil
+import zipfile
 
 import _records
 import h5py
@@ -287,3 +288,114 @@ def test_the_index_json_is_what_the_docs_describe(pristine):
     key, dtype, shape, blob, offset, digest = index["model"][0]
     assert (key, dtype, shape, blob, offset) == ("path:layers/hidden/kernel", "float32", [4, 8], 0, 0)
     assert len(digest) == 16 and int(digest, 16) >= 0
+
+
+# -- .keras: the model weights are stored once ----------------------------------------------
+def _rewrite_archive(path, change):
+    """Rewrite the zip at ``path``, ``change(name, data) -> (data, compress_type)`` per member."""
+    with zipfile.ZipFile(path) as zin:
+        members = [(info, zin.read(info.filename)) for info in zin.infolist()]
+    with zipfile.ZipFile(path, "w") as zout:
+        for info, data in members:
+            data, info.compress_type = change(info.filename, data, info.compress_type)
+            zout.writestr(info, data)
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory, pristine):
+    src, m = pristine
+    path = tmp_path_factory.mktemp("archive") / "s.keras"
+    kss.save_training_state(path, m)
+    return str(path), src
+
+
+def test_a_keras_state_shares_the_model_weights_with_keras_and_still_loads(archive, pristine):
+    path, h5 = archive
+    _, m = pristine
+    with storage.open_file(h5) as f:
+        model_keys = {e.key for e in f.section("model")}
+    with storage.open_file(path) as f:
+        shared = {e.key for e in f.section("model") if e.dataset.startswith("model.weights.h5:/")}
+        assert shared == model_keys
+        assert all(e.checksum == "xxh3-64" for e in f.entries)
+        sizes = dict(f.members)
+    model_bytes = sum(to_np(v).nbytes for v in m.variables)
+    # the record member holds the optimizer and other state, not the model weights a second time
+    assert sizes[storage.MEMBER] < os.path.getsize(h5) - model_bytes + 4096
+    loaded = keras.saving.load_model(path)
+    for a, b in zip(m.get_weights(), loaded.get_weights(), strict=True):
+        _assert_same(np.asarray(a), np.asarray(b))
+    fresh = _model()
+    kss.restore_training_state(path, fresh)
+    for a, b in zip(_values(m), _values(fresh), strict=True):
+        _assert_same(a, b)
+
+
+def test_a_changed_keras_weights_member_is_refused_naming_it(tmp_path, archive, pristine):
+    path, _ = archive
+    _, m = pristine
+    bad = str(tmp_path / "bad.keras")
+    shutil.copyfile(path, bad)
+    kernel = to_np(m.get_layer("hidden").kernel).tobytes()
+
+    def flip(name, data, compress):
+        if name == "model.weights.h5":
+            at = data.find(kernel)
+            assert at > 0
+            data = data[: at + 3] + bytes([data[at + 3] ^ 0x08]) + data[at + 4 :]
+        return data, compress
+
+    _rewrite_archive(bad, flip)  # zip CRC-32s recomputed: only the record's hash can notice
+    for v in [*m.variables, *m.optimizer.variables]:
+        v.assign(to_np(v) + np.ones((), to_np(v).dtype))
+    before = _values(m)
+    with pytest.raises(
+        kss.CorruptCheckpointError, match="model.weights.h5.*not the one the training state"
+    ) as info:
+        kss.restore_training_state(bad, m)
+    assert info.value.key == "model.weights.h5"
+    for a, b in zip(before, _values(m), strict=True):
+        _assert_same(a, b)
+    assert cli.main(["verify", bad]) != 0
+
+
+def test_a_compressed_keras_weights_member_is_refused_naming_it(tmp_path, archive):
+    path, _ = archive
+    bad = str(tmp_path / "bad.keras")
+    shutil.copyfile(path, bad)
+    _rewrite_archive(
+        bad, lambda name, data, c: (data, zipfile.ZIP_DEFLATED if name == "model.weights.h5" else c)
+    )
+    with pytest.raises(kss.CorruptCheckpointError, match="model.weights.h5: the member is compressed"):
+        storage.read_file(bad)
+
+
+@keras.saving.register_keras_serializable(package="kss_tests")
+class _Doubled(keras.layers.Dense):
+    """Stores twice its kernel in Keras' weights (a layer with its own save format)."""
+
+    def save_own_variables(self, store):
+        store["0"] = to_np(self.kernel) * 2
+        store["1"] = to_np(self.bias)
+
+    def load_own_variables(self, store):
+        self.kernel.assign(store["0"] / 2)
+        self.bias.assign(store["1"])
+
+
+def test_an_array_keras_stores_differently_is_kept_in_the_record(tmp_path):
+    m = keras.Sequential([keras.Input((3,)), _Doubled(2, name="doubled")])
+    m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    m.optimizer.build(m.trainable_variables)
+    m.get_layer("doubled").kernel.assign(np.arange(6, dtype="float32").reshape(3, 2) + 0.5)
+    path = str(tmp_path / "s.keras")
+    kss.save_training_state(path, m)
+    with storage.open_file(path) as f:
+        where = {e.key: e.dataset for e in f.section("model")}
+    assert not where["path:layers/doubled/kernel"].startswith("model.weights.h5:")
+    fresh = keras.Sequential([keras.Input((3,)), _Doubled(2, name="doubled")])
+    fresh.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    fresh.optimizer.build(fresh.trainable_variables)
+    kss.restore_training_state(path, fresh)
+    for a, b in zip(_values(m), _values(fresh), strict=True):
+        _assert_same(a, b)
