@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import struct
 import sys
 import zipfile
 import zlib
@@ -255,14 +256,49 @@ def _file_size(path: str) -> int:
         return fh.seek(0, 2)
 
 
+def raw_member(fh, info: zipfile.ZipInfo) -> bytes:
+    """A zip member's bytes without the zip CRC check (to find which array is damaged)."""
+    fh.seek(info.header_offset)
+    header = fh.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"bad local header for member {info.filename!r}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    fh.seek(info.header_offset + 30 + name_len + extra_len)
+    data = fh.read(info.compress_size)
+    if info.compress_type == zipfile.ZIP_DEFLATED:
+        return zlib.decompressobj(-15).decompress(data, info.file_size)
+    return data
+
+
+def check_expected(data: bytes | None, path: str | None, rows: list) -> list:
+    """``[[key, reason]]`` for each ``[key, dtype, shape, dataset path, xxh3-64 hex]`` row
+    whose dataset's bytes fail the xxh3-64 the training state recorded (the arrays a
+    ``.keras`` record shares with Keras' ``model.weights.h5``)."""
+    damaged = []
+    source = io.BytesIO(data) if data is not None else path
+    with h5py.File(source, "r", locking=False) as f:
+        for key, dtype, shape, name, digest in rows:
+            try:
+                raw = read_dataset(f[name]).reshape(-1).view(np.uint8)
+            except (KeyError, OSError, ValueError, TypeError) as err:
+                damaged.append([key, f"cannot be read ({err})"])
+                continue
+            if f"{digest_v3(key, dtype, shape, raw):016x}" != digest:
+                damaged.append([key, "fails its xxh3-64 checksum"])
+    return damaged
+
+
 def main(argv) -> int:
     path = argv[0]
     member = argv[1] if len(argv) > 1 and argv[1] else None
     data = None
     if member is not None:
-        with zipfile.ZipFile(path) as zf:
-            data = zf.read(member)
+        with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+            data = raw_member(fh, zf.getinfo(member))
     result = probe(data, None if data is not None else path)
+    if len(argv) > 2 and argv[2] and result.get("structure") is None:
+        with open(argv[2]) as fh:
+            result["damaged"] += check_expected(data, None if data is not None else path, json.load(fh))
     sys.stdout.write(json.dumps(result))
     return 0
 

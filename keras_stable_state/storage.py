@@ -84,7 +84,6 @@ import math
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -623,14 +622,28 @@ def _damaged(where: str, what: str, key=None, **kw) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{where}: {what}. The file is damaged; {_RESTORE_HINT}.", key=key, **kw)
 
 
-def _probe(path: str, member: str | None = None, timeout: float = PROBE_TIMEOUT) -> dict:
+def _probe(path: str, member: str | None = None, timeout: float = PROBE_TIMEOUT, expect=None) -> dict:
     """Read an HDF5 file (or archive member) in a separate process.
+
+    Args:
+        expect: Optional ``[[key, dtype, shape, dataset path, xxh3-64 hex]]`` rows whose
+            datasets the probe also checks (:func:`keras_stable_state._hdf5_checks.check_expected`).
 
     Returns:
         The probe's findings (see :func:`keras_stable_state._hdf5_checks.probe`),
         or ``{"crashed": reason}`` when the process died, hung or raised.
     """
-    cmd = [sys.executable, "-I", checks.__file__, path, member or ""]
+    with tempfile.TemporaryDirectory(prefix="kss-probe-") as folder:
+        rows = ""
+        if expect:
+            rows = os.path.join(folder, "expect.json")
+            with open(rows, "w") as fh:
+                json.dump(expect, fh)
+        cmd = [sys.executable, "-I", checks.__file__, path, member or "", rows]
+        return _run_probe(cmd, timeout)
+
+
+def _run_probe(cmd: list, timeout: float) -> dict:
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -655,25 +668,11 @@ def _probe_or_refuse(where: str, path: str, member: str | None = None) -> None:
         raise _damaged(where, f"HDF5 object {result['structure']}")
 
 
-def _raw_member(fh, info: zipfile.ZipInfo) -> bytes:
-    """A zip member's bytes without the zip CRC check (to find which array is damaged)."""
-    fh.seek(info.header_offset)
-    header = fh.read(30)
-    if len(header) != 30 or header[:4] != _ZIP_SIGNATURE:
-        raise zipfile.BadZipFile(f"bad local header for member {info.filename!r}")
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    fh.seek(info.header_offset + 30 + name_len + extra_len)
-    data = fh.read(info.compress_size)
-    if info.compress_type == zipfile.ZIP_DEFLATED:
-        return zlib.decompressobj(-15).decompress(data, info.file_size)
-    return data
-
-
 def _diagnose(
-    where: str, path: str, member: str | None, what: str, default_key=None
+    where: str, path: str, member: str | None, what: str, default_key=None, expect=None
 ) -> CorruptCheckpointError:
     """A refusal for a file that fails its seal, naming the damaged keys a probe finds."""
-    result = _probe(path, member, timeout=DIAGNOSE_TIMEOUT)
+    result = _probe(path, member, timeout=DIAGNOSE_TIMEOUT, expect=expect)
     found = result.get("damaged", [])
     damaged = [key for key, _ in found]
     if damaged:
@@ -1037,7 +1036,7 @@ class CheckpointFile:
         """Name the damaged arrays of a member that fails its zip CRC-32: its raw bytes,
         read past the zip check, are probed in a separate process."""
         try:
-            raw = _raw_member(self._fh, self._zip.getinfo(self.member))
+            raw = checks.raw_member(self._fh, self._zip.getinfo(self.member))
         except (OSError, zipfile.BadZipFile, zlib.error, EOFError) as err:
             return _damaged(self.where, f"{what}, and it cannot be read past it ({err})", key=self.member)
         with tempfile.TemporaryDirectory(prefix="kss-probe-") as folder:
@@ -1254,7 +1253,7 @@ class CheckpointFile:
                 key=INDEX,
             )
         if SHARED in index:
-            self._open_shared(index[SHARED])
+            self._open_shared(index[SHARED], index["model"])
         for section in SECTIONS:
             rows = index[section]
             if not isinstance(rows, list):
@@ -1355,7 +1354,7 @@ class CheckpointFile:
             xxh3=int(digest, 16),
         )
 
-    def _open_shared(self, spec):
+    def _open_shared(self, spec, rows):
         """Keras' weights member a ``.keras`` record shares model arrays with: its length
         and xxh3-128 are checked against ``spec`` (from the sealed index) before HDF5
         parses it, then its structure, as for a record (:mod:`keras_stable_state._shared`)."""
@@ -1395,12 +1394,21 @@ class CheckpointFile:
             )
         start, size = _shared.member_span(self._fh, info)
         if size != spec["bytes"] or _shared.hash_span(self._fh, start, size) != spec["xxh3-128"]:
-            raise _damaged(
-                where,
+            what = (
                 f"the member ({size} bytes) is not the one the training state was written with "
-                f"({spec['bytes']} bytes, xxh3-128 {spec['xxh3-128']}); its model arrays cannot be trusted",
-                key=_shared.MEMBER,
+                f"({spec['bytes']} bytes, xxh3-128 {spec['xxh3-128']}); its model arrays cannot be trusted"
             )
+            expect = (
+                [
+                    [r[0], r[1], r[2], r[3][len(_shared.PREFIX) :], r[5]]
+                    for r in rows
+                    if isinstance(r, list) and len(r) == 6 and isinstance(r[3], str)
+                ]
+                if isinstance(rows, list)
+                else None
+            )
+            with self._on_disk() as path:
+                raise _diagnose(where, path, _shared.MEMBER, what, default_key=_shared.MEMBER, expect=expect)
         self._shared_h5 = h5py.File(_shared.Window(self._fh, start, size), "r")
         try:
             self._shared = {f"{_shared.PREFIX}/{path}": ds for path, ds in checks.walk(self._shared_h5, size)}

@@ -148,10 +148,19 @@ def _edit(path, fn, reseal=True):
     return path
 
 
+def _record_key(f, key):
+    """``key``, or, when the record shares it with Keras' ``model.weights.h5`` (a ``.keras``
+    state), the key of its Adam momentum: same shape and dtype, held by the record itself."""
+    if "index" in f and isinstance(_records.row_of(f, key)[1][3], str):
+        return f"{key}#momentums"
+    return key
+
+
 def _dataset_of(f, key):
-    """The HDF5 path of the dataset holding ``key``: its blob (format 3) or its dataset."""
+    """The HDF5 path of the dataset holding ``key`` (see :func:`_record_key`): its blob
+    (format 3) or its dataset."""
     if "index" in f:
-        return _records.dataset_of(f, key)
+        return _records.dataset_of(f, _record_key(f, key))
     for section in ("model", "optimizer", "state"):
         for name, ds in f[section].items():
             if ds.attrs.get("key") == key:
@@ -163,6 +172,7 @@ def _replace(f, key, make, *, crc_over=None):
     """Replace the dataset holding ``key`` by ``make(group, name)``, keeping its attributes;
     ``crc_over``: bytes whose CRC-32 the new dataset claims (a self-consistent forgery)."""
     where = _dataset_of(f, key)
+    key = _record_key(f, key) if "index" in f else key
     group_name, name = where.split("/")
     group = f[group_name]
     attrs = {k: group[name].attrs[k] for k in group[name].attrs}

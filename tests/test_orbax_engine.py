@@ -118,7 +118,7 @@ def test_missing_extra_names_it(tmp_path, monkeypatch):
     assert not (tmp_path / "run.orbax").exists()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     shape=st.lists(st.integers(1, 5), min_size=0, max_size=3),
     dtype=st.sampled_from(["float32", "int64", "uint8", "float16", "bool"]),
@@ -137,7 +137,7 @@ def test_hash_of_blocks_adds_up_and_sees_one_changed_element(shape, dtype, cut, 
         assert summed == total
         swapped = whole.reshape(-1).copy()
         flat = swapped.copy()
-        flat[0] = np.logical_not(flat[0]) if dtype == "bool" else flat[0] + 1
+        flat.view(np.uint8)[0] ^= 1  # one bit of the first element (no overflow, no rounding)
         assert (
             _orbax_engine.block_hash(flat.reshape(shape), (0,) * len(shape), shape, "path:k", dtype) != total
         )
