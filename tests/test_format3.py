@@ -234,7 +234,10 @@ def test_files_written_in_format_2_still_restore_exactly(name, capsys):
     for i, w in enumerate(m.get_weights()):
         _assert_same(expected[f"model_{i}"], np.asarray(w))
     for i, v in enumerate(m.optimizer.variables):
-        _assert_same(expected[f"opt_{i}"], to_np(v))
+        saved, live = expected[f"opt_{i}"], to_np(v)
+        if saved.dtype.kind in "iu":  # the iteration counter: int32 when written (torch), int64 on TF
+            saved = saved.astype(live.dtype)
+        _assert_same(saved, live)
     assert int(to_np(m.optimizer.iterations)) == 2
     with storage.open_file(path) as f:
         assert f.version == 2 and f.seal_version == 2 and {e.checksum for e in f.entries} == {"CRC-32"}
