@@ -71,9 +71,7 @@ def _model_registry(model, extras):
     registry = VariableRegistry.from_model(model)
     if not extras:
         return registry
-    keyed = VariableRegistry(registry.entries + [(VariableKey(EXTRA, n), v) for n, v in extras.items()])
-    keyed.keras_paths = registry.keras_paths
-    return keyed
+    return registry.rekeyed(registry.entries + [(VariableKey(EXTRA, n), v) for n, v in extras.items()])
 
 
 def _collect_state(model, optimizer, callbacks, state, include_rng):

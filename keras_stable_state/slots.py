@@ -70,9 +70,7 @@ def optimizer_registry(optimizer, model, extras=None):
     if not extras:
         return registry
     names = {id(v): VariableKey(EXTRA, name) for name, v in extras.items()}
-    keyed = VariableRegistry([(names.get(id(v), key), v) for key, v in registry.entries])
-    keyed.keras_paths = registry.keras_paths
-    return keyed
+    return registry.rekeyed([(names.get(id(v), key), v) for key, v in registry.entries])
 
 
 def keyed_optimizer_entries(optimizer, model, extras=None, **kwargs) -> list:
