@@ -20,7 +20,15 @@ from keras_stable_state import _async, _multiprocess, _orbax_engine, layer_state
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import mappers as mappers_mod
 from keras_stable_state import state as state_mod
-from keras_stable_state._apply import apply_steps, coerce, rng_step, state_step, to_numpy, variable_step
+from keras_stable_state._apply import (
+    apply_steps,
+    coerce,
+    dtype_name,
+    rng_step,
+    state_step,
+    to_numpy,
+    variable_step,
+)
 from keras_stable_state._arguments import (
     MODEL_STATES,
     check_callbacks,
@@ -459,7 +467,7 @@ def _plan_model(record, model, registry, strict, allow_cast, report, where):
         report.left_fresh.extend(k for k, _ in absent)
         return plan
     keys = {k: parse_model_key(k, where) for k in record.model}
-    saved = [(keys[k], np.shape(a), storage.dtype_name(a)) for k, a in record.model.items()]
+    saved = [(keys[k], np.shape(a), dtype_name(a)) for k, a in record.model.items()]
     bound, unmatched = registry.bind(saved)
     if not bound and saved:
         raise BindingError(
