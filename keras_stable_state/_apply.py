@@ -183,9 +183,18 @@ def _native(value):
     return convert(value)
 
 
+def _private_copy(array):
+    """``array`` itself when nothing else can hold its memory (an array that owns it and is
+    no view: JAX's and TensorFlow's conversions copy already), else a copy (Torch's
+    ``.numpy()`` shares the tensor's memory, which an assignment changes)."""
+    if type(array) is np.ndarray and array.flags.owndata and array.base is None:
+        return array
+    return np.array(array, copy=True)
+
+
 def variable_step(var, array, name=None):
     def snapshot():
-        old = np.array(to_numpy(var), copy=True)
+        old = _private_copy(to_numpy(var))
         return (lambda: var.assign(old)), (lambda: not state_mod.same_state(np.asarray(to_numpy(var)), old))
 
     # On JAX the value is placed on the variable's current sharding (each process its own shards).

@@ -92,7 +92,7 @@ def walk_saveable(obj):
         yield "layers", obj.layers
     # Filtered before sorting (the same order: the filter does not depend on it), so only
     # the few attributes left are sorted, not all of ``dir()``.
-    names = [a for a in set(dir(obj)).difference(skip) if not a.startswith("__")]
+    names = [a for a in dir(obj) if a not in skip and a[:2] != "__"]
     for attr in sorted(names, key=saving_lib._name_key):
         try:
             child = getattr(obj, attr)
