@@ -152,15 +152,38 @@ def _owned(array, always):
     return array
 
 
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
+def _json_copy(value):
+    """``copy.deepcopy`` of JSON-like data, faster: dicts, lists and tuples are rebuilt,
+    plain scalars kept, anything else deep-copied."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if kind is dict:
+        return {k: _json_copy(v) for k, v in value.items()}
+    if kind is list:
+        return [v if type(v) in _PLAIN else _json_copy(v) for v in value]
+    if kind is tuple:
+        return tuple(_json_copy(v) for v in value)
+    return copy.deepcopy(value)
+
+
 def host_record(record: storage.StateRecord) -> storage.StateRecord:
     """``record`` with nothing shared with live objects: arrays that do not own their
     memory (a view of a Torch tensor), every array of the other state (a provider may
-    update its own array in place) and the JSON parts are copied."""
+    update its own array in place) and the JSON parts of the other state (a callback's
+    or schedule's state may hold its live lists) are copied. ``metadata`` and
+    ``contract`` are built for this save alone by ``training_state_record``: they
+    are handed over as they are."""
+    try:
+        extra = _json_copy(record.extra)
+    except RecursionError:  # a self-referencing state: as deepcopy has it (the write refuses it)
+        extra = copy.deepcopy(record.extra)
     return dataclasses.replace(
         record,
-        metadata=copy.deepcopy(record.metadata),
-        contract=copy.deepcopy(record.contract),
-        extra=copy.deepcopy(record.extra),
+        extra=extra,
         model={k: _owned(a, False) for k, a in record.model.items()},
         optimizer={k: _owned(a, False) for k, a in record.optimizer.items()},
         arrays={k: _owned(a, True) for k, a in record.arrays.items()},

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
 
 import keras
@@ -39,8 +40,15 @@ from keras_stable_state.keys import NAMED, ORDERED, VariableKey
 __all__ = ["VariableKey", "VariableRegistry", "stable_layer_paths", "stable_variable_paths"]
 
 
+@functools.lru_cache(maxsize=1024)
 def _snake(name: str) -> str:
     return compat.to_snake_case(name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _auto_name(prefix: str):
+    """``<prefix>`` or ``<prefix>_<n>``: a name Keras' counters give (compiled once per prefix)."""
+    return re.compile(re.escape(prefix) + r"(_[0-9]+)?")
 
 
 def _looks_auto_named(obj) -> bool:
@@ -48,7 +56,7 @@ def _looks_auto_named(obj) -> bool:
     name = getattr(obj, "name", None)
     if not isinstance(name, str):
         return True
-    return re.fullmatch(re.escape(_snake(type(obj).__name__)) + r"(_[0-9]+)?", name) is not None
+    return _auto_name(_snake(type(obj).__name__)).fullmatch(name) is not None
 
 
 def _unique(name: str, used: dict) -> str:
@@ -63,8 +71,10 @@ def _is_unnamed(variable) -> bool:
     """True when Keras named ``variable`` with its process-global counter
     (``add_weight(shape=...)`` without ``name`` gives ``variable``, ``variable_3``)."""
     name = str(variable.name).rsplit("/", 1)[-1]
-    prefixes = {"variable", _snake(type(variable).__name__)}
-    return any(re.fullmatch(re.escape(p) + r"(_[0-9]+)?", name) for p in prefixes)
+    return (
+        _auto_name("variable").fullmatch(name) is not None
+        or _auto_name(_snake(type(variable).__name__)).fullmatch(name) is not None
+    )
 
 
 def _own_names(obj, own: list) -> list:
@@ -72,20 +82,23 @@ def _own_names(obj, own: list) -> list:
 
     A named variable keeps its name. An unnamed one (named by Keras' global
     counter) is named by the attribute of ``obj`` holding it (``self.gamma =
-    self.add_weight(shape=...)`` gives ``gamma``; leading underscores dropped),
-    else ``variable@<i>``, ``i`` its index among ``obj``'s own unnamed variables
-    that no attribute holds. Names are made unique inside ``obj``.
+    self.add_weight(shape=...)`` gives ``gamma``, the first such attribute in
+    sorted order; leading underscores dropped), else ``variable@<i>``, ``i`` its
+    index among ``obj``'s own unnamed variables that no attribute holds. Names are
+    made unique inside ``obj``.
     """
+    unnamed = [_is_unnamed(v) for v in own]
     attrs = {}
-    for attr, value in sorted(vars(obj).items()):
-        if isinstance(value, keras.Variable) and id(value) not in attrs:
-            attrs[id(value)] = attr.lstrip("_") or attr
+    if any(unnamed):  # the attributes are only looked at for unnamed variables
+        for attr, value in vars(obj).items():
+            if isinstance(value, keras.Variable) and (id(value) not in attrs or attr < attrs[id(value)]):
+                attrs[id(value)] = attr
     names, used, index = [], {}, 0
-    for v in own:
-        if not _is_unnamed(v):
+    for v, no_name in zip(own, unnamed, strict=True):
+        if not no_name:
             base = str(v.name).rsplit("/", 1)[-1]
         elif id(v) in attrs:
-            base = attrs[id(v)]
+            base = attrs[id(v)].lstrip("_") or attrs[id(v)]
         else:
             base = f"variable@{index}"
             index += 1
@@ -103,8 +116,9 @@ def _own_variables(obj) -> list:
     return []
 
 
-# Inside ``one_walk()``: what Keras' saving walk yields per object, and each finished
-# walk, so one save or restore walks the model once however many registries it builds.
+# Inside ``one_walk()``: what Keras' saving walk yields per object, each finished walk
+# and each registry built, so one save or restore walks the model once however many
+# registries it builds (model, contract, each optimizer, arguments, layer state).
 _WALKS = contextvars.ContextVar("keras_stable_state_walks", default=None)
 
 
@@ -114,10 +128,16 @@ def one_walk():
 
     ``save_training_state`` and ``restore_training_state`` build several registries
     (model, contract, each optimizer, layer state) from one unchanged model; each
-    used to walk it again (Keras' ``dir()`` walk costs about 1 ms per layer). Inside
-    the context the children Keras' walk yields for each object and each complete
-    walk are kept and reused; on leaving, they are dropped. Nested contexts share
-    the outer one. Do not add or remove layers or variables inside it.
+    used to walk it again (Keras' ``dir()`` walk costs about 0.3 ms per layer). Inside
+    the context the children Keras' walk yields for each object, each complete walk
+    and each registry (by model and variable list) are kept and reused; on leaving,
+    they are dropped. Nested contexts share the outer one.
+
+    A registry asked for variables the walk did not reach, which the model has
+    gained since it was walked (a layer built inside the context), walks the
+    model again; building an optimizer changes no walk (optimizers are not
+    walked) and a registry over its variables is keyed by those variables. Do not
+    otherwise add, remove or rename layers inside the context.
     """
     if _WALKS.get() is not None:
         yield
@@ -129,18 +149,51 @@ def one_walk():
         _WALKS.reset(token)
 
 
+def _model_variable_ids(model) -> frozenset:
+    variables = getattr(model, "variables", None)
+    return frozenset(map(id, variables)) if isinstance(variables, (list, tuple)) else frozenset()
+
+
+def _cached_walk(model, keras_style: bool, cache: dict):
+    """``(model, out, layers, variable ids)``: :func:`_walk_once` walked once per
+    ``one_walk()`` context, and the ids of the model's variables when it was walked."""
+    hit = cache.get(("walk", id(model), keras_style))
+    if hit is None or hit[0] is not model:
+        out, found = _walk_once(model, keras_style, cache)
+        # The model's variables when walked: tells a variable the walk does not reach
+        # from one created since (see _stable_paths).
+        hit = cache[("walk", id(model), keras_style)] = (model, out, found, _model_variable_ids(model))
+    return hit
+
+
 def _walk(model, keras_style: bool, layers: dict | None = None) -> dict:
     cache = _WALKS.get()
     if cache is None:
         out, found = _walk_once(model, keras_style, None)
     else:
-        hit = cache.get(("walk", id(model), keras_style))
-        if hit is None or hit[0] is not model:
-            hit = cache[("walk", id(model), keras_style)] = (model, *_walk_once(model, keras_style, cache))
-        _, out, found = hit
+        _, out, found, _ = _cached_walk(model, keras_style, cache)
     if layers is not None:
         for k, v in found.items():
             layers.setdefault(k, v)
+    return out
+
+
+def _stable_paths(model, variables) -> dict:
+    """``id(variable) -> (path, variable)`` from the stable walk, for keying ``variables``.
+
+    Inside :func:`one_walk` the walk of the call is reused, unless one of
+    ``variables`` is not reached by it and is a variable the model did not have
+    when it was walked: then the model changed inside the context (a layer
+    built), and everything cached is dropped and the model walked again.
+    """
+    cache = _WALKS.get()
+    if cache is None:
+        return _walk_once(model, False, None)[0]
+    _, out, _, walked = _cached_walk(model, False, cache)
+    new = [v for v in variables if id(v) not in out and id(v) not in walked]
+    if new and not {id(v) for v in new}.isdisjoint(_model_variable_ids(model)):
+        cache.clear()
+        _, out, _, _ = _cached_walk(model, False, cache)
     return out
 
 
@@ -158,55 +211,83 @@ def _walk_once(model, keras_style: bool, cache: dict | None):
     and a layer's own variables by name, never by Keras' global counter
     (:func:`_own_names`).
     """
-    out: dict = {}
-    layers: dict = {}
-    visited: set = set()
-    # Containers such as ``Sequential.layers`` are built anew on each access: hold on to
-    # every visited one so that a later list cannot reuse its id() and be skipped.
-    alive: list = []
+    walker = _Walker(keras_style, cache)
+    walker.visit(model, "")
+    return walker.out, walker.layers
 
-    def join(path, name):
-        return f"{path}/{name}" if path else name
 
-    def children(obj):
+_FOLLOWED = (list, tuple, dict, keras.layers.Layer, keras.metrics.Metric)
+
+
+def _join(path, name):
+    return f"{path}/{name}" if path else name
+
+
+class _Walker:
+    """One walk of :func:`_walk_once` (methods, not nested closures: closures that call
+    each other form a reference cycle, which would keep every visited container and
+    the call's cache alive until the next full garbage collection)."""
+
+    _GENERIC = ("layers", "_layers")
+
+    def __init__(self, keras_style, cache):
+        self.keras_style = keras_style
+        self.cache = cache
+        self.out: dict = {}
+        self.layers: dict = {}
+        self.visited: set = set()
+        # Containers such as ``Sequential.layers`` are built anew on each access: hold on to
+        # every visited one so that a later list cannot reuse its id() and be skipped.
+        self.alive: list = []
+
+    def children(self, obj):
+        cache = self.cache
         hit = None if cache is None else cache.get(("kids", id(obj)))
         if hit is not None and hit[0] is obj:
             kids = hit[1]
         else:
-            kids = list(compat.walk_saveable(obj))
+            # Only what a walk follows: containers, layers and metrics (kept for the call).
+            kids = [(a, c) for a, c in compat.walk_saveable(obj) if isinstance(c, _FOLLOWED)]
             if cache is not None:
                 cache[("kids", id(obj))] = (obj, kids)
-        if keras_style or compat.obj_type(obj) in ("Sequential", "Functional"):
+        if self.keras_style or compat.obj_type(obj) in ("Sequential", "Functional"):
             return kids
-        generic = ("layers", "_layers")
+        generic = self._GENERIC
         return [k for k in kids if k[0] not in generic] + [k for k in kids if k[0] in generic]
 
-    def visit(obj, path):
-        if id(obj) in visited or isinstance(obj, keras.optimizers.Optimizer):
+    def visit(self, obj, path):
+        if id(obj) in self.visited or isinstance(obj, keras.optimizers.Optimizer):
             return
-        visited.add(id(obj))
-        n_saved = sum(map(len, compat.layer_own_variables(obj))) if isinstance(obj, keras.layers.Layer) else 0
+        self.visited.add(id(obj))
         own = _own_variables(obj)
-        names = [f"vars/{i}" for i in range(n_saved)] if keras_style else _own_names(obj, own)
+        if self.keras_style:
+            n_saved = (
+                sum(map(len, compat.layer_own_variables(obj))) if isinstance(obj, keras.layers.Layer) else 0
+            )
+            names = [f"vars/{i}" for i in range(n_saved)]
+        else:
+            names = _own_names(obj, own)
+        out = self.out
         for v, name in zip(own, names, strict=False):
-            out.setdefault(id(v), (join(path, name), v))
+            out.setdefault(id(v), (_join(path, name), v))
         if isinstance(obj, keras.layers.Layer):
-            layers.setdefault(id(obj), (path, obj))
-        for attr, child in children(obj):
+            self.layers.setdefault(id(obj), (path, obj))
+        for attr, child in self.children(obj):
             if isinstance(child, (list, tuple, dict)):
-                visit_container(child, join(path, attr))
+                self.visit_container(child, _join(path, attr))
             elif isinstance(child, (keras.layers.Layer, keras.metrics.Metric)):
-                visit(child, join(path, attr))
+                self.visit(child, _join(path, attr))
 
-    def visit_container(container, path):
-        if id(container) in visited:
+    def visit_container(self, container, path):
+        if id(container) in self.visited:
             return
-        visited.add(id(container))
-        alive.append(container)
+        self.visited.add(id(container))
+        self.alive.append(container)
+        keras_style = self.keras_style
         if isinstance(container, dict):
             items = [(None if keras_style else str(k), v) for k, v in container.items()]
         else:
-            items = [(None, v) for v in container]
+            items = ((None, v) for v in container)
         used: dict = {}
         for key, item in items:
             if isinstance(item, (keras.layers.Layer, keras.metrics.Metric)):
@@ -216,12 +297,9 @@ def _walk_once(model, keras_style: bool, cache: dict | None):
                     base = _snake(type(item).__name__)
                 else:
                     base = item.name
-                visit(item, f"{path}/{_unique(base, used)}")
+                self.visit(item, f"{path}/{_unique(base, used)}")
             elif isinstance(item, (list, tuple, dict)):
-                visit_container(item, f"{path}/{_unique(key or 'container', used)}")
-
-    visit(model, "")
-    return out, layers
+                self.visit_container(item, f"{path}/{_unique(key or 'container', used)}")
 
 
 def stable_variable_paths(model) -> dict:
@@ -288,9 +366,12 @@ class VariableRegistry:
         True
     """
 
-    def __init__(self, entries):
+    def __init__(self, entries, *, model=None):
         self.entries = list(entries)
-        self.keras_paths = {}
+        # Where stock Keras keeps each variable: computed from ``model`` on first use.
+        self._model = model
+        self._keras_paths = None if model is not None else {}
+        self._keras_source = None
         self._by_key = {}
         self._by_id = {}
         dup = []
@@ -311,23 +392,59 @@ class VariableRegistry:
         """Key ``variables`` (default: ``model.variables``) by the model's stable paths.
 
         A variable the walk does not reach gets ``order:<its index in variables>``.
-        A tied variable appearing twice in ``variables`` is keyed once.
+        A tied variable appearing twice in ``variables`` is keyed once. Inside
+        :func:`one_walk` (every save and restore) the registry of one model and
+        variable list is built once and shared: treat it as read-only.
         """
         variables = list(model.variables if variables is None else variables)
-        paths = stable_variable_paths(model) if model is not None else {}
+        cache = _WALKS.get() if model is not None else None
+        if cache is not None:
+            cache_key = ("registry", id(model), tuple(map(id, variables)))
+            hit = cache.get(cache_key)
+            if hit is not None and hit[0] is model:
+                return hit[1]
+        paths = _stable_paths(model, variables) if model is not None else {}
         entries, seen = [], set()
-        keras_paths = {}
         for i, v in enumerate(variables):
             if id(v) in seen:
                 continue
             seen.add(id(v))
             hit = paths.get(id(v))
             entries.append((VariableKey(NAMED, hit[0]) if hit else VariableKey(ORDERED, str(i)), v))
-            if hit and hit[2]:
-                keras_paths[id(v)] = hit[2]
-        registry = cls(entries)
-        registry.keras_paths = keras_paths
+        registry = cls(entries, model=model)
+        if cache is not None:
+            cache[cache_key] = (model, registry)
         return registry
+
+    def rekeyed(self, entries) -> VariableRegistry:
+        """A registry over ``entries`` whose :attr:`keras_paths` are this one's (the same model)."""
+        registry = VariableRegistry(entries, model=self._model)
+        registry._keras_paths = self._keras_paths
+        registry._keras_source = self
+        return registry
+
+    @property
+    def keras_paths(self) -> dict:
+        """``id(variable) -> path`` where stock Keras ``.weights.h5`` files keep each
+        variable the model's walk reaches (``"layers/dense/vars/0"``).
+
+        Only restores of stock Keras files need it, so it is computed on first use
+        (a walk in Keras' own order: inside :func:`one_walk`, once per call).
+        """
+        if self._keras_paths is None:
+            if self._keras_source is not None:
+                self._keras_paths = self._keras_source.keras_paths
+            else:
+                ours = _walk(self._model, keras_style=False)
+                theirs = _walk(self._model, keras_style=True)
+                self._keras_paths = {
+                    id(v): theirs[id(v)][0] for _, v in self.entries if id(v) in ours and id(v) in theirs
+                }
+        return self._keras_paths
+
+    @keras_paths.setter
+    def keras_paths(self, value) -> None:
+        self._keras_paths = value
 
     def key_of(self, variable) -> VariableKey:
         """The key of a registered variable.

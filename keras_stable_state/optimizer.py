@@ -368,14 +368,18 @@ def tracked_optimizers(model) -> dict:
     for attr, value in attrs:
         if isinstance(value, keras.optimizers.Optimizer):
             add(attr.lstrip("_") or attr, value)
+    optimizer_type = keras.optimizers.Optimizer
     for attr, value in attrs:
         name = attr.lstrip("_") or attr
+        # The name is only formatted for an optimizer (a dict key may be any object).
         if isinstance(value, dict):
             for k, v in value.items():
-                add(f"{name}.{k}", v)
+                if isinstance(v, optimizer_type):
+                    add(f"{name}.{k}", v)
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
-                add(f"{name}.{i}", v)
+                if isinstance(v, optimizer_type):
+                    add(f"{name}.{i}", v)
     return found
 
 

@@ -70,9 +70,7 @@ def optimizer_registry(optimizer, model, extras=None):
     if not extras:
         return registry
     names = {id(v): VariableKey(EXTRA, name) for name, v in extras.items()}
-    keyed = VariableRegistry([(names.get(id(v), key), v) for key, v in registry.entries])
-    keyed.keras_paths = registry.keras_paths
-    return keyed
+    return registry.rekeyed([(names.get(id(v), key), v) for key, v in registry.entries])
 
 
 def keyed_optimizer_entries(optimizer, model, extras=None, **kwargs) -> list:
@@ -146,6 +144,7 @@ def plan_optimizer_arrays(
     name=None,
     extras=None,
     keep_learning_rate=False,
+    parsed_keys=None,
 ):
     """Match saved optimizer arrays to live optimizer variables.
 
@@ -164,6 +163,8 @@ def plan_optimizer_arrays(
         extras: ``{name: variable}`` outside the model, keyed ``var:<name>``.
         keep_learning_rate: Leave learning-rate variables at their live value;
             every difference is listed in ``report.learning_rates`` either way.
+        parsed_keys: ``{entry key: parse_optimizer_key(entry key)}`` already parsed
+            by the caller (:func:`plan_optimizers`); the others are parsed here.
 
     Returns:
         A list of ``(variable, array)`` to assign.
@@ -207,7 +208,9 @@ def plan_optimizer_arrays(
         return plan
 
     live_by_key = {e.key: e for e in live}
-    parsed = {k: parse_optimizer_key(k, file_label(where)) for k in arrays}
+    parsed_keys = parsed_keys or {}
+    label = file_label(where)
+    parsed = {k: parsed_keys[k] if k in parsed_keys else parse_optimizer_key(k, label) for k in arrays}
     owners = {}
     for vkey, _ in parsed.values():
         if vkey is not None:
@@ -481,11 +484,12 @@ def plan_optimizers(
     saved_opt = record.optimizer
     meta_all = record.metadata.get("optimizers") if isinstance(record, storage.StateRecord) else None
     meta_all = meta_all if isinstance(meta_all, dict) else {}
+    parsed_keys = {}  # parsed once here, reused by plan_optimizer_arrays
     if isinstance(saved_opt, dict):
         groups = {}
         for key, array in saved_opt.items():
-            _, slot = parse_optimizer_key(key, where)
-            groups.setdefault(split_entry_name(slot)[0], {})[key] = array
+            parsed_keys[key] = parse_optimizer_key(key, where)
+            groups.setdefault(split_entry_name(parsed_keys[key][1])[0], {})[key] = array
     else:
         groups = {MAIN: saved_opt} if len(saved_opt) else {}
     if not optimizers:
@@ -558,6 +562,7 @@ def plan_optimizers(
             name=name,
             extras=extras,
             keep_learning_rate=keep_learning_rate,
+            parsed_keys=parsed_keys,
         )
     return plan
 

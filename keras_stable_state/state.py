@@ -74,6 +74,9 @@ class ScheduleMismatchError(StateError, ValueError):
 
 
 # -- arrays inside JSON states ---------------------------------------------------
+_PLAIN = frozenset({str, int, float, bool, type(None)})  # JSON scalars, kept as they are
+
+
 def split_arrays(obj, prefix: str):
     """Replace every NumPy array in ``obj`` by ``{"__array__": name}``.
 
@@ -89,7 +92,8 @@ def split_arrays(obj, prefix: str):
         if isinstance(value, dict):
             return {str(k): walk(v, f"{path}/{k}") for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(value)]
+            # Plain scalars (Python's random state: 625 ints) are kept without a path each.
+            return [v if type(v) in _PLAIN else walk(v, f"{path}/{i}") for i, v in enumerate(value)]
         if isinstance(value, (np.integer, np.floating, np.bool_)):
             return value.item()
         return value

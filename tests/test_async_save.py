@@ -82,6 +82,41 @@ def test_async_save_writes_what_a_blocking_save_writes_while_training_goes_on(tm
             np.testing.assert_array_equal(to_np(v), w)
 
 
+def test_async_save_writes_the_other_state_as_it_was_at_the_call(tmp_path, monkeypatch):
+    class Live:
+        """A provider whose state holds its live containers and array."""
+
+        def __init__(self):
+            self.log, self.table, self.counts = ["a"], {"k": [1, 2]}, np.arange(3)
+
+        def get_state(self):
+            return {"log": self.log, "table": self.table, "counts": self.counts}
+
+        def set_state(self, state):
+            self.log, self.table, self.counts = state["log"], state["table"], state["counts"]
+
+    m, live = _model(), Live()
+    _train(m)
+    written, real = threading.Event(), storage.write_record
+
+    def write_when_told(*args, **kwargs):
+        assert written.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "write_record", write_when_told)
+    handle = kss.save_training_state(tmp_path / "s.h5", m, state={"live": live}, blocking=False)
+    live.log.append("b")
+    live.table["k"].append(3)
+    live.table["new"] = []
+    live.counts += 10
+    written.set()
+    handle.wait()
+    fresh = Live()
+    kss.restore_training_state(tmp_path / "s.h5", _model(), state={"live": fresh})
+    assert fresh.log == ["a"] and fresh.table == {"k": [1, 2]}
+    np.testing.assert_array_equal(fresh.counts, np.arange(3))
+
+
 def test_wait_reraises_the_write_error_with_its_type_and_path(tmp_path):
     m = _model()
     _train(m, 1)

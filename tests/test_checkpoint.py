@@ -421,3 +421,36 @@ def test_subclassed_model_without_variables_is_refused_clearly(tmp_path, data):
         m.build((None, 4))  # Keras marks it built without creating variables
     with pytest.raises(kss.StateError, match="has no variables yet; call it on a batch"):
         kss.restore_training_state(tmp_path / "s.h5", m)
+
+
+def test_cyclic_gc_paused_during_a_call_and_restored_after(tmp_path, data):
+    import gc
+
+    class Probe:
+        """A provider recording whether the cyclic collector runs while it is saved and restored."""
+
+        seen = []
+
+        def get_state(self):
+            Probe.seen.append(gc.isenabled())
+            return {}
+
+        def set_state(self, state):
+            Probe.seen.append(gc.isenabled())
+
+    m, path = _trained(data), tmp_path / "s.h5"
+    assert gc.isenabled()
+    kss.save_training_state(path, m, state={"p": Probe()})
+    kss.restore_training_state(path, m, state={"p": Probe()})
+    assert len(Probe.seen) >= 3 and not any(Probe.seen)
+    assert gc.isenabled()
+    with pytest.raises(kss.StateError):  # a refused call re-enables it too
+        kss.restore_training_state(path, m, state={"missing": Probe()})
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a collector the caller paused stays paused
+        kss.save_training_state(path, m)
+        kss.restore_training_state(path, m)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -175,3 +175,99 @@ def test_keras_paths_still_follow_keras_weight_files(tmp_path):
     with h5py.File(tmp_path / "w.weights.h5") as f:
         for _, var, kpath in stable_variable_paths(m).values():
             np.testing.assert_array_equal(f[kpath][()], keras.ops.convert_to_numpy(var))
+
+
+# -- one walk of the model per save and per restore ------------------------------------------
+def _count_walks(monkeypatch):
+    """Count the model walks (``_walk_once``, by style) and Keras' per-object saving walk."""
+    from keras_stable_state import _keras_compat, identity
+
+    walks, kids = [], {}
+    walk_once, walk_saveable = identity._walk_once, _keras_compat.walk_saveable
+
+    def counted_walk(model, keras_style, cache):
+        walks.append("keras" if keras_style else "stable")
+        return walk_once(model, keras_style, cache)
+
+    def counted_kids(obj):
+        kids[id(obj)] = kids.get(id(obj), 0) + 1
+        return walk_saveable(obj)
+
+    monkeypatch.setattr(identity, "_walk_once", counted_walk)
+    monkeypatch.setattr(_keras_compat, "walk_saveable", counted_kids)
+    return walks, kids
+
+
+def _compiled(optimizer_built=True):
+    model = _Proj()
+    model(np.ones((2, 3), "float32"))
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    if optimizer_built:
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".keras"])
+def test_save_and_restore_walk_the_model_once(tmp_path, monkeypatch, suffix):
+    src = _compiled()
+    dst = _compiled(optimizer_built=False)  # the restore builds it: its registry is keyed anew
+    path = tmp_path / f"state{suffix}"
+    acc = kss.GradientAccumulator(src)
+    extra = keras.Variable(np.ones((2,), "float32"), name="log_alpha")
+    walks, kids = _count_walks(monkeypatch)
+    kss.save_training_state(path, src, state={"acc": acc}, callbacks=[keras.callbacks.EarlyStopping()])
+    assert walks == ["stable"] and max(kids.values()) == 1
+    walks.clear(), kids.clear()
+    report = kss.restore_training_state(path, dst)
+    assert walks == ["stable"] and max(kids.values()) == 1
+    assert report.built_optimizer and not report.order_keys
+    assert all(how == "name" for how in report.matched.values())
+    walks.clear(), kids.clear()
+    kss.save_training_state(path, src, variables={"log_alpha": extra}, blocking=False).wait()
+    assert walks == ["stable"]
+    walks.clear()
+    kss.restore_training_state(path, dst, variables={"log_alpha": extra})
+    assert walks == ["stable"]
+
+
+def test_stock_weights_restore_adds_only_keras_addressing(tmp_path, monkeypatch):
+    src, dst = _compiled(), _compiled()
+    src.save_weights(tmp_path / "stock.weights.h5")
+    walks, kids = _count_walks(monkeypatch)
+    report = kss.restore_training_state(tmp_path / "stock.weights.h5", dst, strict=False)
+    # Keras' own addressing is a second pass over the same objects: Keras' walk runs once per object.
+    assert walks == ["stable", "keras"] and max(kids.values()) == 1
+    assert report.matched
+    for a, b in zip(src.weights, dst.weights, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+
+
+def test_walk_reused_in_a_call_is_redone_when_the_model_gains_variables():
+    from keras_stable_state.identity import one_walk
+
+    class Lazy(keras.Model):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.first = keras.layers.Dense(2)
+            self.later = keras.layers.Dense(2)
+
+        def build(self, input_shape):
+            self.first.build(input_shape)
+
+        def call(self, x):
+            return self.first(x)
+
+    model = Lazy()
+    model(np.ones((1, 3), "float32"))
+    with one_walk():
+        before = VariableRegistry.from_model(model)
+        assert before is VariableRegistry.from_model(model)  # one registry per call
+        model.later.build((None, 3))  # built inside the call: new variables
+        after = VariableRegistry.from_model(model)
+    assert [str(k) for k in before.keys()] == ["path:first/kernel", "path:first/bias"]
+    assert [str(k) for k in after.keys()] == [
+        "path:first/kernel",
+        "path:first/bias",
+        "path:later/kernel",
+        "path:later/bias",
+    ]
