@@ -33,7 +33,7 @@ class TrainableContract:
     def capture(cls, model) -> TrainableContract:
         """The contract of ``model``'s current trainable variables."""
         registry = VariableRegistry.from_model(model, model.trainable_variables)
-        return cls(tuple((str(k), tuple(int(d) for d in v.shape), str(v.dtype)) for k, v in registry.entries))
+        return cls(tuple((str(k), tuple(map(int, v.shape)), str(v.dtype)) for k, v in registry.entries))
 
     def to_json(self) -> list:
         """A JSON-serialisable list of ``[key, shape, dtype]``."""

@@ -283,6 +283,12 @@ class _Walker:
             return
         self.visited.add(id(container))
         self.alive.append(container)
+        # Nothing left to reach (a model's ``layers`` after its attributes, lists of
+        # variables): no entry needs its name.
+        visited = self.visited
+        values = container.values() if isinstance(container, dict) else container
+        if not any(isinstance(v, _FOLLOWED) and id(v) not in visited for v in values):
+            return
         keras_style = self.keras_style
         if isinstance(container, dict):
             items = [(None if keras_style else str(k), v) for k, v in container.items()]
