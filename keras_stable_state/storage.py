@@ -1180,40 +1180,26 @@ class CheckpointFile:
             self._check_schema()
             return
         for section in SECTIONS:
-            if section not in f:
-                if section == "state":
-                    continue
-                raise _damaged(self.where, f"group {section!r} is missing", key=section)
-            group = f[section]
-            if not isinstance(group, h5py.Group):
-                raise _damaged(self.where, f"{section!r} is not a group", key=section)
-            names = set(group)
-            if names != {str(i) for i in range(len(names))}:
-                odd = sorted(names - {str(i) for i in range(len(names))})
-                raise _damaged(
-                    self.where,
-                    f"group {section!r} holds {odd}, not only datasets numbered 0..{len(names) - 1}",
-                    key=section,
-                )
             seen = set()
-            for i in range(len(names)):
-                name = f"{section}/{i}"
-                ds = datasets.get(name)
-                if ds is None:
-                    raise _damaged(self.where, f"{name} is not a dataset", key=name)
+            for name, ds in self._numbered(section, datasets, "datasets", optional=section == "state"):
                 entry = self._record_entry(section, name, ds)
-                _check_key(self.where, section, entry.key)
-                if entry.key in seen:
-                    raise _damaged(
-                        self.where, f"key {entry.key!r} appears twice in {section!r}", key=entry.key
-                    )
-                seen.add(entry.key)
-                self.entries.append(entry)
+                self._add_entry(entry, seen)
         self._check_schema()
 
-    def _blobs(self, section: str, datasets: dict, rows: list) -> list:
-        """Sizes in bytes of the blobs ``section/0``, ``section/1``, ... (format 3)."""
+    def _add_entry(self, entry: Entry, seen: set) -> None:
+        """Append ``entry`` after checking its key parses and is new in its section (``seen``)."""
+        _check_key(self.where, entry.section, entry.key)
+        if entry.key in seen:
+            raise _damaged(self.where, f"key {entry.key!r} appears twice in {entry.section!r}", key=entry.key)
+        seen.add(entry.key)
+        self.entries.append(entry)
+
+    def _numbered(self, section: str, datasets: dict, what: str, optional=False) -> list:
+        """``[(path, dataset)]`` of ``section/0``, ``section/1``, ... in order, refusing a
+        missing group (unless ``optional``), other names or objects that are not datasets."""
         if section not in self._h5:
+            if optional:
+                return []
             raise _damaged(self.where, f"group {section!r} is missing", key=section)
         group = self._h5[section]
         if not isinstance(group, h5py.Group):
@@ -1223,15 +1209,21 @@ class CheckpointFile:
             odd = sorted(names - {str(i) for i in range(len(names))})
             raise _damaged(
                 self.where,
-                f"group {section!r} holds {odd}, not only blobs numbered 0..{len(names) - 1}",
+                f"group {section!r} holds {odd}, not only {what} numbered 0..{len(names) - 1}",
                 key=section,
             )
-        sizes = []
+        found = []
         for i in range(len(names)):
             name = f"{section}/{i}"
-            ds = datasets.get(name)
-            if ds is None:
+            if datasets.get(name) is None:
                 raise _damaged(self.where, f"{name} is not a dataset", key=name)
+            found.append((name, datasets[name]))
+        return found
+
+    def _blobs(self, section: str, datasets: dict, rows: list) -> list:
+        """Sizes in bytes of the blobs ``section/0``, ``section/1``, ... (format 3)."""
+        sizes = []
+        for name, ds in self._numbered(section, datasets, "blobs"):
             if ds.dtype != np.uint8 or ds.ndim != 1 or len(ds.attrs):
                 raise self._refuse_blob(
                     name,
@@ -1263,13 +1255,7 @@ class CheckpointFile:
             seen = set()
             for row in rows:
                 entry = self._index_entry(section, row, sizes, ends)
-                _check_key(self.where, section, entry.key)
-                if entry.key in seen:
-                    raise _damaged(
-                        self.where, f"key {entry.key!r} appears twice in {section!r}", key=entry.key
-                    )
-                seen.add(entry.key)
-                self.entries.append(entry)
+                self._add_entry(entry, seen)
             for i, (end, size) in enumerate(zip(ends, sizes, strict=True)):
                 if end is None:
                     raise _damaged(

@@ -163,17 +163,24 @@ def test_any_edit_of_the_index_resealed_is_refused_and_nothing_changes(
         _records.write_json(f, "index", index)
     storage.reseal(path)
 
-    for v in [*m.variables, *m.optimizer.variables]:
-        v.assign(to_np(v) + np.ones((), to_np(v).dtype))
-    before = _values(m)
     with pytest.raises(kss.CorruptCheckpointError) as info:
         storage.read_file(path)
     assert info.value.key is not None and str(info.value.key) in str(info.value)
-    with pytest.raises(StateError):
+    _assert_refused_untouched(path, m, StateError)
+
+
+def _assert_refused_untouched(path, m, error, match=None):
+    """Restore of ``path`` raises ``error`` and leaves every variable of ``m`` (first given
+    values other than the file's) as it was; ``verify`` refuses the file too. Returns the error."""
+    for v in [*m.variables, *m.optimizer.variables]:
+        v.assign(to_np(v) + np.ones((), to_np(v).dtype))
+    before = _values(m)
+    with pytest.raises(error, match=match) as info:
         kss.restore_training_state(path, m)
     for a, b in zip(before, _values(m), strict=True):
         _assert_same(a, b)
     assert cli.main(["verify", path]) != 0
+    return info.value
 
 
 def test_a_blob_with_bytes_no_array_claims_is_refused_naming_its_arrays(tmp_path, pristine):
@@ -349,18 +356,11 @@ def test_a_changed_keras_weights_member_is_refused_naming_it(tmp_path, archive, 
         return data, compress
 
     _rewrite_archive(bad, flip)  # zip CRC-32s recomputed: only the record's hash can notice
-    for v in [*m.variables, *m.optimizer.variables]:
-        v.assign(to_np(v) + np.ones((), to_np(v).dtype))
-    before = _values(m)
-    with pytest.raises(
-        kss.CorruptCheckpointError, match="model.weights.h5.*not the one the training state"
-    ) as info:
-        kss.restore_training_state(bad, m)
+    err = _assert_refused_untouched(
+        bad, m, kss.CorruptCheckpointError, match="model.weights.h5.*not the one the training state"
+    )
     # a probe process names the shared array whose xxh3-64 fails
-    assert info.value.key == "path:layers/hidden/kernel" and "xxh3-64 checksum" in str(info.value)
-    for a, b in zip(before, _values(m), strict=True):
-        _assert_same(a, b)
-    assert cli.main(["verify", bad]) != 0
+    assert err.key == "path:layers/hidden/kernel" and "xxh3-64 checksum" in str(err)
 
 
 def test_a_compressed_keras_weights_member_is_refused_naming_it(tmp_path, archive):
