@@ -256,14 +256,23 @@ def _file_size(path: str) -> int:
         return fh.seek(0, 2)
 
 
-def raw_member(fh, info: zipfile.ZipInfo) -> bytes:
-    """A zip member's bytes without the zip CRC check (to find which array is damaged)."""
+def member_start(fh, info: zipfile.ZipInfo) -> int:
+    """Where a zip member's (stored or compressed) bytes start in the archive file ``fh``.
+
+    Raises:
+        zipfile.BadZipFile: if its local header is not where the central directory says.
+    """
     fh.seek(info.header_offset)
     header = fh.read(30)
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for member {info.filename!r}")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
-    fh.seek(info.header_offset + 30 + name_len + extra_len)
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def raw_member(fh, info: zipfile.ZipInfo) -> bytes:
+    """A zip member's bytes without the zip CRC check (to find which array is damaged)."""
+    fh.seek(member_start(fh, info))
     data = fh.read(info.compress_size)
     if info.compress_type == zipfile.ZIP_DEFLATED:
         return zlib.decompressobj(-15).decompress(data, info.file_size)

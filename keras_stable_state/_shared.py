@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import struct
 import zipfile
 
 import numpy as np
@@ -32,7 +31,6 @@ from keras_stable_state import _hdf5_checks as checks
 
 MEMBER = "model.weights.h5"
 PREFIX = f"{MEMBER}:"
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 _CHUNK = 1 << 22
 
 
@@ -74,12 +72,7 @@ def member_span(fh, info: zipfile.ZipInfo) -> tuple[int, int]:
     Raises:
         zipfile.BadZipFile: if its local header is not where the central directory says.
     """
-    fh.seek(info.header_offset)
-    header = fh.read(_LOCAL_HEADER.size)
-    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise zipfile.BadZipFile(f"bad local header for member {info.filename!r}")
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size
+    return checks.member_start(fh, info), info.file_size
 
 
 def hash_span(fh, start: int, size: int) -> str:

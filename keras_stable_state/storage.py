@@ -1666,20 +1666,23 @@ class CheckpointFile:
             else:
                 computed = checks.crc_v2(entry.key, entry.dtype, stored.shape, stored)
             if computed != entry.crc32:
-                raise _damaged(
-                    self.where,
-                    f"array for key {entry.key!r} fails its CRC-32 checksum (expected {entry.crc32}, "
-                    f"computed {computed})",
-                    key=entry.key,
-                    expected=entry.crc32,
-                    received=computed,
-                )
+                raise self._failed_checksum(entry, entry.crc32, computed)
         if entry.dtype in _EXOTIC and stored.dtype.name != entry.dtype:
             target = np.dtype(_EXOTIC[entry.dtype])
             if target.itemsize != stored.dtype.itemsize:
                 raise _damaged(self.where, f"array for key {entry.key!r} is not {entry.dtype}", key=entry.key)
             return stored.view(target)
         return stored
+
+    def _failed_checksum(self, entry: Entry, expected, computed) -> CorruptCheckpointError:
+        return _damaged(
+            self.where,
+            f"array for key {entry.key!r} fails its {entry.checksum} checksum (expected {expected}, "
+            f"computed {computed})",
+            key=entry.key,
+            expected=expected,
+            received=computed,
+        )
 
     def _read_packed(self, entry: Entry) -> np.ndarray:
         """Format 3: the array's bytes from its blob (a blob up to :data:`_BLOB_CACHE_LIMIT`
@@ -1701,14 +1704,7 @@ class CheckpointFile:
                 self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
             ) from err
         if computed != entry.xxh3:
-            raise _damaged(
-                self.where,
-                f"array for key {entry.key!r} fails its xxh3-64 checksum (expected {entry.xxh3:016x}, "
-                f"computed {computed:016x})",
-                key=entry.key,
-                expected=f"{entry.xxh3:016x}",
-                received=f"{computed:016x}",
-            )
+            raise self._failed_checksum(entry, f"{entry.xxh3:016x}", f"{computed:016x}")
         if entry.dtype in _EXOTIC:
             return stored.view(np.dtype(_EXOTIC[entry.dtype]))
         return stored
