@@ -305,14 +305,13 @@ def skip_batches(model, count: int, per_call: int = 1) -> None:
     model.train_function = skip
 
 
-def fit_data_adapter():
-    """The data adapter of the ``fit`` call running in this thread, or ``None``.
+def fit_epoch_iterator():
+    """The ``EpochIterator`` of the ``fit`` call running in this thread, or ``None``.
 
     Keras gives a callback no handle on ``fit``'s inputs: this looks up the call stack
     for the ``fit`` frame of a Keras trainer (TensorFlow, JAX and Torch name its
-    ``EpochIterator`` ``epoch_iterator``) and returns that iterator's ``data_adapter``
-    (``keras/src/trainers/epoch_iterator.py``). ``None`` outside ``fit`` or under a
-    trainer that keeps it elsewhere."""
+    ``EpochIterator`` ``epoch_iterator``, ``keras/src/trainers/epoch_iterator.py``).
+    ``None`` outside ``fit`` or under a trainer that keeps it elsewhere."""
     from keras.src.trainers.epoch_iterator import EpochIterator
 
     frame = sys._getframe(1)
@@ -320,9 +319,109 @@ def fit_data_adapter():
         if frame.f_code.co_name == "fit" and "epoch_iterator" in frame.f_code.co_varnames:
             found = frame.f_locals.get("epoch_iterator")
             if isinstance(found, EpochIterator):
-                return found.data_adapter
+                return found
         frame = frame.f_back
     return None
+
+
+def fit_data_adapter():
+    """The data adapter of the ``fit`` call running in this thread (that of
+    :func:`fit_epoch_iterator`), or ``None``."""
+    found = fit_epoch_iterator()
+    return None if found is None else found.data_adapter
+
+
+# -- the order and stream place of fit's input ---------------------------------------------
+def shufflable_arrays(epoch_iterator):
+    """``(inputs, shuffle, batch_size)`` of a ``fit`` over NumPy arrays with ``shuffle``
+    ``True`` or ``"batch"`` and a fresh iterator per epoch (no ``steps_per_epoch``), whose
+    order :class:`keras_stable_state._fit_input.EpochOrder` can take over; else ``None``.
+
+    ``inputs`` is the ``ArrayDataAdapter``'s packed ``(x, y, sample_weight)`` structure
+    (class weights already turned into sample weights,
+    ``keras/src/trainers/data_adapters/array_data_adapter.py``)."""
+    import numpy as np
+    from keras.src import tree
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    if epoch_iterator is None or epoch_iterator.steps_per_epoch is not None:
+        return None
+    adapter = epoch_iterator.data_adapter
+    if not isinstance(adapter, ArrayDataAdapter) or adapter._shuffle not in (True, "batch"):
+        return None
+    leaves = tree.flatten(adapter._inputs)
+    if not leaves or not all(isinstance(a, np.ndarray) for a in leaves):
+        return None
+    return adapter._inputs, adapter._shuffle, adapter._batch_size
+
+
+def shuffled_unowned_arrays(epoch_iterator) -> bool:
+    """``True`` for shuffled array inputs whose order :func:`shufflable_arrays` cannot take
+    over (``steps_per_epoch`` given, or leaves that are not NumPy arrays)."""
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    if epoch_iterator is None:
+        return False
+    adapter = epoch_iterator.data_adapter
+    return (
+        isinstance(adapter, ArrayDataAdapter)
+        and bool(adapter._shuffle)
+        and shufflable_arrays(epoch_iterator) is None
+    )
+
+
+def num_samples(inputs) -> int:
+    """The number of samples of a packed array structure."""
+    from keras.src import tree
+
+    return int(next(a.shape[0] for a in tree.flatten(inputs) if a is not None))
+
+
+def set_array_order(epoch_iterator, inputs, permutation=None) -> None:
+    """Switch the ``ArrayDataAdapter``'s own shuffle off and, with ``inputs``, make it
+    serve ``inputs`` gathered in ``permutation`` order (int array of shape
+    ``(num_samples,)``; a copy of the arrays). On TensorFlow the iterator's ``tf.data``
+    pipeline is built anew from them (``TFEpochIterator`` builds it once, in its
+    constructor); JAX and Torch iterators read the adapter's arrays at each epoch."""
+    from keras.src import tree
+
+    adapter = epoch_iterator.data_adapter
+    adapter._shuffle = False
+    if inputs is None:
+        return
+    adapter._inputs = tree.map_structure(lambda a: None if a is None else a[permutation], inputs)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        dataset = adapter.get_tf_dataset()
+        if not isinstance(dataset, tf.distribute.DistributedDataset):
+            dataset = epoch_iterator._distribute_strategy.experimental_distribute_dataset(dataset)
+        epoch_iterator._distributed_dataset = dataset
+
+
+def stream_persists(epoch_iterator) -> bool:
+    """``True`` when ``fit`` keeps one iterator across epochs: ``steps_per_epoch`` was
+    given, so an epoch continues the stream where the last one stopped until the input
+    runs out (``EpochIterator._enumerate_iterator``)."""
+    return epoch_iterator is not None and epoch_iterator.steps_per_epoch is not None
+
+
+def stream_position(epoch_iterator) -> int:
+    """Batches already drawn from the iterator the next epoch will continue (``0`` when
+    it starts a fresh one). Read before the epoch's batches are drawn."""
+    if not stream_persists(epoch_iterator) or epoch_iterator._current_iterator is None:
+        return 0
+    return int(epoch_iterator._steps_seen)
+
+
+def advance_stream(epoch_iterator, count: int) -> None:
+    """Start the iterator the next epoch continues and draw ``count`` batches from it
+    without training on them (a resumed run reaching the stream place it was saved at)."""
+    iterator = iter(epoch_iterator._get_iterator())
+    for _ in range(count):
+        next(iterator)
+    epoch_iterator._current_iterator = iterator
+    epoch_iterator._steps_seen = count
 
 
 def fit_callbacks() -> list:

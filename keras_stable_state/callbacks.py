@@ -15,7 +15,7 @@ import weakref
 
 import keras
 
-from keras_stable_state import _async, checkpoint, state
+from keras_stable_state import _async, _fit_input, checkpoint, state
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state.errors import (
     CheckpointFormatError,
@@ -526,6 +526,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._spe = 1
         self._execution_begin = 0
         self._input = None
+        self._order = _fit_input.EpochOrder()
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
@@ -578,7 +579,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         return [os.path.join(self.directory, n) for n in names]
 
     def _providers(self):
-        found = {"position": self._position, "metrics": _Metrics(self.model)}
+        found = {"position": self._position, "metrics": _Metrics(self.model), "data": self._order}
         if self._input is not None:
             found["input"] = self._input
         return found
@@ -609,6 +610,23 @@ class StableCheckpoint(keras.callbacks.Callback):
                     stacklevel=3,
                 )
             return None
+        epoch_iterator = compat.fit_epoch_iterator()
+        if compat.shuffled_unowned_arrays(epoch_iterator) and (
+            keras.backend.backend() == "tensorflow" or compat.stream_persists(epoch_iterator)
+        ):
+            reason = (
+                "with steps_per_epoch (one shuffled pass spans several epochs)"
+                if compat.stream_persists(epoch_iterator)
+                else "whose arrays are not NumPy arrays"
+            )
+            warnings.warn(
+                f"StableCheckpoint: fit shuffles array inputs {reason}; StableCheckpoint cannot take "
+                "that order over, and Keras draws it from a random state that is not saved on this "
+                "backend, so a resumed run sees another order from the resumed epoch on. To resume "
+                "exactly, pass NumPy arrays without steps_per_epoch, or shuffle=False.",
+                InexactResumeWarning,
+                stacklevel=3,
+            )
         dataset = compat.tf_dataset_of(adapter)
         if dataset is not None:
             for op in compat.reshuffling_ops(dataset):
@@ -624,6 +642,39 @@ class StableCheckpoint(keras.callbacks.Callback):
                     stacklevel=3,
                 )
         return None
+
+    def _warn_inexact_resume(self, record):
+        """Warn, at train begin, for a resume whose data or random draws cannot be those
+        of an uninterrupted run: a mid-epoch checkpoint of shuffled arrays written before
+        the epoch's order was saved, and a resume on another backend than the writer's of a
+        model with random layers (each backend draws its own dropout masks and noise)."""
+        pos = self._position
+        saved = record.extra.get("providers", {})
+        if pos.step > 0 and self._order.shuffle and "data" not in saved:
+            warnings.warn(
+                f"StableCheckpoint: the checkpoint (epoch {pos.epoch}, step {pos.step}) was written by "
+                "a version that did not save the epoch's sample order; fit shuffles NumPy arrays, so "
+                "the rest of the interrupted epoch is drawn in another order. Let the epoch finish "
+                "before an interruption, or accept the difference.",
+                InexactResumeWarning,
+                stacklevel=3,
+            )
+        writer = (self.restore_report.writer or {}).get("backend")
+        live = keras.backend.backend()
+        if writer and writer != live:
+            random_layers = sorted(
+                {layer.name for layer in compat.flatten_layers(self.model) if compat.seed_generator_states(layer)}
+            )
+            if random_layers:
+                warnings.warn(
+                    f"StableCheckpoint: the checkpoint was written on {writer} and training resumes on "
+                    f"{live}; the layers {random_layers} draw random numbers (dropout masks, noise), and "
+                    f"{live} draws other ones from the same seed state than {writer}, so the resumed run "
+                    "trains like an uninterrupted one only up to that randomness. Resume on "
+                    f"{writer} for an exact continuation.",
+                    InexactResumeWarning,
+                    stacklevel=3,
+                )
 
     def _warn_unsaved_callbacks(self):
         """Warn for each stateful callback of this ``fit`` not given in ``callbacks=``: a
@@ -747,6 +798,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._in_flight = None
         _async.wait_for_folder(_async.folder_of(os.path.join(self.directory, "ckpt")))
         self._input = self._inspect_input()
+        self._order = _fit_input.EpochOrder(compat.fit_epoch_iterator())
         self._warn_unsaved_callbacks()
         try:
             self._take_directory()
@@ -826,6 +878,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         )
         pos = self._position
         self._pending_restore = record
+        self._warn_inexact_resume(record)
         compat.set_initial_epoch(self.model, pos.epoch)
         self._say(
             f"restored {os.path.basename(path)}: epoch {pos.epoch}, step {pos.step} of the epoch, "
@@ -835,18 +888,21 @@ class StableCheckpoint(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._collect(wait=False)
         record, self._pending_restore = self._pending_restore, None
+        saved_data = None
         if record is not None:
-            self._apply_pending(record)
+            saved_data = self._apply_pending(record)
         elif self._save_requested:
             self._position.step = 0
             self._save()
         self._position.epoch = epoch
         if self._position.step == 0:
-            # The random state before this epoch's data order is drawn.
+            # The random state before this epoch's data order is drawn, then the order.
             self._position.epoch_rng = state.rng_state()
+            self._order.begin_epoch(saved_data)
 
     def _apply_pending(self, record):
-        # Check everything first (callback states, both random states, metric values), then set.
+        # Check everything first (callback states, both random states, metric values, the
+        # data order), then set. Returns the checked data record of an epoch-boundary resume.
         setters = checkpoint.plan_callbacks(record, self._callbacks, self.restore_report)
         extra, arrays = record.extra, record.arrays
         pos = self._position
@@ -854,6 +910,9 @@ class StableCheckpoint(keras.callbacks.Callback):
         parsed_saved = state.parse_rng_state(saved_rng)
         metrics, values = _Metrics(self.model), None
         input_state = self._plan_input(extra, arrays)
+        saved_data = extra.get("providers", {}).get("data")
+        if saved_data is not None:
+            saved_data = self._order.check(state.join_arrays(saved_data, arrays), mid_epoch=pos.step > 0)
         if pos.step > 0:
             parsed_epoch = state.parse_rng_state(pos.epoch_rng)
             values = state.join_arrays(extra.get("providers", {}).get("metrics"), arrays)
@@ -870,10 +929,12 @@ class StableCheckpoint(keras.callbacks.Callback):
             # (e.g. Torch's unseeded dropout draws from the global generator every step).
             state.apply_rng_state(parsed_epoch)
             metrics.set_state(values)
+            self._order.begin_epoch(saved_data, mid_epoch=True)
             self._skip_batches(pos.step)
             self._rng_after_skip = saved_rng
-        else:
-            state.apply_rng_state(parsed_saved)
+            return None
+        state.apply_rng_state(parsed_saved)
+        return saved_data
 
     def _plan_input(self, extra, arrays):
         """The checked saved state of the ``fit`` input, or ``None`` when neither the
@@ -960,6 +1021,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         pos = self._position
         if pos.step == 0:
             pos.epoch_rng = state.rng_state()
+            self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
         name = f"ckpt-{pos.global_step:010d}.h5"
         path = os.path.join(self.directory, name)
         where = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"
