@@ -1,0 +1,212 @@
+"""The order and stream place of fit's input across a resume: shuffled NumPy inputs on every
+backend and across backends (issue 14, faults 2 and 5), and tf.data streams that outlive an
+epoch with repeat() and steps_per_epoch (fault 3)."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND, StopAt
+
+import keras_stable_state as kss
+from keras_stable_state import storage
+
+rng = np.random.default_rng(4)
+X = rng.normal(size=(44, 5)).astype("float32")  # 6 batches of 8, the last one of 4
+Y = (X @ rng.normal(size=(5, 1))).astype("float32")
+W = rng.uniform(0.5, 2.0, size=(44,)).astype("float32")
+
+
+def _model(dropout=False):
+    layers = [keras.Input((5,)), keras.layers.Dense(8, activation="relu")]
+    layers += [keras.layers.Dropout(0.3)] if dropout else []
+    m = keras.Sequential([*layers, keras.layers.Dense(1)])
+    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
+    return m
+
+
+def _weights(m):
+    return [keras.ops.convert_to_numpy(v) for v in m.weights] + [
+        keras.ops.convert_to_numpy(v) for v in m.optimizer.variables
+    ]
+
+
+def fit_arrays(directory, *, stop=None, seed=0, shuffle=True, x=X, save_freq=2, **fit_kw):
+    """A shuffled NumPy fit with sample weights and a StableCheckpoint; ``seed=None`` leaves the
+    process unseeded. Returns ``(weights by position, history)``, or ``None`` when stopped."""
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    m = _model()
+    callbacks = [kss.StableCheckpoint(directory, save_freq=save_freq)] + ([StopAt(*stop)] if stop else [])
+    try:
+        h = m.fit(
+            x,
+            Y[: len(x)],
+            sample_weight=W[: len(x)],
+            batch_size=8,
+            epochs=3,
+            shuffle=shuffle,
+            verbose=0,
+            callbacks=callbacks,
+            **fit_kw,
+        )
+    except RuntimeError as err:
+        assert stop is not None and str(err) == "preempted", err
+        return None
+    return _weights(m), h.history
+
+
+def _assert_same(ref, res, tol=0.0):
+    assert len(ref) == len(res)
+    for i, (a, b) in enumerate(zip(ref, res, strict=True)):
+        assert a.shape == b.shape, i
+        diff = float(np.max(np.abs(a.astype("float64") - b.astype("float64")))) if a.size else 0.0
+        assert diff <= tol, f"variable {i} differs by {diff}"
+
+
+_REF = {}
+
+
+def _reference(tmp_path_factory, **kw):
+    key = tuple(sorted(kw.items()))
+    if key not in _REF:
+        _REF[key] = fit_arrays(tmp_path_factory.mktemp("ref"), **kw)
+    return _REF[key]
+
+
+@pytest.mark.parametrize("resume_seed", [0, 123, None], ids=["same-seed", "other-seed", "unseeded"])
+@pytest.mark.parametrize("stop", [(1, 3), (1, 5), (0, 2)], ids=["mid-epoch", "last-batch", "first-epoch"])
+def test_shuffled_numpy_resume_is_exact_whatever_the_resuming_process_is_seeded_with(
+    tmp_path, tmp_path_factory, stop, resume_seed
+):
+    ref_weights, ref_history = _reference(tmp_path_factory)
+    fit_arrays(tmp_path, stop=stop)
+    keras.backend.clear_session()
+    weights, history = fit_arrays(tmp_path, seed=resume_seed)
+    _assert_same(ref_weights, weights)
+    assert history == ref_history
+
+
+def test_shuffle_batch_resumes_exactly(tmp_path, tmp_path_factory):
+    ref_weights, _ = _reference(tmp_path_factory, shuffle="batch")
+    fit_arrays(tmp_path, stop=(1, 3), shuffle="batch")
+    keras.backend.clear_session()
+    weights, _ = fit_arrays(tmp_path, seed=7, shuffle="batch")
+    _assert_same(ref_weights, weights)
+
+
+def test_two_preemptions_in_one_epoch_resume_exactly(tmp_path, tmp_path_factory):
+    ref_weights, _ = _reference(tmp_path_factory, save_freq=1)
+    fit_arrays(tmp_path, stop=(1, 1), save_freq=1)
+    keras.backend.clear_session()
+    fit_arrays(tmp_path, stop=(1, 4), seed=5, save_freq=1)
+    keras.backend.clear_session()
+    weights, _ = fit_arrays(tmp_path, seed=None, save_freq=1)
+    _assert_same(ref_weights, weights)
+
+
+def test_the_epoch_order_is_saved_as_a_permutation_of_the_samples(tmp_path):
+    fit_arrays(tmp_path, stop=(1, 3))
+    newest = sorted(os.listdir(tmp_path))[-1]
+    record = storage.read_file(os.path.join(tmp_path, newest))
+    data = record.extra["providers"]["data"]
+    perm = record.arrays[data["permutation"]["__array__"]]
+    assert sorted(perm.tolist()) == list(range(len(X)))
+    assert perm.tolist() != list(range(len(X)))  # shuffled
+    assert data["stream_offset"] == 0
+
+
+def test_a_mid_epoch_resume_with_another_number_of_samples_is_refused_naming_both(tmp_path):
+    fit_arrays(tmp_path, stop=(1, 3))
+    keras.backend.clear_session()
+    with pytest.raises(kss.StateError, match="covers 44 samples, this fit's input has 40"):
+        fit_arrays(tmp_path, x=X[:40])
+
+
+def test_shuffled_arrays_with_steps_per_epoch_warn_at_train_begin(tmp_path):
+    with pytest.warns(kss.InexactResumeWarning, match="with steps_per_epoch"):
+        fit_arrays(tmp_path, steps_per_epoch=2)
+
+
+def _writer_backend():
+    return {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[BACKEND]
+
+
+def test_a_shuffled_checkpoint_written_on_another_backend_resumes_on_the_same_samples(tmp_path):
+    writer = _writer_backend()
+    script = os.path.join(os.path.dirname(__file__), "scripts", "shuffled_writer.py")
+    env = dict(os.environ, KERAS_BACKEND=writer, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run(
+        [sys.executable, script, str(tmp_path / "ckpt"), str(tmp_path / "ref.npz")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = np.load(tmp_path / "ref.npz")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kss.InexactResumeWarning)  # no random layer: no warning
+        weights, _ = fit_arrays(tmp_path / "ckpt", seed=99)
+    _assert_same([ref[f"arr_{i}"] for i in range(len(ref.files))], weights, tol=1e-5)
+
+
+def test_a_cross_backend_resume_of_a_model_with_dropout_warns_naming_the_layer(tmp_path):
+    writer = _writer_backend()
+    code = (
+        "import sys, keras; sys.path.insert(0, %r); import test_fit_input as t\n"
+        "m = t._model(dropout=True)\n"
+        "import keras_stable_state as kss\n"
+        "m.fit(t.X, t.Y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(%r)])\n"
+    ) % (os.path.dirname(__file__), str(tmp_path))
+    env = dict(os.environ, KERAS_BACKEND=writer, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    m = _model(dropout=True)
+    with pytest.warns(kss.InexactResumeWarning, match=rf"written on {writer}.*\['dropout"):
+        m.fit(X, Y, epochs=2, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(tmp_path)])
+
+
+# -- tf.data streams that outlive an epoch -------------------------------------------------
+def _stream_fit(directory, *, stop=None, seed=0, save_freq=2, repeat=True, steps_per_epoch=4):
+    import tensorflow as tf
+
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    m = _model()
+    ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)  # 6 batches
+    ds = ds.repeat() if repeat else ds
+    callbacks = [kss.StableCheckpoint(directory, save_freq=save_freq)] + ([StopAt(*stop)] if stop else [])
+    try:
+        m.fit(ds, epochs=4, steps_per_epoch=steps_per_epoch, shuffle=False, verbose=0, callbacks=callbacks)
+    except RuntimeError as err:
+        assert stop is not None and str(err) == "preempted", err
+        return None
+    return _weights(m)
+
+
+@pytest.mark.parametrize(
+    "stop,save_freq",
+    [((2, 1), 2), ((2, 0), "epoch"), ((1, 3), 1), ((3, 2), 3)],
+    ids=["mid-epoch", "epoch-boundary", "last-batch", "late"],
+)
+def test_repeat_with_steps_per_epoch_resumes_at_the_place_in_the_stream(tmp_path, stop, save_freq):
+    ref = _stream_fit(tmp_path / "ref", save_freq=save_freq)
+    keras.backend.clear_session()
+    _stream_fit(tmp_path / "run", stop=stop, save_freq=save_freq)
+    keras.backend.clear_session()
+    _assert_same(ref, _stream_fit(tmp_path / "run", seed=3, save_freq=save_freq))
+
+
+def test_a_finite_stream_longer_than_steps_per_epoch_resumes_at_its_place(tmp_path):
+    # 6 batches read 3 per epoch: epoch 1 reads batches 3-5, then Keras starts the stream over.
+    kw = dict(repeat=False, save_freq=1, steps_per_epoch=3)
+    ref = _stream_fit(tmp_path / "ref", **kw)
+    keras.backend.clear_session()
+    _stream_fit(tmp_path / "run", stop=(1, 1), **kw)
+    keras.backend.clear_session()
+    _assert_same(ref, _stream_fit(tmp_path / "run", seed=3, **kw))
