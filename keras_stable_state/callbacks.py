@@ -63,8 +63,10 @@ class InexactResumeWarning(UserWarning):
 
     Issued on train begin, naming the input and what a resumed run will see otherwise:
     a ``keras.utils.PyDataset`` that overrides ``on_epoch_end`` (e.g. to shuffle) but
-    keeps its order without ``get_state()`` / ``set_state()``, or a ``tf.data`` pipeline
-    with ``shuffle(..., reshuffle_each_iteration=True)``.
+    keeps its order without ``get_state()`` / ``set_state()``, a ``tf.data`` pipeline
+    with ``shuffle(..., reshuffle_each_iteration=True)``, shuffled arrays whose order
+    :class:`StableCheckpoint` cannot take over, or a resume on another backend than the
+    writer's of a model with random layers.
 
     Example:
         >>> import warnings
@@ -350,9 +352,22 @@ class StableCheckpoint(keras.callbacks.Callback):
     state, metric accumulators and the position) and starts ``fit`` at the saved
     epoch. A checkpoint taken mid-epoch resumes at the next unseen batch: the
     batches already applied are drawn from the data and skipped, not trained on
-    again. This is exact for NumPy array inputs and ``keras.utils.PyDataset``
-    (whose order is decided by the saved global NumPy/Python random state), also
-    with ``workers > 1`` threads. A ``PyDataset`` that defines ``get_state()``
+    again. For NumPy array inputs with ``fit(shuffle=True)`` (or ``"batch"``)
+    the callback takes the shuffle over from Keras' data adapter, whose order each
+    backend draws with its own generator: at each epoch begin it draws the epoch's
+    permutation with NumPy's global generator and hands the adapter the arrays
+    gathered in that order (a copy of the arrays per epoch); the permutation is
+    saved (record ``providers/data``), so the rest of an interrupted epoch is the
+    same samples on any backend, whatever the resuming process was seeded with. A
+    ``keras.utils.PyDataset``'s order is decided by the saved global NumPy/Python
+    random state, also with ``workers > 1`` threads. With ``steps_per_epoch``,
+    Keras keeps one iterator across epochs (a ``tf.data`` pipeline with
+    ``repeat()``): the number of batches drawn from it before the epoch began is
+    saved too, and a resumed run draws them from a fresh iterator first. Shuffled
+    arrays whose order cannot be taken over (with ``steps_per_epoch``, or not NumPy
+    arrays, on TensorFlow) get an :class:`InexactResumeWarning` on train begin, as
+    does a resume on another backend than the writer's of a model with random
+    layers (each backend draws its own dropout masks). A ``PyDataset`` that defines ``get_state()``
     (a dict of JSON values and NumPy arrays) and ``set_state(state)`` has that
     state saved (record ``providers/input``) and put back before the resumed
     epoch's iterator starts, so one that shuffles in ``on_epoch_end`` resumes
