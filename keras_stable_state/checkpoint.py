@@ -762,6 +762,7 @@ def restore_training_state(
         )
     record, mapped = mappers_mod.decode_record(record, where)
     report = RestoreReport()
+    report.transfer = rules is not None or not strict
     report.mapped = {k: repr(m) for k, m in mapped.items()}
     report.lossy = [k for k, m in mapped.items() if m.lossy]
     if isinstance(record, storage.StockWeights):
