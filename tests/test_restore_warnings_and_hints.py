@@ -38,8 +38,8 @@ def _accumulating_ema_fit(directory, stop=None):
 
 
 def test_fault10_restore_with_accumulation_and_ema_emits_no_warning(tmp_path):
-    m, _ = _accumulating_ema_fit(tmp_path / "run", stop=(1, 4))  # last save: step 9, mid-window
-    acc = [v for v in m.optimizer.variables if "accumulated" in v.path]
+    m, _ = _accumulating_ema_fit(tmp_path / "run", stop=(1, 3))  # saved at step 9 (mid-window), then stopped
+    acc = [v for v in m.optimizer.variables if "gradient_accumulator" in v.path]
     assert acc and any(np.any(to_np(v)) for v in acc)  # an open accumulation window was saved
     path = kss.StableCheckpoint(tmp_path / "run").checkpoints()[0]
     # a fresh model with a plain Adam: restore_training_state on its own
@@ -48,7 +48,7 @@ def test_fault10_restore_with_accumulation_and_ema_emits_no_warning(tmp_path):
         warnings.simplefilter("error")
         report = kss.restore_training_state(path, dst, include_rng=False)
     assert report.built_optimizer
-    ema = [v for v in dst.optimizer.variables if "average" in v.path]
+    ema = [v for v in dst.optimizer.variables if v.path.endswith("_average")]
     assert ema and all(np.any(to_np(v)) for v in ema)
     # and the whole resumed fit (restore, metric values, skipped batches, saves) warns of nothing
     with warnings.catch_warnings():
@@ -85,14 +85,11 @@ def test_fault11_resume_with_a_changed_learning_rate_does_not_suggest_keep_learn
     # StableCheckpoint's resume: the same
     ckpt_dir = tmp_path / "ckpt"
     m = _model(1e-3)
-    m.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[kss.StableCheckpoint(ckpt_dir)])
-    m.optimizer.learning_rate.assign(5e-4)
-    m.fit(
-        X, Y, batch_size=16, epochs=2, initial_epoch=1, verbose=0, callbacks=[kss.StableCheckpoint(ckpt_dir)]
-    )
+    lowered = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 5e-4)  # at epoch 0's begin
+    m.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[kss.StableCheckpoint(ckpt_dir), lowered])
     ckpt = kss.StableCheckpoint(ckpt_dir)
     m = _model(1e-3)
-    m.fit(X, Y, batch_size=16, epochs=3, verbose=0, callbacks=[ckpt])
+    m.fit(X, Y, batch_size=16, epochs=2, verbose=0, callbacks=[ckpt])
     assert ckpt.restore_report.learning_rates and not ckpt.restore_report.transfer
     assert "keep_learning_rate" not in str(ckpt.restore_report)
 
