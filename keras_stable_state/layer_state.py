@@ -31,7 +31,6 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import state as state_mod
-from keras_stable_state._apply import numpy_copy
 from keras_stable_state.errors import BindingError, StateError
 from keras_stable_state.identity import stable_layer_paths
 
@@ -155,7 +154,7 @@ def _lookup_state(holder, key) -> dict:
     vocabulary = [_json_token(t, key) for t in raw]
     idf = None
     if layer.output_mode == "tf_idf" and getattr(layer, "idf_weights_const", None) is not None:
-        idf = numpy_copy(layer.idf_weights_const)
+        idf = np.array(keras.ops.convert_to_numpy(layer.idf_weights_const), copy=True)
     return {
         "kind": VOCABULARY,
         "class": type(holder).__name__,
