@@ -46,6 +46,12 @@ def to_numpy(variable):
     return keras.ops.convert_to_numpy(value)
 
 
+def numpy_copy(variable):
+    """:func:`to_numpy`, as an array of its own: a copy where the conversion shares the
+    variable's memory (Torch's ``.numpy()``), which a later assignment would change."""
+    return _private_copy(to_numpy(variable))
+
+
 def _dtype(variable) -> str:
     return keras.backend.standardize_dtype(variable.dtype)
 

@@ -424,6 +424,56 @@ def advance_stream(epoch_iterator, count: int) -> None:
     epoch_iterator._steps_seen = count
 
 
+def _compile_state_unbuilt(model) -> bool:
+    metrics, loss = getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None)
+    return (metrics is not None and not metrics.built) or (loss is not None and not loss.built)
+
+
+def build_compile_state(model) -> bool:
+    """Build ``model``'s compiled metrics and loss trackers now, inside ``fit``, if they
+    are not built yet; whether it built them.
+
+    On JAX and Torch (and on TensorFlow under a distribution strategy) ``fit`` builds
+    them symbolically before training (``Trainer._symbolic_build``); on TensorFlow
+    without one it defers that to the first trace of the train function, after
+    ``on_train_begin`` and ``on_epoch_begin``, so a mid-epoch resume could not put the
+    saved metric values back. This makes the same ``_symbolic_build`` call Keras makes
+    on the other backends, with a symbolic batch (``KerasTensor`` of each shape and
+    dtype) made from the ``element_spec`` of the ``tf.data`` dataset ``fit``'s
+    ``TFEpochIterator`` iterates: no batch is drawn and no dataset made, so no data or
+    random state is consumed. ``_symbolic_build`` also builds an unbuilt optimizer
+    (zeros, as its first train step would). Does nothing when they are built, outside
+    ``fit``, or where fit's iterator has no element spec (it then returns ``False``).
+    """
+    if not _compile_state_unbuilt(model):
+        return False
+    dataset = getattr(fit_epoch_iterator(), "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return False
+    import tensorflow as tf
+
+    def symbolic(s):
+        if not isinstance(s, tf.TypeSpec):
+            return s
+        if s.shape.rank is None:
+            raise StateError(
+                f"Cannot build the compiled metrics of model {model.name!r} before training: its fit "
+                f"input has an element of unknown rank ({s!r}). Give the tf.data pipeline static "
+                "ranks (e.g. `dataset.map(lambda x, y: (tf.ensure_shape(x, ...), y))`), or build them "
+                "yourself with `model.evaluate` on one batch before fit()."
+            )
+        return keras.KerasTensor(
+            tuple(s.shape.as_list()),
+            keras.backend.standardize_dtype(s.dtype),
+            sparse=isinstance(s, tf.SparseTensorSpec),
+            ragged=isinstance(s, tf.RaggedTensorSpec),
+        )
+
+    model._symbolic_build(data_batch=tf.nest.map_structure(symbolic, spec))
+    return True
+
+
 def fit_callbacks() -> list:
     """The callbacks of the ``fit`` call running in this thread (its ``CallbackList``), or ``[]``.
 

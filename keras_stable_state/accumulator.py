@@ -6,6 +6,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import keys
+from keras_stable_state._apply import numpy_copy, to_numpy
 from keras_stable_state.errors import BindingError, StateError
 from keras_stable_state.identity import VariableRegistry
 from keras_stable_state.keys import VariableKey
@@ -73,7 +74,7 @@ class GradientAccumulator:
     @property
     def count(self) -> int:
         """Micro-steps accumulated in the current window."""
-        return int(keras.ops.convert_to_numpy(self.micro_steps.value)) if self.built else 0
+        return int(to_numpy(self.micro_steps)) if self.built else 0
 
     def accumulate(self, grads, weight=1.0) -> None:
         """Add ``weight * grads`` to the window (stateful: TensorFlow, Torch, eager JAX)."""
@@ -121,7 +122,7 @@ class GradientAccumulator:
         trainable = {id(v) for v in self.model.trainable_variables}
         sums = {}
         for var, s in zip(self.targets, self.sums, strict=True):
-            value = keras.ops.convert_to_numpy(s.value)
+            value = numpy_copy(s)
             key = str(registry.key_of(var))
             if id(var) not in trainable and np.any(value):
                 raise StateError(
@@ -133,7 +134,7 @@ class GradientAccumulator:
             sums[keys.slot_key(key, "grad_sum")] = value
         return {
             "sums": sums,
-            "total_weight": float(keras.ops.convert_to_numpy(self.total_weight.value)),
+            "total_weight": float(to_numpy(self.total_weight)),
             "micro_steps": self.count,
         }
 

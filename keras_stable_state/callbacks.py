@@ -17,6 +17,7 @@ import keras
 
 from keras_stable_state import _async, _fit_input, checkpoint, state
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state._apply import numpy_copy
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,
@@ -300,7 +301,7 @@ class _Metrics:
         self.model = model
 
     def get_state(self):
-        return {"values": [keras.ops.convert_to_numpy(v.value) for v in self.model.metrics_variables]}
+        return {"values": [numpy_copy(v) for v in self.model.metrics_variables]}
 
     def validate_state(self, value):
         """Refuse metric values whose count or shapes differ from the model's metric variables."""
@@ -678,7 +679,11 @@ class StableCheckpoint(keras.callbacks.Callback):
         live = keras.backend.backend()
         if writer and writer != live:
             random_layers = sorted(
-                {layer.name for layer in compat.flatten_layers(self.model) if compat.seed_generator_states(layer)}
+                {
+                    layer.name
+                    for layer in compat.flatten_layers(self.model)
+                    if compat.seed_generator_states(layer)
+                }
             )
             if random_layers:
                 warnings.warn(
@@ -799,6 +804,9 @@ class StableCheckpoint(keras.callbacks.Callback):
             stable = stable_optimizer_in(opt)
             if stable is not None:
                 stable.bind(model)  # model.optimizer is opt (or an optimizer attribute): its owner
+        # TensorFlow builds compiled metrics at the first trace: build them now, so that a
+        # mid-epoch resume can put their saved values back (a no-op where fit built them).
+        compat.build_compile_state(model)
         self._position = _Position(spe)
         self._pending_restore = None
         self._save_requested = False

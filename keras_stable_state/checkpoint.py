@@ -640,7 +640,9 @@ def restore_training_state(
             fine-tuning case: saved at 1e-3, compiled at 1e-4) instead of the
             saved one, and skip the schedule check. Either way every saved
             learning rate that differs from the compiled one is listed in
-            ``report.learning_rates``.
+            ``report.learning_rates``; ``str(report)`` suggests this option only
+            for a transfer restore (``prefix``, ``rename`` or ``strict=False``:
+            ``report.transfer``), not for a resume, whose saved value is the run's.
         defer: Restore into a model that is not built yet: the file is read
             and every array checksummed now, and the returned
             :class:`PendingRestore` assigns them once the variables exist (as a
@@ -762,6 +764,7 @@ def restore_training_state(
         )
     record, mapped = mappers_mod.decode_record(record, where)
     report = RestoreReport()
+    report.transfer = rules is not None or not strict
     report.mapped = {k: repr(m) for k, m in mapped.items()}
     report.lossy = [k for k, m in mapped.items() if m.lossy]
     if isinstance(record, storage.StockWeights):

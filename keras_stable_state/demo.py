@@ -122,6 +122,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
+from keras_stable_state._apply import numpy_copy  # noqa: E402
 from keras_stable_state.identity import VariableRegistry  # noqa: E402
 from keras_stable_state.optimizer import optimizer_entries  # noqa: E402
 
@@ -254,15 +255,13 @@ def evaluate(model, data):
 def weights_by_key(model):
     """``{stable key: array}`` for the model's trainable variables (same keys in both classes)."""
     registry = VariableRegistry.from_model(model, model.trainable_variables)
-    return {str(k): keras.ops.convert_to_numpy(v) for k, v in registry.entries}
+    return {str(k): numpy_copy(v) for k, v in registry.entries}
 
 
 def slots_by_key(model):
     """``{entry key: array}`` for every optimizer variable, keyed by the model (any optimizer)."""
     registry = VariableRegistry.from_model(model, model.trainable_variables)
-    return {
-        e.key: keras.ops.convert_to_numpy(e.variable) for e in optimizer_entries(model.optimizer, registry)
-    }
+    return {e.key: numpy_copy(e.variable) for e in optimizer_entries(model.optimizer, registry)}
 
 
 def save_arrays(path, arrays):

@@ -19,6 +19,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import keys
+from keras_stable_state._apply import numpy_copy, to_numpy
 from keras_stable_state.errors import BindingError, StateError
 from keras_stable_state.identity import VariableRegistry
 from keras_stable_state.keys import MAIN, entry_prefix, parse_entry_key
@@ -420,7 +421,7 @@ def accumulation(optimizer) -> dict:
         k = getattr(opt, "gradient_accumulation_steps", None)
         if k:
             iterations = compat.iterations_variable(opt)
-            position = int(keras.ops.convert_to_numpy(iterations.value)) % int(k) if opt.built else 0
+            position = int(to_numpy(iterations)) % int(k) if opt.built else 0
             out[prefix] = {"steps": int(k), "position": position}
     return out
 
@@ -713,7 +714,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         entries = self.entries()
         store["keys"] = keys.encode_key_list(e.key for e in entries)
         for i, entry in enumerate(entries):
-            store[str(i)] = keras.ops.convert_to_numpy(entry.variable.value)
+            store[str(i)] = numpy_copy(entry.variable)
 
     def load_own_variables(self, store):
         """Restore variables by key; a store without keys is restored by position.

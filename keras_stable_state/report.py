@@ -32,7 +32,20 @@ class RestoreReport:
             ``rename`` rule changed.
         learning_rates: ``(key, compiled value, saved value, "replaced" | "kept")``
             for every learning-rate variable whose saved value differs from the
-            compiled one (``"kept"`` with ``keep_learning_rate=True``).
+            compiled one (``"kept"`` with ``keep_learning_rate=True``). ``str(report)``
+            suggests ``keep_learning_rate=True`` for a replaced one only when
+            ``transfer`` is set: on a resume the saved value is the run's own
+            (e.g. lowered by ``ReduceLROnPlateau``) and is the one to continue with.
+        transfer: ``True`` for a transfer or fine-tuning restore: one with
+            ``prefix``, ``rename`` or ``strict=False``, where keeping the compiled
+            learning rate (``keep_learning_rate=True``) is an option; ``False`` for
+            a resume (``StableCheckpoint``'s restores among them).
+        counters_near_limit: ``(key, value, dtype maximum, dtype)`` for every
+            optimizer ``iterations`` counter restored within 1%
+            (``slots.COUNTER_MARGIN``) of its integer dtype's maximum. Keras keeps
+            it as ``int32`` on JAX and Torch (``int64`` on TensorFlow); past
+            2**31 - 1 it wraps to negative, the learning rate of a schedule or
+            Adam's bias correction becomes ``inf`` and the weights ``NaN``.
         casts: ``(key, saved dtype, variable dtype)`` for every array cast.
         mapped: ``{key: mapper}`` (the mapper's repr, e.g.
             ``"CastMapper(dtype='bfloat16')"``) for every array stored through
@@ -72,6 +85,8 @@ class RestoreReport:
     built_optimizer: bool = False
     order_keys: list = dataclasses.field(default_factory=list)
     transfer_note: bool = False
+    transfer: bool = False
+    counters_near_limit: list = dataclasses.field(default_factory=list)
     source: str = storage.FORMAT
     writer: dict = dataclasses.field(default_factory=dict)
 
@@ -139,11 +154,19 @@ class RestoreReport:
         for key, live, saved, action in self.learning_rates:
             if action == "kept":
                 lines.append(f"  learning rate {key}: compiled {live:.6g} kept (saved {saved:.6g})")
-            else:
+            elif self.transfer:
                 lines.append(
                     f"  learning rate {key}: compiled {live:.6g} replaced by saved {saved:.6g} "
                     "(pass keep_learning_rate=True to keep the compiled value)"
                 )
+            else:
+                lines.append(f"  learning rate {key}: compiled {live:.6g} replaced by saved {saved:.6g}")
+        for key, value, limit, dtype in self.counters_near_limit:
+            lines.append(
+                f"  warning: {key} = {value} is within {limit - value} steps of its {dtype} maximum "
+                f"{limit}; past it the counter wraps to negative and training breaks (learning rate "
+                "inf, weights NaN). Stop before it, or continue on TensorFlow (int64 counter)."
+            )
         for key, src, dst in self.casts:
             lines.append(f"  cast {key}: {src} -> {dst}")
         by_mapper = {}

@@ -110,6 +110,34 @@ def _learning_rate_ids(optimizer) -> set:
     }
 
 
+def _iteration_ids(optimizer) -> set:
+    """``id`` of every ``iterations`` counter of the optimizer and the ones it wraps."""
+    return {
+        id(compat.iterations_variable(opt))
+        for _, opt in optimizer_tree(optimizer)
+        if isinstance(compat.iterations_variable(opt), keras.Variable)
+    }
+
+
+COUNTER_MARGIN = 0.01
+"""How close (a fraction of its dtype's maximum) a restored ``iterations`` counter must be
+to its dtype's maximum to be listed in ``RestoreReport.counters_near_limit``."""
+
+
+def _note_counter(report, key, variable, value, iteration_ids) -> None:
+    """List an ``iterations`` counter restored within :data:`COUNTER_MARGIN` of its
+    dtype's maximum (Keras' ``int32`` counter on JAX and Torch wraps to negative there)."""
+    if id(variable) not in iteration_ids:
+        return
+    dtype = np.dtype(keras.backend.standardize_dtype(variable.dtype))
+    if dtype.kind not in "iu":
+        return
+    limit = int(np.iinfo(dtype).max)
+    count = int(np.asarray(value).reshape(()))
+    if count >= limit - int(limit * COUNTER_MARGIN):
+        report.counters_near_limit.append((key, count, limit, dtype.name))
+
+
 NOT_IN_MODEL = "not in the model (renamed or removed)"
 
 
@@ -179,6 +207,7 @@ def plan_optimizer_arrays(
     # Live keys only match saved ones: an order key here binds nothing a saved named key owns.
     live = optimizer_entries(optimizer, registry, name=name, allow_order_keys=True)
     lr_ids = _learning_rate_ids(optimizer)
+    iteration_ids = _iteration_ids(optimizer)
     plan = []
     if not keyed:
         if len(arrays) != len(live):
@@ -203,7 +232,9 @@ def plan_optimizer_arrays(
                     expected=tuple(entry.variable.shape),
                     received=tuple(np.shape(array)),
                 )
-            plan.append((entry.variable, coerce(entry.key, array, entry.variable, allow_cast, report)))
+            value = coerce(entry.key, array, entry.variable, allow_cast, report)
+            _note_counter(report, entry.key, entry.variable, value, iteration_ids)
+            plan.append((entry.variable, value))
             report.matched[f"optimizer[{i}] -> {entry.key}"] = "order"
         return plan
 
@@ -270,6 +301,7 @@ def plan_optimizer_arrays(
             continue
         used.add(live_key)
         value = coerce(live_key, array, entry.variable, allow_cast, report)
+        _note_counter(report, live_key, entry.variable, value, iteration_ids)
         if id(entry.variable) in lr_ids:
             compiled, saved = float(to_numpy(entry.variable)), float(value)
             if compiled != saved:

@@ -498,6 +498,8 @@ def set_callback_state(cb, state) -> None:
 # -- random state ---------------------------------------------------------------------
 def rng_state() -> dict:
     """NumPy's, Python's and Torch's (Torch backend) global generator states and Keras' global seed generator."""
+    from keras_stable_state import _apply  # it imports this module
+
     name, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
     gen = compat.global_seed_generator()
@@ -510,7 +512,7 @@ def rng_state() -> dict:
             "cached": float(cached),
         },
         "python": {"version": version, "internal": list(internal), "gauss": gauss},
-        "keras_global_seed": None if gen is None else keras.ops.convert_to_numpy(gen.state.value),
+        "keras_global_seed": None if gen is None else _apply.numpy_copy(gen.state),
         "torch": None,
     }
     if keras.backend.backend() == "torch":
@@ -669,9 +671,11 @@ def parse_rng_state(state, where: str | None = None) -> ParsedRng:
 
 def _rng_snapshot():
     """A callable that puts every global random state back as it is now."""
+    from keras_stable_state import _apply  # it imports this module
+
     numpy_state, python_state = np.random.get_state(), random.getstate()
     gen = compat.global_seed_generator()
-    gen_value = None if gen is None else np.array(keras.ops.convert_to_numpy(gen.state.value), copy=True)
+    gen_value = None if gen is None else _apply.numpy_copy(gen.state)
     torch_state = None
     if keras.backend.backend() == "torch":
         import torch

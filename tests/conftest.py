@@ -2,6 +2,9 @@
 are errors (pyproject), a clean Keras session and fixed seeds for every test."""
 
 import os
+import re
+import sys
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -37,6 +40,57 @@ import pytest  # noqa: E402
 BACKEND = keras.backend.backend()
 
 
+_DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+_PACKAGE = "keras_stable_state"
+# Where a value is converted (NumPy, the backends, Keras' conversion ops and variables'
+# __array__): the frame past these asked for the conversion.
+_CONVERSION = re.compile(
+    r"^(warnings|numpy|torch|tensorflow|jax|jaxlib|ml_dtypes|keras\.src\.ops\.core"
+    r"|keras\.src\.backend\.\w+\.core|keras\.src\.backend\.common\.variables"
+    r"|keras\.src\.backend\.\w+\.variables)(\.|$)"
+)
+
+
+def _caused_by_package(frame) -> bool:
+    """Whether the frame that asked for what warned (the first one outside NumPy, the
+    backends and Keras' conversion code) is one of keras_stable_state's. A warning of
+    Keras' own code (e.g. Torch's Nadam converting a tensor inside its update, Keras'
+    ``Optimizer.get_config`` reading its learning rate) is Keras', even under our call."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not _CONVERSION.match(name):
+            return name == _PACKAGE or name.startswith(_PACKAGE + ".")
+        frame = frame.f_back
+    return False
+
+
+def _check_deprecation(record, msg):
+    if not issubclass(msg.category, _DEPRECATIONS):
+        return record(msg)
+    if _caused_by_package(sys._getframe(2)):
+        raise msg.category(
+            f"raised by a keras_stable_state call ({msg.filename}:{msg.lineno}): {msg.message}"
+        )
+    return None  # third-party noise of the tests' own calls (or of Keras' own code)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Deprecation warnings reach this check (pyproject makes them ``always``, not
+    ``ignore``; this runs inside pytest's own warning capture, for setup, call and
+    teardown): one that a keras_stable_state call caused, also inside Keras or NumPy
+    (e.g. NumPy 2's ``__array__`` copy-keyword warning when ``keras.ops.convert_to_numpy``
+    converts a variable), fails the test where it is raised; the others are dropped.
+    Warnings raised by the package's own modules are errors by pyproject's
+    ``error::...:keras_stable_state`` filters already."""
+    record = warnings._showwarnmsg_impl
+    warnings._showwarnmsg_impl = lambda msg: _check_deprecation(record, msg)
+    try:
+        return (yield)
+    finally:
+        warnings._showwarnmsg_impl = record
+
+
 @pytest.fixture(autouse=True)
 def _clean_session():
     # No forced gc.collect() (free_memory): a full collection over the heap that hundreds
@@ -61,7 +115,11 @@ def hypothesis_examples(default):
 
 
 def to_np(v):
-    return keras.ops.convert_to_numpy(v)
+    """A variable's (or tensor's) value as a NumPy array of its own (without NumPy 2's
+    ``__array__`` copy-keyword warning of ``keras.ops.convert_to_numpy`` on Torch and TensorFlow)."""
+    from keras_stable_state._apply import numpy_copy
+
+    return numpy_copy(v)
 
 
 def slots_by_key(optimizer):

@@ -158,11 +158,11 @@ def test_a_shuffled_checkpoint_written_on_another_backend_resumes_on_the_same_sa
 def test_a_cross_backend_resume_of_a_model_with_dropout_warns_naming_the_layer(tmp_path):
     writer = _writer_backend()
     code = (
-        "import sys, keras; sys.path.insert(0, %r); import test_fit_input as t\n"
+        f"import sys, keras; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_fit_input as t\n"
         "m = t._model(dropout=True)\n"
         "import keras_stable_state as kss\n"
-        "m.fit(t.X, t.Y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(%r)])\n"
-    ) % (os.path.dirname(__file__), str(tmp_path))
+        f"m.fit(t.X, t.Y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint({str(tmp_path)!r})])\n"
+    )
     env = dict(os.environ, KERAS_BACKEND=writer, TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
