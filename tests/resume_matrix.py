@@ -58,7 +58,14 @@ INPUTS = (
     "generator",
 )
 OPTIMIZERS = ("adam", "sgd_schedule", "loss_scale", "accumulation", "ema", "multi")
-CALLBACKS = ("lr_scheduler", "reduce_lr", "early_stopping", "model_checkpoint", "custom_state", "custom_nostate")
+CALLBACKS = (
+    "lr_scheduler",
+    "reduce_lr",
+    "early_stopping",
+    "model_checkpoint",
+    "custom_state",
+    "custom_nostate",
+)
 STATEFUL = ("reduce_lr", "early_stopping", "model_checkpoint", "custom_state")
 RESUMES = ("same_seed", "other_seed", "unseeded", "decoy", "cross_backend", "batch_changed")
 #: Features shown in the docs table (config key -> label).
@@ -105,10 +112,16 @@ def draw_case(seed, index, backend, scenarios=None):
     c["epochs"] = int(rng.integers(2, 5))
     c["input"] = _pick(rng, INPUTS, p=[3, 3, 2, 1, 1, 1.5, 1, 1.5, 1, 0.3, 1, 1, 1])
     c["task"] = _pick(rng, ("regression", "classification"), p=[3, 1])
-    c["outputs"] = "single" if c["task"] == "classification" else _pick(rng, ("single", "two_auto", "two_named"), p=[3, 1, 1])
+    c["outputs"] = (
+        "single"
+        if c["task"] == "classification"
+        else _pick(rng, ("single", "two_auto", "two_named"), p=[3, 1, 1])
+    )
     c["dropout"] = bool(rng.random() < 0.4)
     c["metrics"] = _pick(rng, ("none", "metrics", "weighted_metrics", "both"), p=[2, 2, 1, 1])
-    c["jit_compile"] = _pick(rng, ("auto", True, False)) if backend != "torch" else _pick(rng, ("auto", False))
+    c["jit_compile"] = (
+        _pick(rng, ("auto", True, False)) if backend != "torch" else _pick(rng, ("auto", False))
+    )
     c["steps_per_execution"] = 1 if backend == "torch" else int(_pick(rng, (1, 1, 2)))
     c["optimizer"] = _pick(rng, OPTIMIZERS, p=[3, 1.5, 1, 1, 1, 1])
     cbs = [name for name in CALLBACKS if rng.random() < 0.3]
@@ -119,7 +132,9 @@ def draw_case(seed, index, backend, scenarios=None):
     spe = c["steps_per_execution"]
     c["save_freq"] = "epoch" if rng.random() < 0.4 else int(spe * rng.integers(1, 4))
     numpy_input = c["input"].startswith("numpy")
-    c["validation"] = _pick(rng, ("none", "validation_data", "validation_split") if numpy_input else ("none", "validation_data"))
+    c["validation"] = _pick(
+        rng, ("none", "validation_data", "validation_split") if numpy_input else ("none", "validation_data")
+    )
     c["validation_freq"] = int(_pick(rng, (1, 2))) if c["validation"] != "none" else 1
     weights = ["none"]
     if numpy_input and c["outputs"] == "single":
@@ -132,7 +147,9 @@ def draw_case(seed, index, backend, scenarios=None):
     elif c["input"] == "tfdata_take":
         c["take"] = max(1, math.ceil(c["samples"] / c["batch_size"]) - 2)
     resumes = list(RESUMES)
-    if c["input"] in ("tfdata_repeat_steps", "tfdata_take", "generator") or c["input"].startswith("pydataset"):
+    if c["input"] in ("tfdata_repeat_steps", "tfdata_take", "generator") or c["input"].startswith(
+        "pydataset"
+    ):
         resumes.remove("batch_changed")
     c["resume"] = _pick(rng, tuple(resumes))
     if c["resume"] == "cross_backend":
@@ -193,9 +210,21 @@ def case_id(c):
 
 def describe(c):
     """One line naming the drawn configuration (for test ids and failure messages)."""
-    keys = ("input", "optimizer", "callbacks", "resume", "outputs", "metrics", "save_freq", "validation", "weights")
+    keys = (
+        "input",
+        "optimizer",
+        "callbacks",
+        "resume",
+        "outputs",
+        "metrics",
+        "save_freq",
+        "validation",
+        "weights",
+    )
     parts = [f"{k}={c[k]}" for k in keys]
-    parts.append(f"spe={c['steps_per_execution']} jit={c['jit_compile']} kills={[s['steps'] for s in c['scenarios']]}")
+    parts.append(
+        f"spe={c['steps_per_execution']} jit={c['jit_compile']} kills={[s['steps'] for s in c['scenarios']]}"
+    )
     return " ".join(parts)
 
 
@@ -212,10 +241,20 @@ def _phases_of(c, workdir):
     current = [dict(base, kind="ref", name="ref", seed=c["run_seed"], kill_at=None)]
     for s, scen in enumerate(c["scenarios"]):
         ck = os.path.join(workdir, f"ckpt{s}")
-        fresh = dict(base, kind="fresh", name=f"s{s}.fresh", scenario=s, seed=c["run_seed"], ckpt=ck, kill_at=scen["steps"][0])
+        fresh = dict(
+            base,
+            kind="fresh",
+            name=f"s{s}.fresh",
+            scenario=s,
+            seed=c["run_seed"],
+            ckpt=ck,
+            kill_at=scen["steps"][0],
+        )
         current.append(fresh)
         procs.append((backend, current))
-        resume = dict(base, kind="resume", scenario=s, seed=resume_seed, ckpt=ck, decoy=c["resume"] == "decoy")
+        resume = dict(
+            base, kind="resume", scenario=s, seed=resume_seed, ckpt=ck, decoy=c["resume"] == "decoy"
+        )
         if c["resume"] == "batch_changed":
             resume["batch_size"] = c["resume_batch_size"]
         for j, step in enumerate(scen["steps"][1:], 1):
@@ -259,23 +298,31 @@ def run_cases(cases, root=None, timeout=600, log=None):
     unkilled = set()  # (case, scenario) whose killed run ended without reaching its kill point
     child_errors = {}
     for p, (backend, phases) in enumerate(procs):
-        phases = [ph for ph in phases if ph["kind"] != "resume" or (ph["case"], ph["scenario"]) not in unkilled]
+        phases = [
+            ph for ph in phases if ph["kind"] != "resume" or (ph["case"], ph["scenario"]) not in unkilled
+        ]
         phases = [ph for ph in phases if (ph["case"], ph.get("scenario")) not in child_errors]
         if not phases:
             continue
-        plan = os.path.join(root, f"plan{p}.json")
+        plan = os.path.join(root, f"plan-{phases[0]['case']}-{p}.json")
         with open(plan, "w") as f:
             json.dump({"cases": {ph["case"]: by_id[ph["case"]] for ph in phases}, "phases": phases}, f)
         t0 = time.time()
         try:
             done = subprocess.run(
-                [sys.executable, CHILD, plan], env=_env(backend), capture_output=True, text=True, timeout=timeout
+                [sys.executable, CHILD, plan],
+                env=_env(backend),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
             )
             rc, tail = done.returncode, (done.stdout + done.stderr)[-3000:]
         except subprocess.TimeoutExpired as err:
             rc, tail = "timeout", str(err)[-3000:]
         if log:
-            log(f"  process {p} ({backend}, {[ph['case'] + ':' + ph['name'] for ph in phases]}): rc={rc} {time.time() - t0:.1f}s")
+            log(
+                f"  process {p} ({backend}, {[ph['case'] + ':' + ph['name'] for ph in phases]}): rc={rc} {time.time() - t0:.1f}s"
+            )
         for ph in phases:
             rec = read_record(ph)
             if ph.get("kill_at") is not None and rec is not None and rec["status"] == "completed":
@@ -284,7 +331,9 @@ def run_cases(cases, root=None, timeout=600, log=None):
         if rc != 0 and not killed_last:
             for ph in phases:
                 if read_record(ph) is None or read_record(ph)["status"] == "killed":
-                    child_errors[(ph["case"], ph.get("scenario"))] = f"child rc={rc} before/at phase {ph['name']}: {tail}"
+                    child_errors[(ph["case"], ph.get("scenario"))] = (
+                        f"child rc={rc} before/at phase {ph['name']}: {tail}"
+                    )
                     if ph["kind"] == "ref":
                         for s in range(len(by_id[ph["case"]]["scenarios"])):
                             child_errors[(ph["case"], s)] = child_errors[(ph["case"], None)]
@@ -338,7 +387,9 @@ def compare(ref, out, tol):
         for k in ra:
             ok, diff = _close(ref["arrays"][k], out["arrays"][k], tol)
             if not ok:
-                problems.append(f"{label}[{k[2:]}] ({ref['names'][group][int(k[2:])]}): max |diff| {diff:.3g}")
+                problems.append(
+                    f"{label}[{k[2:]}] ({ref['names'][group][int(k[2:])]}): max |diff| {diff:.3g}"
+                )
     rh, oh = ref["history"], out["history"]
     if sorted(rh) != sorted(oh):
         problems.append(f"History keys: reference {sorted(rh)}, resumed {sorted(oh)}")
@@ -417,7 +468,7 @@ def classify(c, workdir, unkilled=(), child_errors=None):
 def false_refusals(results, cases):
     """Mark ``REFUSED`` results as ``FALSE_REFUSAL`` when another scenario of the same case
     (another kill point) resumed ``EXACT`` without warning."""
-    for cid, rs in results.items():
+    for rs in results.values():
         if any(r["outcome"] == "EXACT" for r in rs):
             for r in rs:
                 if r["outcome"] == "REFUSED":
@@ -435,7 +486,9 @@ def kinds(c):
         if key == "resume" and v == "cross_backend":
             v = f"cross_backend->{c['resume_backend']}"
         if key == "callbacks":
-            v = [f"{n}{'' if c['callbacks_passed'] or n not in STATEFUL else ' (not passed)'}" for n in v] or ["none"]
+            v = [
+                f"{n}{'' if c['callbacks_passed'] or n not in STATEFUL else ' (not passed)'}" for n in v
+            ] or ["none"]
         out[key] = v if isinstance(v, list) else [str(v)]
     return out
 
@@ -562,12 +615,18 @@ def build_callbacks(c, workdir):
         if name == "lr_scheduler":
             out[name] = keras.callbacks.LearningRateScheduler(lambda epoch, lr: float(lr) * 0.8)
         elif name == "reduce_lr":
-            out[name] = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.05)
+            out[name] = keras.callbacks.ReduceLROnPlateau(
+                monitor="loss", patience=1, factor=0.5, min_delta=0.05
+            )
         elif name == "early_stopping":
-            out[name] = keras.callbacks.EarlyStopping(monitor="loss", patience=1, min_delta=0.05, restore_best_weights=True)
+            out[name] = keras.callbacks.EarlyStopping(
+                monitor="loss", patience=1, min_delta=0.05, restore_best_weights=True
+            )
         elif name == "model_checkpoint":
             path = os.path.join(workdir, "mc.weights.h5")
-            out[name] = keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True, save_weights_only=True)
+            out[name] = keras.callbacks.ModelCheckpoint(
+                path, monitor="loss", save_best_only=True, save_weights_only=True
+            )
         elif name in ("custom_state", "custom_nostate"):
             out[name] = _Custom.make(name == "custom_state")
     if c["optimizer"] == "ema":

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import resume_matrix as rm  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
-import resume_matrix as rm  # noqa: E402
 
 WATCHED = (kss.InexactResumeWarning, kss.UnreadableCheckpointWarning)
 
@@ -64,9 +64,10 @@ def write(phase, record, caught):
         for i, w in enumerate(caught)
         if issubclass(w.category, WATCHED)
     ]
-    record["other_warnings"] = sorted({f"{w.category.__name__}: {w.message}"[:300] for w in caught} - {
-        f"{w['category']}: {w['message']}"[:300] for w in record["warnings"]
-    })
+    record["other_warnings"] = sorted(
+        {f"{w.category.__name__}: {w.message}"[:300] for w in caught}
+        - {f"{w['category']}: {w['message']}"[:300] for w in record["warnings"]}
+    )
     path = os.path.join(phase["workdir"], phase["name"] + ".json")
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
@@ -84,7 +85,13 @@ def run_phase(c, phase):
         keras.utils.set_random_seed(phase["seed"])
     if phase.get("decoy"):
         decoy()
-    record = {"status": "running", "lr": {}, "begin_warnings": None, "error": None, "backend": keras.backend.backend()}
+    record = {
+        "status": "running",
+        "lr": {},
+        "begin_warnings": None,
+        "error": None,
+        "backend": keras.backend.backend(),
+    }
     workdir = phase["workdir"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -97,7 +104,9 @@ def run_phase(c, phase):
             # of the same callbacks (it drops a PyDataset's prefetched batches, for one).
             passed = {k: v for k, v in user.items() if k in rm.STATEFUL and c["callbacks_passed"]}
             folder = phase.get("ckpt") or os.path.join(workdir, "ckpt-ref")
-            callbacks.insert(0, kss.StableCheckpoint(folder, save_freq=c["save_freq"], keep=2, callbacks=passed))
+            callbacks.insert(
+                0, kss.StableCheckpoint(folder, save_freq=c["save_freq"], keep=2, callbacks=passed)
+            )
             batch = phase.get("batch_size", c["batch_size"])
             kw = rm.build_fit_inputs(c, batch)
             spe = rm.steps_per_epoch(dict(c, batch_size=batch))
