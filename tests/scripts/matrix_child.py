@@ -41,7 +41,7 @@ class Probe(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
-        self.record["lr"][str(epoch)] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        self.record["lr"][str(epoch)] = learning_rate(self.model.optimizer)
 
     def on_train_batch_end(self, batch, logs=None):
         if self.record["begin_warnings"] is None and logs:
@@ -51,6 +51,15 @@ class Probe(keras.callbacks.Callback):
             self.record["status"] = "killed"
             write(self.phase, self.record, self.caught)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def learning_rate(opt):
+    """The optimizer's current learning rate, or None for a MultiOptimizer (its groups'
+    rates are optimizer variables, compared by position)."""
+    inner = getattr(opt, "inner_optimizer", opt)
+    if isinstance(inner, keras.optimizers.MultiOptimizer):
+        return None
+    return float(keras.ops.convert_to_numpy(inner.learning_rate))
 
 
 def write(phase, record, caught):
