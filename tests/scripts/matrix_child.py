@@ -41,6 +41,10 @@ class Probe(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        # At the epoch's end, not its begin: a mid-epoch resume has restored the optimizer's
+        # step count by then, so a schedule's rate at epoch begin differs from the reference's.
         self.record["lr"][str(epoch)] = learning_rate(self.model.optimizer)
 
     def on_train_batch_end(self, batch, logs=None):
