@@ -15,7 +15,7 @@ comma := ,
 space := $(subst ,, )
 export TF_CPP_MIN_LOG_LEVEL := 3
 
-.PHONY: setup demo test test-% lint docs bench clean fuzz lab
+.PHONY: setup demo test test-% lint docs bench clean fuzz lab matrix
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,18 @@ fuzz: setup
 		KSS_HYPOTHESIS_EXAMPLES=$(KSS_HYPOTHESIS_EXAMPLES) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
 			-p no:cacheprovider tests/test_storage_format.py tests/test_bytes.py tests/test_mappers.py || status=1; \
 	done; exit $$status
+
+# Resume-conformance matrix (tests/matrix.py): MATRIX_CASES drawn fit configurations per
+# backend from MATRIX_SEED, each killed and resumed in fresh processes and compared with its
+# uninterrupted run; results in MATRIX_OUT, the table of docs/how-to/resume-fit.md rewritten
+# from them. Fails on any silent difference or crash. make test runs a fixed-seed sample.
+MATRIX_SEED ?= 0
+MATRIX_CASES ?= 500
+MATRIX_OUT ?= build/matrix-results.json
+matrix: setup
+	@mkdir -p $(dir $(MATRIX_OUT))
+	$(BIN)/python tests/matrix.py --seed $(MATRIX_SEED) --cases $(MATRIX_CASES) \
+		--backends $(subst $(space),$(comma),$(BACKENDS)) --jobs $(JOBS) --out $(MATRIX_OUT) --render-docs
 
 # Benchmarks: step overhead, then save/restore, many variables and memory on every backend,
 # whose table is written into docs/performance.md (BENCH_ARGS=--full for 600 MB / 100k variables).

@@ -1,0 +1,37 @@
+"""The fixed-seed sample of the resume-conformance matrix that ``make test`` runs
+(tests/test_resume_matrix.py and tests/test_resume_matrix_b.py, one half each, so that
+pytest-xdist's two workers run them side by side)."""
+
+import keras
+import pytest
+import resume_matrix as rm
+
+BACKEND = keras.backend.backend()
+SEED = 14
+CASES = 12  # per backend, over both files
+
+
+def sample(half):
+    """The cases of one file: every other index, one kill scenario each (a few are two kills
+    in one epoch); the reference and killed runs chain through shared child processes."""
+    return [rm.draw_case(SEED, i, BACKEND, scenarios=1) for i in range(half, CASES, 2)]
+
+
+def check(results, case):
+    rs = results[rm.case_id(case)]
+    for r in rs:
+        print(f"{rm.case_id(case)} scenario {r['scenario']} kills {r['kills']}: {r['outcome']}")
+        for cause in r["causes"]:
+            print(f"  cause: {cause[:300]}")
+    bad = [r for r in rs if r["outcome"] in ("SILENT", "CRASH", "HARNESS_ERROR")]
+    if bad:
+        lines = [f"{r['outcome']} (kills {r['kills']}): " + "; ".join(r["problems"][:6]) for r in bad]
+        pytest.fail(
+            f"resume matrix seed {SEED} case {case['index']} on {BACKEND} ({rm.describe(case)}):\n"
+            + "\n".join(lines)
+            + f"\nreplay: python tests/matrix.py --seed {SEED} --replay {BACKEND}:{case['index']}",
+            pytrace=False,
+        )
+    for r in rs:
+        if r["outcome"] in ("WARNED", "REFUSED"):
+            assert any(c.strip() for c in r["causes"]), r  # a warning or refusal names its cause
