@@ -543,6 +543,17 @@ def reshuffling_ops(dataset) -> list:
 
 
 # -- callbacks -----------------------------------------------------------------------------
+def ema_weights_in_model(cb) -> bool:
+    """Whether ``SwapEMAWeights`` has the EMA weights swapped into the model (its private
+    ``_ema_weights_in_model``, ``keras/src/callbacks/swap_ema_weights.py``)."""
+    return bool(getattr(cb, "_ema_weights_in_model", False))
+
+
+def set_ema_weights_in_model(cb, value: bool) -> None:
+    """Set ``SwapEMAWeights``' flag of :func:`ema_weights_in_model`."""
+    cb._ema_weights_in_model = bool(value)
+
+
 def model_checkpoint_counters(cb) -> dict:
     """``ModelCheckpoint``'s private save counters."""
     return {

@@ -4,7 +4,8 @@
   the current learning rate value itself is an optimizer variable and is saved with them;
 * stateful callbacks (:func:`callback_state`, :func:`set_callback_state`): Keras'
   ``ReduceLROnPlateau``, ``EarlyStopping`` (with ``best_weights``), ``ModelCheckpoint``,
-  ``LearningRateScheduler`` and ``History``, and any callback defining
+  ``LearningRateScheduler``, ``SwapEMAWeights`` (whether the EMA weights are swapped into
+  the model) and ``History``, and any callback defining
   ``get_state()`` / ``set_state(state)`` (the protocol: ``get_state`` returns a dict of
   JSON values and NumPy arrays, ``set_state`` takes it back);
 * the random state that decides the run (:func:`rng_state`, :func:`set_rng_state`):
@@ -318,6 +319,13 @@ _HANDLERS = [
     # The schedule is a function of the epoch and the learning rate, both saved.
     (keras.callbacks.LearningRateScheduler, lambda cb: {}, lambda cb, s: None),
     (keras.callbacks.History, _history_get, _history_set),
+    # swap_on_epoch=True leaves the EMA weights in the model from an epoch's end to the next
+    # epoch's begin, where an epoch-boundary checkpoint is taken: the flag says to swap back.
+    (
+        keras.callbacks.SwapEMAWeights,
+        lambda cb: {"ema_weights_in_model": compat.ema_weights_in_model(cb)},
+        lambda cb, s: compat.set_ema_weights_in_model(cb, s["ema_weights_in_model"]),
+    ),
 ]
 
 
@@ -356,6 +364,9 @@ _SCHEMAS = {
         "current_epoch": _COUNT,
     },
     keras.callbacks.LearningRateScheduler: {},
+    keras.callbacks.SwapEMAWeights: {
+        "ema_weights_in_model": (lambda v: isinstance(v, bool), "true or false"),
+    },
     keras.callbacks.History: {
         "epoch": (lambda v: isinstance(v, list) and all(_count(e) for e in v), "a list of epoch numbers"),
         "history": (_history, "an object of metric name -> list of numbers"),
