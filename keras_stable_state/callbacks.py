@@ -15,7 +15,7 @@ import weakref
 
 import keras
 
-from keras_stable_state import _async, checkpoint, state
+from keras_stable_state import _async, _fit_checks, checkpoint, state
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state.errors import (
     CheckpointFormatError,
@@ -251,14 +251,19 @@ class _Position:
         self.global_step = 0
         self.epoch_rng = None
         self.steps_per_execution = steps_per_execution
+        self.data = None  # this fit's batch_size, num_samples, steps (see _fit_checks.live_data)
+        self.saved_data = None  # the checkpoint's, or None (saved before they were recorded)
 
     def get_state(self):
-        return {
+        out = {
             "epoch": self.epoch,
             "step": self.step,
             "global_step": self.global_step,
             "epoch_rng": self.epoch_rng,
         }
+        if self.data is not None:  # absent while restoring: older checkpoints have no "data"
+            out["data"] = self.data
+        return out
 
     def validate_state(self, value):
         """Refuse a position that is not three counts >= 0 and an epoch-start random state."""
@@ -289,6 +294,7 @@ class _Position:
         self.validate_state(value)
         self.epoch, self.step, self.global_step = value["epoch"], value["step"], value["global_step"]
         self.epoch_rng = value["epoch_rng"]
+        self.saved_data = value.get("data")
 
 
 class _Metrics:
@@ -496,8 +502,19 @@ class StableCheckpoint(keras.callbacks.Callback):
         >>> model.fit(x, y, epochs=10, callbacks=[StableCheckpoint("ckpts", save_freq=50), EarlyStopping()])
     """
 
-    def __init__(self, directory, save_freq="epoch", keep=3, verbose=0, callbacks=None, async_save=False):
+    def __init__(
+        self,
+        directory,
+        save_freq="epoch",
+        keep=3,
+        verbose=0,
+        callbacks=None,
+        async_save=False,
+        on_data_change="raise",
+    ):
         super().__init__()
+        _fit_checks.refuse_orbax_directory(os.fspath(directory))
+        self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq >= 1):
             raise ValueError(f"`save_freq` must be 'epoch' or an int >= 1. Received: save_freq={save_freq!r}")
         if not (isinstance(keep, int) and keep >= 1):
@@ -525,6 +542,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._rng_after_skip = None
         self._spe = 1
         self._execution_begin = 0
+        self._epoch_guard = None
         self._input = None
         self.restore_report = None
         self.skipped_checkpoints = []
@@ -538,7 +556,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         """The constructor arguments but ``callbacks`` (live objects: pass them again).
 
         Returns:
-            ``{"directory", "save_freq", "keep", "verbose", "async_save"}``.
+            ``{"directory", "save_freq", "keep", "verbose", "async_save", "on_data_change"}``.
         """
         return {
             "directory": self.directory,
@@ -546,6 +564,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             "keep": self.keep,
             "verbose": self.verbose,
             "async_save": self.async_save,
+            "on_data_change": self.on_data_change,
         }
 
     @classmethod
@@ -751,9 +770,21 @@ class StableCheckpoint(keras.callbacks.Callback):
         try:
             self._take_directory()
             self._restore_newest()
+            self._check_resume()
         except BaseException:
             self._release_directory()  # fit stops here; Keras will not call on_train_end
             raise
+
+    def _check_resume(self):
+        # The on_epoch_begin callbacks Keras runs again for a resumed epoch, then the data size.
+        pos = self._position
+        self._epoch_guard = _fit_checks.EpochBeginGuard.start(self, pos)
+        live = _fit_checks.live_data(self.params)
+        if self.restore_report is not None and _fit_checks.check_data(
+            pos.saved_data, live, pos, self.on_data_change
+        ):
+            pos.step = 0  # on_data_change="restart_epoch": the interrupted epoch from its first batch
+        pos.data = live
 
     def _restore_newest(self):
         restored = None
@@ -909,6 +940,9 @@ class StableCheckpoint(keras.callbacks.Callback):
     # -- save -------------------------------------------------------------------------
     def on_train_batch_begin(self, batch, logs=None):
         self._collect(wait=False)
+        guard, self._epoch_guard = self._epoch_guard, None
+        if guard is not None:  # every callback's on_epoch_begin has run for the resumed epoch
+            guard.after_epoch_begin()
         # With steps_per_execution=k, Keras calls this once per execution, with the
         # execution's first batch, and on_train_batch_end with its last.
         self._execution_begin = batch
