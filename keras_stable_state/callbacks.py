@@ -417,6 +417,23 @@ class StableCheckpoint(keras.callbacks.Callback):
     Keras' ``BackupAndRestore``. Callbacks that count batches themselves see
     the skipped batches' begin and end events (with empty logs).
 
+    On a mid-epoch resume Keras runs every callback's ``on_epoch_begin`` again for
+    the interrupted epoch: the saved learning rate is put back once they have run
+    (at the first batch begin this callback sees), so ``LearningRateScheduler`` is
+    applied once per epoch. Every other callback of the ``fit`` that overrides
+    ``on_epoch_begin`` (Keras' display, logging and saving callbacks aside) gets an
+    :class:`InexactResumeWarning` on train begin, unless it has an attribute
+    ``repeatable_epoch_begin = True``. At an epoch-boundary resume, such a callback
+    listed before this one (its ``on_epoch_begin`` ran before the epoch-end save was
+    written) gets that warning.
+
+    Each checkpoint records the ``fit``'s batch size, number of samples and steps per
+    epoch (where Keras knows them); on train begin they are compared with the resumed
+    ``fit``'s. A mid-epoch checkpoint whose data differ is refused (``StateError``) or,
+    with ``on_data_change="restart_epoch"``, its epoch is trained again from the first
+    batch; an epoch-boundary one resumes with the new data. Both of the latter issue
+    an :class:`InexactResumeWarning` naming each field, saved and now.
+
     On train begin every ``StableOptimizer`` the model tracks
     (``model.optimizer`` and optimizer attributes such as a GAN's
     ``d_optimizer``) is bound to the ``fit`` model (see
@@ -452,6 +469,13 @@ class StableCheckpoint(keras.callbacks.Callback):
             last write and raises its failure (none is swallowed). A process
             killed during a write leaves a ``.kss-*`` temporary file, removed
             on the next train begin, and the checkpoints written before it.
+        on_data_change: What a mid-epoch resume does when the batch size, number of
+            samples or steps per epoch differ from the checkpoint's: ``"raise"``
+            (default, ``StateError``) or ``"restart_epoch"``: train the interrupted
+            epoch again from its first batch with the new data (the updates of its
+            batches applied before the save stay in the weights and optimizer; its
+            metrics start afresh, its order is drawn from the random state at the save
+            and the global step continues), with an :class:`InexactResumeWarning`.
 
     Attributes:
         restore_report: The :class:`~keras_stable_state.RestoreReport` of the
@@ -465,8 +489,11 @@ class StableCheckpoint(keras.callbacks.Callback):
             background save (``async_save=True``), or ``None``.
 
     Raises:
-        ValueError: for an invalid ``save_freq``, ``keep`` or ``verbose``, or a callback name
-            that is empty or holds ``/``, ``#``, ``@`` or whitespace (on construction).
+        ValueError: for an invalid ``save_freq``, ``keep``, ``verbose`` or ``on_data_change``,
+            a callback name that is empty or holds ``/``, ``#``, ``@`` or whitespace, or a
+            ``directory`` ending in ``.orbax`` (StableCheckpoint writes ``.h5`` files; the
+            Orbax engine is reached through ``save_training_state`` /
+            ``restore_training_state``) (on construction).
         TypeError: if ``callbacks`` is not a dict or list of callbacks, or
             ``async_save`` is not a bool (on construction).
         OSError: with ``async_save``, at a later batch, the next save or train
@@ -483,7 +510,8 @@ class StableCheckpoint(keras.callbacks.Callback):
             resume was saved at a batch inside an execution of the current
             ``steps_per_execution`` (saved with another one); or if an unreadable
             checkpoint cannot be moved aside (it would count in ``keep`` and be
-            found again).
+            found again); if a mid-epoch checkpoint was saved with another batch size,
+            number of samples or steps per epoch and ``on_data_change="raise"``.
         CheckpointInUseError: on train begin, if another ``StableCheckpoint``
             writer (another process, or another thread of this one) holds the
             directory, naming its pid and host; or if the newest checkpoint is
