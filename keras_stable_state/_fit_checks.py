@@ -175,16 +175,25 @@ def live_data(params) -> dict:
     adapter = compat.fit_data_adapter()
     batch_size = num_samples = None
     if adapter is not None:
-        batch_size = _count(getattr(adapter, "batch_size", None))
-        batches = _count(getattr(adapter, "num_batches", None))
-        partial = _count(getattr(adapter, "partial_batch_size", None)) or 0
-        if batch_size and batches and getattr(adapter, "has_partial_batch", None) is not None:
+        batch_size = _count(_property(adapter, "batch_size"))
+        batches = _count(_property(adapter, "num_batches"))
+        partial = _count(_property(adapter, "partial_batch_size")) or 0
+        if batch_size and batches and _property(adapter, "has_partial_batch") is not None:
             num_samples = (batches - 1) * batch_size + partial if partial else batches * batch_size
     return {
         "batch_size": batch_size,
         "num_samples": num_samples,
         "steps": _count((params or {}).get("steps")),
     }
+
+
+def _property(adapter, name):
+    """A ``DataAdapter`` property, or ``None`` where the adapter does not define it (the
+    base class raises ``NotImplementedError``, e.g. ``PyDatasetAdapter.partial_batch_size``)."""
+    try:
+        return getattr(adapter, name, None)
+    except NotImplementedError:
+        return None
 
 
 def _count(value):
