@@ -15,7 +15,7 @@ import weakref
 
 import keras
 
-from keras_stable_state import _async, _fit_input, checkpoint, state
+from keras_stable_state import _async, _fit_checks, _fit_input, checkpoint, state
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state._apply import numpy_copy
 from keras_stable_state.errors import (
@@ -254,14 +254,19 @@ class _Position:
         self.global_step = 0
         self.epoch_rng = None
         self.steps_per_execution = steps_per_execution
+        self.data = None  # this fit's batch_size, num_samples, steps (see _fit_checks.live_data)
+        self.saved_data = None  # the checkpoint's, or None (saved before they were recorded)
 
     def get_state(self):
-        return {
+        out = {
             "epoch": self.epoch,
             "step": self.step,
             "global_step": self.global_step,
             "epoch_rng": self.epoch_rng,
         }
+        if self.data is not None:  # absent while restoring: older checkpoints have no "data"
+            out["data"] = self.data
+        return out
 
     def validate_state(self, value):
         """Refuse a position that is not three counts >= 0 and an epoch-start random state."""
@@ -292,6 +297,7 @@ class _Position:
         self.validate_state(value)
         self.epoch, self.step, self.global_step = value["epoch"], value["step"], value["global_step"]
         self.epoch_rng = value["epoch_rng"]
+        self.saved_data = value.get("data")
 
 
 class _Metrics:
@@ -427,6 +433,23 @@ class StableCheckpoint(keras.callbacks.Callback):
     Keras' ``BackupAndRestore``. Callbacks that count batches themselves see
     the skipped batches' begin and end events (with empty logs).
 
+    On a mid-epoch resume Keras runs every callback's ``on_epoch_begin`` again for
+    the interrupted epoch: the saved learning rate is put back once they have run
+    (at the first batch begin this callback sees), so ``LearningRateScheduler`` is
+    applied once per epoch. Every other callback of the ``fit`` that overrides
+    ``on_epoch_begin`` (Keras' display, logging and saving callbacks aside) gets an
+    :class:`InexactResumeWarning` on train begin, unless it has an attribute
+    ``repeatable_epoch_begin = True``. At an epoch-boundary resume, such a callback
+    listed before this one (its ``on_epoch_begin`` ran before the epoch-end save was
+    written) gets that warning.
+
+    Each checkpoint records the ``fit``'s batch size, number of samples and steps per
+    epoch (where Keras knows them); on train begin they are compared with the resumed
+    ``fit``'s. A mid-epoch checkpoint whose data differ is refused (``StateError``) or,
+    with ``on_data_change="restart_epoch"``, its epoch is trained again from the first
+    batch; an epoch-boundary one resumes with the new data. Both of the latter issue
+    an :class:`InexactResumeWarning` naming each field, saved and now.
+
     On train begin every ``StableOptimizer`` the model tracks
     (``model.optimizer`` and optimizer attributes such as a GAN's
     ``d_optimizer``) is bound to the ``fit`` model (see
@@ -462,6 +485,13 @@ class StableCheckpoint(keras.callbacks.Callback):
             last write and raises its failure (none is swallowed). A process
             killed during a write leaves a ``.kss-*`` temporary file, removed
             on the next train begin, and the checkpoints written before it.
+        on_data_change: What a mid-epoch resume does when the batch size, number of
+            samples or steps per epoch differ from the checkpoint's: ``"raise"``
+            (default, ``StateError``) or ``"restart_epoch"``: train the interrupted
+            epoch again from its first batch with the new data (the updates of its
+            batches applied before the save stay in the weights and optimizer; its
+            metrics start afresh, its order is drawn from the random state at the save
+            and the global step continues), with an :class:`InexactResumeWarning`.
 
     Attributes:
         restore_report: The :class:`~keras_stable_state.RestoreReport` of the
@@ -475,8 +505,11 @@ class StableCheckpoint(keras.callbacks.Callback):
             background save (``async_save=True``), or ``None``.
 
     Raises:
-        ValueError: for an invalid ``save_freq``, ``keep`` or ``verbose``, or a callback name
-            that is empty or holds ``/``, ``#``, ``@`` or whitespace (on construction).
+        ValueError: for an invalid ``save_freq``, ``keep``, ``verbose`` or ``on_data_change``,
+            a callback name that is empty or holds ``/``, ``#``, ``@`` or whitespace, or a
+            ``directory`` ending in ``.orbax`` (StableCheckpoint writes ``.h5`` files; the
+            Orbax engine is reached through ``save_training_state`` /
+            ``restore_training_state``) (on construction).
         TypeError: if ``callbacks`` is not a dict or list of callbacks, or
             ``async_save`` is not a bool (on construction).
         OSError: with ``async_save``, at a later batch, the next save or train
@@ -493,7 +526,8 @@ class StableCheckpoint(keras.callbacks.Callback):
             resume was saved at a batch inside an execution of the current
             ``steps_per_execution`` (saved with another one); or if an unreadable
             checkpoint cannot be moved aside (it would count in ``keep`` and be
-            found again).
+            found again); if a mid-epoch checkpoint was saved with another batch size,
+            number of samples or steps per epoch and ``on_data_change="raise"``.
         CheckpointInUseError: on train begin, if another ``StableCheckpoint``
             writer (another process, or another thread of this one) holds the
             directory, naming its pid and host; or if the newest checkpoint is
@@ -512,8 +546,19 @@ class StableCheckpoint(keras.callbacks.Callback):
         >>> model.fit(x, y, epochs=10, callbacks=[StableCheckpoint("ckpts", save_freq=50), EarlyStopping()])
     """
 
-    def __init__(self, directory, save_freq="epoch", keep=3, verbose=0, callbacks=None, async_save=False):
+    def __init__(
+        self,
+        directory,
+        save_freq="epoch",
+        keep=3,
+        verbose=0,
+        callbacks=None,
+        async_save=False,
+        on_data_change="raise",
+    ):
         super().__init__()
+        _fit_checks.refuse_orbax_directory(os.fspath(directory))
+        self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
         if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq >= 1):
             raise ValueError(f"`save_freq` must be 'epoch' or an int >= 1. Received: save_freq={save_freq!r}")
         if not (isinstance(keep, int) and keep >= 1):
@@ -541,6 +586,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._rng_after_skip = None
         self._spe = 1
         self._execution_begin = 0
+        self._epoch_guard = None
         self._input = None
         self._order = _fit_input.EpochOrder()
         self.restore_report = None
@@ -555,7 +601,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         """The constructor arguments but ``callbacks`` (live objects: pass them again).
 
         Returns:
-            ``{"directory", "save_freq", "keep", "verbose", "async_save"}``.
+            ``{"directory", "save_freq", "keep", "verbose", "async_save", "on_data_change"}``.
         """
         return {
             "directory": self.directory,
@@ -563,6 +609,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             "keep": self.keep,
             "verbose": self.verbose,
             "async_save": self.async_save,
+            "on_data_change": self.on_data_change,
         }
 
     @classmethod
@@ -826,9 +873,21 @@ class StableCheckpoint(keras.callbacks.Callback):
         try:
             self._take_directory()
             self._restore_newest()
+            self._check_resume()
         except BaseException:
             self._release_directory()  # fit stops here; Keras will not call on_train_end
             raise
+
+    def _check_resume(self):
+        # The on_epoch_begin callbacks Keras runs again for a resumed epoch, then the data size.
+        pos = self._position
+        self._epoch_guard = _fit_checks.EpochBeginGuard.start(self, pos)
+        live = _fit_checks.live_data(self.params)
+        if self.restore_report is not None and _fit_checks.check_data(
+            pos.saved_data, live, pos, self.on_data_change
+        ):
+            pos.step = 0  # on_data_change="restart_epoch": the interrupted epoch from its first batch
+        pos.data = live
 
     def _restore_newest(self):
         restored = None
@@ -993,6 +1052,9 @@ class StableCheckpoint(keras.callbacks.Callback):
     # -- save -------------------------------------------------------------------------
     def on_train_batch_begin(self, batch, logs=None):
         self._collect(wait=False)
+        guard, self._epoch_guard = self._epoch_guard, None
+        if guard is not None:  # every callback's on_epoch_begin has run for the resumed epoch
+            guard.after_epoch_begin()
         # With steps_per_execution=k, Keras calls this once per execution, with the
         # execution's first batch, and on_train_batch_end with its last.
         self._execution_begin = batch

@@ -53,7 +53,9 @@ class RestoreReport:
         lossy: The keys of ``mapped`` whose mapper is lossy: they hold the
             decoded stored values, not bit-exactly the values saved.
         restored_state: Other state put back (``"callback:EarlyStopping/0"``,
-            ``"state:<provider>"``, ``"rng"``).
+            ``"state:<provider>"``, ``"rng"``). With ``"rng"``, ``str(report)`` says
+            that a ``model.fit(shuffle=True)`` started after the restore does not draw
+            the same data order on JAX and Torch: only ``StableCheckpoint`` restores it.
         built_optimizer: ``True`` when the optimizer was built by the restore.
         order_keys: Saved keys that are registration-order keys
             (``order:<i>#<slot>``): the state was saved with
@@ -138,6 +140,14 @@ class RestoreReport:
                 "Embedding rows (and biases feeding straight into a normalization) differently, so "
                 "those drift apart by about 1e-2 over tens of steps. That is the backends' arithmetic, "
                 "not lost state (see docs: cross-backend transfer)."
+            )
+        if "rng" in self.restored_state:
+            lines.append(
+                "  random state restored now: a model.fit started after this does not draw its "
+                "shuffle=True data order from it on JAX and Torch (fit first draws a batch to build the "
+                "metrics, and Torch's data loader draws a seed per epoch before the epoch's callbacks), "
+                "so the resumed order differs from an uninterrupted run's; only StableCheckpoint "
+                "restores the data order exactly (docs/how-to/resume-fit.md)"
             )
         if self.built_optimizer:
             lines.append("  the optimizer was not built; the restore built it")

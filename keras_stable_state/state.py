@@ -190,7 +190,8 @@ def _fields(value, record, where, spec: dict) -> dict:
     required and no other is allowed."""
     if not isinstance(value, dict):
         raise malformed(record, f"expected an object, found {_show(value)}", where)
-    missing = sorted(set(spec) - set(value))
+    optional = {f for f, check in spec.items() if len(check) > 2}
+    missing = sorted(set(spec) - set(value) - optional)
     unknown = sorted(set(value) - set(spec), key=str)
     if missing or unknown:
         raise malformed(
@@ -199,8 +200,8 @@ def _fields(value, record, where, spec: dict) -> dict:
             + ", ".join(p for p in (missing and f"missing {missing}", unknown and f"unknown {unknown}") if p),
             where,
         )
-    for field, (check, expected) in spec.items():
-        if not check(value[field]):
+    for field, (check, expected, *_) in spec.items():
+        if field in value and not check(value[field]):
             raise malformed(f"{record}/{field}", f"expected {expected}, found {_show(value[field])}", where)
     return value
 
@@ -300,16 +301,46 @@ def _checkpoint_set(cb, state):
     compat.set_model_checkpoint_counters(cb, state)
 
 
+def _output_names(cb):
+    names = getattr(getattr(cb, "model", None), "output_names", None)
+    return [str(n) for n in names] if isinstance(names, (list, tuple)) else None
+
+
 def _history_get(cb):
     return {
         "epoch": list(getattr(cb, "epoch", [])),
         "history": {k: [float(v) for v in vs] for k, vs in getattr(cb, "history", {}).items()},
+        # History keys embed the output names (``dense_4_loss``), which may be auto-generated.
+        "output_names": _output_names(cb),
     }
+
+
+def rename_history_keys(history: dict, saved_names, live_names) -> dict:
+    """``history`` with each key of a saved output name (``<name>_loss``,
+    ``val_<name>_<metric>``) renamed to the live model's output name at the same
+    position; unchanged when the names are unknown, equal or of another count."""
+    if not saved_names or not live_names or len(saved_names) != len(live_names):
+        return dict(history)
+    if list(saved_names) == list(live_names):
+        return dict(history)
+    to_live = dict(zip(saved_names, live_names, strict=True))
+    longest_first = sorted(to_live, key=len, reverse=True)
+    out = {}
+    for key, values in history.items():
+        prefix = "val_" if key.startswith("val_") else ""
+        rest = key[len(prefix) :]
+        for name in longest_first:
+            if rest.startswith(name + "_"):
+                key = prefix + to_live[name] + rest[len(name) :]
+                break
+        out[key] = values
+    return out
 
 
 def _history_set(cb, state):
     cb.epoch = list(state["epoch"])
-    cb.history = {k: list(v) for k, v in state["history"].items()}
+    history = {k: list(v) for k, v in state["history"].items()}
+    cb.history = rename_history_keys(history, state.get("output_names"), _output_names(cb))
 
 
 _HANDLERS = [
@@ -370,6 +401,11 @@ _SCHEMAS = {
     keras.callbacks.History: {
         "epoch": (lambda v: isinstance(v, list) and all(_count(e) for e in v), "a list of epoch numbers"),
         "history": (_history, "an object of metric name -> list of numbers"),
+        "output_names": (
+            lambda v: v is None or (isinstance(v, list) and all(isinstance(n, str) for n in v)),
+            "null or a list of output names",
+            "optional",  # checkpoints written before it was saved have none
+        ),
     },
 }
 

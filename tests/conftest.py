@@ -136,6 +136,8 @@ def slots_by_key(optimizer):
 class StopAt(keras.callbacks.Callback):
     """Raise (a preemption) when the batch (or execution) starting at ``batch`` of ``epoch`` begins."""
 
+    repeatable_epoch_begin = True  # its on_epoch_begin only notes the epoch (StableCheckpoint's opt-out)
+
     def __init__(self, epoch, batch):
         super().__init__()
         self.at, self.epoch = (epoch, batch), -1

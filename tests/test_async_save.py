@@ -252,7 +252,14 @@ def test_verbose_prints_one_summary_line_per_save(tmp_path, capsys, async_save):
 def test_config_round_trips_with_async_save(tmp_path):
     ckpt = kss.StableCheckpoint(tmp_path, save_freq=5, keep=2, verbose=1, async_save=True)
     config = ckpt.get_config()
-    assert config == {"directory": str(tmp_path), "save_freq": 5, "keep": 2, "verbose": 1, "async_save": True}
+    assert config == {
+        "directory": str(tmp_path),
+        "save_freq": 5,
+        "keep": 2,
+        "verbose": 1,
+        "async_save": True,
+        "on_data_change": "raise",
+    }
     assert kss.StableCheckpoint.from_config(config).get_config() == config
     with pytest.raises(TypeError, match="async_save"):
         kss.StableCheckpoint(tmp_path, async_save=1)

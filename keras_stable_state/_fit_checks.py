@@ -1,0 +1,263 @@
+"""Checks of a resumed ``model.fit`` that :class:`~keras_stable_state.StableCheckpoint`
+makes on construction and train begin: the directory kind, the callbacks that Keras
+runs ``on_epoch_begin`` of again for a resumed epoch, and the data size saved vs live.
+
+On a mid-epoch resume Keras calls every callback's ``on_epoch_begin`` again for the
+interrupted epoch: :class:`EpochBeginGuard` puts the saved learning rate back once
+they have run (so ``LearningRateScheduler`` is not applied twice) and warns about the
+other callbacks whose ``on_epoch_begin`` may change training.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _orbax_engine
+from keras_stable_state.errors import StateError
+
+ON_DATA_CHANGE = ("raise", "restart_epoch")
+
+REPEATABLE_ATTR = "repeatable_epoch_begin"
+"""A callback (class or instance) with this attribute ``True`` declares that its
+``on_epoch_begin`` may run twice for one epoch without changing training."""
+
+# on_epoch_begin changes nothing training uses (display, timing, a counter it resets),
+# or only the learning rate (put back by EpochBeginGuard).
+_HARMLESS = (
+    keras.callbacks.ProgbarLogger,
+    keras.callbacks.History,
+    keras.callbacks.TensorBoard,
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.BackupAndRestore,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.TerminateOnNaN,
+    keras.callbacks.EarlyStopping,
+    keras.callbacks.ReduceLROnPlateau,
+    keras.callbacks.RemoteMonitor,
+)
+_LR_ONLY = (keras.callbacks.LearningRateScheduler,)
+
+
+def refuse_orbax_directory(directory: str) -> None:
+    """Raise ``ValueError`` for a ``StableCheckpoint`` directory named ``*.orbax``."""
+    if _orbax_engine.is_orbax_path(directory):
+        raise ValueError(
+            f"StableCheckpoint({directory!r}): StableCheckpoint writes ckpt-<step>.h5 files into its "
+            "directory; it does not use the Orbax engine, so a directory named '*.orbax' would hold .h5 "
+            "files, not an Orbax checkpoint. The .orbax engine is reachable through "
+            "keras_stable_state.save_training_state(path, model) and restore_training_state(path, "
+            "model) with a path ending in '.orbax'. Give StableCheckpoint a directory not ending in "
+            "'.orbax'."
+        )
+
+
+def check_on_data_change(value) -> str:
+    """``value`` if it is one of :data:`ON_DATA_CHANGE`, else ``ValueError``."""
+    if value not in ON_DATA_CHANGE:
+        raise ValueError(
+            f"`on_data_change` must be one of {list(ON_DATA_CHANGE)}. Received: on_data_change={value!r}"
+        )
+    return value
+
+
+def _overrides_epoch_begin(cb) -> bool:
+    if "on_epoch_begin" in vars(cb):  # LambdaCallback(on_epoch_begin=...) sets it on the instance
+        return True
+    return type(cb).on_epoch_begin is not keras.callbacks.Callback.on_epoch_begin
+
+
+def _learning_rate(model):
+    """The optimizer's learning rate as a float, or ``None`` (no optimizer, or a schedule)."""
+    opt = getattr(model, "optimizer", None)
+    if opt is None:
+        return None
+    inner = getattr(opt, "inner_optimizer", opt)  # a StableOptimizer proxies its inner one's
+    variable = compat.learning_rate_variable(inner)
+    if variable is None or isinstance(variable, keras.optimizers.schedules.LearningRateSchedule):
+        return None
+    return float(keras.ops.convert_to_numpy(variable.value))
+
+
+class EpochBeginGuard:
+    """Undo what ``on_epoch_begin`` callbacks change when Keras runs them again for an
+    epoch the checkpoint was saved inside.
+
+    ``start`` (train begin, after the restore) remembers the restored learning rate and
+    warns about the other callbacks; ``after_epoch_begin`` (the first batch begin the
+    checkpoint callback sees, when every callback's ``on_epoch_begin`` has run) assigns it
+    back if a callback changed it.
+    """
+
+    def __init__(self, model, learning_rate):
+        self.model = model
+        self.learning_rate = learning_rate
+
+    @classmethod
+    def start(cls, ckpt, position):
+        """The guard for a resume inside epoch ``position.epoch`` (``None`` when the
+        checkpoint was saved at an epoch boundary or none was restored); issues an
+        :class:`~keras_stable_state.InexactResumeWarning` per callback of the fit whose
+        ``on_epoch_begin`` may change training when run twice."""
+        if ckpt.restore_report is None:
+            return None
+        callbacks = compat.fit_callbacks()
+        if position.step == 0:
+            _warn_listed_before(ckpt, callbacks, position.epoch)
+            return None
+        for cb in callbacks:
+            if cb is ckpt or not _overrides_epoch_begin(cb) or isinstance(cb, _HARMLESS + _LR_ONLY):
+                continue
+            if getattr(cb, REPEATABLE_ATTR, False) is True:
+                continue
+            _warn(cb, position.epoch, position.step)
+        return cls(ckpt.model, _learning_rate(ckpt.model))
+
+    def after_epoch_begin(self):
+        if self.learning_rate is None:
+            return
+        now = _learning_rate(self.model)
+        if now is not None and now != self.learning_rate:
+            self.model.optimizer.learning_rate = self.learning_rate
+
+
+def _warn(cb, epoch, step):
+    from keras_stable_state.callbacks import InexactResumeWarning
+
+    name = type(cb).__name__
+    warnings.warn(
+        f"StableCheckpoint: the callback {name} of this fit overrides on_epoch_begin, and the "
+        f"checkpoint was saved inside epoch {epoch} (after batch {step}), whose on_epoch_begin already "
+        "ran before the save: Keras runs it again for that epoch when fit resumes. StableCheckpoint "
+        "puts the saved learning rate back after it; any other change it makes there (weights, data, "
+        "other state) is applied a second time, and the resume is not exact. Make it act only once "
+        f"per epoch and set `{REPEATABLE_ATTR} = True` on it, or save at epoch ends "
+        "(save_freq='epoch').",
+        InexactResumeWarning,
+        stacklevel=4,
+    )
+
+
+def _warn_listed_before(ckpt, callbacks, epoch):
+    """At an epoch-boundary resume, the epoch-end save is written in the next epoch's
+    ``on_epoch_begin``: callbacks listed before StableCheckpoint had already run it."""
+    from keras_stable_state.callbacks import InexactResumeWarning
+
+    if ckpt not in callbacks:
+        return
+    for cb in callbacks[: callbacks.index(ckpt)]:
+        if not _overrides_epoch_begin(cb) or isinstance(cb, _HARMLESS):
+            continue
+        if not isinstance(cb, _LR_ONLY) and getattr(cb, REPEATABLE_ATTR, False) is True:
+            continue
+        name = type(cb).__name__
+        warnings.warn(
+            f"StableCheckpoint: the callback {name} is listed before StableCheckpoint and overrides "
+            f"on_epoch_begin. The checkpoint of the end of epoch {epoch - 1} was written when epoch "
+            f"{epoch} began, after {name}'s on_epoch_begin for epoch {epoch} had run (e.g. a "
+            "learning rate already scheduled for it), and Keras runs it again for that epoch when fit "
+            "resumes, so its change is applied twice. List StableCheckpoint before it in "
+            "fit(callbacks=[...]) to resume exactly.",
+            InexactResumeWarning,
+            stacklevel=4,
+        )
+
+
+# -- the size of the data -------------------------------------------------------------------
+_DATA_FIELDS = ("batch_size", "num_samples", "steps")
+
+
+def live_data(params) -> dict:
+    """``{"batch_size", "num_samples", "steps"}`` of this fit (``None`` where unknown):
+    the data adapter's batch size and sample count, and the steps per epoch Keras runs."""
+    adapter = compat.fit_data_adapter()
+    batch_size = num_samples = None
+    if adapter is not None:
+        batch_size = _count(_property(adapter, "batch_size"))
+        batches = _count(_property(adapter, "num_batches"))
+        partial = _count(_property(adapter, "partial_batch_size")) or 0
+        if batch_size and batches and _property(adapter, "has_partial_batch") is not None:
+            num_samples = (batches - 1) * batch_size + partial if partial else batches * batch_size
+    return {
+        "batch_size": batch_size,
+        "num_samples": num_samples,
+        "steps": _count((params or {}).get("steps")),
+    }
+
+
+def _property(adapter, name):
+    """A ``DataAdapter`` property, or ``None`` where the adapter does not define it (the
+    base class raises ``NotImplementedError``, e.g. ``PyDatasetAdapter.partial_batch_size``)."""
+    try:
+        return getattr(adapter, name, None)
+    except NotImplementedError:
+        return None
+
+
+def _count(value):
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _differences(saved, live) -> list:
+    if not isinstance(saved, dict):
+        return []  # a checkpoint written before these facts were saved
+    return [
+        (field, saved.get(field), live[field])
+        for field in _DATA_FIELDS
+        if _count(saved.get(field)) is not None
+        and live[field] is not None
+        and saved.get(field) != live[field]
+    ]
+
+
+def check_data(saved, live, position, on_data_change) -> bool:
+    """Compare the data facts saved in the position record with this fit's.
+
+    Returns ``True`` when the interrupted epoch is to restart from its first batch
+    (``on_data_change="restart_epoch"`` and a mid-epoch checkpoint whose data differ).
+
+    Raises:
+        StateError: for a mid-epoch checkpoint whose batch size, number of samples or
+            steps per epoch differ and ``on_data_change="raise"``.
+
+    Warns:
+        InexactResumeWarning: for an epoch-boundary checkpoint whose data differ, and
+            for a restarted epoch.
+    """
+    from keras_stable_state.callbacks import InexactResumeWarning
+
+    diffs = _differences(saved, live)
+    if not diffs:
+        return False
+    shown = ", ".join(f"{f} saved {s}, now {n}" for f, s, n in diffs)
+    if position.step == 0:
+        warnings.warn(
+            f"StableCheckpoint: the data of this fit differ from those the checkpoint (end of epoch "
+            f"{position.epoch - 1}) was saved with ({shown}): training continues at epoch "
+            f"{position.epoch} with the new data, so it does not end like an uninterrupted run. If "
+            "this is on purpose, ignore this warning; otherwise pass the same data and batch_size.",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
+        return False
+    if on_data_change == "raise":
+        raise StateError(
+            f"The checkpoint was saved after batch {position.step} of epoch {position.epoch} with other "
+            f"data than this fit's ({shown}): skipping {position.step} batches of these data would "
+            "not skip the samples already trained on. Pass the same data and batch_size, or "
+            'StableCheckpoint(..., on_data_change="restart_epoch") to train epoch '
+            f"{position.epoch} again from its first batch with these data.",
+            key="providers/position/data",
+            expected={f: s for f, s, _ in diffs},
+            received={f: n for f, _, n in diffs},
+        )
+    warnings.warn(
+        f"StableCheckpoint: the data of this fit differ from those the checkpoint was saved with "
+        f"({shown}); on_data_change='restart_epoch': epoch {position.epoch} is trained again from its "
+        f"first batch with these data, on top of the {position.step} batches of it already applied.",
+        InexactResumeWarning,
+        stacklevel=3,
+    )
+    return True
