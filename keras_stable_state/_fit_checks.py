@@ -37,6 +37,8 @@ _HARMLESS = (
     keras.callbacks.EarlyStopping,
     keras.callbacks.ReduceLROnPlateau,
     keras.callbacks.RemoteMonitor,
+    # swaps back only when its saved flag says the EMA weights are in the model
+    keras.callbacks.SwapEMAWeights,
 )
 _LR_ONLY = (keras.callbacks.LearningRateScheduler,)
 
