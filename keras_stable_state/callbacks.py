@@ -350,6 +350,15 @@ class _Metrics:
             v.assign(a)
 
 
+def _opaque(cb) -> bool:
+    """``True`` for a callback whose state nothing here knows: the user's own classes and
+    ``LambdaCallback`` (whose functions may keep state). Keras' other callbacks keep none
+    that changes training, or have a known state (``state.callback_state``)."""
+    if isinstance(cb, keras.callbacks.LambdaCallback):
+        return True
+    return not type(cb).__module__.startswith(("keras.", "keras_stable_state."))
+
+
 class StableCheckpoint(keras.callbacks.Callback):
     """Checkpoints the whole training state during ``model.fit`` and resumes it exactly.
 
@@ -722,6 +731,7 @@ class StableCheckpoint(keras.callbacks.Callback):
                 InexactResumeWarning,
                 stacklevel=3,
             )
+        self._warn_unknown_callbacks()
         writer = (self.restore_report.writer or {}).get("backend")
         live = keras.backend.backend()
         if writer and writer != live:
@@ -742,6 +752,28 @@ class StableCheckpoint(keras.callbacks.Callback):
                     InexactResumeWarning,
                     stacklevel=3,
                 )
+
+    def _warn_unknown_callbacks(self):
+        """Warn, on a resume, for each callback of this ``fit`` whose state the library
+        cannot see: one of the user's own (or a ``LambdaCallback``) without
+        ``get_state()``/``set_state()`` and not a kind whose state is known. Its attributes
+        start fresh in the new process, so if they decide anything (a counter, a best
+        value) the resumed run acts otherwise. ``get_state()`` returning ``{}`` declares a
+        callback stateless."""
+        for cb in compat.fit_callbacks():
+            if cb is self or state.callback_state(cb) is not None or not _opaque(cb):
+                continue
+            name = type(cb).__name__
+            warnings.warn(
+                f"StableCheckpoint: the callback {name} of this fit has no get_state()/set_state(), "
+                "so any state it keeps in its attributes is not in the checkpoint and starts fresh in "
+                "the resumed run; if that state changes training (a counter, a best value), the run "
+                "does not end like an uninterrupted one. Give it get_state() (a dict of JSON values "
+                "and NumPy arrays) and set_state(state) and pass it in StableCheckpoint(callbacks=...); "
+                "a get_state() that returns {} declares it stateless.",
+                InexactResumeWarning,
+                stacklevel=4,
+            )
 
     def _warn_unsaved_callbacks(self):
         """Warn for each stateful callback of this ``fit`` not given in ``callbacks=``: a

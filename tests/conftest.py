@@ -145,6 +145,12 @@ class StopAt(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
+    def get_state(self):  # stateless for training: a resumed fit need not warn about it
+        return {}
+
+    def set_state(self, state):
+        pass
+
     def on_train_batch_begin(self, batch, logs=None):
         if (self.epoch, batch) == self.at:
             raise RuntimeError("preempted")

@@ -236,6 +236,12 @@ class _Interrupt(keras.callbacks.Callback):
 
 
 class _LrLog(keras.callbacks.Callback):
+    def get_state(self):  # declares it stateless for a resumed fit (no InexactResumeWarning)
+        return {}
+
+    def set_state(self, state):
+        pass
+
     def __init__(self):
         super().__init__()
         self.lrs = {}

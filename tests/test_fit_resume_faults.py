@@ -11,7 +11,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import StopAt
+from conftest import StopAt, to_np
 
 import keras_stable_state as kss
 from keras_stable_state import callbacks as kss_callbacks
@@ -29,6 +29,12 @@ def _model():
 
 class _LrLog(keras.callbacks.Callback):
     """The learning rate each batch trained with, by (epoch, batch)."""
+
+    def get_state(self):  # declares it stateless for a resumed fit (no InexactResumeWarning)
+        return {}
+
+    def set_state(self, state):
+        pass
 
     def __init__(self):
         super().__init__()
@@ -95,10 +101,19 @@ def test_fault4_learning_rate_scheduler_not_applied_twice_on_mid_epoch_resume(tm
 
 def test_fault4_other_on_epoch_begin_callbacks_are_warned_about(tmp_path):
     _fit(tmp_path, stop=(1, 5))
-    shift = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs: None)
-    with pytest.warns(
-        kss.InexactResumeWarning, match=r"LambdaCallback .*inside epoch 1 \(after batch 5\)"
-    ) as rec:
+
+    class Shift(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            pass
+
+        def get_state(self):  # stateless: only its on_epoch_begin is in question here
+            return {}
+
+        def set_state(self, state):
+            pass
+
+    shift = Shift()
+    with pytest.warns(kss.InexactResumeWarning, match=r"Shift .*inside epoch 1 \(after batch 5\)") as rec:
         _fit(tmp_path, extra=[shift])
     assert "repeatable_epoch_begin = True" in str(rec[0].message)
     # declared repeatable: no warning
@@ -269,4 +284,48 @@ def test_fault9_the_exact_way_epoch_end_checkpoints_with_shuffle(tmp_path):
     assert ckpt.restore_report is not None
     assert int(res.optimizer.iterations) == 40
     np.testing.assert_allclose(h.history["loss"], ref_h.history["loss"], rtol=1e-6)
+    _assert_same_weights(ref, res)
+
+
+# -- callbacks whose state the library cannot see (found by the resume matrix) ----------------
+class _EveryOtherEpoch(keras.callbacks.Callback):
+    """Halves the learning rate every second epoch it has seen: state in a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen += 1
+        if self.seen % 2 == 0:
+            self.model.optimizer.learning_rate = float(to_np(self.model.optimizer.learning_rate)) * 0.5
+
+
+class _EveryOtherEpochWithState(_EveryOtherEpoch):
+    def get_state(self):
+        return {"seen": self.seen}
+
+    def set_state(self, state):
+        self.seen = int(state["seen"])
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["not-given", "given-in-callbacks"])
+def test_a_callback_without_get_state_is_warned_about_on_resume(tmp_path, given):
+    _fit(tmp_path, stop=(1, 5), extra=[_EveryOtherEpoch()])
+    cb = _EveryOtherEpoch()
+    kw = {"callbacks": {"every": cb}} if given else None
+    with pytest.warns(kss.InexactResumeWarning, match=r"_EveryOtherEpoch of this fit has no get_state"):
+        _fit(tmp_path, extra=[cb], ckpt_kw=kw)
+
+
+def test_a_callback_with_get_state_resumes_exactly_without_a_warning(tmp_path):
+    ref_cb = _EveryOtherEpochWithState()
+    ref, _, _ = _fit(tmp_path / "ref", extra=[ref_cb], ckpt_kw={"callbacks": {"every": ref_cb}}, epochs=4)
+    first = _EveryOtherEpochWithState()
+    _fit(tmp_path / "run", stop=(2, 2), extra=[first], ckpt_kw={"callbacks": {"every": first}}, epochs=4)
+    cb = _EveryOtherEpochWithState()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kss.InexactResumeWarning)
+        res, _, _ = _fit(tmp_path / "run", extra=[cb], ckpt_kw={"callbacks": {"every": cb}}, epochs=4)
+    assert cb.seen == 4
     _assert_same_weights(ref, res)

@@ -34,6 +34,14 @@ class Probe(keras.callbacks.Callback):
     """Stateless for training: notes the end of train begin (the first real batch), the
     learning rate of each epoch, and kills the process at ``kill_at`` global steps."""
 
+    repeatable_epoch_begin = True  # its on_epoch_begin only notes the epoch
+
+    def get_state(self):  # no state that changes training
+        return {}
+
+    def set_state(self, state):
+        pass
+
     def __init__(self, phase, spe, caught, record):
         super().__init__()
         self.phase, self.spe, self.caught, self.record = phase, spe, caught, record
