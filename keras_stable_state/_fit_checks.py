@@ -16,6 +16,7 @@ import keras
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _orbax_engine
+from keras_stable_state._apply import to_numpy
 from keras_stable_state.errors import StateError
 
 ON_DATA_CHANGE = ("raise", "restart_epoch")
@@ -80,7 +81,7 @@ def _learning_rate(model):
     variable = compat.learning_rate_variable(inner)
     if variable is None or isinstance(variable, keras.optimizers.schedules.LearningRateSchedule):
         return None
-    return float(keras.ops.convert_to_numpy(variable.value))
+    return float(to_numpy(variable))
 
 
 class EpochBeginGuard:
