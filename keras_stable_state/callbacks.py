@@ -67,7 +67,8 @@ class InexactResumeWarning(UserWarning):
     keeps its order without ``get_state()`` / ``set_state()``, a ``tf.data`` pipeline
     with ``shuffle(..., reshuffle_each_iteration=True)``, shuffled arrays whose order
     :class:`StableCheckpoint` cannot take over, or a resume on another backend than the
-    writer's of a model with random layers.
+    writer's of a model with random layers, and a callback whose state the library
+    cannot see (no ``get_state()``/``set_state()``) on a resume.
 
     Example:
         >>> import warnings
@@ -440,7 +441,11 @@ class StableCheckpoint(keras.callbacks.Callback):
     way to see the other callbacks of a ``fit`` call, so none are guessed: a
     callback not given here restarts with a fresh state on resume, as with
     Keras' ``BackupAndRestore``. Callbacks that count batches themselves see
-    the skipped batches' begin and end events (with empty logs).
+    the skipped batches' begin and end events (with empty logs). On a resume,
+    each callback of the ``fit`` whose state the library cannot see (one of your
+    own classes, or a ``LambdaCallback``, without ``get_state()``/``set_state()``)
+    gets an :class:`InexactResumeWarning`: its attributes start fresh in the new
+    process. A ``get_state()`` that returns ``{}`` declares a callback stateless.
 
     On a mid-epoch resume Keras runs every callback's ``on_epoch_begin`` again for
     the interrupted epoch: the saved learning rate is put back once they have run
