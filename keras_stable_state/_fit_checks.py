@@ -77,7 +77,9 @@ def _learning_rate(model):
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return None
-    inner = getattr(opt, "inner_optimizer", opt)  # a StableOptimizer proxies its inner one's
+    inner = opt
+    while getattr(inner, "inner_optimizer", None) is not None:  # StableOptimizer, LossScaleOptimizer
+        inner = inner.inner_optimizer
     variable = compat.learning_rate_variable(inner)
     if variable is None or isinstance(variable, keras.optimizers.schedules.LearningRateSchedule):
         return None
@@ -123,7 +125,7 @@ class EpochBeginGuard:
             return
         now = _learning_rate(self.model)
         if now is not None and now != self.learning_rate:
-            self.model.optimizer.learning_rate = self.learning_rate
+            self.model.optimizer.learning_rate = self.learning_rate  # as LearningRateScheduler sets it
 
 
 def _warn(cb, epoch, step):

@@ -29,7 +29,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import resume_matrix as rm  # noqa: E402
 
-OUTCOMES = ("EXACT", "WARNED", "REFUSED", "SILENT", "FALSE_REFUSAL", "CRASH", "HARNESS_ERROR")
+OUTCOMES = (
+    "EXACT",
+    "WARNED",
+    "REFUSED",
+    "NOTHING_SAVED",
+    "SILENT",
+    "FALSE_REFUSAL",
+    "CRASH",
+    "HARNESS_ERROR",
+)
 FAILING = ("SILENT", "CRASH", "HARNESS_ERROR")
 DOC = os.path.join(rm.ROOT, "docs", "how-to", "resume-fit.md")
 BEGIN, END = "<!-- resume-matrix:begin -->", "<!-- resume-matrix:end -->"

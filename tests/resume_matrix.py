@@ -19,7 +19,9 @@ learning rate against the reference.
 Outcomes per scenario: ``EXACT``, ``WARNED`` (``InexactResumeWarning`` at train begin
 of a resume), ``REFUSED`` (``StateError`` at train begin of a resume), ``SILENT``
 (differs without either), ``CRASH`` (a resume raised something else, or later),
-``HARNESS_ERROR`` (the reference or a fresh run failed, a child died unexpectedly);
+``HARNESS_ERROR`` (the reference or a fresh run failed, a child died unexpectedly),
+``NOTHING_SAVED`` (killed before the first checkpoint was written: the rerun started
+afresh under another seed or after a decoy model, and differs for that reason alone);
 ``FALSE_REFUSAL`` is found across cases by :func:`false_refusals`.
 """
 
@@ -464,6 +466,14 @@ def classify(c, workdir, unkilled=(), child_errors=None):
         res["problems"] = compare(ref, final, tolerance(c))
         warned = any(_causes(r) for r in resumes)
         res["outcome"] = "WARNED" if warned else ("EXACT" if not res["problems"] else "SILENT")
+        ignored = [r for r in resumes if r.get("checkpoints_before") and r.get("restored") is False]
+        if ignored:
+            res["problems"].insert(0, f"checkpoints {ignored[0]['checkpoints_before']} were not restored")
+            res["outcome"] = "SILENT"
+        elif res["outcome"] == "SILENT" and all(not r.get("checkpoints_before") for r in resumes):
+            # Killed before the first save: nothing to resume, the rerun started afresh under
+            # the resume's seed (or after a decoy model), which the library does not decide.
+            res["outcome"] = "NOTHING_SAVED"
     return results
 
 

@@ -21,9 +21,11 @@ X = rng.normal(size=(80, 6)).astype("float32")  # 10 batches of 8 per epoch
 Y = (X @ rng.normal(size=(6, 1))).astype("float32")
 
 
-def _model():
+def _model(loss_scale=False):
     m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-2), model=m), loss="mse")
+    inner = keras.optimizers.SGD(1e-2)
+    inner = keras.optimizers.LossScaleOptimizer(inner) if loss_scale else inner
+    m.compile(optimizer=kss.StableOptimizer(inner, model=m), loss="mse")
     return m
 
 
@@ -52,12 +54,24 @@ class _LrLog(keras.callbacks.Callback):
 _LrLog.repeatable_epoch_begin = True
 
 
-def _fit(directory, *, stop=None, extra=(), epochs=3, x=X, y=Y, batch_size=8, ckpt_kw=None, order=None):
+def _fit(
+    directory,
+    *,
+    stop=None,
+    extra=(),
+    epochs=3,
+    x=X,
+    y=Y,
+    batch_size=8,
+    ckpt_kw=None,
+    order=None,
+    loss_scale=False,
+):
     """A fresh model's fit with a StableCheckpoint (save every 3 batches by default);
     ``stop=(epoch, batch)`` preempts it. Returns (model, checkpoint, history or None)."""
     keras.backend.clear_session(free_memory=False)
     keras.utils.set_random_seed(0)
-    m = _model()
+    m = _model(loss_scale)
     kw = {"save_freq": 3, **(ckpt_kw or {})}
     ckpt = kss.StableCheckpoint(directory, **kw)
     cbs = [ckpt, *extra] if order is None else order(ckpt)
@@ -77,13 +91,17 @@ def _assert_same_weights(a, b):
 
 
 # -- fault 4 --------------------------------------------------------------------------------
-@pytest.mark.parametrize("given", [False, True], ids=["not-given", "given-in-callbacks"])
-def test_fault4_learning_rate_scheduler_not_applied_twice_on_mid_epoch_resume(tmp_path, given):
+@pytest.mark.parametrize(
+    "given,loss_scale",
+    [(False, False), (True, False), (False, True)],
+    ids=["not-given", "given-in-callbacks", "loss-scale-optimizer"],
+)
+def test_fault4_learning_rate_scheduler_not_applied_twice_on_mid_epoch_resume(tmp_path, given, loss_scale):
     def run(directory, stop=None):
         sched = keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.7)
         log = _LrLog()
         kw = {"callbacks": {"sched": sched}} if given else None
-        m, ckpt, _ = _fit(directory, stop=stop, extra=[sched, log], ckpt_kw=kw)
+        m, ckpt, _ = _fit(directory, stop=stop, extra=[sched, log], ckpt_kw=kw, loss_scale=loss_scale)
         return m, ckpt, log
 
     ref, _, ref_log = run(tmp_path / "ref")

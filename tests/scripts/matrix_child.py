@@ -125,8 +125,12 @@ def run_phase(c, phase):
             # of the same callbacks (it drops a PyDataset's prefetched batches, for one).
             passed = {k: v for k, v in user.items() if k in rm.STATEFUL and c["callbacks_passed"]}
             folder = phase.get("ckpt") or os.path.join(workdir, "ckpt-ref")
-            callbacks.insert(
-                0, kss.StableCheckpoint(folder, save_freq=c["save_freq"], keep=2, callbacks=passed)
+            ckpt = kss.StableCheckpoint(folder, save_freq=c["save_freq"], keep=2, callbacks=passed)
+            callbacks.insert(0, ckpt)
+            # Whether the killed run left anything to resume (a kill before the first save
+            # leaves nothing: the "resume" is a fresh start, under the resume's seed).
+            record["checkpoints_before"] = sorted(
+                n for n in (os.listdir(folder) if os.path.isdir(folder) else []) if n.startswith("ckpt-")
             )
             batch = phase.get("batch_size", c["batch_size"])
             kw = rm.build_fit_inputs(c, batch)
@@ -145,6 +149,7 @@ def run_phase(c, phase):
             write(phase, record, caught)
             return
         record["status"] = "completed"
+        record["restored"] = ckpt.restore_report is not None
         record["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
         record["epoch"] = [int(e) for e in history.epoch]
         opt_vars = list(model.optimizer.variables)
