@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state import state
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 
 RECORD = "providers/data"
@@ -80,7 +81,11 @@ class EpochOrder:
         if resumed is not None:
             self.stream_offset = resumed["stream_offset"]
             if self.stream_offset:
+                # A fresh iterator may draw from the global generators (a Torch DataLoader
+                # draws its base seed): the uninterrupted run made its iterator epochs ago.
+                before = state.rng_state()
                 compat.advance_stream(self.epoch_iterator, self.stream_offset)
+                state.set_rng_state(before)
         else:
             self.stream_offset = compat.stream_position(self.epoch_iterator)
         if self._arrays is None:

@@ -180,7 +180,7 @@ def _stream_fit(directory, *, stop=None, seed=0, save_freq=2, repeat=True, steps
 
     if seed is not None:
         keras.utils.set_random_seed(seed)
-    m = _model()
+    m = _model(dropout=True)  # random draws after the stream is reached must be the same too
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)  # 6 batches
     ds = ds.repeat() if repeat else ds
     callbacks = [kss.StableCheckpoint(directory, save_freq=save_freq)] + ([StopAt(*stop)] if stop else [])
