@@ -33,7 +33,7 @@ lint: setup
 	$(BIN)/ruff format --check keras_stable_state tests benchmarks
 
 docs: setup
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site
 
 test-%: setup
 	KERAS_BACKEND=$* $(PYTEST) tests

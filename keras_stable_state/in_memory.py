@@ -3,8 +3,9 @@
 
 The bytes are exactly a sealed ``.h5`` training state (what
 ``save_training_state("x.h5", ...)`` writes), and reading them runs exactly the
-checks a file gets: the SHA-256 seal, the HDF5 structure, the records' CRC-32
-and schema, every array's CRC-32 (:func:`keras_stable_state.storage.read_bytes`).
+checks a file gets: the xxh3-128 seal (SHA-256 in format 2), the HDF5 structure,
+the records' checksums and schema, every array's xxh3-64 (CRC-32 in format 2)
+(:func:`keras_stable_state.storage.read_bytes`).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ def training_state_to_bytes(model, optimizer=None, **kwargs) -> bytes:
             ``save_training_state``.
 
     Returns:
-        ``bytes``: a 512-byte seal block (``KSS-SEAL 2 sha256 <hex> <length>``)
+        ``bytes``: a 512-byte seal block (``KSS-SEAL 3 xxh3-128 <hex> <length>``)
         then the HDF5 image; about the size of the arrays plus a few KiB.
 
     Raises:
-        Every error of ``save_training_state`` but those about the path.
+        StateError: every error of ``save_training_state`` but those about the path
+            (its subclasses, ``TypeError`` and ``ValueError`` for invalid arguments).
 
     Example:
         >>> data = kss.training_state_to_bytes(model)
@@ -54,14 +56,16 @@ def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, 
     ``.h5`` / ``.keras`` file's bytes fetched from an object store).
 
     The bytes get every check a file gets (seal, structure, records, every
-    array's CRC-32) before anything is assigned; then the restore is exactly
+    array's checksum: xxh3-64, or CRC-32 in format 2) before anything is assigned; then the restore is exactly
     :func:`~keras_stable_state.restore_training_state`'s, all or nothing.
     Messages name the source as ``'<bytes>'``.
 
     Args:
         data: ``bytes``, ``bytearray`` or ``memoryview``.
         model: The built ``keras.Model`` to restore into.
-        optimizer, strict, allow_cast: As for ``restore_training_state``.
+        optimizer: As for ``restore_training_state``.
+        strict: As for ``restore_training_state``.
+        allow_cast: As for ``restore_training_state``.
         **kwargs: ``callbacks``, ``state``, ``include_rng``,
             ``check_schedule``, ``variables``, ``prefix``, ``rename``,
             ``keep_learning_rate``, ``defer``: as for ``restore_training_state``.
@@ -76,7 +80,8 @@ def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, 
         CorruptCheckpointError: if the bytes are truncated or damaged (seal,
             structure, a record or an array's checksum), naming the key where
             there is one; the model is left untouched.
-        Every other error of ``restore_training_state``.
+        StateError: every other error of ``restore_training_state`` (its subclasses
+            ``ContractError``, ``BindingError``, ``DtypeMismatchError``...).
 
     Example:
         >>> data = bucket.get_object(Key="run/step-100.h5")["Body"].read()
