@@ -541,7 +541,13 @@ class StableCheckpoint(keras.callbacks.Callback):
             ``steps_per_execution`` (saved with another one); or if an unreadable
             checkpoint cannot be moved aside (it would count in ``keep`` and be
             found again); if a mid-epoch checkpoint was saved with another batch size,
-            number of samples or steps per epoch and ``on_data_change="raise"``.
+            number of samples or steps per epoch and ``on_data_change="raise"``; at the
+            first epoch begin of a mid-epoch resume, if the checkpoint's epoch order
+            (``providers/data``) is of shuffled NumPy arrays and this fit's input is not,
+            or the other way round.
+        CorruptCheckpointError: at the first epoch begin of a resume, if the
+            checkpoint's ``providers/data`` record is not a permutation of the samples
+            and a stream offset (the file is damaged).
         CheckpointInUseError: on train begin, if another ``StableCheckpoint``
             writer (another process, or another thread of this one) holds the
             directory, naming its pid and host; or if the newest checkpoint is
