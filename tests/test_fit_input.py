@@ -213,3 +213,17 @@ def test_a_finite_stream_longer_than_steps_per_epoch_resumes_at_its_place(tmp_pa
     _stream_fit(tmp_path / "run", stop=(1, 1), **kw)
     keras.backend.clear_session()
     _assert_same(ref, _stream_fit(tmp_path / "run", seed=3, **kw))
+
+
+def test_a_forged_epoch_order_is_refused_naming_its_record(tmp_path):
+    import h5py
+    from _records import edit_array
+
+    fit_arrays(tmp_path, stop=(1, 3))
+    newest = os.path.join(tmp_path, sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt-"))[-1])
+    with h5py.File(newest, "r+") as f:
+        edit_array(f, "providers/data/permutation", lambda a: np.zeros_like(a))  # not a permutation
+    storage.reseal(newest)
+    keras.backend.clear_session()
+    with pytest.raises(kss.CorruptCheckpointError, match=r"providers/data/permutation is not a permutation"):
+        fit_arrays(tmp_path)
