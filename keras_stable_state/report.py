@@ -143,11 +143,8 @@ class RestoreReport:
             )
         if "rng" in self.restored_state:
             lines.append(
-                "  random state restored now: a model.fit started after this does not draw its "
-                "shuffle=True data order from it on JAX and Torch (fit first draws a batch to build the "
-                "metrics, and Torch's data loader draws a seed per epoch before the epoch's callbacks), "
-                "so the resumed order differs from an uninterrupted run's; only StableCheckpoint "
-                "restores the data order exactly (docs/how-to/resume-fit.md)"
+                "  random state restored; a later model.fit(shuffle=True) may draw another data order "
+                "than an uninterrupted run: only StableCheckpoint restores it (docs/how-to/resume-fit.md)"
             )
         if self.built_optimizer:
             lines.append("  the optimizer was not built; the restore built it")
