@@ -68,7 +68,7 @@ CALLBACKS = (
     "custom_state",
     "custom_nostate",
 )
-STATEFUL = ("reduce_lr", "early_stopping", "model_checkpoint", "custom_state")
+STATEFUL = ("reduce_lr", "early_stopping", "model_checkpoint", "custom_state", "swap_ema")
 RESUMES = ("same_seed", "other_seed", "unseeded", "decoy", "cross_backend", "batch_changed")
 #: Features shown in the docs table (config key -> label).
 FEATURES = {
