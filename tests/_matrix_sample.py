@@ -35,3 +35,19 @@ def check(results, case):
     for r in rs:
         if r["outcome"] in ("WARNED", "REFUSED"):
             assert any(c.strip() for c in r["causes"]), r  # a warning or refusal names its cause
+
+
+def half_tests(half):
+    """The module fixture and the parametrized test of one half, for its file's namespace:
+    ``results, test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned = half_tests(0)``."""
+    cases = sample(half)
+
+    @pytest.fixture(scope="module")
+    def results(tmp_path_factory):
+        return rm.run_cases(cases, root=str(tmp_path_factory.mktemp("matrix")))
+
+    @pytest.mark.parametrize("case", cases, ids=[rm.case_id(c) for c in cases])
+    def test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned(results, case):
+        check(results, case)
+
+    return results, test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned

@@ -627,6 +627,11 @@ class _Custom:
         return EveryOtherEpochWithState()
 
 
+def custom_callback(with_state):
+    """The matrix's custom callback, with ``get_state``/``set_state`` or without."""
+    return _Custom.make(with_state)
+
+
 def build_callbacks(c, workdir):
     """``{name: callback}`` of the case's user callbacks (fresh objects)."""
     import keras

@@ -11,7 +11,8 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import StopAt, to_np
+import resume_matrix as rm
+from conftest import StopAt
 
 import keras_stable_state as kss
 from keras_stable_state import callbacks as kss_callbacks
@@ -306,25 +307,14 @@ def test_fault9_the_exact_way_epoch_end_checkpoints_with_shuffle(tmp_path):
 
 
 # -- callbacks whose state the library cannot see (found by the resume matrix) ----------------
-class _EveryOtherEpoch(keras.callbacks.Callback):
-    """Halves the learning rate every second epoch it has seen: state in a plain attribute."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = 0
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seen += 1
-        if self.seen % 2 == 0:
-            self.model.optimizer.learning_rate = float(to_np(self.model.optimizer.learning_rate)) * 0.5
+# The resume matrix's custom callback: halves the learning rate every second epoch it has seen,
+# counting in a plain attribute (saved through get_state/set_state, or not).
+def _EveryOtherEpoch():
+    return rm.custom_callback(with_state=False)
 
 
-class _EveryOtherEpochWithState(_EveryOtherEpoch):
-    def get_state(self):
-        return {"seen": self.seen}
-
-    def set_state(self, state):
-        self.seen = int(state["seen"])
+def _EveryOtherEpochWithState():
+    return rm.custom_callback(with_state=True)
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["not-given", "given-in-callbacks"])
@@ -332,7 +322,7 @@ def test_a_callback_without_get_state_is_warned_about_on_resume(tmp_path, given)
     _fit(tmp_path, stop=(1, 5), extra=[_EveryOtherEpoch()])
     cb = _EveryOtherEpoch()
     kw = {"callbacks": {"every": cb}} if given else None
-    with pytest.warns(kss.InexactResumeWarning, match=r"_EveryOtherEpoch of this fit has no get_state"):
+    with pytest.warns(kss.InexactResumeWarning, match=r"EveryOtherEpoch of this fit has no get_state"):
         _fit(tmp_path, extra=[cb], ckpt_kw=kw)
 
 

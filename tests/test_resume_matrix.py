@@ -4,21 +4,10 @@ fresh processes; every model and optimizer variable (by position), the History a
 learning rates must equal the uninterrupted run's, unless the resume was refused or warned
 at train begin naming the cause."""
 
-import pytest
 import resume_matrix as rm
-from _matrix_sample import check, sample
+from _matrix_sample import half_tests
 
-CASES = sample(0)
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return rm.run_cases(CASES, root=str(tmp_path_factory.mktemp("matrix")))
-
-
-@pytest.mark.parametrize("case", CASES, ids=[rm.case_id(c) for c in CASES])
-def test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned(results, case):
-    check(results, case)
+results, test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned = half_tests(0)
 
 
 def test_cases_replay_from_seed_and_index_and_fit_the_backend():
