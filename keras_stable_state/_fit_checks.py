@@ -16,8 +16,8 @@ import keras
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _orbax_engine
-from keras_stable_state._apply import to_numpy
-from keras_stable_state.errors import StateError
+from keras_stable_state._numpy import to_numpy
+from keras_stable_state.errors import InexactResumeWarning, StateError
 
 ON_DATA_CHANGE = ("raise", "restart_epoch")
 
@@ -129,8 +129,6 @@ class EpochBeginGuard:
 
 
 def _warn(cb, epoch, step):
-    from keras_stable_state.callbacks import InexactResumeWarning
-
     name = type(cb).__name__
     warnings.warn(
         f"StableCheckpoint: the callback {name} of this fit overrides on_epoch_begin, and the "
@@ -148,8 +146,6 @@ def _warn(cb, epoch, step):
 def _warn_listed_before(ckpt, callbacks, epoch):
     """At an epoch-boundary resume, the epoch-end save is written in the next epoch's
     ``on_epoch_begin``: callbacks listed before StableCheckpoint had already run it."""
-    from keras_stable_state.callbacks import InexactResumeWarning
-
     if ckpt not in callbacks:
         return
     for cb in callbacks[: callbacks.index(ckpt)]:
@@ -231,8 +227,6 @@ def check_data(saved, live, position, on_data_change) -> bool:
         InexactResumeWarning: for an epoch-boundary checkpoint whose data differ, and
             for a restarted epoch.
     """
-    from keras_stable_state.callbacks import InexactResumeWarning
-
     diffs = _differences(saved, live)
     if not diffs:
         return False

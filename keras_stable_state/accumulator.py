@@ -6,7 +6,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import keys
-from keras_stable_state._apply import numpy_copy, to_numpy
+from keras_stable_state._numpy import numpy_copy, to_numpy
 from keras_stable_state.errors import BindingError, StateError
 from keras_stable_state.identity import VariableRegistry
 from keras_stable_state.keys import VariableKey

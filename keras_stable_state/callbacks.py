@@ -17,12 +17,14 @@ import keras
 
 from keras_stable_state import _async, _fit_checks, _fit_input, checkpoint, state
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state._apply import numpy_copy
+from keras_stable_state._numpy import numpy_copy
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,
     CorruptCheckpointError,
+    InexactResumeWarning,
     StateError,
+    UnreadableCheckpointWarning,
 )
 from keras_stable_state.optimizer import stable_optimizer_in, tracked_optimizers
 
@@ -40,40 +42,6 @@ TEMP_PREFIX = ".kss-"
 """Prefix of the temporary files of atomic writes (``storage.atomic_path``)."""
 UNREADABLE_DIR = "unreadable"
 """Subfolder of the checkpoint directory that unreadable checkpoints are moved into."""
-
-
-class UnreadableCheckpointWarning(UserWarning):
-    """:class:`StableCheckpoint` moved unreadable checkpoints aside on train begin.
-
-    Issued when it falls back past damaged checkpoints to an older one, or when
-    every checkpoint in the directory is unreadable and training starts fresh.
-    The message names each unreadable file, why it is unreadable and where it
-    was moved (``<directory>/unreadable/``).
-
-    Example:
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     model.fit(x, y, callbacks=[kss.StableCheckpoint("ckpts")])
-        >>> [w.message for w in caught if issubclass(w.category, kss.UnreadableCheckpointWarning)]
-    """
-
-
-class InexactResumeWarning(UserWarning):
-    """:class:`StableCheckpoint` cannot make a resumed ``fit`` see the same data as an
-    uninterrupted one.
-
-    Issued on train begin, naming the input and what a resumed run will see otherwise:
-    a ``keras.utils.PyDataset`` that overrides ``on_epoch_end`` (e.g. to shuffle) but
-    keeps its order without ``get_state()`` / ``set_state()``, a ``tf.data`` pipeline
-    with ``shuffle(..., reshuffle_each_iteration=True)``, shuffled arrays whose order
-    :class:`StableCheckpoint` cannot take over, or a resume on another backend than the
-    writer's of a model with random layers, and a callback whose state the library
-    cannot see (no ``get_state()``/``set_state()``) on a resume.
-
-    Example:
-        >>> import warnings
-        >>> warnings.simplefilter("error", kss.InexactResumeWarning)  # refuse such inputs
-    """
 
 
 # -- the directory lock -------------------------------------------------------------------

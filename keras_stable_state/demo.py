@@ -122,7 +122,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
-from keras_stable_state._apply import numpy_copy  # noqa: E402
+from keras_stable_state._numpy import numpy_copy  # noqa: E402
 from keras_stable_state.identity import VariableRegistry  # noqa: E402
 from keras_stable_state.optimizer import optimizer_entries  # noqa: E402
 

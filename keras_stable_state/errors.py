@@ -1,4 +1,4 @@
-"""Errors raised by keras_stable_state.
+"""Errors raised by keras_stable_state, and the warnings of :class:`StableCheckpoint`.
 
 Every refusal derives from :class:`StateError`. Each subclass also inherits the
 built-in exception a Python user would catch for that kind of problem
@@ -19,6 +19,8 @@ __all__ = [
     "CorruptCheckpointError",
     "MalformedKeyError",
     "CheckpointInUseError",
+    "UnreadableCheckpointWarning",
+    "InexactResumeWarning",
 ]
 
 
@@ -154,3 +156,38 @@ class CheckpointInUseError(StateError, BlockingIOError):
         super().__init__(message, key=key)
         self.path = path
         self.holder = holder
+
+
+# -- warnings (StableCheckpoint, on train begin) --------------------------------------------
+class UnreadableCheckpointWarning(UserWarning):
+    """:class:`StableCheckpoint` moved unreadable checkpoints aside on train begin.
+
+    Issued when it falls back past damaged checkpoints to an older one, or when
+    every checkpoint in the directory is unreadable and training starts fresh.
+    The message names each unreadable file, why it is unreadable and where it
+    was moved (``<directory>/unreadable/``).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     model.fit(x, y, callbacks=[kss.StableCheckpoint("ckpts")])
+        >>> [w.message for w in caught if issubclass(w.category, kss.UnreadableCheckpointWarning)]
+    """
+
+
+class InexactResumeWarning(UserWarning):
+    """:class:`StableCheckpoint` cannot make a resumed ``fit`` see the same data as an
+    uninterrupted one.
+
+    Issued on train begin, naming the input and what a resumed run will see otherwise:
+    a ``keras.utils.PyDataset`` that overrides ``on_epoch_end`` (e.g. to shuffle) but
+    keeps its order without ``get_state()`` / ``set_state()``, a ``tf.data`` pipeline
+    with ``shuffle(..., reshuffle_each_iteration=True)``, shuffled arrays whose order
+    :class:`StableCheckpoint` cannot take over, or a resume on another backend than the
+    writer's of a model with random layers, and a callback whose state the library
+    cannot see (no ``get_state()``/``set_state()``) on a resume.
+
+    Example:
+        >>> import warnings
+        >>> warnings.simplefilter("error", kss.InexactResumeWarning)  # refuse such inputs
+    """

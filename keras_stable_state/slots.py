@@ -22,7 +22,8 @@ import numpy as np
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import optimizer as optimizer_mod
 from keras_stable_state import storage
-from keras_stable_state._apply import apply_steps, coerce, to_numpy, variable_step
+from keras_stable_state._apply import apply_steps, coerce, variable_step
+from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import BindingError, StateError
 from keras_stable_state.identity import VariableRegistry
 from keras_stable_state.keys import (

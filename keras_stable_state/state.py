@@ -34,6 +34,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state._numpy import numpy_copy
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 
 __all__ = [
@@ -545,7 +546,6 @@ def set_callback_state(cb, state) -> None:
 # -- random state ---------------------------------------------------------------------
 def rng_state() -> dict:
     """NumPy's, Python's and Torch's (Torch backend) global generator states and Keras' global seed generator."""
-    from keras_stable_state import _apply  # it imports this module
 
     name, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
@@ -559,7 +559,7 @@ def rng_state() -> dict:
             "cached": float(cached),
         },
         "python": {"version": version, "internal": list(internal), "gauss": gauss},
-        "keras_global_seed": None if gen is None else _apply.numpy_copy(gen.state),
+        "keras_global_seed": None if gen is None else numpy_copy(gen.state),
         "torch": None,
     }
     if keras.backend.backend() == "torch":
@@ -718,11 +718,10 @@ def parse_rng_state(state, where: str | None = None) -> ParsedRng:
 
 def _rng_snapshot():
     """A callable that puts every global random state back as it is now."""
-    from keras_stable_state import _apply  # it imports this module
 
     numpy_state, python_state = np.random.get_state(), random.getstate()
     gen = compat.global_seed_generator()
-    gen_value = None if gen is None else _apply.numpy_copy(gen.state)
+    gen_value = None if gen is None else numpy_copy(gen.state)
     torch_state = None
     if keras.backend.backend() == "torch":
         import torch

@@ -117,7 +117,7 @@ def hypothesis_examples(default):
 def to_np(v):
     """A variable's (or tensor's) value as a NumPy array of its own (without NumPy 2's
     ``__array__`` copy-keyword warning of ``keras.ops.convert_to_numpy`` on Torch and TensorFlow)."""
-    from keras_stable_state._apply import numpy_copy
+    from keras_stable_state._numpy import numpy_copy
 
     return numpy_copy(v)
 
