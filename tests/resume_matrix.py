@@ -400,7 +400,10 @@ def compare(ref, out, tol):
                 problems.append(
                     f"{label}[{k[2:]}] ({ref['names'][group][int(k[2:])]}): max |diff| {diff:.3g}"
                 )
-    rh, oh = ref["history"], out["history"]
+    # History keys embed the output names, which are auto-named (dense_3) when the output
+    # layers have no names: each run's keys are those of its own model, so compare them with
+    # the outputs numbered by position.
+    rh, oh = _by_position(ref["history"], ref), _by_position(out["history"], out)
     if sorted(rh) != sorted(oh):
         problems.append(f"History keys: reference {sorted(rh)}, resumed {sorted(oh)}")
     else:
@@ -416,6 +419,22 @@ def compare(ref, out, tol):
         elif e in ref["lr"] and lr is not None and not _close(ref["lr"][e], lr, tol)[0]:
             problems.append(f"learning rate at epoch {e}: reference {ref['lr'][e]}, resumed {lr}")
     return problems
+
+
+def _by_position(history, rec):
+    names = rec.get("output_names") or []
+    if len(names) < 2:
+        return history
+    order = sorted(range(len(names)), key=lambda i: -len(names[i]))  # longest first: dense_1 vs dense_10
+    out = {}
+    for key, values in history.items():
+        prefix, rest = ("val_", key[4:]) if key.startswith("val_") else ("", key)
+        for i in order:
+            if rest.startswith(names[i] + "_"):
+                rest = f"<output {i}>_" + rest[len(names[i]) + 1 :]
+                break
+        out[prefix + rest] = values
+    return out
 
 
 def _causes(rec):
@@ -478,9 +497,10 @@ def classify(c, workdir, unkilled=(), child_errors=None):
         if ignored:
             res["problems"].insert(0, f"checkpoints {ignored[0]['checkpoints_before']} were not restored")
             res["outcome"] = "SILENT"
-        elif res["outcome"] == "SILENT" and all(not r.get("checkpoints_before") for r in resumes):
-            # Killed before the first save: nothing to resume, the rerun started afresh under
-            # the resume's seed (or after a decoy model), which the library does not decide.
+        elif res["outcome"] == "SILENT" and not resumes[0].get("checkpoints_before"):
+            # Killed before the first save: nothing to resume, the rerun (and what later kills
+            # of it saved) started afresh under the resume's seed, after a decoy model or on
+            # another backend, which the library does not decide.
             res["outcome"] = "NOTHING_SAVED"
     return results
 

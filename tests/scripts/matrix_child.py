@@ -150,6 +150,7 @@ def run_phase(c, phase):
             return
         record["status"] = "completed"
         record["restored"] = ckpt.restore_report is not None
+        record["output_names"] = list(getattr(model, "output_names", None) or [])
         record["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
         record["epoch"] = [int(e) for e in history.epoch]
         opt_vars = list(model.optimizer.variables)
