@@ -227,3 +227,42 @@ def test_a_forged_epoch_order_is_refused_naming_its_record(tmp_path):
     keras.backend.clear_session()
     with pytest.raises(kss.CorruptCheckpointError, match=r"providers/data/permutation is not a permutation"):
         fit_arrays(tmp_path)
+
+
+def _fit_mixed(directory, *, stop=None, seed=0):
+    """Shuffled NumPy fit under mixed_float16 with LossScaleOptimizer, EMA, gradient
+    accumulation, Dropout and a compiled metric (fault 2's "the same with ...")."""
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        m = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(8, activation="relu"),
+                keras.layers.Dropout(0.2),
+                keras.layers.Dense(1, dtype="float32"),
+            ]
+        )
+        inner = keras.optimizers.Adam(1e-2, use_ema=True, gradient_accumulation_steps=2)
+        opt = kss.StableOptimizer(keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**8), model=m)
+        m.compile(optimizer=opt, loss="mse", metrics=["mae"])
+        callbacks = [kss.StableCheckpoint(directory, save_freq=3)] + ([StopAt(*stop)] if stop else [])
+        try:
+            h = m.fit(X, Y, batch_size=8, epochs=3, shuffle=True, verbose=0, callbacks=callbacks)
+        except RuntimeError as err:
+            assert stop is not None and str(err) == "preempted", err
+            return None
+        return _weights(m), h.history
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_shuffled_resume_with_mixed_precision_ema_and_accumulation_is_exact(tmp_path):
+    ref_weights, ref_history = _fit_mixed(tmp_path / "ref")
+    keras.backend.clear_session()
+    _fit_mixed(tmp_path / "run", stop=(1, 4))
+    keras.backend.clear_session()
+    weights, history = _fit_mixed(tmp_path / "run", seed=None)
+    _assert_same(ref_weights, weights)
+    assert history == ref_history
