@@ -115,7 +115,8 @@ def render(data):
         f"(seed {', '.join(map(str, sorted(set(seeds))))}, {len(data['cases'])} cases, "
         f"{sum(len(rs) for rs in data['results'].values())} kill scenarios); "
         "do not edit by hand. Each cell: exact / warned / refused / silent (a resumed run that differs "
-        "from the uninterrupted one without a warning or refusal), over the drawn kill scenarios.",
+        "from the uninterrupted one without a warning or refusal) / nothing saved (killed before the "
+        "first checkpoint: the rerun starts afresh), over the drawn kill scenarios.",
         "",
         "| feature | value | " + " | ".join(backends) + " |",
         "|---|---|" + "---|" * len(backends),
@@ -126,7 +127,7 @@ def render(data):
             n = per[b]
             cells.append(
                 f"{n['EXACT']} / {n['WARNED']} / {n['REFUSED'] + n['FALSE_REFUSAL']} / "
-                f"{n['SILENT'] + n['CRASH']}"
+                f"{n['SILENT'] + n['CRASH']} / {n['NOTHING_SAVED']}"
                 if sum(n.values())
                 else "-"
             )
