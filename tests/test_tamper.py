@@ -61,9 +61,10 @@ def three_epochs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted():
-    """Weights and losses of an uninterrupted 6-epoch run (the tests only compare with them)."""
-    m, history = _fit(None, epochs=6)
+def uninterrupted(tmp_path_factory):
+    """Weights and losses of an uninterrupted 6-epoch run (the tests only compare with them),
+    with a StableCheckpoint of its own: it draws the shuffle order itself."""
+    m, history = _fit(tmp_path_factory.mktemp("uninterrupted") / "ckpts", epochs=6)
     return [to_np(w) for w in m.weights], history.history["loss"]
 
 
