@@ -154,3 +154,31 @@ class StopAt(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if (self.epoch, batch) == self.at:
             raise RuntimeError("preempted")
+
+
+class LrLog(keras.callbacks.Callback):
+    """The learning rate at each epoch begin (``lrs[epoch]``) and each batch trained with
+    (``seen[(epoch, batch)]``). Stateless for a resumed fit: ``get_state()`` is ``{}``, and its
+    ``on_epoch_begin`` only records (``repeatable_epoch_begin``)."""
+
+    repeatable_epoch_begin = True
+
+    def __init__(self):
+        super().__init__()
+        self.lrs, self.seen, self.epoch = {}, {}, -1
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        pass
+
+    def _lr(self):
+        return float(to_np(self.model.optimizer.learning_rate))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+        self.lrs[epoch] = self._lr()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen[(self.epoch, batch)] = self._lr()

@@ -9,7 +9,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import slots_by_key, to_np
+from conftest import LrLog, slots_by_key, to_np
 
 import keras_stable_state as kss
 
@@ -235,21 +235,6 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("simulated preemption")
 
 
-class _LrLog(keras.callbacks.Callback):
-    def get_state(self):  # declares it stateless for a resumed fit (no InexactResumeWarning)
-        return {}
-
-    def set_state(self, state):
-        pass
-
-    def __init__(self):
-        super().__init__()
-        self.lrs = {}
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.lrs[epoch] = float(to_np(self.model.optimizer.learning_rate))
-
-
 def _session06(directory, interrupt=None):
     """A fresh 'process': new model, new callbacks, same checkpoint directory."""
     keras.utils.set_random_seed(0)
@@ -261,7 +246,7 @@ def _session06(directory, interrupt=None):
     best = keras.callbacks.ModelCheckpoint(
         str(directory) + "_best.keras", monitor="loss", save_best_only=True
     )
-    log = _LrLog()
+    log = LrLog()
     cbs = [kss.StableCheckpoint(directory, callbacks=[es, rlr, best, log]), es, rlr, best, log] + (
         [interrupt] if interrupt else []
     )

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 import resume_matrix as rm
-from conftest import StopAt
+from conftest import LrLog, StopAt
 
 import keras_stable_state as kss
 from keras_stable_state import callbacks as kss_callbacks
@@ -28,31 +28,6 @@ def _model(loss_scale=False):
     inner = keras.optimizers.LossScaleOptimizer(inner) if loss_scale else inner
     m.compile(optimizer=kss.StableOptimizer(inner, model=m), loss="mse")
     return m
-
-
-class _LrLog(keras.callbacks.Callback):
-    """The learning rate each batch trained with, by (epoch, batch)."""
-
-    def get_state(self):  # declares it stateless for a resumed fit (no InexactResumeWarning)
-        return {}
-
-    def set_state(self, state):
-        pass
-
-    def __init__(self):
-        super().__init__()
-        self.seen, self.epoch = {}, -1
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.seen[(self.epoch, batch)] = float(
-            keras.ops.convert_to_numpy(self.model.optimizer.learning_rate.value)
-        )
-
-
-_LrLog.repeatable_epoch_begin = True
 
 
 def _fit(
@@ -100,7 +75,7 @@ def _assert_same_weights(a, b):
 def test_fault4_learning_rate_scheduler_not_applied_twice_on_mid_epoch_resume(tmp_path, given, loss_scale):
     def run(directory, stop=None):
         sched = keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.7)
-        log = _LrLog()
+        log = LrLog()
         kw = {"callbacks": {"sched": sched}} if given else None
         m, ckpt, _ = _fit(directory, stop=stop, extra=[sched, log], ckpt_kw=kw, loss_scale=loss_scale)
         return m, ckpt, log
@@ -173,7 +148,7 @@ def test_fault6_changed_sample_count_mid_epoch_is_refused(tmp_path):
 
 def test_fault6_restart_epoch_trains_the_interrupted_epoch_from_its_first_batch(tmp_path):
     _fit(tmp_path, stop=(1, 5))  # saved at global step 15, batch 5 of epoch 1
-    log = _LrLog()
+    log = LrLog()
     with pytest.warns(kss.InexactResumeWarning, match="epoch 1 is trained again from its first batch"):
         m, ckpt, h = _fit(tmp_path, batch_size=16, extra=[log], ckpt_kw={"on_data_change": "restart_epoch"})
     assert ckpt.restore_report is not None
