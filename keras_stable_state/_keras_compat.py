@@ -474,6 +474,44 @@ def build_compile_state(model) -> bool:
     return True
 
 
+def per_output_loss_weighting(model) -> tuple:
+    """``(indices, weighting)`` of ``model``'s per-output loss trackers (the
+    ``<output>_loss`` means of a multi-output model, ``CompileLoss.metrics``): the
+    positions in ``model.metrics_variables`` of their ``count`` variables, and what
+    this backend's ``fit`` counts in them, ``"samples"`` or ``"batches"``.
+
+    ``CompileLoss.call`` updates each with ``sample_weight=y_pred.shape[0]``, the static
+    batch size: JAX and Torch always know it; TensorFlow's traced train step knows it
+    only when the input has a static batch dimension (NumPy arrays do; a generator or a
+    ``tf.data`` pipeline with ``batch()`` does not), and otherwise counts each batch
+    once. The total loss tracker counts samples on every backend. ``((), "samples")``
+    when the model has no per-output loss trackers.
+    """
+    loss = getattr(model, "_compile_loss", None)
+    trackers = [m for m in (getattr(loss, "metrics", None) or []) if m is not None]
+    if not trackers:
+        return (), "samples"
+    counts = {id(v) for m in trackers for v in m.variables if v.path.endswith("/count")}
+    indices = tuple(i for i, v in enumerate(model.metrics_variables) if id(v) in counts)
+    if keras.backend.backend() != "tensorflow":
+        return indices, "samples"
+    import tensorflow as tf
+
+    dataset = getattr(fit_epoch_iterator(), "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    flat = [s for s in tf.nest.flatten(spec) if isinstance(s, tf.TypeSpec)] if spec is not None else []
+    static = bool(flat) and flat[0].shape.rank and flat[0].shape[0] is not None
+    return indices, "samples" if static else "batches"
+
+
+def total_loss_count_index(model):
+    """Position of the total loss tracker's ``count`` in ``model.metrics_variables``
+    (it counts samples on every backend), or ``None``."""
+    tracker = getattr(model, "_loss_tracker", None)
+    ids = {id(v) for v in getattr(tracker, "variables", []) if v.path.endswith("/count")}
+    return next((i for i, v in enumerate(model.metrics_variables) if id(v) in ids), None)
+
+
 def fit_callbacks() -> list:
     """The callbacks of the ``fit`` call running in this thread (its ``CallbackList``), or ``[]``.
 

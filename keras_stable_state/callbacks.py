@@ -713,6 +713,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._warn_unknown_callbacks()
         writer = (self.restore_report.writer or {}).get("backend")
         live = keras.backend.backend()
+        if pos.step > 0:
+            self._warn_loss_weighting(record, writer, live)
         if writer and writer != live:
             random_layers = sorted(
                 {
@@ -731,6 +733,44 @@ class StableCheckpoint(keras.callbacks.Callback):
                     InexactResumeWarning,
                     stacklevel=3,
                 )
+
+    def _warn_loss_weighting(self, record, writer, live):
+        """Warn when the saved per-output loss means of the interrupted epoch were counted
+        in other units than this ``fit`` counts them (TensorFlow counts batches for an
+        input of unknown batch size, the other backends samples; see
+        ``_keras_compat.per_output_loss_weighting``): the resumed epoch's History
+        ``<output>_loss`` values would then weigh the saved and the new batches unlike an
+        uninterrupted run. Training itself is not affected."""
+        indices, weighting = compat.per_output_loss_weighting(self.model)
+        total = compat.total_loss_count_index(self.model)
+        values = state.join_arrays(record.extra.get("providers", {}).get("metrics"), record.arrays)
+        saved = values.get("values") if isinstance(values, dict) else None
+        if not indices or total is None or not isinstance(saved, list) or len(saved) <= max(indices):
+            return
+        samples = float(saved[total])
+        counts = [float(saved[i]) for i in indices]
+        batches = self._position.step
+        if samples == batches or not all(c > 0 for c in counts):
+            return  # batch size 1, or nothing counted: both units agree
+        saved_weighting = "samples" if all(c == samples for c in counts) else "batches"
+        if saved_weighting == weighting:
+            return
+        names = sorted(
+            {v.path.rsplit("/", 1)[0] for i, v in enumerate(self.model.metrics_variables) if i in indices}
+        )
+        where = f"on {writer}" if writer else "by another fit"
+        warnings.warn(
+            f"StableCheckpoint: the checkpoint (epoch {self._position.epoch}, step {batches}) was written "
+            f"{where}, whose per-output loss trackers {names} counted {saved_weighting} in the interrupted "
+            f"epoch; this fit on {live} counts {weighting} (TensorFlow counts batches when the input's "
+            "batch size is not static, e.g. a generator or tf.data with batch()). The History's "
+            "per-output losses of that epoch weigh the saved and the new batches unlike an uninterrupted "
+            "run; weights, optimizer state, the total loss and later epochs are not affected. Resume "
+            f"{'on ' + writer if writer and writer != live else 'with the same kind of input'} or from an "
+            "epoch-boundary checkpoint (save_freq='epoch') for exact per-output losses.",
+            InexactResumeWarning,
+            stacklevel=4,
+        )
 
     def _warn_unknown_callbacks(self):
         """Warn, on a resume, for each callback of this ``fit`` whose state the library

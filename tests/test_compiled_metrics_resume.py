@@ -1,6 +1,11 @@
 """Issue 14, fault 1: a mid-epoch resume of a model compiled with metrics, weighted
 metrics or a loss per output (TensorFlow builds them only at the first trace)."""
 
+import os
+import subprocess
+import sys
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -38,17 +43,33 @@ def _inputs(kind):
     return dict(x=X, y=Y)
 
 
-def _fit(kind, directory=None, stop=None, metrics=None, shuffle=True):
+def _batches(kind):
+    """The batches of ``_inputs(kind)`` in order, forever: a generator input, whose batch
+    size TensorFlow's traced train step does not know."""
+    data = _inputs(kind)
+    while True:
+        for i in range(0, len(X), 8):
+            yield tuple(
+                {k: v[i : i + 8] for k, v in d.items()} if isinstance(d, dict) else d[i : i + 8]
+                for d in (data["x"], data["y"])
+            )
+
+
+def _fit(kind, directory=None, stop=None, metrics=None, shuffle=True, generator=False):
     """A fresh session and model, fit 3 epochs with (``directory``) or without a
-    StableCheckpoint saving every 3 batches; ``stop=(epoch, batch)`` preempts it there."""
+    StableCheckpoint saving every 3 batches; ``stop=(epoch, batch)`` preempts it there.
+    ``generator=True`` feeds the same batches from a Python generator."""
     keras.backend.clear_session(free_memory=False)
     m = _model(kind, metrics)
     callbacks = [] if directory is None else [kss.StableCheckpoint(directory, save_freq=3, keep=2)]
     callbacks += [] if stop is None else [StopAt(*stop)]
+    data = (
+        dict(x=_batches(kind), steps_per_epoch=6, shuffle=False)
+        if generator
+        else dict(**_inputs(kind), batch_size=8, shuffle=shuffle)
+    )
     try:
-        history = m.fit(
-            **_inputs(kind), batch_size=8, epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=callbacks
-        )
+        history = m.fit(**data, epochs=EPOCHS, verbose=0, callbacks=callbacks)
     except RuntimeError as err:
         assert stop is not None and str(err) == "preempted", err
         return m, None
@@ -95,3 +116,41 @@ def test_fault1_resume_compiled_with_other_metrics_is_still_refused(tmp_path):
     _fit("metrics", tmp_path / "run", stop=(1, 5))
     with pytest.raises(kss.StateError, match="compiled with other metrics"):
         _fit("metrics", tmp_path / "run", metrics={"metrics": ["mae", "mse"]})
+
+
+def test_fault1_mid_epoch_resume_of_per_output_losses_from_a_generator_equals_uninterrupted(tmp_path):
+    # TensorFlow counts a generator's batches, not samples, in the per-output loss means.
+    ref, ref_history = _fit("two_outputs", tmp_path / "ref", generator=True)
+    _fit("two_outputs", tmp_path / "run", stop=(1, 5), generator=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kss.InexactResumeWarning)
+        res, res_history = _fit("two_outputs", tmp_path / "run", generator=True)
+    _assert_same_training(ref, res, ref_history, res_history)
+
+
+# TensorFlow counts batches for a generator, JAX and Torch samples.
+WRITER = {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[keras.backend.backend()]
+
+
+def test_fault1_cross_backend_resume_warns_when_per_output_losses_were_counted_otherwise(tmp_path):
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import test_compiled_metrics_resume as t\n"
+        f"t._fit('two_outputs', {str(tmp_path / 'run')!r}, stop=(1, 5), generator=True)\n"
+    )
+    env = dict(os.environ, KERAS_BACKEND=WRITER, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    differ = "tensorflow" in (WRITER, keras.backend.backend())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", kss.InexactResumeWarning)
+        res, history = _fit("two_outputs", tmp_path / "run", generator=True)
+    found = [str(w.message) for w in caught if issubclass(w.category, kss.InexactResumeWarning)]
+    if differ:
+        assert len(found) == 1, found
+        assert f"written on {WRITER}" in found[0] and "compile_loss/a_loss" in found[0], found[0]
+        assert "save_freq='epoch'" in found[0]
+    else:  # JAX and Torch both count samples: nothing to warn about
+        assert found == []
+    assert int(res.optimizer.iterations) == 6 * EPOCHS
+    assert len(history.history["a_loss"]) == EPOCHS  # the saved History goes on
