@@ -158,6 +158,6 @@ def mlp_for_bytes(state_bytes: int, seed: int = 0):
 
 def state_arrays(model) -> list:
     """Host copies of every model and optimizer variable (for raw baselines)."""
-    from keras_stable_state._apply import to_numpy
+    from keras_stable_state._core.apply import to_numpy
 
     return [np.ascontiguousarray(to_numpy(v)) for v in model.variables + model.optimizer.variables]

@@ -44,8 +44,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
-from keras_stable_state._apply import to_numpy  # noqa: E402
-from keras_stable_state._async import _owned  # noqa: E402
+from keras_stable_state._core.apply import to_numpy  # noqa: E402
+from keras_stable_state._engines.background import _owned  # noqa: E402
 
 TARGET = 0.1
 LAYERS = 8

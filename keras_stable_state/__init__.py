@@ -11,11 +11,21 @@ Public API (see ``docs/`` and DESIGN.md)::
     kss.restore_training_state_from_bytes(data, model) -> kss.RestoreReport
 """
 
-from keras_stable_state._async import SaveHandle
-from keras_stable_state.accumulator import GradientAccumulator
-from keras_stable_state.callbacks import InexactResumeWarning, StableCheckpoint, UnreadableCheckpointWarning
-from keras_stable_state.checkpoint import PendingRestore, restore_training_state, save_training_state
-from keras_stable_state.contract import TrainableContract
+from keras_stable_state._core.checkpoint import PendingRestore, restore_training_state, save_training_state
+from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
+from keras_stable_state._core.mappers import CastMapper, QuantizeMapper, StateMapper
+from keras_stable_state._core.report import RestoreReport
+from keras_stable_state._engines.background import SaveHandle
+from keras_stable_state._fit.callback import (
+    InexactResumeWarning,
+    StableCheckpoint,
+    UnreadableCheckpointWarning,
+)
+from keras_stable_state._identity.contract import TrainableContract
+from keras_stable_state._identity.registry import VariableKey, VariableRegistry
+from keras_stable_state._optimizer.accumulator import GradientAccumulator
+from keras_stable_state._optimizer.wrapper import StableOptimizer
+from keras_stable_state._state.state import ScheduleMismatchError
 from keras_stable_state.errors import (
     BindingError,
     CheckpointFormatError,
@@ -27,12 +37,6 @@ from keras_stable_state.errors import (
     MalformedKeyError,
     StateError,
 )
-from keras_stable_state.identity import VariableKey, VariableRegistry
-from keras_stable_state.in_memory import restore_training_state_from_bytes, training_state_to_bytes
-from keras_stable_state.mappers import CastMapper, QuantizeMapper, StateMapper
-from keras_stable_state.optimizer import StableOptimizer
-from keras_stable_state.report import RestoreReport
-from keras_stable_state.state import ScheduleMismatchError
 
 __version__ = "0.1.0"
 

@@ -335,7 +335,7 @@ def fit_data_adapter():
 def shufflable_arrays(epoch_iterator):
     """``(inputs, shuffle, batch_size)`` of a ``fit`` over NumPy arrays with ``shuffle``
     ``True`` or ``"batch"`` and a fresh iterator per epoch (no ``steps_per_epoch``), whose
-    order :class:`keras_stable_state._fit_input.EpochOrder` can take over; else ``None``.
+    order :class:`keras_stable_state._fit.input.EpochOrder` can take over; else ``None``.
 
     ``inputs`` is the ``ArrayDataAdapter``'s packed ``(x, y, sample_weight)`` structure
     (class weights already turned into sample weights,

@@ -1,8 +1,8 @@
 """Variables as NumPy arrays, without the warnings of ``keras.ops.convert_to_numpy``.
 
 A leaf module (it imports nothing of this package but the multi-process helpers), used by
-the restore core (:mod:`keras_stable_state._apply`), the state providers
-(:mod:`keras_stable_state.state`) and the callbacks.
+the restore core (:mod:`keras_stable_state._core.apply`), the state providers
+(:mod:`keras_stable_state._state.state`) and the callbacks.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_stable_state import _multiprocess
+from keras_stable_state._engines import multiprocess as _multiprocess
 
 
 def to_numpy(variable):

@@ -52,8 +52,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
-from keras_stable_state import cli, storage  # noqa: E402
+from keras_stable_state import cli  # noqa: E402
 from keras_stable_state.errors import BindingError, CheckpointInUseError, ContractError, StateError  # noqa: E402
+from keras_stable_state.format import storage  # noqa: E402
 
 BACKEND = keras.backend.backend()
 TARGETS = {"h5": "state.h5", "keras": "state.keras", "ckpt": "ckpt.h5"}
@@ -375,7 +376,7 @@ def _write_text(ds, text):
 def _forged_crc(key, dtype, value):
     """The CRC-32 storage would write for ``value`` (a forged but self-consistent entry)."""
     try:
-        from keras_stable_state import _hdf5_checks
+        from keras_stable_state.format import sandbox as _hdf5_checks
 
         return _hdf5_checks.crc_v2(key, dtype, value.shape, value.tobytes())
     except (ImportError, AttributeError):

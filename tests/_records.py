@@ -3,14 +3,15 @@
 Each helper changes an open ``h5py.File`` (mode ``"r+"``) and fixes every
 checksum inside the record, so that only the whole-file seal (or, once the
 file is resealed with ``storage.reseal``, the deeper checks of restore) can
-notice. Layout: see :mod:`keras_stable_state.storage`.
+notice. Layout: see :mod:`keras_stable_state.format.storage`.
 """
 
 import json
 
 import numpy as np
 
-from keras_stable_state import _hdf5_checks, storage
+from keras_stable_state.format import sandbox as _hdf5_checks
+from keras_stable_state.format import storage
 
 
 def index(f) -> dict:

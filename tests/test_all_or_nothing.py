@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import keras_stable_state as kss
-from keras_stable_state import checkpoint, storage
-from keras_stable_state import state as state_mod
+from keras_stable_state._core import checkpoint
+from keras_stable_state._state import state as state_mod
+from keras_stable_state.format import storage
 
 SETTINGS = settings(
     max_examples=24,
@@ -373,7 +374,7 @@ def test_set_rng_state_is_all_or_nothing(world):
 def test_variable_step_assigns_host_arrays_of_every_dtype(dtype, writeable):
     """A variable step hands plain host arrays to ``assign`` as the backend's own tensor
     (read-only ones and others as they are): the value and dtype come out the same."""
-    from keras_stable_state._apply import apply_steps, variable_step
+    from keras_stable_state._core.apply import apply_steps, variable_step
 
     if BACKEND == "jax" and dtype.endswith("64"):
         pytest.skip("JAX holds no 64-bit variables without jax_enable_x64")

@@ -9,7 +9,7 @@ import pytest
 from conftest import BACKEND, slots_by_key, to_np
 
 import keras_stable_state as kss
-from keras_stable_state import storage
+from keras_stable_state.format import storage
 
 
 def _model(opt=None, dtype=None):

@@ -13,8 +13,9 @@ import pytest
 from conftest import BACKEND, to_np
 
 import keras_stable_state as kss
-from keras_stable_state import cli, storage
-from keras_stable_state.identity import VariableRegistry
+from keras_stable_state import cli
+from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state.format import storage
 
 
 class _Position:
@@ -347,7 +348,7 @@ def test_the_command_line_itself_does_not_import_keras(saved):
     code = (
         "import sys, types\n"
         "pkg = types.ModuleType('keras_stable_state')\n"
-        f"pkg.__path__ = [{os.path.dirname(cli.__file__)!r}]\n"
+        f"pkg.__path__ = [{os.path.dirname(os.path.dirname(cli.__file__))!r}]\n"
         "sys.modules['keras_stable_state'] = pkg\n"
         "from keras_stable_state import cli\n"
         f"rc = cli.main(['verify', {str(folder / 's.keras')!r}])\n"

@@ -30,8 +30,10 @@ import pytest
 from conftest import to_np
 
 import keras_stable_state as kss
-from keras_stable_state import _hdf5_checks, cli, storage
+from keras_stable_state import cli
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+from keras_stable_state.format import sandbox as _hdf5_checks
+from keras_stable_state.format import storage
 
 REFUSALS = (CorruptCheckpointError, CheckpointFormatError)
 KERNEL = "path:layers/hidden/kernel"
@@ -116,7 +118,7 @@ def _reseal(path):
 def _forged_crc(key, dtype, data: bytes, shape):
     """The CRC-32 a reader expects for an array (format 2: over key, dtype, shape, bytes)."""
     try:
-        from keras_stable_state import _hdf5_checks
+        from keras_stable_state.format import sandbox as _hdf5_checks
 
         return _hdf5_checks.crc_v2(key, dtype, shape, data)
     except (ImportError, AttributeError):

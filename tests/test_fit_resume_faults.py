@@ -15,7 +15,7 @@ import resume_matrix as rm
 from conftest import LrLog, StopAt
 
 import keras_stable_state as kss
-from keras_stable_state import callbacks as kss_callbacks
+from keras_stable_state._fit import callback as kss_callbacks
 
 rng = np.random.default_rng(3)
 X = rng.normal(size=(80, 6)).astype("float32")  # 10 batches of 8 per epoch
@@ -233,7 +233,7 @@ def test_fault7_history_keys_follow_the_live_output_names_after_a_rebuild(tmp_pa
 
 
 def test_fault7_rename_history_keys_by_position():
-    from keras_stable_state.state import rename_history_keys
+    from keras_stable_state._state.state import rename_history_keys
 
     saved = {"loss": [1], "dense_1_loss": [2], "dense_10_loss": [3], "val_dense_10_mae": [4]}
     out = rename_history_keys(saved, ["dense_1", "dense_10"], ["head_a", "dense_1"])

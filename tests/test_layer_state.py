@@ -17,7 +17,7 @@ import pytest
 from conftest import BACKEND, slots_by_key, to_np
 
 import keras_stable_state as kss
-from keras_stable_state.identity import VariableRegistry
+from keras_stable_state._identity.registry import VariableRegistry
 
 
 def _keys(model):

@@ -15,6 +15,7 @@ from conftest import to_np
 from keras import layers
 
 import keras_stable_state as kss
+from keras_stable_state._optimizer.wrapper import optimizer_entries
 
 RNG = np.random.default_rng(5)
 Z = RNG.normal(size=(8, 4)).astype("float32")
@@ -91,7 +92,7 @@ def _gan():
 
 
 def _state(opt, model, name):
-    entries = kss.optimizer.optimizer_entries(
+    entries = optimizer_entries(
         opt, kss.VariableRegistry.from_model(model, opt._trainable_variables), name=name
     )
     return {e.key: to_np(e.variable) for e in entries}

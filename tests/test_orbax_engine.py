@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keras_stable_state as kss
-from keras_stable_state import _orbax_engine
+from keras_stable_state._engines import orbax as _orbax_engine
 
 orbax = pytest.importorskip(
     "orbax.checkpoint", reason="orbax-checkpoint (the [orbax] extra) is not installed"

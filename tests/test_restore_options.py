@@ -9,7 +9,7 @@ import pytest
 from conftest import BACKEND, to_np
 
 import keras_stable_state as kss
-from keras_stable_state.checkpoint import _keyed_optimizer_entries
+from keras_stable_state._core.checkpoint import _keyed_optimizer_entries
 
 
 def _slots(optimizer, model, extras=None):
@@ -202,7 +202,7 @@ def test_deferred_restore_waits_for_the_variables(tmp_path):
     src, x = _trained_compiled(tmp_path)
     dst = _unbuilt()
     pending = kss.restore_training_state(tmp_path / "s.h5", dst, defer=True)
-    assert isinstance(pending, kss.checkpoint.PendingRestore) and not pending.done
+    assert isinstance(pending, kss.PendingRestore) and not pending.done
     (tmp_path / "s.h5").unlink()  # the arrays were read (and checked) already
     dst.build((None, 4))
     report = pending.restore()

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keras_stable_state as kss
-from keras_stable_state import cli, storage
+from keras_stable_state import cli
+from keras_stable_state.format import storage
 
 
 def _model():

@@ -25,6 +25,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
+from keras_stable_state._optimizer.wrapper import optimizer_entries  # noqa: E402
 
 STEPS = 20
 CASES = ("dense", "mixed", "embedding")
@@ -87,9 +88,7 @@ def arrays(model):
     entries = (
         opt.entries()
         if isinstance(opt, kss.StableOptimizer)
-        else kss.optimizer.optimizer_entries(
-            opt, kss.VariableRegistry.from_model(model, opt._trainable_variables)
-        )
+        else optimizer_entries(opt, kss.VariableRegistry.from_model(model, opt._trainable_variables))
     )
     out.update({f"opt:{e.key}": keras.ops.convert_to_numpy(e.variable) for e in entries})
     return out

@@ -7,7 +7,7 @@ Which slot belongs to which model variable, for every optimizer a model tracks
 of parameter-group routing (``MultiOptimizer``) and accumulation windows
 (``gradient_accumulation_steps``). ``StableOptimizer.load_own_variables``
 restores through :func:`restore_optimizer_arrays` (registered with
-:mod:`keras_stable_state.optimizer`, which does not import this module).
+:mod:`keras_stable_state._optimizer.wrapper`, which does not import this module).
 """
 
 from __future__ import annotations
@@ -20,13 +20,9 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import optimizer as optimizer_mod
-from keras_stable_state import storage
-from keras_stable_state._apply import apply_steps, coerce, variable_step
-from keras_stable_state._numpy import to_numpy
-from keras_stable_state.errors import BindingError, StateError
-from keras_stable_state.identity import VariableRegistry
-from keras_stable_state.keys import (
+from keras_stable_state._core.apply import apply_steps, coerce, variable_step
+from keras_stable_state._core.report import RestoreReport
+from keras_stable_state._identity.keys import (
     EXTRA,
     MAIN,
     VariableKey,
@@ -34,7 +30,10 @@ from keras_stable_state.keys import (
     parse_optimizer_key,
     split_entry_name,
 )
-from keras_stable_state.optimizer import (
+from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._numpy import to_numpy
+from keras_stable_state._optimizer import wrapper as optimizer_mod
+from keras_stable_state._optimizer.wrapper import (
     StableOptimizer,
     accumulation,
     optimizer_entries,
@@ -42,7 +41,8 @@ from keras_stable_state.optimizer import (
     routing,
     stable_optimizer_in,
 )
-from keras_stable_state.report import RestoreReport
+from keras_stable_state.errors import BindingError, StateError
+from keras_stable_state.format import storage
 
 __all__ = [
     "optimizer_classes",

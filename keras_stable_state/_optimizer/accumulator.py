@@ -5,11 +5,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_stable_state import keys
+from keras_stable_state._identity import keys
+from keras_stable_state._identity.keys import VariableKey
+from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import numpy_copy, to_numpy
 from keras_stable_state.errors import BindingError, StateError
-from keras_stable_state.identity import VariableRegistry
-from keras_stable_state.keys import VariableKey
 
 __all__ = ["GradientAccumulator"]
 

@@ -18,11 +18,11 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import keys
+from keras_stable_state._identity import keys
+from keras_stable_state._identity.keys import MAIN, entry_prefix, parse_entry_key
+from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import numpy_copy, to_numpy
 from keras_stable_state.errors import BindingError, StateError
-from keras_stable_state.identity import VariableRegistry
-from keras_stable_state.keys import MAIN, entry_prefix, parse_entry_key
 
 __all__ = [
     "StableOptimizer",
@@ -435,7 +435,7 @@ def _hand_over(wrapper):
 
 
 # The keyed restore StableOptimizer.load_own_variables uses: slots.restore_optimizer_arrays,
-# registered by keras_stable_state.slots (imported with the package), so that this module
+# registered by keras_stable_state._optimizer.slots (imported with the package), so that this module
 # does not import the modules that match slots (they import this one).
 _keyed_restore = None
 
@@ -725,7 +725,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
 
         Raises:
             BindingError, ContractError, DtypeMismatchError: see
-                :func:`keras_stable_state.slots.restore_optimizer_arrays`.
+                :func:`keras_stable_state._optimizer.slots.restore_optimizer_arrays`.
         """
         compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "load")
         self._pending_store = {k: np.array(store[k]) for k in store.keys()}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from keras_stable_state._identity.registry import VariableKey, VariableRegistry
 from keras_stable_state.errors import ContractError
-from keras_stable_state.identity import VariableKey, VariableRegistry
 
 __all__ = ["TrainableContract"]
 

@@ -19,7 +19,7 @@ Exit codes:
   cannot be read.
 
 Nothing here imports Keras or reads the format itself: files are opened with
-:func:`keras_stable_state.storage.open_file` (``CheckpointFile`` and ``Entry``
+:func:`keras_stable_state.format.storage.open_file` (``CheckpointFile`` and ``Entry``
 are re-exported from there); this module only presents what it reads.
 """
 
@@ -33,10 +33,10 @@ import sys
 
 import numpy as np
 
-from keras_stable_state import storage
+from keras_stable_state._identity.keys import GLOBAL, split_entry_key
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
-from keras_stable_state.keys import GLOBAL, split_entry_key
-from keras_stable_state.storage import CheckpointFile, Entry
+from keras_stable_state.format import storage
+from keras_stable_state.format.storage import CheckpointFile, Entry
 
 __all__ = [
     "CheckpointFile",

@@ -1,6 +1,6 @@
 """Background writes of training states: ``save_training_state(..., blocking=False)``.
 
-The calling thread builds the whole :class:`~keras_stable_state.storage.StateRecord`
+The calling thread builds the whole :class:`~keras_stable_state.format.storage.StateRecord`
 (every array copied to host NumPy) and hands it to :func:`submit`; one shared
 ``concurrent.futures.ThreadPoolExecutor`` runs the write (the same
 ``storage.write_record`` a blocking save calls: seal, temporary file, ``fsync``,
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from keras_stable_state import storage
+from keras_stable_state.format import storage
 
 __all__ = ["SaveHandle", "folder_of", "host_record", "submit", "wait_for_folder"]
 

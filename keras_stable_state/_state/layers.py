@@ -10,7 +10,7 @@ Keras variable, so restoring variables alone restores it silently wrong:
 * **bin boundaries** of an adapted ``Discretization`` (a Python list).
 
 Both are saved per layer, keyed by the layer's stable path
-(:func:`~keras_stable_state.identity.stable_layer_paths`), checked in full
+(:func:`~keras_stable_state._identity.registry.stable_layer_paths`), checked in full
 before anything is assigned, and set before the variables.
 
 **Derived state** is recomputed instead: after the variables are assigned,
@@ -30,9 +30,9 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import state as state_mod
+from keras_stable_state._identity.registry import stable_layer_paths
+from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import BindingError, StateError
-from keras_stable_state.identity import stable_layer_paths
 
 __all__ = ["SECTION", "collect_layer_state", "finalize_steps", "plan_layer_state"]
 
@@ -186,7 +186,7 @@ def collect_layer_state(model) -> dict:
     Returns:
         ``{layer key: state}``; a state is a JSON-ready ``dict`` whose arrays
         (IDF weights, bin boundaries) are NumPy arrays (split them with
-        :func:`keras_stable_state.state.split_arrays`).
+        :func:`keras_stable_state._state.state.split_arrays`).
 
     Raises:
         StateError: naming the layer, if a vocabulary holds a token that cannot
@@ -396,7 +396,7 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
     layer is refused under ``strict`` (else listed in ``report.dropped``).
 
     Args:
-        record: A :class:`~keras_stable_state.storage.StateRecord`, or a stock
+        record: A :class:`~keras_stable_state.format.storage.StateRecord`, or a stock
             Keras file's record (which holds no layer state).
         model: The model being restored.
         strict: Refuse layers without a saved state and saved states without a layer.

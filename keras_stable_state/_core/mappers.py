@@ -33,9 +33,9 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_stable_state import state as state_mod
-from keras_stable_state import storage
+from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import CorruptCheckpointError, DtypeMismatchError, StateError
+from keras_stable_state.format import storage
 
 __all__ = ["SECTION", "CastMapper", "QuantizeMapper", "StateMapper", "check_mappers", "decode_record"]
 

@@ -33,8 +33,8 @@ import re
 import keras
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state._identity.keys import NAMED, ORDERED, VariableKey
 from keras_stable_state.errors import BindingError
-from keras_stable_state.keys import NAMED, ORDERED, VariableKey
 
 # VariableKey lives in keys.py (the key grammar, no Keras); it stays importable from here.
 __all__ = ["VariableKey", "VariableRegistry", "stable_layer_paths", "stable_variable_paths"]

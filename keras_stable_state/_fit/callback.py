@@ -15,9 +15,14 @@ import weakref
 
 import keras
 
-from keras_stable_state import _async, _fit_checks, _fit_input, checkpoint, state
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state._core import checkpoint
+from keras_stable_state._engines import background as _async
+from keras_stable_state._fit import checks as _fit_checks
+from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._numpy import numpy_copy
+from keras_stable_state._optimizer.wrapper import stable_optimizer_in, tracked_optimizers
+from keras_stable_state._state import state
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,
@@ -26,7 +31,6 @@ from keras_stable_state.errors import (
     StateError,
     UnreadableCheckpointWarning,
 )
-from keras_stable_state.optimizer import stable_optimizer_in, tracked_optimizers
 
 try:
     import fcntl

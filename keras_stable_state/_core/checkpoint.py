@@ -18,11 +18,9 @@ import time
 import keras
 import numpy as np
 
-from keras_stable_state import _async, _multiprocess, _orbax_engine, layer_state, storage
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import mappers as mappers_mod
-from keras_stable_state import state as state_mod
-from keras_stable_state._apply import (
+from keras_stable_state._core import mappers as mappers_mod
+from keras_stable_state._core.apply import (
     apply_steps,
     coerce,
     dtype_name,
@@ -31,7 +29,7 @@ from keras_stable_state._apply import (
     to_numpy,
     variable_step,
 )
-from keras_stable_state._arguments import (
+from keras_stable_state._core.arguments import (
     MODEL_STATES,
     check_callbacks,
     check_filepath,
@@ -42,22 +40,28 @@ from keras_stable_state._arguments import (
     check_rename,
     check_variables,
 )
-from keras_stable_state._scope import check_scope, renamed_record
-from keras_stable_state.contract import TrainableContract
-from keras_stable_state.errors import BindingError, CheckpointFormatError, MalformedKeyError, StateError
-from keras_stable_state.identity import VariableRegistry, one_walk
-from keras_stable_state.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
-from keras_stable_state.optimizer import tracked_optimizers
-from keras_stable_state.report import RestoreReport, writer_metadata
-from keras_stable_state.slots import (
+from keras_stable_state._core.report import RestoreReport, writer_metadata
+from keras_stable_state._core.scope import check_scope, renamed_record
+from keras_stable_state._engines import background as _async
+from keras_stable_state._engines import multiprocess as _multiprocess
+from keras_stable_state._engines import orbax as _orbax_engine
+from keras_stable_state._identity.contract import TrainableContract
+from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
+from keras_stable_state._identity.registry import VariableRegistry, one_walk
+from keras_stable_state._optimizer.slots import (
     drop_reason,
     keyed_optimizer_entries,
     optimizer_classes,
     plan_optimizers,
     save_optimizers,
 )
-from keras_stable_state.slots import plan_optimizer_arrays as plan_optimizer_arrays
-from keras_stable_state.slots import restore_optimizer_arrays as restore_optimizer_arrays
+from keras_stable_state._optimizer.slots import plan_optimizer_arrays as plan_optimizer_arrays
+from keras_stable_state._optimizer.slots import restore_optimizer_arrays as restore_optimizer_arrays
+from keras_stable_state._optimizer.wrapper import tracked_optimizers
+from keras_stable_state._state import layers as layer_state
+from keras_stable_state._state import state as state_mod
+from keras_stable_state.errors import BindingError, CheckpointFormatError, MalformedKeyError, StateError
+from keras_stable_state.format import storage
 
 __all__ = [
     "RestoreReport",
@@ -131,7 +135,7 @@ def _cyclic_gc_paused():
 
 
 def _walking_once(fn):
-    """Run ``fn`` inside :func:`~keras_stable_state.identity.one_walk` (every registry it
+    """Run ``fn`` inside :func:`~keras_stable_state._identity.registry.one_walk` (every registry it
     builds reuses one walk of the model), with the cyclic garbage collector paused."""
 
     @functools.wraps(fn)
@@ -321,7 +325,7 @@ def training_state_record(
     convert=to_numpy,
     before_copy=None,
 ):
-    """The :class:`~keras_stable_state.storage.StateRecord` that :func:`save_training_state`
+    """The :class:`~keras_stable_state.format.storage.StateRecord` that :func:`save_training_state`
     writes, with every argument checked as it says (``verb`` names the caller in messages;
     ``convert`` turns a variable into the value stored; ``before_copy`` runs once the
     arguments are checked, before any value is read)."""
@@ -926,7 +930,7 @@ def plan_callbacks(record, callbacks, report, where=None):
     saved state is listed in ``report.left_fresh``.
 
     Args:
-        record: A :class:`~keras_stable_state.storage.StateRecord`.
+        record: A :class:`~keras_stable_state.format.storage.StateRecord`.
         callbacks: The live callbacks: a dict ``{name: callback}`` or a list.
         report: The :class:`RestoreReport` to add to.
         where: The file, for messages.

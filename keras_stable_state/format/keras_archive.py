@@ -27,7 +27,7 @@ import zipfile
 import numpy as np
 import xxhash
 
-from keras_stable_state import _hdf5_checks as checks
+from keras_stable_state.format import sandbox as checks
 
 MEMBER = "model.weights.h5"
 PREFIX = f"{MEMBER}:"

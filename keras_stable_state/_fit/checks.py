@@ -15,7 +15,7 @@ import warnings
 import keras
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _orbax_engine
+from keras_stable_state._engines import orbax as _orbax_engine
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import InexactResumeWarning, StateError
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import keras
 
-from keras_stable_state import storage
+from keras_stable_state.format import storage
 
 __all__ = ["RestoreReport", "writer_metadata"]
 

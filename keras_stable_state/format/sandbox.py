@@ -2,7 +2,7 @@
 
 Used in two ways:
 
-* imported by :mod:`keras_stable_state.storage`, which runs these checks on
+* imported by :mod:`keras_stable_state.format.storage`, which runs these checks on
   every file before reading an array: no soft or external links, no external
   storage, no virtual, chunked or filtered datasets, plain little-endian
   numeric dtypes only, and each dataset's data inside the file (so a small

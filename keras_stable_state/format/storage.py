@@ -42,7 +42,7 @@ Integrity, in the order a reader checks it (see docs: Security and integrity):
    damaged file is refused before it can crash or hang the HDF5 library. The
    seal detects damage, not forgery. Files without a seal (stock Keras files,
    format-1 records) are first read in a separate process
-   (:mod:`keras_stable_state._hdf5_checks`), so whatever HDF5 does with them
+   (:mod:`keras_stable_state.format.sandbox`), so whatever HDF5 does with them
    cannot kill the caller.
 2. The structure: only hard links, no external storage or virtual datasets,
    contiguous uncompressed data inside the file, plain little-endian numeric
@@ -97,14 +97,14 @@ import ml_dtypes
 import numpy as np
 import xxhash
 
-from keras_stable_state import _hdf5_checks as checks
-from keras_stable_state import _shared
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,
     CorruptCheckpointError,
     StateError,
 )
+from keras_stable_state.format import keras_archive as _shared
+from keras_stable_state.format import sandbox as checks
 
 try:
     import fcntl
@@ -627,10 +627,10 @@ def _probe(path: str, member: str | None = None, timeout: float = PROBE_TIMEOUT,
 
     Args:
         expect: Optional ``[[key, dtype, shape, dataset path, xxh3-64 hex]]`` rows whose
-            datasets the probe also checks (:func:`keras_stable_state._hdf5_checks.check_expected`).
+            datasets the probe also checks (:func:`keras_stable_state.format.sandbox.check_expected`).
 
     Returns:
-        The probe's findings (see :func:`keras_stable_state._hdf5_checks.probe`),
+        The probe's findings (see :func:`keras_stable_state.format.sandbox.probe`),
         or ``{"crashed": reason}`` when the process died, hung or raised.
     """
     with tempfile.TemporaryDirectory(prefix="kss-probe-") as folder:
@@ -727,7 +727,7 @@ def _is_int(value) -> bool:
 
 def _check_key(where: str, section: str, key: str) -> None:
     """Refuse a key that restore could not parse (verify and restore refuse the same files)."""
-    from keras_stable_state import keys
+    from keras_stable_state._identity import keys
 
     if section == "model":
         keys.parse_model_key(key, where)
@@ -1343,7 +1343,7 @@ class CheckpointFile:
     def _open_shared(self, spec, rows):
         """Keras' weights member a ``.keras`` record shares model arrays with: its length
         and xxh3-128 are checked against ``spec`` (from the sealed index) before HDF5
-        parses it, then its structure, as for a record (:mod:`keras_stable_state._shared`)."""
+        parses it, then its structure, as for a record (:mod:`keras_stable_state.format.keras_archive`)."""
         where = f"{self.path}:{_shared.MEMBER}"
         ok = (
             isinstance(spec, dict)
@@ -1518,7 +1518,7 @@ class CheckpointFile:
 
     def _check_mappers(self, mappers, bad):
         """``extra["mappers"]``: ``{key: {mapper: {class_name, config}, dtype, shape, params}}``
-        for keys of the model and optimizer sections (see :mod:`keras_stable_state.mappers`)."""
+        for keys of the model and optimizer sections (see :mod:`keras_stable_state._core.mappers`)."""
         keys = {e.key for e in self.entries if e.section in ("model", "optimizer")}
         if not isinstance(mappers, dict):
             raise bad("extra", "'mappers' is not an object")

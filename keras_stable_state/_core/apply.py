@@ -8,9 +8,10 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_stable_state import _multiprocess, storage
-from keras_stable_state import state as state_mod
+from keras_stable_state._engines import multiprocess as _multiprocess
+from keras_stable_state._identity.keys import file_label, malformed_key
 from keras_stable_state._numpy import _private_copy, to_numpy
+from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import (
     BindingError,
     DtypeMismatchError,
@@ -18,7 +19,7 @@ from keras_stable_state.errors import (
     MalformedKeyError,
     StateError,
 )
-from keras_stable_state.keys import file_label, malformed_key
+from keras_stable_state.format import storage
 
 
 def _dtype(variable) -> str:
