@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/python -m keras_stable_state.demo --backend $(BACKEND)
+	$(BIN)/python examples/resume_demo.py --backend $(BACKEND)
 
 lint: setup
 	$(BIN)/ruff check keras_stable_state tests benchmarks

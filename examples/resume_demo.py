@@ -1,8 +1,12 @@
 """Interrupt a training run, resume it in a fresh process, and compare with never stopping.
 
-Run it as::
+Run it from the project root as::
 
-    python -m keras_stable_state.demo --backend tensorflow|jax|torch
+    python examples/resume_demo.py --backend tensorflow|jax|torch     # or: make demo BACKEND=...
+
+It needs keras_stable_state, the backend it runs on and scikit-learn (the ``[demo]`` extra:
+``pip install "keras-stable-state[demo,jax]"``); without scikit-learn it exits with a one-line
+message naming that extra.
 
 What it shows. A small conv net is trained on scikit-learn's 8x8 digits (no
 download) three times, with the same seeds and the same per-epoch data order:
@@ -35,11 +39,11 @@ error of any restored optimizer slot against the slot saved for the same
 variable. The exit code is 0 when the keras_stable_state resume matches run A
 (max weight difference <= 1e-6 and every slot restored exactly), else 1.
 
-Note on ``--backend``: Keras fixes its backend when it is first imported, and
-``python -m keras_stable_state.demo`` imports the package (and so Keras) before
-this module runs. When the backend Keras was imported with is not the one asked
-for, the demo sets ``KERAS_BACKEND`` and re-executes itself, so Keras is imported
-afresh with the requested backend.
+Note on ``--backend``: Keras fixes its backend when it is first imported. The demo sets
+``KERAS_BACKEND`` before it imports Keras; when Keras is already imported with another
+backend (the script run through ``runpy`` or an interpreter that imported Keras at
+start-up), it re-executes this file in a new interpreter, so Keras is imported afresh
+with the requested backend.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ TOLERANCE = 1e-6
 
 def _parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        prog="python -m keras_stable_state.demo",
+        prog="python examples/resume_demo.py",
         description="Interrupt training, resume it in a fresh process with a refactored model, and "
         "compare keras_stable_state with stock Keras save_weights/load_weights.",
     )
@@ -89,11 +93,21 @@ def _parse_args(argv=None):
     return args
 
 
+def _require_sklearn():
+    """Exit with a one-line message naming the ``[demo]`` extra when scikit-learn is missing."""
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            'The resume demo needs scikit-learn (its digits data set): pip install "keras-stable-state[demo]"'
+        ) from None
+
+
 def _select_backend(argv):
     """Make sure Keras runs on the requested backend, before this module imports Keras.
 
-    Sets ``KERAS_BACKEND``; if Keras is already imported (``python -m`` imports the
-    package first) with another backend, re-executes this module in a new interpreter.
+    Sets ``KERAS_BACKEND``; if Keras is already imported with another backend,
+    re-executes this file in a new interpreter.
     """
     args = _parse_args(argv)
     os.environ["KERAS_BACKEND"] = args.backend
@@ -112,18 +126,20 @@ def _select_backend(argv):
     os.environ[_REEXEC_FLAG] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "keras_stable_state.demo", *argv])
+    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *argv])
 
 
 if __name__ == "__main__":
+    _require_sklearn()
     _select_backend(sys.argv[1:])
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
-from keras_stable_state._identity.registry import VariableRegistry  # noqa: E402
-from keras_stable_state._numpy import numpy_copy  # noqa: E402
+
+# Internal: keys every optimizer variable (a stock Adam's too) by its model variable, which is
+# how the demo measures a restored slot against the one saved for the same variable.
 from keras_stable_state._optimizer.wrapper import optimizer_entries  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
@@ -254,14 +270,19 @@ def evaluate(model, data):
 
 def weights_by_key(model):
     """``{stable key: array}`` for the model's trainable variables (same keys in both classes)."""
-    registry = VariableRegistry.from_model(model, model.trainable_variables)
-    return {str(k): numpy_copy(v) for k, v in registry.entries}
+    registry = kss.VariableRegistry.from_model(model, model.trainable_variables)
+    return {str(k): _numpy_copy(v) for k, v in registry.entries}
 
 
 def slots_by_key(model):
     """``{entry key: array}`` for every optimizer variable, keyed by the model (any optimizer)."""
-    registry = VariableRegistry.from_model(model, model.trainable_variables)
-    return {e.key: numpy_copy(e.variable) for e in optimizer_entries(model.optimizer, registry)}
+    registry = kss.VariableRegistry.from_model(model, model.trainable_variables)
+    return {e.key: _numpy_copy(e.variable) for e in optimizer_entries(model.optimizer, registry)}
+
+
+def _numpy_copy(variable):
+    """The variable's value as a NumPy array of its own (Torch's conversion shares memory)."""
+    return np.array(keras.ops.convert_to_numpy(variable), copy=True)
 
 
 def save_arrays(path, arrays):
@@ -366,8 +387,7 @@ def resume(args):
 def _run_child(args, kind, work):
     cmd = [
         sys.executable,
-        "-m",
-        "keras_stable_state.demo",
+        os.path.abspath(__file__),
         "--backend",
         args.backend,
         "--epochs",
@@ -493,11 +513,12 @@ def main(args):
 
 
 def cli(argv=None):
+    _require_sklearn()
     args = _parse_args(argv)
     if keras.backend.backend() != args.backend:
         raise SystemExit(
             f"Keras is running on {keras.backend.backend()!r}, not {args.backend!r}: run this as "
-            f"`python -m keras_stable_state.demo --backend {args.backend}` or set KERAS_BACKEND."
+            f"`python examples/resume_demo.py --backend {args.backend}` or set KERAS_BACKEND."
         )
     set_threads(args.threads)
     if args._resume:
