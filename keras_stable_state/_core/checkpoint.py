@@ -14,6 +14,8 @@ import functools
 import gc
 import io
 import time
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar, cast
 
 import keras
 import numpy as np
@@ -134,7 +136,11 @@ def _cyclic_gc_paused():
         gc.enable()
 
 
-def _walking_once(fn):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _walking_once(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run ``fn`` inside :func:`~keras_stable_state._identity.registry.one_walk` (every registry it
     builds reuses one walk of the model), with the cyclic garbage collector paused."""
 
@@ -538,7 +544,7 @@ def _plan_model(record, model, registry, strict, allow_cast, report, where):
     return plan
 
 
-def _builds_undone_on_refusal(restore):
+def _builds_undone_on_refusal(restore: Callable[_P, _R]) -> Callable[_P, _R]:
     """Whatever ``restore`` refuses, or fails at, after building an unbuilt optimizer
     (a slot that cannot be assigned, a provider without saved state, a failed
     assignment), the optimizer is put back unbuilt: a refused restore leaves
@@ -561,7 +567,8 @@ def _builds_undone_on_refusal(restore):
             undo()
             raise
 
-    return guarded
+    # guarded takes restore's own arguments (it names the first three to read them)
+    return cast("Callable[_P, _R]", guarded)
 
 
 @_builds_undone_on_refusal
