@@ -28,9 +28,11 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/python examples/resume_demo.py --backend $(BACKEND)
 
+# ruff everywhere; mypy on the public API (its files and settings: [tool.mypy] in pyproject.toml)
 lint: setup
-	$(BIN)/ruff check keras_stable_state tests benchmarks
-	$(BIN)/ruff format --check keras_stable_state tests benchmarks
+	$(BIN)/ruff check keras_stable_state tests benchmarks examples
+	$(BIN)/ruff format --check keras_stable_state tests benchmarks examples
+	$(BIN)/mypy
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d build/site
