@@ -61,6 +61,17 @@ def test_committed_notebook_is_executed_and_clean(name):
             )
 
 
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_names_what_it_needs(name):
+    """The first cell says which backend or extra the notebook needs, with its pip line."""
+    first = _committed(name).cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith("# ")
+    assert "**Needs" in first.source and 'pip install "keras-stable-state[' in first.source, (
+        f"{name}: the first cell does not name the backend or extra it needs"
+    )
+    assert "KERAS_BACKEND" in first.source
+
+
 def _timeless(outputs):
     """Text outputs with durations masked (StableCheckpoint(verbose=1) prints "in 34 ms")."""
     return [(i, re.sub(r"\b\d+(?:\.\d+)? ms\b", "N ms", text)) for i, text in outputs]
