@@ -36,9 +36,9 @@ import zlib
 
 import numpy as np
 
+from keras_stable_state import format as storage
 from keras_stable_state._engines import multiprocess as _multiprocess
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
-from keras_stable_state.format import storage
 
 SUFFIX = ".orbax"
 RECORD = "state.h5"
