@@ -18,7 +18,7 @@ ways, in a rotating order (``S A S2``, ``A S2 S``, ``S2 S A``), into a fresh fil
 "Blocked" is the time the calling thread spends in the call, i.e. how long the
 training step that saves waits. For ``A`` it includes waiting for the previous write
 (none here: each round waits for it), collecting the state and the host copy;
-the write itself (HDF5 record, SHA-256 seal, ``fsync``, rename) runs in the background.
+the write itself (HDF5 record, xxh3-128 seal, ``fsync``, rename) runs in the background.
 Per round it forms ``A/S`` (A/B), ``C/S`` and ``S2/S`` (A/A) and reports the median
 of the per-round ratios with min and max (see the project's PERF_NOTES.md). It also
 reports, for ``A``, the background write time and how much slower the training

@@ -53,8 +53,8 @@ import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
 from keras_stable_state import cli  # noqa: E402
+from keras_stable_state import format as storage  # noqa: E402
 from keras_stable_state.errors import BindingError, CheckpointInUseError, ContractError, StateError  # noqa: E402
-from keras_stable_state.format import storage  # noqa: E402
 
 BACKEND = keras.backend.backend()
 TARGETS = {"h5": "state.h5", "keras": "state.keras", "ckpt": "ckpt.h5"}

@@ -10,8 +10,8 @@ import json
 
 import numpy as np
 
+from keras_stable_state import format as storage
 from keras_stable_state.format import sandbox as _hdf5_checks
-from keras_stable_state.format import storage
 
 
 def index(f) -> dict:
@@ -58,7 +58,7 @@ def edit_array(f, key: str, fn) -> None:
                 continue
             name, dtype, shape, blob, offset, _ = row
             data = f[f"{section}/{blob}"][()]
-            stored = storage._stored_dtype(dtype)
+            stored = storage.stored_dtype(dtype)
             nbytes = int(np.prod(shape, dtype=np.int64)) * stored.itemsize
             value = data[offset : offset + nbytes].view(stored).reshape(shape)
             new = np.ascontiguousarray(fn(value.copy()), dtype=stored)
@@ -82,7 +82,7 @@ def drop_last(f, section: str) -> str:
     name = f"{section}/{blob}"
     if left:
         last = left[-1]
-        end = last[4] + int(np.prod(last[2], dtype=np.int64)) * storage._stored_dtype(last[1]).itemsize
+        end = last[4] + int(np.prod(last[2], dtype=np.int64)) * storage.stored_dtype(last[1]).itemsize
         data = f[name][()][:end]
         del f[name]
         f[section].create_dataset(str(blob), data=data)

@@ -19,7 +19,7 @@ from conftest import StopAt, slots_by_key, to_np
 from test_checkpoint_dir import CHILD, X, Y, _check_resume_after_kills, _finish, _temporaries, _wait_for
 
 import keras_stable_state as kss
-from keras_stable_state.format import storage
+from keras_stable_state import format as storage
 
 
 def _model(hidden=8):

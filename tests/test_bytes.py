@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_mappers import _model
 
 import keras_stable_state as kss
-from keras_stable_state.format import storage
+from keras_stable_state import format as storage
 
 
 def _everything(model):

@@ -9,7 +9,8 @@ import pytest
 from conftest import BACKEND, slots_by_key, to_np
 
 import keras_stable_state as kss
-from keras_stable_state.format import storage
+from keras_stable_state import format as storage
+from keras_stable_state.format import writer
 
 
 def _model(opt=None, dtype=None):
@@ -267,7 +268,7 @@ def test_write_is_atomic(tmp_path, data, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage, "_write_h5", boom)
+    monkeypatch.setattr(writer, "write_h5", boom)
     with pytest.raises(OSError, match="disk full"):
         kss.save_training_state(path, src)
     assert path.read_bytes() == good

@@ -14,8 +14,8 @@ from conftest import BACKEND, to_np
 
 import keras_stable_state as kss
 from keras_stable_state import cli
+from keras_stable_state import format as storage
 from keras_stable_state._identity.registry import VariableRegistry
-from keras_stable_state.format import storage
 
 
 class _Position:

@@ -31,9 +31,9 @@ from conftest import to_np
 
 import keras_stable_state as kss
 from keras_stable_state import cli
+from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
 from keras_stable_state.format import sandbox as _hdf5_checks
-from keras_stable_state.format import storage
 
 REFUSALS = (CorruptCheckpointError, CheckpointFormatError)
 KERNEL = "path:layers/hidden/kernel"

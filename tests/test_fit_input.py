@@ -13,7 +13,7 @@ import pytest
 from conftest import BACKEND, StopAt
 
 import keras_stable_state as kss
-from keras_stable_state.format import storage
+from keras_stable_state import format as storage
 
 rng = np.random.default_rng(4)
 X = rng.normal(size=(44, 5)).astype("float32")  # 6 batches of 8, the last one of 4

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import keras_stable_state as kss
 from keras_stable_state import cli
+from keras_stable_state import format as storage
 from keras_stable_state.errors import StateError
-from keras_stable_state.format import storage
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 META = {"backend": keras.backend.backend(), "keras_version": keras.__version__}

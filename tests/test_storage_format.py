@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import keras_stable_state as kss
 from keras_stable_state import cli
-from keras_stable_state.format import storage
+from keras_stable_state import format as storage
 
 
 def _model():
@@ -55,7 +55,7 @@ def _write_v1(record: storage.StateRecord, path):
         ):
             group = f.create_group(section)
             for i, (key, value) in enumerate(arrays.items()):
-                stored, name = storage._encode(value)
+                stored, name = storage.encode_array(value)
                 ds = group.create_dataset(str(i), data=stored)
                 ds.attrs["key"] = key
                 ds.attrs["dtype"] = name

@@ -8,6 +8,7 @@ import dataclasses
 import keras
 import numpy as np
 
+from keras_stable_state import format as storage
 from keras_stable_state._engines import multiprocess as _multiprocess
 from keras_stable_state._identity.keys import file_label, malformed_key
 from keras_stable_state._numpy import _private_copy, to_numpy
@@ -19,7 +20,6 @@ from keras_stable_state.errors import (
     MalformedKeyError,
     StateError,
 )
-from keras_stable_state.format import storage
 
 
 def _dtype(variable) -> str:

@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state import format as storage
 from keras_stable_state._core import mappers as mappers_mod
 from keras_stable_state._core.apply import (
     apply_steps,
@@ -63,7 +64,6 @@ from keras_stable_state._optimizer.wrapper import tracked_optimizers
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import BindingError, CheckpointFormatError, MalformedKeyError, StateError
-from keras_stable_state.format import storage
 
 __all__ = [
     "RestoreReport",

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 
+from keras_stable_state import format as storage
 from keras_stable_state._core import checkpoint
-from keras_stable_state.format import storage
 
 __all__ = ["restore_training_state_from_bytes", "training_state_to_bytes"]
 

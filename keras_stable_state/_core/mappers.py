@@ -33,9 +33,9 @@ import keras
 import ml_dtypes
 import numpy as np
 
+from keras_stable_state import format as storage
 from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import CorruptCheckpointError, DtypeMismatchError, StateError
-from keras_stable_state.format import storage
 
 __all__ = ["SECTION", "CastMapper", "QuantizeMapper", "StateMapper", "check_mappers", "decode_record"]
 
@@ -311,7 +311,7 @@ def _encode_one(rule, key, array):
     result = rule.mapper.encode(key, np.array(array, copy=True))
     stored, params = result if isinstance(result, tuple) else (result, {})
     stored = np.asarray(stored) if isinstance(stored, np.generic) else stored  # a 0-d result
-    if not isinstance(stored, np.ndarray) or storage.dtype_name(stored) not in storage._DTYPES:
+    if not isinstance(stored, np.ndarray) or storage.dtype_name(stored) not in storage.DTYPES:
         raise TypeError(
             f"{rule.mapper!r}.encode({key!r}, ...) must return a NumPy array of a storable dtype (bool, "
             f"int, uint, float, bfloat16, float8) and a dict. Received: {type(stored).__name__} "

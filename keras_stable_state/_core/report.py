@@ -6,7 +6,7 @@ import dataclasses
 
 import keras
 
-from keras_stable_state.format import storage
+from keras_stable_state import format as storage
 
 __all__ = ["RestoreReport", "writer_metadata"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from keras_stable_state import format as storage
 from keras_stable_state._identity.keys import VariableKey, parse_model_key
 from keras_stable_state.errors import BindingError, KeyFormatError
-from keras_stable_state.format import storage
 
 
 def renamed_record(record, rules, strict, report, where):

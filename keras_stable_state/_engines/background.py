@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from keras_stable_state.format import storage
+from keras_stable_state import format as storage
 
 __all__ = ["SaveHandle", "folder_of", "host_record", "submit", "wait_for_folder"]
 

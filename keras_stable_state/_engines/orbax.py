@@ -3,8 +3,10 @@
 A path ending in ``.orbax`` is a directory::
 
     run.orbax/
-        state.h5     our sealed record (format 2, see ``storage``): metadata,
-                     contract, other state and its small arrays, and in
+        state.h5     our sealed record (format 3, written by
+                     :func:`keras_stable_state.format.write_record`; see
+                     ``docs/concepts/file-format.md``): metadata, contract,
+                     other state and its small arrays, and in
                      ``metadata["orbax"]`` the index of the arrays below
         arrays/      an Orbax PyTree checkpoint (``orbax.checkpoint``) of every
                      model and optimizer array, ``{"model": {"0": ...},
@@ -16,7 +18,8 @@ Orbax checksums only its shard index, not the data, so each array is checked
 against this hash when restored. The hash is a sum modulo 2**64 over elements
 of ``mix(mix(flat_index + seed) ^ bits)``, ``mix`` being the SplitMix64
 finalizer (Steele, Lea and Flood, "Fast splittable pseudorandom number
-generators", OOPSLA 2014) and ``seed`` the CRC-32 of the key, dtype and shape;
+generators", OOPSLA 2014) and ``seed`` the CRC-32 (``zlib.crc32``) of the key,
+dtype and shape (this hash is the engine's own, not the record's xxh3-64);
 a sum of per-element hashes (an additive multiset hash, Bellare and Micciancio,
 "A new paradigm for collision-free hashing", EUROCRYPT 1997) can be computed
 shard by shard on each process and added up, so no process ever holds a whole
@@ -36,9 +39,9 @@ import zlib
 
 import numpy as np
 
+from keras_stable_state import format as storage
 from keras_stable_state._engines import multiprocess as _multiprocess
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
-from keras_stable_state.format import storage
 
 SUFFIX = ".orbax"
 RECORD = "state.h5"
@@ -311,7 +314,8 @@ def read(path: str) -> storage.StateRecord:
     Raises:
         FileNotFoundError: if there is no such directory.
         CheckpointFormatError: if ``path`` is not a ``.orbax`` training-state directory.
-        CorruptCheckpointError: if ``state.h5`` fails its checks or its index is malformed.
+        CorruptCheckpointError: if ``state.h5`` fails its checks (its xxh3-128 seal,
+            its records' and arrays' xxh3-64) or its index is malformed.
         StateError: if orbax-checkpoint is not installed.
     """
     _ocp()

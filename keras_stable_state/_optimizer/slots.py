@@ -20,6 +20,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state import format as storage
 from keras_stable_state._core.apply import apply_steps, coerce, variable_step
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._identity.keys import (
@@ -42,7 +43,6 @@ from keras_stable_state._optimizer.wrapper import (
     stable_optimizer_in,
 )
 from keras_stable_state.errors import BindingError, StateError
-from keras_stable_state.format import storage
 
 __all__ = [
     "optimizer_classes",

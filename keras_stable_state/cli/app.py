@@ -33,10 +33,10 @@ import sys
 
 import numpy as np
 
+from keras_stable_state import format as storage
 from keras_stable_state._identity.keys import GLOBAL, split_entry_key
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
-from keras_stable_state.format import storage
-from keras_stable_state.format.storage import CheckpointFile, Entry
+from keras_stable_state.format import CheckpointFile, Entry
 
 __all__ = [
     "CheckpointFile",

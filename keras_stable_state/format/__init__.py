@@ -1,0 +1,80 @@
+"""The on-disk format of a training state: the public door of ``keras_stable_state.format``.
+
+A training state (format 3) is an HDF5 file sealed by the xxh3-128 of its bytes
+in a 512-byte user block, with JSON records (metadata, contract, other state,
+index) each carrying an xxh3-64, and every array's bytes in numbered blobs,
+its xxh3-64 over key, dtype, shape and bytes in the index. Formats 1 and 2
+(CRC-32 per array; format 2 sealed with SHA-256) are still read. The format is
+described once, in ``docs/concepts/file-format.md``; what a reader refuses, in
+``docs/concepts/security.md``.
+
+* :func:`open_file` is the one reader: it opens a training state (``.h5``, or
+  the member ``keras_stable_state.h5`` of a ``.keras`` archive) or a stock Keras
+  ``.keras`` / ``.weights.h5`` file, with every check, and reads one array at a
+  time; :func:`read_file` and :func:`read_bytes` read a whole file through it.
+* :func:`write_record` writes a :class:`StateRecord` atomically;
+  :func:`record_to_bytes` returns the bytes of a sealed ``.h5`` instead.
+
+Modules: :mod:`~keras_stable_state.format.record` (names, limits, records),
+:mod:`~keras_stable_state.format.codec` (dtypes, array encoding),
+:mod:`~keras_stable_state.format.seal`, :mod:`~keras_stable_state.format.writer`,
+:mod:`~keras_stable_state.format.atomic`, :mod:`~keras_stable_state.format.reader`
+(with :mod:`~keras_stable_state.format.source`,
+:mod:`~keras_stable_state.format.records`, :mod:`~keras_stable_state.format.index`,
+:mod:`~keras_stable_state.format.schema`, :mod:`~keras_stable_state.format.stock`),
+:mod:`~keras_stable_state.format.probe` and :mod:`~keras_stable_state.format.sandbox`
+(the separate probe process), :mod:`~keras_stable_state.format.keras_archive`
+(arrays shared with Keras' ``model.weights.h5``).
+
+This package imports no Keras and no backend: h5py, NumPy, ml_dtypes and xxhash only.
+"""
+
+from keras_stable_state.format.atomic import atomic_path
+from keras_stable_state.format.codec import DTYPES, dtype_name, encode_array, numpy_dtype, stored_dtype
+from keras_stable_state.format.reader import CheckpointFile, open_file, read_bytes, read_file
+from keras_stable_state.format.record import (
+    ALIGN,
+    BLOB_TARGET,
+    FORMAT,
+    FORMAT_VERSION,
+    KERAS_WEIGHTS_MEMBER,
+    MEMBER,
+    PACK_LIMIT,
+    SECTIONS,
+    USERBLOCK_SIZE,
+    Entry,
+    StateRecord,
+)
+from keras_stable_state.format.seal import seal
+from keras_stable_state.format.stock import StockWeights
+from keras_stable_state.format.writer import check_target, record_to_bytes, reseal, write_record
+
+__all__ = [
+    "ALIGN",
+    "BLOB_TARGET",
+    "DTYPES",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "KERAS_WEIGHTS_MEMBER",
+    "MEMBER",
+    "PACK_LIMIT",
+    "SECTIONS",
+    "USERBLOCK_SIZE",
+    "CheckpointFile",
+    "Entry",
+    "StateRecord",
+    "StockWeights",
+    "atomic_path",
+    "check_target",
+    "dtype_name",
+    "encode_array",
+    "numpy_dtype",
+    "open_file",
+    "read_bytes",
+    "read_file",
+    "record_to_bytes",
+    "reseal",
+    "seal",
+    "stored_dtype",
+    "write_record",
+]

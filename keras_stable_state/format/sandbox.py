@@ -2,20 +2,25 @@
 
 Used in two ways:
 
-* imported by :mod:`keras_stable_state.format.storage`, which runs these checks on
-  every file before reading an array: no soft or external links, no external
+* imported by the reader (:mod:`keras_stable_state.format.records`,
+  :mod:`keras_stable_state.format.index`), which runs these checks on every
+  file before reading an array: no soft or external links, no external
   storage, no virtual, chunked or filtered datasets, plain little-endian
   numeric dtypes only, and each dataset's data inside the file (so a small
-  file cannot make the reader allocate more than its own size);
-* run as a script (``python -I _hdf5_checks.py FILE [MEMBER]``) in a separate
-  process, to read a file that has no whole-file hash (stock Keras files,
-  format-1 records) or whose hash fails: whatever HDF5 does with a damaged
-  file (a segmentation fault, an endless loop) happens in that process, never
-  in the training process. The script prints one JSON document: the
-  structure problem, and the keys whose per-array checksum fails.
+  file cannot make the reader allocate more than its own size); the writer
+  and the reader also take the per-array digests from here (format 3:
+  :func:`digest_v3`, xxh3-64; formats 1-2, still read: :func:`crc_v1`,
+  :func:`crc_v2`, CRC-32);
+* run as a script (``python -I sandbox.py FILE [MEMBER] [EXPECT.json]``, by
+  :mod:`keras_stable_state.format.probe`) in a separate process, to read a
+  file that has no seal (stock Keras files, format-1 records) or whose seal
+  fails: whatever HDF5 does with a damaged file (a segmentation fault, an
+  endless loop) happens in that process, never in the training process. The
+  script prints one JSON document: the structure problem, and the keys whose
+  own checksum fails.
 
 It imports nothing from keras_stable_state, so the script starts in a fraction
-of a second.
+of a second. See ``docs/concepts/security.md``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,424 @@
+"""Reading a training-state file, or a stock Keras weights file, with every check.
+
+:func:`open_file` is the one door: it opens a ``.keras`` archive or an HDF5
+file (``.h5``, ``.weights.h5``), or bytes held in memory
+(:meth:`CheckpointFile.from_bytes`), and lists every array from the HDF5
+metadata alone; :meth:`CheckpointFile.read` reads and checksums one array at a
+time (format 3: xxh3-64; formats 1-2, still read: CRC-32; stock Keras files
+carry no checksum of their own); :func:`read_file` and :func:`read_bytes`
+read a whole file through it. Opening composes a
+:class:`~keras_stable_state.format.source.Source` (lock, seal or probe
+process, archive checks), then a
+:class:`~keras_stable_state.format.records.RecordListing` (records, index,
+schema) or a :class:`~keras_stable_state.format.stock.StockListing`. The
+command line (:mod:`keras_stable_state.cli`) inspects, verifies and compares
+files through :func:`open_file`. The format and the order of the checks are
+described in ``docs/concepts/file-format.md`` and ``docs/concepts/security.md``.
+
+This module imports no Keras.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+import zlib
+
+import numpy as np
+
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+from keras_stable_state.format import keras_archive, sandbox
+from keras_stable_state.format.codec import EXOTIC, decode_array, stored_dtype
+from keras_stable_state.format.probe import damaged
+from keras_stable_state.format.record import BLOB_TARGET, FORMAT, MEMBER, SECTIONS, Entry, StateRecord
+from keras_stable_state.format.records import RecordListing
+from keras_stable_state.format.source import Source
+from keras_stable_state.format.stock import StockListing, StockWeights, stock_weights
+
+# Blobs up to this size are kept after a read, for the next array of the same blob.
+_BLOB_CACHE_LIMIT = 4 * BLOB_TARGET
+
+
+class CheckpointFile:
+    """A training-state file or stock Keras weights file, opened for reading.
+
+    Opening checks the whole-file seal (records: format 3 xxh3-128, format 2
+    SHA-256), or reads the file once in a probe process (unsealed files: stock
+    Keras files, format-1 records), then lists every array (:attr:`entries`)
+    from the HDF5 metadata and checks the structure and the records' schema;
+    :meth:`read` reads one array and checks its checksum; :meth:`check` reads
+    everything. The file is held with a shared ``flock`` while open, so a
+    writer holding it exclusively is detected. Use as a context manager (see
+    :func:`open_file`), or call :meth:`close`.
+
+    Args:
+        path: A ``.keras`` archive or an HDF5 file (``.h5``, ``.weights.h5``).
+
+    Attributes:
+        path: The file's path (``"<bytes>"`` for :meth:`from_bytes`).
+        kind: ``"keras_stable_state"`` for training states, ``"stock"`` for stock Keras files.
+        container: ``".keras archive"``, ``".h5 file"`` or ``".weights.h5 file"``.
+        where: What error messages call it: the path, or ``"<path>:<member>"``.
+        version: The record's format version (``None`` for stock files).
+        sealed: ``True`` when the file carries a seal (format 3: xxh3-128; format 2: SHA-256).
+        seal_version: The format version its seal names (3 or 2), or ``None`` when unsealed.
+        metadata: The writer's metadata (stock archives: Keras' ``metadata.json``).
+        contract: ``[key, shape, dtype]`` lists, or ``None``.
+        extra: Other state as JSON (schedule, callbacks, providers, RNG), or ``{}``.
+        entries: Every array, as :class:`Entry`, in file order (stock files: by
+            HDF5 path, numbers in numeric order).
+        optimizer_keys: For stock files saved with ``StableOptimizer``:
+            ``{dataset path: entry key}`` (``{"optimizer/vars/0": "optimizer#iteration"}``); else ``{}``.
+        members: ``(name, size in bytes)`` of every archive member; ``[]`` for HDF5 files.
+        member: The archive member holding the arrays (:data:`MEMBER` or
+            ``"model.weights.h5"``), or ``None`` for HDF5 files.
+        model_class: The model's class name from an archive's ``config.json``, or ``None``.
+        damaged_members: ``(member, reason)`` for archive members found damaged by :meth:`check`.
+        problems: Always empty (kept for callers of version 0.1: problems now raise).
+
+    Raises:
+        TypeError: if ``path`` is not a ``str``, ``bytes`` or ``os.PathLike``.
+        FileNotFoundError: if ``path`` does not exist.
+        CheckpointFormatError: if ``path`` is a directory, for a format version
+            this version does not read, a legacy Keras HDF5 file, or a zip
+            archive holding neither a training state nor Keras weights.
+        CheckpointInUseError: if another process holds the file locked for writing.
+        CorruptCheckpointError: if the file is truncated, fails its seal, is
+            not a ``.keras`` archive or HDF5 file, has links, external or
+            virtual storage, non-numeric or big-endian dtypes, data outside the
+            file, missing or unexpected objects or attributes, malformed JSON
+            records or index, an archive member that unpacks far beyond its
+            stored size, or crashes or hangs HDF5 in the probe process. The
+            message names the key, dataset or member concerned where there is one.
+        MalformedKeyError: (a ``CorruptCheckpointError``) for a key restore could not parse.
+    """
+
+    def __init__(self, path, *, data: bytes | None = None):
+        data = None if data is None else bytes(data)
+        if data is not None:
+            path = "<bytes>"
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"A checkpoint path must be a str or os.PathLike. Received: {type(path).__name__} {path!r}"
+            )
+        self.path = os.fspath(path)
+        self.kind = "stock"
+        self.version = None
+        self.metadata = {}
+        self.contract = None
+        self.extra = {}
+        self.entries = []
+        self.optimizer_keys = {}
+        self.damaged_members = []
+        self.problems = []
+        self._src = Source(self.path, data)
+        self._key_groups = set()
+        self._blob = (None, None)
+        self._shared = {}
+        self._sync_source()
+        if data is None and not os.path.exists(self.path):
+            raise FileNotFoundError(f"No training-state file at {self.path!r}.")
+        if data is None and os.path.isdir(self.path):
+            raise CheckpointFormatError(
+                f"{self.path!r} is a directory, not a training-state file. Pass one .keras or .h5 file "
+                "(StableCheckpoint keeps ckpt-<step>.h5 files in its directory; the newest is the last "
+                "in name order).",
+                received=self.path,
+            )
+        try:
+            self._open()
+        except BaseException as err:
+            self.close()
+            if isinstance(err, StateError | FileNotFoundError):
+                raise
+            if isinstance(
+                err,
+                OSError
+                | KeyError
+                | ValueError
+                | RuntimeError
+                | EOFError
+                | TypeError
+                | zipfile.BadZipFile
+                | zlib.error
+                | RecursionError
+                | UnicodeError,
+            ):
+                raise damaged(
+                    self.path, f"it cannot be read as a .keras archive or HDF5 file ({err})"
+                ) from err
+            raise
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> CheckpointFile:
+        """Open a training state held in memory (e.g. fetched from an object store), with
+        the same checks as a file; :attr:`path` is ``"<bytes>"``.
+
+        Raises:
+            TypeError: if ``data`` is not ``bytes``, ``bytearray`` or ``memoryview``.
+            The errors of :class:`CheckpointFile`.
+        """
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(f"A training state in memory must be bytes. Received: {type(data).__name__}")
+        return cls("<bytes>", data=data)
+
+    def _sync_source(self):
+        src = self._src
+        self.container, self.where, self.sealed, self.seal_version = (
+            src.container,
+            src.where,
+            src.sealed,
+            src.seal_version,
+        )
+        self.members, self.member, self.model_class = src.members, src.member, src.model_class
+
+    def _open(self):
+        src = self._src
+        src.open()
+        self._sync_source()
+        is_record = src.h5.attrs.get("format") == FORMAT
+        if self.sealed and not is_record:
+            raise damaged(self.where, f"a sealed record whose format attribute is not {FORMAT!r}")
+        if is_record:
+            self.kind = FORMAT
+            listing = RecordListing(src)
+            listing.list()
+            self.version = listing.version
+            self.metadata, self.contract, self.extra = listing.metadata, listing.contract, listing.extra
+            self._shared = listing.shared
+        elif self.member == MEMBER:
+            raise damaged(self.where, f"the member does not say it is a {FORMAT} record")
+        else:
+            listing = StockListing(src)
+            listing.list()
+            self.metadata = listing.metadata
+            self.optimizer_keys = listing.optimizer_keys
+            self._key_groups = listing.key_groups
+        self.entries = listing.entries
+
+    # -- reading --------------------------------------------------------------------------
+    def read(self, entry: Entry) -> np.ndarray:
+        """Read one array and, in a keras_stable_state file, check its checksum.
+
+        Args:
+            entry: One of :attr:`entries`.
+
+        Returns:
+            The array, of shape ``entry.shape``; ``bfloat16`` and float8 arrays
+            (stored as unsigned integers of the same width) are viewed as their
+            ``ml_dtypes`` dtype, others keep their stored dtype.
+
+        Raises:
+            CorruptCheckpointError: naming ``entry.key`` if the array cannot be
+                read (truncation) or fails its checksum (``.expected`` the
+                stored, ``.received`` the computed value): format 3, the
+                xxh3-64 of its key, dtype, shape and bytes (hex strings);
+                format 2, the CRC-32 of the same; format 1, the CRC-32 of its
+                bytes (ints).
+            ValueError: if the file is closed.
+        """
+        h5 = self._src.h5
+        if h5 is None:
+            raise ValueError(f"{self.path}: the file is closed; read inside `with storage.open_file(path)`.")
+        if entry.xxh3 is not None:
+            return self._read_packed(entry)
+        try:
+            stored = sandbox.read_dataset(h5[entry.dataset])
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+            raise damaged(
+                self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
+            ) from err
+        if self.kind == FORMAT:
+            # zlib reads the (C-order) array's buffer: the bytes of tobytes(), without the copy.
+            if self.version == 1:
+                computed = sandbox.crc_v1(stored)
+            else:
+                computed = sandbox.crc_v2(entry.key, entry.dtype, stored.shape, stored)
+            if computed != entry.crc32:
+                raise self._failed_checksum(entry, entry.crc32, computed)
+        if entry.dtype in EXOTIC and stored.dtype.name != entry.dtype:
+            target = np.dtype(EXOTIC[entry.dtype])
+            if target.itemsize != stored.dtype.itemsize:
+                raise damaged(self.where, f"array for key {entry.key!r} is not {entry.dtype}", key=entry.key)
+            return stored.view(target)
+        return stored
+
+    def _failed_checksum(self, entry: Entry, expected, computed) -> CorruptCheckpointError:
+        return damaged(
+            self.where,
+            f"array for key {entry.key!r} fails its {entry.checksum} checksum (expected {expected}, "
+            f"computed {computed})",
+            key=entry.key,
+            expected=expected,
+            received=computed,
+        )
+
+    def _read_packed(self, entry: Entry) -> np.ndarray:
+        """Format 3: the array's bytes from its blob (a blob up to :data:`_BLOB_CACHE_LIMIT`
+        bytes is kept for the next array in it), checked against its xxh3-64."""
+        try:
+            name, blob = self._blob
+            if entry.dataset.startswith(keras_archive.PREFIX):
+                blob = sandbox.read_dataset(self._shared[entry.dataset]).reshape(-1).view(np.uint8)
+            elif name != entry.dataset:
+                blob = sandbox.read_dataset(self._src.h5[entry.dataset])
+                self._blob = (entry.dataset, blob) if blob.nbytes <= _BLOB_CACHE_LIMIT else (None, None)
+            raw = blob[entry.offset : entry.offset + entry.nbytes]
+            if raw.nbytes != entry.nbytes:
+                raise ValueError(f"{raw.nbytes} of its {entry.nbytes} bytes are in the blob")
+            computed = sandbox.digest_v3(entry.key, entry.dtype, entry.shape, raw)
+            stored = raw.view(stored_dtype(entry.dtype)).reshape(entry.shape)
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+            raise damaged(
+                self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
+            ) from err
+        if computed != entry.xxh3:
+            raise self._failed_checksum(entry, f"{entry.xxh3:016x}", f"{computed:016x}")
+        return decode_array(stored, entry.dtype)
+
+    def check_members(self, progress=None):
+        """Read every other archive member to the end, so that zip checks its CRC-32.
+
+        Appends failures to :attr:`damaged_members`; does nothing for HDF5 files.
+
+        Args:
+            progress: Optional callable given the number of bytes read after each chunk.
+        """
+        zf = self._src.zip
+        if zf is None:
+            return
+        for name, _ in self.members:
+            if name == self.member or any(name == d for d, _ in self.damaged_members):
+                continue
+            try:
+                with zf.open(name) as fh:
+                    while chunk := fh.read(1 << 20):
+                        if progress is not None:
+                            progress(len(chunk))
+            except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:
+                self.damaged_members.append((name, str(err)))
+
+    def check(self, progress=None) -> list:
+        """Read every array and every archive member and check them.
+
+        Args:
+            progress: Optional callable given the bytes read after each array or chunk.
+
+        Returns:
+            ``[(key or member, reason)]`` for everything damaged; empty when intact.
+        """
+        damaged_ = []
+        for e in self.entries:
+            try:
+                self.read(e)
+            except CorruptCheckpointError as err:
+                damaged_.append((str(err.key), str(err)))
+            if progress is not None:
+                progress(e.nbytes)
+        self.check_members(progress)
+        damaged_ += [
+            (member, f"archive member {member!r} fails its zip CRC-32 ({reason})")
+            for member, reason in self.damaged_members
+        ]
+        return damaged_
+
+    def section(self, name: str) -> list:
+        """The entries of one section (``"model"``, ``"optimizer"``, ``"state"``), in file order."""
+        return [e for e in self.entries if e.section == name]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of array data in the file."""
+        return sum(e.nbytes for e in self.entries)
+
+    def close(self):
+        """Close the file and release its lock; :meth:`read` then raises ``ValueError``.
+        Closing twice is harmless."""
+        self._src.close()
+        self._blob = (None, None)
+        self._shared = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def open_file(filepath) -> CheckpointFile:
+    """Open a training-state file or stock Keras weights file for reading, lazily.
+
+    The seal (or, for unsealed files, a probe process), the structure and the
+    records are checked; no array is read until :meth:`CheckpointFile.read`.
+
+    Example:
+        >>> with storage.open_file("run.keras") as f:
+        ...     kernel = f.read(f.section("model")[0])
+
+    Returns:
+        A :class:`CheckpointFile`, to use as a context manager.
+
+    Raises:
+        The errors of :class:`CheckpointFile`.
+    """
+    return CheckpointFile(filepath)
+
+
+def read_bytes(data: bytes):
+    """:func:`read_file` for a training state held in memory (``.h5`` or ``.keras`` bytes).
+
+    Raises:
+        TypeError: if ``data`` is not bytes-like.
+        The errors of :func:`read_file`.
+    """
+    return _read_whole(CheckpointFile.from_bytes(data))
+
+
+def read_file(filepath):
+    """Read a training-state file, or a stock Keras weights file, whole, with every check.
+
+    Every array is read and (keras_stable_state files) checked against its
+    checksum (format 3: xxh3-64; formats 1-2: CRC-32), and every archive member
+    against its zip CRC-32, before anything is returned. Built on
+    :func:`open_file`; the command line's ``verify`` runs exactly these checks.
+
+    Returns:
+        :class:`StateRecord` for files written by keras_stable_state,
+        :class:`StockWeights` for stock Keras ``.keras`` / ``.weights.h5`` files.
+
+    Raises:
+        FileNotFoundError: if the path does not exist.
+        CheckpointInUseError: if another process holds the file locked for writing.
+        CorruptCheckpointError: for every kind of damage :class:`CheckpointFile`
+            lists, an array failing its checksum (naming its key), an archive
+            member failing its zip CRC-32 (naming it), or positional optimizer
+            variables or their ``StableOptimizer`` keys missing.
+        CheckpointFormatError: for a directory, an unknown format version, a
+            legacy Keras HDF5 file, or a zip archive holding neither a training
+            state nor Keras weights.
+    """
+    return _read_whole(open_file(filepath))
+
+
+def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:
+    with f:
+        arrays = {section: {} for section in SECTIONS}
+        for e in f.entries:
+            arrays[e.section][e.key] = f.read(e)
+        f.check_members()
+        if f.damaged_members:
+            member, reason = f.damaged_members[0]
+            raise damaged(f.path, f"archive member {member!r} fails its zip CRC-32 ({reason})", key=member)
+        if f.kind != FORMAT:
+            return stock_weights(f.member is not None, arrays, f.optimizer_keys, f._key_groups)
+        return StateRecord(
+            metadata=f.metadata,
+            contract=f.contract,
+            model=arrays["model"],
+            optimizer=arrays["optimizer"],
+            extra=f.extra,
+            arrays=arrays["state"],
+        )

@@ -1,0 +1,102 @@
+"""The names and limits of the training-state format, and the records it holds in memory.
+
+The layout these constants name is described once, in ``docs/concepts/file-format.md``.
+This module imports no Keras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+FORMAT = "keras_stable_state"
+FORMAT_VERSION = 3
+# Format versions the reader still reads (1 and 2: see docs/concepts/file-format.md).
+READ_VERSIONS = (1, 2, 3)
+MEMBER = "keras_stable_state.h5"
+KERAS_WEIGHTS_MEMBER = "model.weights.h5"
+USERBLOCK_SIZE = 512
+SECTIONS = ("model", "optimizer", "state")
+RECORDS = ("metadata", "contract", "extra")
+INDEX = "index"
+# Index field of a .keras record naming Keras' weights member it shares model arrays with.
+SHARED = "shared"
+# Format 3 packing: arrays up to PACK_LIMIT bytes share blobs, a blob is written once it
+# holds BLOB_TARGET bytes (so a save holds at most about BLOB_TARGET + PACK_LIMIT bytes of
+# packed arrays), and each packed array starts at a multiple of ALIGN.
+PACK_LIMIT = 1 << 16
+BLOB_TARGET = 1 << 20
+ALIGN = 16
+MAX_NDIM = 32
+JSON_MAX_DEPTH = 100
+# An archive member may unpack to at most this many times its stored size (plus the slack).
+MAX_UNPACK_RATIO = 100
+UNPACK_SLACK = 1 << 20
+
+
+@dataclasses.dataclass
+class StateRecord:
+    """A training-state record held in memory.
+
+    Attributes:
+        metadata: Writer backend, Keras version, dtype policy, format version.
+        contract: ``[key, shape, dtype]`` lists, or ``None``.
+        model: Model variable arrays by key (insertion order = file order).
+        optimizer: Optimizer variable arrays by entry key.
+        extra: Other state (schedule, callbacks, RNG, position, providers) as
+            JSON, with arrays replaced by references into ``arrays``.
+        arrays: Arrays of the other state by name.
+
+    For writing (:func:`keras_stable_state.format.write_record`), a value in
+    ``model``, ``optimizer`` or ``arrays`` may also be a zero-argument callable
+    returning the array: it is called when that array is written, and the array
+    dropped once it is on disk, so a save holds one host copy at a time
+    (``save_training_state`` passes the variables' conversions so; an
+    asynchronous writer may pass host copies made beforehand). Records read
+    back always hold arrays.
+    """
+
+    metadata: dict
+    contract: list | None
+    model: dict
+    optimizer: dict
+    extra: dict = dataclasses.field(default_factory=dict)
+    arrays: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Entry:
+    """One array of a file, described from the HDF5 metadata without reading its data.
+
+    Attributes:
+        section: ``"model"``, ``"optimizer"`` or ``"state"`` (other state's arrays;
+            stock Keras files have only the first two).
+        key: Its key (``"path:layers/dense/kernel"``, ``"path:layers/dense/kernel#momentums"``,
+            ``"optimizer#iteration"``) or, in a stock Keras file, its HDF5 path
+            (``"layers/dense/vars/0"``).
+        dataset: The HDF5 path of the dataset holding it (format 3: its blob,
+            ``"/model/0"``, shared with other arrays when small, or the dataset of
+            Keras' ``model.weights.h5`` it shares, ``"model.weights.h5:/layers/dense/vars/0"``).
+        shape: Its shape, a tuple of ints.
+        dtype: Its dtype name (``"bfloat16"`` for arrays stored as their bits).
+        nbytes: Size of its stored data in bytes.
+        crc32: Formats 1-2 (still read): its stored CRC-32; else ``None`` (format 3
+            carries ``xxh3``, stock Keras files carry no checksum).
+        offset: Format 3: where its bytes start in its blob; else 0.
+        xxh3: Format 3: its stored xxh3-64 (over key, dtype, shape and bytes), else ``None``.
+    """
+
+    section: str
+    key: str
+    dataset: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    crc32: int | None = None
+    offset: int = 0
+    xxh3: int | None = None
+
+    @property
+    def checksum(self) -> str:
+        """The name of the checksum it carries: ``"xxh3-64"`` (format 3), ``"CRC-32"``
+        (formats 1-2) or ``""`` (stock files)."""
+        return "xxh3-64" if self.xxh3 is not None else "CRC-32" if self.crc32 is not None else ""

@@ -1,0 +1,269 @@
+"""Opening the bytes of a file to read: lock, seal or probe, archive, HDF5.
+
+:class:`Source` holds a file (or bytes in memory) open and locked, checks its
+seal before HDF5 parses a byte (:mod:`keras_stable_state.format.seal`) or
+reads it first in a probe process when it has none
+(:mod:`keras_stable_state.format.probe`), checks a ``.keras`` archive's
+members (safe names, plain compression, no decompression bomb, zip CRC-32 of
+the member read) and opens the HDF5 image it finds. What the image holds is
+listed by :class:`keras_stable_state.format.CheckpointFile`. See
+``docs/concepts/security.md``.
+
+This module imports no Keras.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import tempfile
+import zipfile
+import zlib
+
+import h5py
+
+from keras_stable_state.errors import CheckpointFormatError, CheckpointInUseError, CorruptCheckpointError
+from keras_stable_state.format import sandbox
+from keras_stable_state.format import seal as _seal
+from keras_stable_state.format.probe import damaged, diagnose, probe_or_refuse
+from keras_stable_state.format.record import (
+    KERAS_WEIGHTS_MEMBER,
+    MAX_UNPACK_RATIO,
+    MEMBER,
+    UNPACK_SLACK,
+    USERBLOCK_SIZE,
+)
+from keras_stable_state.format.schema import check_json_depth
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; files are still checked
+    fcntl = None
+
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_ZIP_SIGNATURE = b"PK\x03\x04"
+
+
+class Source:
+    """The bytes of one file (or of ``data`` in memory), opened by :meth:`open`.
+
+    Attributes:
+        path: The file's path (``"<bytes>"`` for data in memory).
+        data: The bytes in memory, or ``None`` for a file.
+        fh: The open (and, for a file, shared-``flock``-ed) binary handle.
+        zip: The ``zipfile.ZipFile`` of a ``.keras`` archive, or ``None``.
+        h5: The ``h5py.File`` of the record or weights image, once opened.
+        shared_h5: The ``h5py.File`` of Keras' weights member a ``.keras`` record
+            shares arrays with, or ``None``; closed with the rest.
+        container, where, sealed, seal_version, members, member, model_class:
+            As :class:`keras_stable_state.format.CheckpointFile` documents them.
+        keras_metadata: Keras' ``metadata.json`` of an archive, or ``{}``.
+    """
+
+    def __init__(self, path: str, data: bytes | None):
+        self.path = path
+        self.data = data
+        self.fh = self.zip = self.h5 = self.shared_h5 = None
+        self.container = ".h5 file"
+        self.where = path
+        self.sealed = False
+        self.seal_version = None
+        self.members = []
+        self.member = None
+        self.model_class = None
+        self.keras_metadata = {}
+        self._member_size = None
+
+    def _lock(self):
+        if fcntl is None:
+            return
+        try:
+            fcntl.flock(self.fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise CheckpointInUseError(
+                f"{self.path!r} is in use: another process holds it locked for writing (h5py open in "
+                "'w'/'a'/'r+' mode, or an exclusive flock). The file is not known to be damaged; wait for "
+                "that process to close it, then retry.",
+                path=self.path,
+            ) from err
+
+    @contextlib.contextmanager
+    def on_disk(self):
+        """A path holding the file's bytes, for a probe process."""
+        if self.data is None:
+            yield self.path
+            return
+        with tempfile.TemporaryDirectory(prefix="kss-probe-") as folder:
+            copy = os.path.join(folder, "state")
+            with open(copy, "wb") as fh:
+                fh.write(self.data)
+            yield copy
+
+    def open(self):
+        """Open, lock and check the bytes, and open their HDF5 image as :attr:`h5`.
+
+        Raises:
+            The errors of :class:`keras_stable_state.format.CheckpointFile` about the
+            container: in use, failing its seal, an unsafe archive, neither zip nor HDF5.
+            Other exceptions (``OSError``, ``zipfile.BadZipFile``...) are left to the caller.
+        """
+        if self.data is not None:
+            self.fh = io.BytesIO(self.data)
+        else:
+            self.fh = open(self.path, "rb")  # noqa: SIM115 (held open, and locked, until close())
+            self._lock()
+        head = self.fh.read(USERBLOCK_SIZE)
+        self.fh.seek(0)
+        if head.startswith(_seal.MAGIC):
+            size = self.fh.seek(0, 2)
+            self.fh.seek(0)
+            version, name, ok = _seal.check_stream(self.fh, head, size, self.path)
+            if not ok:
+                with self.on_disk() as path:
+                    raise diagnose(self.path, path, None, f"its content fails its {name} seal")
+            self.seal_version = version
+            self.h5 = h5py.File(self.fh, "r")
+            self.sealed = True
+        elif head.startswith(_HDF5_SIGNATURE):
+            with self.on_disk() as path:
+                probe_or_refuse(self.path, path)
+            self.h5 = h5py.File(self.fh, "r")
+        elif head[: len(_seal.MAGIC)] != _seal.MAGIC and self._hdf5_after_user_block():
+            raise damaged(self.path, "its seal (the first 512 bytes) is missing or damaged")
+        elif head.startswith(_ZIP_SIGNATURE) or zipfile.is_zipfile(self.fh):
+            self.fh.seek(0)
+            if not zipfile.is_zipfile(self.fh):
+                raise damaged(
+                    self.path, "the zip archive has no central directory at its end: it is truncated"
+                )
+            self.fh.seek(0)
+            self._open_archive()
+        else:
+            raise damaged(
+                self.path, "it is neither a .keras archive nor an HDF5 file (no zip, HDF5 or seal signature)"
+            )
+        if self.path.endswith(".weights.h5"):
+            self.container = ".weights.h5 file"
+
+    def _hdf5_after_user_block(self) -> bool:
+        self.fh.seek(USERBLOCK_SIZE)
+        found = self.fh.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE
+        self.fh.seek(0)
+        return found
+
+    def _check_infos(self, infos: list) -> None:
+        """Refuse duplicate, unsafe, oddly compressed or bomb-like archive members."""
+        names = [info.filename for info in infos]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise damaged(self.path, f"archive members {twice} appear twice")
+        for info in infos:
+            name = info.filename
+            if name.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", name) or ":" in name.split("/")[0]:
+                raise damaged(self.path, f"archive member {name!r} has an unsafe path (absolute or '..')")
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise damaged(
+                    self.path, f"archive member {name!r} uses compression method {info.compress_type}"
+                )
+            if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+                raise damaged(
+                    self.path,
+                    f"archive member {name!r} is stored uncompressed but declares {info.file_size} bytes "
+                    f"for {info.compress_size} stored",
+                )
+            if info.file_size > MAX_UNPACK_RATIO * info.compress_size + UNPACK_SLACK:
+                raise damaged(
+                    self.path,
+                    f"archive member {name!r} would unpack to {info.file_size} bytes from "
+                    f"{info.compress_size} stored (more than {MAX_UNPACK_RATIO}x): refused as a "
+                    "decompression bomb",
+                    key=name,
+                )
+
+    def _open_archive(self):
+        self.container = ".keras archive"
+        self.zip = zipfile.ZipFile(self.fh)
+        infos = self.zip.infolist()
+        self._check_infos(infos)
+        self.members = [(info.filename, info.file_size) for info in infos]
+        present = {info.filename for info in infos}
+        if MEMBER in present:
+            self.member = MEMBER
+        elif KERAS_WEIGHTS_MEMBER in present:
+            self.member = KERAS_WEIGHTS_MEMBER
+        else:
+            raise CheckpointFormatError(
+                f"{self.path}: this zip archive holds neither a training state ({MEMBER}) nor Keras "
+                f"weights ({KERAS_WEIGHTS_MEMBER}). Pass a file written by save_training_state or "
+                "keras' model.save.",
+                received=self.path,
+            )
+        self.where = f"{self.path}:{self.member}"
+        try:
+            data = self.zip.read(self.member)
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as err:
+            raise self._diagnose_member(f"the archive member fails its zip CRC-32 ({err})") from err
+        if data.startswith(_seal.MAGIC):
+            version, name, ok = _seal.check_bytes(data, self.where)
+            if not ok:
+                with self.on_disk() as path:
+                    raise diagnose(self.where, path, self.member, f"its content fails its {name} seal")
+            self.sealed = True
+            self.seal_version = version
+        elif data.startswith(_HDF5_SIGNATURE):
+            with self.on_disk() as path:
+                probe_or_refuse(self.where, path, self.member)
+        else:
+            raise damaged(self.where, "the archive member is not an HDF5 file", key=self.member)
+        self.h5 = h5py.File(io.BytesIO(data), "r")
+        self._member_size = len(data)
+        self._read_keras_json(present)
+
+    def _read_keras_json(self, present: set) -> None:
+        """Keras' ``metadata.json`` and the model class of ``config.json``, when present."""
+        for name in ("metadata.json", "config.json"):
+            if name not in present:
+                continue
+            try:
+                value = json.loads(self.zip.read(name))
+                check_json_depth(value, f"{self.path}:{name}")
+            except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, RecursionError) as err:
+                raise damaged(
+                    f"{self.path}:{name}", f"the archive member is unreadable ({err})", key=name
+                ) from err
+            if isinstance(value, dict) and name == "config.json":
+                cls = value.get("class_name")
+                self.model_class = cls if isinstance(cls, str) else None
+            elif isinstance(value, dict):
+                self.keras_metadata = value
+
+    def _diagnose_member(self, what: str) -> CorruptCheckpointError:
+        """Name the damaged arrays of a member that fails its zip CRC-32: its raw bytes,
+        read past the zip check, are probed in a separate process."""
+        try:
+            raw = sandbox.raw_member(self.fh, self.zip.getinfo(self.member))
+        except (OSError, zipfile.BadZipFile, zlib.error, EOFError) as err:
+            return damaged(self.where, f"{what}, and it cannot be read past it ({err})", key=self.member)
+        with tempfile.TemporaryDirectory(prefix="kss-probe-") as folder:
+            copy = os.path.join(folder, "member.h5")
+            with open(copy, "wb") as fh:
+                fh.write(raw)
+            return diagnose(self.where, copy, None, what, default_key=self.member)
+
+    def data_limit(self) -> int:
+        """The length in bytes of the HDF5 image (dataset offsets count from its start,
+        user block included)."""
+        if self.zip is not None:
+            return self._member_size
+        return len(self.data) if self.data is not None else os.fstat(self.fh.fileno()).st_size
+
+    def close(self):
+        """Close every handle and release the lock; closing twice is harmless."""
+        for handle in (self.shared_h5, self.h5, self.zip, self.fh):
+            if handle is not None:
+                with contextlib.suppress(OSError, ValueError, RuntimeError):
+                    handle.close()
+        self.h5 = self.zip = self.fh = self.shared_h5 = None
