@@ -15,6 +15,7 @@ from conftest import BACKEND, to_np
 import keras_stable_state as kss
 from keras_stable_state import cli
 from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state.cli import output
 from keras_stable_state.format import storage
 
 
@@ -318,7 +319,7 @@ def test_terminal_output_uses_rich_tables_and_progress(monkeypatch, saved):
     out, err = _Tty(), _Tty()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
-    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(output, "PROGRESS_MIN_BYTES", 0)
     assert cli.main(["inspect", str(folder / "s.h5")]) == 0
     assert cli.main(["verify", str(folder / "s.keras")]) == 0
     assert cli.main(["diff", str(folder / "s.h5"), str(folder / "s.keras")]) == 0
