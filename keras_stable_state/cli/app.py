@@ -147,16 +147,18 @@ def backend_failure(err: BaseException) -> str | None:
     else:
         return None
     backend = os.environ.get("KERAS_BACKEND")
-    named = f"KERAS_BACKEND={backend}" if backend else "KERAS_BACKEND is not set (Keras then uses tensorflow)"
-    extras = (
-        f'pip install "keras-stable-state[{backend}]"'
-        if backend in _BACKENDS
-        else 'pip install "keras-stable-state[jax]" (or [tensorflow], [torch])'
-    )
-    return (
-        f"Keras cannot load its backend ({named}): {_safe(err)}. Install it with {extras}, "
-        "or set KERAS_BACKEND to a backend that is installed (jax, tensorflow, torch)."
-    )
+    if backend in _BACKENDS:
+        fix = (
+            f'install it with pip install "keras-stable-state[{backend}]", or set KERAS_BACKEND to '
+            "an installed backend (jax, tensorflow, torch)"
+        )
+    else:
+        fix = (
+            "set KERAS_BACKEND to jax, tensorflow or torch and install it with "
+            'pip install "keras-stable-state[jax]" (or [tensorflow], [torch])'
+        )
+    named = f"KERAS_BACKEND={backend}" if backend else "KERAS_BACKEND is not set"
+    return f"Keras cannot load its backend ({named}): {_safe(err)}. To fix it, {fix}."
 
 
 def main(argv=None) -> int:
