@@ -26,8 +26,9 @@ Parts: :mod:`~keras_stable_state.cli.app` (``argparse``, exit codes),
 dataclasses), :mod:`~keras_stable_state.cli.render` and
 :mod:`~keras_stable_state.cli.output` (text). Files are read through
 :mod:`keras_stable_state.format` (h5py, NumPy, xxhash). Nothing here imports
-Keras or a backend; importing this package imports only ``argparse`` until a
-data name is first used (then NumPy and h5py load), so ``--help`` is quick.
+Keras or a backend; importing this package imports only ``argparse`` and
+:mod:`keras_stable_state.errors` until a data name is first used or a command
+runs (then NumPy and h5py load), so ``--help`` is quick.
 """
 
 from keras_stable_state.cli.app import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, main

@@ -1,7 +1,7 @@
 """The results of ``inspect`` and ``verify``, as dataclasses (see :mod:`keras_stable_state.cli.data`).
 
 Each top-level result has ``to_json()``, the document ``--json`` prints:
-:func:`to_json` of ``dataclasses.asdict``. Imports NumPy only.
+:func:`to_json` of ``dataclasses.asdict``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+# TODO(format split): import from keras_stable_state.format once it re-exports storage's names.
+from keras_stable_state.format import storage
 
 __all__ = [
     "ArrayInfo",
@@ -26,7 +29,7 @@ __all__ = [
     "to_json",
 ]
 
-RECORD_KIND = "keras_stable_state"  # CheckpointFile.kind of a training state (storage.FORMAT)
+RECORD_KIND = storage.FORMAT  # CheckpointFile.kind of a training state: "keras_stable_state"
 
 
 def to_json(value):
