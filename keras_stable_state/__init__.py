@@ -9,34 +9,18 @@ Public API (see ``docs/`` and DESIGN.md)::
     kss.restore_training_state(path, model) -> kss.RestoreReport
     kss.training_state_to_bytes(model) -> bytes
     kss.restore_training_state_from_bytes(data, model) -> kss.RestoreReport
+
+The names of ``__all__`` load on first use (PEP 562), so that
+``keras_stable_state.cli`` and ``keras_stable_state.format`` import without
+Keras. When Keras is already imported, they load at once, so that the classes
+registered with ``keras.saving.register_keras_serializable`` (``StableOptimizer``,
+the mappers) are known to ``keras.saving.load_model``; otherwise they register on
+the first use of any name here (``kss.StableOptimizer``, ``from keras_stable_state
+import ...``).
 """
 
-from keras_stable_state._core.checkpoint import PendingRestore, restore_training_state, save_training_state
-from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
-from keras_stable_state._core.mappers import CastMapper, QuantizeMapper, StateMapper
-from keras_stable_state._core.report import RestoreReport
-from keras_stable_state._engines.background import SaveHandle
-from keras_stable_state._fit.callback import (
-    InexactResumeWarning,
-    StableCheckpoint,
-    UnreadableCheckpointWarning,
-)
-from keras_stable_state._identity.contract import TrainableContract
-from keras_stable_state._identity.registry import VariableKey, VariableRegistry
-from keras_stable_state._optimizer.accumulator import GradientAccumulator
-from keras_stable_state._optimizer.wrapper import StableOptimizer
-from keras_stable_state._state.state import ScheduleMismatchError
-from keras_stable_state.errors import (
-    BindingError,
-    CheckpointFormatError,
-    CheckpointInUseError,
-    ContractError,
-    CorruptCheckpointError,
-    DtypeMismatchError,
-    KeyFormatError,
-    MalformedKeyError,
-    StateError,
-)
+import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -70,3 +54,57 @@ __all__ = [
     "save_training_state",
     "training_state_to_bytes",
 ]
+
+# name -> the module defining it
+_SOURCES = {
+    "PendingRestore": "_core.checkpoint",
+    "restore_training_state": "_core.checkpoint",
+    "save_training_state": "_core.checkpoint",
+    "restore_training_state_from_bytes": "_core.in_memory",
+    "training_state_to_bytes": "_core.in_memory",
+    "CastMapper": "_core.mappers",
+    "QuantizeMapper": "_core.mappers",
+    "StateMapper": "_core.mappers",
+    "RestoreReport": "_core.report",
+    "SaveHandle": "_engines.background",
+    "InexactResumeWarning": "_fit.callback",
+    "StableCheckpoint": "_fit.callback",
+    "UnreadableCheckpointWarning": "_fit.callback",
+    "TrainableContract": "_identity.contract",
+    "VariableKey": "_identity.registry",
+    "VariableRegistry": "_identity.registry",
+    "GradientAccumulator": "_optimizer.accumulator",
+    "StableOptimizer": "_optimizer.wrapper",
+    "ScheduleMismatchError": "_state.state",
+    "BindingError": "errors",
+    "CheckpointFormatError": "errors",
+    "CheckpointInUseError": "errors",
+    "ContractError": "errors",
+    "CorruptCheckpointError": "errors",
+    "DtypeMismatchError": "errors",
+    "KeyFormatError": "errors",
+    "MalformedKeyError": "errors",
+    "StateError": "errors",
+}
+
+
+def _load_all():
+    """Import every module of ``_SOURCES`` and bind its names here (registers the Keras serializables)."""
+    for name, module in _SOURCES.items():
+        globals()[name] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __getattr__(name):
+    if name in _SOURCES:
+        # All at once: any public name brings the Keras serializables along.
+        _load_all()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if "keras" in sys.modules:
+    _load_all()

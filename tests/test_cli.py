@@ -16,6 +16,7 @@ import keras_stable_state as kss
 from keras_stable_state import cli
 from keras_stable_state import format as storage
 from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state.cli import output
 
 
 class _Position:
@@ -318,7 +319,7 @@ def test_terminal_output_uses_rich_tables_and_progress(monkeypatch, saved):
     out, err = _Tty(), _Tty()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
-    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(output, "PROGRESS_MIN_BYTES", 0)
     assert cli.main(["inspect", str(folder / "s.h5")]) == 0
     assert cli.main(["verify", str(folder / "s.keras")]) == 0
     assert cli.main(["diff", str(folder / "s.h5"), str(folder / "s.keras")]) == 0
@@ -342,21 +343,107 @@ def test_python_dash_m_entry_point(saved):
     assert f"writer backend  {BACKEND}" in result.stdout
 
 
-def test_the_command_line_itself_does_not_import_keras(saved):
-    """Only the package ``__init__`` imports Keras; the CLI's own code needs h5py and NumPy alone."""
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(kss.__file__)))
+_FRAMEWORKS = ("keras", "tensorflow", "jax", "torch")
+
+
+def _python(argv, backend=BACKEND, stubs=None):
+    """Run ``python *argv`` in a fresh process with ``KERAS_BACKEND=backend``, ``stubs`` first on the path."""
+    path = os.pathsep.join(str(p) for p in (stubs, _ROOT) if p)
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run(
+        [sys.executable, *map(str, argv)], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_command_line_imports_no_keras_and_no_backend(saved):
+    """Importing the CLI, and running each command, loads neither Keras nor a backend."""
     _, folder = saved
     code = (
-        "import sys, types\n"
-        "pkg = types.ModuleType('keras_stable_state')\n"
-        f"pkg.__path__ = [{os.path.dirname(os.path.dirname(cli.__file__))!r}]\n"
-        "sys.modules['keras_stable_state'] = pkg\n"
-        "from keras_stable_state import cli\n"
-        f"rc = cli.main(['verify', {str(folder / 's.keras')!r}])\n"
-        "assert rc == 0, rc\n"
-        "assert 'keras' not in sys.modules, 'keras was imported'\n"
+        "import sys\n"
+        "import keras_stable_state.cli as cli\n"
+        f"frameworks = {_FRAMEWORKS!r}\n"
+        "def loaded(): return sorted(m for m in sys.modules if m.split('.')[0] in frameworks)\n"
+        "assert loaded() == [], loaded()\n"
+        "assert 'numpy' not in sys.modules and 'h5py' not in sys.modules\n"
+        "assert cli.main(['inspect', sys.argv[1]]) == 0\n"
+        "assert cli.main(['verify', sys.argv[2], '--json']) == 0\n"
+        "assert cli.main(['diff', sys.argv[1], sys.argv[2]]) == 0\n"
+        "assert loaded() == [], loaded()\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = _python(["-c", code, folder / "s.h5", folder / "s.keras"])
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_package_loads_its_names_on_first_use():
+    code = (
+        "import sys\n"
+        "import keras_stable_state as kss\n"
+        "assert 'keras' not in sys.modules\n"
+        "assert 'StableCheckpoint' in dir(kss) and kss.__version__\n"
+        "from keras_stable_state import StableCheckpoint\n"
+        "import keras\n"
+        "assert keras.saving.get_registered_object('keras_stable_state>StableOptimizer') is kss.StableOptimizer\n"
+        "assert StableCheckpoint is kss.StableCheckpoint\n"
+    )
+    result = _python(["-c", code])
+    assert result.returncode == 0, result.stderr[-2000:]
+    # Keras imported first: the names load with the package, so load_model knows StableOptimizer
+    code = "import keras, keras_stable_state as kss\nassert 'StableOptimizer' in vars(kss)\n"
+    result = _python(["-c", code])
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.fixture
+def broken_backends(tmp_path):
+    """A folder of stub ``jax``, ``tensorflow`` and ``torch`` packages that fail to import."""
+    for name in ("jax", "tensorflow", "torch"):
+        (tmp_path / "stubs" / name).mkdir(parents=True)
+        (tmp_path / "stubs" / name / "__init__.py").write_text(
+            f"raise ImportError('stub: {name} is not installed')\n"
+        )
+    return tmp_path / "stubs"
+
+
+def test_commands_run_where_no_backend_can_be_imported(saved, broken_backends):
+    _, folder = saved
+    result = _python(["-c", "import keras"], backend="jax", stubs=broken_backends)
+    assert result.returncode != 0 and "stub: jax is not installed" in result.stderr  # the stubs do fail
+    for argv in (["inspect", "s.h5"], ["verify", "s.keras"], ["diff", "s.h5", "s.keras", "--json"]):
+        paths = [folder / a if "." in a else a for a in argv]
+        result = _python(["-m", "keras_stable_state", *paths], backend="jax", stubs=broken_backends)
+        assert result.returncode == 0, (argv, result.stderr[-2000:])
+
+
+@pytest.mark.parametrize(
+    "backend,fix",
+    [
+        ("jax", 'install it with pip install "keras-stable-state[jax]"'),
+        ("nonexistent", 'set KERAS_BACKEND to jax, tensorflow or torch and install it with pip install "'),
+    ],
+)
+def test_a_command_that_cannot_load_the_backend_exits_2_naming_keras_backend(
+    saved, broken_backends, backend, fix
+):
+    """No command needs Keras today; one that did (here: inspect, patched) and met a backend that
+    cannot import exits 2 (not 1, which means damaged) with one line naming KERAS_BACKEND."""
+    _, folder = saved
+    code = (
+        "import sys\n"
+        "import keras_stable_state.cli as cli\n"
+        "from keras_stable_state.cli import data\n"
+        "def needs_keras(path):\n"
+        "    import keras  # noqa: F401\n"
+        "data.inspect_file = needs_keras\n"
+        "sys.exit(cli.main(['inspect', sys.argv[1]]))\n"
+    )
+    result = _python(["-c", code, folder / "s.h5"], backend=backend, stubs=broken_backends)
+    assert result.returncode == cli.EXIT_ERROR, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("keras-stable-state inspect: error: Keras cannot load its backend")
+    assert f"KERAS_BACKEND={backend}" in lines[0] and fix in lines[0]
 
 
 def test_keys_with_control_characters_are_printed_escaped(capsys, tmp_path):

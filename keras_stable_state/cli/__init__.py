@@ -1,5 +1,84 @@
-"""The ``keras-stable-state`` command line: ``inspect``, ``verify``, ``diff`` and ``ls``."""
+"""The ``keras-stable-state`` command line: ``inspect``, ``verify`` and ``diff`` checkpoints.
 
-from keras_stable_state.cli.app import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, main, max_abs_difference
+Also run as ``python -m keras_stable_state``. It reads training-state files
+written by :func:`keras_stable_state.save_training_state` (``.keras`` archives
+and ``.h5`` files) and stock Keras ``.keras`` / ``.weights.h5`` files. Arrays
+are read one at a time, on demand: ``inspect`` reads none, ``verify`` and
+``diff`` read each once.
 
-__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "main", "max_abs_difference"]
+Output is a rich table view on a terminal and plain, aligned text without
+escape codes when piped; ``--json`` prints one JSON document instead, the
+``to_json()`` of the dataclass the command's data function returns. Progress
+bars appear on stderr for large files, and only on a terminal.
+
+Exit codes (see :func:`main`): ``0`` done (``verify``: every array is intact);
+``1`` ``verify`` found damage; ``2`` usage error, missing file, or (``inspect``,
+``diff``) a file that cannot be read.
+
+The same findings are available without printing: :func:`inspect_file`,
+:func:`verify_file` and :func:`diff_files` take a path and return dataclasses
+(:class:`RecordInspection` / :class:`StockInspection`, :class:`Verification`,
+:class:`Diff`).
+
+Parts: :mod:`~keras_stable_state.cli.app` (``argparse``, exit codes),
+:mod:`~keras_stable_state.cli.data` and :mod:`~keras_stable_state.cli.diff`
+(what the commands find), :mod:`~keras_stable_state.cli.results` (the
+dataclasses), :mod:`~keras_stable_state.cli.render` and
+:mod:`~keras_stable_state.cli.output` (text). Files are read through
+:mod:`keras_stable_state.format` (h5py, NumPy, xxhash). Nothing here imports
+Keras or a backend; importing this package imports only ``argparse`` and
+:mod:`keras_stable_state.errors` until a data name is first used or a command
+runs (then NumPy and h5py load), so ``--help`` is quick.
+"""
+
+from keras_stable_state.cli.app import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, main
+
+__all__ = [
+    "EXIT_DAMAGED",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "ArrayInfo",
+    "Damage",
+    "Diff",
+    "RecordInspection",
+    "SectionDiff",
+    "StockInspection",
+    "VariableInfo",
+    "Verification",
+    "diff_files",
+    "inspect_file",
+    "main",
+    "max_abs_difference",
+    "verify_file",
+]
+
+# name -> submodule defining it; loaded on first use (PEP 562), so that importing the
+# package (and `--help`) does not load NumPy or h5py.
+_LAZY = {
+    "ArrayInfo": "results",
+    "Damage": "results",
+    "RecordInspection": "results",
+    "StockInspection": "results",
+    "VariableInfo": "results",
+    "Verification": "results",
+    "Diff": "diff",
+    "SectionDiff": "diff",
+    "diff_files": "diff",
+    "inspect_file": "data",
+    "max_abs_difference": "data",
+    "verify_file": "data",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
