@@ -25,7 +25,7 @@ from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.registry import VariableKey, VariableRegistry
 from keras_stable_state._optimizer.accumulator import GradientAccumulator
 from keras_stable_state._optimizer.wrapper import StableOptimizer
-from keras_stable_state._state.state import ScheduleMismatchError
+from keras_stable_state._state import ScheduleMismatchError
 from keras_stable_state.errors import (
     BindingError,
     CheckpointFormatError,

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _state as state_mod
 from keras_stable_state._core import mappers as mappers_mod
 from keras_stable_state._core.apply import (
     apply_steps,
@@ -59,7 +60,6 @@ from keras_stable_state._optimizer.slots import plan_optimizer_arrays as plan_op
 from keras_stable_state._optimizer.slots import restore_optimizer_arrays as restore_optimizer_arrays
 from keras_stable_state._optimizer.wrapper import tracked_optimizers
 from keras_stable_state._state import layers as layer_state
-from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import BindingError, CheckpointFormatError, MalformedKeyError, StateError
 from keras_stable_state.format import storage
 

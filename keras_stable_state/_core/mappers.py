@@ -33,7 +33,7 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_stable_state._state import state as state_mod
+from keras_stable_state import _state as state_mod
 from keras_stable_state.errors import CorruptCheckpointError, DtypeMismatchError, StateError
 from keras_stable_state.format import storage
 
