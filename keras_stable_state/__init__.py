@@ -11,7 +11,7 @@ Public API (see ``docs/`` and DESIGN.md)::
     kss.restore_training_state_from_bytes(data, model) -> kss.RestoreReport
 """
 
-from keras_stable_state._core.checkpoint import PendingRestore, restore_training_state, save_training_state
+from keras_stable_state._core import PendingRestore, restore_training_state, save_training_state
 from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
 from keras_stable_state._core.mappers import CastMapper, QuantizeMapper, StateMapper
 from keras_stable_state._core.report import RestoreReport

@@ -7,7 +7,7 @@ import pytest
 from conftest import to_np
 
 import keras_stable_state as kss
-from keras_stable_state._core.checkpoint import MalformedKeyError
+from keras_stable_state.errors import MalformedKeyError
 from keras_stable_state.format import storage
 
 

@@ -232,3 +232,8 @@ def check_optimizers(optimizer, verb, model) -> dict:
 
 
 MODEL_STATES = ("all", "trainable", "none")
+
+
+def extra_saved(variable, model_state) -> bool:
+    """Whether ``model_state`` saves the value of an extra variable (as for model variables)."""
+    return model_state == "all" or (model_state == "trainable" and variable.trainable)

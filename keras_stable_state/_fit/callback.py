@@ -15,9 +15,9 @@ import weakref
 
 import keras
 
+from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
-from keras_stable_state._core import checkpoint
 from keras_stable_state._engines import background as _async
 from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import input as _fit_input
