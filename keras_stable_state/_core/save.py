@@ -17,7 +17,6 @@ import time
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state_mod
 from keras_stable_state._core import mappers as mappers_mod
-from keras_stable_state._core.apply import to_numpy
 from keras_stable_state._core.arguments import (
     MODEL_STATES,
     check_callbacks,
@@ -36,6 +35,7 @@ from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN
 from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer.slots import optimizer_classes, save_optimizers
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
