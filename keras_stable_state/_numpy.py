@@ -2,7 +2,7 @@
 
 A leaf module (it imports nothing of this package but the multi-process helpers), used by
 the restore core (:mod:`keras_stable_state._core.apply`), the state providers
-(:mod:`keras_stable_state._state.state`) and the callbacks.
+(:mod:`keras_stable_state._state`) and the callbacks.
 """
 
 from __future__ import annotations

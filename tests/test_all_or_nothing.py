@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import keras_stable_state as kss
+from keras_stable_state import _core as checkpoint
+from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
-from keras_stable_state._core import checkpoint
-from keras_stable_state._state import state as state_mod
 
 SETTINGS = settings(
     max_examples=24,

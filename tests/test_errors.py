@@ -8,7 +8,7 @@ from conftest import to_np
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
-from keras_stable_state._core.checkpoint import MalformedKeyError
+from keras_stable_state.errors import MalformedKeyError
 
 
 def _model():

@@ -233,7 +233,7 @@ def test_fault7_history_keys_follow_the_live_output_names_after_a_rebuild(tmp_pa
 
 
 def test_fault7_rename_history_keys_by_position():
-    from keras_stable_state._state.state import rename_history_keys
+    from keras_stable_state._state import rename_history_keys
 
     saved = {"loss": [1], "dense_1_loss": [2], "dense_10_loss": [3], "val_dense_10_mae": [4]}
     out = rename_history_keys(saved, ["dense_1", "dense_10"], ["head_a", "dense_1"])

@@ -1,0 +1,46 @@
+"""The two verbs users call, ``save_training_state`` and ``restore_training_state``, and their parts.
+
+* :mod:`.save`: the record collected and written;
+* :mod:`.restore`: the restore's arguments checked and the file read, now or deferred
+  (:class:`PendingRestore`);
+* :mod:`.plan`: every check and conversion of a read record, then every assignment
+  (:func:`plan_callbacks` for the callback states alone);
+* :mod:`.arguments`, :mod:`.scope`, :mod:`.apply`, :mod:`.mappers`, :mod:`.report`,
+  :mod:`.guards`, :mod:`.in_memory`: argument checks, key scopes, all-or-nothing
+  assignment, state mappers, the report, the decorators of the verbs, bytes.
+
+Other packages use these names from here (``from keras_stable_state import _core as checkpoint``).
+"""
+
+from keras_stable_state import format as storage
+from keras_stable_state._core.arguments import check_callbacks
+from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
+from keras_stable_state._core.plan import plan_callbacks
+from keras_stable_state._core.report import RestoreReport
+from keras_stable_state._core.restore import (
+    PendingRestore,
+    RestoreOptions,
+    restore_training_state,
+    restore_with,
+)
+from keras_stable_state._core.save import save_training_state, training_state_record
+
+# Names _fit/callback.py reaches through this package today (``checkpoint.storage.read_file``,
+# ``checkpoint._check_callbacks``); kept until it imports ``format.storage`` itself and calls
+# :func:`check_callbacks`.
+_check_callbacks = check_callbacks
+
+__all__ = [
+    "PendingRestore",
+    "RestoreOptions",
+    "RestoreReport",
+    "check_callbacks",
+    "plan_callbacks",
+    "restore_training_state",
+    "restore_training_state_from_bytes",
+    "restore_with",
+    "save_training_state",
+    "storage",
+    "training_state_record",
+    "training_state_to_bytes",
+]

@@ -8,11 +8,11 @@ import dataclasses
 import keras
 import numpy as np
 
+from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
 from keras_stable_state._engines import multiprocess as _multiprocess
 from keras_stable_state._identity.keys import file_label, malformed_key
 from keras_stable_state._numpy import _private_copy, to_numpy
-from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import (
     BindingError,
     DtypeMismatchError,
@@ -182,7 +182,7 @@ def state_step(name, get, put, value):
 
 def rng_step(parsed):
     def snapshot():
-        undo = state_mod._rng_snapshot()
+        undo = state_mod.rng_snapshot()
         return undo, (lambda: True)
 
     return Step("rng", lambda: state_mod.apply_rng_state(parsed), snapshot)

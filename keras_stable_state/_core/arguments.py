@@ -8,10 +8,10 @@ import re
 import keras
 import numpy as np
 
+from keras_stable_state import _state as state_mod
 from keras_stable_state._identity.keys import MAIN, check_name
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._optimizer.wrapper import tracked_optimizers
-from keras_stable_state._state import state as state_mod
 
 
 # -- argument checks ------------------------------------------------------------------
@@ -232,3 +232,8 @@ def check_optimizers(optimizer, verb, model) -> dict:
 
 
 MODEL_STATES = ("all", "trainable", "none")
+
+
+def extra_saved(variable, model_state) -> bool:
+    """Whether ``model_state`` saves the value of an extra variable (as for model variables)."""
+    return model_state == "all" or (model_state == "trainable" and variable.trainable)

@@ -10,10 +10,9 @@ the records' checksums and schema, every array's xxh3-64 (CRC-32 in format 2)
 
 from __future__ import annotations
 
-import contextlib
-
 from keras_stable_state import format as storage
-from keras_stable_state._core import checkpoint
+from keras_stable_state._core.restore import RestoreOptions, restore_with
+from keras_stable_state._core.save import training_state_record
 
 __all__ = ["restore_training_state_from_bytes", "training_state_to_bytes"]
 
@@ -48,7 +47,7 @@ def training_state_to_bytes(model, optimizer=None, **kwargs) -> bytes:
         >>> data = kss.training_state_to_bytes(model)
         >>> bucket.put_object(Key="run/step-100.h5", Body=data)
     """
-    record = checkpoint.training_state_record(model, optimizer, verb="training_state_to_bytes", **kwargs)
+    record = training_state_record(model, optimizer, verb="training_state_to_bytes", **kwargs)
     return storage.record_to_bytes(record)
 
 
@@ -77,7 +76,8 @@ def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, 
 
     Raises:
         TypeError: if ``data`` is not bytes-like (a path: use
-            ``restore_training_state``).
+            ``restore_training_state``), or for a keyword argument that is not
+            one of those above.
         CorruptCheckpointError: if the bytes are truncated or damaged (seal,
             structure, a record or an array's checksum), naming the key where
             there is one; the model is left untouched.
@@ -98,15 +98,13 @@ def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, 
             "`data` of restore_training_state_from_bytes must be bytes (or bytearray / memoryview) "
             f"holding a training state.{hint} Received: {type(data).__name__} {data!r:.60}"
         )
+    defer = kwargs.pop("defer", False)
+    options = RestoreOptions.from_keywords(
+        "restore_training_state_from_bytes",
+        optimizer=optimizer,
+        strict=strict,
+        allow_cast=allow_cast,
+        **kwargs,
+    )
     record = storage.read_bytes(bytes(data))
-    with _preloaded(record):
-        return checkpoint.restore_training_state(_LABEL, model, optimizer, strict, allow_cast, **kwargs)
-
-
-@contextlib.contextmanager
-def _preloaded(record):
-    token = checkpoint._PRELOADED.set((_LABEL, record))
-    try:
-        yield
-    finally:
-        checkpoint._PRELOADED.reset(token)
+    return restore_with(_LABEL, model, options, defer=defer, record=record)

@@ -33,8 +33,8 @@ import keras
 import ml_dtypes
 import numpy as np
 
+from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
-from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import CorruptCheckpointError, DtypeMismatchError, StateError
 
 __all__ = ["SECTION", "CastMapper", "QuantizeMapper", "StateMapper", "check_mappers", "decode_record"]

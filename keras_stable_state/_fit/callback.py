@@ -15,14 +15,14 @@ import weakref
 
 import keras
 
+from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state._core import checkpoint
+from keras_stable_state import _state as state
 from keras_stable_state._engines import background as _async
 from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._numpy import numpy_copy
 from keras_stable_state._optimizer.wrapper import stable_optimizer_in, tracked_optimizers
-from keras_stable_state._state import state
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,

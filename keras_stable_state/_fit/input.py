@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state._state import state
+from keras_stable_state import _state as state
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 
 RECORD = "providers/data"

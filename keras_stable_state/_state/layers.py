@@ -31,7 +31,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state._identity.registry import stable_layer_paths
-from keras_stable_state._state import state as state_mod
+from keras_stable_state._state.tree import join_arrays, malformed, same_state
 from keras_stable_state.errors import BindingError, StateError
 
 __all__ = ["SECTION", "collect_layer_state", "finalize_steps", "plan_layer_state"]
@@ -186,7 +186,7 @@ def collect_layer_state(model) -> dict:
     Returns:
         ``{layer key: state}``; a state is a JSON-ready ``dict`` whose arrays
         (IDF weights, bin boundaries) are NumPy arrays (split them with
-        :func:`keras_stable_state._state.state.split_arrays`).
+        :func:`keras_stable_state._state.tree.split_arrays`).
 
     Raises:
         StateError: naming the layer, if a vocabulary holds a token that cannot
@@ -214,7 +214,7 @@ def _check_saved(saved, layer, key, kind, where) -> dict:
     """
     name = _record(key)
     if not isinstance(saved, dict) or saved.get("kind") not in (VOCABULARY, BIN_BOUNDARIES):
-        raise state_mod.malformed(name, "it is not a layer state record", where)
+        raise malformed(name, "it is not a layer state record", where)
     if saved["kind"] != kind or saved.get("class") != type(layer).__name__:
         raise BindingError(
             f"{where}: the saved state of layer {key!r} is the {saved['kind']} of a "
@@ -229,7 +229,7 @@ def _check_saved(saved, layer, key, kind, where) -> dict:
         if bins is not None and not (
             isinstance(bins, np.ndarray) and bins.ndim == 1 and bins.dtype.kind == "f"
         ):
-            raise state_mod.malformed(name, "its bin boundaries are not a 1-D float array", where)
+            raise malformed(name, "its bin boundaries are not a 1-D float array", where)
         return {**saved, "bin_boundaries": None if bins is None else np.array(bins, copy=True)}
     return _check_vocabulary(saved, layer, key, name, where)
 
@@ -237,7 +237,7 @@ def _check_saved(saved, layer, key, kind, where) -> dict:
 def _check_vocabulary(saved, layer, key, name, where) -> dict:
     options, vocabulary, idf = saved.get("options"), saved.get("vocabulary"), saved.get("idf_weights")
     if not isinstance(options, dict) or set(options) != set(_LOOKUP_OPTIONS):
-        raise state_mod.malformed(name, f"its options are not {list(_LOOKUP_OPTIONS)}", where)
+        raise malformed(name, f"its options are not {list(_LOOKUP_OPTIONS)}", where)
     live = _lookup_state(layer, key)
     differ = [
         (o, options[o], live["options"][o]) for o in _LOOKUP_OPTIONS if options[o] != live["options"][o]
@@ -257,18 +257,16 @@ def _check_vocabulary(saved, layer, key, name, where) -> dict:
         type(t) is token_type
         for t in vocabulary  # noqa: E721 - bool is not a token
     ):
-        raise state_mod.malformed(
-            name, f"its vocabulary is not a list of {token_type.__name__} tokens", where
-        )
+        raise malformed(name, f"its vocabulary is not a list of {token_type.__name__} tokens", where)
     start = compat.lookup_token_start(_lookup(layer))
     special = live["vocabulary"][:start]
     tokens = vocabulary[start:]
     if vocabulary[:start] != special or len(set(tokens)) != len(tokens):
-        raise state_mod.malformed(
+        raise malformed(
             name, f"its vocabulary does not start with the special tokens {special} or repeats a token", where
         )
     if options["max_tokens"] is not None and len(vocabulary) > options["max_tokens"]:
-        raise state_mod.malformed(
+        raise malformed(
             name,
             f"its vocabulary has {len(vocabulary)} entries, over max_tokens={options['max_tokens']}",
             where,
@@ -296,13 +294,11 @@ def _check_vocabulary(saved, layer, key, name, where) -> dict:
         if tokens and not (
             isinstance(idf, np.ndarray) and idf.ndim == 1 and idf.dtype.kind == "f" and len(idf) in sizes
         ):
-            raise state_mod.malformed(
+            raise malformed(
                 name, f"its IDF weights are not a 1-D float array of length {sorted(sizes)}", where
             )
     elif idf is not None:
-        raise state_mod.malformed(
-            name, "it holds IDF weights for a layer without output_mode='tf_idf'", where
-        )
+        raise malformed(name, "it holds IDF weights for a layer without output_mode='tf_idf'", where)
     return {**saved, "idf_weights": None if idf is None else np.array(idf, copy=True)}
 
 
@@ -313,7 +309,7 @@ def _set_state(layer, key, kind, value):
         StateError: if the layer's state after setting differs from ``value``.
     """
     current = _layer_state(layer, key, kind)
-    if state_mod.same_state(current, value):
+    if same_state(current, value):
         return
     if kind == BIN_BOUNDARIES:
         bins = value["bin_boundaries"]
@@ -327,7 +323,7 @@ def _set_state(layer, key, kind, value):
         else:  # no tokens: back to an empty vocabulary (set_vocabulary refuses one)
             compat.clear_vocabulary(lookup)
     after = _layer_state(layer, key, kind)
-    if not state_mod.same_state(after, value):
+    if not same_state(after, value):
         raise StateError(
             f"Layer {key!r} ({type(layer).__name__}) reports another {kind} after restoring the saved "
             "one. The layer does not keep the state it is given; report this with the layer's class.",
@@ -424,7 +420,7 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
     has_section = isinstance(extra, dict) and SECTION in extra
     saved = extra[SECTION] if has_section else {}
     if not isinstance(saved, dict):
-        raise state_mod.malformed(SECTION, "it is not an object", where)
+        raise malformed(SECTION, "it is not an object", where)
     if rules is not None:
         saved = _renamed(saved, rules, strict, report, where)
     live = _stateful_layers(model)
@@ -453,7 +449,7 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
             report.left_fresh.append(f"layer:{key}")
             continue
         value = _check_saved(
-            state_mod.join_arrays(saved[key], getattr(record, "arrays", {}), where), layer, key, kind, where
+            join_arrays(saved[key], getattr(record, "arrays", {}), where), layer, key, kind, where
         )
         steps.append(
             _snapshot_step(

@@ -1,0 +1,368 @@
+"""Restoring a record that is read: every check and conversion first (the planners), then
+every assignment, all or nothing.
+
+:func:`restore_record` is the body of :func:`~keras_stable_state.restore_training_state`
+once its arguments are checked (:class:`RestoreRequest`) and the file is read: it
+plans the model variables, the optimizers
+(:func:`~keras_stable_state._optimizer.slots.plan_optimizers`), the callbacks,
+providers and random state, and the layer state, then runs every step with
+:func:`~keras_stable_state._core.apply.apply_steps`. :func:`plan_callbacks` plans the
+callback states alone (``StableCheckpoint`` puts them back at train begin).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import numpy as np
+
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _state as state_mod
+from keras_stable_state import format as storage
+from keras_stable_state._core import mappers as mappers_mod
+from keras_stable_state._core.apply import (
+    apply_steps,
+    coerce,
+    dtype_name,
+    rng_step,
+    state_step,
+    variable_step,
+)
+from keras_stable_state._core.arguments import check_callbacks, extra_saved
+from keras_stable_state._core.report import RestoreReport
+from keras_stable_state._core.scope import check_scope, renamed_record
+from keras_stable_state._engines import orbax as orbax_engine
+from keras_stable_state._identity.contract import TrainableContract
+from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
+from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._optimizer.slots import drop_reason, plan_optimizers
+from keras_stable_state._state import layers as layer_state
+from keras_stable_state.errors import BindingError, StateError
+
+__all__ = ["RestoreRequest", "restore_record", "plan_callbacks"]
+
+
+# Layers whose continued training differs across backends even from identical state.
+_DRIFTING = (keras.layers.Embedding, keras.layers.BatchNormalization, keras.layers.LayerNormalization)
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreRequest:
+    """The arguments of one restore, checked (by
+    :func:`~keras_stable_state._core.restore.restore_with`).
+
+    Attributes:
+        filepath: The file (``str``; ``"<bytes>"`` for bytes), for messages and rollback reports.
+        model: The built ``keras.Model`` restored into.
+        optimizers: ``{name: optimizer}`` (``"main"`` for ``model.optimizer`` or the one passed).
+        callbacks: ``{key: callback}``.
+        providers: ``{name: provider}``.
+        extras: ``{name: keras.Variable}``: the variables outside the model.
+        rules: The rename rules, or ``None``.
+        strict, allow_cast, include_rng, check_schedule, keep_learning_rate: The flags
+            of :func:`~keras_stable_state.restore_training_state`.
+    """
+
+    filepath: str
+    model: keras.Model
+    optimizers: dict
+    callbacks: dict
+    providers: dict
+    extras: dict
+    rules: list | None
+    strict: bool
+    allow_cast: bool
+    include_rng: bool
+    check_schedule: bool
+    keep_learning_rate: bool
+
+    @property
+    def where(self) -> str:
+        """The file as messages name it."""
+        return file_label(self.filepath)
+
+    @property
+    def optimizer(self):
+        """The main optimizer, or ``None``."""
+        return self.optimizers.get(MAIN)
+
+
+def restore_record(record, request: RestoreRequest) -> RestoreReport:
+    """Check and convert everything ``record`` holds for ``request.model``, then assign it
+    all, or (if an assignment fails) put back every value already assigned and re-raise.
+
+    Args:
+        record: A :class:`~keras_stable_state.format.storage.StateRecord` or
+            :class:`~keras_stable_state.format.storage.StockWeights`, read and checksummed.
+        request: The checked arguments.
+
+    Returns:
+        The :class:`RestoreReport`.
+
+    Raises:
+        Every error of :func:`~keras_stable_state.restore_training_state` but those
+        about its arguments and reading the file.
+    """
+    model, strict, rules, where = request.model, request.strict, request.rules, request.where
+    if not model.built or not model.variables:
+        raise StateError(
+            f"Model {model.name!r} has no variables yet; call it on a batch (a subclassed model's "
+            "`build(input_shape)` may create none) before restoring its training state."
+        )
+    record, mapped = mappers_mod.decode_record(record, where)
+    report = RestoreReport()
+    report.transfer = rules is not None or not strict
+    report.mapped = {k: repr(m) for k, m in mapped.items()}
+    report.lossy = [k for k, m in mapped.items() if m.lossy]
+    if isinstance(record, storage.StockWeights):
+        report.source = record.source
+    else:
+        report.writer = dict(record.metadata)
+        report.transfer_note = any(f == "backend" for f, _, _ in report.writer_differs) and any(
+            isinstance(layer, _DRIFTING) for layer in compat.flatten_layers(model)
+        )
+    # 1. Check and convert everything; nothing is assigned before step 2.
+    registry = _model_registry(model, request.extras)
+    if rules is not None:
+        record = renamed_record(record, rules, strict, report, where)
+    elif isinstance(record, storage.StateRecord):
+        check_scope(record, registry, model, where)
+    dropped_keys = []
+    if isinstance(record, storage.StateRecord) and record.contract is not None:
+        contract = TrainableContract.from_json(record.contract)
+        if strict:
+            contract.validate(model)
+        else:
+            missing, _, reshaped, retyped = contract.diff(model)
+            if reshaped or retyped:
+                contract.validate(model)
+            dropped_keys = missing
+    optimizer = request.optimizer
+    if isinstance(record, storage.StateRecord) and optimizer is not None:
+        if request.check_schedule and not request.keep_learning_rate and "schedule" in record.extra:
+            state_mod.check_schedule(record.extra["schedule"], optimizer)
+    plan = _plan_model(record, registry, request, report)
+    _check_extras_saved(record, request)
+    plan += plan_optimizers(
+        record,
+        request.optimizers,
+        model,
+        strict,
+        request.allow_cast,
+        report,
+        dropped_keys,
+        request.filepath,
+        extras=request.extras,
+        keep_learning_rate=request.keep_learning_rate,
+    )
+    steps = []
+    providers = request.providers
+    if isinstance(record, storage.StateRecord):
+        steps = _plan_state(record, request, report)
+    elif providers:
+        raise StateError(
+            f"{where} is a {record.source}, which holds no provider state; the providers "
+            f"{sorted(providers)} in `state` cannot be restored from it. Save them with "
+            "save_training_state(..., state={name: provider}).",
+            key=sorted(providers)[0],
+        )
+    # Vocabularies and bin boundaries: checked now, set before the variables.
+    steps += layer_state.plan_layer_state(
+        record, model, strict=strict, report=report, where=where, rules=rules
+    )
+    # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
+    plan = orbax_engine.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
+    steps += [variable_step(var, array) for var, array in plan]
+    steps += layer_state.finalize_steps(model)
+    apply_steps(steps, request.filepath)
+    return report
+
+
+def _model_registry(model, extras):
+    """The model's variables by stable path, then ``extras`` as ``var:<name>``."""
+    registry = VariableRegistry.from_model(model)
+    if not extras:
+        return registry
+    return registry.rekeyed(registry.entries + [(VariableKey(EXTRA, n), v) for n, v in extras.items()])
+
+
+def _plan_model(record, registry, request, report):
+    """The ``(variable, array)`` assignments of the model variables; every difference
+    the request does not allow refused, the others listed in ``report``."""
+    strict, allow_cast, where = request.strict, request.allow_cast, request.where
+    plan = []
+    if isinstance(record, storage.StockWeights):
+        absent, plan = [], []
+        for key, var in registry.entries:
+            kpath = registry.keras_paths.get(id(var))
+            if kpath is None:  # state stock Keras does not save (seed generators)
+                report.left_fresh.append(str(key))
+            elif kpath not in record.arrays:
+                absent.append((str(key), kpath))
+            else:
+                plan.append((var, coerce(str(key), record.arrays[kpath], var, allow_cast, report)))
+                report.matched[str(key)] = "order"
+        if not plan and registry.entries:
+            raise BindingError(
+                f"None of the model's variables is in the stock Keras file {where} ({record.source}); "
+                "it was written for another model. Restore it into the model that saved it.",
+                key=str(registry.entries[0][0]),
+            )
+        if absent and strict:
+            listed = ", ".join(f"{k} (at {p!r})" for k, p in absent)
+            raise BindingError(
+                f"The stock Keras file {where} has no value for model variables {listed}; with "
+                "strict=True every variable must be restored. The model has layers or variables the "
+                "saving model did not have. Restore into the model that saved it, or pass strict=False "
+                "to leave these variables fresh (listed in report.left_fresh).",
+                key=absent[0][0],
+                expected=[p for _, p in absent],
+                received=None,
+            )
+        report.left_fresh.extend(k for k, _ in absent)
+        return plan
+    keys = {k: parse_model_key(k, where) for k in record.model}
+    saved = [(keys[k], np.shape(a), dtype_name(a)) for k, a in record.model.items()]
+    bound, unmatched = registry.bind(saved)
+    if not bound and saved:
+        raise BindingError(
+            f"No saved model variable in {where} matches this model: the file has "
+            f"{sorted(str(k) for k, _, _ in saved)[:8]}{'...' if len(saved) > 8 else ''}, the model has "
+            f"{sorted(map(str, registry.keys()))[:8]}. It was written for another model; restore it "
+            "into that model.",
+            key=str(saved[0][0]),
+        )
+    if unmatched:
+        extra = sorted(k.value for k in unmatched if k.kind == EXTRA)
+        if strict and extra:
+            raise BindingError(
+                f"{where} holds variables saved by name outside the model, {[f'{EXTRA}:{n}' for n in extra]}"
+                f", which `variables` does not name; pass them to restore them: restore_training_state"
+                f"(..., variables={{{', '.join(f'{n!r}: ...' for n in extra)}}}), or pass strict=False "
+                "to skip them.",
+                key=f"{EXTRA}:{extra[0]}",
+                expected=[f"{EXTRA}:{n}" for n in extra],
+                received=None,
+            )
+        if strict:
+            raise BindingError(
+                f"Saved model variables {sorted(map(str, unmatched))} in {where} are not in the model. "
+                "Rebuild the model as it was saved, or pass strict=False to skip them.",
+                key=str(unmatched[0]),
+            )
+        for k in unmatched:
+            report.drop(str(k), drop_reason(k, ()))
+    for key, array in record.model.items():
+        vkey = keys[key]
+        if vkey in bound:
+            var, how = bound[vkey]
+            plan.append((var, coerce(key, array, var, allow_cast, report)))
+            report.matched[key] = how
+    restored = {id(v) for v, _ in plan}
+    report.left_fresh.extend(str(k) for k, v in registry.entries if id(v) not in restored)
+    return plan
+
+
+def _check_extras_saved(record, request):
+    """With ``strict``, refuse an extra variable the file has no value for."""
+    extras, strict, where = request.extras, request.strict, request.where
+    if not strict or not extras or not isinstance(record, storage.StateRecord):
+        return
+    model_state = record.metadata.get("model_state", "all")
+    absent = [
+        f"{EXTRA}:{n}"
+        for n, v in extras.items()
+        if extra_saved(v, model_state) and f"{EXTRA}:{n}" not in record.model
+    ]
+    if absent:
+        raise BindingError(
+            f"{where} has no saved value for {absent}, named in `variables`: the state was saved "
+            "without them (save_training_state(..., variables={...})). Leave them out of `variables`, "
+            "or pass strict=False to leave them fresh (listed in report.left_fresh).",
+            key=absent[0],
+            expected=absent,
+            received=sorted(k for k in record.model if k.startswith(f"{EXTRA}:")),
+        )
+
+
+def plan_callbacks(record, callbacks, report, where=None):
+    """Check the saved callback states and return the call that puts them back.
+
+    Callbacks are matched by key: the names of a dict (``{"es": cb}``), or for a
+    list the class name and index among callbacks of that class; every saved state is checked before anything is set, and the returned call
+    sets all of them or (if one refuses) none. A stateful callback without a
+    saved state is listed in ``report.left_fresh``.
+
+    Args:
+        record: A :class:`~keras_stable_state.format.storage.StateRecord`.
+        callbacks: The live callbacks: a dict ``{name: callback}`` or a list.
+        report: The :class:`RestoreReport` to add to.
+        where: The file, for messages.
+
+    Returns:
+        ``[]``, or a list of one callable that sets every callback state.
+
+    Raises:
+        CorruptCheckpointError: naming the record (``"callbacks/EarlyStopping/0"``)
+            of a malformed saved state.
+    """
+    callbacks = check_callbacks(callbacks, "StableCheckpoint")
+    steps = _callback_steps(record, callbacks, report, None if where is None else file_label(where))
+    return [lambda: apply_steps(steps, where)] if steps else []
+
+
+def _callback_steps(record, callbacks, report, where):
+    extra, arrays = record.extra, record.arrays
+    steps = []
+    saved_cbs = extra.get("callbacks", {})
+    for key, cb in callbacks.items():
+        if state_mod.callback_state(cb) is None:
+            continue
+        if key not in saved_cbs:
+            report.left_fresh.append(f"callback:{key}")
+            continue
+        name = f"callbacks/{key}"
+        value = state_mod.join_arrays(saved_cbs[key], arrays, where)
+        value = state_mod.parse_callback_state(cb, value, name, where)
+        steps.append(
+            state_step(
+                name,
+                lambda cb=cb: state_mod.callback_state(cb),
+                lambda v, cb=cb: state_mod.set_callback_state(cb, v),
+                value,
+            )
+        )
+        report.restored_state.append(f"callback:{key}")
+    return steps
+
+
+def _plan_state(record, request, report):
+    """Check the non-variable state in full; the steps that put it back."""
+    providers, where = request.providers, request.where
+    extra, arrays = record.extra, record.arrays
+    saved = extra.get("providers", {})
+    steps = []
+    for name, provider in providers.items():
+        if name not in saved:
+            raise StateError(
+                f"{where} has no state for provider {name!r} (it has {sorted(saved)}). "
+                "Save it with save_training_state(..., state={name: provider}), or leave it out of "
+                "`state`.",
+                key=name,
+                expected=name,
+                received=sorted(saved),
+            )
+        record_name = f"providers/{name}"
+        value = state_mod.join_arrays(saved[name], arrays, where)
+        value = state_mod.check_provider_state(provider, value, record_name, where)
+        steps.append(state_step(record_name, provider.get_state, provider.set_state, value))
+        report.restored_state.append(f"state:{name}")
+    steps += _callback_steps(record, request.callbacks, report, where)
+    if extra.get("rng") is not None:
+        # Checked even with include_rng=False: a malformed record means a damaged file.
+        parsed = state_mod.parse_rng_state(state_mod.join_arrays(extra["rng"], arrays, where), where)
+        if request.include_rng:
+            steps.append(rng_step(parsed))
+            report.restored_state.append("rng")
+    return steps

@@ -1,0 +1,358 @@
+"""``save_training_state``: the training state checked, collected into a record, and written.
+
+:func:`training_state_record` checks the arguments and collects everything into a
+:class:`~keras_stable_state.format.storage.StateRecord` (variables as host copies made
+as the file is written); :func:`save_training_state` writes it to ``.h5`` / ``.keras``
+(:mod:`~keras_stable_state.format.storage`, in the background with
+:mod:`~keras_stable_state._engines.background`) or ``.orbax``
+(:mod:`~keras_stable_state._engines.orbax`).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import time
+
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _state as state_mod
+from keras_stable_state import format as storage
+from keras_stable_state._core import mappers as mappers_mod
+from keras_stable_state._core.arguments import (
+    MODEL_STATES,
+    check_callbacks,
+    check_filepath,
+    check_flags,
+    check_model,
+    check_optimizers,
+    check_providers,
+    check_variables,
+    extra_saved,
+)
+from keras_stable_state._core.guards import walking_once
+from keras_stable_state._core.report import writer_metadata
+from keras_stable_state._engines import background, multiprocess
+from keras_stable_state._engines import orbax as orbax_engine
+from keras_stable_state._identity.contract import TrainableContract
+from keras_stable_state._identity.keys import EXTRA, MAIN
+from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._numpy import to_numpy
+from keras_stable_state._optimizer.slots import optimizer_classes, save_optimizers
+from keras_stable_state._state import layers as layer_state
+from keras_stable_state.errors import CheckpointFormatError, StateError
+
+__all__ = ["save_training_state", "training_state_record"]
+
+
+@walking_once
+def save_training_state(
+    filepath,
+    model,
+    optimizer=None,
+    *,
+    model_state="all",
+    callbacks=(),
+    state=None,
+    include_rng=True,
+    allow_order_keys=False,
+    variables=None,
+    mappers=None,
+    blocking=True,
+):
+    """Save the whole training state by key: variables, optimizer, contract and the rest.
+
+    The file holds the model's variables (per ``model_state``), every optimizer
+    variable (slots, iteration count, learning rate, the optimizer's own
+    gradient-accumulation sums), the trainable-variable contract, the
+    learning-rate schedule's config, the state of stateful ``callbacks``, each
+    provider in ``state`` and the global random state.
+
+    Args:
+        filepath: ``str`` or path ending in ``.keras`` (a Keras archive that
+            ``keras.saving.load_model`` loads, with the training state as an
+            extra member), ``.h5`` (the training state alone) or ``.orbax``
+            (a directory: model and optimizer arrays stored with Orbax, each
+            JAX process writing only its own shards; needs the ``[orbax]``
+            extra). With several JAX processes every process must call this
+            (it runs collectives); for ``.h5`` process 0 alone writes.
+        model: A built ``keras.Model``.
+        optimizer: The optimizer to save; default ``model.optimizer``. An
+            unbuilt optimizer is built on ``model.trainable_variables`` first.
+            ``None`` with an uncompiled model saves no optimizer state.
+        model_state: ``"all"`` (every model variable), ``"trainable"`` (only
+            trainable variables: the adapter-only / LoRA case, where the caller
+            brings the frozen base back) or ``"none"``. ``.keras`` archives
+            always also hold Keras' own full weights.
+        callbacks: Callbacks whose state to save (``EarlyStopping``,
+            ``ReduceLROnPlateau``, ``ModelCheckpoint``, ``History``, or any
+            with ``get_state()`` / ``set_state()``); others are skipped.
+        state: ``{name: provider}`` for other objects with ``get_state()`` /
+            ``set_state()`` (e.g. a :class:`~keras_stable_state.GradientAccumulator`).
+        include_rng: Save NumPy's, Python's and Keras' global random state.
+        variables: ``{name: keras.Variable}``: variables outside the model that
+            the optimizer trains (a temperature ``log_alpha`` passed to
+            ``optimizer.apply`` next to ``model.trainable_variables``). Their
+            values and slots are saved under ``var:<name>``; pass the same
+            names to :func:`restore_training_state`.
+        mappers: ``{pattern: StateMapper}``: store each model or optimizer
+            array whose key ``re.search(pattern, key)`` finds through the mapper
+            (e.g. ``{r"^path:.*kernel$": CastMapper("bfloat16")}``); the file
+            records each mapper so the restore decodes without it being passed
+            again, and the report lists the keys (docs: smaller checkpoints).
+        blocking: ``True``: return once the file is written. ``False``: return a
+            :class:`~keras_stable_state.SaveHandle` once every value is copied to
+            host memory, and write the file in a background thread (see
+            "Asynchronous saves" in the docs). The call first waits for the
+            previous background write into the same folder. For ``.keras`` paths,
+            Keras' own archive (config and weights) is also built in memory
+            before the call returns, since it reads the live model.
+
+    Returns:
+        ``filepath`` (``str``) with ``blocking=True``; a
+        :class:`~keras_stable_state.SaveHandle` with ``blocking=False``, whose
+        ``wait()`` raises the ``OSError`` or other error of the background write.
+
+    Raises:
+        TypeError: naming the argument, for a ``filepath`` that is not a path, a
+            ``model`` that is not a ``keras.Model``, an ``optimizer`` that is not
+            a ``keras.optimizers.Optimizer`` (a name such as ``"adam"`` included),
+            ``callbacks`` that are not a list of ``keras.callbacks.Callback``, a
+            ``state`` provider without ``get_state()`` / ``set_state()``,
+            ``variables`` that are not a dict of ``keras.Variable``, or a flag
+            that is not a bool.
+        ValueError: for an unknown ``model_state``, a provider or variable name
+            that is empty or holds ``/``, a ``variables`` entry that is a
+            model variable or named twice, or a ``mappers`` pattern that is not
+            a regular expression, matches no saved key, or shares a key with
+            another pattern.
+        DtypeMismatchError: for a ``mappers`` pattern matching an array that is
+            not floating-point (``optimizer#iteration``), naming the key.
+        BindingError: if the optimizer trains a variable that is neither in the
+            model nor in ``variables`` (naming its path and the fix), or is
+            unbuilt while ``model`` is a layer of another model.
+        CheckpointFormatError: (raised by the call, also with ``blocking=False``)
+            for another extension, a directory, or a
+            ``.keras`` path for a model Keras cannot serialize (a subclassed
+            model without ``get_config()``): save to ``.h5`` instead; with
+            several JAX processes, for a ``.keras`` path.
+        StateError: if the model is not built, a provider refuses
+            (e.g. pending gradients for a variable that is no longer trainable),
+            or a mapper refuses a value (a float16 overflow, NaN for int8),
+            naming the key; for ``.orbax`` if orbax-checkpoint is not installed;
+            with several JAX processes, on the others, if process 0 failed to write.
+        OSError: naming the path when the write fails (disk full); the
+            previous file is left intact. With ``blocking=False`` it is raised
+            by the handle's ``wait()``, not by the call.
+
+    Example:
+        >>> save_training_state("run.keras", model)
+        >>> handle = save_training_state("run.h5", model, blocking=False)
+        >>> handle.wait()
+    """
+    started = time.perf_counter()
+    verb = "save_training_state"
+    filepath = check_filepath(filepath, verb)
+    check_flags(verb, blocking=blocking)
+    _check_processes(filepath)
+    orbax = orbax_engine.is_orbax_path(filepath)
+    if orbax:
+        orbax_engine.check_installed()
+        if not blocking:
+            raise CheckpointFormatError(
+                f"Cannot save {filepath!r} with blocking=False: the '.orbax' engine writes in the calling "
+                "thread. Pass blocking=True, or save to a '.h5' / '.keras' path in the background.",
+                expected="blocking=True for a '.orbax' path",
+                received="blocking=False",
+            )
+    if not blocking and multiprocess.process_count() > 1:
+        raise StateError(
+            f"Cannot save {filepath!r} with blocking=False with {multiprocess.process_count()} JAX "
+            "processes: the save runs collectives on the calling thread. Pass blocking=True."
+        )
+
+    def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
+        return orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
+
+    record = training_state_record(
+        model,
+        optimizer,
+        verb=verb,
+        convert=convert,
+        model_state=model_state,
+        callbacks=callbacks,
+        state=state,
+        include_rng=include_rng,
+        allow_order_keys=allow_order_keys,
+        variables=variables,
+        mappers=mappers,
+        before_copy=None if blocking else lambda: _wait_before_copy(filepath),
+    )
+    if orbax:  # each process writes its own shards; process 0 the sealed record
+        return orbax_engine.write(filepath, record)
+    if not blocking:
+        return _save_in_background(filepath, model, record, started)
+    # With several JAX processes every process gathered the same arrays; process 0 alone writes.
+    multiprocess.run_on_primary(
+        filepath,
+        lambda: storage.write_record(
+            filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+        ),
+    )
+    return filepath
+
+
+def _wait_before_copy(filepath):
+    """Before a background save copies anything: the target is writable, and the previous
+    write into its folder has ended (at most one host copy waiting)."""
+    storage.check_target(filepath)
+    background.wait_for_folder(background.folder_of(filepath))
+
+
+def training_state_record(
+    model,
+    optimizer=None,
+    *,
+    verb,
+    model_state="all",
+    callbacks=(),
+    state=None,
+    include_rng=True,
+    allow_order_keys=False,
+    variables=None,
+    mappers=None,
+    convert=to_numpy,
+    before_copy=None,
+):
+    """The :class:`~keras_stable_state.format.storage.StateRecord` that :func:`save_training_state`
+    writes, with every argument checked as it says (``verb`` names the caller in messages;
+    ``convert`` turns a variable into the value stored; ``before_copy`` runs once the
+    arguments are checked, before any value is read)."""
+    check_model(model, verb)
+    if model_state not in MODEL_STATES:
+        raise ValueError(
+            f"`model_state` must be one of {MODEL_STATES}. Received: model_state={model_state!r}"
+        )
+    optimizers = check_optimizers(optimizer, verb, model)
+    optimizer = optimizers.get(MAIN)
+    callbacks = check_callbacks(callbacks, verb)
+    state = check_providers(state, verb)
+    check_flags(verb, include_rng=include_rng, allow_order_keys=allow_order_keys)
+    if not model.built:
+        raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
+    extras = check_variables(variables, verb, model)
+    mapper_rules = mappers_mod.check_mappers(mappers, verb)
+    if before_copy is not None:
+        before_copy()
+    saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
+    registry = VariableRegistry.from_model(model)
+    # Converted to host arrays one at a time as the file is written (storage.StateRecord).
+    model_arrays = {str(registry.key_of(v)): functools.partial(convert, v) for v in saved_vars}
+    model_arrays.update(
+        (f"{EXTRA}:{n}", functools.partial(convert, v))
+        for n, v in extras.items()
+        if extra_saved(v, model_state)
+    )
+    opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras, convert=convert)
+    extra, arrays = _collect_state(model, optimizer, callbacks, state, include_rng)
+    extra[layer_state.SECTION], found = state_mod.split_arrays(
+        layer_state.collect_layer_state(model), layer_state.SECTION
+    )
+    arrays.update(found)
+    if mapper_rules:
+        model_arrays, opt_arrays, extra[mappers_mod.SECTION], found = mappers_mod.encode_arrays(
+            mapper_rules, model_arrays, opt_arrays
+        )
+        arrays.update(found)
+    return storage.StateRecord(
+        metadata={
+            **writer_metadata(model),
+            "model_state": model_state,
+            "optimizer_classes": None if optimizer is None else optimizer_classes(optimizer),
+            "optimizers": opt_meta,
+        },
+        contract=TrainableContract.capture(model).to_json(),
+        model=model_arrays,
+        optimizer=opt_arrays,
+        extra=extra,
+        arrays=arrays,
+    )
+
+
+def _check_processes(filepath):
+    """Refuse a ``.keras`` archive with several JAX processes: Keras' own ``model.save`` cannot
+    read arrays whose shards live on other processes."""
+    if filepath.endswith(".keras") and multiprocess.process_count() > 1:
+        raise CheckpointFormatError(
+            f"Cannot save {filepath!r} with {multiprocess.process_count()} JAX processes: a '.keras' "
+            "archive holds Keras' own weights, and keras' model.save cannot read the shards held by other "
+            "processes. Save to a '.h5' path (every process gathers, process 0 writes) or to a '.orbax' "
+            "directory (each process writes its own shards).",
+            key=None,
+            expected="a '.h5' or '.orbax' path",
+            received=filepath,
+        )
+
+
+def _save_in_background(filepath, model, record, started):
+    """Copy what is still shared with live objects, then write in a background thread."""
+    record = background.host_record(record)
+    archive_writer = None
+    if filepath.endswith(".keras"):
+        buffer = io.BytesIO()
+        _save_keras_archive(model, buffer, filepath)
+        archive = buffer.getvalue()
+        del buffer
+
+        def archive_writer(tmp):
+            with open(tmp, "wb") as fh:
+                fh.write(archive)
+
+    return background.submit(
+        filepath,
+        lambda: storage.write_record(filepath, record, keras_archive_writer=archive_writer),
+        started,
+    )
+
+
+def _save_keras_archive(model, tmp, filepath):
+    try:
+        if isinstance(tmp, io.IOBase):
+            compat.save_keras_archive_to(model, tmp)
+        else:
+            model.save(tmp)
+    except NotImplementedError as err:
+        if "get_config" not in str(err):
+            raise
+        raise CheckpointFormatError(
+            f"Cannot save {filepath!r}: a '.keras' archive holds the model's config, and Keras cannot "
+            f"serialize {type(model).__name__} ({str(err).strip().splitlines()[0]} ...). Implement "
+            "`get_config()` on the model (and register it with "
+            "@keras.saving.register_keras_serializable()), or save to a '.h5' path: a '.h5' file holds "
+            "the same training state without the model config, and restore_training_state restores it "
+            "into a model you build in code.",
+            key=None,
+            expected="a serializable model (get_config)",
+            received=type(model).__name__,
+        ) from err
+
+
+def _collect_state(model, optimizer, callbacks, state, include_rng):
+    """The JSON part and the arrays of everything that is not a variable."""
+    extra = {"schedule": state_mod.schedule_state(optimizer), "callbacks": {}, "providers": {}, "rng": None}
+    arrays = {}
+
+    def put(section, name, value):
+        json_value, found = state_mod.split_arrays(value, f"{section}/{name}")
+        extra[section][name] = json_value
+        arrays.update(found)
+
+    for key, cb in callbacks.items():
+        value = state_mod.callback_state(cb)
+        if value is not None:
+            put("callbacks", key, value)
+    for name, provider in state.items():
+        put("providers", name, provider.get_state())
+    if include_rng:
+        extra["rng"], found = state_mod.split_arrays(state_mod.rng_state(), "rng")
+        arrays.update(found)
+    return extra, arrays

@@ -1,0 +1,73 @@
+"""The learning-rate schedule's identity: :func:`schedule_state` saves it, :func:`check_schedule`
+refuses a resume under another one.
+
+The current learning rate value itself is an optimizer variable and is saved with them.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state.errors import StateError
+
+__all__ = ["ScheduleMismatchError", "schedule_state", "check_schedule"]
+
+
+class ScheduleMismatchError(StateError, ValueError):
+    """The learning-rate schedule differs from the one saved.
+
+    Attributes:
+        fields: ``(field, saved value, current value)`` for each difference.
+
+    Example:
+        >>> kss.restore_training_state("run.h5", model_with_decay_steps_20)
+        ScheduleMismatchError: The learning-rate schedule differs from the one saved
+        (config.decay_steps: saved 10, now 20). ...
+    """
+
+    def __init__(self, message, *, fields=()):
+        super().__init__(message)
+        self.fields = list(fields)
+
+
+def _schedule(optimizer):
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if isinstance(inner, keras.optimizers.Optimizer):
+        return _schedule(inner)
+    lr = compat.learning_rate_variable(optimizer)
+    return lr if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else None
+
+
+def schedule_state(optimizer) -> dict:
+    """``{"schedule": <Keras serialization of the schedule> | None}``."""
+    sched = None if optimizer is None else _schedule(optimizer)
+    return {"schedule": None if sched is None else keras.saving.serialize_keras_object(sched)}
+
+
+def _diff(saved, current, path=""):
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for k in sorted(set(saved) | set(current)):
+            out += _diff(saved.get(k), current.get(k), k if path == "schedule" else f"{path}.{k}")
+        return out
+    return [] if saved == current else [(path, saved, current)]
+
+
+def check_schedule(saved: dict, optimizer) -> None:
+    """Raise if ``optimizer``'s learning-rate schedule differs from ``saved``.
+
+    Raises:
+        ScheduleMismatchError: naming every differing field (class, initial
+            learning rate, decay steps...).
+    """
+    current = schedule_state(optimizer)["schedule"]
+    fields = _diff(saved.get("schedule"), current, "schedule")
+    if fields:
+        listed = "; ".join(f"{f}: saved {s!r}, now {c!r}" for f, s, c in fields)
+        raise ScheduleMismatchError(
+            f"The learning-rate schedule differs from the one saved ({listed}). A resumed run with "
+            "another schedule does not continue the saved one. Build the optimizer with the saved "
+            "schedule, or pass check_schedule=False to continue with the new one.",
+            fields=fields,
+        )
