@@ -23,8 +23,7 @@ from keras_stable_state._fit.callback import (
 )
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.registry import VariableKey, VariableRegistry
-from keras_stable_state._optimizer.accumulator import GradientAccumulator
-from keras_stable_state._optimizer.wrapper import StableOptimizer
+from keras_stable_state._optimizer import GradientAccumulator, StableOptimizer
 from keras_stable_state._state.state import ScheduleMismatchError
 from keras_stable_state.errors import (
     BindingError,

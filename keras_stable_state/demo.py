@@ -124,7 +124,7 @@ import numpy as np  # noqa: E402
 import keras_stable_state as kss  # noqa: E402
 from keras_stable_state._identity.registry import VariableRegistry  # noqa: E402
 from keras_stable_state._numpy import numpy_copy  # noqa: E402
-from keras_stable_state._optimizer.wrapper import optimizer_entries  # noqa: E402
+from keras_stable_state._optimizer import optimizer_entries  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # Model: one computation, two classes that create their layers in different orders.

@@ -48,16 +48,16 @@ from keras_stable_state._engines import orbax as _orbax_engine
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
 from keras_stable_state._identity.registry import VariableRegistry, one_walk
-from keras_stable_state._optimizer.slots import (
+from keras_stable_state._optimizer import (
     drop_reason,
     keyed_optimizer_entries,
     optimizer_classes,
     plan_optimizers,
     save_optimizers,
+    tracked_optimizers,
 )
-from keras_stable_state._optimizer.slots import plan_optimizer_arrays as plan_optimizer_arrays
-from keras_stable_state._optimizer.slots import restore_optimizer_arrays as restore_optimizer_arrays
-from keras_stable_state._optimizer.wrapper import tracked_optimizers
+from keras_stable_state._optimizer import plan_optimizer_arrays as plan_optimizer_arrays
+from keras_stable_state._optimizer import restore_optimizer_arrays as restore_optimizer_arrays
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import BindingError, CheckpointFormatError, MalformedKeyError, StateError
