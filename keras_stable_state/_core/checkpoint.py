@@ -47,7 +47,8 @@ from keras_stable_state._engines import multiprocess as _multiprocess
 from keras_stable_state._engines import orbax as _orbax_engine
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
-from keras_stable_state._identity.registry import VariableRegistry, one_walk
+from keras_stable_state._identity.paths import one_walk
+from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._optimizer import (
     drop_reason,
     keyed_optimizer_entries,

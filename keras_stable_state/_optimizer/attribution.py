@@ -39,7 +39,21 @@ def _mangled(ref) -> str | None:
 class SlotOwners:
     """Which model variable each slot of one optimizer belongs to, found without
     relying on order: aligned lists, dicts keyed by variable, lists of pairs, and
-    the names ``add_variable_from_reference`` gives."""
+    (:meth:`by_name`) the names ``add_variable_from_reference`` gives.
+
+    Args:
+        optimizer: One optimizer (not the ones it wraps; see ``entries.optimizer_tree``).
+
+    Attributes:
+        refs: The variables the optimizer was built with, in its order.
+        ref_ids: ``{id(variable): variable}`` of ``refs``: model variables the
+            optimizer holds (e.g. in ``(variable, slot)`` pairs) are not its state.
+        own_ids: ``id`` of the optimizer's ``iterations`` and learning-rate
+            variables, never slots.
+        by_var: ``{id(slot variable): (model variable, slot name)}``.
+        conflicts: ``(slot variable, [(model variable, slot name), ...])`` for
+            each slot found for two different model variables.
+    """
 
     def __init__(self, optimizer):
         self.optimizer = optimizer

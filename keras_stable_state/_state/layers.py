@@ -30,7 +30,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state._identity.registry import stable_layer_paths
+from keras_stable_state._identity.paths import stable_layer_paths
 from keras_stable_state._state import state as state_mod
 from keras_stable_state.errors import BindingError, StateError
 
