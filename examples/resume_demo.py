@@ -140,7 +140,7 @@ import keras_stable_state as kss  # noqa: E402
 
 # Internal: keys every optimizer variable (a stock Adam's too) by its model variable, which is
 # how the demo measures a restored slot against the one saved for the same variable.
-from keras_stable_state._optimizer.wrapper import optimizer_entries  # noqa: E402
+from keras_stable_state._optimizer import optimizer_entries  # noqa: E402
 
 # --------------------------------------------------------------------------------------------------
 # Model: one computation, two classes that create their layers in different orders.

@@ -124,7 +124,7 @@ def to_np(v):
 
 def slots_by_key(optimizer):
     """``{entry key: numpy array}`` for every optimizer variable."""
-    from keras_stable_state._optimizer.wrapper import optimizer_entries
+    from keras_stable_state._optimizer import optimizer_entries
 
     if hasattr(optimizer, "entries"):
         entries = optimizer.entries()

@@ -167,7 +167,7 @@ def test_attributes_after_layers_and_dict_entries_keyed_by_name():
 def test_keras_paths_still_follow_keras_weight_files(tmp_path):
     import h5py
 
-    from keras_stable_state._identity.registry import stable_variable_paths
+    from keras_stable_state._identity.paths import stable_variable_paths
 
     m = _Proj()
     m(np.ones((1, 3), "float32"))
@@ -181,7 +181,7 @@ def test_keras_paths_still_follow_keras_weight_files(tmp_path):
 def _count_walks(monkeypatch):
     """Count the model walks (``_walk_once``, by style) and Keras' per-object saving walk."""
     from keras_stable_state import _keras_compat
-    from keras_stable_state._identity import registry as identity
+    from keras_stable_state._identity import paths as identity
 
     walks, kids = [], {}
     walk_once, walk_saveable = identity._walk_once, _keras_compat.walk_saveable
@@ -244,7 +244,7 @@ def test_stock_weights_restore_adds_only_keras_addressing(tmp_path, monkeypatch)
 
 
 def test_walk_reused_in_a_call_is_redone_when_the_model_gains_variables():
-    from keras_stable_state._identity.registry import one_walk
+    from keras_stable_state._identity.paths import one_walk
 
     class Lazy(keras.Model):
         def __init__(self, **kw):

@@ -12,7 +12,7 @@ from hypothesis.extra import numpy as hnp
 import keras_stable_state as kss
 from keras_stable_state import format as storage
 from keras_stable_state._core import mappers
-from keras_stable_state._optimizer.slots import keyed_optimizer_entries
+from keras_stable_state._optimizer import keyed_optimizer_entries
 
 KERNELS = r"^path:.*kernel$"
 SLOTS = r"^path:.*#"

@@ -15,7 +15,7 @@ from conftest import to_np
 from keras import layers
 
 import keras_stable_state as kss
-from keras_stable_state._optimizer.wrapper import optimizer_entries
+from keras_stable_state._optimizer import optimizer_entries
 
 RNG = np.random.default_rng(5)
 Z = RNG.normal(size=(8, 4)).astype("float32")

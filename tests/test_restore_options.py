@@ -9,7 +9,7 @@ import pytest
 from conftest import BACKEND, to_np
 
 import keras_stable_state as kss
-from keras_stable_state._optimizer.slots import keyed_optimizer_entries as _keyed_optimizer_entries
+from keras_stable_state._optimizer import keyed_optimizer_entries as _keyed_optimizer_entries
 
 
 def _slots(optimizer, model, extras=None):

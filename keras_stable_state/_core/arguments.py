@@ -11,7 +11,7 @@ import numpy as np
 from keras_stable_state import _state as state_mod
 from keras_stable_state._identity.keys import MAIN, check_name
 from keras_stable_state._identity.registry import VariableRegistry
-from keras_stable_state._optimizer.wrapper import tracked_optimizers
+from keras_stable_state._optimizer import tracked_optimizers
 
 
 # -- argument checks ------------------------------------------------------------------

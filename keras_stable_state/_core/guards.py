@@ -10,8 +10,8 @@ import gc
 import keras
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state._identity.registry import one_walk
-from keras_stable_state._optimizer.wrapper import tracked_optimizers
+from keras_stable_state._identity.paths import one_walk
+from keras_stable_state._optimizer import tracked_optimizers
 
 __all__ = ["cyclic_gc_paused", "walking_once", "builds_undone_on_refusal"]
 
@@ -41,7 +41,7 @@ def cyclic_gc_paused():
 
 
 def walking_once(fn):
-    """Run ``fn`` inside :func:`~keras_stable_state._identity.registry.one_walk` (every registry it
+    """Run ``fn`` inside :func:`~keras_stable_state._identity.paths.one_walk` (every registry it
     builds reuses one walk of the model), with the cyclic garbage collector paused."""
 
     @functools.wraps(fn)

@@ -5,7 +5,7 @@ The bytes are exactly a sealed ``.h5`` training state (what
 ``save_training_state("x.h5", ...)`` writes), and reading them runs exactly the
 checks a file gets: the xxh3-128 seal (SHA-256 in format 2), the HDF5 structure,
 the records' checksums and schema, every array's xxh3-64 (CRC-32 in format 2)
-(:func:`keras_stable_state.format.storage.read_bytes`).
+(:func:`keras_stable_state.format.read_bytes`).
 """
 
 from __future__ import annotations

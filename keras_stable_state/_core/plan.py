@@ -36,7 +36,7 @@ from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
 from keras_stable_state._identity.registry import VariableRegistry
-from keras_stable_state._optimizer.slots import drop_reason, plan_optimizers
+from keras_stable_state._optimizer import drop_reason, plan_optimizers
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import BindingError, StateError
 
@@ -93,8 +93,8 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     all, or (if an assignment fails) put back every value already assigned and re-raise.
 
     Args:
-        record: A :class:`~keras_stable_state.format.storage.StateRecord` or
-            :class:`~keras_stable_state.format.storage.StockWeights`, read and checksummed.
+        record: A :class:`~keras_stable_state.format.StateRecord` or
+            :class:`~keras_stable_state.format.StockWeights`, read and checksummed.
         request: The checked arguments.
 
     Returns:
@@ -295,7 +295,7 @@ def plan_callbacks(record, callbacks, report, where=None):
     saved state is listed in ``report.left_fresh``.
 
     Args:
-        record: A :class:`~keras_stable_state.format.storage.StateRecord`.
+        record: A :class:`~keras_stable_state.format.StateRecord`.
         callbacks: The live callbacks: a dict ``{name: callback}`` or a list.
         report: The :class:`RestoreReport` to add to.
         where: The file, for messages.

@@ -1,7 +1,7 @@
 """``save_training_state``: the training state checked, collected into a record, and written.
 
 :func:`training_state_record` checks the arguments and collects everything into a
-:class:`~keras_stable_state.format.storage.StateRecord` (variables as host copies made
+:class:`~keras_stable_state.format.StateRecord` (variables as host copies made
 as the file is written); :func:`save_training_state` writes it to ``.h5`` / ``.keras``
 (:mod:`~keras_stable_state.format.storage`, in the background with
 :mod:`~keras_stable_state._engines.background`) or ``.orbax``
@@ -37,7 +37,7 @@ from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import to_numpy
-from keras_stable_state._optimizer.slots import optimizer_classes, save_optimizers
+from keras_stable_state._optimizer import optimizer_classes, save_optimizers
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
 
@@ -223,7 +223,7 @@ def training_state_record(
     convert=to_numpy,
     before_copy=None,
 ):
-    """The :class:`~keras_stable_state.format.storage.StateRecord` that :func:`save_training_state`
+    """The :class:`~keras_stable_state.format.StateRecord` that :func:`save_training_state`
     writes, with every argument checked as it says (``verb`` names the caller in messages;
     ``convert`` turns a variable into the value stored; ``before_copy`` runs once the
     arguments are checked, before any value is read)."""

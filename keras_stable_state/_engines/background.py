@@ -1,6 +1,6 @@
 """Background writes of training states: ``save_training_state(..., blocking=False)``.
 
-The calling thread builds the whole :class:`~keras_stable_state.format.storage.StateRecord`
+The calling thread builds the whole :class:`~keras_stable_state.format.StateRecord`
 (every array copied to host NumPy) and hands it to :func:`submit`; one shared
 ``concurrent.futures.ThreadPoolExecutor`` runs the write (the same
 ``storage.write_record`` a blocking save calls: seal, temporary file, ``fsync``,

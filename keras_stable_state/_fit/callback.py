@@ -22,7 +22,7 @@ from keras_stable_state._engines import background as _async
 from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._numpy import numpy_copy
-from keras_stable_state._optimizer.wrapper import stable_optimizer_in, tracked_optimizers
+from keras_stable_state._optimizer import stable_optimizer_in, tracked_optimizers
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,

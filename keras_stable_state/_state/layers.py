@@ -10,7 +10,7 @@ Keras variable, so restoring variables alone restores it silently wrong:
 * **bin boundaries** of an adapted ``Discretization`` (a Python list).
 
 Both are saved per layer, keyed by the layer's stable path
-(:func:`~keras_stable_state._identity.registry.stable_layer_paths`), checked in full
+(:func:`~keras_stable_state._identity.paths.stable_layer_paths`), checked in full
 before anything is assigned, and set before the variables.
 
 **Derived state** is recomputed instead: after the variables are assigned,
@@ -30,7 +30,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state._identity.registry import stable_layer_paths
+from keras_stable_state._identity.paths import stable_layer_paths
 from keras_stable_state._state.tree import join_arrays, malformed, same_state
 from keras_stable_state.errors import BindingError, StateError
 
@@ -392,7 +392,7 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
     layer is refused under ``strict`` (else listed in ``report.dropped``).
 
     Args:
-        record: A :class:`~keras_stable_state.format.storage.StateRecord`, or a stock
+        record: A :class:`~keras_stable_state.format.StateRecord`, or a stock
             Keras file's record (which holds no layer state).
         model: The model being restored.
         strict: Refuse layers without a saved state and saved states without a layer.

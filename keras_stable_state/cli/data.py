@@ -50,12 +50,12 @@ _POSITION_FIELDS = ("epoch", "step", "global_step")
 
 
 def open_checkpoint(path) -> CheckpointFile:
-    """:func:`keras_stable_state.format.storage.open_file`, refusing a missing path or a folder first.
+    """:func:`keras_stable_state.format.open_file`, refusing a missing path or a folder first.
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
         IsADirectoryError: if ``path`` is a folder.
-        The errors of :class:`~keras_stable_state.format.storage.CheckpointFile` otherwise.
+        The errors of :class:`~keras_stable_state.format.CheckpointFile` otherwise.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -209,7 +209,7 @@ def inspect_file(file) -> RecordInspection | StockInspection:
 
     Args:
         file: A path (``str`` or ``os.PathLike``) to a ``.keras`` or ``.h5`` file, or an
-            open :class:`~keras_stable_state.format.storage.CheckpointFile` (left open).
+            open :class:`~keras_stable_state.format.CheckpointFile` (left open).
 
     Returns:
         A :class:`RecordInspection` for a keras_stable_state training state, a
@@ -249,7 +249,7 @@ def verify_file(file, progress=None) -> Verification:
     """Read every array of a file (and every archive member) and check it.
 
     Args:
-        file: A path, or an open :class:`~keras_stable_state.format.storage.CheckpointFile` (left open).
+        file: A path, or an open :class:`~keras_stable_state.format.CheckpointFile` (left open).
         progress: Optional callable given the bytes read after each array or member chunk
             (they add up to :func:`bytes_to_verify`).
 

@@ -327,7 +327,7 @@ def diff_files(file_a, file_b, progress=None) -> Diff:
     """Compare two files: keys, shapes, dtypes, contracts, other state and values.
 
     Args:
-        file_a, file_b: Paths, or open :class:`~keras_stable_state.format.storage.CheckpointFile`
+        file_a, file_b: Paths, or open :class:`~keras_stable_state.format.CheckpointFile`
             objects (left open).
         progress: Optional callable given the bytes of each pair of arrays compared
             (they add up to at most both files' ``total_bytes``).

@@ -25,7 +25,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
-from keras_stable_state._optimizer.wrapper import optimizer_entries  # noqa: E402
+from keras_stable_state._optimizer import optimizer_entries  # noqa: E402
 
 STEPS = 20
 CASES = ("dense", "mixed", "embedding")

@@ -1,0 +1,163 @@
+"""Every use of Keras internals, in one place, checked against the supported Keras range.
+
+keras_stable_state relies on a few things Keras does not export: its saving
+walk (``keras/src/saving/saving_lib.py``), the variable lists layers and
+optimizers keep (``_trainable_variables``, ``_non_trainable_variables``,
+``_variables``), ``MultiOptimizer``'s routing tables, the trainer's
+``train_function`` and ``_initial_epoch``, ``ModelCheckpoint``'s counters,
+Keras' global seed generator and ``print_msg``. They are reached only through
+the functions of this package (``compat.<function>``, re-exported here from one
+module per area), so a Keras release that changes them breaks this package only:
+
+- :mod:`.version`: the supported range, checked once on import;
+- :mod:`.saving`: the saving walk, Keras' naming, its ``.keras`` writer;
+- :mod:`.layers`: the variables layers and metrics own, lookup vocabularies;
+- :mod:`.optimizers`: optimizer variable lists, ``MultiOptimizer`` routing, the
+  hand-over of a wrapped optimizer's save/load, undoing a build;
+- :mod:`.fit`: the running ``fit`` (epoch iterator, callbacks, compile state);
+- :mod:`.data`: the order and stream place of ``fit``'s input;
+- :mod:`.callbacks`: private state of Keras callbacks, ``print_msg``;
+- :mod:`.rng`: Keras' global seed generator.
+
+The supported range is pyproject's ``keras>=3.15,<4``. Importing the package
+with a Keras outside it raises :class:`UnsupportedKerasError` (an
+``ImportError``): these internals decide which slot lands on which variable, and
+a silent mismatch is exactly what this library exists to prevent.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_stable_state._keras_compat.callbacks import (
+    ema_weights_in_model,
+    model_checkpoint_counters,
+    print_msg,
+    set_ema_weights_in_model,
+    set_model_checkpoint_counters,
+)
+from keras_stable_state._keras_compat.data import (
+    advance_stream,
+    discard_prefetched,
+    num_samples,
+    py_dataset_of,
+    reshuffling_ops,
+    set_array_order,
+    shufflable_arrays,
+    shuffled_unowned_arrays,
+    stream_persists,
+    stream_position,
+    tf_dataset_of,
+)
+from keras_stable_state._keras_compat.fit import (
+    build_compile_state,
+    fit_callbacks,
+    fit_data_adapter,
+    fit_epoch_iterator,
+    per_output_loss_weighting,
+    set_initial_epoch,
+    skip_batches,
+    total_loss_count_index,
+)
+from keras_stable_state._keras_compat.layers import (
+    called_as_layer,
+    clear_vocabulary,
+    flatten_layers,
+    index_lookup_class,
+    layer_own_variables,
+    lookup_token_start,
+    metric_own_variables,
+    seed_generator_states,
+    text_vectorization_lookup,
+)
+from keras_stable_state._keras_compat.optimizers import (
+    arm,
+    build_routed,
+    built_variables,
+    group_of,
+    hand_over,
+    iterations_variable,
+    learning_rate_variable,
+    own_variables,
+    snapshot_unbuilt,
+    sub_optimizers,
+    var_key,
+)
+from keras_stable_state._keras_compat.rng import (
+    global_seed_generator,
+    make_global_seed_generator,
+    random_seed_dtype,
+    set_global_seed_generator,
+)
+from keras_stable_state._keras_compat.saving import (
+    obj_type,
+    save_keras_archive_to,
+    to_snake_case,
+    walk_saveable,
+)
+from keras_stable_state._keras_compat.version import (
+    SUPPORTED_KERAS,
+    UnsupportedKerasError,
+    check_keras_version,
+)
+
+__all__ = [
+    "SUPPORTED_KERAS",
+    "UnsupportedKerasError",
+    "advance_stream",
+    "arm",
+    "build_compile_state",
+    "build_routed",
+    "built_variables",
+    "called_as_layer",
+    "check_keras_version",
+    "clear_vocabulary",
+    "discard_prefetched",
+    "ema_weights_in_model",
+    "fit_callbacks",
+    "fit_data_adapter",
+    "fit_epoch_iterator",
+    "flatten_layers",
+    "global_seed_generator",
+    "group_of",
+    "hand_over",
+    "index_lookup_class",
+    "iterations_variable",
+    "layer_own_variables",
+    "learning_rate_variable",
+    "lookup_token_start",
+    "make_global_seed_generator",
+    "metric_own_variables",
+    "model_checkpoint_counters",
+    "num_samples",
+    "obj_type",
+    "own_variables",
+    "per_output_loss_weighting",
+    "print_msg",
+    "py_dataset_of",
+    "random_seed_dtype",
+    "reshuffling_ops",
+    "save_keras_archive_to",
+    "seed_generator_states",
+    "set_array_order",
+    "set_ema_weights_in_model",
+    "set_global_seed_generator",
+    "set_initial_epoch",
+    "set_model_checkpoint_counters",
+    "shufflable_arrays",
+    "shuffled_unowned_arrays",
+    "skip_batches",
+    "snapshot_unbuilt",
+    "stream_persists",
+    "stream_position",
+    "sub_optimizers",
+    "text_vectorization_lookup",
+    "tf_dataset_of",
+    "to_snake_case",
+    "total_loss_count_index",
+    "var_key",
+    "walk_saveable",
+]
+
+# The guard: runs once, when this package is first imported (before any caller uses it).
+check_keras_version(keras.__version__)

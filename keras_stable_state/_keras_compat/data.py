@@ -1,0 +1,167 @@
+"""The order and stream place of ``fit``'s input: its data adapters (arrays, ``PyDataset``,
+``tf.data``) and its epoch iterator's stream.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import keras
+
+__all__ = [
+    "advance_stream",
+    "discard_prefetched",
+    "num_samples",
+    "py_dataset_of",
+    "reshuffling_ops",
+    "set_array_order",
+    "shufflable_arrays",
+    "shuffled_unowned_arrays",
+    "stream_persists",
+    "stream_position",
+    "tf_dataset_of",
+]
+
+
+def shufflable_arrays(epoch_iterator):
+    """``(inputs, shuffle, batch_size)`` of a ``fit`` over NumPy arrays with ``shuffle``
+    ``True`` or ``"batch"`` and a fresh iterator per epoch (no ``steps_per_epoch``), whose
+    order :class:`keras_stable_state._fit.input.EpochOrder` can take over; else ``None``.
+
+    ``inputs`` is the ``ArrayDataAdapter``'s packed ``(x, y, sample_weight)`` structure
+    (class weights already turned into sample weights,
+    ``keras/src/trainers/data_adapters/array_data_adapter.py``)."""
+    import numpy as np
+    from keras.src import tree
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    if epoch_iterator is None or epoch_iterator.steps_per_epoch is not None:
+        return None
+    adapter = epoch_iterator.data_adapter
+    if not isinstance(adapter, ArrayDataAdapter) or adapter._shuffle not in (True, "batch"):
+        return None
+    leaves = tree.flatten(adapter._inputs)
+    if not leaves or not all(isinstance(a, np.ndarray) for a in leaves):
+        return None
+    return adapter._inputs, adapter._shuffle, adapter._batch_size
+
+
+def shuffled_unowned_arrays(epoch_iterator) -> bool:
+    """``True`` for shuffled array inputs whose order :func:`shufflable_arrays` cannot take
+    over (``steps_per_epoch`` given, or leaves that are not NumPy arrays)."""
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    if epoch_iterator is None:
+        return False
+    adapter = epoch_iterator.data_adapter
+    return (
+        isinstance(adapter, ArrayDataAdapter)
+        and bool(adapter._shuffle)
+        and shufflable_arrays(epoch_iterator) is None
+    )
+
+
+def num_samples(inputs) -> int:
+    """The number of samples of a packed array structure."""
+    from keras.src import tree
+
+    return int(next(a.shape[0] for a in tree.flatten(inputs) if a is not None))
+
+
+def set_array_order(epoch_iterator, inputs, permutation=None) -> None:
+    """Switch the ``ArrayDataAdapter``'s own shuffle off and, with ``inputs``, make it
+    serve ``inputs`` gathered in ``permutation`` order (int array of shape
+    ``(num_samples,)``; a copy of the arrays). On TensorFlow the iterator's ``tf.data``
+    pipeline is built anew from them (``TFEpochIterator`` builds it once, in its
+    constructor); JAX and Torch iterators read the adapter's arrays at each epoch."""
+    from keras.src import tree
+
+    adapter = epoch_iterator.data_adapter
+    adapter._shuffle = False
+    if inputs is None:
+        return
+    adapter._inputs = tree.map_structure(lambda a: None if a is None else a[permutation], inputs)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        dataset = adapter.get_tf_dataset()
+        if not isinstance(dataset, tf.distribute.DistributedDataset):
+            dataset = epoch_iterator._distribute_strategy.experimental_distribute_dataset(dataset)
+        epoch_iterator._distributed_dataset = dataset
+
+
+def stream_persists(epoch_iterator) -> bool:
+    """``True`` when ``fit`` keeps one iterator across epochs: ``steps_per_epoch`` was
+    given, so an epoch continues the stream where the last one stopped until the input
+    runs out (``EpochIterator._enumerate_iterator``)."""
+    return epoch_iterator is not None and epoch_iterator.steps_per_epoch is not None
+
+
+def stream_position(epoch_iterator) -> int:
+    """Batches already drawn from the iterator the next epoch will continue (``0`` when
+    it starts a fresh one). Read before the epoch's batches are drawn."""
+    if not stream_persists(epoch_iterator) or epoch_iterator._current_iterator is None:
+        return 0
+    return int(epoch_iterator._steps_seen)
+
+
+def advance_stream(epoch_iterator, count: int) -> None:
+    """Start the iterator the next epoch continues and draw ``count`` batches from it
+    without training on them (a resumed run reaching the stream place it was saved at)."""
+    iterator = iter(epoch_iterator._get_iterator())
+    for _ in range(count):
+        next(iterator)
+    epoch_iterator._current_iterator = iterator
+    epoch_iterator._steps_seen = count
+
+
+def py_dataset_of(adapter):
+    """The ``keras.utils.PyDataset`` a data adapter reads, or ``None``."""
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    return adapter.py_dataset if isinstance(adapter, PyDatasetAdapter) else None
+
+
+def discard_prefetched(adapter) -> int:
+    """Drop the batches a ``PyDataset``'s worker queue kept from before the first epoch;
+    their number.
+
+    ``fit`` draws one batch to build the model, which starts the workers, then stops
+    them; Keras' ``OrderedEnqueuer.stop`` moves the batches they had prefetched into its
+    ``ready_queue``, and the next epoch serves those first (so each epoch is served the
+    order of the one before it). Emptying it makes the first epoch draw its own order."""
+    enqueuer = getattr(adapter, "enqueuer", None)
+    ready = getattr(enqueuer, "ready_queue", None)
+    if ready is None or enqueuer.is_running():
+        return 0
+    count = 0
+    while True:
+        try:
+            ready.get_nowait()
+        except queue.Empty:
+            return count
+        count += 1
+
+
+def tf_dataset_of(adapter):
+    """The ``tf.data.Dataset`` a data adapter reads, or ``None``."""
+    from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
+
+    return adapter._dataset if isinstance(adapter, TFDatasetAdapter) else None
+
+
+def reshuffling_ops(dataset) -> list:
+    """``shuffle`` ops with ``reshuffle_each_iteration=True`` in a ``tf.data`` pipeline
+    (``tensorflow/python/data/ops/shuffle_op.py``), found through each dataset's inputs."""
+    found, todo, seen = [], [dataset], set()
+    while todo:
+        ds = todo.pop()
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        if type(ds).__name__ == "_ShuffleDataset" and getattr(ds, "_reshuffle_each_iteration", False):
+            found.append(ds)
+        inputs = getattr(ds, "_inputs", None)
+        if callable(inputs):
+            todo.extend(inputs())
+    return found

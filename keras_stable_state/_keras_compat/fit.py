@@ -1,0 +1,185 @@
+"""The ``fit`` call running in this thread: its epoch iterator, data adapter and callbacks,
+its initial epoch and train function, and the compiled metrics and loss trackers it builds.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import keras
+
+from keras_stable_state.errors import StateError
+
+__all__ = [
+    "build_compile_state",
+    "fit_callbacks",
+    "fit_data_adapter",
+    "fit_epoch_iterator",
+    "per_output_loss_weighting",
+    "set_initial_epoch",
+    "skip_batches",
+    "total_loss_count_index",
+]
+
+
+def set_initial_epoch(model, epoch) -> None:
+    """Set the epoch ``fit`` starts from (the trainer's ``_initial_epoch``; ``None``: fit's own)."""
+    model._initial_epoch = epoch
+
+
+def skip_batches(model, count: int, per_call: int = 1) -> None:
+    """Make ``model``'s next ``count`` calls of its train function draw their batches
+    (``per_call`` each: the ``steps_per_execution`` it was compiled with) without training
+    on them, then put the train function back. ``fit`` calls ``train_function`` once per
+    execution: on JAX with ``(state, iterator)``, on TensorFlow with ``(iterator)``, on
+    Torch with a list of ``per_call`` batches already drawn (Torch allows only 1)."""
+    original = model.train_function
+    remaining = [count]
+    backend = keras.backend.backend()
+
+    def skip(*args):
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            model.train_function = original
+        if backend == "jax":
+            state_arg, iterator = args
+            for _ in range(per_call):
+                next(iterator)
+            return {}, state_arg
+        if backend == "tensorflow":
+            for _ in range(per_call):
+                next(args[0])
+            return {}
+        return {}
+
+    model.train_function = skip
+
+
+def fit_epoch_iterator():
+    """The ``EpochIterator`` of the ``fit`` call running in this thread, or ``None``.
+
+    Keras gives a callback no handle on ``fit``'s inputs: this looks up the call stack
+    for the ``fit`` frame of a Keras trainer (TensorFlow, JAX and Torch name its
+    ``EpochIterator`` ``epoch_iterator``, ``keras/src/trainers/epoch_iterator.py``).
+    ``None`` outside ``fit`` or under a trainer that keeps it elsewhere."""
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and "epoch_iterator" in frame.f_code.co_varnames:
+            found = frame.f_locals.get("epoch_iterator")
+            if isinstance(found, EpochIterator):
+                return found
+        frame = frame.f_back
+    return None
+
+
+def fit_data_adapter():
+    """The data adapter of the ``fit`` call running in this thread (that of
+    :func:`fit_epoch_iterator`), or ``None``."""
+    found = fit_epoch_iterator()
+    return None if found is None else found.data_adapter
+
+
+def _compile_state_unbuilt(model) -> bool:
+    metrics, loss = getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None)
+    return (metrics is not None and not metrics.built) or (loss is not None and not loss.built)
+
+
+def build_compile_state(model) -> bool:
+    """Build ``model``'s compiled metrics and loss trackers now, inside ``fit``, if they
+    are not built yet; whether it built them.
+
+    On JAX and Torch (and on TensorFlow under a distribution strategy) ``fit`` builds
+    them symbolically before training (``Trainer._symbolic_build``); on TensorFlow
+    without one it defers that to the first trace of the train function, after
+    ``on_train_begin`` and ``on_epoch_begin``, so a mid-epoch resume could not put the
+    saved metric values back. This makes the same ``_symbolic_build`` call Keras makes
+    on the other backends, with a symbolic batch (``KerasTensor`` of each shape and
+    dtype) made from the ``element_spec`` of the ``tf.data`` dataset ``fit``'s
+    ``TFEpochIterator`` iterates: no batch is drawn and no dataset made, so no data or
+    random state is consumed. ``_symbolic_build`` also builds an unbuilt optimizer
+    (zeros, as its first train step would). Does nothing when they are built, outside
+    ``fit``, or where fit's iterator has no element spec (it then returns ``False``).
+    """
+    if not _compile_state_unbuilt(model):
+        return False
+    dataset = getattr(fit_epoch_iterator(), "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return False
+    import tensorflow as tf
+
+    def symbolic(s):
+        if not isinstance(s, tf.TypeSpec):
+            return s
+        if s.shape.rank is None:
+            raise StateError(
+                f"Cannot build the compiled metrics of model {model.name!r} before training: its fit "
+                f"input has an element of unknown rank ({s!r}). Give the tf.data pipeline static "
+                "ranks (e.g. `dataset.map(lambda x, y: (tf.ensure_shape(x, ...), y))`), or build them "
+                "yourself with `model.evaluate` on one batch before fit()."
+            )
+        return keras.KerasTensor(
+            tuple(s.shape.as_list()),
+            keras.backend.standardize_dtype(s.dtype),
+            sparse=isinstance(s, tf.SparseTensorSpec),
+            ragged=isinstance(s, tf.RaggedTensorSpec),
+        )
+
+    model._symbolic_build(data_batch=tf.nest.map_structure(symbolic, spec))
+    return True
+
+
+def per_output_loss_weighting(model) -> tuple:
+    """``(indices, weighting)`` of ``model``'s per-output loss trackers (the
+    ``<output>_loss`` means of a multi-output model, ``CompileLoss.metrics``): the
+    positions in ``model.metrics_variables`` of their ``count`` variables, and what
+    this backend's ``fit`` counts in them, ``"samples"`` or ``"batches"``.
+
+    ``CompileLoss.call`` updates each with ``sample_weight=y_pred.shape[0]``, the static
+    batch size: JAX and Torch always know it; TensorFlow's traced train step knows it
+    only when the input has a static batch dimension (NumPy arrays do; a generator or a
+    ``tf.data`` pipeline with ``batch()`` does not), and otherwise counts each batch
+    once. The total loss tracker counts samples on every backend. ``((), "samples")``
+    when the model has no per-output loss trackers.
+    """
+    loss = getattr(model, "_compile_loss", None)
+    trackers = [m for m in (getattr(loss, "metrics", None) or []) if m is not None]
+    if not trackers:
+        return (), "samples"
+    counts = {id(v) for m in trackers for v in m.variables if v.path.endswith("/count")}
+    indices = tuple(i for i, v in enumerate(model.metrics_variables) if id(v) in counts)
+    if keras.backend.backend() != "tensorflow":
+        return indices, "samples"
+    import tensorflow as tf
+
+    dataset = getattr(fit_epoch_iterator(), "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    flat = [s for s in tf.nest.flatten(spec) if isinstance(s, tf.TypeSpec)] if spec is not None else []
+    static = bool(flat) and flat[0].shape.rank and flat[0].shape[0] is not None
+    return indices, "samples" if static else "batches"
+
+
+def total_loss_count_index(model):
+    """Position of the total loss tracker's ``count`` in ``model.metrics_variables``
+    (it counts samples on every backend), or ``None``."""
+    tracker = getattr(model, "_loss_tracker", None)
+    ids = {id(v) for v in getattr(tracker, "variables", []) if v.path.endswith("/count")}
+    return next((i for i, v in enumerate(model.metrics_variables) if id(v) in ids), None)
+
+
+def fit_callbacks() -> list:
+    """The callbacks of the ``fit`` call running in this thread (its ``CallbackList``), or ``[]``.
+
+    Used only to warn about stateful callbacks that were not given to ``StableCheckpoint``
+    (never to key or save them): the same look-up as :func:`fit_data_adapter`, for the
+    ``callbacks`` local that TensorFlow, JAX and Torch trainers' ``fit`` build."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and "callbacks" in frame.f_code.co_varnames:
+            found = frame.f_locals.get("callbacks")
+            if isinstance(found, keras.callbacks.CallbackList):
+                return list(found.callbacks)
+        frame = frame.f_back
+    return []

@@ -1,0 +1,62 @@
+"""The variables layers, metrics and models keep, and the vocabulary of lookup layers."""
+
+from __future__ import annotations
+
+__all__ = [
+    "called_as_layer",
+    "clear_vocabulary",
+    "flatten_layers",
+    "index_lookup_class",
+    "layer_own_variables",
+    "lookup_token_start",
+    "metric_own_variables",
+    "seed_generator_states",
+    "text_vectorization_lookup",
+]
+
+
+def layer_own_variables(layer):
+    """``(trainable, non_trainable)``: the variables a layer owns itself, in Keras' order."""
+    return list(layer._trainable_variables), list(layer._non_trainable_variables)
+
+
+def seed_generator_states(layer) -> list:
+    """The state variables of a layer's own seed generators."""
+    return [sg.state for sg in layer._seed_generators]
+
+
+def metric_own_variables(metric) -> list:
+    return list(metric._variables)
+
+
+def flatten_layers(model):
+    """Every layer inside ``model`` (Keras' ``_flatten_layers``)."""
+    return model._flatten_layers()
+
+
+def called_as_layer(model) -> bool:
+    """Whether ``model`` was called on another model's inputs (it is a layer of that model)."""
+    return bool(getattr(model, "_inbound_nodes", None))
+
+
+def index_lookup_class():
+    """Keras' ``IndexLookup``, the base of ``StringLookup`` and ``IntegerLookup``."""
+    from keras.src.layers.preprocessing.index_lookup import IndexLookup
+
+    return IndexLookup
+
+
+def text_vectorization_lookup(layer):
+    """The lookup layer a ``TextVectorization`` keeps its vocabulary in."""
+    return layer._lookup_layer
+
+
+def lookup_token_start(lookup) -> int:
+    """How many special tokens (mask, OOV) come before the first vocabulary token."""
+    return lookup._token_start_index()
+
+
+def clear_vocabulary(lookup) -> None:
+    """Put a lookup layer back to an empty vocabulary (``set_vocabulary`` refuses one)."""
+    lookup.lookup_table = lookup._uninitialized_lookup_table()
+    lookup._record_vocabulary_size()
