@@ -16,6 +16,7 @@ import pytest
 from conftest import BACKEND, to_np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state._core import checkpoint
@@ -47,15 +48,7 @@ class Counter:
 
 
 def _model(units=8):
-    m = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(units, activation="relu", name="hidden"),
-            keras.layers.Dense(1, name="out"),
-        ]
-    )
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
-    return m
+    return mlp(4, units, activation="relu", named=True)
 
 
 class World:

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, StopAt
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state.format import storage
@@ -22,11 +23,7 @@ W = rng.uniform(0.5, 2.0, size=(44,)).astype("float32")
 
 
 def _model(dropout=False):
-    layers = [keras.Input((5,)), keras.layers.Dense(8, activation="relu")]
-    layers += [keras.layers.Dropout(0.3)] if dropout else []
-    m = keras.Sequential([*layers, keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
-    return m
+    return mlp(5, 8, activation="relu", dropout=0.3 if dropout else None)
 
 
 def _weights(m):

@@ -14,6 +14,7 @@ import pytest
 from conftest import hypothesis_examples, to_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import cli
@@ -21,11 +22,7 @@ from keras_stable_state.format import storage
 
 
 def _model():
-    m = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(8, name="hidden"), keras.layers.Dense(1, name="out")]
-    )
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
-    return m
+    return mlp(4, 8, named=True, optimizer="stable-unbound")
 
 
 def _trained(data):
