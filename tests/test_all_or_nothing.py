@@ -258,6 +258,7 @@ def _every_case(test):
 @SETTINGS
 @given(case=st.sampled_from(sorted(BAD_RECORDS)), pick=st.integers(0, 1000))
 @_every_case
+@pytest.mark.slow
 def test_any_refusal_leaves_everything_as_before(world, monkeypatch, case, pick):
     record = copy.deepcopy(world.record)
     name = BAD_RECORDS[case](record, pick)

@@ -283,6 +283,7 @@ def _start(tmp_path, mode, directory, *args, hidden="4"):
     return test_checkpoint_dir._start(tmp_path, mode, directory, *args, hidden=hidden, source=ASYNC_CHILD)
 
 
+@pytest.mark.slow
 def test_sigkill_inside_a_background_write_leaves_only_a_temporary_file(tmp_path):
     d = tmp_path / "ckpts"
     child = _start(tmp_path, "kill-in-rename", d, tmp_path / "unused", 5)

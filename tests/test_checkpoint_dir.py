@@ -144,6 +144,7 @@ class _Snapshots(keras.callbacks.Callback):
 
 
 # -- one writer per directory -------------------------------------------------------------------
+@pytest.mark.slow
 def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path):
     d = tmp_path / "ckpts"
     ready, release = tmp_path / "ready", tmp_path / "release"
@@ -180,6 +181,7 @@ def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path):
     assert _names(d) == ["ckpt-0000000006.h5", "ckpt-0000000012.h5"]  # lock file removed
 
 
+@pytest.mark.slow
 def test_refusal_error_attributes_name_directory_and_holder(tmp_path):
     d = tmp_path / "ckpts"
     ready, release = tmp_path / "ready", tmp_path / "release"
@@ -468,6 +470,7 @@ def _check_resume_after_kills(tmp_path, d, hidden):
     return ckpt
 
 
+@pytest.mark.slow
 def test_sigkill_inside_a_save_leaves_a_temporary_file_that_the_next_train_begin_removes(tmp_path):
     d = tmp_path / "ckpts"
     child = _start(tmp_path, "kill-in-rename", d, tmp_path / "unused", 5)

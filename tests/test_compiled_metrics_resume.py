@@ -128,6 +128,7 @@ def test_fault1_mid_epoch_resume_of_per_output_losses_from_a_generator_equals_un
 WRITER = {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[keras.backend.backend()]
 
 
+@pytest.mark.slow
 def test_fault1_cross_backend_resume_warns_when_per_output_losses_were_counted_otherwise(tmp_path):
     code = (
         f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"

@@ -78,6 +78,7 @@ def test_the_seal_covers_every_byte_after_the_user_block(tmp_path, data):
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
+@pytest.mark.slow
 def test_any_flipped_byte_of_a_record_is_refused_before_hdf5_parses_it(tmp_path, data, where, mask):
     path = tmp_path / "s.h5"  # tmp_path is shared by the examples of one test call: save once
     if not path.exists():

@@ -208,6 +208,7 @@ def test_the_file_format_and_the_command_line_import_no_keras_and_no_backend():
     assert offenders == [], "\n".join(["Keras or a backend under format/ or cli/:", *offenders])
 
 
+@pytest.mark.slow
 def test_importing_the_file_format_and_the_command_line_loads_no_keras():
     """What the static rule above cannot see: importing ``keras_stable_state.format`` or
     ``keras_stable_state.cli`` first runs ``keras_stable_state/__init__.py``, which must then
