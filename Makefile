@@ -40,6 +40,15 @@ docs: setup
 test-%: setup
 	KERAS_BACKEND=$* $(PYTEST) tests
 
+# The quick loop while working: every test not marked slow (pytest -m "not slow"; a slow
+# test takes more than about 5 s on a 2-core machine) on all three backends.
+.PHONY: test-fast
+test-fast: setup
+	@for b in $(BACKENDS); do \
+		echo "=== backend: $$b (not slow) ==="; \
+		KERAS_BACKEND=$$b $(PYTEST) -m "not slow" tests || exit 1; \
+	done
+
 test: setup lint docs
 	@for b in $(BACKENDS); do \
 		echo "=== backend: $$b ==="; \

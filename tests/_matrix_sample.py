@@ -46,6 +46,7 @@ def half_tests(half):
     def results(tmp_path_factory):
         return rm.run_cases(cases, root=str(tmp_path_factory.mktemp("matrix")))
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("case", cases, ids=[rm.case_id(c) for c in cases])
     def test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned(results, case):
         check(results, case)

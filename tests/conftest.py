@@ -36,6 +36,7 @@ _jax_compilation_cache()
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from kit import StopAt  # noqa: E402, F401  (the interrupt callback: tests import it from here too)
 
 BACKEND = keras.backend.backend()
 
@@ -131,29 +132,6 @@ def slots_by_key(optimizer):
     else:
         entries = optimizer_entries(optimizer, allow_order_keys=True)  # a bare optimizer: no model
     return {e.key: to_np(e.variable) for e in entries}
-
-
-class StopAt(keras.callbacks.Callback):
-    """Raise (a preemption) when the batch (or execution) starting at ``batch`` of ``epoch`` begins."""
-
-    repeatable_epoch_begin = True  # its on_epoch_begin only notes the epoch (StableCheckpoint's opt-out)
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at, self.epoch = (epoch, batch), -1
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def get_state(self):  # stateless for training: a resumed fit need not warn about it
-        return {}
-
-    def set_state(self, state):
-        pass
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise RuntimeError("preempted")
 
 
 class LrLog(keras.callbacks.Callback):

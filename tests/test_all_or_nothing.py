@@ -16,6 +16,7 @@ import pytest
 from conftest import BACKEND, to_np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import _core as checkpoint
@@ -47,15 +48,7 @@ class Counter:
 
 
 def _model(units=8):
-    m = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(units, activation="relu", name="hidden"),
-            keras.layers.Dense(1, name="out"),
-        ]
-    )
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
-    return m
+    return mlp(4, units, activation="relu", named=True)
 
 
 class World:
@@ -265,6 +258,7 @@ def _every_case(test):
 @SETTINGS
 @given(case=st.sampled_from(sorted(BAD_RECORDS)), pick=st.integers(0, 1000))
 @_every_case
+@pytest.mark.slow
 def test_any_refusal_leaves_everything_as_before(world, monkeypatch, case, pick):
     record = copy.deepcopy(world.record)
     name = BAD_RECORDS[case](record, pick)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import test_checkpoint_dir
 from conftest import StopAt, slots_by_key, to_np
+from kit import mlp
 from test_checkpoint_dir import CHILD, X, Y, _check_resume_after_kills, _finish, _temporaries, _wait_for
 
 import keras_stable_state as kss
@@ -23,12 +24,7 @@ from keras_stable_state import format as storage
 
 
 def _model(hidden=8):
-    keras.utils.set_random_seed(0)
-    m = keras.Sequential(
-        [keras.Input((6,)), keras.layers.Dense(hidden, activation="tanh"), keras.layers.Dense(1)]
-    )
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
-    return m
+    return mlp(6, hidden, activation="tanh", seed=0)
 
 
 def _train(m, steps=3):
@@ -287,6 +283,7 @@ def _start(tmp_path, mode, directory, *args, hidden="4"):
     return test_checkpoint_dir._start(tmp_path, mode, directory, *args, hidden=hidden, source=ASYNC_CHILD)
 
 
+@pytest.mark.slow
 def test_sigkill_inside_a_background_write_leaves_only_a_temporary_file(tmp_path):
     d = tmp_path / "ckpts"
     child = _start(tmp_path, "kill-in-rename", d, tmp_path / "unused", 5)

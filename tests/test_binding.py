@@ -116,6 +116,7 @@ class Trainer:
         _step(self.model, self.optimizer, n)
 
 
+@pytest.mark.slow
 def test_unbound_optimizer_refuses_to_key_slots_naming_the_fix(tmp_path):
     trainer = Trainer(kss.StableOptimizer(keras.optimizers.Adam(1e-2)))
     trainer.train(2)
@@ -323,6 +324,7 @@ def test_custom_slots_whose_order_decides_are_refused_by_name(tmp_path):
 
 
 # -- fault 10: the accumulation window ------------------------------------------------------
+@pytest.mark.slow
 def test_mid_window_checkpoint_refused_by_another_accumulation_window(tmp_path):
     model = _model()
     opt = keras.optimizers.SGD(1e-2, gradient_accumulation_steps=4)

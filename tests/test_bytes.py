@@ -87,6 +87,7 @@ def _blob_and_values(backend):
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(position=st.floats(0, 1, exclude_max=True), flip=st.integers(1, 255), truncate=st.booleans())
+@pytest.mark.slow
 def test_any_flip_or_truncation_is_refused_and_leaves_the_model_untouched(position, flip, truncate):
     blob, saved = _blob_and_values(keras.backend.backend())
     i = int(position * len(blob))

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import LrLog, slots_by_key, to_np
+from kit import StopAt
 
 import keras_stable_state as kss
 
@@ -220,21 +221,6 @@ def test_03_load_weights_into_unbuilt_stable_optimizer_defers_until_build(tmp_pa
 
 
 # -- 06: callback state lost on resume ---------------------------------------------
-class _Interrupt(keras.callbacks.Callback):
-    def __init__(self, epoch=None, batch=None):
-        super().__init__()
-        self.epoch, self.batch, self.current = epoch, batch, -1
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current = epoch
-        if self.batch is None and epoch == self.epoch:
-            raise RuntimeError("simulated preemption")
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if self.batch is not None and self.current == self.epoch and batch == self.batch:
-            raise RuntimeError("simulated preemption")
-
-
 def _session06(directory, interrupt=None):
     """A fresh 'process': new model, new callbacks, same checkpoint directory."""
     keras.utils.set_random_seed(0)
@@ -259,7 +245,7 @@ def _session06(directory, interrupt=None):
 
 def test_06_resumed_run_stops_at_same_epoch_with_same_lrs_and_best(tmp_path):
     m1, h1, log1, best1, es1 = _session06(tmp_path / "a")
-    _, none, log_i, _, _ = _session06(tmp_path / "b", interrupt=_Interrupt(epoch=3))
+    _, none, log_i, _, _ = _session06(tmp_path / "b", interrupt=StopAt(epoch=3))
     assert none is None and sorted(log_i.lrs) == [0, 1, 2, 3]
     m2, h2, log2, best2, es2 = _session06(tmp_path / "b")
     assert min(log2.lrs) == 3  # really resumed, not restarted
@@ -292,7 +278,7 @@ def _run08(directory, extra=()):
 
 def test_08_mid_epoch_checkpoint_applies_each_batch_once(tmp_path):
     ref = _run08(tmp_path / "ref")
-    interrupted = _run08(tmp_path / "int", extra=[_Interrupt(epoch=1, batch=3)])
+    interrupted = _run08(tmp_path / "int", extra=[StopAt(epoch=1, batch=3)])
     assert int(interrupted.optimizer.iterations) == 8
     res = _run08(tmp_path / "int")
     assert int(ref.optimizer.iterations) == int(res.optimizer.iterations) == 15  # stock Keras: 18

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, slots_by_key, to_np
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
@@ -14,15 +15,7 @@ from keras_stable_state.format import writer
 
 
 def _model(opt=None, dtype=None):
-    m = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(8, activation="relu", name="hidden"),
-            keras.layers.Dense(1, name="out", dtype=dtype),
-        ]
-    )
-    m.compile(optimizer=opt or kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
-    return m
+    return mlp(4, 8, activation="relu", named=True, out_dtype=dtype, optimizer=opt or "stable")
 
 
 def _trained(data, opt=None, epochs=2):

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, slots_by_key, to_np
+from kit import StopAt, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
@@ -77,11 +78,7 @@ model.fit(x, y, epochs=epochs, batch_size=8, shuffle=True, verbose=0, callbacks=
 
 
 def _model(hidden=(4,)):
-    keras.utils.set_random_seed(0)
-    layers = [keras.layers.Dense(w, activation="tanh") for w in hidden]
-    m = keras.Sequential([keras.Input((6,)), *layers, keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
-    return m
+    return mlp(6, hidden, activation="tanh", seed=0)
 
 
 def _fit(directory, epochs, save_freq="epoch", keep=3, extra=(), hidden=(4,)):
@@ -147,6 +144,7 @@ class _Snapshots(keras.callbacks.Callback):
 
 
 # -- one writer per directory -------------------------------------------------------------------
+@pytest.mark.slow
 def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path):
     d = tmp_path / "ckpts"
     ready, release = tmp_path / "ready", tmp_path / "release"
@@ -183,6 +181,7 @@ def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path):
     assert _names(d) == ["ckpt-0000000006.h5", "ckpt-0000000012.h5"]  # lock file removed
 
 
+@pytest.mark.slow
 def test_refusal_error_attributes_name_directory_and_holder(tmp_path):
     d = tmp_path / "ckpts"
     ready, release = tmp_path / "ready", tmp_path / "release"
@@ -233,15 +232,10 @@ def test_second_writer_in_another_thread_is_refused(tmp_path):
 def test_fit_that_raised_leaves_the_lock_to_the_next_fit_in_the_same_thread(tmp_path):
     d = tmp_path / "ckpts"
 
-    class Boom(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1:
-                raise RuntimeError("interrupted")
-
     m = _model()
     first = kss.StableCheckpoint(d)
     with pytest.raises(RuntimeError, match="interrupted"):
-        m.fit(X, Y, epochs=3, batch_size=8, verbose=0, callbacks=[first, Boom()])
+        m.fit(X, Y, epochs=3, batch_size=8, verbose=0, callbacks=[first, StopAt(1, message="interrupted")])
     assert LOCK_NAME in os.listdir(d)  # Keras skipped on_train_end: still held by `first`
     _, second = _fit(d, epochs=3)
     assert second.restore_report is not None
@@ -476,6 +470,7 @@ def _check_resume_after_kills(tmp_path, d, hidden):
     return ckpt
 
 
+@pytest.mark.slow
 def test_sigkill_inside_a_save_leaves_a_temporary_file_that_the_next_train_begin_removes(tmp_path):
     d = tmp_path / "ckpts"
     child = _start(tmp_path, "kill-in-rename", d, tmp_path / "unused", 5)

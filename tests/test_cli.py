@@ -328,6 +328,7 @@ def test_terminal_output_uses_rich_tables_and_progress(monkeypatch, saved):
     assert "─" in text  # a rich table rule
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point(saved):
     _, folder = saved
     env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="3")

@@ -9,7 +9,8 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import StopAt, to_np
+from conftest import StopAt
+from kit import assert_same_state
 
 import keras_stable_state as kss
 
@@ -77,12 +78,7 @@ def _fit(kind, directory=None, stop=None, metrics=None, shuffle=True, generator=
 
 
 def _assert_same_training(a, b, hist_a, hist_b):
-    assert len(a.weights) == len(b.weights)
-    for va, vb in zip(a.weights, b.weights, strict=True):
-        np.testing.assert_array_equal(to_np(va), to_np(vb), err_msg=va.path)
-    assert len(a.optimizer.variables) == len(b.optimizer.variables)
-    for va, vb in zip(a.optimizer.variables, b.optimizer.variables, strict=True):
-        np.testing.assert_array_equal(to_np(va), to_np(vb), err_msg=va.path)
+    assert_same_state(a, b)
     assert sorted(hist_a.history) == sorted(hist_b.history)
     for name in hist_a.history:
         assert len(hist_a.history[name]) == EPOCHS, name
@@ -132,6 +128,7 @@ def test_fault1_mid_epoch_resume_of_per_output_losses_from_a_generator_equals_un
 WRITER = {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[keras.backend.backend()]
 
 
+@pytest.mark.slow
 def test_fault1_cross_backend_resume_warns_when_per_output_losses_were_counted_otherwise(tmp_path):
     code = (
         f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"

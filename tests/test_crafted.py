@@ -485,6 +485,7 @@ def test_deeply_nested_json_in_the_archive_config_is_refused(tmp_path, model, ca
     _assert_refused(path, model, capsys, names=("config.json",))
 
 
+@pytest.mark.slow
 def test_huge_json_record_is_refused(tmp_path, model, capsys):
     """A 6 MB metadata record that is a list, not the object the schema says."""
     path = _save(tmp_path, model, "h5")
@@ -725,6 +726,7 @@ def _h5_bomb(pristine, out, layout):
     return str(out)
 
 
+@pytest.mark.slow
 def test_size_bombs_are_refused_with_bounded_memory(tmp_path, model):
     pristine = _save(tmp_path, model, "h5")
     pristine_keras = _save(tmp_path, model, "keras")

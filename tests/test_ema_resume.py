@@ -36,6 +36,7 @@ def _fit(directory, *, stop=None, seed=0, order="ckpt-first", passed=True, save_
 @pytest.mark.parametrize(
     "stop,save_freq", [((2, 0), "epoch"), ((1, 2), 2)], ids=["epoch-boundary", "mid-epoch"]
 )
+@pytest.mark.slow
 def test_swap_ema_weights_on_epoch_resumes_exactly(tmp_path, order, stop, save_freq):
     ref = _fit(tmp_path / "ref", order=order, save_freq=save_freq)
     keras.backend.clear_session()

@@ -5,6 +5,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import to_np
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
@@ -12,15 +13,7 @@ from keras_stable_state.errors import MalformedKeyError
 
 
 def _model():
-    m = keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(8, activation="relu", name="hidden"),
-            keras.layers.Dense(1, name="out"),
-        ]
-    )
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
-    return m
+    return mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound")
 
 
 def _trained(data, opt=None):

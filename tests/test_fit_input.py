@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, StopAt
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
@@ -22,11 +23,7 @@ W = rng.uniform(0.5, 2.0, size=(44,)).astype("float32")
 
 
 def _model(dropout=False):
-    layers = [keras.Input((5,)), keras.layers.Dense(8, activation="relu")]
-    layers += [keras.layers.Dropout(0.3)] if dropout else []
-    m = keras.Sequential([*layers, keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
-    return m
+    return mlp(5, 8, activation="relu", dropout=0.3 if dropout else None)
 
 
 def _weights(m):
@@ -94,6 +91,7 @@ def test_shuffled_numpy_resume_is_exact_whatever_the_resuming_process_is_seeded_
     assert history == ref_history
 
 
+@pytest.mark.slow
 def test_shuffle_batch_resumes_exactly(tmp_path, tmp_path_factory):
     ref_weights, _ = _reference(tmp_path_factory, shuffle="batch")
     fit_arrays(tmp_path, stop=(1, 3), shuffle="batch")
@@ -102,6 +100,7 @@ def test_shuffle_batch_resumes_exactly(tmp_path, tmp_path_factory):
     _assert_same(ref_weights, weights)
 
 
+@pytest.mark.slow
 def test_two_preemptions_in_one_epoch_resume_exactly(tmp_path, tmp_path_factory):
     ref_weights, _ = _reference(tmp_path_factory, save_freq=1)
     fit_arrays(tmp_path, stop=(1, 1), save_freq=1)
@@ -139,6 +138,7 @@ def _writer_backend():
     return {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[BACKEND]
 
 
+@pytest.mark.slow
 def test_a_shuffled_checkpoint_written_on_another_backend_resumes_on_the_same_samples(tmp_path):
     writer = _writer_backend()
     script = os.path.join(os.path.dirname(__file__), "scripts", "shuffled_writer.py")
@@ -158,6 +158,7 @@ def test_a_shuffled_checkpoint_written_on_another_backend_resumes_on_the_same_sa
     _assert_same([ref[f"arr_{i}"] for i in range(len(ref.files))], weights, tol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_cross_backend_resume_of_a_model_with_dropout_warns_naming_the_layer(tmp_path):
     writer = _writer_backend()
     code = (
@@ -197,6 +198,7 @@ def _stream_fit(directory, *, stop=None, seed=0, save_freq=2, repeat=True, steps
     [((2, 1), 2), ((2, 0), "epoch"), ((1, 3), 1), ((3, 2), 3)],
     ids=["mid-epoch", "epoch-boundary", "last-batch", "late"],
 )
+@pytest.mark.slow
 def test_repeat_with_steps_per_epoch_resumes_at_the_place_in_the_stream(tmp_path, stop, save_freq):
     ref = _stream_fit(tmp_path / "ref", save_freq=save_freq)
     keras.backend.clear_session()
@@ -205,6 +207,7 @@ def test_repeat_with_steps_per_epoch_resumes_at_the_place_in_the_stream(tmp_path
     _assert_same(ref, _stream_fit(tmp_path / "run", seed=3, save_freq=save_freq))
 
 
+@pytest.mark.slow
 def test_a_finite_stream_longer_than_steps_per_epoch_resumes_at_its_place(tmp_path):
     # 6 batches read 3 per epoch: epoch 1 reads batches 3-5, then Keras starts the stream over.
     kw = dict(repeat=False, save_freq=1, steps_per_epoch=3)
@@ -215,6 +218,7 @@ def test_a_finite_stream_longer_than_steps_per_epoch_resumes_at_its_place(tmp_pa
     _assert_same(ref, _stream_fit(tmp_path / "run", seed=3, **kw))
 
 
+@pytest.mark.slow
 def test_a_forged_epoch_order_is_refused_naming_its_record(tmp_path):
     import h5py
     from _records import edit_array
@@ -258,6 +262,7 @@ def _fit_mixed(directory, *, stop=None, seed=0):
         keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.slow
 def test_shuffled_resume_with_mixed_precision_ema_and_accumulation_is_exact(tmp_path):
     ref_weights, ref_history = _fit_mixed(tmp_path / "ref")
     keras.backend.clear_session()

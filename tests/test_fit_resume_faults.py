@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import resume_matrix as rm
 from conftest import LrLog, StopAt
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state._fit import callback as kss_callbacks
@@ -23,11 +24,12 @@ Y = (X @ rng.normal(size=(6, 1))).astype("float32")
 
 
 def _model(loss_scale=False):
-    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    inner = keras.optimizers.SGD(1e-2)
-    inner = keras.optimizers.LossScaleOptimizer(inner) if loss_scale else inner
-    m.compile(optimizer=kss.StableOptimizer(inner, model=m), loss="mse")
-    return m
+    def optimizer(m):
+        inner = keras.optimizers.SGD(1e-2)
+        inner = keras.optimizers.LossScaleOptimizer(inner) if loss_scale else inner
+        return kss.StableOptimizer(inner, model=m)
+
+    return mlp(6, 8, activation="relu", optimizer=optimizer)
 
 
 def _fit(

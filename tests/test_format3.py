@@ -87,6 +87,7 @@ _DTYPES = ["float32", "float16", "float64", "int8", "int32", "int64", "uint8", "
     ),
     big=st.integers(0, 2),
 )
+@pytest.mark.slow
 def test_any_mix_of_arrays_reads_back_bit_for_bit(tmp_path_factory, arrays, big):
     folder = tmp_path_factory.mktemp("mix")
     model = {}

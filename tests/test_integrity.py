@@ -305,6 +305,7 @@ def test_a_crash_or_hang_is_a_failing_case_not_a_dead_run(tmp_path):
         c.close()
 
 
+@pytest.mark.slow
 def test_pristine_files_restore_exactly(campaign):
     for target in TARGETS:
         campaign.run(target=target, kind="pristine")
@@ -313,6 +314,7 @@ def test_pristine_files_restore_exactly(campaign):
     assert not bad, json.dumps(bad, indent=1, default=str)[:6000]
 
 
+@pytest.mark.slow
 def test_byte_flips(campaign):
     sizes = _sizes(campaign)
 
@@ -328,6 +330,7 @@ def test_byte_flips(campaign):
     campaign.check("flip")
 
 
+@pytest.mark.slow
 def test_truncations(campaign):
     sizes = _sizes(campaign)
 
@@ -342,6 +345,7 @@ def test_truncations(campaign):
     campaign.check("truncate")
 
 
+@pytest.mark.slow
 def test_record_and_attribute_edits(campaign):
     _sizes(campaign)
     resign = [False, True] if campaign.ready.get("signer") else [False]

@@ -8,6 +8,7 @@ from conftest import hypothesis_examples, to_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
@@ -19,12 +20,7 @@ SLOTS = r"^path:.*#"
 
 
 def _model(seed=0):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(3, name="hidden"), keras.layers.Dense(1, name="out")]
-    )
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    return model
+    return mlp(4, 3, named=True, seed=seed, optimizer="plain")
 
 
 def slots_by_key(model):

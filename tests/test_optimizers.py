@@ -223,6 +223,7 @@ FIT_CASES = [pytest.param(n, False, id=n) for n in NAMES if not _compiled_by_def
 
 
 @pytest.mark.parametrize("name, compiled", FIT_CASES)
+@pytest.mark.slow
 def test_wrapped_is_bit_identical_to_unwrapped_and_does_not_grow(name, compiled):
     x, y = _batches()
     bare = _built(OptBranchesV1)

@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, to_np
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state._optimizer import keyed_optimizer_entries as _keyed_optimizer_entries
@@ -18,13 +19,7 @@ def _slots(optimizer, model, extras=None):
 
 
 def _model():
-    return keras.Sequential(
-        [
-            keras.Input((4,)),
-            keras.layers.Dense(3, name="hidden"),
-            keras.layers.Dense(1, name="out"),
-        ]
-    )
+    return mlp(4, 3, named=True, optimizer=None)
 
 
 def _step(optimizer, variables, scale=1.0):

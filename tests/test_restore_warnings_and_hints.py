@@ -7,6 +7,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, StopAt, to_np
+from kit import mlp
 
 import keras_stable_state as kss
 
@@ -16,10 +17,14 @@ Y = (X @ rng.normal(size=(6, 1))).astype("float32")
 
 
 def _model(lr=1e-2, **options):
-    keras.utils.set_random_seed(0)
-    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    m.compile(optimizer=keras.optimizers.Adam(lr, **options), loss="mse", metrics=["mae"])
-    return m
+    return mlp(
+        6,
+        8,
+        activation="relu",
+        seed=0,
+        optimizer=lambda m: keras.optimizers.Adam(lr, **options),
+        metrics=["mae"],
+    )
 
 
 # -- fault 10: no warnings from the package's own calls --------------------------------------

@@ -27,6 +27,7 @@ def _run(ckpt_dir, out, kill_at=None):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_fit_killed_with_sigkill_at_random_steps_finishes_like_uninterrupted(tmp_path):
     ref = _run(tmp_path / "ref", tmp_path / "ref.npz")
     assert ref.returncode == 0, ref.stderr[-2000:]

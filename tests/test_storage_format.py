@@ -14,6 +14,7 @@ import pytest
 from conftest import hypothesis_examples, to_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import cli
@@ -21,11 +22,7 @@ from keras_stable_state import format as storage
 
 
 def _model():
-    m = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(8, name="hidden"), keras.layers.Dense(1, name="out")]
-    )
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2)), loss="mse")
-    return m
+    return mlp(4, 8, named=True, optimizer="stable-unbound")
 
 
 def _trained(data):
@@ -81,6 +78,7 @@ def test_the_seal_covers_every_byte_after_the_user_block(tmp_path, data):
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
+@pytest.mark.slow
 def test_any_flipped_byte_of_a_record_is_refused_before_hdf5_parses_it(tmp_path, data, where, mask):
     path = tmp_path / "s.h5"  # tmp_path is shared by the examples of one test call: save once
     if not path.exists():

@@ -64,6 +64,7 @@ def _params(result):
 
 @pytest.mark.parametrize("writer,reader", PAIRS)
 @pytest.mark.parametrize("case", ["dense", "mixed", "embedding"])
+@pytest.mark.slow
 def test_restored_state_is_exact_and_every_cast_reported(matrix, writer, reader, case):
     res = matrix[writer, reader, case]
     assert res["writer"]["backend"] == writer and res["reader"] == reader
@@ -82,6 +83,7 @@ def test_restored_state_is_exact_and_every_cast_reported(matrix, writer, reader,
 
 
 @pytest.mark.parametrize("writer,reader", PAIRS)
+@pytest.mark.slow
 def test_float32_continuation_matches_writer(matrix, writer, reader):
     res = matrix[writer, reader, "dense"]
     worst = max(_params(res).items(), key=lambda kv: kv[1]["abs"])
@@ -90,6 +92,7 @@ def test_float32_continuation_matches_writer(matrix, writer, reader):
 
 
 @pytest.mark.parametrize("writer,reader", PAIRS)
+@pytest.mark.slow
 def test_mixed_precision_continuation_matches_writer(matrix, writer, reader):
     res = matrix[writer, reader, "mixed"]
     worst = max(_params(res).items(), key=lambda kv: kv[1]["rel"])
@@ -98,6 +101,7 @@ def test_mixed_precision_continuation_matches_writer(matrix, writer, reader):
 
 
 @pytest.mark.parametrize("writer,reader", PAIRS)
+@pytest.mark.slow
 def test_embedding_continuation_same_backend_exact_other_backends_documented(matrix, writer, reader):
     worst = max(v["abs"] for v in _params(matrix[writer, reader, "embedding"]).values())
     if writer == reader:

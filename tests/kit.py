@@ -1,0 +1,126 @@
+"""The tests' shared kit: a small model factory, the interrupt callback, and one comparison
+of two models' training state.
+
+    from kit import StopAt, assert_same_state, mlp
+
+``tests/conftest.py`` re-exports :class:`StopAt` (``from conftest import StopAt`` keeps working).
+"""
+
+import keras
+import numpy as np
+
+import keras_stable_state as kss
+
+__all__ = ["StopAt", "assert_same_state", "mlp"]
+
+
+def mlp(
+    features=4,
+    hidden=8,
+    *,
+    activation=None,
+    named=False,
+    dropout=None,
+    out_dtype=None,
+    seed=None,
+    optimizer="stable",
+    loss="mse",
+    **compile_kwargs,
+):
+    """A ``keras.Sequential`` multilayer perceptron with one output unit, compiled.
+
+    Args:
+        features: The input width, ``keras.Input((features,))``.
+        hidden: The width of the hidden ``Dense`` layer, or a sequence of widths (one layer
+            each; ``()`` for none).
+        activation: The hidden layers' activation (``None``: linear).
+        named: Name the one hidden layer ``"hidden"`` and the output layer ``"out"``
+            (otherwise Keras names them, ``dense``, ``dense_1``, ...).
+        dropout: A ``Dropout`` rate after the hidden layers, or ``None`` for none.
+        out_dtype: The output layer's ``dtype`` (``None``: the default policy).
+        seed: ``keras.utils.set_random_seed(seed)`` before the layers are made, or ``None``.
+        optimizer: ``"stable"``: ``StableOptimizer(Adam(1e-2), model=model)``;
+            ``"stable-unbound"``: ``StableOptimizer(Adam(1e-2))`` (keys resolved at build);
+            ``"plain"``: ``Adam(1e-2)``; ``None``: not compiled; a callable: called with the
+            model, its result is the optimizer; anything else is passed to ``compile``.
+        loss, compile_kwargs: The rest of ``model.compile``'s arguments.
+    """
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    widths = (hidden,) if isinstance(hidden, int) else tuple(hidden)
+    if named and len(widths) != 1:
+        raise ValueError(f"named=True names one hidden layer; received hidden={hidden!r}")
+    layers = [keras.Input((features,))]
+    for width in widths:
+        layers.append(
+            keras.layers.Dense(width, activation=activation, **({"name": "hidden"} if named else {}))
+        )
+    if dropout is not None:
+        layers.append(keras.layers.Dropout(dropout))
+    out = {"name": "out"} if named else {}
+    if out_dtype is not None:
+        out["dtype"] = out_dtype
+    layers.append(keras.layers.Dense(1, **out))
+    model = keras.Sequential(layers)
+    if optimizer is None:
+        return model
+    if optimizer == "stable":
+        optimizer = kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=model)
+    elif optimizer == "stable-unbound":
+        optimizer = kss.StableOptimizer(keras.optimizers.Adam(1e-2))
+    elif optimizer == "plain":
+        optimizer = keras.optimizers.Adam(1e-2)
+    elif callable(optimizer):
+        optimizer = optimizer(model)
+    model.compile(optimizer=optimizer, loss=loss, **compile_kwargs)
+    return model
+
+
+class StopAt(keras.callbacks.Callback):
+    """Raise ``RuntimeError(message)`` (a preemption) when the batch (or execution) starting
+    at ``batch`` of ``epoch`` begins, or, with ``batch=None``, when ``epoch`` begins (in its
+    ``on_epoch_begin``, after the callbacks listed before it)."""
+
+    repeatable_epoch_begin = True  # its on_epoch_begin only notes the epoch (StableCheckpoint's opt-out)
+
+    def __init__(self, epoch, batch=None, message="preempted"):
+        super().__init__()
+        self.at, self.epoch, self.message = (epoch, batch), -1, message
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+        if self.at == (epoch, None):
+            raise RuntimeError(self.message)
+
+    def get_state(self):  # stateless for training: a resumed fit need not warn about it
+        return {}
+
+    def set_state(self, state):
+        pass
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError(self.message)
+
+
+def assert_same_state(model_a, model_b, *, all_variables=False, rtol=0.0, atol=0.0):
+    """Assert that two models hold the same training state, by position: as many
+    ``model.weights`` (``model.variables`` with ``all_variables=True``: also seed generators
+    and other non-weight variables) and ``model.optimizer.variables``, each pair equal
+    (bit for bit by default, ``np.testing.assert_allclose`` with ``rtol``/``atol`` otherwise);
+    the failure names the variable's path."""
+    from keras_stable_state._numpy import numpy_copy as to_np
+
+    def variables(model):
+        return list(model.variables if all_variables else model.weights)
+
+    for what, a_vars, b_vars in (
+        ("model", variables(model_a), variables(model_b)),
+        ("optimizer", list(model_a.optimizer.variables), list(model_b.optimizer.variables)),
+    ):
+        assert len(a_vars) == len(b_vars), f"{what}: {len(a_vars)} variables != {len(b_vars)}"
+        for va, vb in zip(a_vars, b_vars, strict=True):
+            if rtol or atol:
+                np.testing.assert_allclose(to_np(va), to_np(vb), rtol=rtol, atol=atol, err_msg=va.path)
+            else:
+                np.testing.assert_array_equal(to_np(va), to_np(vb), err_msg=va.path)
