@@ -1,6 +1,6 @@
 """Variables as NumPy arrays, without the warnings of ``keras.ops.convert_to_numpy``.
 
-A leaf module (it imports nothing of this package but the multi-process helpers), used by
+A leaf module (it imports nothing of this package but the multi-process helpers, :mod:`keras_stable_state._processes`), used by
 the restore core (:mod:`keras_stable_state._core.apply`), the state providers
 (:mod:`keras_stable_state._state`) and the callbacks.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_stable_state._engines import multiprocess as _multiprocess
+from keras_stable_state import _processes as _multiprocess
 
 
 def to_numpy(variable):
@@ -42,10 +42,10 @@ def to_numpy(variable):
 def numpy_copy(variable):
     """:func:`to_numpy`, as an array of its own: a copy where the conversion shares the
     variable's memory (Torch's ``.numpy()``), which a later assignment would change."""
-    return _private_copy(to_numpy(variable))
+    return private_copy(to_numpy(variable))
 
 
-def _private_copy(array):
+def private_copy(array):
     """``array`` itself when nothing else can hold its memory (an array that owns it and is
     no view: JAX's and TensorFlow's conversions copy already), else a copy (Torch's
     ``.numpy()`` shares the tensor's memory, which an assignment changes)."""

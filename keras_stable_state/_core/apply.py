@@ -8,11 +8,11 @@ import dataclasses
 import keras
 import numpy as np
 
+from keras_stable_state import _processes as _multiprocess
 from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
-from keras_stable_state._engines import multiprocess as _multiprocess
 from keras_stable_state._identity.keys import file_label, malformed_key
-from keras_stable_state._numpy import _private_copy, to_numpy
+from keras_stable_state._numpy import private_copy, to_numpy
 from keras_stable_state.errors import (
     BindingError,
     DtypeMismatchError,
@@ -161,7 +161,7 @@ def _native(value):
 
 def variable_step(var, array, name=None):
     def snapshot():
-        old = _private_copy(to_numpy(var))
+        old = private_copy(to_numpy(var))
         return (lambda: var.assign(old)), (lambda: not state_mod.same_state(np.asarray(to_numpy(var)), old))
 
     # On JAX the value is placed on the variable's current sharding (each process its own shards).

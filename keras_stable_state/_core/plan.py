@@ -32,11 +32,11 @@ from keras_stable_state._core.apply import (
 from keras_stable_state._core.arguments import check_callbacks, extra_saved
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._core.scope import check_scope, renamed_record
+from keras_stable_state._core.slot_restore import drop_reason, plan_optimizers
 from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
 from keras_stable_state._identity.registry import VariableRegistry
-from keras_stable_state._optimizer import drop_reason, plan_optimizers
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import BindingError, StateError
 

@@ -15,6 +15,7 @@ import io
 import time
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _processes as multiprocess
 from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
 from keras_stable_state._core import mappers as mappers_mod
@@ -31,7 +32,7 @@ from keras_stable_state._core.arguments import (
 )
 from keras_stable_state._core.guards import walking_once
 from keras_stable_state._core.report import writer_metadata
-from keras_stable_state._engines import background, multiprocess
+from keras_stable_state._engines import background
 from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN

@@ -39,8 +39,8 @@ import zlib
 
 import numpy as np
 
+from keras_stable_state import _processes as _multiprocess
 from keras_stable_state import format as storage
-from keras_stable_state._engines import multiprocess as _multiprocess
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
 SUFFIX = ".orbax"

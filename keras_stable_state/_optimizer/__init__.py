@@ -4,9 +4,10 @@ Modules, low to high: :mod:`.attribution` (which model variable a slot belongs
 to), :mod:`.entries` (every variable of an optimizer, keyed), :mod:`.wrapper`
 (``StableOptimizer``), :mod:`.tracking` (the optimizers a model tracks),
 :mod:`.groups` (parameter groups and accumulation windows), :mod:`.slots`
-(saving every tracked optimizer), :mod:`.slot_restore` (restoring them),
-:mod:`.accumulator` (``GradientAccumulator``). Importing the package imports
-:mod:`.slot_restore`, which gives ``StableOptimizer`` its keyed restore.
+(saving every tracked optimizer), :mod:`.accumulator` (``GradientAccumulator``).
+Restoring them reads a checkpoint record, so it lives in the restore core,
+:mod:`keras_stable_state._core.slot_restore`, which registers ``StableOptimizer``'s
+keyed restore when :mod:`keras_stable_state._core` is imported.
 """
 
 from keras_stable_state._optimizer.accumulator import GradientAccumulator
@@ -17,12 +18,6 @@ from keras_stable_state._optimizer.entries import (
     optimizer_entries,
     optimizer_tree,
 )
-from keras_stable_state._optimizer.slot_restore import (
-    drop_reason,
-    plan_optimizer_arrays,
-    plan_optimizers,
-    restore_optimizer_arrays,
-)
 from keras_stable_state._optimizer.slots import save_optimizers
 from keras_stable_state._optimizer.tracking import stable_optimizer_in, tracked_optimizers
 from keras_stable_state._optimizer.wrapper import StableOptimizer
@@ -31,14 +26,10 @@ __all__ = [
     "GradientAccumulator",
     "OptimizerEntry",
     "StableOptimizer",
-    "drop_reason",
     "keyed_optimizer_entries",
     "optimizer_classes",
     "optimizer_entries",
     "optimizer_tree",
-    "plan_optimizer_arrays",
-    "plan_optimizers",
-    "restore_optimizer_arrays",
     "save_optimizers",
     "stable_optimizer_in",
     "tracked_optimizers",

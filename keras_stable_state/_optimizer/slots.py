@@ -4,7 +4,7 @@
 built first when it is not (:func:`ensure_built`, :func:`build_for`: on the
 model's trainable variables, or on the variables it was saved with), and
 refused when it trains variables outside the model (:func:`check_inside`).
-Restoring is :mod:`keras_stable_state._optimizer.slot_restore`.
+Restoring is :mod:`keras_stable_state._core.slot_restore`.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _hand_over(wrapper):
 
 
 # The keyed restore StableOptimizer.load_own_variables uses: slot_restore.restore_optimizer_arrays,
-# registered by keras_stable_state._optimizer.slot_restore (imported with the package), so that this
+# registered by keras_stable_state._core.slot_restore (imported with keras_stable_state._core), so that this
 # module does not import the modules that match slots (they import this one).
 _keyed_restore = None
 
@@ -345,7 +345,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
 
         Raises:
             BindingError, ContractError, DtypeMismatchError: see
-                :func:`keras_stable_state._optimizer.slot_restore.restore_optimizer_arrays`.
+                :func:`keras_stable_state._core.slot_restore.restore_optimizer_arrays`.
         """
         compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "load")
         self._pending_store = {k: np.array(store[k]) for k in store.keys()}
