@@ -16,7 +16,7 @@ from keras_stable_state._core.in_memory import restore_training_state_from_bytes
 from keras_stable_state._core.mappers import CastMapper, QuantizeMapper, StateMapper
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._engines.background import SaveHandle
-from keras_stable_state._fit.callback import (
+from keras_stable_state._fit import (
     InexactResumeWarning,
     StableCheckpoint,
     UnreadableCheckpointWarning,

@@ -18,7 +18,7 @@ import pytest
 from conftest import BACKEND, slots_by_key, to_np
 
 import keras_stable_state as kss
-from keras_stable_state._fit.callback import LOCK_NAME, UNREADABLE_DIR, UnreadableCheckpointWarning
+from keras_stable_state._fit import LOCK_NAME, UNREADABLE_DIR, UnreadableCheckpointWarning
 from keras_stable_state.format import storage
 
 rng = np.random.default_rng(0)

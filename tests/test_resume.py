@@ -12,7 +12,7 @@ import pytest
 from conftest import BACKEND, StopAt, slots_by_key, to_np
 
 import keras_stable_state as kss
-from keras_stable_state._fit.callback import UNREADABLE_DIR, UnreadableCheckpointWarning
+from keras_stable_state._fit import UNREADABLE_DIR, UnreadableCheckpointWarning
 from keras_stable_state.format import storage
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "crash_fit.py")

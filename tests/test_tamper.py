@@ -15,7 +15,7 @@ from conftest import BACKEND, to_np
 
 import keras_stable_state as kss
 from keras_stable_state import cli
-from keras_stable_state._fit.callback import UnreadableCheckpointWarning
+from keras_stable_state._fit import UnreadableCheckpointWarning
 from keras_stable_state.format import storage
 
 RNG = np.random.default_rng(3)
