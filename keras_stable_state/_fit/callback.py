@@ -270,14 +270,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         Returns:
             ``{"directory", "save_freq", "keep", "verbose", "async_save", "on_data_change"}``.
         """
-        return {
-            "directory": self.directory,
-            "save_freq": self.save_freq,
-            "keep": self.keep,
-            "verbose": self.verbose,
-            "async_save": self.async_save,
-            "on_data_change": self.on_data_change,
-        }
+        names = ("directory", "save_freq", "keep", "verbose", "async_save", "on_data_change")
+        return {name: getattr(self, name) for name in names}
 
     @classmethod
     def from_config(cls, config):
