@@ -516,7 +516,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._saved(handle.path, self._in_flight_where, handle.write_secs, handle.blocked_secs)
 
     def _saved(self, path, where, secs, blocked_secs):
-        checkpoint_dir.prune(self.directory, self.keep, path)
+        checkpoint_dir.prune(self.checkpoints(), self.keep, path)  # checkpoints() may be overridden
         if self.verbose:
             size_mb = os.path.getsize(path) / 1e6
             timing = f"{secs * 1e3:.0f} ms"

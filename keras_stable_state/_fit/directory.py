@@ -250,10 +250,11 @@ def remove_temporary_files(directory) -> list:
     return removed
 
 
-def prune(directory, keep, newest) -> None:
-    """Remove all but the ``keep`` newest checkpoints of ``directory``; ``newest`` (the file
-    just written) always stays, even if an older run left higher step numbers."""
-    for old in [p for p in checkpoints(directory) if p != newest][keep - 1 :]:
+def prune(paths, keep, newest) -> None:
+    """Remove all but the ``keep`` newest of the checkpoint ``paths`` (newest first, as
+    :func:`checkpoints` lists them); ``newest`` (the file just written) always stays,
+    even if an older run left higher step numbers. A file removed meanwhile is skipped."""
+    for old in [p for p in paths if p != newest][keep - 1 :]:
         try:
             os.remove(old)
         except FileNotFoundError:
