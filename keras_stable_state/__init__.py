@@ -68,7 +68,7 @@ _SOURCES = {
     "RestoreReport": "_core.report",
     "SaveHandle": "_engines.background",
     "InexactResumeWarning": "errors",
-    "StableCheckpoint": "_fit.callback",
+    "StableCheckpoint": "_fit",
     "UnreadableCheckpointWarning": "errors",
     "TrainableContract": "_identity.contract",
     "VariableKey": "_identity.registry",

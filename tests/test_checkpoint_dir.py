@@ -20,7 +20,7 @@ from kit import StopAt, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
-from keras_stable_state._fit.callback import LOCK_NAME, UNREADABLE_DIR, UnreadableCheckpointWarning
+from keras_stable_state._fit import LOCK_NAME, UNREADABLE_DIR, UnreadableCheckpointWarning
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(48, 6)).astype("float32")  # 6 batches of 8 per epoch

@@ -134,6 +134,32 @@ def test_shuffled_arrays_with_steps_per_epoch_warn_at_train_begin(tmp_path):
         fit_arrays(tmp_path, steps_per_epoch=2)
 
 
+def test_train_begin_warnings_point_out_of_the_package(tmp_path):
+    """The warnings of the input and of unsaved callbacks at train begin keep their stacklevel
+    (StableCheckpoint split by job, issue 15): they point at the caller of the callback hook,
+    outside keras_stable_state, as before the split."""
+    package = os.path.dirname(kss.__file__) + os.sep
+    m = _model()
+    es = keras.callbacks.EarlyStopping(monitor="loss", patience=9)
+    with pytest.warns(kss.InexactResumeWarning) as caught:
+        m.fit(
+            X,
+            Y,
+            batch_size=8,
+            epochs=1,
+            steps_per_epoch=2,
+            verbose=0,
+            callbacks=[kss.StableCheckpoint(tmp_path), es],
+        )
+    found = {"with steps_per_epoch": [], "EarlyStopping of this fit keeps state": []}
+    for w in caught:
+        for part, files in found.items():
+            if part in str(w.message):
+                files.append(w.filename)
+    assert all(found.values()), found
+    assert not [f for files in found.values() for f in files if f.startswith(package)], found
+
+
 def _writer_backend():
     return {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[BACKEND]
 

@@ -16,7 +16,7 @@ from conftest import LrLog, StopAt
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state._fit import callback as kss_callbacks
+from keras_stable_state._fit import position as kss_position
 
 rng = np.random.default_rng(3)
 X = rng.normal(size=(80, 6)).astype("float32")  # 10 batches of 8 per epoch
@@ -169,16 +169,16 @@ def test_fault6_changed_batch_size_at_epoch_boundary_warns(tmp_path):
 
 def test_fault6_checkpoint_without_data_facts_still_resumes_exactly(tmp_path, monkeypatch):
     ref, _, _ = _fit(tmp_path / "ref")
-    original = kss_callbacks._Position.get_state
+    original = kss_position.Position.get_state
 
     def old_format(self):  # a checkpoint written before the data facts were saved
         out = original(self)
         out.pop("data", None)
         return out
 
-    monkeypatch.setattr(kss_callbacks._Position, "get_state", old_format)
+    monkeypatch.setattr(kss_position.Position, "get_state", old_format)
     _fit(tmp_path / "run", stop=(1, 5))
-    monkeypatch.setattr(kss_callbacks._Position, "get_state", original)
+    monkeypatch.setattr(kss_position.Position, "get_state", original)
     res, ckpt, _ = _fit(tmp_path / "run")
     assert ckpt.restore_report is not None
     _assert_same_weights(ref, res)

@@ -13,7 +13,7 @@ from conftest import BACKEND, StopAt, slots_by_key, to_np
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
-from keras_stable_state._fit.callback import UNREADABLE_DIR, UnreadableCheckpointWarning
+from keras_stable_state._fit import UNREADABLE_DIR, UnreadableCheckpointWarning
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "crash_fit.py")
 rng = np.random.default_rng(0)

@@ -16,7 +16,7 @@ from conftest import BACKEND, to_np
 import keras_stable_state as kss
 from keras_stable_state import cli
 from keras_stable_state import format as storage
-from keras_stable_state._fit.callback import UnreadableCheckpointWarning
+from keras_stable_state._fit import UnreadableCheckpointWarning
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(24, 6)).astype("float32")

@@ -12,7 +12,6 @@
 Other packages use these names from here (``from keras_stable_state import _core as checkpoint``).
 """
 
-from keras_stable_state import format as storage
 from keras_stable_state._core.arguments import check_callbacks
 from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
 from keras_stable_state._core.plan import plan_callbacks
@@ -25,11 +24,6 @@ from keras_stable_state._core.restore import (
 )
 from keras_stable_state._core.save import save_training_state, training_state_record
 
-# Names _fit/callback.py reaches through this package today (``checkpoint.storage.read_file``,
-# ``checkpoint._check_callbacks``); kept until it imports ``format.storage`` itself and calls
-# :func:`check_callbacks`.
-_check_callbacks = check_callbacks
-
 __all__ = [
     "PendingRestore",
     "RestoreOptions",
@@ -40,7 +34,6 @@ __all__ = [
     "restore_training_state_from_bytes",
     "restore_with",
     "save_training_state",
-    "storage",
     "training_state_record",
     "training_state_to_bytes",
 ]

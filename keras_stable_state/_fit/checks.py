@@ -66,6 +66,54 @@ def check_on_data_change(value) -> str:
     return value
 
 
+def check_arguments(save_freq, keep, verbose, async_save) -> None:
+    """Refuse invalid ``StableCheckpoint`` arguments.
+
+    Raises:
+        ValueError: if ``save_freq`` is not ``"epoch"`` or an int >= 1, ``keep`` not an
+            int >= 1, or ``verbose`` not 0 or 1.
+        TypeError: if ``async_save`` is not a bool.
+    """
+    if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq >= 1):
+        raise ValueError(f"`save_freq` must be 'epoch' or an int >= 1. Received: save_freq={save_freq!r}")
+    if not (isinstance(keep, int) and keep >= 1):
+        raise ValueError(f"`keep` must be an int >= 1. Received: keep={keep!r}")
+    if verbose not in (0, 1) or isinstance(verbose, float):
+        raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+    if not isinstance(async_save, bool):
+        raise TypeError(
+            f"`async_save` must be True or False. Received: async_save={async_save!r} "
+            f"(of type {type(async_save).__name__})"
+        )
+
+
+def steps_per_execution(model, save_freq) -> int:
+    """The ``steps_per_execution`` of a model about to ``fit`` (1 where unset).
+
+    Raises:
+        StateError: if the model is not built, or an int ``save_freq`` is not a multiple
+            of it (such a save would fall inside an execution).
+    """
+    if not model.built:
+        raise StateError(
+            f"StableCheckpoint needs a built model to restore into; model {model.name!r} is not built. "
+            "Call it on a batch or `model.build(input_shape)` before fit()."
+        )
+    spe = int(getattr(model, "steps_per_execution", 1) or 1)
+    if save_freq != "epoch" and save_freq % spe:
+        raise StateError(
+            f"StableCheckpoint(save_freq={save_freq}) asks for saves inside an execution: the "
+            f"model was compiled with steps_per_execution={spe}, so callbacks see only every "
+            f"{spe}th batch and a save after {save_freq} batches cannot be taken. Use a "
+            f"save_freq that is a multiple of {spe} (e.g. {spe * max(1, round(save_freq / spe))}), "
+            "or save_freq='epoch', or compile with a steps_per_execution that divides it.",
+            key="save_freq",
+            expected=f"a multiple of steps_per_execution={spe}",
+            received=save_freq,
+        )
+    return spe
+
+
 def _overrides_epoch_begin(cb) -> bool:
     if "on_epoch_begin" in vars(cb):  # LambdaCallback(on_epoch_begin=...) sets it on the instance
         return True

@@ -1,0 +1,323 @@
+"""The checkpoint directory of a :class:`~keras_stable_state.StableCheckpoint`: its
+``ckpt-<step>.h5`` files (listed newest first, pruned to ``keep``), the lock file
+:data:`LOCK_NAME` that its one writer holds, the stale ``.kss-*`` temporary files of
+a killed save, and the unreadable checkpoints moved aside into :data:`UNREADABLE_DIR`
+(with the :class:`~keras_stable_state.UnreadableCheckpointWarning` naming them)."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import re
+import socket
+import threading
+import time
+import warnings
+
+from keras_stable_state.errors import CheckpointInUseError, StateError, UnreadableCheckpointWarning
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the directory is not locked (see the docs)
+    fcntl = None
+
+_NAME = re.compile(r"^ckpt-(\d{10})\.h5$")
+LOCK_NAME = ".stable-checkpoint.lock"
+"""Name of the lock file a writing :class:`StableCheckpoint` holds in its directory."""
+TEMP_PREFIX = ".kss-"
+"""Prefix of the temporary files of atomic writes (``storage.atomic_path``)."""
+UNREADABLE_DIR = "unreadable"
+"""Subfolder of the checkpoint directory that unreadable checkpoints are moved into."""
+LOCKING = fcntl is not None
+"""Whether directories are locked (``flock`` exists: not on Windows)."""
+
+
+# -- the directory lock -------------------------------------------------------------------
+_HELD = {}  # realpath of a directory -> DirectoryLock held by this process
+_HELD_GUARD = threading.Lock()
+_TOKENS = itertools.count(1)
+
+
+def new_token() -> int:
+    """A token no other lock owner of this process holds (an owner's identity for the lock)."""
+    return next(_TOKENS)
+
+
+def _holder_text(info):
+    if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
+        return None
+    text = f"pid {info['pid']} on host {info.get('host', '?')}"
+    if info.get("since"):
+        text += f", since {info['since']}"
+    return text
+
+
+def _read_holder(fd):
+    try:
+        raw = os.pread(fd, 4096, 0)
+        return _holder_text(json.loads(raw.decode("utf-8")))
+    except (OSError, ValueError):  # being written right now, or not ours: holder unknown
+        return None
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock``, held by one
+    :class:`StableCheckpoint` of this process at a time.
+
+    The lock file holds the writer's pid and host as JSON so that a refused writer
+    can name it. It is removed on release (while still locked; acquirers check that
+    the file they locked is still the one at the path). A lock of a dead process is
+    released by the operating system. Within one process, a ``StableCheckpoint``
+    whose ``fit`` raised (Keras then skips ``on_train_end``) keeps the lock until it
+    is garbage collected, the process exits, or another ``StableCheckpoint`` on the
+    same directory begins training in the same thread and takes the lock over.
+    """
+
+    def __init__(self, key, directory, path, fd):
+        self.key = key
+        self.directory = directory
+        self.path = path
+        self.fd = fd
+        self.pid = os.getpid()
+        self.token = None
+        self.thread = None
+
+    @classmethod
+    def acquire(cls, directory, token):
+        """Return the held lock of ``directory`` with ``token`` as owner, or raise
+        :class:`CheckpointInUseError`."""
+        key = os.path.realpath(directory)
+        with _HELD_GUARD:
+            held = _HELD.get(key)
+            if held is not None and not held._still_in_place():
+                held._close()  # the directory or lock file was removed meanwhile: lock afresh
+                held = None
+            if held is not None:
+                alive = {t.ident for t in threading.enumerate()}
+                if held.token != token and held.thread != threading.get_ident() and held.thread in alive:
+                    names = {t.ident: t.name for t in threading.enumerate()}
+                    holder = (
+                        f"pid {os.getpid()} on host {socket.gethostname()}, thread {names[held.thread]!r}"
+                    )
+                    raise CheckpointInUseError(
+                        f"Checkpoint directory {directory!r} is in use by another StableCheckpoint writer "
+                        f"({holder}: this process, another thread still training); wait for it to finish "
+                        "or use another directory.",
+                        path=directory,
+                        holder=holder,
+                    )
+            else:
+                held = cls(key, directory, *cls._lock(directory))
+                _HELD[key] = held
+            held.token, held.thread = token, threading.get_ident()
+            return held
+
+    @staticmethod
+    def _lock(directory):
+        path = os.path.join(directory, LOCK_NAME)
+        for _ in range(20):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise CheckpointInUseError(
+                    f"Checkpoint directory {directory!r} is in use by another StableCheckpoint writer "
+                    f"({holder or 'holder unknown: the lock file names none'}); wait for it to finish or "
+                    f"use another directory. (The lock is {path!r}, held with flock; the operating "
+                    "system releases it when that process ends.)",
+                    path=directory,
+                    holder=holder,
+                ) from None
+            except OSError as err:
+                os.close(fd)
+                raise OSError(
+                    err.errno,
+                    f"Cannot lock the checkpoint directory {directory!r}: flock on {path!r} failed "
+                    f"({err.strerror}). Use a directory on a local file system.",
+                    path,
+                ) from err
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder removed the file after we opened it: lock the new one
+        else:
+            raise CheckpointInUseError(
+                f"Checkpoint directory {directory!r}: its lock file {path!r} keeps being replaced; another "
+                "process is creating and removing it. Use another directory.",
+                path=directory,
+            )
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode("utf-8"), 0)
+        return path, fd
+
+    def _still_in_place(self):
+        try:
+            return os.path.samestat(os.fstat(self.fd), os.stat(self.path))
+        except (FileNotFoundError, NotADirectoryError):  # the directory was removed (or replaced by a file)
+            return False
+
+    def _close(self):
+        fd, self.fd = self.fd, None
+        if _HELD.get(self.key) is self:
+            del _HELD[self.key]
+        os.close(fd)
+
+    def release(self, token):
+        """Unlock and remove the lock file if ``token`` owns the lock (else do nothing)."""
+        with _HELD_GUARD:
+            if self.fd is None or self.token != token:
+                return
+            try:
+                if self.pid == os.getpid() and self._still_in_place():
+                    os.unlink(self.path)
+            finally:
+                self._close()
+
+
+def release_token(token):
+    for held in list(_HELD.values()):
+        held.release(token)
+
+
+def _forget_locks_in_child():
+    # A forked child shares the parent's lock; it must neither use nor remove it.
+    global _HELD_GUARD
+    _HELD_GUARD = threading.Lock()
+    for held in list(_HELD.values()):
+        if held.fd is not None:
+            try:
+                os.close(held.fd)
+            except OSError:
+                pass
+            held.fd = None
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
+
+
+# -- the files ------------------------------------------------------------------------------
+def checkpoints(directory) -> list:
+    """Paths of the checkpoints in ``directory``, newest first (files named
+    ``ckpt-<10 digits>.h5``; ``[]`` if ``directory`` is not a folder)."""
+    if not os.path.isdir(directory):
+        return []
+    names = sorted((n for n in os.listdir(directory) if _NAME.match(n)), reverse=True)
+    return [os.path.join(directory, n) for n in names]
+
+
+def prepare(directory) -> None:
+    """Create ``directory`` (and its parents) if needed.
+
+    Raises:
+        NotADirectoryError: if ``directory`` is a file.
+    """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"StableCheckpoint's directory {directory!r} is a file, not a folder. Pass a folder "
+            "(it holds ckpt-<step>.h5 files); to save one file use keras_stable_state.save_training_state",
+            directory,
+        )
+    os.makedirs(directory, exist_ok=True)
+
+
+def remove_temporary_files(directory) -> list:
+    """Remove the ``.kss-*`` temporary files a killed save left in ``directory``; their paths."""
+    removed = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(follow_symlinks=False):
+                continue
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            removed.append(entry.path)
+    return removed
+
+
+def prune(paths, keep, newest) -> None:
+    """Remove all but the ``keep`` newest of the checkpoint ``paths`` (newest first, as
+    :func:`checkpoints` lists them); ``newest`` (the file just written) always stays,
+    even if an older run left higher step numbers. A file removed meanwhile is skipped."""
+    for old in [p for p in paths if p != newest][keep - 1 :]:
+        try:
+            os.remove(old)
+        except FileNotFoundError:
+            continue  # removed by someone else since it was listed
+
+
+def move_aside(directory, path):
+    """Move an unreadable checkpoint into ``<directory>/unreadable/`` (``<name>.<n>`` if
+    the name is taken); its new path, or ``None`` if it was removed meanwhile.
+
+    Raises:
+        StateError: if it cannot be moved (it would count in ``keep`` and be found again).
+    """
+    folder = os.path.join(directory, UNREADABLE_DIR)
+    name = os.path.basename(path)
+    target = os.path.join(folder, name)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        n = 1
+        while os.path.lexists(target):
+            target = os.path.join(folder, f"{name}.{n}")
+            n += 1
+        os.rename(path, target)
+    except FileNotFoundError:
+        if not os.path.lexists(path):
+            return None  # removed meanwhile: nothing left to count in `keep`
+        raise
+    except OSError as err:
+        raise StateError(
+            f"Checkpoint {path!r} is unreadable and could not be moved aside to {target!r} ({err}). "
+            "Move or delete it yourself: StableCheckpoint does not restore it, and left in place it "
+            "would count as one of the `keep` newest checkpoints.",
+        ) from err
+    return target
+
+
+def warn_unreadable(directory, skipped, moved, restored, position) -> None:
+    """Issue the :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each
+    unreadable checkpoint moved aside (``skipped``: ``(path, reason)``, ``moved``:
+    ``(path, new path or None)``) and the one ``restored`` at ``position`` (or ``None``:
+    training starts fresh). Attributed to the caller (``stacklevel=2``)."""
+    reasons = dict(skipped)
+    listed = "; ".join(
+        f"{path!r} -> {target!r} ({reasons[path]})"
+        if target is not None
+        else f"{path!r} (removed meanwhile; {reasons[path]})"
+        for path, target in moved
+    )
+    count = len(moved)
+    head = f"StableCheckpoint: {count} unreadable checkpoint{'s' if count > 1 else ''} in {directory!r}"
+    if restored is None:
+        tail = (
+            "No readable checkpoint is left: training starts fresh from the model's current weights. "
+            "If you have a copy of a good checkpoint, stop and put it back in the directory."
+        )
+    else:
+        pos = position
+        tail = (
+            f"Fell back to the older {restored!r} (epoch {pos.epoch}, step {pos.step} of the epoch, "
+            f"global step {pos.global_step}); the training after it is redone."
+        )
+    warnings.warn(
+        f"{head}, moved aside: {listed}. {tail}",
+        UnreadableCheckpointWarning,
+        stacklevel=2,
+    )

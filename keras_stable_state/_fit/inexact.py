@@ -1,0 +1,213 @@
+"""The :class:`~keras_stable_state.InexactResumeWarning` checks of a
+:class:`~keras_stable_state.StableCheckpoint` at train begin: inputs whose order a resume
+cannot replay, checkpoints of an older version or another backend, per-output loss means
+counted in other units, and callbacks whose state is not saved.
+
+The functions are called from the callback's hooks at the depth its methods were, so
+each ``stacklevel`` attributes its warning to the same frame as before the split.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _state as state
+from keras_stable_state.errors import InexactResumeWarning
+
+
+def opaque(cb) -> bool:
+    """``True`` for a callback whose state nothing here knows: the user's own classes and
+    ``LambdaCallback`` (whose functions may keep state). Keras' other callbacks keep none
+    that changes training, or have a known state (``state.callback_state``)."""
+    if isinstance(cb, keras.callbacks.LambdaCallback):
+        return True
+    return not type(cb).__module__.startswith(("keras.", "keras_stable_state."))
+
+
+def inspect_input():
+    """The ``fit`` input whose own state is saved (a ``PyDataset`` with ``get_state``
+    and ``set_state``), or ``None``; warns for inputs a resume cannot replay."""
+    adapter = compat.fit_data_adapter()
+    if adapter is None:
+        return None
+    dataset = compat.py_dataset_of(adapter)
+    if dataset is not None:
+        compat.discard_prefetched(adapter)
+        name = f"{type(dataset).__name__} (a keras.utils.PyDataset)"
+        if callable(getattr(dataset, "get_state", None)) and callable(getattr(dataset, "set_state", None)):
+            return dataset
+        if type(dataset).on_epoch_end is not keras.utils.PyDataset.on_epoch_end:
+            warnings.warn(
+                f"StableCheckpoint: the input {name} overrides on_epoch_end() but has no "
+                "get_state()/set_state(), so the order or other state it sets there is not saved: "
+                "a resumed run reads its batches in another order from the resumed epoch on, and "
+                "does not end like an uninterrupted one. Define get_state() (a dict of JSON values "
+                "and NumPy arrays, e.g. the shuffled indices) and set_state(state) on it to resume "
+                "exactly.",
+                InexactResumeWarning,
+                stacklevel=3,
+            )
+        return None
+    epoch_iterator = compat.fit_epoch_iterator()
+    if compat.shuffled_unowned_arrays(epoch_iterator) and (
+        keras.backend.backend() == "tensorflow" or compat.stream_persists(epoch_iterator)
+    ):
+        reason = (
+            "with steps_per_epoch (one shuffled pass spans several epochs)"
+            if compat.stream_persists(epoch_iterator)
+            else "whose arrays are not NumPy arrays"
+        )
+        warnings.warn(
+            f"StableCheckpoint: fit shuffles array inputs {reason}; StableCheckpoint cannot take "
+            "that order over, and Keras draws it from a random state that is not saved on this "
+            "backend, so a resumed run sees another order from the resumed epoch on. To resume "
+            "exactly, pass NumPy arrays without steps_per_epoch, or shuffle=False.",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
+    dataset = compat.tf_dataset_of(adapter)
+    if dataset is not None:
+        for op in compat.reshuffling_ops(dataset):
+            warnings.warn(
+                f"StableCheckpoint: the input tf.data dataset {dataset!r} shuffles with "
+                f"{op!r}.shuffle(reshuffle_each_iteration=True): its order is drawn by tf.data "
+                "for each iteration and is not saved, so a resumed run sees another order from "
+                "the resumed epoch on (a mid-epoch resume skips batches of another order) and "
+                "does not end like an uninterrupted one. To resume exactly, use "
+                "reshuffle_each_iteration=False with a seed, or NumPy arrays or a "
+                "keras.utils.PyDataset with fit(shuffle=True).",
+                InexactResumeWarning,
+                stacklevel=3,
+            )
+    return None
+
+
+def warn_inexact_resume(ckpt, record, position, shuffle, writer):
+    """Warn, at train begin, for a resume whose data or random draws cannot be those
+    of an uninterrupted run: a mid-epoch checkpoint of shuffled arrays written before
+    the epoch's order was saved, and a resume on another backend than the writer's of a
+    model with random layers (each backend draws its own dropout masks and noise).
+
+    Args:
+        ckpt: The restoring ``StableCheckpoint`` (its ``model``; skipped among the callbacks).
+        record: The checkpoint's record (``extra``, ``arrays``).
+        position: The restored :class:`~keras_stable_state._fit.position.Position`.
+        shuffle: Whether the fit's NumPy array order is taken over (``EpochOrder.shuffle``).
+        writer: The backend that wrote the checkpoint, or ``None`` if not recorded.
+    """
+    pos = position
+    saved = record.extra.get("providers", {})
+    if pos.step > 0 and shuffle and "data" not in saved:
+        warnings.warn(
+            f"StableCheckpoint: the checkpoint (epoch {pos.epoch}, step {pos.step}) was written by "
+            "a version that did not save the epoch's sample order; fit shuffles NumPy arrays, so "
+            "the rest of the interrupted epoch is drawn in another order. Let the epoch finish "
+            "before an interruption, or accept the difference.",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
+    warn_unknown_callbacks(ckpt)
+    live = keras.backend.backend()
+    if pos.step > 0:
+        warn_loss_weighting(ckpt.model, record, position, writer, live)
+    if writer and writer != live:
+        random_layers = sorted(
+            {layer.name for layer in compat.flatten_layers(ckpt.model) if compat.seed_generator_states(layer)}
+        )
+        if random_layers:
+            warnings.warn(
+                f"StableCheckpoint: the checkpoint was written on {writer} and training resumes on "
+                f"{live}; the layers {random_layers} draw random numbers (dropout masks, noise), and "
+                f"{live} draws other ones from the same seed state than {writer}, so the resumed run "
+                "trains like an uninterrupted one only up to that randomness. Resume on "
+                f"{writer} for an exact continuation.",
+                InexactResumeWarning,
+                stacklevel=3,
+            )
+
+
+def warn_loss_weighting(model, record, position, writer, live):
+    """Warn when the saved per-output loss means of the interrupted epoch were counted
+    in other units than this ``fit`` counts them (TensorFlow counts batches for an
+    input of unknown batch size, the other backends samples; see
+    ``_keras_compat.per_output_loss_weighting``): the resumed epoch's History
+    ``<output>_loss`` values would then weigh the saved and the new batches unlike an
+    uninterrupted run. Training itself is not affected."""
+    indices, weighting = compat.per_output_loss_weighting(model)
+    total = compat.total_loss_count_index(model)
+    values = state.join_arrays(record.extra.get("providers", {}).get("metrics"), record.arrays)
+    saved = values.get("values") if isinstance(values, dict) else None
+    if not indices or total is None or not isinstance(saved, list) or len(saved) <= max(indices):
+        return
+    samples = float(saved[total])
+    counts = [float(saved[i]) for i in indices]
+    batches = position.step
+    if samples == batches or not all(c > 0 for c in counts):
+        return  # batch size 1, or nothing counted: both units agree
+    saved_weighting = "samples" if all(c == samples for c in counts) else "batches"
+    if saved_weighting == weighting:
+        return
+    names = sorted({v.path.rsplit("/", 1)[0] for i, v in enumerate(model.metrics_variables) if i in indices})
+    where = f"on {writer}" if writer else "by another fit"
+    warnings.warn(
+        f"StableCheckpoint: the checkpoint (epoch {position.epoch}, step {batches}) was written "
+        f"{where}, whose per-output loss trackers {names} counted {saved_weighting} in the interrupted "
+        f"epoch; this fit on {live} counts {weighting} (TensorFlow counts batches when the input's "
+        "batch size is not static, e.g. a generator or tf.data with batch()). The History's "
+        "per-output losses of that epoch weigh the saved and the new batches unlike an uninterrupted "
+        "run; weights, optimizer state, the total loss and later epochs are not affected. Resume "
+        f"{'on ' + writer if writer and writer != live else 'with the same kind of input'} or from an "
+        "epoch-boundary checkpoint (save_freq='epoch') for exact per-output losses.",
+        InexactResumeWarning,
+        stacklevel=4,
+    )
+
+
+def warn_unknown_callbacks(ckpt):
+    """Warn, on a resume, for each callback of this ``fit`` (but ``ckpt``) whose state the library
+    cannot see: one of the user's own (or a ``LambdaCallback``) without
+    ``get_state()``/``set_state()`` and not a kind whose state is known. Its attributes
+    start fresh in the new process, so if they decide anything (a counter, a best
+    value) the resumed run acts otherwise. ``get_state()`` returning ``{}`` declares a
+    callback stateless."""
+    for cb in compat.fit_callbacks():
+        if cb is ckpt or state.callback_state(cb) is not None or not opaque(cb):
+            continue
+        name = type(cb).__name__
+        warnings.warn(
+            f"StableCheckpoint: the callback {name} of this fit has no get_state()/set_state(), "
+            "so any state it keeps in its attributes is not in the checkpoint and starts fresh in "
+            "the resumed run; if that state changes training (a counter, a best value), the run "
+            "does not end like an uninterrupted one. Give it get_state() (a dict of JSON values "
+            "and NumPy arrays) and set_state(state) and pass it in StableCheckpoint(callbacks=...); "
+            "a get_state() that returns {} declares it stateless.",
+            InexactResumeWarning,
+            stacklevel=4,
+        )
+
+
+def warn_unsaved_callbacks(ckpt, callbacks):
+    """Warn for each stateful callback of this ``fit`` (but ``ckpt``) not among
+    ``callbacks`` (``{name: callback}``, those ``ckpt`` saves): a resume restarts it
+    fresh (e.g. EarlyStopping's ``wait`` and ``best``)."""
+    given = [id(cb) for cb in callbacks.values()]
+    for cb in compat.fit_callbacks():
+        if cb is ckpt or id(cb) in given or isinstance(cb, keras.callbacks.History):
+            continue
+        saved = state.callback_state(cb)
+        if not saved:  # no state we know of, or none to keep (LearningRateScheduler)
+            continue
+        name = type(cb).__name__
+        fields = ", ".join(sorted(map(str, saved))) if isinstance(saved, dict) else "its get_state()"
+        warnings.warn(
+            f"StableCheckpoint: the callback {name} of this fit keeps state "
+            f"({fields}) that is not saved, because it is not given in "
+            f"StableCheckpoint(callbacks=...): a resumed run restarts it fresh, so it may act "
+            "(stop, change the learning rate, save) at another step than an uninterrupted run. "
+            f'Pass it by name, e.g. StableCheckpoint(directory, callbacks={{"{name.lower()}": cb}}).',
+            InexactResumeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,125 @@
+"""Where a ``fit`` stands, as the state providers a checkpoint saves: the position
+(epoch, step within the epoch, global step, the epoch-start random state and the data
+facts) and the model's metric variables (for a mid-epoch resume)."""
+
+from __future__ import annotations
+
+from keras_stable_state import _state as state
+from keras_stable_state._numpy import numpy_copy
+from keras_stable_state.errors import CorruptCheckpointError, StateError
+
+
+class Position:
+    """Epoch, step within the epoch and global step, as a state provider."""
+
+    def __init__(self, steps_per_execution=1):
+        self.epoch = 0
+        self.step = 0
+        self.global_step = 0
+        self.epoch_rng = None
+        self.steps_per_execution = steps_per_execution
+        self.data = None  # this fit's batch_size, num_samples, steps (see checks.live_data)
+        self.saved_data = None  # the checkpoint's, or None (saved before they were recorded)
+
+    def get_state(self):
+        out = {
+            "epoch": self.epoch,
+            "step": self.step,
+            "global_step": self.global_step,
+            "epoch_rng": self.epoch_rng,
+        }
+        if self.data is not None:  # absent while restoring: older checkpoints have no "data"
+            out["data"] = self.data
+        return out
+
+    def end_execution(self, begin, batch, steps):
+        """Count an execution of the batches ``begin`` to ``batch`` (the indices Keras gives
+        its first and last batch) in ``step`` and ``global_step``; with ``steps`` (batches
+        per epoch, or ``None``), the epoch's last execution may hold fewer batches."""
+        last = batch
+        if steps:  # the epoch's last execution may hold fewer than steps_per_execution batches
+            last = min(last, steps - 1)
+        count = max(1, last - begin + 1)
+        self.global_step += count
+        self.step = begin + count
+
+    def validate_state(self, value):
+        """Refuse a position that is not three counts >= 0 and an epoch-start random state."""
+        for field in ("epoch", "step", "global_step"):
+            count = value.get(field) if isinstance(value, dict) else None
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise CorruptCheckpointError(
+                    f"The checkpoint's position record has {field}={count!r}, not a count >= 0. The "
+                    "file is damaged; restore from an earlier checkpoint.",
+                    key=f"providers/position/{field}",
+                )
+        spe = self.steps_per_execution
+        if value["step"] % spe:
+            raise StateError(
+                f"The checkpoint was saved after batch {value['step']} of epoch {value['epoch']}, inside "
+                f"an execution of the model's steps_per_execution={spe} batches (it was written with "
+                "another steps_per_execution): a resume cannot start there and train the same batches. "
+                f"Compile with a steps_per_execution that divides {value['step']} (e.g. the one used "
+                "when it was saved, or 1) to resume from it.",
+                key="providers/position/step",
+                expected=f"a multiple of steps_per_execution={spe}",
+                received=value["step"],
+            )
+        if value.get("epoch_rng") is not None:
+            state.parse_rng_state(value["epoch_rng"])
+
+    def set_state(self, value):
+        self.validate_state(value)
+        self.epoch, self.step, self.global_step = value["epoch"], value["step"], value["global_step"]
+        self.epoch_rng = value["epoch_rng"]
+        self.saved_data = value.get("data")
+
+
+class Metrics:
+    """The model's metric variables (running loss mean...) for a mid-epoch resume."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def get_state(self):
+        return {"values": [numpy_copy(v) for v in self.model.metrics_variables]}
+
+    def validate_state(self, value):
+        """Refuse metric values whose count or shapes differ from the model's metric variables."""
+        variables = self.model.metrics_variables
+        values = value.get("values") if isinstance(value, dict) else None
+        if not isinstance(values, list):
+            raise CorruptCheckpointError(
+                "The checkpoint's metrics record holds no list of values. The file is damaged; restore "
+                "from an earlier checkpoint.",
+                key="providers/metrics",
+            )
+        if len(variables) != len(values):
+            raise StateError(
+                f"The checkpoint holds {len(values)} metric variables, the model has "
+                f"{len(variables)}: it was compiled with other metrics. Compile it as when saved.",
+                expected=len(variables),
+                received=len(values),
+            )
+        for v, a in zip(variables, values, strict=True):
+            if tuple(getattr(a, "shape", ())) != tuple(v.shape):
+                raise StateError(
+                    f"The checkpoint's metric variable {v.path!r} has shape {tuple(getattr(a, 'shape', ()))}, "
+                    f"the model's has {tuple(v.shape)}: it was compiled with other metrics. Compile it as "
+                    "when saved.",
+                    key=v.path,
+                    expected=tuple(v.shape),
+                    received=tuple(getattr(a, "shape", ())),
+                )
+
+    def set_state(self, value):
+        variables = self.model.metrics_variables
+        if len(variables) != len(value["values"]):
+            raise StateError(
+                f"The checkpoint holds {len(value['values'])} metric variables, the model has "
+                f"{len(variables)}: it was compiled with other metrics. Compile it as when saved.",
+                expected=len(variables),
+                received=len(value["values"]),
+            )
+        for v, a in zip(variables, value["values"], strict=True):
+            v.assign(a)
