@@ -21,6 +21,32 @@ import ...``).
 
 import importlib
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the same names, for type checkers and the API reference (griffe)
+    from keras_stable_state._core import PendingRestore, restore_training_state, save_training_state
+    from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
+    from keras_stable_state._core.mappers import CastMapper, QuantizeMapper, StateMapper
+    from keras_stable_state._core.report import RestoreReport
+    from keras_stable_state._engines.background import SaveHandle
+    from keras_stable_state._fit import StableCheckpoint
+    from keras_stable_state._identity.contract import TrainableContract
+    from keras_stable_state._identity.registry import VariableKey, VariableRegistry
+    from keras_stable_state._optimizer import GradientAccumulator, StableOptimizer
+    from keras_stable_state._state import ScheduleMismatchError
+    from keras_stable_state.errors import (
+        BindingError,
+        CheckpointFormatError,
+        CheckpointInUseError,
+        ContractError,
+        CorruptCheckpointError,
+        DtypeMismatchError,
+        InexactResumeWarning,
+        KeyFormatError,
+        MalformedKeyError,
+        StateError,
+        UnreadableCheckpointWarning,
+    )
 
 __version__ = "0.1.0"
 
