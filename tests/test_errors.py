@@ -228,3 +228,19 @@ def test_missing_provider_state_names_it(saved):
 
     with pytest.raises(kss.StateError, match=r"s\.h5.* no state for provider 'acc'"):
         kss.restore_training_state(saved, _model(), state={"acc": P()})
+
+
+def test_a_callback_with_no_known_state_is_refused_naming_its_class():
+    from keras_stable_state import _state
+
+    class Plain(keras.callbacks.Callback):
+        pass
+
+    assert _state.callback_state(Plain()) is None
+    for call in (
+        lambda: _state.set_callback_state(Plain(), {}),
+        lambda: _state.parse_callback_state(Plain(), {}, "callbacks/Plain/0"),
+    ):
+        with pytest.raises(kss.StateError, match="Callback Plain has no known state") as err:
+            call()
+        assert err.value.key == "Plain"

@@ -263,12 +263,7 @@ def parse_callback_state(cb, value, record: str, where: str | None = None):
         CorruptCheckpointError: naming ``record`` (or its field) for a malformed state.
         StateError: if the callback keeps no state we can set.
     """
-    handler = _handler(cb)
-    if handler is None:
-        raise StateError(
-            f"Callback {type(cb).__name__} has no known state; define get_state()/set_state() on it.",
-            key=type(cb).__name__,
-        )
+    handler = _known_handler(cb)
     if handler[0] is not getattr(type(cb), "get_state", None):
         for cls, spec in _SCHEMAS.items():
             if isinstance(cb, cls):
@@ -299,6 +294,17 @@ def _handler(cb):
     return None
 
 
+def _known_handler(cb):
+    """:func:`_handler`, refusing a callback whose state nothing here knows."""
+    handler = _handler(cb)
+    if handler is None:
+        raise StateError(
+            f"Callback {type(cb).__name__} has no known state; define get_state()/set_state() on it.",
+            key=type(cb).__name__,
+        )
+    return handler
+
+
 def callback_key(callbacks, cb) -> str:
     """``"<ClassName>/<i>"``: the class name and the index among callbacks of that class."""
     same = [c for c in callbacks if type(c) is type(cb)]
@@ -317,10 +323,5 @@ def set_callback_state(cb, state) -> None:
     Raises:
         StateError: if the callback keeps no state we can set.
     """
-    handler = _handler(cb)
-    if handler is None:
-        raise StateError(
-            f"Callback {type(cb).__name__} has no known state; define get_state()/set_state() on it.",
-            key=type(cb).__name__,
-        )
+    handler = _known_handler(cb)
     handler[1](cb, state)
