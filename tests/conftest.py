@@ -92,6 +92,29 @@ def pytest_runtest_protocol(item, nextitem):
         warnings._showwarnmsg_impl = record
 
 
+# The files that take longest (child processes: the resume matrix, the notebooks, SIGKILL
+# campaigns, the fuzzer), longest first. pytest-xdist's --dist loadfile hands whole files
+# to its workers in collection order (the Makefile passes --no-loadscope-reorder, which
+# otherwise orders files by their number of tests and so runs these few-test files last,
+# one worker idling while the other finishes them).
+_LONGEST_FIRST = (
+    "test_resume_matrix.py",
+    "test_resume_matrix_b.py",
+    "test_notebooks.py",
+    "test_fit_input.py",
+    "test_checkpoint_dir.py",
+    "test_integrity.py",
+    "test_ema_resume.py",
+    "test_inputs_resume.py",
+    "test_resume.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's order kept
+
+
 @pytest.fixture(autouse=True)
 def _clean_session():
     # No forced gc.collect() (free_memory): a full collection over the heap that hundreds
