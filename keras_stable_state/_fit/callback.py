@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import weakref
@@ -11,6 +12,7 @@ import keras
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
+from keras_stable_state import format as storage
 from keras_stable_state._engines import background as _async
 from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import directory as checkpoint_dir
@@ -69,8 +71,8 @@ class StableCheckpoint(keras.callbacks.Callback):
     ``ckpt-<10 digits>.h5`` count, and a file that vanished meanwhile is skipped).
 
     The directory belongs to one writer at a time: on train begin the callback takes
-    an exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock`` (which names
-    its pid and host) and releases it, removing the file, on train end. A second
+    an exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock`` (a regular file
+    opened without following links, which names its pid and host) and releases it, removing the file, on train end. A second
     ``fit`` with a ``StableCheckpoint`` on the same directory, in another process or
     in another thread, is refused. The operating system releases the lock of a
     process that dies. If ``fit`` raises, Keras skips ``on_train_end``: the lock is
@@ -137,8 +139,10 @@ class StableCheckpoint(keras.callbacks.Callback):
     model tracks is saved and restored, each under its attribute name.
 
     Args:
-        directory: Folder of the checkpoints (created if needed). Give each run
-            its own folder; nothing else should write into it.
+        directory: Folder of the checkpoints (created if needed): a ``str``, ``bytes``
+            (decoded with ``os.fsdecode``) or ``os.PathLike``. Give each run its own
+            folder; nothing else should write into it (see ``docs/concepts/security.md``
+            for what is refused in it: symbolic links and other non-regular files).
         save_freq: ``"epoch"`` or an ``int``: save every that many batches (a
             multiple of the model's ``steps_per_execution``).
         keep: How many newest checkpoints to keep (``>= 1``). Only fully
@@ -190,8 +194,8 @@ class StableCheckpoint(keras.callbacks.Callback):
             ``directory`` ending in ``.orbax`` (StableCheckpoint writes ``.h5`` files; the
             Orbax engine is reached through ``save_training_state`` /
             ``restore_training_state``) (on construction).
-        TypeError: if ``callbacks`` is not a dict or list of callbacks, or
-            ``async_save`` is not a bool (on construction).
+        TypeError: if ``directory`` is not a path, ``callbacks`` is not a dict or list
+            of callbacks, or ``async_save`` is not a bool (on construction).
         OSError: with ``async_save``, at a later batch, the next save or train
             end: the error of a background write that failed (disk full, folder
             removed), naming the file; the checkpoints written before it are intact.
@@ -221,8 +225,14 @@ class StableCheckpoint(keras.callbacks.Callback):
             damaged, so there is no fallback. Wait for the other process or use
             another directory.
         NotADirectoryError: on train begin, if ``directory`` is a file.
-        OSError: on train begin, if the lock file cannot be created or locked
-            (read-only folder, a file system without ``flock``), naming it.
+        OSError: on train begin, if the directory or its lock file cannot be created or
+            locked (permissions, a file system without ``flock``), naming it; on a read-only
+            file system (``errno.EROFS``), if the ``fit`` has epochs left to train (a
+            ``fit`` whose epochs are all done resumes from a read-only directory).
+        StateError: on train begin, if the lock file is a symbolic link, a hard link of
+            another file or not a regular file (it is never written through), if
+            ``unreadable/`` is a symbolic link, or on a platform without ``flock``
+            (Windows): StableCheckpoint does not run with its directory unlocked.
         ContractError, BindingError, DtypeMismatchError, ScheduleMismatchError:
             and any other error of :func:`keras_stable_state.restore_training_state`
             for a readable checkpoint that does not fit the model (the model or
@@ -243,10 +253,11 @@ class StableCheckpoint(keras.callbacks.Callback):
         on_data_change="raise",
     ):
         super().__init__()
-        _fit_checks.refuse_orbax_directory(os.fspath(directory))
+        directory = storage.fs_path(directory, "directory")
+        _fit_checks.refuse_orbax_directory(directory)
         self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
         _fit_checks.check_arguments(save_freq, keep, verbose, async_save)
-        self.directory = os.fspath(directory)
+        self.directory = directory
         self.save_freq = save_freq
         self.keep = keep
         self.verbose = int(verbose)
@@ -261,6 +272,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._order = _fit_input.EpochOrder()
         self.removed_temporary_files = []
         self._lock = None
+        self._read_only = None
         self._lock_token = checkpoint_dir.new_token()
         self._lock_finalizer = False
 
@@ -306,14 +318,21 @@ class StableCheckpoint(keras.callbacks.Callback):
         return found
 
     def _take_directory(self):
-        """Create ``directory``, lock it, remove stale temporary files."""
+        """Create ``directory``, lock it, remove stale temporary files. On a read-only file
+        system nobody can write the directory: it is read unlocked (``_read_only``)."""
         checkpoint_dir.prepare(self.directory)
-        if checkpoint_dir.LOCKING:
+        self._read_only = None
+        try:
             self._lock = checkpoint_dir.DirectoryLock.acquire(self.directory, self._lock_token)
-            if not self._lock_finalizer:
-                # released when this callback is garbage collected or the process exits
-                weakref.finalize(self, checkpoint_dir.release_token, self._lock_token)
-                self._lock_finalizer = True
+        except OSError as err:
+            if err.errno != errno.EROFS:
+                raise
+            self._read_only = err
+            return
+        if not self._lock_finalizer:
+            # released when this callback is garbage collected or the process exits
+            weakref.finalize(self, checkpoint_dir.release_token, self._lock_token)
+            self._lock_finalizer = True
         removed = checkpoint_dir.remove_temporary_files(self.directory)
         self.removed_temporary_files = removed
         if removed:
@@ -346,9 +365,30 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._take_directory()
             self._restore_newest()
             self._check_resume()
+            self._check_read_only()
         except BaseException:
             self._release_directory()  # fit stops here; Keras will not call on_train_end
             raise
+
+    def _check_read_only(self):
+        """On a read-only file system, refuse a ``fit`` that has epochs left to train (it
+        could not save them)."""
+        epochs = (self.params or {}).get("epochs")
+        if self._read_only is None or (epochs is not None and self._position.epoch >= epochs):
+            return
+        restored = (
+            f"the model holds the restored checkpoint (epoch {self._position.epoch})"
+            if self.restore_report is not None
+            else "no checkpoint was restored"
+        )
+        raise OSError(
+            errno.EROFS,
+            f"StableCheckpoint's directory {self.directory!r} is on a read-only file system: this fit "
+            f"has epochs left to train (up to {epochs}) and could save none of them; {restored}. "
+            "Give StableCheckpoint a writable folder (copy the checkpoints there to continue from them); "
+            "a fit with no epoch left to train (epochs reached) resumes from a read-only folder.",
+            self.directory,
+        ) from self._read_only
 
     def _reset(self, spe):
         """The state of a fit before its restore (``spe``: its ``steps_per_execution``);

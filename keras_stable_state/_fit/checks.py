@@ -71,13 +71,22 @@ def check_arguments(save_freq, keep, verbose, async_save) -> None:
 
     Raises:
         ValueError: if ``save_freq`` is not ``"epoch"`` or an int >= 1, ``keep`` not an
-            int >= 1, or ``verbose`` not 0 or 1.
+            int >= 1 (``True`` is refused for both), or ``verbose`` not 0 or 1.
         TypeError: if ``async_save`` is not a bool.
     """
-    if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq >= 1):
-        raise ValueError(f"`save_freq` must be 'epoch' or an int >= 1. Received: save_freq={save_freq!r}")
-    if not (isinstance(keep, int) and keep >= 1):
-        raise ValueError(f"`keep` must be an int >= 1. Received: keep={keep!r}")
+    # bool is an int in Python: save_freq=True or keep=True would silently mean 1.
+    if save_freq != "epoch" and not (
+        isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq >= 1
+    ):
+        raise ValueError(
+            f"`save_freq` must be 'epoch' or an int >= 1 (a number of batches; not a bool). "
+            f"Received: save_freq={save_freq!r} (of type {type(save_freq).__name__})"
+        )
+    if not (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1):
+        raise ValueError(
+            "`keep` must be an int >= 1 (how many newest checkpoints to keep; not a bool). "
+            f"Received: keep={keep!r} (of type {type(keep).__name__})"
+        )
     if verbose not in (0, 1) or isinstance(verbose, float):
         raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
     if not isinstance(async_save, bool):

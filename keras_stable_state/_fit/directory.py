@@ -6,6 +6,7 @@ a killed save, and the unreadable checkpoints moved aside into :data:`UNREADABLE
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
@@ -16,11 +17,12 @@ import threading
 import time
 import warnings
 
+from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointInUseError, StateError, UnreadableCheckpointWarning
 
 try:
     import fcntl
-except ImportError:  # Windows: no flock; the directory is not locked (see the docs)
+except ImportError:  # Windows: no flock; StableCheckpoint refuses to run unlocked (see the docs)
     fcntl = None
 
 _NAME = re.compile(r"^ckpt-(\d{10})\.h5$")
@@ -31,7 +33,8 @@ TEMP_PREFIX = ".kss-"
 UNREADABLE_DIR = "unreadable"
 """Subfolder of the checkpoint directory that unreadable checkpoints are moved into."""
 LOCKING = fcntl is not None
-"""Whether directories are locked (``flock`` exists: not on Windows)."""
+"""Whether directories can be locked (``flock`` exists: not on Windows, where
+:meth:`DirectoryLock.acquire` refuses)."""
 
 
 # -- the directory lock -------------------------------------------------------------------
@@ -62,6 +65,43 @@ def _read_holder(fd):
         return None
 
 
+def _open_lock(directory, path) -> int:
+    """Open (or create) the lock file ``path``: never through a symbolic link, never a file
+    with another name too (a hard link), never anything but a regular file.
+
+    Raises:
+        StateError: naming ``path`` if it is a symbolic link, a hard link, a FIFO, a
+            device, a directory...: the lock file is written, so writing it would change
+            the file it points to.
+        OSError: naming ``path`` if it cannot be created or opened (read-only file
+            system, permissions), with its ``errno``.
+    """
+    try:
+        return storage.open_regular(
+            path,
+            os.O_RDWR | os.O_CREAT,
+            mode=0o644,
+            follow_symlinks=False,
+            single_link=True,
+            what=f"the lock file of the checkpoint directory {directory!r}",
+            advice=(
+                "StableCheckpoint writes its pid and host into its lock file, and never through a link: "
+                f"that would overwrite the file it points to. Remove {path!r} and fit again (nothing "
+                "but StableCheckpoint should write into its directory)."
+            ),
+            error=StateError,
+        )
+    except OSError as err:
+        raise OSError(
+            err.errno,
+            f"Cannot create the lock file {path!r} of the checkpoint directory {directory!r} "
+            f"({err.strerror}). StableCheckpoint writes its lock and its checkpoints there: give it a "
+            "folder it can write. (To restore the newest checkpoint without training, call "
+            "keras_stable_state.restore_training_state(StableCheckpoint(directory).checkpoints()[0], model).)",
+            path,
+        ) from err
+
+
 class DirectoryLock:
     """An exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock``, held by one
     :class:`StableCheckpoint` of this process at a time.
@@ -86,8 +126,24 @@ class DirectoryLock:
 
     @classmethod
     def acquire(cls, directory, token):
-        """Return the held lock of ``directory`` with ``token`` as owner, or raise
-        :class:`CheckpointInUseError`."""
+        """Return the held lock of ``directory`` with ``token`` as owner.
+
+        Raises:
+            CheckpointInUseError: if another writer holds it.
+            StateError: if the lock file is not a regular file of one name (see
+                :func:`_open_lock`), or this platform has no ``flock`` (Windows): the
+                directory cannot be locked, and StableCheckpoint does not run unlocked.
+            OSError: if the lock file cannot be created (read-only file system, permissions).
+        """
+        if not LOCKING:
+            raise StateError(
+                f"StableCheckpoint cannot lock its directory {directory!r}: this platform has no "
+                "flock (the fcntl module; Windows has none), and without the lock a second writer "
+                "could not be refused. StableCheckpoint runs on Linux and macOS; elsewhere, save and "
+                "restore in your own loop with keras_stable_state.save_training_state and "
+                "restore_training_state.",
+                key=LOCK_NAME,
+            )
         key = os.path.realpath(directory)
         with _HELD_GUARD:
             held = _HELD.get(key)
@@ -118,7 +174,7 @@ class DirectoryLock:
     def _lock(directory):
         path = os.path.join(directory, LOCK_NAME)
         for _ in range(20):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock(directory, path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -223,8 +279,17 @@ def prepare(directory) -> None:
     """Create ``directory`` (and its parents) if needed.
 
     Raises:
-        NotADirectoryError: if ``directory`` is a file.
+        NotADirectoryError: if ``directory`` is a file (or a symbolic link to nothing).
+        OSError: naming ``directory`` if it cannot be created (read-only file system,
+            permissions), with its ``errno``.
     """
+    if os.path.islink(directory) and not os.path.exists(directory):
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"StableCheckpoint's directory {directory!r} is a symbolic link to {os.readlink(directory)!r}, "
+            "which does not exist. Create that folder, or pass another one.",
+            directory,
+        )
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(
             errno.ENOTDIR,
@@ -232,7 +297,15 @@ def prepare(directory) -> None:
             "(it holds ckpt-<step>.h5 files); to save one file use keras_stable_state.save_training_state",
             directory,
         )
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise OSError(
+            err.errno,
+            f"Cannot create StableCheckpoint's directory {directory!r} ({err.strerror}). Give it a "
+            "folder it can create and write.",
+            directory,
+        ) from err
 
 
 def remove_temporary_files(directory) -> list:
@@ -265,30 +338,64 @@ def move_aside(directory, path):
     """Move an unreadable checkpoint into ``<directory>/unreadable/`` (``<name>.<n>`` if
     the name is taken); its new path, or ``None`` if it was removed meanwhile.
 
+    What is at ``path`` is renamed, never opened: a symbolic link is moved as the link. The
+    folder ``unreadable/`` must be a folder of its own, not a symbolic link (a checkpoint
+    is never moved out of ``directory`` through one).
+
     Raises:
-        StateError: if it cannot be moved (it would count in ``keep`` and be found again).
+        StateError: if it cannot be moved (it would count in ``keep`` and be found again),
+            or ``unreadable/`` is a symbolic link or not a folder.
     """
     folder = os.path.join(directory, UNREADABLE_DIR)
     name = os.path.basename(path)
     target = os.path.join(folder, name)
     try:
-        os.makedirs(folder, exist_ok=True)
-        n = 1
-        while os.path.lexists(target):
-            target = os.path.join(folder, f"{name}.{n}")
-            n += 1
-        os.rename(path, target)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder)
+        fd = _open_folder(folder)
+        try:
+            n = 1
+            while _lexists(os.path.basename(target), fd):
+                target = os.path.join(folder, f"{name}.{n}")
+                n += 1
+            os.rename(path, os.path.basename(target), dst_dir_fd=fd)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         if not os.path.lexists(path):
             return None  # removed meanwhile: nothing left to count in `keep`
         raise
-    except OSError as err:
+    except (OSError, StateError) as err:
         raise StateError(
             f"Checkpoint {path!r} is unreadable and could not be moved aside to {target!r} ({err}). "
             "Move or delete it yourself: StableCheckpoint does not restore it, and left in place it "
             "would count as one of the `keep` newest checkpoints.",
         ) from err
     return target
+
+
+def _open_folder(folder) -> int:
+    """A descriptor of the folder ``folder`` itself, never of one a symbolic link names."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        return os.open(folder, flags)
+    except OSError as err:
+        if os.path.islink(folder) or not os.path.isdir(folder):
+            found = "a symbolic link" if os.path.islink(folder) else "not a folder"
+            raise StateError(
+                f"{folder!r} is {found}; unreadable checkpoints are moved into a folder of the "
+                "checkpoint directory itself, never through a link. Remove it.",
+                key=UNREADABLE_DIR,
+            ) from err
+        raise
+
+
+def _lexists(name, folder_fd) -> bool:
+    try:
+        os.stat(name, dir_fd=folder_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def warn_unreadable(directory, skipped, moved, restored, position) -> None:

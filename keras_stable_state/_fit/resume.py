@@ -25,8 +25,9 @@ def restore_newest(paths, directory, restore, unreadable):
 
     Each file's record goes to ``restore(path, record)``; a file that is unreadable
     (``CorruptCheckpointError``, ``CheckpointFormatError``, raised by the read or by
-    ``restore``) goes to ``unreadable(path, err)`` and the next one is tried; a file
-    removed since it was listed is skipped.
+    ``restore``; a FIFO, device or other non-regular file; a symbolic link to nothing)
+    goes to ``unreadable(path, err)`` and the next one is tried; a file removed since it
+    was listed is skipped.
 
     Returns:
         The path restored, or ``None`` if none was left.
@@ -51,7 +52,10 @@ def restore_newest(paths, directory, restore, unreadable):
                 path=path,
                 holder=err.holder,
             ) from err
-        except FileNotFoundError:
+        except FileNotFoundError as err:
+            if os.path.islink(path):  # a symbolic link to nothing: unreadable, moved aside
+                unreadable(path, err)
+                continue
             if os.path.lexists(path):
                 raise
             continue  # removed since it was listed: the next one is the newest

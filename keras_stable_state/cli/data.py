@@ -57,7 +57,7 @@ def open_checkpoint(path) -> CheckpointFile:
         IsADirectoryError: if ``path`` is a folder.
         The errors of :class:`~keras_stable_state.format.CheckpointFile` otherwise.
     """
-    path = os.fspath(path)
+    path = storage.fs_path(path, "path")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file. Check the path.")
     if os.path.isdir(path):
@@ -231,7 +231,7 @@ def bytes_to_verify(f: CheckpointFile) -> int:
 
 def refused(path, err) -> Verification:
     """The :class:`Verification` of a file refused on opening with ``err`` (seal, truncation, structure)."""
-    path = os.fspath(path)
+    path = storage.fs_path(path, "path")
     key = getattr(err, "key", None)
     return Verification(
         file=path,

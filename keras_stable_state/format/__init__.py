@@ -12,13 +12,17 @@ described once, in ``docs/concepts/file-format.md``; what a reader refuses, in
   the member ``keras_stable_state.h5`` of a ``.keras`` archive) or a stock Keras
   ``.keras`` / ``.weights.h5`` file, with every check, and reads one array at a
   time; :func:`read_file` and :func:`read_bytes` read a whole file through it.
+* :func:`fs_path` takes every path a user gives (``str``, ``bytes``, ``os.PathLike``);
+  :func:`open_regular` opens every file the library opens by path, regular files only
+  (:mod:`~keras_stable_state.format.files`).
 * :func:`write_record` writes a :class:`StateRecord` atomically;
   :func:`record_to_bytes` returns the bytes of a sealed ``.h5`` instead.
 
 Modules: :mod:`~keras_stable_state.format.record` (names, limits, records),
 :mod:`~keras_stable_state.format.codec` (dtypes, array encoding),
 :mod:`~keras_stable_state.format.seal`, :mod:`~keras_stable_state.format.writer`,
-:mod:`~keras_stable_state.format.atomic`, :mod:`~keras_stable_state.format.reader`
+:mod:`~keras_stable_state.format.atomic`, :mod:`~keras_stable_state.format.files`,
+:mod:`~keras_stable_state.format.reader`
 (with :mod:`~keras_stable_state.format.source`,
 :mod:`~keras_stable_state.format.records`, :mod:`~keras_stable_state.format.index`,
 :mod:`~keras_stable_state.format.schema`, :mod:`~keras_stable_state.format.stock`),
@@ -31,6 +35,7 @@ This package imports no Keras and no backend: h5py, NumPy, ml_dtypes and xxhash 
 
 from keras_stable_state.format.atomic import atomic_path
 from keras_stable_state.format.codec import DTYPES, dtype_name, encode_array, numpy_dtype, stored_dtype
+from keras_stable_state.format.files import fs_path, open_regular
 from keras_stable_state.format.reader import CheckpointFile, open_file, read_bytes, read_file
 from keras_stable_state.format.record import (
     ALIGN,
@@ -68,8 +73,10 @@ __all__ = [
     "check_target",
     "dtype_name",
     "encode_array",
+    "fs_path",
     "numpy_dtype",
     "open_file",
+    "open_regular",
     "read_bytes",
     "read_file",
     "record_to_bytes",

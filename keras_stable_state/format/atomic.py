@@ -1,8 +1,12 @@
 """Atomic writes: a file appears whole at its path, or the previous one stays.
 
-A temporary file ``.kss-*`` in the same folder is written, given the
-permissions ``open`` would give (``0o666`` less the umask), ``fsync``-ed and
-renamed onto the path (``os.replace``), then the folder is ``fsync``-ed.
+A temporary file ``.kss-<random><suffix>`` in the same folder is created
+(:func:`create_temporary`: ``O_CREAT | O_EXCL | O_NOFOLLOW``, so never through a
+link nor onto an existing file, with mode ``0o666``: the umask applies as for
+``open``, and the process umask is never changed), written, checked to be still
+the file created (nothing replaced it meanwhile), ``fsync``-ed through its own
+descriptor and renamed onto the path (``os.replace``: a symbolic link at the
+path is replaced, never written through), then the folder is ``fsync``-ed.
 
 This module imports no Keras.
 """
@@ -12,19 +16,38 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import tempfile
-import threading
+import secrets
 
 from keras_stable_state.errors import CheckpointFormatError, StateError
 
-_UMASK_LOCK = threading.Lock()
+TEMP_PREFIX = ".kss-"
+"""Prefix of every temporary file of an atomic write."""
+_CREATE = (
+    os.O_RDWR
+    | os.O_CREAT
+    | os.O_EXCL
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_BINARY", 0)
+)
 
 
-def _umask() -> int:
-    with _UMASK_LOCK:
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return mask
+def create_temporary(folder: str, suffix: str = "") -> tuple[int, str]:
+    """Create a new empty file ``<folder>/.kss-<random><suffix>``; ``(descriptor, path)``.
+
+    The file is created exclusively (``O_EXCL``: a name already taken, also by a symbolic
+    link, is never opened) with mode ``0o666`` less the umask.
+
+    Raises:
+        OSError: if it cannot be created (the folder is missing or read-only, permissions).
+    """
+    for _ in range(100):
+        path = os.path.join(folder, f"{TEMP_PREFIX}{secrets.token_hex(6)}{suffix}")
+        try:
+            return os.open(path, _CREATE, 0o666), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary file name after 100 tries", folder)
 
 
 def _fsync_dir(folder: str) -> None:
@@ -58,9 +81,10 @@ def directory_error(path: str) -> CheckpointFormatError:
 
 
 class atomic_path:
-    """Context manager yielding a temporary path beside ``filepath``; on success the
-    file gets ``0o666 & ~umask`` permissions, is fsynced and renamed onto
-    ``filepath`` (``os.replace``), and the folder is fsynced; on error it is removed.
+    """Context manager yielding a temporary path beside ``filepath`` (a new file of
+    :func:`create_temporary`, ``0o666 & ~umask`` permissions); on success it is checked to
+    be still that file, fsynced and renamed onto ``filepath`` (``os.replace``), and the
+    folder is fsynced; on error it is removed.
 
     Args:
         filepath: Where the file is to appear.
@@ -68,6 +92,8 @@ class atomic_path:
 
     Raises:
         CheckpointFormatError: if ``filepath`` is a directory.
+        StateError: if the temporary file was removed or replaced while it was written
+            (another process writes into the folder); ``filepath`` is left as it was.
         OSError: naming ``filepath`` when writing fails (disk full, permissions);
             the previous file at ``filepath`` is left as it was.
     """
@@ -82,16 +108,32 @@ class atomic_path:
         folder = os.path.dirname(os.path.abspath(self.filepath))
         try:
             os.makedirs(folder, exist_ok=True)
-            fd, self.tmp = tempfile.mkstemp(prefix=".kss-", suffix=self.suffix, dir=folder)
+            self.fd, self.tmp = create_temporary(folder, self.suffix)
         except OSError as err:
             raise _write_error(self.filepath, err) from err
-        os.close(fd)
         self.folder = folder
         return self.tmp
 
     def _discard(self):
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
         with contextlib.suppress(FileNotFoundError):
             os.remove(self.tmp)
+
+    def _check_in_place(self):
+        """Refuse to rename what is at the temporary path unless it is the file created."""
+        try:
+            same = os.path.samestat(os.fstat(self.fd), os.lstat(self.tmp))
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise StateError(
+                f"The temporary file {self.tmp!r} of the write of {self.filepath!r} was removed or "
+                "replaced while it was written: something else writes into that folder. Nothing was "
+                f"written at {self.filepath!r} (the file there, if any, is unchanged). Write into a "
+                "folder that only this process writes to.",
+                key=self.tmp,
+            )
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
@@ -100,12 +142,16 @@ class atomic_path:
                 raise _write_error(self.filepath, exc) from exc
             return False
         try:
-            os.chmod(self.tmp, 0o666 & ~_umask())
-            with open(self.tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
+            self._check_in_place()
+            os.fsync(self.fd)
             os.replace(self.tmp, self.filepath)
+        except StateError:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            raise
         except OSError as err:
             self._discard()
             raise _write_error(self.filepath, err) from err
+        os.close(self.fd)
         _fsync_dir(self.folder)
         return False

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from keras_stable_state.errors import CorruptCheckpointError
-from keras_stable_state.format import sandbox
+from keras_stable_state.format import files, sandbox
 
 PROBE_TIMEOUT = 60.0
 # A file that already failed its seal is probed only to name its damaged keys: never wait long.
@@ -37,7 +37,9 @@ def probe(path: str, member: str | None = None, timeout: float = PROBE_TIMEOUT, 
     """Read an HDF5 file (or archive member) in a separate process.
 
     Args:
-        path: The file (or the archive holding ``member``).
+        path: The file (or the archive holding ``member``); a ``/dev/fd/<n>`` path
+            (:func:`~keras_stable_state.format.files.inherited_path`) is passed on with its
+            descriptor.
         member: An archive member to read instead of the file itself, or ``None``.
         timeout: Seconds the process may run.
         expect: Optional ``[[key, dtype, shape, dataset path, xxh3-64 hex]]`` rows whose
@@ -54,12 +56,12 @@ def probe(path: str, member: str | None = None, timeout: float = PROBE_TIMEOUT, 
             with open(rows, "w") as fh:
                 json.dump(expect, fh)
         cmd = [sys.executable, "-I", sandbox.__file__, path, member or "", rows]
-        return _run(cmd, timeout)
+        return _run(cmd, timeout, files.inherited_fds(path))
 
 
-def _run(cmd: list, timeout: float) -> dict:
+def _run(cmd: list, timeout: float, fds: tuple = ()) -> dict:
     try:
-        done = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False, pass_fds=fds)
     except subprocess.TimeoutExpired:
         return {"crashed": f"reading it did not finish within {timeout:.0f} s"}
     if done.returncode < 0:

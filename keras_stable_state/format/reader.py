@@ -20,6 +20,7 @@ This module imports no Keras.
 
 from __future__ import annotations
 
+import errno
 import os
 import zipfile
 import zlib
@@ -78,8 +79,11 @@ class CheckpointFile:
 
     Raises:
         TypeError: if ``path`` is not a ``str``, ``bytes`` or ``os.PathLike``.
-        FileNotFoundError: if ``path`` does not exist.
-        CheckpointFormatError: if ``path`` is a directory, for a format version
+        FileNotFoundError: if ``path`` does not exist (or is a symbolic link to nothing).
+        PermissionError: if ``path`` cannot be opened for reading.
+        CheckpointFormatError: if ``path`` is a directory or another file that is not a
+            regular file (a FIFO, a device such as ``/dev/zero``, a socket; a symbolic
+            link is followed to a regular file), for a format version
             this version does not read, a legacy Keras HDF5 file, or a zip
             archive holding neither a training state nor Keras weights.
         CheckpointInUseError: if another process holds the file locked for writing.
@@ -119,7 +123,10 @@ class CheckpointFile:
         self._shared = {}
         self._sync_source()
         if data is None and not os.path.exists(self.path):
-            raise FileNotFoundError(f"No training-state file at {self.path!r}.")
+            link = f" (a symbolic link to {os.readlink(self.path)!r})" if os.path.islink(self.path) else ""
+            raise FileNotFoundError(
+                errno.ENOENT, f"No training-state file at {self.path!r}{link}.", self.path
+            )
         if data is None and os.path.isdir(self.path):
             raise CheckpointFormatError(
                 f"{self.path!r} is a directory, not a training-state file. Pass one .keras or .h5 file "
@@ -131,7 +138,7 @@ class CheckpointFile:
             self._open()
         except BaseException as err:
             self.close()
-            if isinstance(err, StateError | FileNotFoundError):
+            if isinstance(err, StateError | FileNotFoundError | PermissionError):
                 raise
             if isinstance(
                 err,
@@ -391,12 +398,14 @@ def read_file(filepath):
 
     Raises:
         FileNotFoundError: if the path does not exist.
+        PermissionError: if the file cannot be opened for reading.
         CheckpointInUseError: if another process holds the file locked for writing.
         CorruptCheckpointError: for every kind of damage :class:`CheckpointFile`
             lists, an array failing its checksum (naming its key), an archive
             member failing its zip CRC-32 (naming it), or positional optimizer
             variables or their ``StableOptimizer`` keys missing.
-        CheckpointFormatError: for a directory, an unknown format version, a
+        CheckpointFormatError: for a directory or another file that is not a regular
+            file (FIFO, device, socket), an unknown format version, a
             legacy Keras HDF5 file, or a zip archive holding neither a training
             state nor Keras weights.
     """

@@ -19,6 +19,7 @@ import io
 import json
 import os
 import re
+import stat
 import tempfile
 import zipfile
 import zlib
@@ -26,7 +27,7 @@ import zlib
 import h5py
 
 from keras_stable_state.errors import CheckpointFormatError, CheckpointInUseError, CorruptCheckpointError
-from keras_stable_state.format import sandbox
+from keras_stable_state.format import files, sandbox
 from keras_stable_state.format import seal as _seal
 from keras_stable_state.format.probe import damaged, diagnose, probe_or_refuse
 from keras_stable_state.format.record import (
@@ -92,9 +93,11 @@ class Source:
 
     @contextlib.contextmanager
     def on_disk(self):
-        """A path holding the file's bytes, for a probe process."""
+        """A path holding the file's bytes, for a probe process: the open file itself
+        (:func:`~keras_stable_state.format.files.inherited_path`), or a private copy of
+        bytes in memory."""
         if self.data is None:
-            yield self.path
+            yield files.inherited_path(self.fh)
             return
         with tempfile.TemporaryDirectory(prefix="kss-probe-") as folder:
             copy = os.path.join(folder, "state")
@@ -113,7 +116,9 @@ class Source:
         if self.data is not None:
             self.fh = io.BytesIO(self.data)
         else:
-            self.fh = open(self.path, "rb")  # noqa: SIM115 (held open, and locked, until close())
+            self.fh = files.open_binary(
+                self.path
+            )  # a regular file only; held open, and locked, until close()
             self._lock()
         head = self.fh.read(USERBLOCK_SIZE)
         self.fh.seek(0)
@@ -155,7 +160,8 @@ class Source:
         return found
 
     def _check_infos(self, infos: list) -> None:
-        """Refuse duplicate, unsafe, oddly compressed or bomb-like archive members."""
+        """Refuse duplicate, unsafe (a path out of the archive, a symbolic link, FIFO or device),
+        oddly compressed or bomb-like archive members."""
         names = [info.filename for info in infos]
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
@@ -164,6 +170,11 @@ class Source:
             name = info.filename
             if name.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", name) or ":" in name.split("/")[0]:
                 raise damaged(self.path, f"archive member {name!r} has an unsafe path (absolute or '..')")
+            unix = info.external_attr >> 16
+            if stat.S_IFMT(unix) not in (0, stat.S_IFREG, stat.S_IFDIR):
+                raise damaged(
+                    self.path, f"archive member {name!r} is {files.kind(unix)}, not a file", key=name
+                )
             if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
                 raise damaged(
                     self.path, f"archive member {name!r} uses compression method {info.compress_type}"

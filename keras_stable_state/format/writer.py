@@ -27,7 +27,7 @@ import numpy as np
 
 from keras_stable_state.errors import CheckpointFormatError
 from keras_stable_state.format import keras_archive, sandbox
-from keras_stable_state.format.atomic import atomic_path, directory_error
+from keras_stable_state.format.atomic import atomic_path, create_temporary, directory_error
 from keras_stable_state.format.codec import aligned, encode_array, json_array
 from keras_stable_state.format.record import (
     BLOB_TARGET,
@@ -206,7 +206,8 @@ def write_record(filepath, record: StateRecord, keras_archive_writer=None):
     if path.endswith(".keras"):
         with atomic_path(path, suffix=".keras") as tmp:
             keras_archive_writer(tmp)
-            member = f"{tmp}.member.h5"
+            fd, member = create_temporary(os.path.dirname(tmp), ".member.h5")  # never a name taken
+            os.close(fd)
             try:
                 _write_sealed(member, record, keras_archive.KerasWeights.of_archive(tmp))
                 _append_member(tmp, member)
