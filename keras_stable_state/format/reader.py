@@ -29,6 +29,7 @@ import numpy as np
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import EXOTIC, decode_array, stored_dtype
+from keras_stable_state.format.memory import out_of_memory
 from keras_stable_state.format.probe import damaged
 from keras_stable_state.format.record import BLOB_TARGET, FORMAT, MEMBER, SECTIONS, Entry, StateRecord
 from keras_stable_state.format.records import RecordListing
@@ -131,8 +132,8 @@ class CheckpointFile:
             self._open()
         except BaseException as err:
             self.close()
-            if isinstance(err, StateError | FileNotFoundError):
-                raise
+            if isinstance(err, StateError | FileNotFoundError) or out_of_memory(err):
+                raise  # memory ran out: not damage (the restore core says so)
             if isinstance(
                 err,
                 OSError
@@ -218,6 +219,8 @@ class CheckpointFile:
                 format 2, the CRC-32 of the same; format 1, the CRC-32 of its
                 bytes (ints).
             ValueError: if the file is closed.
+            MemoryError: (or h5py's error saying so) if memory ran out reading it: the
+                file is not called damaged.
         """
         h5 = self._src.h5
         if h5 is None:
@@ -227,6 +230,8 @@ class CheckpointFile:
         try:
             stored = sandbox.read_dataset(h5[entry.dataset])
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+            if out_of_memory(err):
+                raise
             raise damaged(
                 self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
             ) from err
@@ -271,6 +276,8 @@ class CheckpointFile:
             computed = sandbox.digest_v3(entry.key, entry.dtype, entry.shape, raw)
             stored = raw.view(stored_dtype(entry.dtype)).reshape(entry.shape)
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+            if out_of_memory(err):
+                raise
             raise damaged(
                 self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
             ) from err
