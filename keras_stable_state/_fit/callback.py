@@ -67,6 +67,12 @@ class StableCheckpoint(keras.callbacks.Callback):
     :func:`keras_stable_state.save_training_state`), written atomically through a
     ``.kss-*`` temporary file; the newest ``keep`` files are kept (only files named
     ``ckpt-<10 digits>.h5`` count, and a file that vanished meanwhile is skipped).
+    The resume reads the newest checkpoint once and restores everything (variables,
+    position, callback states, random state) from what it read. While the ``fit``
+    runs, a :func:`~keras_stable_state.save_training_state` of the model from
+    another thread waits for the end of the current step, the training thread
+    waiting in ``on_train_batch_end`` until that save has read the model: the file
+    holds one step.
 
     The directory belongs to one writer at a time: on train begin the callback takes
     an exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock`` (which names
