@@ -64,6 +64,10 @@ KSS_FUZZ_EDITS ?= 300
 # per hypothesis property test (make test runs 10).
 KSS_KILL_SAVES ?= 50
 KSS_HYPOTHESIS_EXAMPLES ?= 200
+# Restores under 20 memory limits from 1.1x to 3x the state, and 1000 saves from another
+# thread during fit (tests/test_hostile_memory.py, tests/test_hostile_threads.py).
+KSS_MEMORY_LIMITS ?= 20
+KSS_THREAD_SAVES ?= 1000
 fuzz: setup
 	@status=0; for b in $(BACKENDS); do \
 		echo "=== fuzz campaign, backend: $$b ==="; \
@@ -76,6 +80,9 @@ fuzz: setup
 		echo "=== property tests with $(KSS_HYPOTHESIS_EXAMPLES) examples, backend: $$b ==="; \
 		KSS_HYPOTHESIS_EXAMPLES=$(KSS_HYPOTHESIS_EXAMPLES) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
 			-p no:cacheprovider tests/test_storage_format.py tests/test_bytes.py tests/test_mappers.py || status=1; \
+		echo "=== $(KSS_MEMORY_LIMITS) memory limits, $(KSS_THREAD_SAVES) saves from another thread, backend: $$b ==="; \
+		KSS_MEMORY_LIMITS=$(KSS_MEMORY_LIMITS) KSS_THREAD_SAVES=$(KSS_THREAD_SAVES) KERAS_BACKEND=$$b $(BIN)/python -m pytest \
+			-q -p no:cacheprovider tests/test_hostile_memory.py tests/test_hostile_threads.py || status=1; \
 	done; exit $$status
 
 # Resume-conformance matrix (tests/matrix.py): MATRIX_CASES drawn fit configurations per

@@ -6,13 +6,15 @@
 * :mod:`.plan`: every check and conversion of a read record, then every assignment
   (:func:`plan_callbacks` for the callback states alone);
 * :mod:`.arguments`, :mod:`.scope`, :mod:`.apply`, :mod:`.mappers`, :mod:`.report`,
-  :mod:`.guards`, :mod:`.in_memory`: argument checks, key scopes, all-or-nothing
-  assignment, state mappers, the report, the decorators of the verbs, bytes.
+  :mod:`.guards`, :mod:`.in_memory`, :mod:`.boundary`: argument checks, key scopes,
+  all-or-nothing assignment, state mappers, the report, the decorators of the verbs,
+  bytes, saves from other threads during ``fit``.
 
 Other packages use these names from here (``from keras_stable_state import _core as checkpoint``).
 """
 
 from keras_stable_state._core.arguments import check_callbacks
+from keras_stable_state._core.boundary import step_boundary, training_begins, training_ends
 from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
 from keras_stable_state._core.plan import plan_callbacks
 from keras_stable_state._core.report import RestoreReport
@@ -34,6 +36,9 @@ __all__ = [
     "restore_training_state_from_bytes",
     "restore_with",
     "save_training_state",
+    "step_boundary",
+    "training_begins",
+    "training_ends",
     "training_state_record",
     "training_state_to_bytes",
 ]

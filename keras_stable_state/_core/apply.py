@@ -104,13 +104,17 @@ def coerce(key, array, variable, allow_cast, report):
 # -- assigning: all or nothing ----------------------------------------------------------
 @dataclasses.dataclass
 class Step:
-    """One assignment of a restore. ``snapshot()`` (called before the first step of
-    the restore is applied) returns ``(undo, changed)``: a callable putting the
-    current value back, and one telling whether the value differs from it now."""
+    """One assignment of a restore. ``snapshot()`` (called for every step before the
+    first step of the restore is applied) makes everything the step needs (the value
+    to assign, converted; the current value, kept) and returns ``(undo, changed)``: a
+    callable putting the current value back without allocating new memory where the
+    backend allows it (see :func:`variable_step`), and one telling whether the value
+    differs from it now."""
 
     name: str
     apply: object
     snapshot: object
+    nbytes: int = 0  # the bytes of the value it assigns (see _check_headroom)
 
 
 # Dtypes every backend holds as they are (native byte order): a host array of one of
@@ -159,17 +163,101 @@ def _native(value):
     return convert(value)
 
 
-def variable_step(var, array, name=None):
-    def snapshot():
-        old = private_copy(to_numpy(var))
-        return (lambda: var.assign(old)), (lambda: not state_mod.same_state(np.asarray(to_numpy(var)), old))
+def _prepared(var, array):
+    """``array`` as the value ``var.assign`` takes without converting or allocating: the
+    backend's own tensor of the variable's dtype, on its device (on JAX: placed on its
+    current sharding). Called for every variable before the first assignment, so that
+    running out of memory here changes nothing. On TensorFlow the host array itself:
+    its conversion, one array at a time as it is assigned, fits in the memory
+    :func:`_check_headroom` found free."""
+    value = _multiprocess.place(var, array)
+    if type(value) is not np.ndarray:
+        return value  # a placed jax.Array (sharded, or read by the Orbax engine)
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return value  # converted as it is assigned, within the headroom checked (_check_headroom)
+    if value.dtype in _NATIVE_DTYPES and (backend != "torch" or value.flags.writeable):
+        value = _native(value)
+    else:  # bfloat16, 64-bit types, a read-only array on torch: Keras' own conversion (a copy)
+        value = keras.ops.convert_to_tensor(value, dtype=_dtype(var))
+    if backend == "torch":
+        device = var.value.device
+        if value.device != device:
+            value = value.to(device)
+    return value
 
-    # On JAX the value is placed on the variable's current sharding (each process its own shards).
-    return Step(
-        name or getattr(var, "path", var.name),
-        lambda: var.assign(_native(_multiprocess.place(var, array))),
-        snapshot,
-    )
+
+def _kept(var):
+    """The variable's current value, kept for a rollback that allocates nothing.
+
+    JAX arrays are immutable and ``assign`` replaces the variable's array, so the old
+    array itself is kept (no copy). TensorFlow and Torch assign into the variable's own
+    buffer, so the old value is copied on the device now, before the first assignment;
+    putting it back copies it into that buffer (``assign`` of a tensor of the variable's
+    dtype and device converts nothing).
+    """
+    value = var.value
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return value
+    if backend == "torch":
+        return value.detach().clone()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.raw_ops.DeepCopy(x=value)
+    return private_copy(to_numpy(var))
+
+
+def _differs(var, old) -> bool:
+    """Whether ``var`` holds another value than ``old`` (kept by :func:`_kept`)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return var.value is not old
+    if backend == "torch":
+        import torch
+
+        return not torch.equal(var.value.detach(), old)
+    current = to_numpy(var)
+    return not state_mod.same_state(np.asarray(current), np.asarray(getattr(old, "numpy", lambda: old)()))
+
+
+def variable_step(var, array, name=None):
+    """The step assigning ``array`` to ``var``: its snapshot converts ``array`` for the
+    variable (:func:`_prepared`) and keeps the current value (:func:`_kept`), both before
+    the first assignment of the restore; its undo assigns the kept value back."""
+    prepared = []
+
+    def snapshot():
+        prepared.append(_prepared(var, array))
+        old = _kept(var)
+        return (lambda: var.assign(old)), (lambda: _differs(var, old))
+
+    def apply():
+        value = prepared.pop()  # dropped once assigned: the variable holds it, or a copy
+        var.assign(_native(value) if type(value) is np.ndarray else value)
+
+    return Step(name or getattr(var, "path", var.name), apply, snapshot, int(getattr(array, "nbytes", 0)))
+
+
+def _check_headroom(steps) -> None:
+    """On TensorFlow, raise ``MemoryError`` unless what the restore allocates from here
+    on can be allocated now: the kept values (as many bytes as the values assigned) and
+    the conversion of the largest value (two copies: TensorFlow's ``convert_to_tensor``
+    copies a host array, then copies it again into memory of its own alignment).
+    TensorFlow's conversion of a host array and its copy kernel die with SIGSEGV when
+    its allocator cannot grow (its oneDNN CPU allocator grows its pool by regions up to
+    the pool's size) instead of raising; so that running out of memory is an error and
+    not a crash, twice these bytes are first allocated (and freed at once) by NumPy,
+    which raises ``MemoryError``. The other backends raise their own out-of-memory
+    errors."""
+    if keras.backend.backend() != "tensorflow":
+        return
+    sizes = [getattr(step, "nbytes", 0) for step in steps]
+    need = 2 * (sum(sizes) + 2 * max(sizes, default=0))
+    if need:
+        probe = np.empty(need, np.uint8)
+        del probe
 
 
 def state_step(name, get, put, value):
@@ -193,11 +281,19 @@ def apply_steps(steps, where=None):
     (and the failing one, if it changed anything) from snapshots taken before the
     first, then re-raise.
 
+    Every snapshot is taken before the first step is applied, and a snapshot makes
+    everything its step allocates: running out of memory there (or anywhere before
+    the first assignment) changes nothing, and putting values back allocates no new
+    memory for model and optimizer variables (JAX keeps the old arrays themselves;
+    TensorFlow and Torch copy into the variables' own buffers from device copies made
+    up front).
+
     Raises:
         The error of the failing step (a ``KeyFormatError`` from a provider as
         :class:`MalformedKeyError`), or :class:`StateError` naming what could
         not be put back when the rollback itself fails.
     """
+    _check_headroom(steps)
     snapshots = [step.snapshot() for step in steps]
     done = []
     for step, (undo, changed) in zip(steps, snapshots, strict=True):
@@ -219,12 +315,21 @@ def apply_steps(steps, where=None):
         done.append((step, undo, changed, False))
 
 
+def _changed(changed) -> bool:
+    """``changed()``, or ``True`` when it cannot tell (it ran out of memory comparing): an
+    undo puts back a kept value, which is harmless when nothing changed."""
+    try:
+        return changed()
+    except Exception:  # noqa: BLE001 - undoing is always safe; not knowing means undo
+        return True
+
+
 def _roll_back(applied) -> list:
     """Undo ``(step, undo, changed, failing)`` in order; the names that could not be undone."""
     failed = []
     for step, undo, changed, failing in applied:
         try:
-            if failing and not changed():
+            if failing and not _changed(changed):
                 continue
             undo()
         except Exception as err:  # noqa: BLE001 - every failure is reported by name to the caller

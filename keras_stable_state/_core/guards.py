@@ -10,10 +10,12 @@ import gc
 import keras
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state._identity.keys import file_label
 from keras_stable_state._identity.paths import one_walk
 from keras_stable_state._optimizer import tracked_optimizers
+from keras_stable_state.format.memory import memory_refusal, out_of_memory
 
-__all__ = ["cyclic_gc_paused", "walking_once", "builds_undone_on_refusal"]
+__all__ = ["cyclic_gc_paused", "walking_once", "builds_undone_on_refusal", "memory_refused"]
 
 
 @contextlib.contextmanager
@@ -76,6 +78,26 @@ def builds_undone_on_refusal(restore):
             return restore(filepath, model, options, *args, **kwargs)
         except BaseException:
             undo()
+            raise
+
+    return guarded
+
+
+def memory_refused(restore):
+    """Running out of memory anywhere in ``restore(filepath, model, ...)`` (reading,
+    checking, converting, or assigning, once every assigned value is put back) is a
+    :class:`~keras_stable_state.errors.StateError` naming the file and saying so
+    (:func:`~keras_stable_state.format.memory.memory_refusal`), not a raw
+    ``MemoryError`` or backend error. A rollback that failed too is reported as such by
+    :func:`~keras_stable_state._core.apply.apply_steps` (a ``StateError`` already)."""
+
+    @functools.wraps(restore)
+    def guarded(filepath, *args, **kwargs):
+        try:
+            return restore(filepath, *args, **kwargs)
+        except BaseException as err:
+            if out_of_memory(err):
+                raise memory_refusal(file_label(filepath), err) from err
             raise
 
     return guarded

@@ -11,6 +11,7 @@ the records' checksums and schema, every array's xxh3-64 (CRC-32 in format 2)
 from __future__ import annotations
 
 from keras_stable_state import format as storage
+from keras_stable_state._core import boundary
 from keras_stable_state._core.restore import RestoreOptions, restore_with
 from keras_stable_state._core.save import training_state_record
 
@@ -41,14 +42,16 @@ def training_state_to_bytes(model, optimizer=None, **kwargs) -> bytes:
 
     Raises:
         StateError: every error of ``save_training_state`` but those about the path
-            (its subclasses, ``TypeError`` and ``ValueError`` for invalid arguments).
+            (its subclasses, ``TypeError`` and ``ValueError`` for invalid arguments);
+            from another thread during ``fit`` it waits or is refused as that one does.
 
     Example:
         >>> data = kss.training_state_to_bytes(model)
         >>> bucket.put_object(Key="run/step-100.h5", Body=data)
     """
-    record = training_state_record(model, optimizer, verb="training_state_to_bytes", **kwargs)
-    return storage.record_to_bytes(record)
+    with boundary.saving(model, "training_state_to_bytes"):  # as save_training_state's
+        record = training_state_record(model, optimizer, verb="training_state_to_bytes", **kwargs)
+        return storage.record_to_bytes(record)
 
 
 def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, allow_cast=False, **kwargs):

@@ -25,7 +25,7 @@ from keras_stable_state._core.arguments import (
     check_rename,
     check_variables,
 )
-from keras_stable_state._core.guards import builds_undone_on_refusal, walking_once
+from keras_stable_state._core.guards import builds_undone_on_refusal, memory_refused, walking_once
 from keras_stable_state._core.plan import RestoreRequest, restore_record
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._engines import orbax as orbax_engine
@@ -90,7 +90,10 @@ def restore_training_state(
     states and the random state. If an assignment still fails (a provider's
     ``set_state`` refuses, a backend refuses an array), every value already
     assigned is put back from a snapshot taken before the first, and the error
-    is re-raised: the restore is all-or-nothing. Model variables and slots are
+    is re-raised: the restore is all-or-nothing. Everything the assignments need
+    (the converted values, the snapshot) is allocated before the first one, and
+    putting values back allocates no new memory, so running out of memory leaves
+    everything unchanged too. Model variables and slots are
     matched by key (named keys by stable path, ordered keys by registration
     order with shape and dtype checks); stock Keras files are matched by their
     layer structure and optimizer position, and the report says so. An
@@ -205,7 +208,12 @@ def restore_training_state(
             putting values back after a failed assignment failed too (naming
             them), or an array stored through a mapper cannot be decoded: the
             mapper is not registered in this process, refuses its stored config,
-            or decodes to another shape or dtype (naming the key).
+            or decodes to another shape or dtype (naming the key). Also if memory
+            ran out (a ``MemoryError``, or the backend's out-of-memory error: XLA's
+            ``RESOURCE_EXHAUSTED``, Torch's ``OutOfMemoryError``, TensorFlow's
+            ``ResourceExhaustedError``) while reading, checking, converting or
+            assigning: the message names the file and says so, and nothing is
+            changed (the error is raised from the original one).
 
     Whatever is refused, the model, its optimizers and the other state are left
     as they were: an optimizer the restore built before the refusal is put back
@@ -231,6 +239,7 @@ def restore_training_state(
     return restore_with(filepath, model, options, defer=defer)
 
 
+@memory_refused
 @builds_undone_on_refusal
 @walking_once
 def restore_with(

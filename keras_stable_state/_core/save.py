@@ -18,6 +18,7 @@ from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as multiprocess
 from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
+from keras_stable_state._core import boundary
 from keras_stable_state._core import mappers as mappers_mod
 from keras_stable_state._core.arguments import (
     MODEL_STATES,
@@ -67,6 +68,15 @@ def save_training_state(
     gradient-accumulation sums), the trainable-variable contract, the
     learning-rate schedule's config, the state of stateful ``callbacks``, each
     provider in ``state`` and the global random state.
+
+    From another thread while ``model.fit`` trains the model, a save is of one step: with
+    a :class:`~keras_stable_state.StableCheckpoint` in that ``fit``, the call waits for
+    the next step boundary (the end of the current training step; the training thread
+    waits meanwhile, until every value saved is read: for ``blocking=True`` until the
+    file is written, for ``blocking=False`` until the host copy is made); without one,
+    it is refused (a Keras callback cannot stop a step half-way, and nothing else
+    tells when one ends). A save from the training thread itself (in a callback) runs
+    at once, as always.
 
     Args:
         filepath: ``str`` or path ending in ``.keras`` (a Keras archive that
@@ -140,7 +150,9 @@ def save_training_state(
             (e.g. pending gradients for a variable that is no longer trainable),
             or a mapper refuses a value (a float16 overflow, NaN for int8),
             naming the key; for ``.orbax`` if orbax-checkpoint is not installed;
-            with several JAX processes, on the others, if process 0 failed to write.
+            with several JAX processes, on the others, if process 0 failed to write;
+            if called from another thread while a ``fit`` of ``model`` without a
+            ``StableCheckpoint`` runs, naming that thread.
         OSError: naming the path when the write fails (disk full); the
             previous file is left intact. With ``blocking=False`` it is raised
             by the handle's ``wait()``, not by the call.
@@ -171,35 +183,39 @@ def save_training_state(
             "processes: the save runs collectives on the calling thread. Pass blocking=True."
         )
 
-    def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
-        return orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
+    # Read at a step boundary when another thread's fit trains the model (see _core.boundary);
+    # with blocking=True the variables are read as the file is written, so all of it is inside.
+    with boundary.saving(model, verb):
 
-    record = training_state_record(
-        model,
-        optimizer,
-        verb=verb,
-        convert=convert,
-        model_state=model_state,
-        callbacks=callbacks,
-        state=state,
-        include_rng=include_rng,
-        allow_order_keys=allow_order_keys,
-        variables=variables,
-        mappers=mappers,
-        before_copy=None if blocking else lambda: _wait_before_copy(filepath),
-    )
-    if orbax:  # each process writes its own shards; process 0 the sealed record
-        return orbax_engine.write(filepath, record)
-    if not blocking:
-        return _save_in_background(filepath, model, record, started)
-    # With several JAX processes every process gathered the same arrays; process 0 alone writes.
-    multiprocess.run_on_primary(
-        filepath,
-        lambda: storage.write_record(
-            filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
-        ),
-    )
-    return filepath
+        def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
+            return orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
+
+        record = training_state_record(
+            model,
+            optimizer,
+            verb=verb,
+            convert=convert,
+            model_state=model_state,
+            callbacks=callbacks,
+            state=state,
+            include_rng=include_rng,
+            allow_order_keys=allow_order_keys,
+            variables=variables,
+            mappers=mappers,
+            before_copy=None if blocking else lambda: _wait_before_copy(filepath),
+        )
+        if orbax:  # each process writes its own shards; process 0 the sealed record
+            return orbax_engine.write(filepath, record)
+        if not blocking:
+            return _save_in_background(filepath, model, record, started)
+        # With several JAX processes every process gathered the same arrays; process 0 alone writes.
+        multiprocess.run_on_primary(
+            filepath,
+            lambda: storage.write_record(
+                filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+            ),
+        )
+        return filepath
 
 
 def _wait_before_copy(filepath):

@@ -69,6 +69,12 @@ class StableCheckpoint(keras.callbacks.Callback):
     :func:`keras_stable_state.save_training_state`), written atomically through a
     ``.kss-*`` temporary file; the newest ``keep`` files are kept (only files named
     ``ckpt-<10 digits>.h5`` count, and a file that vanished meanwhile is skipped).
+    The resume reads the newest checkpoint once and restores everything (variables,
+    position, callback states, random state) from what it read. While the ``fit``
+    runs, a :func:`~keras_stable_state.save_training_state` of the model from
+    another thread waits for the end of the current step, the training thread
+    waiting in ``on_train_batch_end`` until that save has read the model: the file
+    holds one step.
 
     The directory belongs to one writer at a time: on train begin the callback takes
     an exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock`` (a regular file
@@ -265,6 +271,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.last_save = None
         self._in_flight = None
         self._in_flight_where = None
+        self._gated = None  # the model whose step boundaries this fit opens (_core.boundary)
         self._given_callbacks = checkpoint.check_callbacks(callbacks, "StableCheckpoint")
         self._reset(1)
         self._epoch_guard = None
@@ -369,6 +376,9 @@ class StableCheckpoint(keras.callbacks.Callback):
         except BaseException:
             self._release_directory()  # fit stops here; Keras will not call on_train_end
             raise
+        # From here, saves from other threads wait for a step boundary (on_train_batch_end).
+        self._gated = model  # held as is: ``self.model`` would sync JAX's state at every step
+        checkpoint.training_begins(model)
 
     def _check_read_only(self):
         """On a read-only file system, refuse a ``fit`` that has epochs left to train (it
@@ -434,10 +444,10 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     def _restore(self, path, record):
         # Variables, optimizer, schedule check and position now; callbacks, metrics and
-        # the epoch-start random state once every callback has run on_train_begin.
-        self.restore_report = checkpoint.restore_training_state(
-            path, self.model, state={"position": self._position}, include_rng=False
-        )
+        # the epoch-start random state once every callback has run on_train_begin. All of
+        # it from ``record``, the one read (and check) of the file: never read twice.
+        options = checkpoint.RestoreOptions(state={"position": self._position}, include_rng=False)
+        self.restore_report = checkpoint.restore_with(path, self.model, options, record=record)
         pos = self._position
         self._pending_restore = record
         writer = (self.restore_report.writer or {}).get("backend")
@@ -497,6 +507,10 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._save()
 
     def on_train_batch_end(self, batch, logs=None):
+        # A step boundary: a save waiting in another thread reads the model now (JAX: the
+        # model property attaches the training state to the variables first).
+        if self._gated is not None:
+            checkpoint.step_boundary(self._gated, lambda: self.model)
         if batch < self._skip_until:  # a batch applied before the checkpoint, drawn and skipped
             return
         pos = self._position
@@ -518,6 +532,9 @@ class StableCheckpoint(keras.callbacks.Callback):
                 self._save()
             self._collect(wait=True)  # the last background save: waited for, and its failure raised
         finally:
+            if self._gated is not None:
+                checkpoint.training_ends(self._gated)
+                self._gated = None
             compat.set_initial_epoch(self.model, None)
             self._release_directory()
 

@@ -23,7 +23,10 @@ from keras_stable_state.errors import (
 def restore_newest(paths, directory, restore, unreadable):
     """Read the checkpoints ``paths`` of ``directory`` (newest first) until one restores.
 
-    Each file's record goes to ``restore(path, record)``; a file that is unreadable
+    Each file is read once (one open handle, every check made on the bytes read through
+    it), and its record goes to ``restore(path, record)``, which restores everything
+    from that record: a file replaced between the check and the restore cannot mix
+    two files' state. A file that is unreadable
     (``CorruptCheckpointError``, ``CheckpointFormatError``, raised by the read or by
     ``restore``; a FIFO, device or other non-regular file; a symbolic link to nothing)
     goes to ``unreadable(path, err)`` and the next one is tried; a file removed since it

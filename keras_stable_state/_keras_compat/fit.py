@@ -5,6 +5,7 @@ its initial epoch and train function, and the compiled metrics and loss trackers
 from __future__ import annotations
 
 import sys
+import threading
 
 import keras
 
@@ -15,6 +16,7 @@ __all__ = [
     "fit_callbacks",
     "fit_data_adapter",
     "fit_epoch_iterator",
+    "fit_threads",
     "per_output_loss_weighting",
     "set_initial_epoch",
     "skip_batches",
@@ -72,6 +74,23 @@ def fit_epoch_iterator():
                 return found
         frame = frame.f_back
     return None
+
+
+def fit_threads(model) -> list:
+    """``(ident, name)`` of every thread whose call stack runs a Keras trainer's ``fit`` of
+    ``model`` (the current thread included), found as :func:`fit_epoch_iterator` finds its
+    own: the ``fit`` frame holding an ``epoch_iterator``, whose ``self`` is ``model``."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    found = []
+    for ident, frame in sys._current_frames().items():
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "fit" and "epoch_iterator" in code.co_varnames and "self" in code.co_varnames:
+                if frame.f_locals.get("self") is model:
+                    found.append((ident, names.get(ident, str(ident))))
+                    break
+            frame = frame.f_back
+    return found
 
 
 def fit_data_adapter():

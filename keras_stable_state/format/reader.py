@@ -30,6 +30,7 @@ import numpy as np
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import EXOTIC, decode_array, stored_dtype
+from keras_stable_state.format.memory import out_of_memory
 from keras_stable_state.format.probe import damaged
 from keras_stable_state.format.record import BLOB_TARGET, FORMAT, MEMBER, SECTIONS, Entry, StateRecord
 from keras_stable_state.format.records import RecordListing
@@ -138,8 +139,8 @@ class CheckpointFile:
             self._open()
         except BaseException as err:
             self.close()
-            if isinstance(err, StateError | FileNotFoundError | PermissionError):
-                raise
+            if isinstance(err, StateError | FileNotFoundError | PermissionError) or out_of_memory(err):
+                raise  # not damage (memory ran out: the restore core says so)
             if isinstance(
                 err,
                 OSError
@@ -225,6 +226,8 @@ class CheckpointFile:
                 format 2, the CRC-32 of the same; format 1, the CRC-32 of its
                 bytes (ints).
             ValueError: if the file is closed.
+            MemoryError: (or h5py's error saying so) if memory ran out reading it: the
+                file is not called damaged.
         """
         h5 = self._src.h5
         if h5 is None:
@@ -234,6 +237,8 @@ class CheckpointFile:
         try:
             stored = sandbox.read_dataset(h5[entry.dataset])
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+            if out_of_memory(err):
+                raise
             raise damaged(
                 self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
             ) from err
@@ -278,6 +283,8 @@ class CheckpointFile:
             computed = sandbox.digest_v3(entry.key, entry.dtype, entry.shape, raw)
             stored = raw.view(stored_dtype(entry.dtype)).reshape(entry.shape)
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
+            if out_of_memory(err):
+                raise
             raise damaged(
                 self.where, f"array for key {entry.key!r} cannot be read ({err})", key=entry.key
             ) from err
