@@ -7,6 +7,7 @@ Public API (see ``docs/`` and DESIGN.md)::
     kss.TrainableContract.capture(model).validate(model)
     kss.save_training_state(path, model)
     kss.restore_training_state(path, model) -> kss.RestoreReport
+    kss.CheckpointManager(directory, max_to_keep=3)  # save(step, model), restore(model)
     kss.training_state_to_bytes(model) -> bytes
     kss.restore_training_state_from_bytes(data, model) -> kss.RestoreReport
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
     from keras_stable_state._fit import StableCheckpoint
     from keras_stable_state._identity.contract import TrainableContract
     from keras_stable_state._identity.registry import VariableKey, VariableRegistry
+    from keras_stable_state._manager import CheckpointManager, CheckpointMetadata
     from keras_stable_state._optimizer import GradientAccumulator, StableOptimizer
     from keras_stable_state._state import ScheduleMismatchError
     from keras_stable_state.errors import (
@@ -55,6 +57,8 @@ __all__ = [
     "CastMapper",
     "CheckpointFormatError",
     "CheckpointInUseError",
+    "CheckpointManager",
+    "CheckpointMetadata",
     "ContractError",
     "CorruptCheckpointError",
     "DtypeMismatchError",
@@ -95,6 +99,8 @@ _SOURCES = {
     "SaveHandle": "_engines.background",
     "InexactResumeWarning": "errors",
     "StableCheckpoint": "_fit",
+    "CheckpointManager": "_manager",
+    "CheckpointMetadata": "_manager",
     "UnreadableCheckpointWarning": "errors",
     "TrainableContract": "_identity.contract",
     "VariableKey": "_identity.registry",

@@ -10,6 +10,8 @@ PUBLIC = [
     "CastMapper",
     "CheckpointFormatError",
     "CheckpointInUseError",
+    "CheckpointManager",
+    "CheckpointMetadata",
     "ContractError",
     "CorruptCheckpointError",
     "DtypeMismatchError",

@@ -258,7 +258,7 @@ def test_pruning_tolerates_a_checkpoint_removed_meanwhile(tmp_path):
     d = tmp_path / "ckpts"
     m = _model()
     ckpt = kss.StableCheckpoint(d, save_freq=2, keep=2)
-    listed, removed = ckpt.checkpoints, []
+    listed, removed = ckpt.manager.checkpoints, []
 
     def racing():
         paths = listed()
@@ -267,7 +267,7 @@ def test_pruning_tolerates_a_checkpoint_removed_meanwhile(tmp_path):
             removed.append(os.path.basename(paths[-1]))
         return paths
 
-    ckpt.checkpoints = racing
+    ckpt.manager.checkpoints = racing
     m.fit(X, Y, epochs=2, batch_size=8, verbose=0, callbacks=[ckpt])
     assert removed == ["ckpt-0000000002.h5", "ckpt-0000000004.h5", "ckpt-0000000006.h5", "ckpt-0000000008.h5"]
     assert _names(d) == ["ckpt-0000000010.h5", "ckpt-0000000012.h5"]

@@ -20,7 +20,7 @@ from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
-from keras_stable_state._fit import directory as checkpoint_dir
+from keras_stable_state._manager import directory as checkpoint_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

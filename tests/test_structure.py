@@ -6,7 +6,7 @@ and classes small enough to read; and wrapped inner optimizers that refuse to be
 The layers, low to high (a module may import its own layer and lower ones)::
 
     errors, _numpy, _processes < _keras_compat < _identity < _optimizer, _state < format
-      < _engines < _core < _fit < cli < keras_stable_state (__init__), __main__, demo
+      < _engines < _core < _manager < _fit < cli < keras_stable_state (__init__), __main__, demo
 
 Imports inside functions count like module-level ones: a lazy import upward is still an
 upward dependency.
@@ -42,11 +42,12 @@ LAYERS = {
     "format": 4,
     "_engines": 5,
     "_core": 6,
-    "_fit": 7,
-    "cli": 8,
+    "_manager": 7,
+    "_fit": 8,
+    "cli": 9,
     # The application layer: the public namespace and ``python -m``.
-    "__init__": 9,
-    "__main__": 9,
+    "__init__": 10,
+    "__main__": 10,
 }
 # Parts that import no Keras and no backend (and no package module that does).
 KERAS_FREE = ("format", "cli")

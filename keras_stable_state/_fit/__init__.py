@@ -3,7 +3,7 @@ metric providers, the checkpoint directory, the train-begin checks and warnings,
 restore of a resumed fit, and the data order of its input)."""
 
 from keras_stable_state._fit.callback import StableCheckpoint
-from keras_stable_state._fit.directory import LOCK_NAME, UNREADABLE_DIR
+from keras_stable_state._manager.directory import LOCK_NAME, UNREADABLE_DIR
 from keras_stable_state.errors import InexactResumeWarning, UnreadableCheckpointWarning
 
 __all__ = [

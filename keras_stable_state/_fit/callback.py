@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import time
-import weakref
 
 import keras
 
@@ -13,12 +11,12 @@ from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
 from keras_stable_state import format as storage
-from keras_stable_state._engines import background as _async
 from keras_stable_state._fit import checks as _fit_checks
-from keras_stable_state._fit import directory as checkpoint_dir
 from keras_stable_state._fit import inexact, resume
 from keras_stable_state._fit import input as _fit_input
-from keras_stable_state._fit.position import Metrics, Position
+from keras_stable_state._fit.position import Metrics, Position, numeric_logs
+from keras_stable_state._manager import CheckpointManager, wait_for_earlier_saves
+from keras_stable_state._manager import directory as checkpoint_dir
 from keras_stable_state._optimizer import stable_optimizer_in, tracked_optimizers
 from keras_stable_state.errors import (
     InexactResumeWarning,
@@ -252,25 +250,47 @@ class StableCheckpoint(keras.callbacks.Callback):
         self,
         directory,
         save_freq="epoch",
-        keep=3,
+        max_to_keep=3,
         verbose=0,
         callbacks=None,
-        async_save=False,
+        save_on_background=False,
         on_data_change="raise",
+        *,
+        monitor=None,
+        mode="auto",
+        keep_best=0,
+        keep=_fit_checks.UNSET,
+        async_save=_fit_checks.UNSET,
     ):
         super().__init__()
         directory = storage.fs_path(directory, "directory")
         _fit_checks.refuse_orbax_directory(directory)
         self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
-        _fit_checks.check_arguments(save_freq, keep, verbose, async_save)
+        max_to_keep = _fit_checks.resolve_alias("max_to_keep", max_to_keep, 3, "keep", keep, 2)
+        save_on_background = _fit_checks.resolve_alias("save_on_background", save_on_background, False, "async_save", async_save, 2)  # fmt: skip
+        _fit_checks.check_arguments(save_freq, max_to_keep, verbose, save_on_background)
+        self.manager = CheckpointManager(
+            directory,
+            max_to_keep,
+            keep_best=keep_best,
+            monitor=monitor,
+            mode=mode,
+            save_on_background=save_on_background,
+            verbose=verbose,
+        )
+        self.manager.name = "StableCheckpoint"
+        self.manager.on_saved = self._saved
         self.directory = directory
         self.save_freq = save_freq
-        self.keep = keep
+        self.max_to_keep = max_to_keep
+        self.keep_best = keep_best
+        self.monitor = monitor
+        self.mode = mode
         self.verbose = int(verbose)
-        self.async_save = async_save
-        self.last_save = None
-        self._in_flight = None
-        self._in_flight_where = None
+        self.save_on_background = save_on_background
+        self.run_complete = False
+        self._metrics = {}  # the numeric logs of the last batch or epoch end: the next save's metrics
+        self._where = {}  # step -> where in the fit its save was taken (for the verbose line)
         self._gated = None  # the model whose step boundaries this fit opens (_core.boundary)
         self._given_callbacks = checkpoint.check_callbacks(callbacks, "StableCheckpoint")
         self._reset(1)
@@ -278,18 +298,32 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._input = None
         self._order = _fit_input.EpochOrder()
         self.removed_temporary_files = []
-        self._lock = None
         self._read_only = None
-        self._lock_token = checkpoint_dir.new_token()
-        self._lock_finalizer = False
+
+    @property
+    def last_save(self):
+        """The :class:`~keras_stable_state.SaveHandle` of the newest background save
+        (``save_on_background=True``), or ``None``."""
+        return self.manager.last_save
 
     def get_config(self):
         """The constructor arguments but ``callbacks`` (live objects: pass them again).
 
         Returns:
-            ``{"directory", "save_freq", "keep", "verbose", "async_save", "on_data_change"}``.
+            ``{"directory", "save_freq", "max_to_keep", "verbose", "save_on_background",
+            "on_data_change", "monitor", "mode", "keep_best"}``.
         """
-        names = ("directory", "save_freq", "keep", "verbose", "async_save", "on_data_change")
+        names = (
+            "directory",
+            "save_freq",
+            "max_to_keep",
+            "verbose",
+            "save_on_background",
+            "on_data_change",
+            "monitor",
+            "mode",
+            "keep_best",
+        )
         return {name: getattr(self, name) for name in names}
 
     @classmethod
@@ -316,7 +350,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     # -- files ------------------------------------------------------------------------
     def checkpoints(self) -> list:
         """Paths of the checkpoints in ``directory``, newest first."""
-        return checkpoint_dir.checkpoints(self.directory)
+        return self.manager.checkpoints()
 
     def _providers(self):
         found = {"position": self._position, "metrics": Metrics(self.model), "data": self._order}
@@ -330,25 +364,16 @@ class StableCheckpoint(keras.callbacks.Callback):
         checkpoint_dir.prepare(self.directory)
         self._read_only = None
         try:
-            self._lock = checkpoint_dir.DirectoryLock.acquire(self.directory, self._lock_token)
+            # reclaimable: a StableCheckpoint whose fit raised never released it (Keras skips
+            # on_train_end); another one of this thread takes it over
+            self.removed_temporary_files = self.manager.lock(reclaimable=True)
         except OSError as err:
             if err.errno != errno.EROFS:
                 raise
             self._read_only = err
-            return
-        if not self._lock_finalizer:
-            # released when this callback is garbage collected or the process exits
-            weakref.finalize(self, checkpoint_dir.release_token, self._lock_token)
-            self._lock_finalizer = True
-        removed = checkpoint_dir.remove_temporary_files(self.directory)
-        self.removed_temporary_files = removed
-        if removed:
-            self._say(f"removed {len(removed)} temporary file(s) of an interrupted save: {removed}")
 
     def _release_directory(self):
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release(self._lock_token)
+        self.manager.release()
 
     # -- restore ----------------------------------------------------------------------
     def on_train_begin(self, logs=None):
@@ -364,7 +389,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._reset(spe)
         # A background save of an earlier fit (one that raised) is written before the
         # directory is read; its error belonged to that fit.
-        _async.wait_for_folder(_async.folder_of(os.path.join(self.directory, "ckpt")))
+        wait_for_earlier_saves(self.directory)
         self._input = inexact.inspect_input()
         self._order = _fit_input.EpochOrder(compat.fit_epoch_iterator())
         inexact.warn_unsaved_callbacks(self, self._callbacks)
@@ -372,33 +397,17 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._take_directory()
             self._restore_newest()
             self._check_resume()
-            self._check_read_only()
+            epochs = (self.params or {}).get("epochs")
+            restored = None if self.restore_report is None else self._position.epoch
+            _fit_checks.refuse_read_only(
+                self.directory, self._read_only, epochs, self._position.epoch, restored
+            )
         except BaseException:
             self._release_directory()  # fit stops here; Keras will not call on_train_end
             raise
         # From here, saves from other threads wait for a step boundary (on_train_batch_end).
         self._gated = model  # held as is: ``self.model`` would sync JAX's state at every step
         checkpoint.training_begins(model)
-
-    def _check_read_only(self):
-        """On a read-only file system, refuse a ``fit`` that has epochs left to train (it
-        could not save them)."""
-        epochs = (self.params or {}).get("epochs")
-        if self._read_only is None or (epochs is not None and self._position.epoch >= epochs):
-            return
-        restored = (
-            f"the model holds the restored checkpoint (epoch {self._position.epoch})"
-            if self.restore_report is not None
-            else "no checkpoint was restored"
-        )
-        raise OSError(
-            errno.EROFS,
-            f"StableCheckpoint's directory {self.directory!r} is on a read-only file system: this fit "
-            f"has epochs left to train (up to {epochs}) and could save none of them; {restored}. "
-            "Give StableCheckpoint a writable folder (copy the checkpoints there to continue from them); "
-            "a fit with no epoch left to train (epochs reached) resumes from a read-only folder.",
-            self.directory,
-        ) from self._read_only
 
     def _reset(self, spe):
         """The state of a fit before its restore (``spe``: its ``steps_per_execution``);
@@ -413,7 +422,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
-        self._in_flight = None
+        self.manager.drop_in_flight()
 
     def _check_resume(self):
         # The on_epoch_begin callbacks Keras runs again for a resumed epoch, then the data size.
@@ -427,20 +436,17 @@ class StableCheckpoint(keras.callbacks.Callback):
         pos.data = live
 
     def _restore_newest(self):
-        restored = resume.restore_newest(self.checkpoints(), self.directory, self._restore, self._unreadable)
-        if self.skipped_checkpoints:
-            checkpoint_dir.warn_unreadable(
-                self.directory, self.skipped_checkpoints, self.moved_checkpoints, restored, self._position
-            )
-        elif restored is None:
-            self._say(f"no checkpoint in {self.directory}; starting fresh")
+        restored = self.manager.restore_newest_with(self._restore, self._unreadable)
+        self.skipped_checkpoints = list(self.manager.skipped_checkpoints)
+        self.moved_checkpoints = list(self.manager.moved_checkpoints)
+        self.run_complete = resume.report_newest(
+            self, restored, self._position, (self.params or {}).get("epochs")
+        )
 
     def _unreadable(self, path, err):
         self._position = Position(self._spe)
         self._pending_restore = None
         self.restore_report = None
-        self.skipped_checkpoints.append((path, str(err)))
-        self.moved_checkpoints.append((path, checkpoint_dir.move_aside(self.directory, path)))
 
     def _restore(self, path, record):
         # Variables, optimizer, schedule check and position now; callbacks, metrics and
@@ -513,6 +519,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             checkpoint.step_boundary(self._gated, lambda: self.model)
         if batch < self._skip_until:  # a batch applied before the checkpoint, drawn and skipped
             return
+        self._metrics = numeric_logs(logs)
         pos = self._position
         before = pos.global_step
         pos.end_execution(self._execution_begin, batch, (self.params or {}).get("steps"))
@@ -520,6 +527,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._save_requested = True
 
     def on_epoch_end(self, epoch, logs=None):
+        self._metrics = numeric_logs(logs)
         self._skip_until = 0
         self._position.epoch = epoch + 1
         self._position.step = 0
@@ -530,7 +538,10 @@ class StableCheckpoint(keras.callbacks.Callback):
         try:
             if self._save_requested:
                 self._save()
-            self._collect(wait=True)  # the last background save: waited for, and its failure raised
+            self.manager.wait()  # the last background save: waited for, and its failure raised
+            record, self._pending_restore = self._pending_restore, None
+            if record is not None:  # no epoch ran (the run was complete): the callbacks' states now
+                resume.apply_callback_states(record, self.restore_report, self._callbacks)
         finally:
             if self._gated is not None:
                 checkpoint.training_ends(self._gated)
@@ -540,42 +551,33 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     def _save(self):
         self._save_requested = False
-        self._collect(wait=True)  # the previous background save ends first; its failure is raised
+        self.manager.wait()  # the previous background save ends first; its failure is raised
         pos = self._position
         if pos.step == 0:
             pos.epoch_rng = state.rng_state()
             self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
-        name = f"ckpt-{pos.global_step:010d}.h5"
-        path = os.path.join(self.directory, name)
-        where = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"
-        started = time.perf_counter()
-        result = checkpoint.save_training_state(
-            path,
+        self._where[pos.global_step] = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"
+        self.manager.save(
+            pos.global_step,
             self.model,
+            metrics=self._metrics,
+            epoch=pos.epoch,
             callbacks=self._callbacks,
             state=self._providers(),
-            blocking=not self.async_save,
         )
-        if self.async_save:
-            self.last_save = self._in_flight = result
-            self._in_flight_where = where
-            return
-        self._saved(path, where, time.perf_counter() - started, None)
 
     def _collect(self, wait):
         """Finish the background save in flight, if any (with ``wait=False`` only if it has
         ended): raise its error, or prune and report it."""
-        handle = self._in_flight
-        if handle is None or (not wait and not handle.done()):
-            return
-        self._in_flight = None
-        handle.wait()
-        self._saved(handle.path, self._in_flight_where, handle.write_secs, handle.blocked_secs)
+        if wait:
+            self.manager.wait()
+        else:
+            self.manager.check_for_errors()
 
-    def _saved(self, path, where, secs, blocked_secs):
-        checkpoint_dir.prune(self.checkpoints(), self.keep, path)  # checkpoints() may be overridden
+    def _saved(self, step, path, secs, blocked_secs):
+        where = self._where.pop(step, f"global step {step}")
         if self.verbose:
-            size_mb = os.path.getsize(path) / 1e6
+            size_mb = checkpoint_dir.size_of(path) / 1e6
             timing = f"{secs * 1e3:.0f} ms"
             if blocked_secs is not None:
                 timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"

@@ -10,6 +10,7 @@ other callbacks whose ``on_epoch_begin`` may change training.
 
 from __future__ import annotations
 
+import errno
 import warnings
 
 import keras
@@ -66,15 +67,44 @@ def check_on_data_change(value) -> str:
     return value
 
 
-def check_arguments(save_freq, keep, verbose, async_save) -> None:
+UNSET = object()
+"""The default of a deprecated alias argument: not passed."""
+
+
+def resolve_alias(new_name, new_value, default, old_name, old_value, stacklevel):
+    """The value of the argument ``new_name``, given as ``new_value`` or through its deprecated
+    alias ``old_name`` (``old_value``, :data:`UNSET` when not passed), with a
+    ``DeprecationWarning`` attributed to the ``stacklevel``-th caller for the alias.
+
+    Raises:
+        ValueError: if both the alias and the new name are passed.
+    """
+    if old_value is UNSET:
+        return new_value
+    if new_value is not default and new_value != default:
+        raise ValueError(
+            f"StableCheckpoint got both `{old_name}` and `{new_name}`: `{old_name}` is the deprecated "
+            f"name of `{new_name}`. Pass only {new_name}=. Received: {old_name}={old_value!r}, "
+            f"{new_name}={new_value!r}"
+        )
+    warnings.warn(
+        f"StableCheckpoint(`{old_name}`=...) is deprecated and will be removed in the next release: "
+        f"use `{new_name}`= (the name Keras' OrbaxCheckpoint and Orbax's CheckpointManager use).",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return old_value
+
+
+def check_arguments(save_freq, max_to_keep, verbose, save_on_background) -> None:
     """Refuse invalid ``StableCheckpoint`` arguments.
 
     Raises:
-        ValueError: if ``save_freq`` is not ``"epoch"`` or an int >= 1, ``keep`` not an
-            int >= 1 (``True`` is refused for both), or ``verbose`` not 0 or 1.
-        TypeError: if ``async_save`` is not a bool.
+        ValueError: if ``save_freq`` is not ``"epoch"`` or an int >= 1, ``max_to_keep`` not
+            ``None`` or an int >= 1 (``True`` is refused for both), or ``verbose`` not 0 or 1.
+        TypeError: if ``save_on_background`` is not a bool.
     """
-    # bool is an int in Python: save_freq=True or keep=True would silently mean 1.
+    # bool is an int in Python: save_freq=True or max_to_keep=True would silently mean 1.
     if save_freq != "epoch" and not (
         isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq >= 1
     ):
@@ -82,18 +112,46 @@ def check_arguments(save_freq, keep, verbose, async_save) -> None:
             f"`save_freq` must be 'epoch' or an int >= 1 (a number of batches; not a bool). "
             f"Received: save_freq={save_freq!r} (of type {type(save_freq).__name__})"
         )
-    if not (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1):
+    if max_to_keep is not None and not (
+        isinstance(max_to_keep, int) and not isinstance(max_to_keep, bool) and max_to_keep >= 1
+    ):
         raise ValueError(
-            "`keep` must be an int >= 1 (how many newest checkpoints to keep; not a bool). "
-            f"Received: keep={keep!r} (of type {type(keep).__name__})"
+            "`max_to_keep` (formerly `keep`) must be None or an int >= 1 (how many newest "
+            f"checkpoints to keep; not a bool). Received: max_to_keep={max_to_keep!r} (of type "
+            f"{type(max_to_keep).__name__})"
         )
     if verbose not in (0, 1) or isinstance(verbose, float):
         raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
-    if not isinstance(async_save, bool):
+    if not isinstance(save_on_background, bool):
         raise TypeError(
-            f"`async_save` must be True or False. Received: async_save={async_save!r} "
-            f"(of type {type(async_save).__name__})"
+            "`save_on_background` (formerly `async_save`) must be True or False. Received: "
+            f"save_on_background={save_on_background!r} (of type {type(save_on_background).__name__})"
         )
+
+
+def refuse_read_only(directory, read_only, epochs, epoch, restored_epoch) -> None:
+    """On a read-only file system (``read_only``: the ``OSError`` of the lock, else ``None``),
+    refuse a ``fit`` that has epochs left to train (it could not save them): ``epoch`` is the
+    position's, ``restored_epoch`` the restored checkpoint's (``None``: none restored).
+
+    Raises:
+        OSError: with ``errno.EROFS``, naming ``directory``.
+    """
+    if read_only is None or (epochs is not None and epoch >= epochs):
+        return
+    restored = (
+        f"the model holds the restored checkpoint (epoch {restored_epoch})"
+        if restored_epoch is not None
+        else "no checkpoint was restored"
+    )
+    raise OSError(
+        errno.EROFS,
+        f"StableCheckpoint's directory {directory!r} is on a read-only file system: this fit "
+        f"has epochs left to train (up to {epochs}) and could save none of them; {restored}. "
+        "Give StableCheckpoint a writable folder (copy the checkpoints there to continue from them); "
+        "a fit with no epoch left to train (epochs reached) resumes from a read-only folder.",
+        directory,
+    ) from read_only
 
 
 def steps_per_execution(model, save_freq) -> int:

@@ -123,3 +123,15 @@ class Metrics:
             )
         for v, a in zip(variables, value["values"], strict=True):
             v.assign(a)
+
+
+def numeric_logs(logs) -> dict:
+    """The values of ``logs`` (of a batch or epoch end) that are numbers: the metrics the
+    next save records."""
+    out = {}
+    for name, value in (logs or {}).items():
+        try:
+            out[str(name)] = float(value)
+        except (TypeError, ValueError):
+            continue  # not a number (a string, an array of several values): not a metric of the save
+    return out

@@ -1,72 +1,39 @@
-"""The restore side of a resumed ``model.fit``: the newest readable checkpoint of a
-:class:`~keras_stable_state.StableCheckpoint`'s directory found at train begin, and
-what its record puts back at the first epoch begin, once every callback has run
+"""The restore side of a resumed ``model.fit``: what the record of the checkpoint
+restored at train begin (by the :class:`~keras_stable_state.CheckpointManager` under a
+:class:`~keras_stable_state.StableCheckpoint`) puts back at the first epoch begin, once every callback has run
 ``on_train_begin`` (the callback states, the random states, the metric values, the
 ``fit`` input's own state and the epoch's data order)."""
 
 from __future__ import annotations
 
-import os
-
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _state as state
-from keras_stable_state import format as storage
 from keras_stable_state._fit.position import Metrics
-from keras_stable_state.errors import (
-    CheckpointFormatError,
-    CheckpointInUseError,
-    CorruptCheckpointError,
-    StateError,
-)
+from keras_stable_state._manager import directory as checkpoint_dir
+from keras_stable_state.errors import StateError
 
 
-def restore_newest(paths, directory, restore, unreadable):
-    """Read the checkpoints ``paths`` of ``directory`` (newest first) until one restores.
-
-    Each file is read once (one open handle, every check made on the bytes read through
-    it), and its record goes to ``restore(path, record)``, which restores everything
-    from that record: a file replaced between the check and the restore cannot mix
-    two files' state. A file that is unreadable
-    (``CorruptCheckpointError``, ``CheckpointFormatError``, raised by the read or by
-    ``restore``; a FIFO, device or other non-regular file; a symbolic link to nothing)
-    goes to ``unreadable(path, err)`` and the next one is tried; a file removed since it
-    was listed is skipped.
-
-    Returns:
-        The path restored, or ``None`` if none was left.
-
-    Raises:
-        CheckpointInUseError: if a checkpoint is locked by another process (it is not
-            damaged, so there is no fallback), naming it and its holder.
-        FileNotFoundError: if a file that still exists cannot be opened as such.
-        Exception: any other error of ``restore`` (a checkpoint that does not fit the model).
-    """
-    for path in paths:
-        try:
-            record = storage.read_file(path)
-            restore(path, record)
-        except CheckpointInUseError as err:
-            holder = f" ({err.holder})" if err.holder else ""
-            raise CheckpointInUseError(
-                f"Checkpoint {path!r}, the newest one left in {directory!r}, is in use by "
-                f"another process{holder}: {err} It is not damaged, so StableCheckpoint does not fall "
-                "back to an older checkpoint. Wait for that process to close it, or stop it, then fit "
-                "again.",
-                path=path,
-                holder=err.holder,
-            ) from err
-        except FileNotFoundError as err:
-            if os.path.islink(path):  # a symbolic link to nothing: unreadable, moved aside
-                unreadable(path, err)
-                continue
-            if os.path.lexists(path):
-                raise
-            continue  # removed since it was listed: the next one is the newest
-        except (CorruptCheckpointError, CheckpointFormatError) as err:
-            unreadable(path, err)
-            continue
-        return path
-    return None
+def report_newest(ckpt, restored, pos, epochs, say) -> bool:
+    """Say what the restore at train begin of the ``StableCheckpoint`` ``ckpt`` found
+    (``say``: its verbose printer): the :class:`~keras_stable_state.UnreadableCheckpointWarning` for the checkpoints it moved
+    aside, or (verbose) that it starts fresh, or that the run is complete. Whether the run
+    is complete: the checkpoint ``restored`` (a path, or ``None``) is at or past ``epochs``
+    (``pos``: its position)."""
+    if ckpt.skipped_checkpoints:
+        where = f"epoch {pos.epoch}, step {pos.step} of the epoch, global step {pos.global_step}"
+        checkpoint_dir.warn_unreadable(
+            ckpt.directory, ckpt.skipped_checkpoints, ckpt.moved_checkpoints, restored, where, stacklevel=2
+        )
+    elif restored is None:
+        say(f"no checkpoint in {ckpt.directory}; starting fresh")
+    complete = restored is not None and epochs is not None and pos.epoch >= epochs
+    if complete:
+        say(
+            f"the run in {ckpt.directory} is complete (epoch {pos.epoch} of {epochs}, global step "
+            f"{pos.global_step}): fit trains no epoch and returns the restored History; pass a "
+            "larger `epochs` to train on"
+        )
+    return complete
 
 
 def apply_pending(record, report, callbacks, model, position, order, fit_input, skip_batches):
@@ -125,6 +92,19 @@ def apply_pending(record, report, callbacks, model, position, order, fit_input, 
         return None, saved_rng
     state.apply_rng_state(parsed_saved)
     return saved_data, None
+
+
+def apply_callback_states(record, report, callbacks):
+    """Put back the saved states of ``callbacks`` (``{name: callback}``) from ``record``, all
+    checked before any is set: a resumed ``fit`` with no epoch left to train (its run was
+    complete) runs no epoch begin, so :func:`apply_pending` never runs; its ``History``
+    (``model.history``, returned by ``fit``) then holds the restored history.
+
+    Raises:
+        StateError, CorruptCheckpointError: from the checks (see ``plan_callbacks``).
+    """
+    for setter in checkpoint.plan_callbacks(record, callbacks, report):
+        setter()
 
 
 def input_state(fit_input, extra, arrays):

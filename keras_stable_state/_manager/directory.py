@@ -1,8 +1,12 @@
-"""The checkpoint directory of a :class:`~keras_stable_state.StableCheckpoint`: its
-``ckpt-<step>.h5`` files (listed newest first, pruned to ``keep``), the lock file
-:data:`LOCK_NAME` that its one writer holds, the stale ``.kss-*`` temporary files of
-a killed save, and the unreadable checkpoints moved aside into :data:`UNREADABLE_DIR`
-(with the :class:`~keras_stable_state.UnreadableCheckpointWarning` naming them)."""
+"""The checkpoint directory of a :class:`~keras_stable_state.CheckpointManager` (and so of
+a :class:`~keras_stable_state.StableCheckpoint`): its ``ckpt-<step>.h5`` files (listed
+newest first, pruned), the lock file :data:`LOCK_NAME` that its one writer holds, the
+stale ``.kss-*`` temporary files of a killed save, the unreadable checkpoints moved aside
+into :data:`UNREADABLE_DIR` (with the :class:`~keras_stable_state.UnreadableCheckpointWarning`
+naming them) and the fallback over them (:func:`restore_newest`).
+
+Every access to the directory (list, exists, stat, remove, rename, open) goes through a
+function of this module, so that another file system can be put under the manager here."""
 
 from __future__ import annotations
 
@@ -18,7 +22,13 @@ import time
 import warnings
 
 from keras_stable_state import format as storage
-from keras_stable_state.errors import CheckpointInUseError, StateError, UnreadableCheckpointWarning
+from keras_stable_state.errors import (
+    CheckpointFormatError,
+    CheckpointInUseError,
+    CorruptCheckpointError,
+    StateError,
+    UnreadableCheckpointWarning,
+)
 
 try:
     import fcntl
@@ -26,6 +36,8 @@ except ImportError:  # Windows: no flock; StableCheckpoint refuses to run unlock
     fcntl = None
 
 _NAME = re.compile(r"^ckpt-(\d{10})\.h5$")
+MAX_STEP = 10**10 - 1
+"""The largest step a file name holds (``ckpt-<10 digits>.h5``)."""
 LOCK_NAME = ".stable-checkpoint.lock"
 """Name of the lock file a writing :class:`StableCheckpoint` holds in its directory."""
 TEMP_PREFIX = ".kss-"
@@ -48,6 +60,11 @@ def new_token() -> int:
     return next(_TOKENS)
 
 
+def _writer_of(info) -> str:
+    kind = info.get("writer") if isinstance(info, dict) else None
+    return kind if kind in ("StableCheckpoint", "CheckpointManager") else "StableCheckpoint"
+
+
 def _holder_text(info):
     if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
         return None
@@ -58,11 +75,13 @@ def _holder_text(info):
 
 
 def _read_holder(fd):
+    """``(holder text or None, writer kind)`` from the lock file's JSON."""
     try:
         raw = os.pread(fd, 4096, 0)
-        return _holder_text(json.loads(raw.decode("utf-8")))
+        info = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError):  # being written right now, or not ours: holder unknown
-        return None
+        return None, "StableCheckpoint"
+    return _holder_text(info), _writer_of(info)
 
 
 def _open_lock(directory, path) -> int:
@@ -104,15 +123,17 @@ def _open_lock(directory, path) -> int:
 
 class DirectoryLock:
     """An exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock``, held by one
-    :class:`StableCheckpoint` of this process at a time.
+    writer (a :class:`CheckpointManager`, or the one a :class:`StableCheckpoint` runs
+    over) of this process at a time.
 
-    The lock file holds the writer's pid and host as JSON so that a refused writer
+    The lock file holds the writer's kind, pid and host as JSON so that a refused writer
     can name it. It is removed on release (while still locked; acquirers check that
     the file they locked is still the one at the path). A lock of a dead process is
     released by the operating system. Within one process, a ``StableCheckpoint``
     whose ``fit`` raised (Keras then skips ``on_train_end``) keeps the lock until it
     is garbage collected, the process exits, or another ``StableCheckpoint`` on the
-    same directory begins training in the same thread and takes the lock over.
+    same directory begins training in the same thread and takes the lock over (a lock
+    taken with ``reclaimable=True``); a ``CheckpointManager``'s lock is never taken over.
     """
 
     def __init__(self, key, directory, path, fd):
@@ -123,10 +144,17 @@ class DirectoryLock:
         self.pid = os.getpid()
         self.token = None
         self.thread = None
+        self.reclaimable = False
+        self.writer = "StableCheckpoint"
 
     @classmethod
-    def acquire(cls, directory, token):
+    def acquire(cls, directory, token, *, writer="StableCheckpoint", reclaimable=True):
         """Return the held lock of ``directory`` with ``token`` as owner.
+
+        ``writer`` (``"StableCheckpoint"`` or ``"CheckpointManager"``) is written into the
+        lock file and named to a refused writer. Another owner of this process in the same
+        thread takes a held lock over only if its holder took it ``reclaimable`` (a
+        ``StableCheckpoint`` whose ``fit`` raised never released it).
 
         Raises:
             CheckpointInUseError: if another writer holds it.
@@ -137,9 +165,9 @@ class DirectoryLock:
         """
         if not LOCKING:
             raise StateError(
-                f"StableCheckpoint cannot lock its directory {directory!r}: this platform has no "
+                f"{writer} cannot lock its directory {directory!r}: this platform has no "
                 "flock (the fcntl module; Windows has none), and without the lock a second writer "
-                "could not be refused. StableCheckpoint runs on Linux and macOS; elsewhere, save and "
+                f"could not be refused. {writer} runs on Linux and macOS; elsewhere, save and "
                 "restore in your own loop with keras_stable_state.save_training_state and "
                 "restore_training_state.",
                 key=LOCK_NAME,
@@ -152,36 +180,38 @@ class DirectoryLock:
                 held = None
             if held is not None:
                 alive = {t.ident for t in threading.enumerate()}
-                if held.token != token and held.thread != threading.get_ident() and held.thread in alive:
+                other_thread = held.thread != threading.get_ident() and held.thread in alive
+                if held.token != token and (other_thread or not held.reclaimable):
                     names = {t.ident: t.name for t in threading.enumerate()}
-                    holder = (
-                        f"pid {os.getpid()} on host {socket.gethostname()}, thread {names[held.thread]!r}"
-                    )
+                    where = "another thread still training" if other_thread else "this thread"
+                    thread = names.get(held.thread, "ended")
+                    holder = f"pid {os.getpid()} on host {socket.gethostname()}, thread {thread!r}"
                     raise CheckpointInUseError(
-                        f"Checkpoint directory {directory!r} is in use by another StableCheckpoint writer "
-                        f"({holder}: this process, another thread still training); wait for it to finish "
-                        "or use another directory.",
+                        f"Checkpoint directory {directory!r} is in use by another {held.writer} writer "
+                        f"({holder}: this process, {where}); wait for it to finish (close() a "
+                        "CheckpointManager, or leave its `with` block) or use another directory.",
                         path=directory,
                         holder=holder,
                     )
             else:
-                held = cls(key, directory, *cls._lock(directory))
+                held = cls(key, directory, *cls._lock(directory, writer))
                 _HELD[key] = held
             held.token, held.thread = token, threading.get_ident()
+            held.reclaimable, held.writer = reclaimable, writer
             return held
 
     @staticmethod
-    def _lock(directory):
+    def _lock(directory, writer):
         path = os.path.join(directory, LOCK_NAME)
         for _ in range(20):
             fd = _open_lock(directory, path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                holder, kind = _read_holder(fd)
                 os.close(fd)
                 raise CheckpointInUseError(
-                    f"Checkpoint directory {directory!r} is in use by another StableCheckpoint writer "
+                    f"Checkpoint directory {directory!r} is in use by another {kind} writer "
                     f"({holder or 'holder unknown: the lock file names none'}); wait for it to finish or "
                     f"use another directory. (The lock is {path!r}, held with flock; the operating "
                     "system releases it when that process ends.)",
@@ -210,6 +240,7 @@ class DirectoryLock:
                 path=directory,
             )
         info = {
+            "writer": writer,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -275,7 +306,50 @@ def checkpoints(directory) -> list:
     return [os.path.join(directory, n) for n in names]
 
 
-def prepare(directory) -> None:
+def path_of(directory, step: int) -> str:
+    """The path of the checkpoint of ``step`` in ``directory`` (``ckpt-<step:010d>.h5``)."""
+    return os.path.join(directory, f"ckpt-{step:010d}.h5")
+
+
+def step_of(path) -> int | None:
+    """The step a checkpoint path names, or ``None`` if its name is not ``ckpt-<10 digits>.h5``."""
+    found = _NAME.match(os.path.basename(path))
+    return None if found is None else int(found.group(1))
+
+
+def exists(path) -> bool:
+    """Whether something (a file, or a symbolic link even to nothing) is at ``path``."""
+    return os.path.lexists(path)
+
+
+def identity(path):
+    """What tells one written file from another at ``path`` (device, inode, size, modification
+    time), or ``None`` if nothing is there: a cache key for what was read from it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def size_of(path) -> int:
+    """Size in bytes of the file at ``path`` (``OSError`` naming it if it is gone)."""
+    return os.path.getsize(path)
+
+
+def read_summary(path):
+    """The small part of a checkpoint's records, read without its arrays: ``(metadata,
+    extra, format version)`` (see :class:`~keras_stable_state.format.CheckpointFile`; its seal
+    is checked, its arrays are neither read nor decoded).
+
+    Raises:
+        Every error of :func:`keras_stable_state.format.open_file`.
+    """
+    with storage.open_file(path) as f:
+        return dict(f.metadata), dict(f.extra), f.version
+
+
+def prepare(directory, writer="StableCheckpoint") -> None:
     """Create ``directory`` (and its parents) if needed.
 
     Raises:
@@ -286,14 +360,14 @@ def prepare(directory) -> None:
     if os.path.islink(directory) and not os.path.exists(directory):
         raise NotADirectoryError(
             errno.ENOTDIR,
-            f"StableCheckpoint's directory {directory!r} is a symbolic link to {os.readlink(directory)!r}, "
+            f"{writer}'s directory {directory!r} is a symbolic link to {os.readlink(directory)!r}, "
             "which does not exist. Create that folder, or pass another one.",
             directory,
         )
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise NotADirectoryError(
             errno.ENOTDIR,
-            f"StableCheckpoint's directory {directory!r} is a file, not a folder. Pass a folder "
+            f"{writer}'s directory {directory!r} is a file, not a folder. Pass a folder "
             "(it holds ckpt-<step>.h5 files); to save one file use keras_stable_state.save_training_state",
             directory,
         )
@@ -302,7 +376,7 @@ def prepare(directory) -> None:
     except OSError as err:
         raise OSError(
             err.errno,
-            f"Cannot create StableCheckpoint's directory {directory!r} ({err.strerror}). Give it a "
+            f"Cannot create {writer}'s directory {directory!r} ({err.strerror}). Give it a "
             "folder it can create and write.",
             directory,
         ) from err
@@ -323,18 +397,16 @@ def remove_temporary_files(directory) -> list:
     return removed
 
 
-def prune(paths, keep, newest) -> None:
-    """Remove all but the ``keep`` newest of the checkpoint ``paths`` (newest first, as
-    :func:`checkpoints` lists them); ``newest`` (the file just written) always stays,
-    even if an older run left higher step numbers. A file removed meanwhile is skipped."""
-    for old in [p for p in paths if p != newest][keep - 1 :]:
+def remove(paths) -> None:
+    """Remove the checkpoint files ``paths``; a file removed meanwhile is skipped."""
+    for old in paths:
         try:
             os.remove(old)
         except FileNotFoundError:
             continue  # removed by someone else since it was listed
 
 
-def move_aside(directory, path):
+def move_aside(directory, path, writer="StableCheckpoint"):
     """Move an unreadable checkpoint into ``<directory>/unreadable/`` (``<name>.<n>`` if
     the name is taken); its new path, or ``None`` if it was removed meanwhile.
 
@@ -368,8 +440,8 @@ def move_aside(directory, path):
     except (OSError, StateError) as err:
         raise StateError(
             f"Checkpoint {path!r} is unreadable and could not be moved aside to {target!r} ({err}). "
-            "Move or delete it yourself: StableCheckpoint does not restore it, and left in place it "
-            "would count as one of the `keep` newest checkpoints.",
+            f"Move or delete it yourself: {writer} does not restore it, and left in place it "
+            "would count as one of the `max_to_keep` newest checkpoints.",
         ) from err
     return target
 
@@ -398,11 +470,12 @@ def _lexists(name, folder_fd) -> bool:
     return True
 
 
-def warn_unreadable(directory, skipped, moved, restored, position) -> None:
+def warn_unreadable(directory, skipped, moved, restored, where, writer="StableCheckpoint", stacklevel=2):
     """Issue the :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each
     unreadable checkpoint moved aside (``skipped``: ``(path, reason)``, ``moved``:
-    ``(path, new path or None)``) and the one ``restored`` at ``position`` (or ``None``:
-    training starts fresh). Attributed to the caller (``stacklevel=2``)."""
+    ``(path, new path or None)``) and the one ``restored`` (``where`` describes its
+    position, e.g. ``"step 40"``), or ``None``: training starts fresh. Attributed to the
+    caller's ``stacklevel``-th frame (``2``: the caller of this function)."""
     reasons = dict(skipped)
     listed = "; ".join(
         f"{path!r} -> {target!r} ({reasons[path]})"
@@ -411,20 +484,65 @@ def warn_unreadable(directory, skipped, moved, restored, position) -> None:
         for path, target in moved
     )
     count = len(moved)
-    head = f"StableCheckpoint: {count} unreadable checkpoint{'s' if count > 1 else ''} in {directory!r}"
+    head = f"{writer}: {count} unreadable checkpoint{'s' if count > 1 else ''} in {directory!r}"
     if restored is None:
         tail = (
             "No readable checkpoint is left: training starts fresh from the model's current weights. "
             "If you have a copy of a good checkpoint, stop and put it back in the directory."
         )
     else:
-        pos = position
-        tail = (
-            f"Fell back to the older {restored!r} (epoch {pos.epoch}, step {pos.step} of the epoch, "
-            f"global step {pos.global_step}); the training after it is redone."
-        )
+        tail = f"Fell back to the older {restored!r} ({where}); the training after it is redone."
     warnings.warn(
         f"{head}, moved aside: {listed}. {tail}",
         UnreadableCheckpointWarning,
-        stacklevel=2,
+        stacklevel=stacklevel + 1,
     )
+
+
+def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoint"):
+    """Read the checkpoints ``paths`` of ``directory`` (newest first) until one restores.
+
+    Each file is read once (one open handle, every check made on the bytes read through
+    it), and its record goes to ``restore(path, record)``, which restores everything
+    from that record: a file replaced between the check and the restore cannot mix
+    two files' state. A file that is unreadable
+    (``CorruptCheckpointError``, ``CheckpointFormatError``, raised by the read or by
+    ``restore``; a FIFO, device or other non-regular file; a symbolic link to nothing)
+    goes to ``unreadable(path, err)`` and the next one is tried; a file removed since it
+    was listed is skipped.
+
+    Returns:
+        The path restored, or ``None`` if none was left.
+
+    Raises:
+        CheckpointInUseError: if a checkpoint is locked by another process (it is not
+            damaged, so there is no fallback), naming it and its holder.
+        FileNotFoundError: if a file that still exists cannot be opened as such.
+        Exception: any other error of ``restore`` (a checkpoint that does not fit the model).
+    """
+    for path in paths:
+        try:
+            record = storage.read_file(path)
+            restore(path, record)
+        except CheckpointInUseError as err:
+            holder = f" ({err.holder})" if err.holder else ""
+            raise CheckpointInUseError(
+                f"Checkpoint {path!r}, the newest one left in {directory!r}, is in use by "
+                f"another process{holder}: {err} It is not damaged, so {writer} does not fall "
+                "back to an older checkpoint. Wait for that process to close it, or stop it, then "
+                "restore again.",
+                path=path,
+                holder=err.holder,
+            ) from err
+        except FileNotFoundError as err:
+            if os.path.islink(path):  # a symbolic link to nothing: unreadable, moved aside
+                unreadable(path, err)
+                continue
+            if os.path.lexists(path):
+                raise
+            continue  # removed since it was listed: the next one is the newest
+        except (CorruptCheckpointError, CheckpointFormatError) as err:
+            unreadable(path, err)
+            continue
+        return path
+    return None

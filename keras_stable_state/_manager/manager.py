@@ -1,0 +1,505 @@
+"""``CheckpointManager``: a directory of checkpoints for any training loop."""
+
+from __future__ import annotations
+
+import errno
+import time
+import weakref
+
+from keras_stable_state import _core as checkpoint
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state import format as storage
+from keras_stable_state._engines import background
+from keras_stable_state._manager import directory as files
+from keras_stable_state._manager import policy
+from keras_stable_state._manager.records import (
+    RECORD,
+    CheckpointMetadata,
+    ManagerRecord,
+    check_metrics,
+    check_save_keywords,
+    check_step,
+    metadata_of,
+    refuse_orbax,
+)
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+
+
+class CheckpointManager:
+    """A directory of checkpoints for any training loop: steps, latest and best, pruning,
+    the fallback over unreadable checkpoints, the directory lock, background saves.
+
+    Each :meth:`save` writes one ``ckpt-<step:010d>.h5`` file (see
+    :func:`keras_stable_state.save_training_state`; atomically, through a ``.kss-*``
+    temporary file) whose records also hold the step, the epoch, the metrics given and
+    the wall time (record ``providers/checkpoint``; :meth:`metadata` reads them without
+    the arrays). After each save, the checkpoints kept are the latest ``max_to_keep`` (the
+    one just written always among them) and the best ``keep_best`` by ``monitor`` among
+    all present; the others are removed. Only files named ``ckpt-<10 digits>.h5`` count;
+    a checkpoint without a finite value of ``monitor`` (or unreadable) is never the best;
+    of equal values the earlier step is the better. The metrics travel in the checkpoints,
+    so a manager of a resumed run keeps the same notion of best.
+
+    The directory belongs to one writer at a time: the manager takes the same exclusive
+    ``flock`` on ``<directory>/.stable-checkpoint.lock`` as a
+    :class:`~keras_stable_state.StableCheckpoint` (so a manager and a ``StableCheckpoint``
+    on one directory exclude each other, in one process or several) on entering its
+    ``with`` block, or on its first :meth:`save` or :meth:`restore`, and holds it until
+    :meth:`close` (or the end of the ``with`` block, or garbage collection, or the end of
+    the process). Taking it, it removes the ``.kss-*`` temporary files a killed save left
+    (``removed_temporary_files``). Listing (:meth:`all_steps`, :meth:`latest_step`,
+    :meth:`best_step`, :meth:`metadata`) takes no lock.
+
+    ``restore(model)`` (``step="latest"``) restores the newest readable checkpoint: an
+    unreadable one (truncated, failing a checksum, of an unknown format, not a regular
+    file) is moved into ``<directory>/unreadable/`` and the one before is tried, with an
+    :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each moved file,
+    exactly as ``StableCheckpoint`` does on train begin.
+
+    Args:
+        directory: Folder of the checkpoints (created on the first lock): a ``str``,
+            ``bytes`` or ``os.PathLike``. Nothing else should write into it.
+        max_to_keep: How many latest checkpoints to keep (``>= 1``), or ``None`` to keep
+            every one. With ``save_on_background`` a file is pruned only once the new one
+            is written.
+        keep_best: How many best checkpoints by ``monitor`` to keep beside the latest
+            (``>= 0``; needs ``monitor``).
+        monitor: The name of the metric (a key of the ``metrics`` given to :meth:`save`)
+            that ranks checkpoints for ``keep_best`` and :meth:`best_step`, or ``None``.
+        mode: ``"min"``, ``"max"`` or ``"auto"``: lower is better for a name holding
+            ``loss`` or ``error``, higher for one holding ``acc``, ``auc``, ``precision``,
+            ``recall`` or ``f1``.
+        save_on_background: ``True`` writes each checkpoint in a background thread
+            (:func:`~keras_stable_state.save_training_state` with ``blocking=False``):
+            :meth:`save` returns once the state is copied to host memory. A save first
+            waits for the previous one; the error of a failed background write is raised
+            by the next :meth:`save`, :meth:`check_for_errors`, :meth:`wait` or
+            :meth:`close`.
+        verbose: ``1`` prints one line per save and restore (Keras' ``print_msg``).
+
+    Attributes:
+        name: What messages, warnings and the lock file call this writer
+            (``"CheckpointManager"``; the manager of a ``StableCheckpoint``:
+            ``"StableCheckpoint"``).
+        restored_step: The step of the checkpoint the last :meth:`restore` restored, or
+            ``None``.
+        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint the last
+            restore of the latest skipped, newest first.
+        moved_checkpoints: ``(path, new path)`` of each of them, moved into
+            ``<directory>/unreadable/`` (``None``: removed meanwhile).
+        removed_temporary_files: The stale ``.kss-*`` files removed when the lock was taken.
+        last_save: The :class:`~keras_stable_state.SaveHandle` of the newest background
+            save, or ``None``.
+        on_saved: ``None``, or a callable ``(step, path, write_secs, blocked_secs)`` called
+            once a save is written and the directory pruned (``blocked_secs`` is ``None``
+            for a blocking save).
+
+    Raises:
+        ValueError: on construction, for an invalid ``max_to_keep``, ``keep_best``,
+            ``monitor``, ``mode`` or ``verbose``, ``keep_best`` without ``monitor``, or a
+            ``directory`` ending in ``.orbax`` (the manager writes ``.h5`` files).
+        TypeError: on construction, if ``directory`` is not a path or
+            ``save_on_background`` not a bool.
+
+    Example:
+        >>> with kss.CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
+        ...     start = 0 if mgr.restore(model) is None else mgr.restored_step
+        ...     for step in range(start, 100):
+        ...         loss = model.train_on_batch(x[step], y[step])
+        ...         if (step + 1) % 10 == 0:
+        ...             mgr.save(step + 1, model, metrics={"loss": loss})
+    """
+
+    def __init__(
+        self,
+        directory,
+        max_to_keep=3,
+        *,
+        keep_best=0,
+        monitor=None,
+        mode="auto",
+        save_on_background=False,
+        verbose=0,
+    ):
+        self.directory = storage.fs_path(directory, "directory")
+        refuse_orbax(self.directory)
+        self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
+        if not isinstance(save_on_background, bool):
+            raise TypeError(
+                f"`save_on_background` must be a bool. Received: save_on_background={save_on_background!r}"
+            )
+        if verbose not in (0, 1) or isinstance(verbose, float):
+            raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        self.max_to_keep = max_to_keep
+        self.keep_best = keep_best
+        self.monitor = monitor
+        self.mode = mode
+        self.save_on_background = save_on_background
+        self.verbose = int(verbose)
+        self.name = "CheckpointManager"
+        self.restored_step = None
+        self.skipped_checkpoints = []
+        self.moved_checkpoints = []
+        self.removed_temporary_files = []
+        self.last_save = None
+        self.on_saved = None
+        self._token = files.new_token()
+        self._lock = None
+        self._finalizer = None
+        self._in_flight = None  # (handle, step, info) of the background save not yet collected
+        self._summaries = {}  # path -> (file identity, (metadata, record, version))
+
+    def get_config(self) -> dict:
+        """The constructor arguments: ``{"directory", "max_to_keep", "keep_best", "monitor",
+        "mode", "save_on_background", "verbose"}``."""
+        names = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background", "verbose")
+        return {name: getattr(self, name) for name in names}
+
+    def _say(self, message):
+        if self.verbose:
+            compat.print_msg(f"{self.name}: {message}")
+
+    # -- the lock ---------------------------------------------------------------------------
+    def lock(self, *, reclaimable=False) -> list:
+        """Create the directory, take its lock, remove the ``.kss-*`` temporary files a killed
+        save left; their paths. ``reclaimable=True`` (``StableCheckpoint``'s) lets a
+        ``StableCheckpoint`` of the same thread take the lock over (its ``fit`` raised).
+
+        Raises:
+            CheckpointInUseError: if another writer (a ``CheckpointManager`` or
+                ``StableCheckpoint``, in this process or another) holds the directory,
+                naming its pid and host.
+            NotADirectoryError: if ``directory`` is a file.
+            StateError: if the lock file is a symbolic link, a hard link of another file or
+                not a regular file, or on a platform without ``flock`` (Windows).
+            OSError: if the directory or its lock file cannot be created or locked
+                (read-only file system: ``errno.EROFS``; permissions), naming it.
+        """
+        files.prepare(self.directory, self.name)
+        self._lock = files.DirectoryLock.acquire(
+            self.directory, self._token, writer=self.name, reclaimable=reclaimable
+        )
+        if self._finalizer is None:  # released when the manager is garbage collected or the process exits
+            self._finalizer = weakref.finalize(self, files.release_token, self._token)
+        self.removed_temporary_files = files.remove_temporary_files(self.directory)
+        if self.removed_temporary_files:
+            self._say(
+                f"removed {len(self.removed_temporary_files)} temporary file(s) of an interrupted save: "
+                f"{self.removed_temporary_files}"
+            )
+        return self.removed_temporary_files
+
+    @property
+    def locked(self) -> bool:
+        """Whether this manager holds its directory's lock."""
+        lock = self._lock
+        return lock is not None and lock.fd is not None and lock.token == self._token
+
+    def _ensure_locked(self):
+        if not self.locked:
+            self.lock()
+
+    def release(self) -> None:
+        """Release the lock now, without waiting for a background save (see :meth:`close`)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release(self._token)
+
+    def close(self) -> None:
+        """Wait for the background save in flight (raising its error), then release the lock."""
+        try:
+            self.wait()
+        finally:
+            self.release()
+
+    def __enter__(self):
+        self._ensure_locked()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # the block's own error is the one raised; this one is told in it
+            exc.add_note(f"{self.name}: the background save failed as well: {err!r}")
+
+    # -- listing ----------------------------------------------------------------------------
+    def checkpoints(self) -> list:
+        """Paths of the checkpoints in the directory (``ckpt-<10 digits>.h5``), newest first."""
+        return files.checkpoints(self.directory)
+
+    def all_steps(self) -> list:
+        """The steps of the checkpoints in the directory, oldest first (unreadable ones too)."""
+        return sorted(files.step_of(p) for p in self.checkpoints())
+
+    def latest_step(self) -> int | None:
+        """The newest step in the directory, or ``None`` if it holds no checkpoint."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def _summary(self, path):
+        """``(metadata, record, version)`` of ``path``, read once per written file."""
+        key = files.identity(path)
+        cached = self._summaries.get(path)
+        if cached is not None and key is not None and cached[0] == key:
+            return cached[1]
+        metadata, extra, version = files.read_summary(path)
+        record = (extra.get("providers") or {}).get(RECORD)
+        summary = (metadata, record if isinstance(record, dict) else {}, version)
+        self._summaries[path] = (key, summary)
+        return summary
+
+    def _score(self, path):
+        try:
+            _, record, _ = self._summary(path)
+        except (CorruptCheckpointError, CheckpointFormatError, FileNotFoundError):
+            return None  # unreadable or gone: never the best
+        return policy.score(record.get("metrics"), self.monitor, self._direction)
+
+    def _best_steps(self, paths, count):
+        scores = {files.step_of(p): self._score(p) for p in paths}
+        return policy.best_steps(scores, count)
+
+    def best_step(self) -> int | None:
+        """The step of the best checkpoint by ``monitor``, or ``None`` if no checkpoint has a
+        finite value of it (each checkpoint's metadata record is read once per file).
+
+        Raises:
+            ValueError: if the manager has no ``monitor``.
+        """
+        if self.monitor is None:
+            raise ValueError(
+                f"{self.name}({self.directory!r}) has no `monitor`: there is no best checkpoint. Pass "
+                "monitor= (and metrics= to each save)."
+            )
+        best = self._best_steps(self.checkpoints(), 1)
+        return best[0] if best else None
+
+    def metadata(self, step) -> CheckpointMetadata:
+        """The :class:`CheckpointMetadata` of the checkpoint of ``step``.
+
+        Raises:
+            FileNotFoundError: if there is no checkpoint of ``step``, naming the steps present.
+            CorruptCheckpointError, CheckpointFormatError: if it is unreadable (see
+                :func:`keras_stable_state.format.open_file`).
+        """
+        path = self._path(check_step(step))
+        return metadata_of(step, path, self._summary(path), files.size_of(path))
+
+    def _path(self, step):
+        path = files.path_of(self.directory, step)
+        if not files.exists(path):
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"No checkpoint of step {step} in {self.directory!r}; its steps are {self.all_steps()}.",
+                path,
+            )
+        return path
+
+    # -- save -------------------------------------------------------------------------------
+    def save(self, step, model, *, optimizer=None, metrics=None, epoch=None, **state):
+        """Save the training state of ``model`` as the checkpoint of ``step``, then prune.
+
+        Args:
+            step: An int (``0`` to ``10**10 - 1``): the file ``ckpt-<step:010d>.h5``. A
+                checkpoint of the same step is replaced (atomically).
+            model: A built ``keras.Model``.
+            optimizer: As for :func:`~keras_stable_state.save_training_state`.
+            metrics: ``{name: number}`` recorded in the checkpoint's metadata (the values
+                ``monitor`` ranks by), or ``None``.
+            epoch: An int recorded in the metadata, or ``None``.
+            **state: The other keywords of :func:`~keras_stable_state.save_training_state`:
+                ``model_state``, ``callbacks``, ``state``, ``include_rng``,
+                ``allow_order_keys``, ``variables``, ``mappers``.
+
+        Returns:
+            The path written, or with ``save_on_background`` the
+            :class:`~keras_stable_state.SaveHandle` of the background write.
+
+        Raises:
+            TypeError: for another keyword (``blocking``: use ``save_on_background``),
+                metrics that are not numbers, or an ``epoch`` that is not an int.
+            ValueError: for an invalid ``step``, or a ``state`` provider named ``"checkpoint"``
+                (the manager's own record).
+            Exception: every error of :func:`~keras_stable_state.save_training_state` and of
+                :meth:`lock`; the error of the previous background save.
+        """
+        step = check_step(step)
+        metrics = check_metrics(metrics)
+        providers = check_save_keywords(state, epoch)
+        self._ensure_locked()
+        self._collect(wait=True)
+        path = files.path_of(self.directory, step)
+        info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
+        started = time.perf_counter()
+        result = checkpoint.save_training_state(
+            path,
+            model,
+            optimizer,
+            state={**providers, RECORD: ManagerRecord(info)},
+            blocking=not self.save_on_background,
+            **state,
+        )
+        if self.save_on_background:
+            self.last_save = result
+            self._in_flight = (result, step, info)
+            return result
+        self._saved(step, path, info, time.perf_counter() - started, None)
+        return path
+
+    def check_for_errors(self) -> None:
+        """If the background save in flight has ended: raise its error, or prune."""
+        self._collect(wait=False)
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any: raise its error, or prune."""
+        self._collect(wait=True)
+
+    def drop_in_flight(self) -> None:
+        """Forget the background save in flight without waiting for it or raising its error
+        (a ``StableCheckpoint`` starting a new ``fit``: the error belonged to the earlier one)."""
+        self._in_flight = None
+
+    def _collect(self, wait):
+        in_flight = self._in_flight
+        if in_flight is None:
+            return
+        handle, step, info = in_flight
+        if not wait and not handle.done():
+            return
+        self._in_flight = None
+        handle.wait()
+        self._saved(step, handle.path, info, handle.write_secs, handle.blocked_secs)
+
+    def _saved(self, step, path, info, secs, blocked_secs):
+        self._summaries.pop(path, None)
+        self.prune(newest=path)
+        if self.on_saved is not None:
+            self.on_saved(step, path, secs, blocked_secs)
+        elif self.verbose:
+            timing = f"{secs * 1e3:.0f} ms"
+            if blocked_secs is not None:
+                timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"
+            size_mb = files.size_of(path) / 1e6
+            self._say(f"saved {path} (step {step}): {size_mb:.2f} MB in {timing}")
+
+    def prune(self, newest=None) -> list:
+        """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
+        them) and the best ``keep_best``; the paths removed."""
+        paths = self.checkpoints()
+        if self.max_to_keep is None:
+            return []
+        newest_step = None if newest is None else files.step_of(newest)
+        best = self._best_steps(paths, self.keep_best) if self.keep_best else []
+        kept = policy.kept_steps([files.step_of(p) for p in paths], newest_step, self.max_to_keep, best)
+        removed = [p for p in paths if files.step_of(p) not in kept]
+        files.remove(removed)
+        for path in removed:
+            self._summaries.pop(path, None)
+        return removed
+
+    # -- restore ----------------------------------------------------------------------------
+    def restore(self, model, step="latest", **restore_options):
+        """Restore the checkpoint of ``step`` into ``model``.
+
+        Args:
+            model: The model (see :func:`~keras_stable_state.restore_training_state`).
+            step: ``"latest"``: the newest readable checkpoint, moving unreadable ones aside
+                (see the class); ``"best"``: :meth:`best_step`'s; or an int step.
+            **restore_options: The keywords of
+                :func:`~keras_stable_state.restore_training_state` (``optimizer``,
+                ``strict``, ``callbacks``, ``state``, ``variables``...), but ``defer``.
+
+        Returns:
+            The :class:`~keras_stable_state.RestoreReport`; ``None`` for ``"latest"`` when
+            no readable checkpoint is left (the model is untouched). ``restored_step``
+            is set to the step restored (``None`` then).
+
+        Raises:
+            TypeError: for a keyword that is not an option of ``restore_training_state``.
+            ValueError: for a ``step`` that is not ``"latest"``, ``"best"`` or a valid int;
+                for ``"best"`` without ``monitor``.
+            FileNotFoundError: for an int step that has no checkpoint, or ``"best"`` when no
+                checkpoint has a finite value of ``monitor``, naming the steps present.
+            CheckpointInUseError: if the directory is locked by another writer, or the
+                newest checkpoint is locked by another process (it is not damaged: no
+                fallback).
+            StateError: if an unreadable checkpoint cannot be moved aside.
+            Exception: every other error of ``restore_training_state`` (a checkpoint that
+                does not fit the model: nothing is moved aside); for ``"best"`` and int
+                steps, an unreadable checkpoint's error (no fallback).
+        """
+        options = checkpoint.RestoreOptions.from_keywords("CheckpointManager.restore", **restore_options)
+        if isinstance(step, str) and step not in ("latest", "best"):
+            raise ValueError(f"`step` must be 'latest', 'best' or an int. Received: step={step!r}")
+        if not isinstance(step, str):
+            step = check_step(step)
+        self._ensure_locked()
+        self._collect(wait=True)
+        self.restored_step = None
+        if step == "latest":
+            restored = {}
+
+            def restore(path, record):
+                restored["report"] = checkpoint.restore_with(path, model, options, record=record)
+
+            path = self.restore_newest_with(restore)
+            if self.skipped_checkpoints:
+                where = "none" if path is None else f"step {files.step_of(path)}"
+                files.warn_unreadable(
+                    self.directory, self.skipped_checkpoints, self.moved_checkpoints, path, where, self.name
+                )
+            if path is None:
+                self._say(f"no readable checkpoint in {self.directory}")
+                return None
+            report = restored["report"]
+        else:
+            if step == "best":
+                step = self.best_step()
+                if step is None:
+                    raise FileNotFoundError(
+                        errno.ENOENT,
+                        f"No checkpoint in {self.directory!r} has a finite {self.monitor!r} metric (its "
+                        f"steps are {self.all_steps()}): there is no best to restore.",
+                        self.directory,
+                    )
+            path = self._path(step)
+            report = checkpoint.restore_with(path, model, options)
+        self.restored_step = files.step_of(path)
+        self._say(f"restored {path} (step {self.restored_step})")
+        return report
+
+    def restore_newest_with(self, restore, unreadable=None):
+        """Pass the record of the newest readable checkpoint to ``restore(path, record)``
+        (which restores everything from that one read); each unreadable one is moved aside
+        (recorded in ``skipped_checkpoints`` and ``moved_checkpoints``; ``unreadable(path,
+        err)`` is called first, if given) and the next one tried. Takes the lock, and
+        waits for the background save in flight. No warning is issued (the caller says
+        where it fell back to: see :meth:`restore`).
+
+        Returns:
+            The path restored, or ``None`` if no readable checkpoint is left.
+
+        Raises:
+            The errors of :meth:`restore` for ``"latest"``.
+        """
+        self._ensure_locked()
+        self._collect(wait=True)
+        self.skipped_checkpoints, self.moved_checkpoints = [], []
+
+        def moved(path, err):
+            if unreadable is not None:
+                unreadable(path, err)
+            self.skipped_checkpoints.append((path, str(err)))
+            self.moved_checkpoints.append((path, files.move_aside(self.directory, path, self.name)))
+            self._summaries.pop(path, None)
+
+        return files.restore_newest(self.checkpoints(), self.directory, restore, moved, self.name)
+
+
+def wait_for_earlier_saves(directory) -> None:
+    """Wait for a background save into ``directory`` begun by an earlier manager (its error
+    belonged to that manager)."""
+    background.wait_for_folder(background.folder_of(files.path_of(directory, 0)))

@@ -1,0 +1,153 @@
+"""What a :class:`~keras_stable_state.CheckpointManager` records in each checkpoint (record
+``providers/checkpoint``: step, epoch, metrics, wall time), what it tells of one
+(:class:`CheckpointMetadata`), and the checks of the steps and metrics it is given."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from keras_stable_state._engines import orbax as orbax_engine
+from keras_stable_state._manager import directory as files
+
+RECORD = "checkpoint"
+"""The provider name (record ``providers/checkpoint``) of the manager's metadata in each
+checkpoint: its step, epoch, metrics and wall time."""
+
+# The keywords of save_training_state that CheckpointManager.save passes on.
+SAVE_KEYWORDS = (
+    "model_state",
+    "callbacks",
+    "state",
+    "include_rng",
+    "allow_order_keys",
+    "variables",
+    "mappers",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    """What :meth:`CheckpointManager.metadata` tells of one checkpoint, read from its
+    records alone (its seal is checked, its arrays are not read).
+
+    Attributes:
+        step: The step it was saved at (its file name, ``ckpt-<step:010d>.h5``).
+        path: Its path.
+        epoch: The epoch given to :meth:`CheckpointManager.save` (a ``StableCheckpoint``
+            gives the epoch of its position), or ``None``.
+        metrics: The metrics given to :meth:`CheckpointManager.save`, ``{name: float}``
+            (read-only; ``{}`` for a checkpoint saved without them or by an older version).
+        wall_time: When it was saved, in seconds since the Unix epoch (``time.time()``),
+            or ``None`` for a checkpoint saved by an older version.
+        size_bytes: Its size on disk.
+        format: Its file format version.
+        backend: The Keras backend that wrote it (``"jax"``, ``"tensorflow"``, ``"torch"``).
+    """
+
+    step: int
+    path: str
+    epoch: int | None
+    metrics: types.MappingProxyType
+    wall_time: float | None
+    size_bytes: int
+    format: int | None
+    backend: str | None
+
+
+class ManagerRecord:
+    """The provider holding the manager's metadata of one save (never restored)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get_state(self):
+        return self.value
+
+    def set_state(self, state):
+        self.value = state
+
+
+def check_step(step) -> int:
+    """``step`` if it is an int a file name holds, else ``ValueError`` naming it."""
+    if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= files.MAX_STEP):
+        raise ValueError(
+            f"`step` must be an int from 0 to {files.MAX_STEP} (it names the file ckpt-<step:010d>.h5). "
+            f"Received: step={step!r}"
+        )
+    return step
+
+
+def check_metrics(metrics) -> dict:
+    """``metrics`` as ``{name: float}``; ``TypeError`` / ``ValueError`` naming a bad entry."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError(f"`metrics` must be a dict of {{name: float}}. Received: {type(metrics).__name__}")
+    out = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"`metrics` names must be non-empty str. Received: {name!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"`metrics[{name!r}]` must be a number (a float, or a scalar array). Received: {value!r}"
+            ) from err
+        out[name] = number
+    return out
+
+
+def metadata_of(step, path, summary, size_bytes) -> CheckpointMetadata:
+    """The :class:`CheckpointMetadata` of the checkpoint ``path`` of ``step`` from its
+    ``summary``: ``(writer metadata, manager record, format version)``."""
+    metadata, record, version = summary
+    epoch = record.get("epoch")
+    wall_time = record.get("wall_time")
+    return CheckpointMetadata(
+        step=step,
+        path=path,
+        epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+        metrics=types.MappingProxyType(dict(record.get("metrics") or {})),
+        wall_time=float(wall_time) if isinstance(wall_time, (int, float)) else None,
+        size_bytes=size_bytes,
+        format=version,
+        backend=metadata.get("backend"),
+    )
+
+
+def refuse_orbax(directory) -> None:
+    """Raise ``ValueError`` for a manager directory named ``*.orbax``."""
+    if orbax_engine.is_orbax_path(directory):
+        raise ValueError(
+            f"CheckpointManager({directory!r}): the manager writes ckpt-<step>.h5 files into its "
+            "directory, so a directory named '*.orbax' would hold .h5 files, not an Orbax checkpoint. "
+            "Give it a directory not ending in '.orbax' (the .orbax engine is reached through "
+            "keras_stable_state.save_training_state with a path ending in '.orbax')."
+        )
+
+
+def check_save_keywords(state: dict, epoch) -> dict:
+    """Check the keywords of :meth:`CheckpointManager.save` besides its own; pop and return
+    its ``state`` providers (``{}`` for none).
+
+    Raises:
+        TypeError: for a keyword that is not one of :data:`SAVE_KEYWORDS`, an ``epoch`` that
+            is not ``None`` or an int >= 0, or a ``state`` that is not a dict.
+        ValueError: for a ``state`` provider named :data:`RECORD`.
+    """
+    for name in state:
+        if name not in SAVE_KEYWORDS:
+            hint = " (use save_on_background=True)" if name == "blocking" else ""
+            raise TypeError(f"CheckpointManager.save() got an unexpected keyword argument {name!r}{hint}")
+    if epoch is not None and not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0):
+        raise TypeError(f"`epoch` must be None or an int >= 0. Received: epoch={epoch!r}")
+    providers = state.pop("state", None) or {}
+    if not isinstance(providers, dict):
+        raise TypeError(f"`state` must be a dict of {{name: provider}}. Received: {type(providers).__name__}")
+    if RECORD in providers:
+        raise ValueError(
+            f"`state` names a provider {RECORD!r}: that name holds the manager's own record (step, "
+            "epoch, metrics). Give your provider another name."
+        )
+    return providers
