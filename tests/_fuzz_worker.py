@@ -282,7 +282,7 @@ def setup(workdir):
         epochs=3,
         batch_size=4,
         verbose=0,
-        callbacks=[kss.StableCheckpoint(ckdir, save_freq=3, keep=10), es],
+        callbacks=[kss.StableCheckpoint(ckdir, save_freq=3, max_to_keep=10), es],
     )
     shutil.copyfile(os.path.join(ckdir, f"ckpt-{CKPT_STEP:010d}.h5"), os.path.join(workdir, TARGETS["ckpt"]))
     live = Live(model, "h5")

@@ -1,5 +1,5 @@
 """Asynchronous saves: ``save_training_state(..., blocking=False)`` and
-``StableCheckpoint(async_save=True)``: the same file as a blocking save, errors of the
+``StableCheckpoint(save_on_background=True)``: the same file as a blocking save, errors of the
 background write raised (by ``wait()``, at the next batch or save, and at train end),
 exact resume, the verbose summary, and SIGKILL during background writes."""
 
@@ -164,12 +164,12 @@ def test_saves_into_one_folder_are_written_in_order_and_the_next_call_waits(tmp_
     assert order == ["a.h5", "b.h5"]
 
 
-# -- StableCheckpoint(async_save=True) ----------------------------------------------------------
+# -- StableCheckpoint(save_on_background=True) ----------------------------------------------------------
 
 
 def _fit(directory, extra=(), epochs=3, **options):
     m = _model()
-    ckpt = kss.StableCheckpoint(directory, save_freq=4, keep=2, async_save=True, **options)
+    ckpt = kss.StableCheckpoint(directory, save_freq=4, max_to_keep=2, save_on_background=True, **options)
     try:
         m.fit(X, Y, batch_size=8, epochs=epochs, shuffle=True, verbose=0, callbacks=[ckpt, *extra])
     except RuntimeError as err:
@@ -187,7 +187,7 @@ def test_fit_with_async_checkpoints_interrupted_and_resumed_equals_uninterrupted
         np.testing.assert_array_equal(a, b)
     for k, v in slots_by_key(ref.optimizer).items():
         np.testing.assert_array_equal(slots_by_key(res.optimizer)[k], v, err_msg=k)
-    # keep=2 counts written files only; the last save was waited for by on_train_end
+    # max_to_keep=2 counts written files only; the last save was waited for by on_train_end
     assert sorted(os.listdir(tmp_path / "run")) == ["ckpt-0000000012.h5", "ckpt-0000000016.h5"]
     assert ckpt.last_save.done() and ckpt.last_save.path.endswith("ckpt-0000000016.h5")
 
@@ -211,17 +211,17 @@ class _Sabotage(keras.callbacks.Callback):
 def test_failed_background_save_is_raised_by_on_train_end(tmp_path):
     d = tmp_path / "ckpts"
     m = _model()
-    ckpt = kss.StableCheckpoint(d, save_freq="epoch", async_save=True)
+    ckpt = kss.StableCheckpoint(d, save_freq="epoch", save_on_background=True)
     with pytest.raises(OSError, match=re.escape(repr(str(d / "ckpt-0000000012.h5")))):
         # the last epoch's save runs in on_train_end; its write fails in the background
         m.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[ckpt, _Sabotage(ckpt, epoch=1)])
-    assert ckpt.last_save.done() and ckpt._lock is None  # the directory was released
+    assert ckpt.last_save.done() and not ckpt.manager.locked  # the directory was released
 
 
 def test_failed_background_save_is_raised_during_fit(tmp_path):
     d = tmp_path / "ckpts"
     m = _model()
-    ckpt = kss.StableCheckpoint(d, save_freq="epoch", async_save=True)
+    ckpt = kss.StableCheckpoint(d, save_freq="epoch", save_on_background=True)
     with pytest.raises(OSError, match=re.escape(repr(str(d / "ckpt-0000000006.h5")))):
         m.fit(X, Y, batch_size=8, epochs=4, verbose=0, callbacks=[ckpt, _Sabotage(ckpt, epoch=0)])
     assert int(m.optimizer.iterations) < 24  # raised at a batch or at the next save, not after fit
@@ -230,7 +230,7 @@ def test_failed_background_save_is_raised_during_fit(tmp_path):
 @pytest.mark.parametrize("async_save", [False, True])
 def test_verbose_prints_one_summary_line_per_save(tmp_path, capsys, async_save):
     m = _model()
-    ckpt = kss.StableCheckpoint(tmp_path / "ckpts", save_freq="epoch", verbose=1, async_save=async_save)
+    ckpt = kss.StableCheckpoint(tmp_path / "ckpts", save_freq="epoch", verbose=1, save_on_background=async_save)
     m.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[ckpt])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "saved ckpt-" in ln]
     timing = r"\d+ ms in the background, training blocked \d+ ms" if async_save else r"\d+ ms"
@@ -246,26 +246,29 @@ def test_verbose_prints_one_summary_line_per_save(tmp_path, capsys, async_save):
 
 
 def test_config_round_trips_with_async_save(tmp_path):
-    ckpt = kss.StableCheckpoint(tmp_path, save_freq=5, keep=2, verbose=1, async_save=True)
+    ckpt = kss.StableCheckpoint(tmp_path, save_freq=5, max_to_keep=2, verbose=1, save_on_background=True)
     config = ckpt.get_config()
     assert config == {
         "directory": str(tmp_path),
         "save_freq": 5,
-        "keep": 2,
+        "max_to_keep": 2,
         "verbose": 1,
-        "async_save": True,
+        "save_on_background": True,
         "on_data_change": "raise",
+        "monitor": None,
+        "mode": "auto",
+        "keep_best": 0,
     }
     assert kss.StableCheckpoint.from_config(config).get_config() == config
-    with pytest.raises(TypeError, match="async_save"):
-        kss.StableCheckpoint(tmp_path, async_save=1)
+    with pytest.raises(TypeError, match="save_on_background"):
+        kss.StableCheckpoint(tmp_path, save_on_background=1)
 
 
 # -- SIGKILL during background writes -----------------------------------------------------------
-_SYNC_CKPT = "ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, keep=3)"
+_SYNC_CKPT = "ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, max_to_keep=3)"
 assert _SYNC_CKPT in CHILD  # the training process of test_checkpoint_dir, saving asynchronously
 ASYNC_CHILD = (
-    CHILD.replace(_SYNC_CKPT, _SYNC_CKPT[:-1] + ", async_save=True)")
+    CHILD.replace(_SYNC_CKPT, _SYNC_CKPT[:-1] + ", save_on_background=True)")
     .replace(
         'if mode == "kill-in-rename":',
         'if mode == "kill-in-rename":\n    import threading\n    main_thread = threading.main_thread()',
@@ -276,7 +279,7 @@ ASYNC_CHILD = (
         "                    os._exit(3)  # the rename must happen in the background thread\n",
     )
 )
-assert "async_save=True" in ASYNC_CHILD and "os._exit(3)" in ASYNC_CHILD
+assert "save_on_background=True" in ASYNC_CHILD and "os._exit(3)" in ASYNC_CHILD
 
 
 def _start(tmp_path, mode, directory, *args, hidden="4"):

@@ -72,7 +72,7 @@ if mode == "kill-in-rename":
 
 save_freq = "epoch" if mode == "hold" else 1
 epochs = 1 if mode == "hold" else 10_000
-ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, keep=3)
+ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, max_to_keep=3)
 model.fit(x, y, epochs=epochs, batch_size=8, shuffle=True, verbose=0, callbacks=[ckpt, Signal()])
 """
 
@@ -81,9 +81,9 @@ def _model(hidden=(4,)):
     return mlp(6, hidden, activation="tanh", seed=0)
 
 
-def _fit(directory, epochs, save_freq="epoch", keep=3, extra=(), hidden=(4,)):
+def _fit(directory, epochs, save_freq="epoch", max_to_keep=3, extra=(), hidden=(4,)):
     m = _model(hidden)
-    ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, keep=keep)
+    ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, max_to_keep=max_to_keep)
     m.fit(X, Y, epochs=epochs, batch_size=8, shuffle=True, verbose=0, callbacks=[ckpt, *extra])
     return m, ckpt
 
@@ -257,7 +257,7 @@ def test_directory_that_is_a_file_is_refused(tmp_path):
 def test_pruning_tolerates_a_checkpoint_removed_meanwhile(tmp_path):
     d = tmp_path / "ckpts"
     m = _model()
-    ckpt = kss.StableCheckpoint(d, save_freq=2, keep=2)
+    ckpt = kss.StableCheckpoint(d, save_freq=2, max_to_keep=2)
     listed, removed = ckpt.manager.checkpoints, []
 
     def racing():
@@ -279,7 +279,7 @@ def test_keep_counts_only_checkpoint_files(tmp_path):
     others = ["notes.txt", "ckpt-1.h5", "ckpt-0000000099.h5.bak", "ckpt-0000000099.keras"]
     for name in others:
         (d / name).write_bytes(b"x")
-    _fit(d, epochs=3, keep=1)
+    _fit(d, epochs=3, max_to_keep=1)
     assert _names(d) == sorted(["ckpt-0000000018.h5", *others])
 
 
@@ -323,13 +323,13 @@ def test_damaged_newest_falls_back_to_the_older_one_exactly_and_warns(tmp_path, 
 
 def test_every_checkpoint_unreadable_starts_fresh_with_a_warning_and_new_checkpoints_survive_keep(tmp_path):
     d = tmp_path / "ckpts"
-    _fit(d, epochs=2, keep=2)
+    _fit(d, epochs=2, max_to_keep=2)
     newest, older = (str(d / n) for n in ["ckpt-0000000012.h5", "ckpt-0000000006.h5"])
     _damage(newest, "garbage")
     _damage(older, "truncated")
     ref, _ = _fit(tmp_path / "ref", epochs=1)  # a run from scratch
     with pytest.warns(UnreadableCheckpointWarning, match="training starts fresh") as caught:
-        m, ckpt = _fit(d, epochs=1, keep=1)
+        m, ckpt = _fit(d, epochs=1, max_to_keep=1)
     (warning,) = [w for w in caught if w.category is UnreadableCheckpointWarning]
     message = str(warning.message)
     assert "2 unreadable checkpoints" in message
@@ -342,14 +342,14 @@ def test_every_checkpoint_unreadable_starts_fresh_with_a_warning_and_new_checkpo
     # the new checkpoint is the one kept, not deleted right after it was written
     assert _names(d) == ["ckpt-0000000006.h5", UNREADABLE_DIR]
     assert _names(d / UNREADABLE_DIR) == ["ckpt-0000000006.h5", "ckpt-0000000012.h5"]
-    m2, ckpt2 = _fit(d, epochs=3, keep=2)  # no warning now: warnings are errors here
+    m2, ckpt2 = _fit(d, epochs=3, max_to_keep=2)  # no warning now: warnings are errors here
     assert ckpt2.restore_report is not None and int(m2.optimizer.iterations) == 18
     assert _names(d) == ["ckpt-0000000012.h5", "ckpt-0000000018.h5", UNREADABLE_DIR]
     # a second unreadable file of the same name does not overwrite the first one moved aside
     _damage(str(d / "ckpt-0000000012.h5"), "truncated")
     _damage(str(d / "ckpt-0000000018.h5"), "truncated")
     with pytest.warns(UnreadableCheckpointWarning, match="training starts fresh"):
-        _fit(d, epochs=1, keep=2)
+        _fit(d, epochs=1, max_to_keep=2)
     assert _names(d / UNREADABLE_DIR) == [
         "ckpt-0000000006.h5",
         "ckpt-0000000012.h5",

@@ -62,7 +62,7 @@ def _fit(kind, directory=None, stop=None, metrics=None, shuffle=True, generator=
     ``generator=True`` feeds the same batches from a Python generator."""
     keras.backend.clear_session(free_memory=False)
     m = _model(kind, metrics)
-    callbacks = [] if directory is None else [kss.StableCheckpoint(directory, save_freq=3, keep=2)]
+    callbacks = [] if directory is None else [kss.StableCheckpoint(directory, save_freq=3, max_to_keep=2)]
     callbacks += [] if stop is None else [StopAt(*stop)]
     data = (
         dict(x=_batches(kind), steps_per_epoch=6, shuffle=False)

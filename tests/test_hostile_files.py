@@ -75,7 +75,7 @@ def test_stable_checkpoint_moves_non_regular_checkpoints_aside_and_resumes_the_r
     )
     assert "UnreadableCheckpointWarning" in found["warnings"]
     assert found["resumed exactly"] is True  # the checkpoint behind the symbolic link ckpt-2
-    # keep=1 pruned the link ckpt-2, not the file it points to; the planted .kss- link is left
+    # max_to_keep=1 pruned the link ckpt-2, not the file it points to; the planted .kss- link is left
     assert found["left"] == [".kss-planted.h5", "ckpt-0000000004.h5", "unreadable"]
     assert found["outside kept"] is True and found["temp victim intact"] is True
 
@@ -233,7 +233,7 @@ def test_temporary_files_are_created_exclusively_with_the_umask(tmp_path):
 
 
 # -- StableCheckpoint's arguments and platform --------------------------------------------
-@pytest.mark.parametrize("kwargs", [{"keep": True}, {"save_freq": True}, {"keep": False}])
+@pytest.mark.parametrize("kwargs", [{"max_to_keep": True}, {"save_freq": True}, {"max_to_keep": False}])
 def test_a_bool_is_not_a_count(tmp_path, kwargs):
     name = next(iter(kwargs))
     with pytest.raises(

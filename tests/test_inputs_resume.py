@@ -32,7 +32,7 @@ def _fit(directory, inputs, *, stop=None, spe=1, save_freq=4, ckpt_callbacks=Non
         loss="mse",
         steps_per_execution=spe,
     )
-    ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, keep=2, callbacks=ckpt_callbacks)
+    ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, max_to_keep=2, callbacks=ckpt_callbacks)
     extra = [] if stop is None else [StopAt(*stop)]
     try:
         m.fit(**inputs(), epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=[ckpt, *extra])

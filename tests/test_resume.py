@@ -56,7 +56,7 @@ def test_fit_killed_with_sigkill_at_random_steps_finishes_like_uninterrupted(tmp
         )
         assert diff <= tol, f"{name} differs by {diff} after kills at {kills} (KSS_CRASH_SEED={seed})"
     assert int(a["stopped_epoch"]) > 0  # EarlyStopping really decided the end, in both runs
-    assert len(os.listdir(tmp_path / "run")) <= 2  # keep=2
+    assert len(os.listdir(tmp_path / "run")) <= 2  # max_to_keep=2
 
 
 def _acc_model(steps=4):
@@ -274,7 +274,7 @@ def _fit_with_checkpoint(directory, epochs, extra=(), save_freq=2):
     keras.utils.set_random_seed(0)
     m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
     m.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-2), model=m), loss="mse")
-    ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, keep=3)
+    ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, max_to_keep=3)
     m.fit(X, Y, epochs=epochs, batch_size=8, shuffle=False, verbose=0, callbacks=[ckpt, *extra])
     return m, ckpt
 
@@ -301,7 +301,7 @@ def test_stable_checkpoint_validates_options(tmp_path):
     with pytest.raises(ValueError, match="save_freq"):
         kss.StableCheckpoint(tmp_path, save_freq=0)
     with pytest.raises(ValueError, match="keep"):
-        kss.StableCheckpoint(tmp_path, keep=0)
+        kss.StableCheckpoint(tmp_path, max_to_keep=0)
 
 
 class _Batches(keras.utils.PyDataset):

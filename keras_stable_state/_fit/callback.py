@@ -440,7 +440,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.skipped_checkpoints = list(self.manager.skipped_checkpoints)
         self.moved_checkpoints = list(self.manager.moved_checkpoints)
         self.run_complete = resume.report_newest(
-            self, restored, self._position, (self.params or {}).get("epochs")
+            self, restored, self._position, (self.params or {}).get("epochs"), self._say
         )
 
     def _unreadable(self, path, err):

@@ -102,12 +102,13 @@ class CheckpointManager:
             ``save_on_background`` not a bool.
 
     Example:
-        >>> with kss.CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
+        >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
         ...     start = 0 if mgr.restore(model) is None else mgr.restored_step
-        ...     for step in range(start, 100):
-        ...         loss = model.train_on_batch(x[step], y[step])
-        ...         if (step + 1) % 10 == 0:
-        ...             mgr.save(step + 1, model, metrics={"loss": loss})
+        ...     for step in range(start, 5):
+        ...         loss = model.train_on_batch(x, y)
+        ...         _ = mgr.save(step + 1, model, metrics={"loss": loss})
+        >>> len(mgr.all_steps()) <= 3
+        True
     """
 
     def __init__(

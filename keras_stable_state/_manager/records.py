@@ -43,6 +43,14 @@ class CheckpointMetadata:
         size_bytes: Its size on disk.
         format: Its file format version.
         backend: The Keras backend that wrote it (``"jax"``, ``"tensorflow"``, ``"torch"``).
+
+    Example:
+        >>> mgr = CheckpointManager("ckpts")
+        >>> _ = mgr.save(1, model, metrics={"loss": 0.5}, epoch=0)
+        >>> info = mgr.metadata(1)
+        >>> info.step, info.epoch, info.metrics["loss"], info.backend == keras.backend.backend()
+        (1, 0, 0.5, True)
+        >>> mgr.close()
     """
 
     step: int

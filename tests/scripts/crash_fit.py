@@ -51,7 +51,7 @@ class LrLog(keras.callbacks.Callback):
 
 es = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=0.02, restore_best_weights=True)
 rlr = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1, factor=0.5, min_delta=0.05)
-ckpt = kss.StableCheckpoint(ckpt_dir, save_freq=save_freq, keep=2, callbacks={"es": es, "rlr": rlr})
+ckpt = kss.StableCheckpoint(ckpt_dir, save_freq=save_freq, max_to_keep=2, callbacks={"es": es, "rlr": rlr})
 history = model.fit(
     x, y, epochs=14, batch_size=16, shuffle=True, verbose=0, callbacks=[ckpt, Kill(), rlr, es, LrLog()]
 )

@@ -96,7 +96,7 @@ os.symlink(victim("temp-victim"), os.path.join(ckpts, ".kss-planted.h5"))
 model = model_()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    cb = kss.StableCheckpoint(ckpts, keep=1)
+    cb = kss.StableCheckpoint(ckpts, max_to_keep=1)
     resumed = {}
 
     class Grab(keras.callbacks.Callback):

@@ -125,7 +125,7 @@ def run_phase(c, phase):
             # of the same callbacks (it drops a PyDataset's prefetched batches, for one).
             passed = {k: v for k, v in user.items() if k in rm.STATEFUL and c["callbacks_passed"]}
             folder = phase.get("ckpt") or os.path.join(workdir, "ckpt-ref")
-            ckpt = kss.StableCheckpoint(folder, save_freq=c["save_freq"], keep=2, callbacks=passed)
+            ckpt = kss.StableCheckpoint(folder, save_freq=c["save_freq"], max_to_keep=2, callbacks=passed)
             callbacks.insert(0, ckpt)
             # Whether the killed run left anything to resume (a kill before the first save
             # leaves nothing: the "resume" is a fresh start, under the resume's seed).
