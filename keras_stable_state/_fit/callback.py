@@ -436,7 +436,9 @@ class StableCheckpoint(keras.callbacks.Callback):
         pos.data = live
 
     def _restore_newest(self):
-        restored = self.manager.restore_newest_with(self._restore, self._unreadable)
+        restored = self.manager.restore_newest_with(
+            self._restore, self._unreadable, read_only=self._read_only is not None
+        )
         self.skipped_checkpoints = list(self.manager.skipped_checkpoints)
         self.moved_checkpoints = list(self.manager.moved_checkpoints)
         self.run_complete = resume.report_newest(

@@ -116,8 +116,8 @@ def check_arguments(save_freq, max_to_keep, verbose, save_on_background) -> None
         isinstance(max_to_keep, int) and not isinstance(max_to_keep, bool) and max_to_keep >= 1
     ):
         raise ValueError(
-            "`max_to_keep` (formerly `keep`) must be None or an int >= 1 (how many newest "
-            f"checkpoints to keep; not a bool). Received: max_to_keep={max_to_keep!r} (of type "
+            "`max_to_keep` must be None or an int >= 1 (how many newest checkpoints to keep; "
+            f"formerly `keep`; not a bool). Received: max_to_keep={max_to_keep!r} (of type "
             f"{type(max_to_keep).__name__})"
         )
     if verbose not in (0, 1) or isinstance(verbose, float):

@@ -472,13 +472,14 @@ class CheckpointManager:
         self._say(f"restored {path} (step {self.restored_step})")
         return report
 
-    def restore_newest_with(self, restore, unreadable=None):
+    def restore_newest_with(self, restore, unreadable=None, *, read_only=False):
         """Pass the record of the newest readable checkpoint to ``restore(path, record)``
         (which restores everything from that one read); each unreadable one is moved aside
         (recorded in ``skipped_checkpoints`` and ``moved_checkpoints``; ``unreadable(path,
         err)`` is called first, if given) and the next one tried. Takes the lock, and
         waits for the background save in flight. No warning is issued (the caller says
-        where it fell back to: see :meth:`restore`).
+        where it fell back to: see :meth:`restore`). ``read_only=True`` reads without the
+        lock (a directory on a read-only file system, where nobody can write).
 
         Returns:
             The path restored, or ``None`` if no readable checkpoint is left.
@@ -486,7 +487,8 @@ class CheckpointManager:
         Raises:
             The errors of :meth:`restore` for ``"latest"``.
         """
-        self._ensure_locked()
+        if not read_only:
+            self._ensure_locked()
         self._collect(wait=True)
         self.skipped_checkpoints, self.moved_checkpoints = [], []
 
