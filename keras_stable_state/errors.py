@@ -19,6 +19,7 @@ __all__ = [
     "CorruptCheckpointError",
     "MalformedKeyError",
     "CheckpointInUseError",
+    "StorageBackendError",
     "UnreadableCheckpointWarning",
     "InexactResumeWarning",
 ]
@@ -156,6 +157,28 @@ class CheckpointInUseError(StateError, BlockingIOError):
         super().__init__(message, key=key)
         self.path = path
         self.holder = holder
+
+
+class StorageBackendError(StateError, ImportError):
+    """A path is an object-store URL (``gs://``, ``s3://``, ``az://``...) whose fsspec
+    implementation is not installed (or fsspec itself is not): nothing was read or
+    written, and no local folder named after the scheme was made.
+
+    Attributes:
+        path: The URL.
+        scheme: Its scheme (``"gs"``).
+        package: The package that implements it (``"gcsfs"``), or ``None`` if unknown.
+
+    Example:
+        >>> kss.save_training_state("gs://bucket/run.h5", model)   # gcsfs not installed
+        StorageBackendError: 'gs://bucket/run.h5' is in Google Cloud Storage (gs://), read and written through gcsfs, which is not installed ...
+    """
+
+    def __init__(self, message, *, path=None, scheme=None, package=None):
+        super().__init__(message, expected=package, received=scheme)
+        self.path = path
+        self.scheme = scheme
+        self.package = package
 
 
 # -- warnings (StableCheckpoint, on train begin) --------------------------------------------

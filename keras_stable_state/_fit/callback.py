@@ -12,7 +12,6 @@ import keras
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
-from keras_stable_state import format as storage
 from keras_stable_state._engines import background as _async
 from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import directory as checkpoint_dir
@@ -146,7 +145,8 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     Args:
         directory: Folder of the checkpoints (created if needed): a ``str``, ``bytes``
-            (decoded with ``os.fsdecode``) or ``os.PathLike``. Give each run its own
+            (decoded with ``os.fsdecode``), ``os.PathLike`` or ``file://`` URL; not an
+            object-store URL (``s3://``, ``gs://``: refused). Give each run its own
             folder; nothing else should write into it (see ``docs/concepts/security.md``
             for what is refused in it: symbolic links and other non-regular files).
         save_freq: ``"epoch"`` or an ``int``: save every that many batches (a
@@ -202,6 +202,8 @@ class StableCheckpoint(keras.callbacks.Callback):
             ``restore_training_state``) (on construction).
         TypeError: if ``directory`` is not a path, ``callbacks`` is not a dict or list
             of callbacks, or ``async_save`` is not a bool (on construction).
+        StateError: (on construction) if ``directory`` is an object-store URL
+            (``s3://``, ``gs://``...): nothing is written, locally or remotely.
         OSError: with ``async_save``, at a later batch, the next save or train
             end: the error of a background write that failed (disk full, folder
             removed), naming the file; the checkpoints written before it are intact.
@@ -259,7 +261,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         on_data_change="raise",
     ):
         super().__init__()
-        directory = storage.fs_path(directory, "directory")
+        directory = _fit_checks.local_directory(directory)
         _fit_checks.refuse_orbax_directory(directory)
         self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
         _fit_checks.check_arguments(save_freq, keep, verbose, async_save)

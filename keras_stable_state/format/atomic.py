@@ -19,6 +19,7 @@ import os
 import secrets
 
 from keras_stable_state.errors import CheckpointFormatError, StateError
+from keras_stable_state.format.remote import refuse_url
 
 TEMP_PREFIX = ".kss-"
 """Prefix of every temporary file of an atomic write."""
@@ -91,7 +92,7 @@ class atomic_path:
         suffix: Ending of the temporary file's name (``".h5"``, ``".keras"``).
 
     Raises:
-        CheckpointFormatError: if ``filepath`` is a directory.
+        CheckpointFormatError: if ``filepath`` is a directory or a URL (``s3://...``).
         StateError: if the temporary file was removed or replaced while it was written
             (another process writes into the folder); ``filepath`` is left as it was.
         OSError: naming ``filepath`` when writing fails (disk full, permissions);
@@ -100,6 +101,7 @@ class atomic_path:
 
     def __init__(self, filepath, suffix=""):
         self.filepath = os.fsdecode(os.fspath(filepath))
+        refuse_url(self.filepath, "training-state path")  # never a local folder named 's3:'
         self.suffix = suffix
 
     def __enter__(self):

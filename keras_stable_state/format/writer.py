@@ -42,6 +42,7 @@ from keras_stable_state.format.record import (
     USERBLOCK_SIZE,
     StateRecord,
 )
+from keras_stable_state.format.remote import refuse_url
 from keras_stable_state.format.seal import CHUNK, seal, seal_file
 
 
@@ -173,10 +174,12 @@ def check_target(filepath) -> str:
     """``filepath`` as a ``str``, if a training state can be written there.
 
     Raises:
-        CheckpointFormatError: for an extension other than ``.keras`` / ``.h5``, or
-            a path that is a directory.
+        CheckpointFormatError: for an extension other than ``.keras`` / ``.h5``, a
+            path that is a directory, or a URL (``s3://...``: see
+            :mod:`~keras_stable_state.format.remote`).
     """
     path = os.fsdecode(os.fspath(filepath))
+    refuse_url(path, "training-state path")  # object stores: keras_stable_state.format.remote
     if not path.endswith((".keras", ".h5")):
         raise CheckpointFormatError(
             f"Unsupported training-state path {path!r}: use a '.keras' or '.h5' extension.",
