@@ -41,6 +41,7 @@ from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_classes, save_optimizers
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
+from keras_stable_state.format.sink import LimitedFile
 
 __all__ = ["save_training_state", "training_state_record"]
 
@@ -305,7 +306,7 @@ def _save_in_background(filepath, model, record, started):
         del buffer
 
         def archive_writer(tmp):
-            with open(tmp, "wb") as fh:
+            with LimitedFile(tmp, "wb") as fh:
                 fh.write(archive)
 
     return background.submit(
@@ -319,8 +320,9 @@ def _save_keras_archive(model, tmp, filepath):
     try:
         if isinstance(tmp, io.IOBase):
             compat.save_keras_archive_to(model, tmp)
-        else:
-            model.save(tmp)
+        else:  # what model.save(tmp) does, through a file that respects RLIMIT_FSIZE
+            with LimitedFile(tmp, "wb") as fh:
+                compat.save_keras_archive_to(model, fh)
     except NotImplementedError as err:
         if "get_config" not in str(err):
             raise
