@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from keras_stable_state.errors import CorruptCheckpointError
+from keras_stable_state.errors import CorruptCheckpointError, listed
 from keras_stable_state.format import sandbox
 
 PROBE_TIMEOUT = 60.0
@@ -95,10 +95,10 @@ def diagnose(
     found = result.get("damaged", [])
     keys = [key for key, _ in found]
     if keys:
-        listed = ", ".join(repr(k) for k in keys)
+        named = listed(keys)[1:-1]
         # the probe's reason: "fails its xxh3-64 checksum" (format 3) or "fails its CRC-32 checksum" (formats 1-2)
         verb = found[0][1] if len(keys) == 1 else found[0][1].replace("fails its", "fail their") + "s"
-        return damaged(where, f"{what}: {listed} {verb}", key=keys[0])
+        return damaged(where, f"{what}: {named} {verb}", key=keys[0])
     if "crashed" in result:
         return damaged(where, f"{what}; {result['crashed']}", key=default_key)
     return damaged(where, f"{what} (its metadata, a record or the layout was changed)", key=default_key)

@@ -18,7 +18,7 @@ import json
 import h5py
 import numpy as np
 
-from keras_stable_state.errors import CheckpointFormatError
+from keras_stable_state.errors import CheckpointFormatError, listed
 from keras_stable_state.format import index as _index
 from keras_stable_state.format import sandbox
 from keras_stable_state.format.codec import DTYPES, stored_dtype
@@ -102,7 +102,7 @@ class RecordListing(Listing):
         expected = {*RECORDS, *SECTIONS, *((INDEX,) if self.version >= 3 else ())}
         unknown = sorted(set(f) - expected)
         if unknown:
-            raise damaged(self.where, f"unexpected objects {unknown} at the root", key=unknown[0])
+            raise damaged(self.where, f"unexpected objects {listed(unknown)} at the root", key=unknown[0])
         datasets = dict(self.walk(RECORDS if self.version == 1 else ()))
         self.metadata, self.contract, self.extra = (self.read_json(name) for name in RECORDS)
         if self.version >= 3:
@@ -118,7 +118,7 @@ class RecordListing(Listing):
         f = self.src.h5
         unknown = sorted(set(f.attrs) - {"format", "format_version"})
         if unknown:
-            raise damaged(self.where, f"unexpected root attributes {unknown}")
+            raise damaged(self.where, f"unexpected root attributes {listed(unknown)}")
         version = f.attrs.get("format_version")
         if not isinstance(version, int | np.integer) or isinstance(version, bool):
             raise damaged(self.where, f"its format_version attribute is {version!r}, not an integer")
@@ -166,7 +166,7 @@ class RecordListing(Listing):
             raise damaged(self.where, f"record {name!r} is {ds.dtype} {ds.shape}, not UTF-8 bytes", key=name)
         attr = "crc32" if self.version == 2 else "xxh3"
         if set(ds.attrs) != {attr}:
-            raise damaged(self.where, f"record {name!r} has attributes {sorted(ds.attrs)}", key=name)
+            raise damaged(self.where, f"record {name!r} has attributes {listed(sorted(ds.attrs))}", key=name)
         raw = sandbox.read_dataset(ds)
         stored = ds.attrs[attr]
         if self.version == 2:
@@ -222,7 +222,9 @@ class RecordListing(Listing):
         attrs = set(ds.attrs)
         if attrs != {"key", "dtype", "crc32"}:
             raise damaged(
-                self.where, f"dataset {name} has attributes {sorted(attrs)}, not key, dtype, crc32", key=name
+                self.where,
+                f"dataset {name} has attributes {listed(sorted(attrs))}, not key, dtype, crc32",
+                key=name,
             )
         key, dtype, crc = ds.attrs["key"], ds.attrs["dtype"], ds.attrs["crc32"]
         if not isinstance(key, str) or not key or not isinstance(dtype, str):
