@@ -25,7 +25,7 @@ import numpy as np
 from keras_stable_state.errors import StateError, listed
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import DTYPES, aligned, stored_dtype
-from keras_stable_state.format.probe import damaged, diagnose
+from keras_stable_state.format.probe import damaged, diagnose, newer_format
 from keras_stable_state.format.record import INDEX, MAX_NDIM, SECTIONS, SHARED, Entry
 from keras_stable_state.format.schema import is_int
 
@@ -89,6 +89,10 @@ def list_index(rec, datasets: dict, index) -> None:
         CorruptCheckpointError: naming the key, blob or record concerned.
     """
     where = rec.where
+    if isinstance(index, dict) and set(SECTIONS) <= set(index) and set(index) - {SHARED, *SECTIONS}:
+        raise newer_format(
+            where, rec.version, [f"index field {k}" for k in sorted(set(index) - {SHARED, *SECTIONS})]
+        )
     if not isinstance(index, dict) or set(index) - {SHARED} != set(SECTIONS):
         raise damaged(
             where, f"record 'index' is not an object with exactly the sections {list(SECTIONS)}", key=INDEX

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from keras_stable_state.errors import CorruptCheckpointError, listed
+from keras_stable_state.errors import CorruptCheckpointError, NewerFormatError, listed
 from keras_stable_state.format import sandbox
 
 PROBE_TIMEOUT = 60.0
@@ -31,6 +31,22 @@ def damaged(where: str, what: str, key=None, **kw) -> CorruptCheckpointError:
     """The error for damage ``what`` found in ``where`` (a path, or ``"<path>:<member>"``);
     ``key`` and the keyword arguments become its attributes."""
     return CorruptCheckpointError(f"{where}: {what}. The file is damaged; {_RESTORE_HINT}.", key=key, **kw)
+
+
+def newer_format(where: str, version: int, unknown=()) -> NewerFormatError:
+    """The refusal of a file written by a newer keras_stable_state: format ``version``
+    (above the newest this version reads), or format ``version`` with the records,
+    attributes or fields ``unknown`` this version does not know."""
+    from keras_stable_state.format.record import READ_VERSIONS
+
+    what = f"format {version}" + (f", with {listed(unknown)} this version does not know" if unknown else "")
+    return NewerFormatError(
+        f"{where}: written by a newer keras_stable_state ({what}); upgrade to read it (this version "
+        f"reads formats {READ_VERSIONS[0]}-{READ_VERSIONS[-1]}). The file is not damaged and is left as it is.",
+        path=where,
+        version=version,
+        unknown=list(unknown)[:5],
+    )
 
 
 def probe(path: str, member: str | None = None, timeout: float = PROBE_TIMEOUT, expect=None) -> dict:

@@ -164,16 +164,23 @@ class Sink:
 
 class LimitedFile(io.FileIO):
     """``io.FileIO`` for files other code writes (Keras' own ``.keras`` archive): each
-    write is whole (short writes are continued) and a write past this process'
-    file-size limit raises ``EFBIG`` (:func:`room_for`) instead of drawing ``SIGXFSZ``."""
+    write is whole (short writes are continued), a write past this process' file-size
+    limit raises ``EFBIG`` (:func:`room_for`) instead of drawing ``SIGXFSZ``, and a
+    failed write's ``OSError`` carries ``needed_bytes`` (at least its end) and
+    ``needed_exact = False``."""
 
     def write(self, data):
         view = memoryview(data).cast("B")
-        room_for(self.tell() + len(view))
+        end = self.tell() + len(view)
         done = 0
-        while done < len(view):
-            wrote = super().write(view[done:])
-            if not wrote:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            done += wrote
+        try:
+            room_for(end)
+            while done < len(view):
+                wrote = super().write(view[done:])
+                if not wrote:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                done += wrote
+        except OSError as err:  # what the file needs: at least this write's end
+            err.needed_bytes, err.needed_exact = end, False
+            raise
         return done
