@@ -76,6 +76,9 @@ fuzz: setup
 		echo "=== property tests with $(KSS_HYPOTHESIS_EXAMPLES) examples, backend: $$b ==="; \
 		KSS_HYPOTHESIS_EXAMPLES=$(KSS_HYPOTHESIS_EXAMPLES) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
 			-p no:cacheprovider tests/test_storage_format.py tests/test_bytes.py tests/test_mappers.py || status=1; \
+		echo "=== full disks, file-size limits and 300,000 extra index rows, backend: $$b ==="; \
+		KSS_HOSTILE_DISK_STEPS=16 KSS_HOSTILE_ROWS=300000 KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
+			-p no:cacheprovider tests/test_hostile_disk.py tests/test_hostile_messages.py || status=1; \
 	done; exit $$status
 
 # Resume-conformance matrix (tests/matrix.py): MATRIX_CASES drawn fit configurations per
