@@ -142,9 +142,12 @@ def save_training_state(
             or a mapper refuses a value (a float16 overflow, NaN for int8),
             naming the key; for ``.orbax`` if orbax-checkpoint is not installed;
             with several JAX processes, on the others, if process 0 failed to write.
-        OSError: naming the path when the write fails (disk full); the
-            previous file is left intact. With ``blocking=False`` it is raised
-            by the handle's ``wait()``, not by the call.
+        OSError: naming the path (``filename``) when the write fails, with its
+            ``errno`` and, in the message, the bytes the file needs and what limits
+            them (``ENOSPC``: the free bytes; ``EFBIG``: ``RLIMIT_FSIZE``, refused
+            before the kernel's ``SIGXFSZ``); the previous file is left intact. With
+            ``blocking=False`` it is raised by the handle's ``wait()`` (or the next
+            save into the folder waits for it), not by the call.
 
     Example:
         >>> save_training_state("run.keras", model)
