@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
         InexactResumeWarning,
         KeyFormatError,
         MalformedKeyError,
+        NewerFormatError,
         StateError,
         UnreadableCheckpointWarning,
     )
@@ -61,6 +62,7 @@ __all__ = [
     "GradientAccumulator",
     "KeyFormatError",
     "MalformedKeyError",
+    "NewerFormatError",
     "PendingRestore",
     "QuantizeMapper",
     "RestoreReport",
@@ -110,6 +112,7 @@ _SOURCES = {
     "DtypeMismatchError": "errors",
     "KeyFormatError": "errors",
     "MalformedKeyError": "errors",
+    "NewerFormatError": "errors",
     "StateError": "errors",
 }
 

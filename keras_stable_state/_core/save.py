@@ -43,6 +43,7 @@ from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_classes, save_optimizers
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
+from keras_stable_state.format.sink import LimitedFile
 
 __all__ = ["save_training_state", "training_state_record"]
 
@@ -168,10 +169,13 @@ def save_training_state(
             with several JAX processes, on the others, if process 0 failed to write;
             if called from another thread while a ``fit`` of ``model`` without a
             ``StableCheckpoint`` runs, naming that thread.
-        OSError: naming the path when the write fails (disk full), or the URL
-            when the upload fails (refused credentials, a missing bucket); the
-            previous file or object is left intact. With ``blocking=False`` it
-            is raised by the handle's ``wait()``, not by the call.
+        OSError: naming the path (``filename``) when the write fails, with its
+            ``errno`` and, in the message, the bytes the file needs and what limits
+            them (``ENOSPC``: the free bytes; ``EFBIG``: ``RLIMIT_FSIZE``, refused
+            before the kernel's ``SIGXFSZ``), or the URL when the upload fails
+            (refused credentials, a missing bucket); the previous file or object is
+            left intact. With ``blocking=False`` it is raised by the handle's
+            ``wait()`` (or the next save into the folder waits for it), not by the call.
 
     Example:
         >>> save_training_state("run.keras", model)
@@ -342,7 +346,7 @@ def _save_in_background(filepath, model, record, started, store=None):
         del buffer
 
         def archive_writer(tmp):
-            with open(tmp, "wb") as fh:
+            with LimitedFile(tmp, "wb") as fh:
                 fh.write(archive)
 
     return background.submit(
@@ -356,8 +360,9 @@ def _save_keras_archive(model, tmp, filepath):
     try:
         if isinstance(tmp, io.IOBase):
             compat.save_keras_archive_to(model, tmp)
-        else:
-            model.save(tmp)
+        else:  # what model.save(tmp) does, through a file that respects RLIMIT_FSIZE
+            with LimitedFile(tmp, "wb") as fh:
+                compat.save_keras_archive_to(model, fh)
     except NotImplementedError as err:
         if "get_config" not in str(err):
             raise

@@ -86,14 +86,17 @@ class StableCheckpoint(keras.callbacks.Callback):
     the same thread. Holding the lock, it removes the ``.kss-*`` temporary files
     that a killed save left behind (``removed_temporary_files`` lists them).
 
-    An unreadable checkpoint (truncated, failing a checksum, or of an unknown
-    format) is moved into ``<directory>/unreadable/`` (``ckpt-<step>.h5``, or
+    An unreadable checkpoint (truncated, failing a checksum, or not a training
+    state) is moved into ``<directory>/unreadable/`` (``ckpt-<step>.h5``, or
     ``ckpt-<step>.h5.<n>`` if that name is taken) and the one before is restored,
     with an :class:`UnreadableCheckpointWarning` naming each moved file. If none is
     readable, training starts fresh, with that warning. ``skipped_checkpoints``
     lists ``(path, reason)`` and ``moved_checkpoints`` ``(path, new path)`` of each.
     A checkpoint that is locked by another process is not damaged: the callback
     raises :class:`~keras_stable_state.CheckpointInUseError` and never falls back.
+    Nor is one written by a newer keras_stable_state: the callback raises
+    :class:`~keras_stable_state.NewerFormatError`, leaves the file in place and
+    never falls back.
 
     With ``steps_per_execution=k`` (TensorFlow and JAX; Keras refuses ``k > 1`` on
     Torch) Keras calls the batch callbacks once per execution of ``k`` batches, so
@@ -232,6 +235,9 @@ class StableCheckpoint(keras.callbacks.Callback):
             locked by another process (for example open for writing): it is not
             damaged, so there is no fallback. Wait for the other process or use
             another directory.
+        NewerFormatError: on train begin, if the newest checkpoint (or, past damaged
+            ones, the next) was written by a newer keras_stable_state: it is left in
+            place and there is no fallback. Upgrade keras_stable_state.
         NotADirectoryError: on train begin, if ``directory`` is a file.
         OSError: on train begin, if the directory or its lock file cannot be created or
             locked (permissions, a file system without ``flock``), naming it; on a read-only
