@@ -83,6 +83,9 @@ fuzz: setup
 		echo "=== $(KSS_MEMORY_LIMITS) memory limits, $(KSS_THREAD_SAVES) saves from another thread, backend: $$b ==="; \
 		KSS_MEMORY_LIMITS=$(KSS_MEMORY_LIMITS) KSS_THREAD_SAVES=$(KSS_THREAD_SAVES) KERAS_BACKEND=$$b $(BIN)/python -m pytest \
 			-q -p no:cacheprovider tests/test_hostile_memory.py tests/test_hostile_threads.py || status=1; \
+		echo "=== full disks, file-size limits and 300,000 extra index rows, backend: $$b ==="; \
+		KSS_HOSTILE_DISK_STEPS=16 KSS_HOSTILE_ROWS=300000 KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
+			-p no:cacheprovider tests/test_hostile_disk.py tests/test_hostile_messages.py || status=1; \
 	done; exit $$status
 
 # Resume-conformance matrix (tests/matrix.py): MATRIX_CASES drawn fit configurations per

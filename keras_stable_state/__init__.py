@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
         InexactResumeWarning,
         KeyFormatError,
         MalformedKeyError,
+        NewerFormatError,
         StateError,
         UnreadableCheckpointWarning,
     )
@@ -65,6 +66,7 @@ __all__ = [
     "GradientAccumulator",
     "KeyFormatError",
     "MalformedKeyError",
+    "NewerFormatError",
     "PendingRestore",
     "QuantizeMapper",
     "RestoreReport",
@@ -116,6 +118,7 @@ _SOURCES = {
     "DtypeMismatchError": "errors",
     "KeyFormatError": "errors",
     "MalformedKeyError": "errors",
+    "NewerFormatError": "errors",
     "StateError": "errors",
 }
 

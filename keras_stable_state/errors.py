@@ -9,6 +9,8 @@ what to do about it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "StateError",
     "KeyFormatError",
@@ -16,12 +18,66 @@ __all__ = [
     "ContractError",
     "DtypeMismatchError",
     "CheckpointFormatError",
+    "NewerFormatError",
     "CorruptCheckpointError",
     "MalformedKeyError",
     "CheckpointInUseError",
+    "StorageBackendError",
     "UnreadableCheckpointWarning",
     "InexactResumeWarning",
 ]
+
+
+# What one message shows of names (keys, paths, records) read from a file or a model:
+# at most NAMES_SHOWN of a list, each at most NAME_WIDTH characters.
+NAMES_SHOWN = 5
+NAME_WIDTH = 120
+
+
+def shown(name, width: int = NAME_WIDTH, quote: bool = True) -> str:
+    """``repr(name)`` (``str(name)`` with ``quote=False``), shortened to about ``width``
+    characters: its start, then ``... (N characters)``. Every message that echoes a
+    name from a file or a model goes through this (or :func:`listed`), so no name
+    makes a message unbounded."""
+    text = name if isinstance(name, str) else repr(name)
+    if len(text) <= width:
+        return repr(name) if quote else text
+    head = text[: max(8, width - 24)]
+    return f"{repr(head) if quote else head}... ({len(text):,} characters)"
+
+
+def listed(names: Iterable, limit: int = NAMES_SHOWN, width: int = NAME_WIDTH, quote: bool = True) -> str:
+    """``names`` as ``['a', 'b', 'c' and 295 more]`` (``[]`` when empty): at most ``limit``,
+    each :func:`shown`, with the count of the others."""
+    names = names if isinstance(names, list | tuple) else list(names)
+    head = ", ".join(shown(n, width, quote) for n in names[:limit])
+    more = f" and {len(names) - limit:,} more" if len(names) > limit else ""
+    return f"[{head}{more}]"
+
+
+# The longest message an error carries: a longer one keeps its start and its end (the fix).
+MESSAGE_LIMIT = 8000
+_WORD_LIMIT = 1000
+
+
+def bounded(message: str) -> str:
+    """``message`` with every run of more than 1,000 characters without a space
+    shortened (:func:`shown`'s way) and, if still longer than :data:`MESSAGE_LIMIT`,
+    its middle left out: the net under :func:`shown` and :func:`listed`, applied to
+    every :class:`StateError`."""
+    if len(message) <= _WORD_LIMIT:
+        return message
+    words = message.split(" ")
+    if any(len(w) > _WORD_LIMIT for w in words):
+        message = " ".join(
+            w if len(w) <= _WORD_LIMIT else f"{w[:NAME_WIDTH]}... ({len(w):,} characters)" for w in words
+        )
+    if len(message) > MESSAGE_LIMIT:
+        keep = MESSAGE_LIMIT // 2
+        message = (
+            f"{message[:keep]} ... ({len(message) - 2 * keep:,} characters left out) ... {message[-keep:]}"
+        )
+    return message
 
 
 class StateError(Exception):
@@ -40,7 +96,7 @@ class StateError(Exception):
     """
 
     def __init__(self, message, *, key=None, expected=None, received=None):
-        super().__init__(message)
+        super().__init__(bounded(str(message)))
         self.key = key
         self.expected = expected
         self.received = received
@@ -112,6 +168,35 @@ class CheckpointFormatError(StateError, ValueError):
     """
 
 
+class NewerFormatError(CheckpointFormatError):
+    """The file was written by a newer keras_stable_state: a format version this
+    version does not read, or records (HDF5 objects, attributes, index fields) this
+    version does not know in a file whose seal checks.
+
+    The file is not damaged, and nothing is done to it:
+    :class:`~keras_stable_state.StableCheckpoint` neither moves it to ``unreadable/``
+    nor falls back past it to an older checkpoint (which would train again what the
+    newer one holds), and ``keras-stable-state verify`` exits with 3, not 1. Upgrade
+    keras_stable_state to read it.
+
+    Attributes:
+        path: The file (``"<archive>:<member>"`` inside a ``.keras`` archive).
+        version: The format version it was written in (``int``).
+        unknown: The names this version does not know (records, attributes,
+            fields), at most a few, or ``[]`` for a newer format version.
+
+    Example:
+        >>> kss.restore_training_state("from-the-future.h5", model)
+        NewerFormatError: from-the-future.h5: written by a newer keras_stable_state (format 4); upgrade to read it ...
+    """
+
+    def __init__(self, message, *, path=None, version=None, unknown=(), key=None):
+        super().__init__(message, key=key, received=version)
+        self.path = path
+        self.version = version
+        self.unknown = list(unknown)
+
+
 class CorruptCheckpointError(StateError, OSError):
     """An array in the file fails its checksum or cannot be read (truncation).
 
@@ -156,6 +241,28 @@ class CheckpointInUseError(StateError, BlockingIOError):
         super().__init__(message, key=key)
         self.path = path
         self.holder = holder
+
+
+class StorageBackendError(StateError, ImportError):
+    """A path is an object-store URL (``gs://``, ``s3://``, ``az://``...) whose fsspec
+    implementation is not installed (or fsspec itself is not): nothing was read or
+    written, and no local folder named after the scheme was made.
+
+    Attributes:
+        path: The URL.
+        scheme: Its scheme (``"gs"``).
+        package: The package that implements it (``"gcsfs"``), or ``None`` if unknown.
+
+    Example:
+        >>> kss.save_training_state("gs://bucket/run.h5", model)   # gcsfs not installed
+        StorageBackendError: 'gs://bucket/run.h5' is in Google Cloud Storage (gs://), read and written through gcsfs, which is not installed ...
+    """
+
+    def __init__(self, message, *, path=None, scheme=None, package=None):
+        super().__init__(message, expected=package, received=scheme)
+        self.path = path
+        self.scheme = scheme
+        self.package = package
 
 
 # -- warnings (StableCheckpoint, on train begin) --------------------------------------------

@@ -230,7 +230,9 @@ def test_failed_background_save_is_raised_during_fit(tmp_path):
 @pytest.mark.parametrize("async_save", [False, True])
 def test_verbose_prints_one_summary_line_per_save(tmp_path, capsys, async_save):
     m = _model()
-    ckpt = kss.StableCheckpoint(tmp_path / "ckpts", save_freq="epoch", verbose=1, save_on_background=async_save)
+    ckpt = kss.StableCheckpoint(
+        tmp_path / "ckpts", save_freq="epoch", verbose=1, save_on_background=async_save
+    )
     m.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[ckpt])
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "saved ckpt-" in ln]
     timing = r"\d+ ms in the background, training blocked \d+ ms" if async_save else r"\d+ ms"

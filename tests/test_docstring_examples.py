@@ -36,6 +36,7 @@ NEEDS = {
     "kss.DtypeMismatchError": "needs a file saved with float16 arrays",
     "kss.GradientAccumulator": "needs `grads`, `x_batch` and `optimizer` of a custom training loop",
     "kss.MalformedKeyError": "needs a damaged file",
+    "kss.NewerFormatError": "needs a file written by a newer keras_stable_state",
     "kss.PendingRestore": "needs the reader's `build_model()`",
     "kss.QuantizeMapper": "needs the reader's `momentum_array`",
     "kss.ScheduleMismatchError": "needs a model whose schedule differs from the saved one",

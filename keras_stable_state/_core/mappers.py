@@ -35,7 +35,7 @@ import numpy as np
 
 from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
-from keras_stable_state.errors import CorruptCheckpointError, DtypeMismatchError, StateError
+from keras_stable_state.errors import CorruptCheckpointError, DtypeMismatchError, StateError, listed
 
 __all__ = ["SECTION", "CastMapper", "QuantizeMapper", "StateMapper", "check_mappers", "decode_record"]
 
@@ -371,8 +371,8 @@ def encode_arrays(rules, model_arrays, opt_arrays):
     if unused:
         keys = [*model_arrays, *opt_arrays]
         raise ValueError(
-            f"`mappers` patterns {unused} match no saved key (re.search); the keys saved are e.g. "
-            f"{keys[:6]}. Fix the pattern or leave it out."
+            f"`mappers` patterns {listed(unused)} match no saved key (re.search); the keys saved are e.g. "
+            f"{listed(keys)}. Fix the pattern or leave it out."
         )
     return out[0], out[1], section, found
 

@@ -38,7 +38,7 @@ from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._state import layers as layer_state
-from keras_stable_state.errors import BindingError, StateError
+from keras_stable_state.errors import NAMES_SHOWN, BindingError, StateError, listed, shown
 
 __all__ = ["RestoreRequest", "restore_record", "plan_callbacks"]
 
@@ -163,7 +163,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     elif providers:
         raise StateError(
             f"{where} is a {record.source}, which holds no provider state; the providers "
-            f"{sorted(providers)} in `state` cannot be restored from it. Save them with "
+            f"{listed(sorted(providers))} in `state` cannot be restored from it. Save them with "
             "save_training_state(..., state={name: provider}).",
             key=sorted(providers)[0],
         )
@@ -210,9 +210,9 @@ def _plan_model(record, registry, request, report):
                 key=str(registry.entries[0][0]),
             )
         if absent and strict:
-            listed = ", ".join(f"{k} (at {p!r})" for k, p in absent)
+            absent_text = listed((f"{k} (at {shown(p)})" for k, p in absent), quote=False)[1:-1]
             raise BindingError(
-                f"The stock Keras file {where} has no value for model variables {listed}; with "
+                f"The stock Keras file {where} has no value for model variables {absent_text}; with "
                 "strict=True every variable must be restored. The model has layers or variables the "
                 "saving model did not have. Restore into the model that saved it, or pass strict=False "
                 "to leave these variables fresh (listed in report.left_fresh).",
@@ -228,8 +228,8 @@ def _plan_model(record, registry, request, report):
     if not bound and saved:
         raise BindingError(
             f"No saved model variable in {where} matches this model: the file has "
-            f"{sorted(str(k) for k, _, _ in saved)[:8]}{'...' if len(saved) > 8 else ''}, the model has "
-            f"{sorted(map(str, registry.keys()))[:8]}. It was written for another model; restore it "
+            f"{listed(sorted(str(k) for k, _, _ in saved))}, the model has "
+            f"{listed(sorted(map(str, registry.keys())))}. It was written for another model; restore it "
             "into that model.",
             key=str(saved[0][0]),
         )
@@ -237,9 +237,10 @@ def _plan_model(record, registry, request, report):
         extra = sorted(k.value for k in unmatched if k.kind == EXTRA)
         if strict and extra:
             raise BindingError(
-                f"{where} holds variables saved by name outside the model, {[f'{EXTRA}:{n}' for n in extra]}"
+                f"{where} holds variables saved by name outside the model, {listed(f'{EXTRA}:{n}' for n in extra)}"
                 f", which `variables` does not name; pass them to restore them: restore_training_state"
-                f"(..., variables={{{', '.join(f'{n!r}: ...' for n in extra)}}}), or pass strict=False "
+                f"(..., variables={{{', '.join(f'{shown(n)}: ...' for n in extra[:NAMES_SHOWN])}"
+                f"{', ...' if len(extra) > NAMES_SHOWN else ''}}}), or pass strict=False "
                 "to skip them.",
                 key=f"{EXTRA}:{extra[0]}",
                 expected=[f"{EXTRA}:{n}" for n in extra],
@@ -247,7 +248,8 @@ def _plan_model(record, registry, request, report):
             )
         if strict:
             raise BindingError(
-                f"Saved model variables {sorted(map(str, unmatched))} in {where} are not in the model. "
+                f"Saved model variables {listed(sorted(map(str, unmatched)))} ({len(unmatched):,}) in {where} "
+                "are not in the model. "
                 "Rebuild the model as it was saved, or pass strict=False to skip them.",
                 key=str(unmatched[0]),
             )
@@ -346,7 +348,7 @@ def _plan_state(record, request, report):
     for name, provider in providers.items():
         if name not in saved:
             raise StateError(
-                f"{where} has no state for provider {name!r} (it has {sorted(saved)}). "
+                f"{where} has no state for provider {name!r} (it has {listed(sorted(saved))}). "
                 "Save it with save_training_state(..., state={name: provider}), or leave it out of "
                 "`state`.",
                 key=name,

@@ -26,6 +26,7 @@ from keras_stable_state._core.arguments import (
     check_variables,
 )
 from keras_stable_state._core.guards import builds_undone_on_refusal, memory_refused, walking_once
+from keras_stable_state._core.object_store import object_store_target
 from keras_stable_state._core.plan import RestoreRequest, restore_record
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._engines import orbax as orbax_engine
@@ -51,6 +52,7 @@ class RestoreOptions:
     prefix: object = None
     rename: object = None
     keep_learning_rate: object = False
+    storage_options: object = None
 
     @classmethod
     def from_keywords(cls, verb, /, **kwargs) -> RestoreOptions:
@@ -82,6 +84,7 @@ def restore_training_state(
     rename=None,
     keep_learning_rate=False,
     defer=False,
+    storage_options=None,
 ) -> RestoreReport | PendingRestore:
     """Restore a training state saved by :func:`save_training_state` (or a stock Keras file).
 
@@ -106,7 +109,11 @@ def restore_training_state(
             (each array read onto the variable's current sharding, each JAX
             process reading only its own shards), or a stock Keras ``.keras`` /
             ``.weights.h5`` file. With several JAX processes every process
-            must call this (it runs collectives).
+            must call this (it runs collectives). An object-store URL
+            (``s3://bucket/run.h5``, ``gs://...``; needs the ``[cloud]``
+            extra) is downloaded whole into memory, then read with every
+            check a file gets (messages name the URL); a ``file://`` URL is
+            the local path it names.
         model: The built ``keras.Model`` to restore into, however it was built.
         optimizer: Default ``model.optimizer``; ``None`` with an uncompiled
             model restores model variables only.
@@ -157,6 +164,9 @@ def restore_training_state(
             the model and its optimizer on JAX and PyTorch; or by calling
             ``restore()`` once the model is built), with every check above
             made then. A model that is built already is restored at once.
+        storage_options: For an object-store URL: a ``dict`` passed to the
+            fsspec filesystem; fsspec's own configuration and the store's
+            environment variables apply as well.
 
     Returns:
         A :class:`RestoreReport`; with ``defer=True`` a :class:`PendingRestore`
@@ -176,7 +186,10 @@ def restore_training_state(
             and ``rename``, a rename pattern that is not a regular expression,
             a rule that makes a malformed key or maps two saved keys to one,
             and rules for a stock Keras file.
-        FileNotFoundError: if there is no file.
+        FileNotFoundError: if there is no file (or no object at the URL).
+        StorageBackendError: (a ``StateError`` and an ``ImportError``) for a URL
+            whose fsspec implementation is not installed, naming the package
+            and the ``[cloud]`` extra.
         CheckpointInUseError: if another process holds the file locked for writing.
         CorruptCheckpointError: if the file is truncated or damaged, an array
             fails its checksum (for ``.orbax``: its hash), or a record (RNG,
@@ -184,8 +197,9 @@ def restore_training_state(
         MalformedKeyError: (a ``CorruptCheckpointError`` and a
             ``KeyFormatError``) if a key in the file cannot be parsed: the file
             is damaged, the model is not to blame.
-        CheckpointFormatError: for an unknown format version, a directory or a
-            legacy Keras HDF5 file.
+        CheckpointFormatError: for an unknown format version, a directory, a
+            legacy Keras HDF5 file, a ``.orbax`` URL (not supported in object
+            stores yet) or ``storage_options`` with a local path.
         ContractError: (``strict``) if the trainable variables differ from the contract.
         BindingError: if saved arrays cannot be matched to variables (keys,
             shapes, counts), naming the first or every key concerned; with
@@ -235,6 +249,7 @@ def restore_training_state(
         prefix=prefix,
         rename=rename,
         keep_learning_rate=keep_learning_rate,
+        storage_options=storage_options,
     )
     return restore_with(filepath, model, options, defer=defer)
 
@@ -263,6 +278,7 @@ def restore_with(
     """
     verb = "restore_training_state"
     filepath = check_filepath(filepath, verb)
+    filepath, _ = object_store_target(filepath, options.storage_options, verb, write=False)
     check_model(model, verb)
     optimizers = check_optimizers(options.optimizer, verb, model)
     callbacks = check_callbacks(options.callbacks, verb)
@@ -282,7 +298,7 @@ def restore_with(
         record = (
             orbax_engine.read(filepath)
             if orbax_engine.is_orbax_path(filepath)
-            else storage.read_file(filepath)
+            else storage.read_file(filepath, storage_options=options.storage_options)
         )
     if defer:
         mappers_mod.decode_record(record, file_label(filepath))  # an unknown mapper is refused now

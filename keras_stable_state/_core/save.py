@@ -32,6 +32,7 @@ from keras_stable_state._core.arguments import (
     extra_saved,
 )
 from keras_stable_state._core.guards import walking_once
+from keras_stable_state._core.object_store import object_store_target, write_to
 from keras_stable_state._core.report import writer_metadata
 from keras_stable_state._engines import background
 from keras_stable_state._engines import orbax as orbax_engine
@@ -42,6 +43,7 @@ from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_classes, save_optimizers
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
+from keras_stable_state.format.sink import LimitedFile
 
 __all__ = ["save_training_state", "training_state_record"]
 
@@ -60,6 +62,7 @@ def save_training_state(
     variables=None,
     mappers=None,
     blocking=True,
+    storage_options=None,
 ):
     """Save the whole training state by key: variables, optimizer, contract and the rest.
 
@@ -85,7 +88,12 @@ def save_training_state(
             (a directory: model and optimizer arrays stored with Orbax, each
             JAX process writing only its own shards; needs the ``[orbax]``
             extra). With several JAX processes every process must call this
-            (it runs collectives); for ``.h5`` process 0 alone writes.
+            (it runs collectives); for ``.h5`` process 0 alone writes. An
+            object-store URL (``s3://bucket/run.h5``, ``gs://...``, ``az://...``,
+            ``memory://...``; needs the ``[cloud]`` extra) is written as a local
+            file in a temporary folder, with every check, then uploaded whole
+            as one object (see "Cloud storage" in the docs); a ``file://`` URL
+            is the local path it names.
         model: A built ``keras.Model``.
         optimizer: The optimizer to save; default ``model.optimizer``. An
             unbuilt optimizer is built on ``model.trainable_variables`` first.
@@ -117,6 +125,9 @@ def save_training_state(
             previous background write into the same folder. For ``.keras`` paths,
             Keras' own archive (config and weights) is also built in memory
             before the call returns, since it reads the live model.
+        storage_options: For an object-store URL: a ``dict`` passed to the
+            fsspec filesystem (credentials, ``client_kwargs``...); fsspec's own
+            configuration and the store's environment variables apply as well.
 
     Returns:
         ``filepath`` (``str``) with ``blocking=True``; a
@@ -141,8 +152,13 @@ def save_training_state(
         BindingError: if the optimizer trains a variable that is neither in the
             model nor in ``variables`` (naming its path and the fix), or is
             unbuilt while ``model`` is a layer of another model.
+        StorageBackendError: (a ``StateError`` and an ``ImportError``) for an
+            object-store URL whose fsspec implementation is not installed,
+            naming the package (``gcsfs`` for ``gs://``) and the ``[cloud]``
+            extra; nothing is written, locally or remotely.
         CheckpointFormatError: (raised by the call, also with ``blocking=False``)
-            for another extension, a directory, or a
+            for another extension, a directory, a ``.orbax`` URL (not supported
+            in object stores yet), ``storage_options`` with a local path, or a
             ``.keras`` path for a model Keras cannot serialize (a subclassed
             model without ``get_config()``): save to ``.h5`` instead; with
             several JAX processes, for a ``.keras`` path.
@@ -153,9 +169,13 @@ def save_training_state(
             with several JAX processes, on the others, if process 0 failed to write;
             if called from another thread while a ``fit`` of ``model`` without a
             ``StableCheckpoint`` runs, naming that thread.
-        OSError: naming the path when the write fails (disk full); the
-            previous file is left intact. With ``blocking=False`` it is raised
-            by the handle's ``wait()``, not by the call.
+        OSError: naming the path (``filename``) when the write fails, with its
+            ``errno`` and, in the message, the bytes the file needs and what limits
+            them (``ENOSPC``: the free bytes; ``EFBIG``: ``RLIMIT_FSIZE``, refused
+            before the kernel's ``SIGXFSZ``), or the URL when the upload fails
+            (refused credentials, a missing bucket); the previous file or object is
+            left intact. With ``blocking=False`` it is raised by the handle's
+            ``wait()`` (or the next save into the folder waits for it), not by the call.
 
     Example:
         >>> save_training_state("run.keras", model)
@@ -165,6 +185,7 @@ def save_training_state(
     started = time.perf_counter()
     verb = "save_training_state"
     filepath = check_filepath(filepath, verb)
+    filepath, store = object_store_target(filepath, storage_options, verb)
     check_flags(verb, blocking=blocking)
     _check_processes(filepath)
     orbax = orbax_engine.is_orbax_path(filepath)
@@ -202,26 +223,30 @@ def save_training_state(
             allow_order_keys=allow_order_keys,
             variables=variables,
             mappers=mappers,
-            before_copy=None if blocking else lambda: _wait_before_copy(filepath),
+            before_copy=None if blocking else lambda: _wait_before_copy(filepath, store),
         )
         if orbax:  # each process writes its own shards; process 0 the sealed record
             return orbax_engine.write(filepath, record)
         if not blocking:
-            return _save_in_background(filepath, model, record, started)
+            return _save_in_background(filepath, model, record, started, store)
         # With several JAX processes every process gathered the same arrays; process 0 alone writes.
         multiprocess.run_on_primary(
             filepath,
-            lambda: storage.write_record(
-                filepath, record, keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath)
+            lambda: write_to(
+                filepath,
+                store,
+                record,
+                keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath),
             ),
         )
         return filepath
 
 
-def _wait_before_copy(filepath):
+def _wait_before_copy(filepath, store=None):
     """Before a background save copies anything: the target is writable, and the previous
     write into its folder has ended (at most one host copy waiting)."""
-    storage.check_target(filepath)
+    if store is None:
+        storage.check_target(filepath)
     background.wait_for_folder(background.folder_of(filepath))
 
 
@@ -310,7 +335,7 @@ def _check_processes(filepath):
         )
 
 
-def _save_in_background(filepath, model, record, started):
+def _save_in_background(filepath, model, record, started, store=None):
     """Copy what is still shared with live objects, then write in a background thread."""
     record = background.host_record(record)
     archive_writer = None
@@ -321,12 +346,12 @@ def _save_in_background(filepath, model, record, started):
         del buffer
 
         def archive_writer(tmp):
-            with open(tmp, "wb") as fh:
+            with LimitedFile(tmp, "wb") as fh:
                 fh.write(archive)
 
     return background.submit(
         filepath,
-        lambda: storage.write_record(filepath, record, keras_archive_writer=archive_writer),
+        lambda: write_to(filepath, store, record, keras_archive_writer=archive_writer),
         started,
     )
 
@@ -335,8 +360,9 @@ def _save_keras_archive(model, tmp, filepath):
     try:
         if isinstance(tmp, io.IOBase):
             compat.save_keras_archive_to(model, tmp)
-        else:
-            model.save(tmp)
+        else:  # what model.save(tmp) does, through a file that respects RLIMIT_FSIZE
+            with LimitedFile(tmp, "wb") as fh:
+                compat.save_keras_archive_to(model, fh)
     except NotImplementedError as err:
         if "get_config" not in str(err):
             raise

@@ -38,7 +38,7 @@ from keras_stable_state._optimizer.groups import check_windows_and_groups, refus
 from keras_stable_state._optimizer.slots import build_for, check_inside
 from keras_stable_state._optimizer.tracking import stable_optimizer_in
 from keras_stable_state._optimizer.wrapper import bind_unchecked, register_keyed_restore
-from keras_stable_state.errors import BindingError
+from keras_stable_state.errors import BindingError, listed
 
 __all__ = [
     "COUNTER_MARGIN",
@@ -207,7 +207,7 @@ def plan_optimizer_arrays(
         )
         raise BindingError(
             f"Saved optimizer slots belong to variables the model does not have: "
-            f"{sorted(map(str, unmatched))}. The model differs from the one saved; rebuild it as "
+            f"{listed(sorted(map(str, unmatched)))}. The model differs from the one saved; rebuild it as "
             f"it was, or pass strict=False to drop these slots.{hint}",
             key=str(unmatched[0]),
         )
@@ -319,7 +319,7 @@ def plan_optimizers(
     if absent and strict:
         raise BindingError(
             f"{where} holds the state of optimizers {absent}, which the model does not track (it has "
-            f"{sorted(optimizers)}). Set them on the model as attributes named as saved, pass them as "
+            f"{listed(sorted(optimizers))}). Set them on the model as attributes named as saved, pass them as "
             "optimizer={name: optimizer}, or pass strict=False to leave their state out.",
             key=absent[0],
             expected=absent,
@@ -336,7 +336,7 @@ def plan_optimizers(
     )
     if unsaved and strict:
         raise BindingError(
-            f"{where} has no state for optimizers {unsaved} of the model (it holds {sorted(groups)}): "
+            f"{where} has no state for optimizers {listed(unsaved)} of the model (it holds {listed(sorted(groups))}): "
             "they would keep fresh slots. Restore a checkpoint saved with them, or pass strict=False.",
             key=unsaved[0],
         )

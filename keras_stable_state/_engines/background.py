@@ -118,7 +118,10 @@ class SaveHandle:
 
 
 def folder_of(path) -> str:
-    """The real path of the folder ``path`` is written into (the key that orders writes)."""
+    """The real path of the folder ``path`` is written into (the key that orders writes);
+    for an object-store URL, the URL of its folder."""
+    if storage.remote.is_url(path):
+        return path.rstrip("/").rpartition("/")[0]
     return os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
 
 
@@ -210,8 +213,9 @@ def submit(path, write, started) -> SaveHandle:
     submitted earlier into the same folder.
 
     Args:
-        path: The file ``write`` writes (``str``).
-        write: A callable taking no argument.
+        path: The file ``write`` writes (``str``), or the object's URL.
+        write: A callable taking no argument; it may return the size written in bytes
+            (``int``; else the size of the file at ``path`` is taken).
         started: ``time.perf_counter()`` when the save began in the calling thread.
 
     Returns:
@@ -226,13 +230,13 @@ def submit(path, write, started) -> SaveHandle:
             concurrent.futures.wait([earlier._future])
         begin = time.perf_counter()
         try:
-            write()
+            written = write()
         except BaseException as err:
             _name_path(err, path)
             raise
         handle = box["handle"]
         handle.write_secs = time.perf_counter() - begin
-        handle.nbytes = os.path.getsize(path)
+        handle.nbytes = written if isinstance(written, int) else os.path.getsize(path)
 
     with _GUARD:
         for done in [f for f, h in _LATEST.items() if h.done()]:

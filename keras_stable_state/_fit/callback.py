@@ -10,7 +10,6 @@ import keras
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
-from keras_stable_state import format as storage
 from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import inexact, resume
 from keras_stable_state._fit import input as _fit_input
@@ -85,14 +84,17 @@ class StableCheckpoint(keras.callbacks.Callback):
     the same thread. Holding the lock, it removes the ``.kss-*`` temporary files
     that a killed save left behind (``removed_temporary_files`` lists them).
 
-    An unreadable checkpoint (truncated, failing a checksum, or of an unknown
-    format) is moved into ``<directory>/unreadable/`` (``ckpt-<step>.h5``, or
+    An unreadable checkpoint (truncated, failing a checksum, or not a training
+    state) is moved into ``<directory>/unreadable/`` (``ckpt-<step>.h5``, or
     ``ckpt-<step>.h5.<n>`` if that name is taken) and the one before is restored,
     with an :class:`UnreadableCheckpointWarning` naming each moved file. If none is
     readable, training starts fresh, with that warning. ``skipped_checkpoints``
     lists ``(path, reason)`` and ``moved_checkpoints`` ``(path, new path)`` of each.
     A checkpoint that is locked by another process is not damaged: the callback
     raises :class:`~keras_stable_state.CheckpointInUseError` and never falls back.
+    Nor is one written by a newer keras_stable_state: the callback raises
+    :class:`~keras_stable_state.NewerFormatError`, leaves the file in place and
+    never falls back.
 
     With ``steps_per_execution=k`` (TensorFlow and JAX; Keras refuses ``k > 1`` on
     Torch) Keras calls the batch callbacks once per execution of ``k`` batches, so
@@ -144,7 +146,8 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     Args:
         directory: Folder of the checkpoints (created if needed): a ``str``, ``bytes``
-            (decoded with ``os.fsdecode``) or ``os.PathLike``. Give each run its own
+            (decoded with ``os.fsdecode``), ``os.PathLike`` or ``file://`` URL; not an
+            object-store URL (``s3://``, ``gs://``: refused). Give each run its own
             folder; nothing else should write into it (see ``docs/concepts/security.md``
             for what is refused in it: symbolic links and other non-regular files).
         save_freq: ``"epoch"`` or an ``int``: save every that many batches (a
@@ -200,6 +203,8 @@ class StableCheckpoint(keras.callbacks.Callback):
             ``restore_training_state``) (on construction).
         TypeError: if ``directory`` is not a path, ``callbacks`` is not a dict or list
             of callbacks, or ``async_save`` is not a bool (on construction).
+        StateError: (on construction) if ``directory`` is an object-store URL
+            (``s3://``, ``gs://``...): nothing is written, locally or remotely.
         OSError: with ``async_save``, at a later batch, the next save or train
             end: the error of a background write that failed (disk full, folder
             removed), naming the file; the checkpoints written before it are intact.
@@ -228,6 +233,9 @@ class StableCheckpoint(keras.callbacks.Callback):
             locked by another process (for example open for writing): it is not
             damaged, so there is no fallback. Wait for the other process or use
             another directory.
+        NewerFormatError: on train begin, if the newest checkpoint (or, past damaged
+            ones, the next) was written by a newer keras_stable_state: it is left in
+            place and there is no fallback. Upgrade keras_stable_state.
         NotADirectoryError: on train begin, if ``directory`` is a file.
         OSError: on train begin, if the directory or its lock file cannot be created or
             locked (permissions, a file system without ``flock``), naming it; on a read-only
@@ -263,7 +271,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         async_save=_fit_checks.UNSET,
     ):
         super().__init__()
-        directory = storage.fs_path(directory, "directory")
+        directory = _fit_checks.local_directory(directory)
         _fit_checks.refuse_orbax_directory(directory)
         self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
         max_to_keep = _fit_checks.resolve_alias("max_to_keep", max_to_keep, 3, "keep", keep, 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from keras_stable_state._identity.registry import VariableKey, VariableRegistry
-from keras_stable_state.errors import ContractError
+from keras_stable_state.errors import NAMES_SHOWN, ContractError, listed, shown
 
 __all__ = ["TrainableContract"]
 
@@ -84,15 +84,18 @@ class TrainableContract:
             return
         lines = ["The model's trainable variables do not match the saved contract:"]
         if missing:
-            lines.append(f"  missing (saved as trainable, not trained now: frozen or removed): {missing}")
+            lines.append(
+                f"  missing (saved as trainable, not trained now: frozen or removed): {listed(missing)}"
+            )
         if unexpected:
             lines.append(
-                f"  unexpected (trained now, not in the saved state: unfrozen or added): {unexpected}"
+                f"  unexpected (trained now, not in the saved state: unfrozen or added): {listed(unexpected)}"
             )
-        for k, s, c in reshaped:
-            lines.append(f"  reshaped: {k} saved {s}, now {c}")
-        for k, s, c in retyped:
-            lines.append(f"  re-typed: {k} saved {s}, now {c}")
+        for what, changed in (("reshaped", reshaped), ("re-typed", retyped)):
+            for k, s, c in changed[:NAMES_SHOWN]:
+                lines.append(f"  {what}: {shown(k, quote=False)} saved {s}, now {c}")
+            if len(changed) > NAMES_SHOWN:
+                lines.append(f"  {what}: ... and {len(changed) - NAMES_SHOWN:,} more")
         lines.append(
             "Restore into a model with the same trainable layers (freeze/unfreeze as when saved), "
             "or pass strict=False to drop the slots of variables that are no longer trained."

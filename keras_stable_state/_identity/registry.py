@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from keras_stable_state._identity.keys import NAMED, ORDERED, VariableKey
 from keras_stable_state._identity.paths import stable_paths, walk, walk_cache
-from keras_stable_state.errors import BindingError
+from keras_stable_state.errors import BindingError, listed
 
 # VariableKey lives in keys.py (the key grammar, no Keras); it stays importable from here.
 __all__ = ["VariableKey", "VariableRegistry"]
@@ -66,7 +66,7 @@ class VariableRegistry:
             self._by_id[id(var)] = key
         if dup:
             raise BindingError(
-                f"Duplicate variable keys {sorted(set(dup))}: two variables resolve to the same "
+                f"Duplicate variable keys {listed(sorted(set(dup)))}: two variables resolve to the same "
                 "stable path. Give the layers distinct names.",
                 key=dup[0],
             )

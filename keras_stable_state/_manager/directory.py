@@ -26,6 +26,7 @@ from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,
     CorruptCheckpointError,
+    NewerFormatError,
     StateError,
     UnreadableCheckpointWarning,
 )
@@ -517,6 +518,8 @@ def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoi
     Raises:
         CheckpointInUseError: if a checkpoint is locked by another process (it is not
             damaged, so there is no fallback), naming it and its holder.
+        NewerFormatError: if a checkpoint was written by a newer keras_stable_state (it
+            is not damaged: it is left in place, and there is no fallback).
         FileNotFoundError: if a file that still exists cannot be opened as such.
         Exception: any other error of ``restore`` (a checkpoint that does not fit the model).
     """
@@ -541,6 +544,16 @@ def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoi
             if os.path.lexists(path):
                 raise
             continue  # removed since it was listed: the next one is the newest
+        except NewerFormatError as err:
+            raise NewerFormatError(
+                f"Checkpoint {path!r} in {directory!r} cannot be resumed from: {err} {writer} leaves "
+                "it in place and does not fall back to an older checkpoint (that would train again what "
+                "this one holds). Upgrade keras_stable_state, or move the file away yourself to resume "
+                "from the one before it.",
+                path=path,
+                version=err.version,
+                unknown=err.unknown,
+            ) from err
         except (CorruptCheckpointError, CheckpointFormatError) as err:
             unreadable(path, err)
             continue

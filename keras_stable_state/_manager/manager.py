@@ -100,6 +100,9 @@ class CheckpointManager:
             ``directory`` ending in ``.orbax`` (the manager writes ``.h5`` files).
         TypeError: on construction, if ``directory`` is not a path or
             ``save_on_background`` not a bool.
+        CheckpointFormatError: on construction, for an object-store URL (``s3://``,
+            ``gs://``...: the manager keeps its checkpoints in a local or mounted folder;
+            nothing is written). A ``file://`` URL is the local path it names.
 
     Example:
         >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:

@@ -9,7 +9,7 @@ from keras_stable_state._identity import keys
 from keras_stable_state._identity.keys import VariableKey
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import numpy_copy, to_numpy
-from keras_stable_state.errors import BindingError, StateError
+from keras_stable_state.errors import BindingError, StateError, listed
 
 __all__ = ["GradientAccumulator"]
 
@@ -151,8 +151,8 @@ class GradientAccumulator:
         bound, unmatched = registry.bind((k, None, None) for k in saved)
         if unmatched or len(bound) != len(self.targets):
             raise BindingError(
-                f"Saved accumulator sums {sorted(map(str, unmatched))} match no variable, or variables "
-                f"{sorted(str(registry.key_of(v)) for v in self.targets if registry.key_of(v) not in bound)} "
+                f"Saved accumulator sums {listed(sorted(map(str, unmatched)))} match no variable, or variables "
+                f"{listed(sorted(str(registry.key_of(v)) for v in self.targets if registry.key_of(v) not in bound))} "
                 "have no saved sum. Restore into the model the accumulator was saved with.",
                 key=str(unmatched[0]) if unmatched else None,
             )

@@ -22,7 +22,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state._state.tree import check_fields, is_array, is_int, is_number, malformed, show
-from keras_stable_state.errors import StateError
+from keras_stable_state.errors import StateError, listed
 
 __all__ = [
     "callback_key",
@@ -221,7 +221,7 @@ def _check_like(value, template, record, where):
         if missing:
             raise malformed(
                 record,
-                f"fields {missing} are missing (the live state has {sorted(template, key=str)})",
+                f"fields {listed(missing)} are missing (the live state has {listed(sorted(template, key=str))})",
                 where,
             )
         for k in template:

@@ -32,7 +32,7 @@ import numpy as np
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state._identity.paths import stable_layer_paths
 from keras_stable_state._state.tree import join_arrays, malformed, same_state
-from keras_stable_state.errors import BindingError, StateError
+from keras_stable_state.errors import BindingError, StateError, listed
 
 __all__ = ["SECTION", "collect_layer_state", "finalize_steps", "plan_layer_state"]
 
@@ -434,8 +434,12 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
             else "the model differs from the one saved"
         )
         raise BindingError(
-            f"{where} holds no saved vocabulary or bin boundaries for layers {missing} of the model"
-            + (f", and holds them for layers {unexpected} the model does not have" if unexpected else "")
+            f"{where} holds no saved vocabulary or bin boundaries for layers {listed(missing)} of the model"
+            + (
+                f", and holds them for layers {listed(unexpected)} the model does not have"
+                if unexpected
+                else ""
+            )
             + f" ({why}). Restored variables would meet another vocabulary (tokens mapped to other "
             "embedding rows). Restore into the model that saved the file, or pass strict=False to keep "
             "the live layer state (listed in report.left_fresh).",

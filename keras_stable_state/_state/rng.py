@@ -19,6 +19,7 @@ import numpy as np
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state._numpy import numpy_copy
 from keras_stable_state._state.tree import check_fields, is_array, is_int, is_number, malformed, show
+from keras_stable_state.errors import listed
 
 __all__ = ["rng_state", "ParsedRng", "parse_rng_state", "rng_snapshot", "apply_rng_state", "set_rng_state"]
 
@@ -113,7 +114,7 @@ def parse_rng_state(state, where: str | None = None) -> ParsedRng:
     missing = sorted({"numpy", "python"} - set(state))
     unknown = sorted(set(state) - {"numpy", "python", "keras_global_seed", "torch"}, key=str)
     if missing or unknown:
-        raise malformed("rng", f"missing fields {missing}, unknown fields {unknown}", where)
+        raise malformed("rng", f"missing fields {listed(missing)}, unknown fields {listed(unknown)}", where)
 
     n = check_fields(
         state["numpy"],

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from keras_stable_state.errors import CorruptCheckpointError
+from keras_stable_state.errors import CorruptCheckpointError, listed
 
 __all__ = [
     "split_arrays",
@@ -154,7 +154,11 @@ def check_fields(value, record, where, spec: dict) -> dict:
         raise malformed(
             record,
             f"expected the fields {sorted(spec)}; "
-            + ", ".join(p for p in (missing and f"missing {missing}", unknown and f"unknown {unknown}") if p),
+            + ", ".join(
+                p
+                for p in (missing and f"missing {listed(missing)}", unknown and f"unknown {listed(unknown)}")
+                if p
+            ),
             where,
         )
     for field, (check, expected, *_) in spec.items():

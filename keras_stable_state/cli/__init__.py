@@ -13,7 +13,8 @@ bars appear on stderr for large files, and only on a terminal.
 
 Exit codes (see :func:`main`): ``0`` done (``verify``: every array is intact);
 ``1`` ``verify`` found damage; ``2`` usage error, missing file, or (``inspect``,
-``diff``) a file that cannot be read.
+``diff``) a file that cannot be read; ``3`` a file written by a newer
+keras_stable_state (not damaged: upgrade to read it).
 
 The same findings are available without printing: :func:`inspect_file`,
 :func:`verify_file` and :func:`diff_files` take a path and return dataclasses
@@ -31,11 +32,12 @@ Keras or a backend; importing this package imports only ``argparse`` and
 runs (then NumPy and h5py load), so ``--help`` is quick.
 """
 
-from keras_stable_state.cli.app import EXIT_DAMAGED, EXIT_ERROR, EXIT_OK, main
+from keras_stable_state.cli.app import EXIT_DAMAGED, EXIT_ERROR, EXIT_NEWER, EXIT_OK, main
 
 __all__ = [
     "EXIT_DAMAGED",
     "EXIT_ERROR",
+    "EXIT_NEWER",
     "EXIT_OK",
     "ArrayInfo",
     "Damage",

@@ -13,13 +13,23 @@ import contextlib
 import os
 import sys
 
-from keras_stable_state.errors import StateError
+from keras_stable_state.errors import NewerFormatError, StateError
 
-__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "PROG", "backend_failure", "build_parser", "main"]
+__all__ = [
+    "EXIT_DAMAGED",
+    "EXIT_ERROR",
+    "EXIT_NEWER",
+    "EXIT_OK",
+    "PROG",
+    "backend_failure",
+    "build_parser",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_DAMAGED = 1
 EXIT_ERROR = 2
+EXIT_NEWER = 3
 
 PROG = "keras-stable-state"
 _BACKENDS = ("jax", "tensorflow", "torch")
@@ -49,6 +59,8 @@ def _cmd_verify(args) -> int:
 
     try:
         f = data.open_checkpoint(args.file)
+    except NewerFormatError:
+        raise  # not damaged: main() exits with EXIT_NEWER
     except (CorruptCheckpointError, CheckpointFormatError) as err:
         result = data.refused(args.file, err)
     else:
@@ -93,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=(
             "Exit codes: 0 done (verify: intact); 1 verify found damage; 2 usage error, missing "
-            "file, or a file inspect/diff cannot read."
+            "file, or a file inspect/diff cannot read; 3 a file written by a newer "
+            "keras_stable_state (not damaged: upgrade to read it)."
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -173,7 +186,9 @@ def main(argv=None) -> int:
         or cannot be read, an archive member fails its zip CRC, the file is truncated);
         :data:`EXIT_ERROR` (2) for a usage error, a missing file, a file ``inspect`` or
         ``diff`` cannot read, ``diff`` meeting an array it cannot read, or Keras failing to
-        load its backend. Errors are printed on stderr as one line, never as a traceback.
+        load its backend; :data:`EXIT_NEWER` (3) for a file written by a newer
+        keras_stable_state (:class:`~keras_stable_state.NewerFormatError`: not damaged,
+        upgrade to read it). Errors are printed on stderr as one line, never as a traceback.
     """
     parser = build_parser()
     try:
@@ -188,6 +203,9 @@ def main(argv=None) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
+    except NewerFormatError as err:
+        print(f"{PROG} {args.command}: newer format: {_safe(err)}", file=sys.stderr)
+        return EXIT_NEWER
     except (StateError, OSError) as err:
         print(f"{PROG} {args.command}: error: {_safe(err)}", file=sys.stderr)
         return EXIT_ERROR

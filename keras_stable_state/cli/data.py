@@ -52,11 +52,19 @@ _POSITION_FIELDS = ("epoch", "step", "global_step")
 def open_checkpoint(path) -> CheckpointFile:
     """:func:`keras_stable_state.format.open_file`, refusing a missing path or a folder first.
 
+    An object-store URL (``s3://bucket/run.h5``) is downloaded whole through fsspec (its
+    configuration and the store's environment variables, e.g. ``AWS_ENDPOINT_URL``,
+    apply); a ``file://`` URL is the local path it names.
+
     Raises:
-        FileNotFoundError: if ``path`` does not exist.
+        FileNotFoundError: if ``path`` does not exist (or no object is at the URL).
         IsADirectoryError: if ``path`` is a folder.
+        StorageBackendError: for a URL whose fsspec implementation is not installed.
         The errors of :class:`~keras_stable_state.format.CheckpointFile` otherwise.
     """
+    path = storage.fs_path(path, "path", urls=True)
+    if storage.remote.is_remote(path):
+        return storage.open_file(path)
     path = storage.fs_path(path, "path")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file. Check the path.")
@@ -231,7 +239,7 @@ def bytes_to_verify(f: CheckpointFile) -> int:
 
 def refused(path, err) -> Verification:
     """The :class:`Verification` of a file refused on opening with ``err`` (seal, truncation, structure)."""
-    path = storage.fs_path(path, "path")
+    path = storage.fs_path(path, "path", urls=True)
     key = getattr(err, "key", None)
     return Verification(
         file=path,

@@ -11,7 +11,19 @@ import contextlib
 import json
 import sys
 
-__all__ = ["PROGRESS_MIN_BYTES", "Printer", "human", "number", "print_json", "progress", "safe", "shape"]
+from keras_stable_state.errors import shown
+
+__all__ = [
+    "PROGRESS_MIN_BYTES",
+    "Printer",
+    "cell",
+    "human",
+    "number",
+    "print_json",
+    "progress",
+    "safe",
+    "shape",
+]
 
 PROGRESS_MIN_BYTES = 32 * 2**20  # show a progress bar from this many array bytes on
 
@@ -23,6 +35,17 @@ def safe(text) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# The most characters a table cell or field shows of a name read from a file.
+CELL_WIDTH = 200
+
+
+def cell(text) -> str:
+    """``text`` as :func:`safe` makes it, shortened to about :data:`CELL_WIDTH` characters
+    (its start, then ``... (N characters)``): what tables and fields print of a key, so
+    a key of a megabyte prints as one short line (``--json`` keeps it whole)."""
+    return safe(shown(str(text), CELL_WIDTH, quote=False))
 
 
 def isatty(stream) -> bool:
@@ -92,7 +115,7 @@ class Printer:
 
     def fields(self, pairs):
         """``(name, value)`` pairs as two aligned columns; pairs whose value is ``None`` are left out."""
-        pairs = [(k, v) for k, v in pairs if v is not None]
+        pairs = [(cell(k), v) for k, v in pairs if v is not None]
         width = max((len(k) for k, _ in pairs), default=0)
         if self.rich:
             from rich.table import Table
@@ -102,15 +125,15 @@ class Printer:
             table.add_column(style="bold")
             table.add_column()
             for k, v in pairs:
-                table.add_row(Text(safe(k)), Text(safe(v)))
+                table.add_row(Text(k), Text(cell(v)))
             self.console.print(table)
         else:
             for k, v in pairs:
-                print(f"  {safe(k).ljust(width)}  {safe(v)}", file=self.stream)
+                print(f"  {k.ljust(width)}  {cell(v)}", file=self.stream)
 
     def table(self, title, columns, rows, right=()):
         """``columns``: header names; ``rows``: lists of cells; ``right``: right-aligned columns."""
-        rows = [[safe(c) for c in row] for row in rows]
+        rows = [[cell(c) for c in row] for row in rows]
         if self.rich:
             from rich import box
             from rich.table import Table

@@ -15,6 +15,8 @@ described once, in ``docs/concepts/file-format.md``; what a reader refuses, in
 * :func:`fs_path` takes every path a user gives (``str``, ``bytes``, ``os.PathLike``);
   :func:`open_regular` opens every file the library opens by path, regular files only
   (:mod:`~keras_stable_state.format.files`).
+* :mod:`~keras_stable_state.format.remote` reads and writes object stores (``s3://``,
+  ``gs://``...) through fsspec; no other door takes a URL for a local path.
 * :func:`write_record` writes a :class:`StateRecord` atomically;
   :func:`record_to_bytes` returns the bytes of a sealed ``.h5`` instead.
 
@@ -33,6 +35,7 @@ Modules: :mod:`~keras_stable_state.format.record` (names, limits, records),
 This package imports no Keras and no backend: h5py, NumPy, ml_dtypes and xxhash only.
 """
 
+from keras_stable_state.format import remote
 from keras_stable_state.format.atomic import atomic_path
 from keras_stable_state.format.codec import DTYPES, dtype_name, encode_array, numpy_dtype, stored_dtype
 from keras_stable_state.format.files import fs_path, open_regular
@@ -77,6 +80,7 @@ __all__ = [
     "numpy_dtype",
     "open_file",
     "open_regular",
+    "remote",
     "read_bytes",
     "read_file",
     "record_to_bytes",

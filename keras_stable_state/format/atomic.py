@@ -19,6 +19,8 @@ import os
 import secrets
 
 from keras_stable_state.errors import CheckpointFormatError, StateError
+from keras_stable_state.format.remote import refuse_url
+from keras_stable_state.format.sink import file_size_limit, free_bytes
 
 TEMP_PREFIX = ".kss-"
 """Prefix of every temporary file of an atomic write."""
@@ -61,12 +63,43 @@ def _fsync_dir(folder: str) -> None:
 
 
 def _write_error(path: str, err: OSError) -> OSError:
-    reason = err.strerror or str(err)
-    extra = " (the disk is full)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    """The ``OSError`` (``err``'s errno, ``filename`` = ``path``) a failed write raises:
+    the reason, the bytes the file needs (``err.needed_bytes``, set by the writer
+    where it knows them) and what limits them (free space, ``RLIMIT_FSIZE``)."""
+    code = err.errno
+    reason = f"{os.strerror(code)} (errno {code})" if code else str(err)
+    needed = getattr(err, "needed_bytes", None)
+    needs = ""
+    if needed is not None:
+        needs = (
+            f"writing it needs {'' if getattr(err, 'needed_exact', True) else 'at least '}{needed:,} bytes"
+        )
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        free = free_bytes(os.path.dirname(os.path.abspath(path)))
+        full = "the disk is full" if code == errno.ENOSPC else "the disk quota is used up"
+        room = f"{free:,} bytes are free on that file system" if free is not None else ""
+        reason += (
+            f" ({full}): {', and '.join(part for part in (needs, room) if part)}"
+            if needs or room
+            else f" ({full})"
+        )
+        fix = "Free space (or raise the quota) or choose another folder."
+    elif code == errno.EFBIG:
+        limit = file_size_limit()
+        cap = (
+            f"this process' file-size limit (RLIMIT_FSIZE, `ulimit -f`) is {limit:,} bytes"
+            if limit is not None
+            else ""
+        )
+        reason += f": {', and '.join(part for part in (needs, cap) if part)}" if needs or cap else ""
+        fix = "Raise the file-size limit or choose another file system."
+    else:
+        reason += f": {needs}" if needs else ""
+        fix = "Check the folder's permissions and the device, or choose another folder."
     return OSError(
-        err.errno,
-        f"Could not write the training state to {path!r}: {reason}{extra}. Nothing was written there: "
-        "the file that was at that path, if any, is unchanged. Free space or choose another folder.",
+        code,
+        f"Could not write the training state to {path!r}: {reason}. Nothing was written there: "
+        f"the file that was at that path, if any, is unchanged. {fix}",
         path,
     )
 
@@ -91,7 +124,7 @@ class atomic_path:
         suffix: Ending of the temporary file's name (``".h5"``, ``".keras"``).
 
     Raises:
-        CheckpointFormatError: if ``filepath`` is a directory.
+        CheckpointFormatError: if ``filepath`` is a directory or a URL (``s3://...``).
         StateError: if the temporary file was removed or replaced while it was written
             (another process writes into the folder); ``filepath`` is left as it was.
         OSError: naming ``filepath`` when writing fails (disk full, permissions);
@@ -100,6 +133,7 @@ class atomic_path:
 
     def __init__(self, filepath, suffix=""):
         self.filepath = os.fsdecode(os.fspath(filepath))
+        refuse_url(self.filepath, "training-state path")  # never a local folder named 's3:'
         self.suffix = suffix
 
     def __enter__(self):

@@ -2,7 +2,8 @@
 
 Every path a user gives (a training-state file, a ``StableCheckpoint`` directory)
 is taken by :func:`fs_path` (``str``, ``bytes`` decoded with ``os.fsdecode`` as
-``os.path`` does, or ``os.PathLike``). Every file the library opens by a path
+``os.path`` does, or ``os.PathLike``), which never takes a URL (``gs://...``) for a
+local path (:mod:`~keras_stable_state.format.remote`). Every file the library opens by a path
 goes through :func:`open_regular`: it is opened non-blocking (a FIFO cannot
 make ``open`` wait for a writer), and what was opened is checked with ``fstat``
 to be a regular file, so a FIFO, a device (``/dev/zero``, ``/dev/urandom``), a
@@ -24,6 +25,7 @@ import os
 import stat
 
 from keras_stable_state.errors import CheckpointFormatError
+from keras_stable_state.format import remote
 
 # Flags that do not exist on every platform (Windows has neither): 0 there.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -34,17 +36,28 @@ _BINARY = getattr(os, "O_BINARY", 0)
 _LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
 
 
-def fs_path(value, what: str = "path") -> str:
+def fs_path(value, what: str = "path", *, urls: bool = False) -> str:
     """``value`` as a ``str`` path: a ``str``, a ``bytes`` path (decoded with
     ``os.fsdecode``, as ``os.path`` functions accept it) or an ``os.PathLike``.
 
+    A URL is never taken as a local path: a ``file://`` URL becomes the local path it
+    names, and any other (``s3://``, ``gs://``, ``memory://``...) is refused, unless
+    ``urls=True``, where it is returned as given for the caller to route to the object
+    store (:mod:`~keras_stable_state.format.remote`).
+
     Raises:
         TypeError: naming ``what`` for anything else (``None``, a number, a file object).
+        CheckpointFormatError: (``urls=False``) for a URL other than a local ``file://`` one.
     """
     if isinstance(value, (str, bytes, os.PathLike)):
         path = os.fspath(value)
         if isinstance(path, (str, bytes)):
-            return os.fsdecode(path)
+            path = os.fsdecode(path)
+            if urls:
+                return path
+            path = remote.resolve(path, what)
+            remote.refuse_url(path, what)
+            return path
     text = repr(value)
     if len(text) > 100:
         text = text[:97] + "..."

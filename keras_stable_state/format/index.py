@@ -22,10 +22,10 @@ import zipfile
 import h5py
 import numpy as np
 
-from keras_stable_state.errors import StateError
+from keras_stable_state.errors import StateError, listed
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import DTYPES, aligned, stored_dtype
-from keras_stable_state.format.probe import damaged, diagnose
+from keras_stable_state.format.probe import damaged, diagnose, newer_format
 from keras_stable_state.format.record import INDEX, MAX_NDIM, SECTIONS, SHARED, Entry
 from keras_stable_state.format.schema import is_int
 
@@ -60,10 +60,8 @@ def refuse_blob(rec, name: str, rows: list | None, what: str, **kw):
     keys = blob_keys(rec, name, rows)
     named = ""
     if keys:
-        listed = ", ".join(repr(k) for k in keys[:4]) + (
-            f" and {len(keys) - 4} more" if len(keys) > 4 else ""
-        )
-        named = f" (it holds the array{'s' if len(keys) > 1 else ''} for key{'s' if len(keys) > 1 else ''} {listed})"
+        plural = "s" if len(keys) > 1 else ""
+        named = f" (it holds the array{plural} for key{plural} {listed(keys)[1:-1]})"
     return damaged(rec.where, f"{name}{named} {what}", key=keys[0] if keys else name, **kw)
 
 
@@ -76,7 +74,7 @@ def _blob_sizes(rec, section: str, datasets: dict, rows: list) -> list:
                 rec,
                 name,
                 rows,
-                f"is stored as {ds.dtype.str} {ds.shape} with attributes {sorted(ds.attrs)}, not as the "
+                f"is stored as {ds.dtype.str} {ds.shape} with attributes {listed(sorted(ds.attrs))}, not as the "
                 "uint8 blob without attributes the index describes",
             )
         sizes.append(int(ds.shape[0]))
@@ -91,6 +89,10 @@ def list_index(rec, datasets: dict, index) -> None:
         CorruptCheckpointError: naming the key, blob or record concerned.
     """
     where = rec.where
+    if isinstance(index, dict) and set(SECTIONS) <= set(index) and set(index) - {SHARED, *SECTIONS}:
+        raise newer_format(
+            where, rec.version, [f"index field {k}" for k in sorted(set(index) - {SHARED, *SECTIONS})]
+        )
     if not isinstance(index, dict) or set(index) - {SHARED} != set(SECTIONS):
         raise damaged(
             where, f"record 'index' is not an object with exactly the sections {list(SECTIONS)}", key=INDEX

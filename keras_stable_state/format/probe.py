@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from keras_stable_state.errors import CorruptCheckpointError
+from keras_stable_state.errors import CorruptCheckpointError, NewerFormatError, listed
 from keras_stable_state.format import files, sandbox
 
 PROBE_TIMEOUT = 60.0
@@ -31,6 +31,22 @@ def damaged(where: str, what: str, key=None, **kw) -> CorruptCheckpointError:
     """The error for damage ``what`` found in ``where`` (a path, or ``"<path>:<member>"``);
     ``key`` and the keyword arguments become its attributes."""
     return CorruptCheckpointError(f"{where}: {what}. The file is damaged; {_RESTORE_HINT}.", key=key, **kw)
+
+
+def newer_format(where: str, version: int, unknown=()) -> NewerFormatError:
+    """The refusal of a file written by a newer keras_stable_state: format ``version``
+    (above the newest this version reads), or format ``version`` with the records,
+    attributes or fields ``unknown`` this version does not know."""
+    from keras_stable_state.format.record import READ_VERSIONS
+
+    what = f"format {version}" + (f", with {listed(unknown)} this version does not know" if unknown else "")
+    return NewerFormatError(
+        f"{where}: written by a newer keras_stable_state ({what}); upgrade to read it (this version "
+        f"reads formats {READ_VERSIONS[0]}-{READ_VERSIONS[-1]}). The file is not damaged and is left as it is.",
+        path=where,
+        version=version,
+        unknown=list(unknown)[:5],
+    )
 
 
 def probe(path: str, member: str | None = None, timeout: float = PROBE_TIMEOUT, expect=None) -> dict:
@@ -97,10 +113,10 @@ def diagnose(
     found = result.get("damaged", [])
     keys = [key for key, _ in found]
     if keys:
-        listed = ", ".join(repr(k) for k in keys)
+        named = listed(keys)[1:-1]
         # the probe's reason: "fails its xxh3-64 checksum" (format 3) or "fails its CRC-32 checksum" (formats 1-2)
         verb = found[0][1] if len(keys) == 1 else found[0][1].replace("fails its", "fail their") + "s"
-        return damaged(where, f"{what}: {listed} {verb}", key=keys[0])
+        return damaged(where, f"{what}: {named} {verb}", key=keys[0])
     if "crashed" in result:
         return damaged(where, f"{what}; {result['crashed']}", key=default_key)
     return damaged(where, f"{what} (its metadata, a record or the layout was changed)", key=default_key)

@@ -34,6 +34,7 @@ from keras_stable_state.format.memory import out_of_memory
 from keras_stable_state.format.probe import damaged
 from keras_stable_state.format.record import BLOB_TARGET, FORMAT, MEMBER, SECTIONS, Entry, StateRecord
 from keras_stable_state.format.records import RecordListing
+from keras_stable_state.format.remote import RemotePath, is_remote, refuse_url, resolve
 from keras_stable_state.format.source import Source
 from keras_stable_state.format.stock import StockListing, StockWeights, stock_weights
 
@@ -84,7 +85,8 @@ class CheckpointFile:
         PermissionError: if ``path`` cannot be opened for reading.
         CheckpointFormatError: if ``path`` is a directory or another file that is not a
             regular file (a FIFO, a device such as ``/dev/zero``, a socket; a symbolic
-            link is followed to a regular file), for a format version
+            link is followed to a regular file), a URL (``s3://...``: :func:`open_file`
+            reads object stores), for a format version
             this version does not read, a legacy Keras HDF5 file, or a zip
             archive holding neither a training state nor Keras weights.
         CheckpointInUseError: if another process holds the file locked for writing.
@@ -100,7 +102,7 @@ class CheckpointFile:
 
     def __init__(self, path, *, data: bytes | None = None):
         data = None if data is None else bytes(data)
-        if data is not None:
+        if data is not None and not isinstance(path, str):
             path = "<bytes>"
         if isinstance(path, bytes):
             path = os.fsdecode(path)
@@ -109,6 +111,8 @@ class CheckpointFile:
                 f"A checkpoint path must be a str or os.PathLike. Received: {type(path).__name__} {path!r}"
             )
         self.path = os.fspath(path)
+        if data is None:
+            refuse_url(self.path, "training-state path")  # object stores: format.remote
         self.kind = "stock"
         self.version = None
         self.metadata = {}
@@ -160,9 +164,10 @@ class CheckpointFile:
             raise
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> CheckpointFile:
+    def from_bytes(cls, data: bytes, name: str = "<bytes>") -> CheckpointFile:
         """Open a training state held in memory (e.g. fetched from an object store), with
-        the same checks as a file; :attr:`path` is ``"<bytes>"``.
+        the same checks as a file; :attr:`path` is ``name`` (``"<bytes>"``; the object's
+        URL for one read from a store), which messages name.
 
         Raises:
             TypeError: if ``data`` is not ``bytes``, ``bytearray`` or ``memoryview``.
@@ -170,7 +175,7 @@ class CheckpointFile:
         """
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(f"A training state in memory must be bytes. Received: {type(data).__name__}")
-        return cls("<bytes>", data=data)
+        return cls(str(name), data=data)
 
     def _sync_source(self):
         src = self._src
@@ -362,11 +367,19 @@ class CheckpointFile:
         return False
 
 
-def open_file(filepath) -> CheckpointFile:
+def open_file(filepath, *, storage_options=None) -> CheckpointFile:
     """Open a training-state file or stock Keras weights file for reading, lazily.
 
     The seal (or, for unsealed files, a probe process), the structure and the
     records are checked; no array is read until :meth:`CheckpointFile.read`.
+    An object-store URL (``s3://bucket/run.h5``; see
+    :mod:`~keras_stable_state.format.remote`) is downloaded whole into memory first, then
+    opened with the same checks (messages name the URL); a ``file://`` URL is the local
+    file it names.
+
+    Args:
+        filepath: A path (``str``, ``bytes``, ``os.PathLike``) or a URL.
+        storage_options: For a URL: ``dict`` passed to the fsspec filesystem, or ``None``.
 
     Example:
         >>> with storage.open_file("run.keras") as f:
@@ -376,23 +389,33 @@ def open_file(filepath) -> CheckpointFile:
         A :class:`CheckpointFile`, to use as a context manager.
 
     Raises:
-        The errors of :class:`CheckpointFile`.
+        StorageBackendError: for a URL whose fsspec implementation is not installed.
+        FileNotFoundError: naming the URL if there is no such object.
+        The errors of :class:`CheckpointFile`, and the store's (``PermissionError``...).
     """
+    if isinstance(filepath, bytes | str | os.PathLike):
+        path = os.fsdecode(os.fspath(filepath))
+        if is_remote(path):
+            return CheckpointFile.from_bytes(RemotePath(path, storage_options).read_bytes(), path)
+        filepath = resolve(path)
     return CheckpointFile(filepath)
 
 
-def read_bytes(data: bytes):
-    """:func:`read_file` for a training state held in memory (``.h5`` or ``.keras`` bytes).
+def read_bytes(data: bytes, name: str = "<bytes>"):
+    """:func:`read_file` for a training state held in memory (``.h5`` or ``.keras`` bytes);
+    messages name it ``name`` (the URL of an object read from a store).
 
     Raises:
         TypeError: if ``data`` is not bytes-like.
         The errors of :func:`read_file`.
     """
-    return _read_whole(CheckpointFile.from_bytes(data))
+    return _read_whole(CheckpointFile.from_bytes(data, name))
 
 
-def read_file(filepath):
+def read_file(filepath, *, storage_options=None):
     """Read a training-state file, or a stock Keras weights file, whole, with every check.
+
+    A URL is read as :func:`open_file` reads it (``storage_options`` for its filesystem).
 
     Every array is read and (keras_stable_state files) checked against its
     checksum (format 3: xxh3-64; formats 1-2: CRC-32), and every archive member
@@ -415,8 +438,9 @@ def read_file(filepath):
             file (FIFO, device, socket), an unknown format version, a
             legacy Keras HDF5 file, or a zip archive holding neither a training
             state nor Keras weights.
+        StorageBackendError: for a URL whose fsspec implementation is not installed.
     """
-    return _read_whole(open_file(filepath))
+    return _read_whole(open_file(filepath, storage_options=storage_options))
 
 
 def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:

@@ -18,11 +18,11 @@ import json
 import h5py
 import numpy as np
 
-from keras_stable_state.errors import CheckpointFormatError
+from keras_stable_state.errors import CheckpointFormatError, listed, shown
 from keras_stable_state.format import index as _index
 from keras_stable_state.format import sandbox
 from keras_stable_state.format.codec import DTYPES, stored_dtype
-from keras_stable_state.format.probe import damaged
+from keras_stable_state.format.probe import damaged, newer_format
 from keras_stable_state.format.record import FORMAT_VERSION, INDEX, READ_VERSIONS, RECORDS, SECTIONS, Entry
 from keras_stable_state.format.schema import check_json_depth, check_key, check_schema
 
@@ -94,15 +94,19 @@ class RecordListing(Listing):
         """Read the records, list every array and check the records' schema.
 
         Raises:
-            CheckpointFormatError: for a format version this version does not read.
+            NewerFormatError: for a format version above the newest this version reads,
+                or records or root attributes it does not know in a sealed record.
+            CheckpointFormatError: for another format version this version does not read.
             CorruptCheckpointError: for everything else that is not as written.
         """
         self._root_attrs()
         f = self.src.h5
         expected = {*RECORDS, *SECTIONS, *((INDEX,) if self.version >= 3 else ())}
         unknown = sorted(set(f) - expected)
+        if unknown and self.version >= 2:  # the seal checks: records a newer writer added
+            raise newer_format(self.where, self.version, unknown)
         if unknown:
-            raise damaged(self.where, f"unexpected objects {unknown} at the root", key=unknown[0])
+            raise damaged(self.where, f"unexpected objects {listed(unknown)} at the root", key=unknown[0])
         datasets = dict(self.walk(RECORDS if self.version == 1 else ()))
         self.metadata, self.contract, self.extra = (self.read_json(name) for name in RECORDS)
         if self.version >= 3:
@@ -117,12 +121,16 @@ class RecordListing(Listing):
     def _root_attrs(self):
         f = self.src.h5
         unknown = sorted(set(f.attrs) - {"format", "format_version"})
-        if unknown:
-            raise damaged(self.where, f"unexpected root attributes {unknown}")
         version = f.attrs.get("format_version")
         if not isinstance(version, int | np.integer) or isinstance(version, bool):
-            raise damaged(self.where, f"its format_version attribute is {version!r}, not an integer")
+            raise damaged(self.where, f"its format_version attribute is {shown(version)}, not an integer")
         version = int(version)
+        if version > READ_VERSIONS[-1]:
+            raise newer_format(self.where, version)
+        if unknown and self.src.sealed and version >= 2:  # the seal checks: a newer writer's attributes
+            raise newer_format(self.where, version, unknown)
+        if unknown:
+            raise damaged(self.where, f"unexpected root attributes {listed(unknown)}")
         if version not in READ_VERSIONS:
             raise CheckpointFormatError(
                 f"{self.where}: format version {version} is not one this version reads "
@@ -166,7 +174,7 @@ class RecordListing(Listing):
             raise damaged(self.where, f"record {name!r} is {ds.dtype} {ds.shape}, not UTF-8 bytes", key=name)
         attr = "crc32" if self.version == 2 else "xxh3"
         if set(ds.attrs) != {attr}:
-            raise damaged(self.where, f"record {name!r} has attributes {sorted(ds.attrs)}", key=name)
+            raise damaged(self.where, f"record {name!r} has attributes {listed(sorted(ds.attrs))}", key=name)
         raw = sandbox.read_dataset(ds)
         stored = ds.attrs[attr]
         if self.version == 2:
@@ -222,7 +230,9 @@ class RecordListing(Listing):
         attrs = set(ds.attrs)
         if attrs != {"key", "dtype", "crc32"}:
             raise damaged(
-                self.where, f"dataset {name} has attributes {sorted(attrs)}, not key, dtype, crc32", key=name
+                self.where,
+                f"dataset {name} has attributes {listed(sorted(attrs))}, not key, dtype, crc32",
+                key=name,
             )
         key, dtype, crc = ds.attrs["key"], ds.attrs["dtype"], ds.attrs["crc32"]
         if not isinstance(key, str) or not key or not isinstance(dtype, str):

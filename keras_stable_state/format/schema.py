@@ -9,6 +9,7 @@ This module imports no Keras.
 
 from __future__ import annotations
 
+from keras_stable_state.errors import listed
 from keras_stable_state.format.codec import DTYPES
 from keras_stable_state.format.probe import damaged
 from keras_stable_state.format.record import JSON_MAX_DEPTH
@@ -119,7 +120,10 @@ def check_schema(where: str, metadata, contract, extra, entries: list) -> None:
             raise bad("extra", f"refers to array {ref!r}, which the file does not hold")
     orphans = sorted(set(state) - set(refs))
     if orphans:
-        raise bad("extra", f"arrays {orphans} of the other state are referred to by nothing")
+        raise bad(
+            "extra",
+            f"arrays {listed(orphans)} ({len(orphans):,}) of the other state are referred to by nothing",
+        )
     if x.get("rng") is not None:
         _check_rng(x["rng"], state, bad)
     if "mappers" in x:

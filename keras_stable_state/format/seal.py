@@ -19,12 +19,14 @@ import re
 
 import xxhash
 
-from keras_stable_state.format.probe import damaged
+from keras_stable_state.format.probe import damaged, newer_format
 from keras_stable_state.format.record import FORMAT_VERSION, USERBLOCK_SIZE
 
 MAGIC = b"KSS-SEAL"
 # Bytes read at a time when hashing a file.
 CHUNK = 1 << 22
+# The seal of a later format: "KSS-SEAL <version> " and whatever that format puts after it.
+_NEWER_RE = re.compile(rb"KSS-SEAL ([0-9]{1,9}) ")
 _SEAL_RE = re.compile(rb"KSS-SEAL (2 sha256 [0-9a-f]{64}|3 xxh3-128 [0-9a-f]{32}) ([0-9]{1,20})\n")
 # The seal's hash by format version: (name in messages, hashlib-style constructor).
 _HASH = {2: ("SHA-256", hashlib.sha256), 3: ("xxh3-128", xxhash.xxh3_128)}
@@ -70,9 +72,13 @@ def parse(user_block: bytes, where: str) -> tuple[int, bytes, int]:
     """``(format version, digest, length)`` of a seal.
 
     Raises:
+        NewerFormatError: for the seal of a format version above :data:`FORMAT_VERSION`.
         CorruptCheckpointError: if the seal is malformed or followed by anything but zeros.
     """
     match = _SEAL_RE.match(user_block)
+    newer = _NEWER_RE.match(user_block) if match is None else None
+    if newer is not None and int(newer.group(1)) > FORMAT_VERSION:
+        raise newer_format(where, int(newer.group(1)))
     if match is None or any(user_block[match.end() : USERBLOCK_SIZE]):
         raise damaged(where, "its seal (the hash header in the first 512 bytes) is malformed")
     version, _, digest = match.group(1).decode().split(" ")

@@ -17,7 +17,7 @@ import json
 
 import numpy as np
 
-from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, listed
 from keras_stable_state.format import sandbox
 from keras_stable_state.format.probe import damaged
 from keras_stable_state.format.record import Entry
@@ -131,7 +131,7 @@ def stock_weights(in_archive: bool, arrays: dict, optimizer_keys: dict, key_grou
     missing = [str(i) for i in range(len(opt)) if str(i) not in opt]
     if missing:
         raise CorruptCheckpointError(
-            f"{source}: optimizer variables {missing} are missing from 'optimizer/vars' ({len(opt)} datasets). "
+            f"{source}: optimizer variables {listed(missing)} ({len(missing):,}) are missing from 'optimizer/vars' ({len(opt)} datasets). "
             "The file is damaged.",
             key=f"{_OPTIMIZER}{missing[0]}",
         )

@@ -42,7 +42,12 @@ from keras_stable_state.format.record import (
     USERBLOCK_SIZE,
     StateRecord,
 )
+from keras_stable_state.format.remote import refuse_url
 from keras_stable_state.format.seal import CHUNK, seal, seal_file
+from keras_stable_state.format.sink import Sink, room_for
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class _SectionWriter:
@@ -112,9 +117,34 @@ def write_h5(target, record: StateRecord, shared: keras_archive.KerasWeights | N
     path or a binary file object), one array at a time; model arrays found in
     ``shared`` (Keras' weights of the same archive) are referred to, not written.
 
+    A path is written through a :class:`~keras_stable_state.format.sink.Sink`, so a
+    failed write (a full disk, the file-size limit) never leaves HDF5 with a file it
+    cannot close; the image is still built to its end, to count the bytes it needs.
+
     Raises:
         CheckpointFormatError: for an array of a dtype a training state cannot hold.
+        OSError: for a path, the first failed write (its errno), with ``needed_bytes``
+            (the file's length) and ``needed_exact`` (whether the image was built to
+            its end) set.
     """
+    if hasattr(target, "seek"):
+        _write_image(target, record, shared)
+        return
+    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _CLOEXEC, 0o600)
+    try:
+        sink = Sink(fd)
+        try:
+            _write_image(sink, record, shared)
+        except Exception:
+            if sink.error is None:
+                raise
+            sink.check(exact=False)  # HDF5 read back a part the failed write dropped
+        sink.check(exact=True)
+    finally:
+        os.close(fd)
+
+
+def _write_image(target, record: StateRecord, shared) -> None:
     with h5py.File(target, "w", userblock_size=USERBLOCK_SIZE) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
@@ -173,10 +203,12 @@ def check_target(filepath) -> str:
     """``filepath`` as a ``str``, if a training state can be written there.
 
     Raises:
-        CheckpointFormatError: for an extension other than ``.keras`` / ``.h5``, or
-            a path that is a directory.
+        CheckpointFormatError: for an extension other than ``.keras`` / ``.h5``, a
+            path that is a directory, or a URL (``s3://...``: see
+            :mod:`~keras_stable_state.format.remote`).
     """
     path = os.fsdecode(os.fspath(filepath))
+    refuse_url(path, "training-state path")  # object stores: keras_stable_state.format.remote
     if not path.endswith((".keras", ".h5")):
         raise CheckpointFormatError(
             f"Unsupported training-state path {path!r}: use a '.keras' or '.h5' extension.",
@@ -208,9 +240,14 @@ def write_record(filepath, record: StateRecord, keras_archive_writer=None):
             keras_archive_writer(tmp)
             fd, member = create_temporary(os.path.dirname(tmp), ".member.h5")  # never a name taken
             os.close(fd)
+            archive_bytes = os.path.getsize(tmp)
             try:
                 _write_sealed(member, record, keras_archive.KerasWeights.of_archive(tmp))
                 _append_member(tmp, member)
+            except OSError as err:
+                if hasattr(err, "needed_bytes"):  # the member, then its copy in the archive
+                    err.needed_bytes = archive_bytes + 2 * err.needed_bytes
+                raise
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(member)
@@ -219,14 +256,23 @@ def write_record(filepath, record: StateRecord, keras_archive_writer=None):
             _write_sealed(tmp, record)
 
 
+# Bytes a stored member adds to a zip besides its own: local header, central directory entry.
+_ZIP_OVERHEAD = 4096
+
+
 def _append_member(archive: str, member_path: str) -> None:
     """Append the file at ``member_path`` to the zip ``archive`` as :data:`MEMBER`, stored,
     copied in chunks (as ``ZipFile.writestr`` would store it, without holding it in memory)."""
     size = os.path.getsize(member_path)
-    with zipfile.ZipFile(archive, "a") as zf:
-        info = zipfile.ZipInfo(MEMBER, date_time=time.localtime(time.time())[:6])
-        info.compress_type = zf.compression
-        info.external_attr = 0o600 << 16
-        info.file_size = size
-        with open(member_path, "rb") as src, zf.open(info, "w") as out:
-            shutil.copyfileobj(src, out, CHUNK)
+    room_for(os.path.getsize(archive) + size + _ZIP_OVERHEAD, size)
+    try:
+        with zipfile.ZipFile(archive, "a") as zf:
+            info = zipfile.ZipInfo(MEMBER, date_time=time.localtime(time.time())[:6])
+            info.compress_type = zf.compression
+            info.external_attr = 0o600 << 16
+            info.file_size = size
+            with open(member_path, "rb") as src, zf.open(info, "w") as out:
+                shutil.copyfileobj(src, out, CHUNK)
+    except OSError as err:
+        err.needed_bytes = size
+        raise

@@ -1,0 +1,536 @@
+"""Object stores (``s3://``, ``gs://``, ``az://``, ``memory://``...) through fsspec.
+
+A path that starts with a URL scheme (``<letters>://``, also chained as fsspec chains
+them: ``simplecache::s3://...``) is never used as a local path: :func:`is_remote`
+tells the entry points to come here, and :func:`refuse_url` stops it at every door
+that only takes local paths (:func:`~keras_stable_state.format.files.fs_path`, the
+atomic writer, the reader), so no local folder ``./gs:/bucket/...`` is ever made.
+``file://`` URLs are local paths written as URLs: :func:`resolve` turns them into
+the path (``file:///data/run.h5`` -> ``/data/run.h5``), which then gets every local
+guarantee (atomic rename, the lock).
+
+Everything else goes through fsspec (the ``[cloud]`` extra: fsspec, s3fs, gcsfs) with
+fsspec's own configuration (``fsspec.config.conf``, ``FSSPEC_*`` variables) and the
+store's (``AWS_ENDPOINT_URL``, credentials files...) left as they are;
+``storage_options`` (a ``dict``) is passed to the filesystem as given. A scheme whose
+implementation is not installed is refused with :class:`~keras_stable_state.errors.
+StorageBackendError`, naming the package to install.
+
+What is assumed of the store: an object written whole by one upload (a ``PUT``, or a
+multipart / resumable upload that is completed last) becomes visible only once complete,
+and replaces the previous object at that name in one step. S3 and S3-compatible stores,
+Google Cloud Storage, Azure Blob Storage (block blobs) and fsspec's ``memory://`` keep
+it (:data:`WHOLE_OBJECT_PROTOCOLS`). For any other fsspec filesystem (``sftp://``,
+``hdfs://``, ``ftp://``...) a file is written under a temporary name beside its
+final one and then moved (:meth:`RemotePath.put_file`), which is a rename there.
+:class:`RemotePath` is the small filesystem interface a checkpoint directory needs
+(list, exists, remove, read, put whole), and :func:`write_marker` / :func:`read_marker`
+write and read a small JSON commit marker, for directories whose checkpoints must
+become visible only when complete (the marker is written after what it commits).
+
+This module imports no Keras.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import secrets
+import tempfile
+import urllib.parse
+import urllib.request
+
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StorageBackendError
+
+__all__ = [
+    "MARKER_FORMAT",
+    "WHOLE_OBJECT_PROTOCOLS",
+    "RemotePath",
+    "is_remote",
+    "is_url",
+    "read_marker",
+    "refuse_url",
+    "resolve",
+    "scheme_of",
+    "upload_written",
+    "write_marker",
+]
+
+# A URL scheme (RFC 3986: a letter, then letters, digits, '+', '-', '.'), possibly after
+# fsspec's '::' chaining ("simplecache::s3://bucket/key").
+_URL = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*::)*)([A-Za-z][A-Za-z0-9+.-]*)://")
+
+WHOLE_OBJECT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
+"""fsspec protocols whose upload makes an object visible only once complete (so a file
+is uploaded straight to its name: there is no rename in an object store)."""
+
+# The package behind each scheme and where it comes from ("cloud": our [cloud] extra).
+_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "adl": "adlfs",
+}
+_STORES = {
+    "s3": "Amazon S3 or an S3-compatible store",
+    "s3a": "Amazon S3 or an S3-compatible store",
+    "gs": "Google Cloud Storage",
+    "gcs": "Google Cloud Storage",
+    "az": "Azure Blob Storage",
+    "abfs": "Azure Blob Storage",
+    "abfss": "Azure Blob Storage",
+    "adl": "Azure Data Lake",
+}
+_IN_CLOUD_EXTRA = frozenset({"fsspec", "s3fs", "gcsfs"})
+
+MARKER_FORMAT = "keras_stable_state-marker"
+"""The ``format`` field of a commit marker (:func:`write_marker`)."""
+_MARKER_VERSION = 1
+_MARKER_LIMIT = 1 << 20  # a marker larger than this is refused (it is a few hundred bytes)
+
+
+def _drive_letter(scheme: str) -> bool:
+    return os.name == "nt" and len(scheme) == 1  # "C://data" is a drive on Windows
+
+
+def is_url(path) -> bool:
+    """Whether ``path`` (a ``str``; anything else is not a URL) starts with a URL scheme
+    (``s3://``, ``gs://``, ``file://``, ``simplecache::s3://``...)."""
+    if not isinstance(path, str):
+        return False
+    match = _URL.match(path)
+    return match is not None and not (not match.group(1) and _drive_letter(match.group(2)))
+
+
+def scheme_of(path: str) -> str | None:
+    """The scheme of a URL (``"s3"`` for ``"s3://bucket/key"``, ``"simplecache"`` for
+    ``"simplecache::s3://..."``), lower-cased; ``None`` for a local path."""
+    if not is_url(path):
+        return None
+    match = _URL.match(path)
+    chained = match.group(1)
+    return (chained.split("::")[0] if chained else match.group(2)).lower()
+
+
+def _is_file_url(path: str) -> bool:
+    match = _URL.match(path)
+    return not match.group(1) and match.group(2).lower() == "file"
+
+
+def resolve(path: str, what: str = "path") -> str:
+    """``path``, or the local path a ``file://`` URL names (``file:///data/run.h5`` ->
+    ``/data/run.h5``; percent-escapes decoded).
+
+    Raises:
+        CheckpointFormatError: for a ``file://`` URL naming another host.
+    """
+    if not is_url(path) or not _is_file_url(path):
+        return path
+    parts = urllib.parse.urlsplit(path)
+    if parts.netloc not in ("", "localhost"):
+        raise CheckpointFormatError(
+            f"The {what} {path!r} is a file:// URL on host {parts.netloc!r}; only local files "
+            "(file:///path or file://localhost/path) are file:// URLs here. Pass the local path, or "
+            "the store's own URL (s3://, gs://...).",
+            expected="file:///<local path>",
+            received=path,
+        )
+    return urllib.request.url2pathname(parts.path)
+
+
+def is_remote(path) -> bool:
+    """Whether ``path`` is read and written through fsspec: a URL that is not ``file://``."""
+    return is_url(path) and not _is_file_url(path)
+
+
+def refuse_url(path, what: str = "path", advice: str = "") -> None:
+    """Refuse ``path`` if it is a URL, where only a local path can be used.
+
+    Raises:
+        CheckpointFormatError: naming ``path``, its scheme and ``advice``; nothing was
+            read or written (and no local folder named after the scheme was made).
+    """
+    if not is_url(path):
+        return
+    advice = advice or (
+        "Pass a local path; save_training_state, restore_training_state and the command line "
+        "take object-store URLs."
+    )
+    raise CheckpointFormatError(
+        f"The {what} {path!r} is a URL ({scheme_of(path)}://), not a local path, and this call "
+        f"reads and writes local files only; it was not used as one (no local folder named after "
+        f"the scheme was made). {advice}",
+        expected="a local path",
+        received=path,
+    )
+
+
+def _check_storage_options(storage_options) -> dict:
+    if storage_options is None:
+        return {}
+    if not isinstance(storage_options, dict) or not all(isinstance(k, str) for k in storage_options):
+        text = repr(storage_options)
+        text = text if len(text) <= 100 else text[:97] + "..."
+        raise TypeError(
+            "`storage_options` must be a dict of keyword arguments for the fsspec filesystem "
+            "(e.g. {'anon': True} or {'client_kwargs': {'endpoint_url': ...}}), or None. "
+            f"Received: storage_options={text} (of type {type(storage_options).__name__})"
+        )
+    return dict(storage_options)
+
+
+def _missing(url: str, scheme: str, package: str | None, err: BaseException) -> StorageBackendError:
+    store = _STORES.get(scheme, f"a {scheme}:// store")
+    if package is None or package in _IN_CLOUD_EXTRA:
+        named = package or "fsspec"
+        install = f'pip install "keras-stable-state[cloud]" (fsspec, s3fs, gcsfs) or pip install {named}'
+    else:
+        install = f'pip install "keras-stable-state[cloud]" {package}'
+    reason = str(err).strip() or type(err).__name__
+    return StorageBackendError(
+        f"{url!r} is in {store} ({scheme}://), read and written through "
+        f"{package or 'fsspec'}, which is not installed ({reason}). Nothing was read or written, "
+        f"and no local folder named {scheme + ':'!r} was made. Install it: {install}.",
+        path=url,
+        scheme=scheme,
+        package=package or "fsspec",
+    )
+
+
+def _connect(url: str, storage_options: dict):
+    scheme = scheme_of(url)
+    try:
+        import fsspec
+        import fsspec.core
+    except ImportError as err:
+        raise _missing(url, scheme, "fsspec", err) from err
+    try:
+        return fsspec.core.url_to_fs(url, **storage_options)
+    except ImportError as err:
+        cause = err.__cause__ if isinstance(err.__cause__, ImportError) else err
+        package = getattr(cause, "name", None) or _PACKAGES.get(scheme)
+        raise _missing(url, scheme, package.split(".")[0] if package else None, err) from err
+    except ValueError as err:
+        if "not known" not in str(err):
+            raise
+        raise StorageBackendError(
+            f"{url!r} names the scheme {scheme}://, which no installed fsspec implementation knows "
+            f"({err}). Nothing was read or written. Check the URL, or install the fsspec package "
+            "for that store.",
+            path=url,
+            scheme=scheme,
+        ) from err
+
+
+def _name_url(err: BaseException, url: str, doing: str) -> None:
+    """Name ``url`` on an error of the store that does not (botocore's ``NoCredentialsError``)."""
+    if url not in str(err) and hasattr(err, "add_note"):
+        err.add_note(f"(raised while {doing} {url!r})")
+
+
+class RemotePath:
+    """An object, or a folder of objects, in a store reached through fsspec.
+
+    Args:
+        url: The object's or folder's URL (``"s3://bucket/run.h5"``, ``"gs://bucket/ckpts"``).
+        storage_options: ``dict`` passed to the fsspec filesystem as keyword arguments
+            (credentials, ``client_kwargs``...), or ``None``; fsspec's configuration
+            and the store's environment variables apply as fsspec applies them.
+
+    Attributes:
+        url: The URL (a folder's without a trailing ``/``).
+        fs: The fsspec filesystem.
+        path: The filesystem's path of the object (``"bucket/run.h5"``).
+
+    Raises:
+        StorageBackendError: if fsspec or the scheme's implementation is not installed
+            (naming the package), or no fsspec implementation knows the scheme.
+        TypeError: if ``storage_options`` is not a ``dict`` with ``str`` keys (or ``None``).
+        The errors of the fsspec filesystem for options it refuses.
+    """
+
+    def __init__(self, url: str, storage_options=None, *, _fs=None, _path=None):
+        self.url = url.rstrip("/") if not url.endswith("://") else url
+        self.storage_options = _check_storage_options(storage_options)
+        if _fs is None:
+            _fs, _path = _connect(self.url, self.storage_options)
+        self.fs = _fs
+        self.path = _path
+        self.protocol = scheme_of(self.url)
+
+    def __repr__(self):
+        return f"RemotePath({self.url!r})"
+
+    def child(self, name: str) -> RemotePath:
+        """The object ``name`` in this folder (the same filesystem and options)."""
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"An object name in {self.url!r} must be one path part. Received: {name!r}")
+        return RemotePath(
+            f"{self.url}/{name}", self.storage_options, _fs=self.fs, _path=f"{self.path.rstrip('/')}/{name}"
+        )
+
+    def _not_found(self, err=None) -> FileNotFoundError:
+        return FileNotFoundError(errno.ENOENT, f"No object at {self.url!r}.", self.url)
+
+    def exists(self) -> bool:
+        """Whether an object (or a folder holding objects) is at this URL now (not a cached listing)."""
+        self.fs.invalidate_cache(self.path)
+        return bool(self.fs.exists(self.path))
+
+    def is_object(self) -> bool:
+        """Whether an object (not a folder) is at this URL now."""
+        self.fs.invalidate_cache(self.path)
+        return bool(self.fs.isfile(self.path))
+
+    def size(self) -> int:
+        """The object's size in bytes.
+
+        Raises:
+            FileNotFoundError: naming the URL if there is no object.
+        """
+        self.fs.invalidate_cache(self.path)
+        try:
+            return int(self.fs.size(self.path))
+        except FileNotFoundError as err:
+            raise self._not_found() from err
+
+    def list(self) -> list:
+        """The names of the objects directly in this folder, sorted (``[]`` for none: an
+        object store has no empty folders); folders inside it are not listed."""
+        self.fs.invalidate_cache(self.path)
+        try:
+            entries = self.fs.ls(self.path, detail=True)
+        except FileNotFoundError:
+            return []
+        names = []
+        for entry in entries:
+            if entry.get("type") != "file":
+                continue
+            name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if name:
+                names.append(name)
+        return sorted(names)
+
+    def remove(self, missing_ok: bool = True) -> None:
+        """Remove the object.
+
+        Raises:
+            FileNotFoundError: naming the URL, if there is none and not ``missing_ok``
+                (S3 itself deletes a missing key without an error: it is looked up first).
+        """
+        if not missing_ok and not self.is_object():
+            raise self._not_found()
+        try:
+            self.fs.rm_file(self.path)
+        except FileNotFoundError as err:
+            if not missing_ok:
+                raise self._not_found() from err
+        self.fs.invalidate_cache(self.path)
+
+    def read_bytes(self) -> bytes:
+        """The whole object, read once.
+
+        Raises:
+            FileNotFoundError: naming the URL if there is no object.
+            CheckpointFormatError: if the URL is a folder of objects, not one object.
+            OSError: the store's errors (``PermissionError`` for refused credentials...).
+            Exception: other errors of the store's library as raised, with a note naming the URL.
+        """
+        self.fs.invalidate_cache(self.path)
+        try:
+            return bytes(self.fs.cat_file(self.path))
+        except (FileNotFoundError, IsADirectoryError) as err:
+            if self._is_folder():
+                raise self._folder_error() from err
+            raise FileNotFoundError(
+                errno.ENOENT, f"No training-state object at {self.url!r}.", self.url
+            ) from err
+        except Exception as err:  # the store's own errors (refused credentials...), kept as raised
+            if self._is_folder():  # s3fs refuses to read a bucket's root (ParamValidationError)
+                raise self._folder_error() from err
+            _name_url(err, self.url, "reading")
+            raise
+
+    def _is_folder(self) -> bool:
+        try:
+            return bool(self.fs.isdir(self.path))
+        except OSError:
+            return False
+
+    def _folder_error(self) -> CheckpointFormatError:
+        return CheckpointFormatError(
+            f"{self.url!r} is a folder of objects, not one training state. Pass the URL of one "
+            ".keras or .h5 object.",
+            received=self.url,
+        )
+
+    def open_read(self):
+        """The object opened for reading (``"rb"``), as a context manager.
+
+        Raises:
+            FileNotFoundError: naming the URL if there is no object.
+        """
+        self.fs.invalidate_cache(self.path)
+        try:
+            return self.fs.open(self.path, "rb")
+        except FileNotFoundError as err:
+            raise self._not_found() from err
+
+    def _upload_error(self, err: OSError) -> OSError:
+        reason = err.strerror or str(err) or type(err).__name__
+        return OSError(
+            err.errno,
+            f"Could not upload the training state to {self.url!r}: {reason}. The object that was "
+            "there, if any, is unchanged (an object appears only once its upload completes). Check "
+            "the URL, the credentials and the store, then save again.",
+            self.url,
+        )
+
+    def put_file(self, local_path: str) -> None:
+        """Upload the local file ``local_path`` as this object, whole.
+
+        In a store of :data:`WHOLE_OBJECT_PROTOCOLS` the upload goes to the object's name
+        (visible only once complete); elsewhere to a temporary name beside it, then moved
+        onto it. An interrupted upload leaves the previous object as it was.
+
+        Raises:
+            OSError: naming the URL when the upload fails (the store's errors: refused
+                credentials, a missing bucket, no connection...).
+            Exception: other errors of the store's library as raised (botocore's
+                ``NoCredentialsError``), with a note naming the URL.
+        """
+        target = self.path if self.protocol in WHOLE_OBJECT_PROTOCOLS else self._temporary_path()
+        try:
+            self.fs.put_file(local_path, target)
+            if target != self.path:
+                self.fs.mv(target, self.path)
+        except OSError as err:
+            if target != self.path:
+                with contextlib.suppress(OSError):
+                    self.fs.rm_file(target)
+            raise self._upload_error(err) from err
+        except Exception as err:  # the store's own errors (botocore's NoCredentialsError...)
+            _name_url(err, self.url, "uploading the training state to")
+            raise
+        finally:
+            self.fs.invalidate_cache(self.path)
+
+    def put_bytes(self, data: bytes) -> None:
+        """Write ``data`` as this object, whole (as :meth:`put_file`).
+
+        Raises:
+            OSError: naming the URL when the upload fails.
+        """
+        if self.protocol in WHOLE_OBJECT_PROTOCOLS:
+            try:
+                self.fs.pipe_file(self.path, bytes(data))
+            except OSError as err:
+                raise self._upload_error(err) from err
+            except Exception as err:  # the store's own errors, kept as raised
+                _name_url(err, self.url, "uploading to")
+                raise
+            finally:
+                self.fs.invalidate_cache(self.path)
+            return
+        with tempfile.TemporaryDirectory(prefix="kss-upload-") as folder:
+            local = os.path.join(folder, "object")
+            with open(local, "wb") as fh:
+                fh.write(data)
+            self.put_file(local)
+
+    def _temporary_path(self) -> str:
+        folder, _, name = self.path.rstrip("/").rpartition("/")
+        return (
+            f"{folder}/.kss-{secrets.token_hex(6)}-{name}"
+            if folder
+            else f".kss-{secrets.token_hex(6)}-{name}"
+        )
+
+
+def upload_written(url: str, write_local, storage_options=None, *, store: RemotePath | None = None) -> int:
+    """Write a file locally with ``write_local(path)`` (in a private temporary folder: the
+    library's own atomic, checked write), then upload it whole to ``url``; the size
+    uploaded in bytes.
+
+    The temporary file is named like the object (its extension kept) and removed
+    afterwards; a failure before the upload leaves the store untouched.
+
+    Args:
+        url: The object's URL.
+        write_local: Called with the local path to write.
+        storage_options: As for :class:`RemotePath`.
+        store: The :class:`RemotePath` of ``url`` made already, if any.
+
+    Raises:
+        The errors of ``write_local`` and of :meth:`RemotePath.put_file`.
+    """
+    store = store or RemotePath(url, storage_options)
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "state"
+    ext = next((e for e in (".weights.h5", ".keras", ".h5") if name.endswith(e)), "")
+    with tempfile.TemporaryDirectory(prefix="kss-upload-") as folder:
+        local = os.path.join(folder, f"state{ext}")
+        write_local(local)
+        size = os.path.getsize(local)
+        store.put_file(local)
+    return size
+
+
+def write_marker(folder: RemotePath, name: str, payload: dict) -> None:
+    """Write the commit marker ``name`` in ``folder``: one small JSON object holding
+    ``payload`` (a JSON-serializable ``dict``), written whole.
+
+    Write it after every object it commits is complete; a reader that requires the
+    marker (:func:`read_marker`) then never takes an incomplete checkpoint.
+
+    Raises:
+        TypeError: if ``payload`` is not a ``dict`` or not JSON-serializable.
+        OSError: naming the marker's URL when the write fails.
+    """
+    if not isinstance(payload, dict):
+        raise TypeError(f"A commit marker's payload must be a dict. Received: {type(payload).__name__}")
+    document = {"format": MARKER_FORMAT, "version": _MARKER_VERSION, "payload": payload}
+    folder.child(name).put_bytes(json.dumps(document, sort_keys=True, allow_nan=False).encode("utf-8"))
+
+
+def read_marker(folder: RemotePath, name: str) -> dict | None:
+    """The payload of the commit marker ``name`` in ``folder``, or ``None`` if there is none.
+
+    Raises:
+        CorruptCheckpointError: naming the marker if it is not a commit marker
+            :func:`write_marker` wrote (not JSON, another format or version, too large).
+    """
+    marker = folder.child(name)
+    try:
+        data = marker.read_bytes()
+    except FileNotFoundError:
+        return None
+    problem = None
+    if len(data) > _MARKER_LIMIT:
+        problem = f"it is {len(data)} bytes, more than a marker's {_MARKER_LIMIT}"
+    else:
+        try:
+            document = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            document, problem = None, f"it is not JSON ({err})"
+        if problem is None and not (
+            isinstance(document, dict)
+            and document.get("format") == MARKER_FORMAT
+            and isinstance(document.get("payload"), dict)
+        ):
+            problem = f"it is not a {MARKER_FORMAT} document"
+        elif problem is None and document.get("version") != _MARKER_VERSION:
+            problem = f"its version {document.get('version')!r} is not {_MARKER_VERSION}"
+    if problem is not None:
+        raise CorruptCheckpointError(
+            f"The commit marker {marker.url!r} is damaged: {problem}. The checkpoint it commits is "
+            "not taken; remove the marker (and its checkpoint) or write it again.",
+            key=name,
+        )
+    return document["payload"]
