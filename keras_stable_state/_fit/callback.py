@@ -64,8 +64,13 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     Each save is one ``ckpt-<global step>.h5`` file (see
     :func:`keras_stable_state.save_training_state`), written atomically through a
-    ``.kss-*`` temporary file; the newest ``keep`` files are kept (only files named
-    ``ckpt-<10 digits>.h5`` count, and a file that vanished meanwhile is skipped).
+    ``.kss-*`` temporary file; the newest ``max_to_keep`` files are kept, and with
+    ``monitor`` and ``keep_best`` the best ``keep_best`` by that metric beside them (only
+    files named ``ckpt-<10 digits>.h5`` count, and a file that vanished meanwhile is
+    skipped): the directory is that of a :class:`~keras_stable_state.CheckpointManager`
+    (``manager``). A checkpoint's metrics are the ``logs`` of the batch or epoch end before
+    it: an epoch-end save has the epoch's ``val_*`` metrics, a mid-epoch one only the
+    running training metrics (so it is never the best by ``val_loss``).
     The resume reads the newest checkpoint once and restores everything (variables,
     position, callback states, random state) from what it read. While the ``fit``
     runs, a :func:`~keras_stable_state.save_training_state` of the model from
@@ -152,11 +157,12 @@ class StableCheckpoint(keras.callbacks.Callback):
             for what is refused in it: symbolic links and other non-regular files).
         save_freq: ``"epoch"`` or an ``int``: save every that many batches (a
             multiple of the model's ``steps_per_execution``).
-        keep: How many newest checkpoints to keep (``>= 1``). Only fully
-            written files count: with ``async_save`` the older files are
-            removed once the new one is written.
+        max_to_keep: How many newest checkpoints to keep (``>= 1``; ``None``: all).
+            Only fully written files count: with ``save_on_background`` the older
+            files are removed once the new one is written. (``keep=``, its former
+            name, still works for one release, with a ``DeprecationWarning``.)
         verbose: ``1`` prints one line per restore, and per save its file
-            name, size (MB) and time (ms): with ``async_save``, the time of the
+            name, size (MB) and time (ms): with ``save_on_background``, the time of the
             background write and the time training was blocked, printed once
             the write has ended (at a later batch, the next save or train end).
             Lines go through Keras' ``print_msg`` (stdout, or absl logging
@@ -166,7 +172,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             or a list (keyed by class name and index among callbacks of that
             class). Default: none. The ``History`` of the ``fit`` call
             (``model.history``) is always included, as ``"History/0"``.
-        async_save: ``True`` writes each checkpoint in a background thread
+        save_on_background: ``True`` writes each checkpoint in a background thread
             (:func:`~keras_stable_state.save_training_state` with
             ``blocking=False``): the training step waits only while the state
             is copied to host memory. A save first waits for the previous one;
@@ -176,6 +182,8 @@ class StableCheckpoint(keras.callbacks.Callback):
             last write and raises its failure (none is swallowed). A process
             killed during a write leaves a ``.kss-*`` temporary file, removed
             on the next train begin, and the checkpoints written before it.
+            (``async_save=``, its former name, still works for one release, with a
+            ``DeprecationWarning``.)
         on_data_change: What a mid-epoch resume does when the batch size, number of
             samples or steps per epoch differ from the checkpoint's: ``"raise"``
             (default, ``StateError``) or ``"restart_epoch"``: train the interrupted
@@ -183,8 +191,23 @@ class StableCheckpoint(keras.callbacks.Callback):
             batches applied before the save stay in the weights and optimizer; its
             metrics start afresh, its order is drawn from the random state at the save
             and the global step continues), with an :class:`InexactResumeWarning`.
+        monitor: The metric (a key of ``fit``'s logs, e.g. ``"val_loss"``) that ranks
+            checkpoints for ``keep_best``, or ``None``.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (see
+            :class:`~keras_stable_state.CheckpointManager`).
+        keep_best: How many best checkpoints by ``monitor`` to keep beside the
+            ``max_to_keep`` latest (``>= 0``; needs ``monitor``).
+        keep: Deprecated alias of ``max_to_keep`` (keyword only).
+        async_save: Deprecated alias of ``save_on_background`` (keyword only).
 
     Attributes:
+        manager: The :class:`~keras_stable_state.CheckpointManager` of ``directory``
+            (``manager.best_step()``, ``manager.metadata(step)``, ``manager.restore(model,
+            step="best")``).
+        run_complete: ``True`` once train begin restored a checkpoint at or past ``fit``'s
+            ``epochs``: the run is complete, ``fit`` trains no epoch and returns the
+            restored ``History`` (its ``history`` and ``epoch`` as saved; the states of the
+            callbacks given are put back at train end); ``verbose=1`` says so.
         restore_report: The :class:`~keras_stable_state.RestoreReport` of the
             checkpoint restored on train begin, or ``None`` (fresh start).
         skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint
@@ -193,19 +216,21 @@ class StableCheckpoint(keras.callbacks.Callback):
             ``<directory>/unreadable/``.
         removed_temporary_files: Stale ``.kss-*`` temporary files removed on train begin.
         last_save: The :class:`~keras_stable_state.SaveHandle` of the newest
-            background save (``async_save=True``), or ``None``.
+            background save (``save_on_background=True``), or ``None``.
 
     Raises:
-        ValueError: for an invalid ``save_freq``, ``keep``, ``verbose`` or ``on_data_change``,
+        ValueError: for an invalid ``save_freq``, ``max_to_keep``, ``verbose``, ``on_data_change``,
+            ``monitor``, ``mode`` or ``keep_best`` (``keep_best`` without ``monitor``), both a
+            deprecated alias and its new name,
             a callback name that is empty or holds ``/``, ``#``, ``@`` or whitespace, or a
             ``directory`` ending in ``.orbax`` (StableCheckpoint writes ``.h5`` files; the
             Orbax engine is reached through ``save_training_state`` /
             ``restore_training_state``) (on construction).
         TypeError: if ``directory`` is not a path, ``callbacks`` is not a dict or list
-            of callbacks, or ``async_save`` is not a bool (on construction).
+            of callbacks, or ``save_on_background`` is not a bool (on construction).
         StateError: (on construction) if ``directory`` is an object-store URL
             (``s3://``, ``gs://``...): nothing is written, locally or remotely.
-        OSError: with ``async_save``, at a later batch, the next save or train
+        OSError: with ``save_on_background``, at a later batch, the next save or train
             end: the error of a background write that failed (disk full, folder
             removed), naming the file; the checkpoints written before it are intact.
         BindingError: on train begin, if a ``StableOptimizer`` of the model is
@@ -218,7 +243,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             (such a save would fall inside an execution); if the checkpoint to
             resume was saved at a batch inside an execution of the current
             ``steps_per_execution`` (saved with another one); or if an unreadable
-            checkpoint cannot be moved aside (it would count in ``keep`` and be
+            checkpoint cannot be moved aside (it would count in ``max_to_keep`` and be
             found again); if a mid-epoch checkpoint was saved with another batch size,
             number of samples or steps per epoch and ``on_data_change="raise"``; at the
             first epoch begin of a mid-epoch resume, if the checkpoint's epoch order
@@ -321,17 +346,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             ``{"directory", "save_freq", "max_to_keep", "verbose", "save_on_background",
             "on_data_change", "monitor", "mode", "keep_best"}``.
         """
-        names = (
-            "directory",
-            "save_freq",
-            "max_to_keep",
-            "verbose",
-            "save_on_background",
-            "on_data_change",
-            "monitor",
-            "mode",
-            "keep_best",
-        )
+        names = _fit_checks.CONFIG_NAMES
         return {name: getattr(self, name) for name in names}
 
     @classmethod
@@ -342,14 +357,8 @@ class StableCheckpoint(keras.callbacks.Callback):
     # -- discovery ------------------------------------------------------------------
     @property
     def _callbacks(self):
-        """The callbacks given, and the ``History`` of the ``fit`` call (``model.history``,
-        which Keras sets for every fit) so that a resumed run's history is whole."""
-        found = dict(self._given_callbacks)
-        history = getattr(self.model, "history", None) if self.model is not None else None
-        given = [cb for cb in found.values() if isinstance(cb, keras.callbacks.History)]
-        if isinstance(history, keras.callbacks.History) and not given:
-            found.setdefault("History/0", history)
-        return found
+        """The callbacks given, and the ``History`` of the ``fit`` call (see ``checks.with_history``)."""
+        return _fit_checks.with_history(self._given_callbacks, self.model)
 
     def _say(self, message):
         if self.verbose:
@@ -369,11 +378,8 @@ class StableCheckpoint(keras.callbacks.Callback):
     def _take_directory(self):
         """Create ``directory``, lock it, remove stale temporary files. On a read-only file
         system nobody can write the directory: it is read unlocked (``_read_only``)."""
-        checkpoint_dir.prepare(self.directory)
         self._read_only = None
-        try:
-            # reclaimable: a StableCheckpoint whose fit raised never released it (Keras skips
-            # on_train_end); another one of this thread takes it over
+        try:  # reclaimable: by another StableCheckpoint of this thread (this one's fit may have raised)
             self.removed_temporary_files = self.manager.lock(reclaimable=True)
         except OSError as err:
             if err.errno != errno.EROFS:

@@ -22,6 +22,9 @@ from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import InexactResumeWarning, StateError
 
 ON_DATA_CHANGE = ("raise", "restart_epoch")
+# StableCheckpoint.get_config's keys: its constructor arguments but ``callbacks`` and the aliases.
+CONFIG_NAMES = ("directory", "save_freq", "max_to_keep", "verbose", "save_on_background", "on_data_change")
+CONFIG_NAMES += ("monitor", "mode", "keep_best")
 
 REPEATABLE_ATTR = "repeatable_epoch_begin"
 """A callback (class or instance) with this attribute ``True`` declares that its
@@ -68,6 +71,18 @@ def local_directory(directory) -> str:
             received=directory,
         )
     return storage.fs_path(directory, "directory")
+
+
+def with_history(given: dict, model) -> dict:
+    """The callbacks ``given`` (``{name: callback}``), and the ``History`` of the ``fit`` call
+    (``model.history``, which Keras sets for every fit) as ``"History/0"`` unless one is
+    given, so that a resumed run's history is whole."""
+    found = dict(given)
+    history = getattr(model, "history", None) if model is not None else None
+    listed = [cb for cb in found.values() if isinstance(cb, keras.callbacks.History)]
+    if isinstance(history, keras.callbacks.History) and not listed:
+        found.setdefault("History/0", history)
+    return found
 
 
 def refuse_orbax_directory(directory: str) -> None:
