@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import weakref
 
 import keras
 
@@ -312,7 +313,8 @@ class StableCheckpoint(keras.callbacks.Callback):
             verbose=verbose,
         )
         self.manager.name = "StableCheckpoint"
-        self.manager.on_saved = self._saved
+        ref = weakref.ref(self)  # the manager holds no reference to the callback: no cycle
+        self.manager.on_saved = lambda *args: ref()._saved(*args)
         self.directory = directory
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
@@ -335,8 +337,7 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     @property
     def last_save(self):
-        """The :class:`~keras_stable_state.SaveHandle` of the newest background save
-        (``save_on_background=True``), or ``None``."""
+        """The :class:`~keras_stable_state.SaveHandle` of the newest background save, or ``None``."""
         return self.manager.last_save
 
     def get_config(self):
@@ -376,8 +377,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         return found
 
     def _take_directory(self):
-        """Create ``directory``, lock it, remove stale temporary files. On a read-only file
-        system nobody can write the directory: it is read unlocked (``_read_only``)."""
+        """Create, lock, clean ``directory``; a read-only one is read unlocked (``_read_only``)."""
         self._read_only = None
         try:  # reclaimable: by another StableCheckpoint of this thread (this one's fit may have raised)
             self.removed_temporary_files = self.manager.lock(reclaimable=True)

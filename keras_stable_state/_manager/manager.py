@@ -227,7 +227,10 @@ class CheckpointManager:
         try:
             self.close()
         except Exception as err:  # the block's own error is the one raised; this one is told in it
-            exc.add_note(f"{self.name}: the background save failed as well: {err!r}")
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"{self.name}: the background save failed as well: {err!r}")
+            else:
+                raise exc from err
 
     # -- listing ----------------------------------------------------------------------------
     def checkpoints(self) -> list:
