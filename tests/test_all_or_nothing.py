@@ -239,7 +239,7 @@ def _refused(world, path, match, monkeypatch=None, record=None):
     before = world.snapshot()
     with monkeypatch.context() as mp:
         if record is not None:
-            mp.setattr(storage, "read_file", lambda _path: record)
+            mp.setattr(storage, "read_file", lambda _path, **_options: record)
         with pytest.raises(kss.StateError) as err:
             world.restore(path)
     _assert_same(before, world.snapshot())
