@@ -10,7 +10,7 @@ BACKEND ?= jax
 # Test processes per backend (pytest-xdist; whole files per process, so a module fixture
 # such as the cross-backend matrix runs once); CI has 2 cores.
 JOBS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=20
 comma := ,
 space := $(subst ,, )
 export TF_CPP_MIN_LOG_LEVEL := 3
