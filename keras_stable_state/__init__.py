@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
         MalformedKeyError,
         NewerFormatError,
         StateError,
+        StorageBackendError,
         UnreadableCheckpointWarning,
     )
 
@@ -76,6 +77,7 @@ __all__ = [
     "StableOptimizer",
     "StateError",
     "StateMapper",
+    "StorageBackendError",
     "TrainableContract",
     "UnreadableCheckpointWarning",
     "InexactResumeWarning",
@@ -119,6 +121,7 @@ _SOURCES = {
     "KeyFormatError": "errors",
     "MalformedKeyError": "errors",
     "NewerFormatError": "errors",
+    "StorageBackendError": "errors",
     "StateError": "errors",
 }
 

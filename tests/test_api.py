@@ -28,6 +28,7 @@ PUBLIC = [
     "StableOptimizer",
     "StateError",
     "StateMapper",
+    "StorageBackendError",
     "TrainableContract",
     "UnreadableCheckpointWarning",
     "InexactResumeWarning",
@@ -60,6 +61,7 @@ def test_all_is_pinned():
         (kss.MalformedKeyError, OSError),
         (kss.MalformedKeyError, ValueError),
         (kss.ScheduleMismatchError, ValueError),
+        (kss.StorageBackendError, ImportError),
     ],
 )
 def test_errors_share_one_base_and_a_builtin(cls, builtin):

@@ -7,7 +7,7 @@ newer keras_stable_state (a later format version, in its seal or its root attrib
 records this version does not know under an intact seal) is refused with
 :class:`~keras_stable_state.NewerFormatError`, not as damage: ``StableCheckpoint`` leaves
 it where it is and does not fall back past it, and the CLI exits 3.
-``KSS_HOSTILE_ROWS`` sets the number of extra rows (default 100,000; ``make fuzz``: 300,000).
+``KSS_HOSTILE_ROWS`` sets the number of extra rows (default 20,000; ``make fuzz``: 300,000).
 """
 
 import os
@@ -29,7 +29,7 @@ from keras_stable_state._numpy import numpy_copy
 from keras_stable_state.errors import listed, shown
 from keras_stable_state.format import sandbox
 
-ROWS = int(os.environ.get("KSS_HOSTILE_ROWS", "100000"))
+ROWS = int(os.environ.get("KSS_HOSTILE_ROWS", "20000"))
 LIMIT = 2000  # characters: a message about any number of keys of any length
 
 

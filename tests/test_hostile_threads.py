@@ -29,7 +29,7 @@ import keras_stable_state as kss
 from keras_stable_state import format as storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAVES = int(os.environ.get("KSS_THREAD_SAVES", "20"))
+SAVES = int(os.environ.get("KSS_THREAD_SAVES", "8"))
 
 CHILD = r"""
 import json, os, sys, threading

@@ -20,8 +20,8 @@ of the interpreter is a failing case, not a dead test run: the worker is
 restarted from the next case. ``make test`` runs a small budget; ``make fuzz``
 the long campaign. Budget and seed come from the environment:
 
-* ``KSS_FUZZ_FLIPS`` (default 100), ``KSS_FUZZ_TRUNCATIONS`` (12),
-  ``KSS_FUZZ_EDITS`` (10, after one of each edit kind, also resealed): cases of each kind;
+* ``KSS_FUZZ_FLIPS`` (default 40), ``KSS_FUZZ_TRUNCATIONS`` (6),
+  ``KSS_FUZZ_EDITS`` (5, after one of each edit kind, also resealed): cases of each kind;
 * ``KSS_FUZZ_SEED``: draw other cases (default: derandomized, the same every run);
 * ``KSS_FUZZ_CASE_TIMEOUT`` (60): seconds before a case counts as a hang;
 * ``KSS_FUZZ_INSPECT_EVERY`` (4): run ``inspect`` on every n-th case (``verify`` runs on all);
@@ -44,9 +44,9 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fuzz_worker.py")
-FLIPS = int(os.environ.get("KSS_FUZZ_FLIPS", "100"))
-TRUNCATIONS = int(os.environ.get("KSS_FUZZ_TRUNCATIONS", "12"))
-EDITS = int(os.environ.get("KSS_FUZZ_EDITS", "10"))
+FLIPS = int(os.environ.get("KSS_FUZZ_FLIPS", "40"))
+TRUNCATIONS = int(os.environ.get("KSS_FUZZ_TRUNCATIONS", "6"))
+EDITS = int(os.environ.get("KSS_FUZZ_EDITS", "5"))
 SEED = os.environ.get("KSS_FUZZ_SEED")
 CASE_TIMEOUT = float(os.environ.get("KSS_FUZZ_CASE_TIMEOUT", "60"))
 START_TIMEOUT = float(os.environ.get("KSS_FUZZ_START_TIMEOUT", "600"))
