@@ -17,12 +17,10 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 
 .PHONY: setup demo test test-% lint docs bench clean fuzz lab matrix
 
-# --no-compile: pip would byte-compile all ~19,000 .py files of the frameworks (about a
-# minute on 2 cores); Python compiles the modules it imports on first use instead.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-compile -c constraints.txt -e ".[all,dev,demo,docs]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[all,dev,demo,docs]"
 	touch $@
 
 setup: $(VENV)/.installed
