@@ -37,6 +37,7 @@ NEEDS = {
     "kss.GradientAccumulator": "needs `grads`, `x_batch` and `optimizer` of a custom training loop",
     "kss.MalformedKeyError": "needs a damaged file",
     "kss.NewerFormatError": "needs a file written by a newer keras_stable_state",
+    "kss.StorageBackendError": "needs gcsfs not installed (with it, the sketch would reach the real gs:// store)",
     "kss.PendingRestore": "needs the reader's `build_model()`",
     "kss.QuantizeMapper": "needs the reader's `momentum_array`",
     "kss.ScheduleMismatchError": "needs a model whose schedule differs from the saved one",
