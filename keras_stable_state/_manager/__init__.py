@@ -1,9 +1,24 @@
 """A directory of checkpoints for any training loop: :class:`CheckpointManager` (``manager``),
 what it keeps and calls best (``policy``), and the directory itself: the lock, listing,
 pruning, temporary files, unreadable files moved aside and the fallback over them
-(``directory``)."""
+(``directory``).
+
+``directory`` and ``policy`` import no Keras, and the names below load on first use
+(PEP 562), so that the command line (``keras-stable-state ls``) lists a directory with the
+manager's own rules without importing Keras."""
+
+import importlib
 
 from keras_stable_state._manager.directory import LOCK_NAME, UNREADABLE_DIR
-from keras_stable_state._manager.manager import CheckpointManager, CheckpointMetadata, wait_for_earlier_saves
 
 __all__ = ["LOCK_NAME", "UNREADABLE_DIR", "CheckpointManager", "CheckpointMetadata", "wait_for_earlier_saves"]
+
+_LAZY = {"CheckpointManager": "manager", "CheckpointMetadata": "manager", "wait_for_earlier_saves": "manager"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

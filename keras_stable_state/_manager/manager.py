@@ -340,6 +340,8 @@ class CheckpointManager:
         self._collect(wait=True)
         path = files.path_of(self.directory, step)
         info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
+        if self.monitor is not None:  # read by `keras-stable-state ls` to name the best
+            info.update(monitor=self.monitor, mode=self._direction)
         started = time.perf_counter()
         result = checkpoint.save_training_state(
             path,

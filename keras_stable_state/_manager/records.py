@@ -7,12 +7,14 @@ from __future__ import annotations
 import dataclasses
 import types
 
-from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._manager import directory as files
+from keras_stable_state.format import orbax_layout
 
 RECORD = "checkpoint"
 """The provider name (record ``providers/checkpoint``) of the manager's metadata in each
-checkpoint: its step, epoch, metrics and wall time."""
+checkpoint: its step, epoch, metrics and wall time, and with a ``monitor`` its name and
+direction (``"monitor"``, ``"mode"``: ``"min"`` or ``"max"``), so that ``keras-stable-state
+ls`` names the best."""
 
 # The keywords of save_training_state that CheckpointManager.save passes on.
 SAVE_KEYWORDS = (
@@ -126,7 +128,7 @@ def metadata_of(step, path, summary, size_bytes) -> CheckpointMetadata:
 
 def refuse_orbax(directory) -> None:
     """Raise ``ValueError`` for a manager directory named ``*.orbax``."""
-    if orbax_engine.is_orbax_path(directory):
+    if orbax_layout.is_orbax_path(directory):
         raise ValueError(
             f"CheckpointManager({directory!r}): the manager writes ckpt-<step>.h5 files into its "
             "directory, so a directory named '*.orbax' would hold .h5 files, not an Orbax checkpoint. "

@@ -13,12 +13,14 @@ never Keras); ``inspect`` reads no array data, ``verify`` reads each array once.
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
 
 from keras_stable_state import format as storage
 from keras_stable_state._identity.keys import GLOBAL, split_entry_key
+from keras_stable_state.cli.orbax import OrbaxState, is_orbax_state
 from keras_stable_state.cli.results import (
     ArrayInfo,
     Damage,
@@ -32,14 +34,17 @@ from keras_stable_state.cli.results import (
     VariableInfo,
     Verification,
 )
-from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+from keras_stable_state.errors import CorruptCheckpointError
 from keras_stable_state.format import CheckpointFile
 
 __all__ = [
+    "Verification",
     "bytes_to_verify",
+    "damaged_array",
     "inspect_file",
     "max_abs_difference",
     "open_checkpoint",
+    "open_checkpoint_or_damage",
     "position",
     "positional_note",
     "refused",
@@ -49,8 +54,9 @@ __all__ = [
 _POSITION_FIELDS = ("epoch", "step", "global_step")
 
 
-def open_checkpoint(path) -> CheckpointFile:
-    """:func:`keras_stable_state.format.open_file`, refusing a missing path or a folder first.
+def open_checkpoint(path) -> CheckpointFile | OrbaxState:
+    """:func:`keras_stable_state.format.open_file`, refusing a missing path or a folder first;
+    a ``.orbax`` training-state folder opens as an :class:`~keras_stable_state.cli.orbax.OrbaxState`.
 
     An object-store URL (``s3://bucket/run.h5``) is downloaded whole through fsspec (its
     configuration and the store's environment variables, e.g. ``AWS_ENDPOINT_URL``,
@@ -58,7 +64,7 @@ def open_checkpoint(path) -> CheckpointFile:
 
     Raises:
         FileNotFoundError: if ``path`` does not exist (or no object is at the URL).
-        IsADirectoryError: if ``path`` is a folder.
+        IsADirectoryError: if ``path`` is a folder (but a ``*.orbax`` one).
         StorageBackendError: for a URL whose fsspec implementation is not installed.
         The errors of :class:`~keras_stable_state.format.CheckpointFile` otherwise.
     """
@@ -67,13 +73,36 @@ def open_checkpoint(path) -> CheckpointFile:
         return storage.open_file(path)
     path = storage.fs_path(path, "path")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file. Check the path.")
+        raise FileNotFoundError(errno.ENOENT, f"{path}: no such file. Check the path.", path)
+    if is_orbax_state(path):
+        return OrbaxState(path)
     if os.path.isdir(path):
         raise IsADirectoryError(
-            f"{path} is a folder. Pass one .keras or .h5 file (StableCheckpoint keeps "
-            "ckpt-<step>.h5 files in its folder)."
+            errno.EISDIR,
+            f"{path} is a folder. Pass one .keras or .h5 file or a .orbax folder (`keras-stable-state "
+            "ls` lists a checkpoint directory: StableCheckpoint keeps ckpt-<step>.h5 files in its folder).",
+            path,
         )
     return storage.open_file(path)
+
+
+def open_checkpoint_or_damage(path):
+    """:func:`open_checkpoint`, or the :class:`Verification` of a file refused on opening as
+    damaged (a ``CorruptCheckpointError``: truncated, failing its seal or structure checks).
+
+    Raises:
+        The other errors of :func:`open_checkpoint` (the path cannot be read or is not a
+        checkpoint file: not damage).
+    """
+    try:
+        return open_checkpoint(path)
+    except CorruptCheckpointError as err:
+        return refused(path, err)
+
+
+def damaged_array(found) -> CorruptCheckpointError:
+    """The error of an array ``diff`` could not read (a :class:`~keras_stable_state.cli.diff.DamagedArray`)."""
+    return CorruptCheckpointError(found.reason, key=found.key)
 
 
 def _members(f):
@@ -226,7 +255,7 @@ def inspect_file(file) -> RecordInspection | StockInspection:
     Raises:
         The errors of :func:`open_checkpoint` when ``file`` is a path.
     """
-    if not isinstance(file, CheckpointFile):
+    if not isinstance(file, CheckpointFile | OrbaxState):
         with open_checkpoint(file) as f:
             return inspect_file(f)
     return _inspect_record(file) if file.kind == storage.FORMAT else _inspect_stock(file)
@@ -238,7 +267,8 @@ def bytes_to_verify(f: CheckpointFile) -> int:
 
 
 def refused(path, err) -> Verification:
-    """The :class:`Verification` of a file refused on opening with ``err`` (seal, truncation, structure)."""
+    """The :class:`Verification` of a file refused on opening as damaged with ``err`` (a
+    ``CorruptCheckpointError``: seal, truncation, structure)."""
     path = storage.fs_path(path, "path", urls=True)
     key = getattr(err, "key", None)
     return Verification(
@@ -257,28 +287,38 @@ def verify_file(file, progress=None) -> Verification:
     """Read every array of a file (and every archive member) and check it.
 
     Args:
-        file: A path, or an open :class:`~keras_stable_state.format.CheckpointFile` (left open).
+        file: A path (a ``.keras`` or ``.h5`` file, a ``.orbax`` folder), or an open
+            :class:`~keras_stable_state.format.CheckpointFile` or
+            :class:`~keras_stable_state.cli.orbax.OrbaxState` (left open).
         progress: Optional callable given the bytes read after each array or member chunk
             (they add up to :func:`bytes_to_verify`).
 
     Returns:
         A :class:`Verification`; ``ok`` is ``False`` when anything is damaged, also when the
-        file is refused on opening (``error`` says why).
+        file is refused on opening as damaged (truncated, failing its seal: ``error`` says why).
 
     Raises:
         FileNotFoundError, IsADirectoryError: for a missing path or a folder.
+        CheckpointFormatError: if the path is not a checkpoint file (a FIFO, a device, a
+            legacy Keras HDF5 file...): it cannot be read, which is not damage.
+        NewerFormatError: (a ``CheckpointFormatError``) for a file of a newer keras_stable_state.
         CheckpointInUseError: if a writer holds the file locked.
+        StateError: for a ``.orbax`` folder without TensorStore (the ``[orbax]`` extra).
     """
-    if not isinstance(file, CheckpointFile):
+    if not isinstance(file, CheckpointFile | OrbaxState):
         try:
             f = open_checkpoint(file)
-        except (CorruptCheckpointError, CheckpointFormatError) as err:
+        except CorruptCheckpointError as err:
             # Opening runs the whole-file checks (seal, structure, records): the file is refused as a whole.
             return refused(file, err)
         with f:
             return verify_file(f, progress)
     f = file
     damaged = f.check(progress)
+    if isinstance(f, OrbaxState):
+        checksum = "Orbax index hashes and xxh3-64"
+    else:
+        checksum = (f.entries[0].checksum or None) if f.entries else None
     return Verification(
         file=f.path,
         kind=f.kind,
@@ -288,7 +328,7 @@ def verify_file(file, progress=None) -> Verification:
         bytes=f.total_bytes,
         damaged=[Damage(str(k), r) for k, r in damaged],
         counts={s: len(f.section(s)) for s in storage.SECTIONS},
-        checksum=(f.entries[0].checksum or None) if f.entries else None,
+        checksum=checksum,
         archive_members=len(f.members),
     )
 

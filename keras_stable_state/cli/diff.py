@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 from keras_stable_state import format as storage
+from keras_stable_state._manager.records import RECORD as SAVE_RECORD
 from keras_stable_state.cli.data import max_abs_difference, open_checkpoint
+from keras_stable_state.cli.orbax import OrbaxState
 from keras_stable_state.cli.results import describe, to_json
 from keras_stable_state.errors import CorruptCheckpointError
 from keras_stable_state.format import CheckpointFile
@@ -25,7 +27,9 @@ __all__ = [
     "Difference",
     "SectionDiff",
     "diff_files",
+    "equal_within",
 ]
+
 
 ABSENT = "<absent>"  # the value of a state path one file lacks (a metadata field it lacks: None)
 
@@ -126,6 +130,25 @@ class Diff:
     state: list
     damaged: list
 
+    def differs(self, atol: float = 0.0) -> bool:
+        """Whether the states differ: a key in one file only, a shape or dtype that differs, a
+        contract or other state that differs, or an array whose largest ``|A - B|`` exceeds
+        ``atol`` (a float >= 0; ``nan`` against a number, and non-numeric arrays that are not
+        equal, always differ). The writer's metadata (backend, Keras version) and the record a
+        ``CheckpointManager`` keeps of each save (``providers.checkpoint``: its step, wall time,
+        metrics) are shown but not compared."""
+        if any(not d.what.startswith(f"providers.{SAVE_RECORD}") for d in self.state):
+            return True
+        c = self.contract
+        if c is not None and (c.only_in_a or c.only_in_b or c.shape or c.dtype):
+            return True
+        for r in self.sections.values():
+            if r.only_in_a or r.only_in_b or r.shape or r.dtype:
+                return True
+            if any(not equal_within(v, atol) for v in r.max_abs_diff.values()):
+                return True
+        return False
+
     def to_json(self) -> dict:
         """The ``--json`` document: :func:`~keras_stable_state.cli.results.to_json` of this
         dataclass, each :class:`Difference`'s ``what`` named ``field`` (metadata), ``path``
@@ -142,6 +165,11 @@ class Diff:
                 if name in part:
                     part[name] = rename(part[name], "key")
         return doc
+
+
+def equal_within(value, atol: float) -> bool:
+    """Whether a largest difference ``value`` (a float, or ``None``: not numeric, different) is within ``atol``."""
+    return value is not None and value == value and value <= atol
 
 
 def _layer_groups(entries, stock):
@@ -341,7 +369,7 @@ def diff_files(file_a, file_b, progress=None) -> Diff:
     files, opened = [], []
     try:
         for f in (file_a, file_b):
-            if not isinstance(f, CheckpointFile):
+            if not isinstance(f, CheckpointFile | OrbaxState):
                 f = open_checkpoint(f)
                 opened.append(f)
             files.append(f)

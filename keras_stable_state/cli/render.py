@@ -9,7 +9,7 @@ from __future__ import annotations
 from keras_stable_state.cli.output import Printer, human, number, shape
 from keras_stable_state.cli.results import RECORD_KIND
 
-__all__ = ["render_diff", "render_inspection", "render_verification"]
+__all__ = ["render_diff", "render_inspection", "render_listing", "render_verification"]
 
 _SECTION_TITLES = {"model": "Model variables", "optimizer": "Optimizer variables", "state": "Other arrays"}
 _RESTORE_HINT = "restore from an earlier checkpoint"
@@ -193,7 +193,7 @@ def render_inspection(r, out: Printer | None = None):
 def render_verification(v, out: Printer | None = None):
     """Print a :class:`Verification`: one ``OK`` or ``DAMAGED`` line, and the damaged keys."""
     out = out or Printer()
-    if v.error is not None:
+    if v.error is not None:  # (the command line prints this one line on stderr)
         out.line(f"DAMAGED {v.file}: {v.error}", style="bold red")
         return
     if not v.ok:
@@ -265,9 +265,21 @@ def _section(name, r, out: Printer, show_all):
         out.table(f"{title}: largest absolute difference per key{note}", columns, rows, right=("max |A-B|",))
 
 
-def render_diff(d, out: Printer | None = None, show_all=False):
-    """Print a :class:`~keras_stable_state.cli.diff.Diff`; ``show_all`` lists identical arrays too."""
+def render_diff(d, out: Printer | None = None, show_all=False, atol=0.0):
+    """Print a :class:`~keras_stable_state.cli.diff.Diff`, ending with whether the states
+    differ (``atol``: see :meth:`~keras_stable_state.cli.diff.Diff.differs`); ``show_all``
+    lists identical arrays too."""
     out = out or Printer()
+    _diff_body(d, out, show_all)
+    within = f" within --atol {atol:g}" if atol else ""
+    out.line()
+    if d.differs(atol):
+        out.line(f"DIFFERENT: the states differ{within}.", style="bold yellow")
+    else:
+        out.line(f"EQUAL: the states are the same{within}.", style="bold green")
+
+
+def _diff_body(d, out: Printer, show_all):
     out.fields([("A", f"{d.a.file}  {d.a.describe}"), ("B", f"{d.b.file}  {d.b.describe}")])
     for note in d.notes:
         out.line()
@@ -297,3 +309,56 @@ def render_diff(d, out: Printer | None = None, show_all=False):
             ["file", "key", "reason"],
             [[x.file, x.key, x.reason] for x in d.damaged],
         )
+
+
+_STATUS_TEXT = {
+    "ok": "OK",
+    "damaged": "damaged",
+    "unreadable": "unreadable",
+    "newer_format": "newer format",
+    "in_use": "in use",
+    "incomplete": "incomplete",
+}
+
+
+def _when(seconds):
+    if seconds is None:
+        return "-"
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
+def render_listing(listing, out: Printer | None = None):
+    """Print a :class:`~keras_stable_state.cli.listing.Listing`: one row per checkpoint, newest
+    first, then which one ``fit`` resumes from and the best."""
+    out = out or Printer()
+    names = sorted({name for r in listing.checkpoints for name in r.metrics})
+    rows = []
+    for r in listing.checkpoints:
+        marks = ", ".join(m for m, on in (("resume", r.resume), ("best", r.best)) if on)
+        rows.append(
+            [
+                "-" if r.step is None else str(r.step),
+                "-" if r.epoch is None else str(r.epoch),
+                "-" if r.size_bytes is None else human(r.size_bytes),
+                _STATUS_TEXT.get(r.status, r.status),
+                *(number(r.metrics[n]) if n in r.metrics else "-" for n in names),
+                _when(r.wall_time),
+                marks or "-",
+                r.file if r.status == "ok" else f"{r.file}: {r.reason}",
+            ]
+        )
+    out.table(
+        f"{listing.directory}: {sum(r.step is not None for r in listing.checkpoints)} checkpoint(s), newest first",
+        ["step", "epoch", "size", "status", *names, "saved", "", "file"],
+        rows,
+        right=("step", "epoch", "size", *names),
+    )
+    out.line()
+    out.line(listing.resume, style="bold")
+    if listing.monitor is not None:
+        best = "none" if listing.best_step is None else f"step {listing.best_step}"
+        out.line(f"best by {listing.monitor} ({listing.mode}): {best}")
+    for note in listing.notes:
+        out.line(note, style="yellow")

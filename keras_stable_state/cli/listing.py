@@ -1,0 +1,284 @@
+"""What ``ls`` finds in a checkpoint directory (a ``StableCheckpoint`` or
+``CheckpointManager`` folder); no printing here.
+
+The directory is read with the manager's own functions (``_manager.directory``: which
+files are checkpoints, their steps, the summary of each; ``_manager.policy``: the best by
+a metric), which import no Keras. Which checkpoint ``fit`` (or
+``CheckpointManager.restore(step="latest")``) would resume from follows the manager's
+rule (``directory.restore_newest``): the newest checkpoint that reads whole with every
+check; a damaged or unreadable one is skipped (the manager moves it to ``unreadable/``);
+one of a newer format, in use by another process, or that cannot be opened stops the
+resume with its error. Nothing in the directory is changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from keras_stable_state import format as storage
+from keras_stable_state._manager import directory as files
+from keras_stable_state._manager import policy
+from keras_stable_state._manager.records import RECORD
+from keras_stable_state.cli.results import to_json
+from keras_stable_state.errors import (
+    CheckpointFormatError,
+    CheckpointInUseError,
+    CorruptCheckpointError,
+    NewerFormatError,
+)
+
+__all__ = ["STATUSES", "CheckpointRow", "Listing", "list_directory"]
+
+STATUSES = ("ok", "damaged", "unreadable", "newer_format", "in_use", "incomplete")
+"""A checkpoint's ``status``: ``ok`` (reads with every check), ``damaged`` (bytes wrong: a
+seal, checksum or structure fails, truncated), ``unreadable`` (not a checkpoint file: a
+FIFO, a link to nothing, a file of another kind, permission denied), ``newer_format``
+(written by a newer keras_stable_state), ``in_use`` (locked by another process),
+``incomplete`` (a ``.kss-*`` temporary file of a save that did not finish)."""
+_SKIPPED = ("damaged", "unreadable")  # fit moves these aside and tries the one before
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRow:
+    """One checkpoint of a directory.
+
+    Attributes:
+        step: Its step (from its name ``ckpt-<step>.h5``); ``None`` for an incomplete save.
+        file: Its path.
+        status: One of :data:`STATUSES`.
+        reason: Why it is not ``ok`` (the error's message), else ``None``.
+        size_bytes: Its size on disk, or ``None`` if it cannot be read.
+        epoch, metrics, wall_time: What the manager recorded with it (``None``, ``{}``
+            for a checkpoint that is not ``ok`` or was saved without them).
+        backend: The Keras backend that wrote it, or ``None``.
+        format_version: Its format version, or ``None``.
+        verified: Whether every array was read and checked (the one ``fit`` would resume
+            always is; the others with ``--verify``).
+        resume: Whether ``fit`` would resume from it.
+        best: Whether it is the best by the monitor.
+    """
+
+    step: int | None
+    file: str
+    status: str
+    reason: str | None
+    size_bytes: int | None
+    epoch: int | None
+    metrics: dict
+    wall_time: float | None
+    backend: str | None
+    format_version: int | None
+    verified: bool
+    resume: bool
+    best: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What ``ls`` found.
+
+    Attributes:
+        directory: The directory.
+        checkpoints: :class:`CheckpointRow` per checkpoint, newest first (incomplete saves last).
+        resume_step: The step ``fit`` would resume from, or ``None``.
+        resume: One sentence: what ``fit`` would do (resume from a step, start fresh, or stop
+            with an error, naming the checkpoint).
+        monitor: The metric that ranks checkpoints (``--monitor``, else the one the manager
+            recorded), or ``None``.
+        mode: ``"min"`` or ``"max"`` (the direction of ``monitor``), or ``None``.
+        best_step: The best step by ``monitor`` among the readable checkpoints, or ``None``.
+        notes: Sentences on what else was found (files moved to ``unreadable/``, no monitor).
+    """
+
+    directory: str
+    checkpoints: list
+    resume_step: int | None
+    resume: str
+    monitor: str | None
+    mode: str | None
+    best_step: int | None
+    notes: list
+
+    def to_json(self) -> dict:
+        """The ``--json`` document: :func:`~keras_stable_state.cli.results.to_json` of this dataclass."""
+        return to_json(self)
+
+
+def _status(err) -> str:
+    if isinstance(err, NewerFormatError):
+        return "newer_format"
+    if isinstance(err, CheckpointInUseError):
+        return "in_use"
+    if isinstance(err, CorruptCheckpointError):
+        return "damaged"
+    return "unreadable"
+
+
+def _summary(path, full: bool):
+    """``(status, reason, summary or None)`` of ``path``; ``None`` if it was removed meanwhile."""
+    try:
+        summary = files.read_summary(path)
+        if full:
+            storage.read_file(path)  # what the manager's restore reads: every array, every check
+    except FileNotFoundError as err:
+        if os.path.islink(path):
+            return "unreadable", str(err), None  # a link to nothing: the manager moves it aside
+        if os.path.lexists(path):
+            return "unreadable", str(err), None
+        return None
+    except (CorruptCheckpointError, CheckpointFormatError, CheckpointInUseError, OSError) as err:
+        return _status(err), str(err), None
+    return "ok", None, summary
+
+
+def _row(step, path, status, reason, summary, verified, size=None):
+    metadata, extra, version = summary if summary is not None else ({}, {}, None)
+    record = (extra.get("providers") or {}).get(RECORD)
+    record = record if isinstance(record, dict) else {}
+    epoch = record.get("epoch")
+    wall = record.get("wall_time")
+    if size is None:
+        try:
+            size = files.size_of(path)
+        except OSError:
+            size = None
+    return {
+        "step": step,
+        "file": path,
+        "status": status,
+        "reason": reason,
+        "size_bytes": size,
+        "epoch": epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+        "metrics": dict(record.get("metrics") or {}) if isinstance(record.get("metrics"), dict) else {},
+        "wall_time": float(wall) if isinstance(wall, int | float) and not isinstance(wall, bool) else None,
+        "backend": metadata.get("backend"),
+        "format_version": version,
+        "verified": verified,
+        "monitor": record.get("monitor"),
+        "mode": record.get("mode"),
+    }
+
+
+def _resume(rows):
+    """``(resume step or None, sentence)``: the manager's rule over ``rows`` (newest first)."""
+    skipped = []
+    for row in rows:
+        if row["step"] is None:
+            continue
+        if row["status"] == "ok":
+            after = f" (after skipping {len(skipped)} unreadable: {skipped})" if skipped else ""
+            return row["step"], f"fit resumes from step {row['step']} ({row['file']}){after}."
+        if row["status"] in _SKIPPED:
+            skipped.append(row["step"])
+            continue
+        return None, (
+            f"fit stops at step {row['step']} ({row['file']}, {row['status'].replace('_', ' ')}): it does not "
+            f"fall back past it. {row['reason']}"
+        )
+    if skipped:
+        return (
+            None,
+            f"fit starts fresh: no readable checkpoint (unreadable: {skipped}; fit moves them aside).",
+        )
+    return None, "fit starts fresh: the directory holds no checkpoint."
+
+
+def _direction(monitor, mode, notes):
+    if monitor is None:
+        return None
+    if mode in ("min", "max"):
+        return mode
+    try:
+        return policy.direction_of(monitor)
+    except ValueError as err:
+        notes.append(f"No best: {err}")
+        return None
+
+
+def list_directory(directory, *, verify=False, monitor=None, mode=None) -> Listing:
+    """List the checkpoints of a ``StableCheckpoint`` / ``CheckpointManager`` directory.
+
+    Args:
+        directory: The folder (``ckpt-<step>.h5`` files).
+        verify: Read and check every array of every checkpoint (by default only of the
+            one ``fit`` would resume; the others are opened, their seal checked).
+        monitor: The metric ranking checkpoints for the best; default the ``monitor`` the
+            manager recorded with the newest readable checkpoint.
+        mode: ``"min"``, ``"max"``, or ``None`` / ``"auto"`` (as the manager infers it).
+
+    Returns:
+        A :class:`Listing`.
+
+    Raises:
+        FileNotFoundError: if ``directory`` does not exist.
+        NotADirectoryError: if it is not a folder.
+        CheckpointFormatError: for an object-store URL (``ls`` lists local folders).
+    """
+    path = storage.fs_path(directory, "directory")
+    if not os.path.exists(path):
+        raise FileNotFoundError(2, f"{path}: no such directory. Check the path.", path)
+    if not os.path.isdir(path):
+        raise NotADirectoryError(
+            20, f"{path} is a file, not a checkpoint directory; `inspect` and `verify` read one file.", path
+        )
+    rows, decided = [], False
+    for ckpt in files.checkpoints(path):
+        found = _summary(ckpt, full=verify)
+        if found is None:
+            continue  # removed since it was listed
+        status, reason, summary = found
+        verified = verify
+        if status == "ok" and not decided and not verify:
+            full = _summary(ckpt, full=True)  # the one fit would resume: read whole, as the manager does
+            if full is None:
+                continue
+            status, reason, summary = full[0], full[1], summary if full[0] == "ok" else None
+            verified = True
+        if status not in _SKIPPED:
+            decided = True
+        rows.append(_row(files.step_of(ckpt), ckpt, status, reason, summary, verified))
+    with os.scandir(path) as entries:
+        temporary = sorted(e.path for e in entries if e.name.startswith(files.TEMP_PREFIX))
+    for tmp in temporary:
+        rows.append(
+            _row(
+                None,
+                tmp,
+                "incomplete",
+                "a save that did not finish (removed by the next writer)",
+                None,
+                False,
+            )
+        )
+    resume_step, resume = _resume(rows)
+    notes = []
+    recorded = next((r for r in rows if r["status"] == "ok" and r["monitor"]), None)
+    if monitor is None and recorded is not None:
+        monitor, mode = recorded["monitor"], mode or recorded["mode"]
+    direction = _direction(monitor, mode, notes)
+    best_step = None
+    if direction is not None:
+        scores = {
+            r["step"]: policy.score(r["metrics"], monitor, direction) for r in rows if r["status"] == "ok"
+        }
+        best = policy.best_steps(scores, 1)
+        best_step = best[0] if best else None
+        if best_step is None:
+            notes.append(f"No checkpoint has a finite {monitor!r} metric: there is no best.")
+    elif monitor is None:
+        notes.append("No monitor recorded: pass --monitor NAME (e.g. val_loss) to name the best.")
+    moved = os.path.join(path, files.UNREADABLE_DIR)
+    if os.path.isdir(moved) and not os.path.islink(moved):
+        names = sorted(os.listdir(moved))
+        if names:
+            notes.append(f"{len(names)} unreadable checkpoint(s) moved aside earlier in {moved}: {names}")
+    checkpoints = [
+        CheckpointRow(
+            **{k: v for k, v in r.items() if k not in ("monitor", "mode")},
+            resume=r["step"] is not None and r["step"] == resume_step,
+            best=r["step"] is not None and r["step"] == best_step,
+        )
+        for r in rows
+    ]
+    return Listing(path, checkpoints, resume_step, resume, monitor, direction, best_step, notes)
