@@ -1,10 +1,16 @@
-"""The ``keras-stable-state`` command line: inspect, verify and diff, run in-process via ``main``."""
+"""The ``keras-stable-state`` command line: inspect, verify, diff and ls, run in-process via ``main``.
+
+The files are written once per module (``files``); the CLI reads the files each backend
+wrote in that backend's pass. Tests of pure rendering or of the process (no file written
+by a backend) run in the jax pass only: the CLI imports no Keras, so they cannot differ.
+"""
 
 import io
 import json
 import os
 import subprocess
 import sys
+import types
 
 import keras
 import ml_dtypes
@@ -49,6 +55,11 @@ def _trained(data, opt=None, extra_layer=False, callbacks=()):
     return m
 
 
+ONCE = pytest.mark.skipif(
+    BACKEND != "jax", reason="Keras-free CLI rendering / process behaviour: run once, in the jax pass"
+)
+
+
 def _run(capsys, *argv):
     code = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -60,14 +71,46 @@ def _keys(model):
     return {str(registry.key_of(v)): v for v in model.variables}
 
 
-@pytest.fixture
-def saved(tmp_path, data):
-    """A trained model and its training state as .h5 and .keras, with a callback and a position."""
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Every file the tests read, written once by this backend: a trained model's training
+    state as .h5 and .keras (with a callback and a position), stock Keras files, a state one
+    step later, one of a model with an extra layer, and a CheckpointManager directory."""
+    folder = tmp_path_factory.mktemp("cli")
+    data = _data()
+    x, y = data
     es = keras.callbacks.EarlyStopping(monitor="loss", patience=3)
     m = _trained(data, callbacks=[es])
     for ext in ("h5", "keras"):
-        kss.save_training_state(tmp_path / f"s.{ext}", m, callbacks=[es], state={"position": _Position()})
-    return m, tmp_path
+        kss.save_training_state(folder / f"s.{ext}", m, callbacks=[es], state={"position": _Position()})
+    m.save(folder / "stable.keras")
+    stock = _trained(data, opt=keras.optimizers.Adam(1e-2))
+    stock.save_weights(folder / "stock.weights.h5")
+    stock.save(folder / "stock.keras")
+    kss.save_training_state(folder / "stock-ours.h5", stock)
+    before = {k: to_np(v) for k, v in _keys(m).items()}
+    with kss.CheckpointManager(folder / "ckpts", max_to_keep=None, monitor="loss") as mgr:
+        for step, loss in [(1, 0.5), (2, 0.2), (3, 0.3)]:
+            mgr.save(step, m, metrics={"loss": loss}, epoch=step - 1)
+    m.fit(x[:8], y[:8], epochs=1, batch_size=8, verbose=0, shuffle=False)
+    kss.save_training_state(folder / "b.keras", m)
+    after = {k: to_np(v) for k, v in _keys(m).items()}
+    big = _trained(data, extra_layer=True)
+    kss.save_training_state(folder / "big.h5", big)
+    keras.backend.clear_session()
+    return types.SimpleNamespace(
+        folder=folder, model=m, stock=stock, before=before, after=after, keys=set(_keys(m))
+    )
+
+
+@pytest.fixture
+def saved(files):
+    return files.model, files.folder
 
 
 @pytest.mark.parametrize("ext", ["h5", "keras"])
@@ -118,10 +161,8 @@ def test_inspect_json_matches_the_model(capsys, saved, ext):
 
 
 @pytest.mark.parametrize("kind", ["weights.h5", "keras"])
-def test_inspect_stock_file_says_optimizer_state_is_positional(capsys, tmp_path, data, kind):
-    m = _trained(data, opt=keras.optimizers.Adam(1e-2))
-    path = tmp_path / f"stock.{kind}"
-    m.save_weights(path) if kind == "weights.h5" else m.save(path)
+def test_inspect_stock_file_says_optimizer_state_is_positional(capsys, files, kind):
+    m, path = files.stock, files.folder / f"stock.{kind}"
     code, out, _ = _run(capsys, "inspect", path)
     assert code == 0
     assert "stock Keras" in out and "not written by keras_stable_state" in out
@@ -139,26 +180,20 @@ def test_inspect_stock_file_says_optimizer_state_is_positional(capsys, tmp_path,
     assert "POSITIONAL" in doc["note"]
 
 
-def test_inspect_stock_archive_of_a_stable_optimizer_lists_its_keys(capsys, tmp_path, data):
-    m = _trained(data)
-    m.save(tmp_path / "stable.keras")
-    code, out, _ = _run(capsys, "inspect", tmp_path / "stable.keras", "--json")
+def test_inspect_stock_archive_of_a_stable_optimizer_lists_its_keys(capsys, files):
+    code, out, _ = _run(capsys, "inspect", files.folder / "stable.keras", "--json")
     assert code == 0
     doc = json.loads(out)
     assert doc["optimizer"]["positional"] is False
     keys = [v["entry_key"] for v in doc["optimizer"]["variables"]]
     assert "optimizer#iteration" in keys and "path:layers/hidden/kernel#momentums" in keys
-    code, out, _ = _run(capsys, "inspect", tmp_path / "stable.keras")
+    code, out, _ = _run(capsys, "inspect", files.folder / "stable.keras")
     assert "Optimizer state is KEYED" in out and "path:layers/out/bias#velocities" in out
 
 
 @pytest.mark.parametrize("name", ["s.h5", "s.keras", "stock.weights.h5", "stock.keras"])
 def test_verify_intact_files(capsys, saved, name):
     m, folder = saved
-    if name == "stock.weights.h5":
-        m.save_weights(folder / name)
-    elif name == "stock.keras":
-        m.save(folder / name)
     code, out, err = _run(capsys, "verify", folder / name)
     assert code == 0, out + err
     assert out.startswith(f"OK {folder / name}")
@@ -171,9 +206,9 @@ def test_verify_intact_files(capsys, saved, name):
     assert code == 0 and doc["ok"] is True and doc["damaged"] == []
 
 
-def _flip_kernel_byte(model, src, dst):
+def _flip_kernel_byte(kernel, src, dst):
     raw = bytearray(src.read_bytes())
-    target = to_np(model.get_layer("hidden").kernel).tobytes()
+    target = kernel.tobytes()
     # the last copy: in a .keras archive, the training-state member comes after Keras' own weights
     at = bytes(raw).rfind(target[:16])
     assert at > 0
@@ -182,13 +217,15 @@ def _flip_kernel_byte(model, src, dst):
 
 
 @pytest.mark.parametrize("ext", ["h5", "keras"])
-def test_verify_names_the_damaged_key(capsys, saved, ext):
-    m, folder = saved
-    bad = folder / f"bad.{ext}"
-    _flip_kernel_byte(m, folder / f"s.{ext}", bad)
-    code, out, _ = _run(capsys, "verify", bad)
-    assert code == 1
-    assert out.startswith(f"DAMAGED {bad}")
+def test_verify_names_the_damaged_key(capsys, files, tmp_path, ext):
+    folder = files.folder
+    bad = tmp_path / f"bad.{ext}"
+    _flip_kernel_byte(files.before["path:layers/hidden/kernel"], folder / f"s.{ext}", bad)
+    code, out, err = _run(capsys, "verify", bad)
+    # the seal fails on opening: the file is refused as a whole, in one line on stderr
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"keras-stable-state verify: DAMAGED: {bad}")
+    out = err
     assert "path:layers/hidden/kernel" in out and "xxh3-64 checksum" in out
     assert "path:layers/hidden/bias " not in out
     if ext == "keras":  # the kernel is stored once, in Keras' own weights member
@@ -205,78 +242,98 @@ def test_verify_names_the_damaged_key(capsys, saved, ext):
 
 
 @pytest.mark.parametrize("ext", ["h5", "keras"])
-def test_verify_and_inspect_refuse_a_truncated_file(capsys, saved, ext):
+def test_verify_and_inspect_refuse_a_truncated_file(capsys, saved, tmp_path, ext):
     _, folder = saved
     raw = (folder / f"s.{ext}").read_bytes()
-    cut = folder / f"cut.{ext}"
+    cut = tmp_path / f"cut.{ext}"
     cut.write_bytes(raw[: len(raw) // 2])
     code, out, err = _run(capsys, "verify", cut)
-    assert code == 1
+    assert code == cli.EXIT_DAMAGED and out == ""  # printed once: one line on stderr
+    assert err.startswith("keras-stable-state verify: DAMAGED: ") and err.count("\n") == 1
     assert str(cut) in err and "truncated" in err and "earlier checkpoint" in err
-    code, _, err = _run(capsys, "inspect", cut)
-    assert code == 2 and "truncated" in err
+    code, out, _ = _run(capsys, "verify", cut, "--json")
+    doc = json.loads(out)
+    assert code == cli.EXIT_DAMAGED and doc["ok"] is False and "truncated" in doc["error"]
+    code, out, err = _run(capsys, "inspect", cut)
+    assert code == 2 and "truncated" in err and out == ""
+    code, out, err = _run(capsys, "inspect", cut, "--json")
+    assert code == 2 and err == ""
+    assert json.loads(out)["error"]["kind"] == "damaged" and json.loads(out)["error"]["file"] == str(cut)
 
 
+@ONCE
 def test_missing_file_and_usage_errors(capsys, tmp_path):
     code, _, err = _run(capsys, "verify", tmp_path / "absent.h5")
     assert code == 2 and "no such file" in err
-    code, _, err = _run(capsys, "inspect", tmp_path)
-    assert code == 2 and "is a folder" in err
+    code, out, err = _run(capsys, "verify", tmp_path)
+    assert code == 2 and "is a folder" in err and "ls" in err and out == ""
+    code, out, err = _run(capsys, "verify", tmp_path / "absent.h5", "--json")
+    assert code == 2 and err == ""
+    assert json.loads(out) == {
+        "error": {
+            "kind": "not_found",
+            "file": str(tmp_path / "absent.h5"),
+            "message": f"{tmp_path / 'absent.h5'}: no such file. Check the path.",
+            "exit_code": 2,
+        }
+    }
+    assert cli.main(["diff", "a.h5", "b.h5", "--atol", "-1"]) == 2
     assert cli.main([]) == 2
     assert cli.main(["--help"]) == 0
     capsys.readouterr()
 
 
-def test_diff_reports_the_largest_difference_after_one_step(capsys, tmp_path, data):
-    x, y = data
-    m = _trained(data)
-    kss.save_training_state(tmp_path / "a.h5", m)
-    before = {k: to_np(v) for k, v in _keys(m).items()}
-    m.fit(x[:8], y[:8], epochs=1, batch_size=8, verbose=0, shuffle=False)
-    kss.save_training_state(tmp_path / "b.keras", m)
-    after = {k: to_np(v) for k, v in _keys(m).items()}
-    code, out, _ = _run(capsys, "diff", tmp_path / "a.h5", tmp_path / "b.keras", "--json")
-    assert code == 0
+def test_diff_reports_the_largest_difference_after_one_step_and_exits_1(capsys, files):
+    a, b = files.folder / "s.h5", files.folder / "b.keras"
+    code, out, _ = _run(capsys, "diff", a, b, "--json")
+    assert code == cli.EXIT_DIFFERENT == 1
     doc = json.loads(out)
     model = doc["sections"]["model"]
     assert model["compared_by"] == "key" and not model["only_in_a"] and not model["only_in_b"]
     key = "path:layers/hidden/kernel"
-    expected = float(np.max(np.abs(before[key].astype(np.float64) - after[key].astype(np.float64))))
+    deltas = [
+        float(np.max(np.abs(files.before[k].astype(np.float64) - files.after[k].astype(np.float64))))
+        for k in files.keys
+    ]
+    expected = float(
+        np.max(np.abs(files.before[key].astype(np.float64) - files.after[key].astype(np.float64)))
+    )
     assert expected > 0
     assert model["max_abs_diff"][key] == expected
     assert doc["sections"]["optimizer"]["max_abs_diff"]["optimizer#iteration"] == 1.0
     assert doc["contract"]["only_in_a"] == doc["contract"]["only_in_b"] == []
     assert doc["metadata"] == []
-    code, out, _ = _run(capsys, "diff", tmp_path / "a.h5", tmp_path / "b.keras")
-    assert code == 0 and "\x1b[" not in out
+    code, out, _ = _run(capsys, "diff", a, b)
+    assert code == 1 and "\x1b[" not in out
     row = next(line for line in out.splitlines() if line.strip().startswith(key + " "))
     assert row.split()[-1] == f"{expected:.6g}"
     assert "Contract: identical (4 trainable variables)" in out
+    assert out.rstrip().endswith("DIFFERENT: the states differ.")
+    # --atol: the model's arrays within it, but the iteration count (1) and position still differ
+    assert _run(capsys, "diff", a, b, "--atol", str(max(deltas)))[0] == 1
+    code, out, _ = _run(capsys, "diff", a, files.folder / "s.keras", "--atol", "0")
+    assert code == 0 and out.rstrip().endswith("EQUAL: the states are the same.")
 
 
-def test_diff_lists_keys_only_in_one_file(capsys, tmp_path, data):
-    kss.save_training_state(tmp_path / "small.h5", _trained(data))
-    keras.backend.clear_session()
-    kss.save_training_state(tmp_path / "big.h5", _trained(data, extra_layer=True))
-    code, out, _ = _run(capsys, "diff", tmp_path / "small.h5", tmp_path / "big.h5", "--json")
-    assert code == 0
+def test_diff_lists_keys_only_in_one_file(capsys, files):
+    small, big = files.folder / "s.h5", files.folder / "big.h5"
+    code, out, _ = _run(capsys, "diff", small, big, "--json")
+    assert code == 1
     doc = json.loads(out)
     assert doc["sections"]["model"]["only_in_b"] == ["path:layers/extra/kernel", "path:layers/extra/bias"]
     assert doc["sections"]["model"]["only_in_a"] == []
     assert "path:layers/extra/kernel#momentums" in doc["sections"]["optimizer"]["only_in_b"]
     assert doc["contract"]["only_in_b"] == ["path:layers/extra/kernel", "path:layers/extra/bias"]
-    # the output layer's kernel changed shape: (8, 1) in both, so values are compared
-    code, out, _ = _run(capsys, "diff", tmp_path / "small.h5", tmp_path / "big.h5")
+    code, out, _ = _run(capsys, "diff", small, big)
     assert "Model variables only in B" in out and "path:layers/extra/bias" in out
     assert "Contract differs" in out and "only in B" in out
 
 
-def test_diff_between_a_stock_file_and_ours_pairs_what_is_comparable(capsys, tmp_path, data):
-    m = _trained(data, opt=keras.optimizers.Adam(1e-2))
-    m.save_weights(tmp_path / "stock.weights.h5")
-    kss.save_training_state(tmp_path / "ours.h5", m)
-    code, out, _ = _run(capsys, "diff", tmp_path / "stock.weights.h5", tmp_path / "ours.h5", "--json")
-    assert code == 0
+def test_diff_between_a_stock_file_and_ours_pairs_what_is_comparable(capsys, files):
+    m = files.stock
+    stock, ours = files.folder / "stock.weights.h5", files.folder / "stock-ours.h5"
+    code, out, _ = _run(capsys, "diff", stock, ours, "--json")
+    assert code == 0  # the same values, paired by layer structure and position
     doc = json.loads(out)
     assert any("Keys differ in kind" in n for n in doc["notes"])
     model = doc["sections"]["model"]
@@ -288,18 +345,22 @@ def test_diff_between_a_stock_file_and_ours_pairs_what_is_comparable(capsys, tmp
     assert opt["compared_by"] == "position"
     assert len(opt["max_abs_diff"]) == len(m.optimizer.variables)
     assert set(opt["max_abs_diff"].values()) == {0.0}
-    code, out, _ = _run(capsys, "diff", tmp_path / "ours.h5", tmp_path / "stock.weights.h5")
+    code, out, _ = _run(capsys, "diff", ours, stock)
     assert code == 0 and "Keys differ in kind" in out
 
 
-def test_diff_of_an_unreadable_file_exits_2(capsys, saved):
+def test_diff_of_an_unreadable_file_exits_2(capsys, saved, tmp_path):
     _, folder = saved
     raw = (folder / "s.h5").read_bytes()
-    (folder / "cut.h5").write_bytes(raw[:100])
-    code, _, err = _run(capsys, "diff", folder / "s.h5", folder / "cut.h5")
-    assert code == 2 and "cut.h5" in err
+    (tmp_path / "cut.h5").write_bytes(raw[:100])
+    code, out, err = _run(capsys, "diff", folder / "s.h5", tmp_path / "cut.h5")
+    assert code == 2 and "cut.h5" in err and out == ""
+    code, out, err = _run(capsys, "diff", folder / "s.h5", tmp_path / "cut.h5", "--json")
+    assert code == 2 and err == ""
+    assert json.loads(out)["error"]["file"] == str(tmp_path / "cut.h5")
 
 
+@ONCE
 def test_max_abs_difference_casts_to_float64():
     a = np.array([1.0, 2.0, np.nan, np.inf], dtype=ml_dtypes.bfloat16)
     b = np.array([1.5, 2.0, np.nan, np.inf], dtype=ml_dtypes.bfloat16)
@@ -314,6 +375,7 @@ class _Tty(io.StringIO):
         return True
 
 
+@ONCE
 def test_terminal_output_uses_rich_tables_and_progress(monkeypatch, saved):
     _, folder = saved
     out, err = _Tty(), _Tty()
@@ -328,7 +390,7 @@ def test_terminal_output_uses_rich_tables_and_progress(monkeypatch, saved):
     assert "─" in text  # a rich table rule
 
 
-@pytest.mark.slow
+@ONCE
 def test_python_dash_m_entry_point(saved):
     _, folder = saved
     env = dict(os.environ, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="3")
@@ -342,6 +404,17 @@ def test_python_dash_m_entry_point(saved):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "path:layers/hidden/kernel" in result.stdout and "\x1b[" not in result.stdout
     assert f"writer backend  {BACKEND}" in result.stdout
+    # exit codes through the real entry point: states that differ (1), a FIFO (2, not damaged)
+    argv = [sys.executable, "-m", "keras_stable_state", "diff", str(folder / "s.h5"), str(folder / "b.keras")]
+    assert subprocess.run(argv, env=env, capture_output=True, timeout=300).returncode == 1
+    os.mkfifo(folder / "fifo.h5")
+    try:
+        argv = [sys.executable, "-m", "keras_stable_state", "verify", str(folder / "fifo.h5")]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        os.unlink(folder / "fifo.h5")
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.startswith("keras-stable-state verify: error: ") and "FIFO" in done.stderr
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(kss.__file__)))
@@ -357,6 +430,7 @@ def _python(argv, backend=BACKEND, stubs=None):
     )
 
 
+@ONCE
 def test_the_command_line_imports_no_keras_and_no_backend(saved):
     """Importing the CLI, and running each command, loads neither Keras nor a backend."""
     _, folder = saved
@@ -370,12 +444,14 @@ def test_the_command_line_imports_no_keras_and_no_backend(saved):
         "assert cli.main(['inspect', sys.argv[1]]) == 0\n"
         "assert cli.main(['verify', sys.argv[2], '--json']) == 0\n"
         "assert cli.main(['diff', sys.argv[1], sys.argv[2]]) == 0\n"
+        "assert cli.main(['ls', sys.argv[3]]) == 0\n"
         "assert loaded() == [], loaded()\n"
     )
-    result = _python(["-c", code, folder / "s.h5", folder / "s.keras"])
+    result = _python(["-c", code, folder / "s.h5", folder / "s.keras", folder / "ckpts"])
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@ONCE
 def test_the_package_loads_its_names_on_first_use():
     code = (
         "import sys\n"
@@ -406,6 +482,7 @@ def broken_backends(tmp_path):
     return tmp_path / "stubs"
 
 
+@ONCE
 def test_commands_run_where_no_backend_can_be_imported(saved, broken_backends):
     _, folder = saved
     result = _python(["-c", "import keras"], backend="jax", stubs=broken_backends)
@@ -416,6 +493,7 @@ def test_commands_run_where_no_backend_can_be_imported(saved, broken_backends):
         assert result.returncode == 0, (argv, result.stderr[-2000:])
 
 
+@ONCE
 @pytest.mark.parametrize(
     "backend,fix",
     [
@@ -447,6 +525,7 @@ def test_a_command_that_cannot_load_the_backend_exits_2_naming_keras_backend(
     assert f"KERAS_BACKEND={backend}" in lines[0] and fix in lines[0]
 
 
+@ONCE
 def test_keys_with_control_characters_are_printed_escaped(capsys, tmp_path):
     evil = "path:layers/\x1b[2J\x1b[31mred\nOK fake line\r"
     record = storage.StateRecord(
@@ -464,3 +543,126 @@ def test_keys_with_control_characters_are_printed_escaped(capsys, tmp_path):
         assert "\x1b" not in out + err and "\r" not in out + err
         assert "\nOK fake line" not in out + err
         assert "\\x1b[2J\\x1b[31mred\\nOK fake line\\r" in out + err
+
+
+def test_ls_lists_steps_metrics_status_the_resume_and_the_best(capsys, files, tmp_path):
+    """A CheckpointManager directory of this backend: every checkpoint with its step, epoch,
+    metrics and size; a damaged newest one and a FIFO are skipped as the manager skips them,
+    so fit resumes from the one before; the best by the recorded monitor."""
+    import shutil
+
+    folder = tmp_path / "ckpts"
+    shutil.copytree(files.folder / "ckpts", folder)
+    code, out, err = _run(capsys, "ls", folder, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = doc["checkpoints"]
+    assert [r["step"] for r in rows] == [3, 2, 1]
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    assert [r["epoch"] for r in rows] == [2, 1, 0]
+    assert [r["metrics"] for r in rows] == [{"loss": 0.3}, {"loss": 0.2}, {"loss": 0.5}]
+    assert [r["size_bytes"] for r in rows] == [os.path.getsize(r["file"]) for r in rows]
+    assert {r["backend"] for r in rows} == {BACKEND}
+    assert doc["resume_step"] == 3 and [r["resume"] for r in rows] == [True, False, False]
+    assert doc["monitor"] == "loss" and doc["mode"] == "min" and doc["best_step"] == 2
+    # damage the newest, add a FIFO step and an unfinished save
+    newest = folder / "ckpt-0000000003.h5"
+    raw = bytearray(newest.read_bytes())
+    raw[-200] ^= 0xFF
+    newest.write_bytes(bytes(raw))
+    os.mkfifo(folder / "ckpt-0000000004.h5")
+    (folder / ".kss-0123abcd.h5").write_bytes(b"partial")
+    code, out, err = _run(capsys, "ls", folder, "--json")
+    doc = json.loads(out)
+    assert code == 0 and err == ""
+    assert [(r["step"], r["status"]) for r in doc["checkpoints"]] == [
+        (4, "unreadable"),
+        (3, "damaged"),
+        (2, "ok"),
+        (1, "ok"),
+        (None, "incomplete"),
+    ]
+    assert "FIFO" in doc["checkpoints"][0]["reason"] and "seal" in doc["checkpoints"][1]["reason"]
+    assert doc["resume_step"] == 2 and doc["best_step"] == 2
+    assert doc["resume"].startswith("fit resumes from step 2")
+    code, out, _ = _run(capsys, "ls", folder)  # text; `inspect DIR` is the same listing
+    assert code == 0 and "fit resumes from step 2" in out and "best by loss (min): step 2" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("3 "))
+    assert "damaged" in row
+    assert _run(capsys, "inspect", folder)[1] == out
+    # the manager agrees: it restores step 2, moving the FIFO and the damaged file aside
+    os.unlink(folder / ".kss-0123abcd.h5")
+    model = _model()
+    with pytest.warns(kss.UnreadableCheckpointWarning):
+        with kss.CheckpointManager(folder, max_to_keep=None, monitor="loss") as mgr:
+            mgr.restore(model)
+            assert mgr.restored_step == 2
+    # a file, and a missing path, are refused once
+    code, out, err = _run(capsys, "ls", newest.with_name("ckpt-0000000002.h5"), "--json")
+    assert code == 2 and err == "" and json.loads(out)["error"]["kind"] == "unreadable"
+    code, out, err = _run(capsys, "ls", tmp_path / "absent")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "no such directory" in err
+
+
+def test_ls_of_a_newer_format_checkpoint_says_fit_stops_there(capsys, files, tmp_path):
+    import shutil
+
+    folder = tmp_path / "ckpts"
+    shutil.copytree(files.folder / "ckpts", folder)
+    record = storage.read_file(folder / "ckpt-0000000003.h5")
+    record.metadata["format_version"] = storage.FORMAT_VERSION
+    path = folder / "ckpt-0000000003.h5"
+    import h5py
+
+    storage.write_record(path, record)
+    with h5py.File(path, "r+") as h5:  # a format this version does not read, under an intact seal
+        h5.attrs["format_version"] = storage.FORMAT_VERSION + 1
+    storage.reseal(path)
+    code, out, _ = _run(capsys, "ls", folder, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["checkpoints"][0]["status"] == "newer_format"
+    assert doc["resume_step"] is None and doc["resume"].startswith("fit stops at step 3")
+    assert _run(capsys, "verify", path)[0] == cli.EXIT_NEWER
+
+
+def test_orbax_states_are_inspected_verified_and_compared(capsys, files, tmp_path):
+    """A '.orbax' state of this backend: inspect lists its arrays from the sealed index,
+    verify reads each with TensorStore (no Orbax, no JAX) and checks its hash, and a
+    changed byte in arrays/ is named as damage (exit 1)."""
+    pytest.importorskip("orbax.checkpoint", reason="the '.orbax' engine needs the [orbax] extra")
+    pytest.importorskip("tensorstore", reason="reading '.orbax' arrays needs the [orbax] extra")
+    path = tmp_path / "run.orbax"
+    kss.save_training_state(path, files.model)
+    code, out, err = _run(capsys, "inspect", path, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["container"] == ".orbax directory" and doc["metadata"]["backend"] == BACKEND
+    assert {v["key"]: v["shape"] for v in doc["variables"]} == {
+        k: list(v.shape) for k, v in _keys(files.model).items()
+    }
+    assert "orbax" not in doc["metadata"]  # the array index is shown as the arrays, not as metadata
+    code, out, err = _run(capsys, "verify", path)
+    assert code == 0, out + err
+    assert out.startswith(f"OK {path}: all ") and "Orbax index hashes" in out
+    assert _run(capsys, "diff", path, files.folder / "s.h5")[0] == 1  # saved one step earlier
+    code, out, _ = _run(capsys, "diff", path, files.folder / "b.keras", "--json")
+    doc = json.loads(out)
+    assert set(doc["sections"]["model"]["max_abs_diff"].values()) == {0.0}
+    # change the values of the hidden kernel in arrays/ behind the index's back (Orbax compresses
+    # its chunks, so the bytes are rewritten through TensorStore)
+    import tensorstore
+
+    index = storage.read_file(path / "state.h5").metadata["orbax"]["arrays"]
+    leaf = next(f"{sec}.{name}" for sec, key, name, *_ in index if key == "path:layers/hidden/kernel")
+    kvstore = {"driver": "ocdbt", "base": f"file://{path / 'arrays'}", "path": f"{leaf}/"}
+    array = tensorstore.open({"driver": "zarr", "kvstore": kvstore}, open=True).result()
+    array.write(array.read().result() + 1).result()
+    code, out, _ = _run(capsys, "verify", path, "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["ok"] is False
+    assert [d["key"] for d in doc["damaged"]] == ["path:layers/hidden/kernel"]
+    assert "fails its hash" in doc["damaged"][0]["reason"]
+    # a '.orbax' folder that is not one
+    (tmp_path / "empty.orbax").mkdir()
+    code, out, err = _run(capsys, "verify", tmp_path / "empty.orbax")
+    assert code == 2 and "has no 'state.h5'" in err and out == ""

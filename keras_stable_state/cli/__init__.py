@@ -1,8 +1,10 @@
-"""The ``keras-stable-state`` command line: ``inspect``, ``verify`` and ``diff`` checkpoints.
+"""The ``keras-stable-state`` command line: ``inspect``, ``verify`` and ``diff`` checkpoints, ``ls`` directories.
 
 Also run as ``python -m keras_stable_state``. It reads training-state files
-written by :func:`keras_stable_state.save_training_state` (``.keras`` archives
-and ``.h5`` files) and stock Keras ``.keras`` / ``.weights.h5`` files. Arrays
+written by :func:`keras_stable_state.save_training_state` (``.keras`` archives,
+``.h5`` files and ``.orbax`` folders, whose arrays are read with TensorStore, without
+Orbax), stock Keras ``.keras`` / ``.weights.h5`` files, and lists the checkpoint
+directories of ``StableCheckpoint`` and ``CheckpointManager`` (:func:`list_directory`). Arrays
 are read one at a time, on demand: ``inspect`` reads none, ``verify`` and
 ``diff`` read each once.
 
@@ -11,10 +13,13 @@ escape codes when piped; ``--json`` prints one JSON document instead, the
 ``to_json()`` of the dataclass the command's data function returns. Progress
 bars appear on stderr for large files, and only on a terminal.
 
-Exit codes (see :func:`main`): ``0`` done (``verify``: every array is intact);
-``1`` ``verify`` found damage; ``2`` usage error, missing file, or (``inspect``,
-``diff``) a file that cannot be read; ``3`` a file written by a newer
-keras_stable_state (not damaged: upgrade to read it).
+Exit codes (see :func:`main`): ``0`` done (``verify``: every array is intact;
+``diff``: the states are equal within ``--atol``); ``1`` ``verify`` found damage,
+``diff`` found the states different; ``2`` usage error, or a path that cannot be
+used (missing, not a checkpoint file, unreadable, in use; for ``inspect``, ``diff``
+and ``ls`` also a damaged file); ``3`` a file written by a newer keras_stable_state
+(not damaged: upgrade to read it). A refusal is printed once: one line on stderr, or
+with ``--json`` a ``{"error": {...}}`` document on stdout.
 
 The same findings are available without printing: :func:`inspect_file`,
 :func:`verify_file` and :func:`diff_files` take a path and return dataclasses
@@ -32,16 +37,19 @@ Keras or a backend; importing this package imports only ``argparse`` and
 runs (then NumPy and h5py load), so ``--help`` is quick.
 """
 
-from keras_stable_state.cli.app import EXIT_DAMAGED, EXIT_ERROR, EXIT_NEWER, EXIT_OK, main
+from keras_stable_state.cli.app import EXIT_DAMAGED, EXIT_DIFFERENT, EXIT_ERROR, EXIT_NEWER, EXIT_OK, main
 
 __all__ = [
     "EXIT_DAMAGED",
+    "EXIT_DIFFERENT",
     "EXIT_ERROR",
     "EXIT_NEWER",
     "EXIT_OK",
     "ArrayInfo",
     "Damage",
+    "CheckpointRow",
     "Diff",
+    "Listing",
     "RecordInspection",
     "SectionDiff",
     "StockInspection",
@@ -49,6 +57,7 @@ __all__ = [
     "Verification",
     "diff_files",
     "inspect_file",
+    "list_directory",
     "main",
     "max_abs_difference",
     "verify_file",
@@ -63,6 +72,9 @@ _LAZY = {
     "StockInspection": "results",
     "VariableInfo": "results",
     "Verification": "results",
+    "CheckpointRow": "listing",
+    "Listing": "listing",
+    "list_directory": "listing",
     "Diff": "diff",
     "SectionDiff": "diff",
     "diff_files": "diff",

@@ -311,7 +311,10 @@ def _refused(args, file, err) -> int:
     kind = error_kind(err)
     message = backend_failure(err) if kind == "backend" else None
     if message is None:
-        message = _safe(err)
+        text = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
+            text = f"{err.filename}: {text}"
+        message = _safe(text)
         if kind == "internal":
             message = f"{type(err).__name__}: {message}. Please report it with the file that caused it."
     if kind == "newer_format":
