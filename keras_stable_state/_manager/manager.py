@@ -12,6 +12,7 @@ from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import policy
+from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard
 from keras_stable_state._manager.records import (
     RECORD,
     CheckpointMetadata,
@@ -21,8 +22,9 @@ from keras_stable_state._manager.records import (
     check_step,
     metadata_of,
     refuse_orbax,
+    saved_message,
 )
-from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
 
 class CheckpointManager:
@@ -152,6 +154,7 @@ class CheckpointManager:
         self._finalizer = None
         self._in_flight = None  # (handle, step, info) of the background save not yet collected
         self._summaries = {}  # path -> (file identity, (metadata, record, version))
+        self._guard = None  # the PreemptionGuard of preemption_guard(), once made
 
     def get_config(self) -> dict:
         """The constructor arguments: ``{"directory", "max_to_keep", "keep_best", "monitor",
@@ -231,6 +234,64 @@ class CheckpointManager:
                 exc.add_note(f"{self.name}: the background save failed as well: {err!r}")
             else:
                 raise exc from err
+
+    # -- preemption -------------------------------------------------------------------------
+    def preemption_guard(self, signals=DEFAULT_SIGNALS) -> PreemptionGuard:
+        """A context manager for a custom loop: while it is entered, each of ``signals`` only
+        notes that it came, and :meth:`reached_preemption` (or the guard's own
+        ``reached_preemption(step)``) tells the loop to save and stop.
+
+        Entering it installs the handlers (the previous ones are put back on leaving it, also
+        when the block raises). Check ``reached_preemption(step)`` at each step boundary:
+        when it is ``True``, :meth:`save` the step (and :meth:`wait` for a background save)
+        and leave the loop. With several JAX processes it is a collective that every process
+        calls at every step: if any process got a signal, all return ``True`` at the same step.
+
+        Args:
+            signals: The signals to handle: ``(signal.SIGTERM,)`` by default; e.g.
+                ``(signal.SIGTERM, signal.SIGUSR1)`` under SLURM's ``--signal=USR1@90``.
+
+        Returns:
+            A ``PreemptionGuard``: a context manager with ``reached_preemption(step)``,
+            ``signal_received`` (the first signal that came, or ``None``) and ``signals``.
+
+        Raises:
+            TypeError, ValueError: for ``signals`` that are not signal numbers, none, or
+                ``SIGKILL``/``SIGSTOP`` (no handler can catch them).
+            StateError: on entering, off the main thread (only the main thread may install
+                signal handlers), or if the guard is entered already.
+
+        Example:
+            >>> with mgr.preemption_guard() as guard:
+            ...     for step in range(start, steps):
+            ...         model.train_on_batch(x, y)
+            ...         if guard.reached_preemption(step + 1):
+            ...             _ = mgr.save(step + 1, model)
+            ...             break
+        """
+        self._guard = PreemptionGuard(signals, owner=self.name)
+        return self._guard
+
+    def reached_preemption(self, step) -> bool:
+        """Whether the loop should save at ``step`` and stop: a signal of the entered
+        :meth:`preemption_guard` came (to any process, with several JAX processes: a
+        collective that every process calls at every step with the same ``step``).
+
+        Raises:
+            StateError: if no guard of this manager is entered (outside ``with
+                mgr.preemption_guard():`` no signal is handled, so the answer would always be
+                ``False``); with several JAX processes, if they called it at different steps.
+        """
+        guard = self._guard
+        if guard is None or not guard.installed:
+            raise StateError(
+                f"{self.name}({self.directory!r}).reached_preemption({step!r}): no preemption guard "
+                "of this manager is entered, so no signal is handled. Train inside `with "
+                "manager.preemption_guard():`.",
+                expected="an entered preemption_guard()",
+                received="none",
+            )
+        return guard.reached_preemption(step)
 
     # -- listing ----------------------------------------------------------------------------
     def checkpoints(self) -> list:
@@ -385,12 +446,8 @@ class CheckpointManager:
         self.prune(newest=path)
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)
-        elif self.verbose:
-            timing = f"{secs * 1e3:.0f} ms"
-            if blocked_secs is not None:
-                timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"
-            size_mb = files.size_of(path) / 1e6
-            self._say(f"saved {path} (step {step}): {size_mb:.2f} MB in {timing}")
+        else:
+            self._say(saved_message(path, f"step {step}", files.size_of(path), secs, blocked_secs))
 
     def prune(self, newest=None) -> list:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
