@@ -12,7 +12,7 @@ from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import policy
-from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard
+from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard, entered_guard
 from keras_stable_state._manager.records import (
     RECORD,
     CheckpointMetadata,
@@ -24,7 +24,7 @@ from keras_stable_state._manager.records import (
     refuse_orbax,
     saved_message,
 )
-from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
 
 
 class CheckpointManager:
@@ -57,6 +57,23 @@ class CheckpointManager:
     file) is moved into ``<directory>/unreadable/`` and the one before is tried, with an
     :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each moved file,
     exactly as ``StableCheckpoint`` does on train begin.
+
+    Preemption, for a custom loop: ``with mgr.preemption_guard(signals=(signal.SIGTERM,)) as
+    guard:`` installs a handler for each of ``signals`` (e.g. ``(signal.SIGTERM,
+    signal.SIGUSR1)`` under SLURM's ``--signal=USR1@90``) that only notes the signal; leaving
+    the block (also by an exception) puts the previous handlers back. At each step boundary
+    the loop asks ``mgr.reached_preemption(step)`` (or ``guard.reached_preemption(step)``):
+    ``True`` once a signal came; then :meth:`save` the step, :meth:`wait` for a background
+    save, and leave the loop. ``guard.signal_received`` is the first signal that came, or
+    ``None``. With several JAX processes ``reached_preemption`` is a collective (one small
+    ``process_allgather``) that every process calls at every step with the same step: if any
+    process got a signal, all answer ``True`` at the same step (as Orbax's
+    ``CheckpointManager.reached_preemption``). ``preemption_guard`` raises ``TypeError`` /
+    ``ValueError`` for ``signals`` that are not signal numbers, none, or ``SIGKILL`` /
+    ``SIGSTOP``; entering it raises ``StateError`` off the main thread (only the main thread
+    may install signal handlers) or if it is entered already; ``reached_preemption`` raises
+    ``StateError`` outside an entered guard of this manager (no signal is handled there) and
+    if the processes asked at different steps. See ``docs/how-to/preemption.md``.
 
     Args:
         directory: Folder of the checkpoints (created on the first lock): a ``str``,
@@ -235,63 +252,14 @@ class CheckpointManager:
             else:
                 raise exc from err
 
-    # -- preemption -------------------------------------------------------------------------
     def preemption_guard(self, signals=DEFAULT_SIGNALS) -> PreemptionGuard:
-        """A context manager for a custom loop: while it is entered, each of ``signals`` only
-        notes that it came, and :meth:`reached_preemption` (or the guard's own
-        ``reached_preemption(step)``) tells the loop to save and stop.
-
-        Entering it installs the handlers (the previous ones are put back on leaving it, also
-        when the block raises). Check ``reached_preemption(step)`` at each step boundary:
-        when it is ``True``, :meth:`save` the step (and :meth:`wait` for a background save)
-        and leave the loop. With several JAX processes it is a collective that every process
-        calls at every step: if any process got a signal, all return ``True`` at the same step.
-
-        Args:
-            signals: The signals to handle: ``(signal.SIGTERM,)`` by default; e.g.
-                ``(signal.SIGTERM, signal.SIGUSR1)`` under SLURM's ``--signal=USR1@90``.
-
-        Returns:
-            A ``PreemptionGuard``: a context manager with ``reached_preemption(step)``,
-            ``signal_received`` (the first signal that came, or ``None``) and ``signals``.
-
-        Raises:
-            TypeError, ValueError: for ``signals`` that are not signal numbers, none, or
-                ``SIGKILL``/``SIGSTOP`` (no handler can catch them).
-            StateError: on entering, off the main thread (only the main thread may install
-                signal handlers), or if the guard is entered already.
-
-        Example:
-            >>> with mgr.preemption_guard() as guard:
-            ...     for step in range(start, steps):
-            ...         model.train_on_batch(x, y)
-            ...         if guard.reached_preemption(step + 1):
-            ...             _ = mgr.save(step + 1, model)
-            ...             break
-        """
+        """A ``PreemptionGuard`` of ``signals`` for a custom loop (see the class docstring)."""
         self._guard = PreemptionGuard(signals, owner=self.name)
         return self._guard
 
     def reached_preemption(self, step) -> bool:
-        """Whether the loop should save at ``step`` and stop: a signal of the entered
-        :meth:`preemption_guard` came (to any process, with several JAX processes: a
-        collective that every process calls at every step with the same ``step``).
-
-        Raises:
-            StateError: if no guard of this manager is entered (outside ``with
-                mgr.preemption_guard():`` no signal is handled, so the answer would always be
-                ``False``); with several JAX processes, if they called it at different steps.
-        """
-        guard = self._guard
-        if guard is None or not guard.installed:
-            raise StateError(
-                f"{self.name}({self.directory!r}).reached_preemption({step!r}): no preemption guard "
-                "of this manager is entered, so no signal is handled. Train inside `with "
-                "manager.preemption_guard():`.",
-                expected="an entered preemption_guard()",
-                received="none",
-            )
-        return guard.reached_preemption(step)
+        """The entered :meth:`preemption_guard`'s ``reached_preemption(step)`` (see the class docstring)."""
+        return entered_guard(self._guard, f"{self.name}({self.directory!r})", step).reached_preemption(step)
 
     # -- listing ----------------------------------------------------------------------------
     def checkpoints(self) -> list:

@@ -175,6 +175,23 @@ class PreemptionGuard:
         )
 
 
+def entered_guard(guard, owner, step) -> PreemptionGuard:
+    """``guard`` if it is entered.
+
+    Raises:
+        StateError: if ``guard`` is ``None`` or not entered: no signal is handled, so
+            ``reached_preemption`` could only ever answer ``False``.
+    """
+    if guard is None or not guard.installed:
+        raise StateError(
+            f"{owner}.reached_preemption({step!r}): no preemption guard of this manager is entered, so "
+            "no signal is handled. Train inside `with manager.preemption_guard():`.",
+            expected="an entered preemption_guard()",
+            received="none",
+        )
+    return guard
+
+
 def fit_guard(signals, owner, fit_frame, explicit) -> PreemptionGuard | None:
     """A :class:`PreemptionGuard` entered for a ``fit`` (``fit_frame``: its frame, whose end
     without ``on_train_end`` hands signals back to the previous handlers, or ``None``); off
