@@ -594,5 +594,6 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     def _saved(self, step, path, secs, blocked_secs):
         where = self._where.pop(step, f"global step {step}")
-        size = checkpoint_dir.size_of(path)
-        self._say(saved_message(os.path.basename(path), where, size, secs, blocked_secs))
+        if self.verbose:  # the size is read only for the line
+            size = checkpoint_dir.size_of(path)
+            self._say(saved_message(os.path.basename(path), where, size, secs, blocked_secs))

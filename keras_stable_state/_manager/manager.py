@@ -414,7 +414,7 @@ class CheckpointManager:
         self.prune(newest=path)
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)
-        else:
+        elif self.verbose:
             self._say(saved_message(path, f"step {step}", files.size_of(path), secs, blocked_secs))
 
     def prune(self, newest=None) -> list:
