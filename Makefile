@@ -68,6 +68,8 @@ KSS_HYPOTHESIS_EXAMPLES ?= 200
 # thread during fit (tests/test_hostile_memory.py, tests/test_hostile_threads.py).
 KSS_MEMORY_LIMITS ?= 20
 KSS_THREAD_SAVES ?= 1000
+# Preempted child fits (a real SIGTERM at a random step, then the resume; make test runs 2).
+KSS_PREEMPT_TRIALS ?= 20
 fuzz: setup
 	@status=0; for b in $(BACKENDS); do \
 		echo "=== fuzz campaign, backend: $$b ==="; \
@@ -83,6 +85,9 @@ fuzz: setup
 		echo "=== $(KSS_MEMORY_LIMITS) memory limits, $(KSS_THREAD_SAVES) saves from another thread, backend: $$b ==="; \
 		KSS_MEMORY_LIMITS=$(KSS_MEMORY_LIMITS) KSS_THREAD_SAVES=$(KSS_THREAD_SAVES) KERAS_BACKEND=$$b $(BIN)/python -m pytest \
 			-q -p no:cacheprovider tests/test_hostile_memory.py tests/test_hostile_threads.py || status=1; \
+		echo "=== $(KSS_PREEMPT_TRIALS) SIGTERMs at random steps of fit, backend: $$b ==="; \
+		KSS_PREEMPT_TRIALS=$(KSS_PREEMPT_TRIALS) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider \
+			tests/test_preemption.py -k random_steps || status=1; \
 		echo "=== full disks, file-size limits and 300,000 extra index rows, backend: $$b ==="; \
 		KSS_HOSTILE_DISK_STEPS=16 KSS_HOSTILE_ROWS=300000 KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
 			-p no:cacheprovider tests/test_hostile_disk.py tests/test_hostile_messages.py || status=1; \

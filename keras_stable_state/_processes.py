@@ -111,3 +111,44 @@ def run_on_primary(what: str, write):
             received="a failure on process 0",
         )
     return result
+
+
+def any_process(flag: bool, step: int, what: str) -> bool:
+    """Whether ``flag`` is true on any process, every process asking at the same ``step``.
+
+    With one process this is ``bool(flag)`` (no collective). With several JAX processes every
+    process gathers every process' ``(flag, step)`` (``multihost_utils.process_allgather``, a
+    collective: every process calls it at each step, in the same order) and decides with
+    :func:`agree`.
+
+    Raises:
+        StateError: if the processes asked at different steps (see :func:`agree`).
+    """
+    if process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    mine = np.array([int(bool(flag)), int(step) % (2**31 - 1)], dtype=np.int32)
+    return agree(np.asarray(multihost_utils.process_allgather(mine)), what)
+
+
+def agree(table, what: str) -> bool:
+    """The decision of :func:`any_process` from its gathered table, one row ``(flag, step)``
+    per process (row ``i``: process ``i``): whether any flag is set.
+
+    Raises:
+        StateError: if the rows hold different steps: the processes do not run in step (one
+            skipped a call), so they could not save at one step. ``what`` names the caller.
+    """
+    rows = np.asarray(table).reshape(-1, 2)
+    steps = {int(i): int(s) for i, s in enumerate(rows[:, 1])}
+    if len(set(steps.values())) > 1:
+        raise StateError(
+            f"{what}: the processes asked at different steps ({steps}, process: step), so they "
+            "cannot agree on one step to save and stop at. Call it on every process at every "
+            "step, with the same step number.",
+            key=None,
+            expected="one step on every process",
+            received=steps,
+        )
+    return bool(rows[:, 0].any())

@@ -260,6 +260,8 @@ def test_config_round_trips_with_async_save(tmp_path):
         "monitor": None,
         "mode": "auto",
         "keep_best": 0,
+        "save_on_preemption": True,
+        "preemption_signals": (int(signal.SIGTERM),),
     }
     assert kss.StableCheckpoint.from_config(config).get_config() == config
     with pytest.raises(TypeError, match="save_on_background"):

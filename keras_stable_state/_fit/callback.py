@@ -15,8 +15,9 @@ from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import inexact, resume
 from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._fit.position import Metrics, Position, numeric_logs
-from keras_stable_state._manager import CheckpointManager, wait_for_earlier_saves
+from keras_stable_state._manager import CheckpointManager, preemption, wait_for_earlier_saves
 from keras_stable_state._manager import directory as checkpoint_dir
+from keras_stable_state._manager.records import saved_message
 from keras_stable_state._optimizer import stable_optimizer_in, tracked_optimizers
 from keras_stable_state.errors import (
     InexactResumeWarning,
@@ -137,6 +138,17 @@ class StableCheckpoint(keras.callbacks.Callback):
     listed before this one (its ``on_epoch_begin`` ran before the epoch-end save was
     written) gets that warning.
 
+    With ``save_on_preemption`` (default), a ``preemption_signals`` signal (``SIGTERM``) during
+    ``fit`` is only noted; at the next batch end the checkpoint of that step is written
+    (at an epoch's last batch: the epoch-end one, at train end), waited for, and
+    ``model.stop_training`` set: Keras stops as for ``EarlyStopping`` (the epoch's validation
+    and ``on_epoch_end`` run, its row is in the returned ``History``) and
+    ``reached_preemption`` is ``True``. With several JAX processes all save the same step
+    (a small collective per batch end). The previous handlers are put back at train end
+    (after a ``fit`` that raised: at the next train begin, or at the next signal, which goes
+    to them). Only the main thread can install handlers: a ``fit`` in another thread trains
+    without (``preemption.handled``). See ``docs/how-to/preemption.md``.
+
     Each checkpoint records the ``fit``'s batch size, number of samples and steps per
     epoch (where Keras knows them); on train begin they are compared with the resumed
     ``fit``'s. A mid-epoch checkpoint whose data differ is refused (``StateError``) or,
@@ -198,6 +210,10 @@ class StableCheckpoint(keras.callbacks.Callback):
             :class:`~keras_stable_state.CheckpointManager`).
         keep_best: How many best checkpoints by ``monitor`` to keep beside the
             ``max_to_keep`` latest (``>= 0``; needs ``monitor``).
+        save_on_preemption: ``True`` (default): save and stop on a preemption signal (see
+            above); ``False``: no signal handler.
+        preemption_signals: The signals that mean preemption: ``(signal.SIGTERM,)`` by
+            default; e.g. ``(signal.SIGTERM, signal.SIGUSR1)`` for SLURM's ``--signal=USR1@90``.
         keep: Deprecated alias of ``max_to_keep`` (keyword only).
         async_save: Deprecated alias of ``save_on_background`` (keyword only).
 
@@ -216,19 +232,24 @@ class StableCheckpoint(keras.callbacks.Callback):
         moved_checkpoints: ``(path, new path)`` of each of them, moved into
             ``<directory>/unreadable/``.
         removed_temporary_files: Stale ``.kss-*`` temporary files removed on train begin.
+        reached_preemption: ``True`` once the last ``fit`` saved and stopped for a signal;
+            ``preemption.step`` is then the checkpoint's global step, and
+            ``preemption.handled`` whether that ``fit`` had the handlers (main thread).
         last_save: The :class:`~keras_stable_state.SaveHandle` of the newest
             background save (``save_on_background=True``), or ``None``.
 
     Raises:
         ValueError: for an invalid ``save_freq``, ``max_to_keep``, ``verbose``, ``on_data_change``,
             ``monitor``, ``mode`` or ``keep_best`` (``keep_best`` without ``monitor``), both a
-            deprecated alias and its new name,
+            deprecated alias and its new name, ``preemption_signals`` empty or holding
+            ``SIGKILL``/``SIGSTOP``,
             a callback name that is empty or holds ``/``, ``#``, ``@`` or whitespace, or a
             ``directory`` ending in ``.orbax`` (StableCheckpoint writes ``.h5`` files; the
             Orbax engine is reached through ``save_training_state`` /
             ``restore_training_state``) (on construction).
         TypeError: if ``directory`` is not a path, ``callbacks`` is not a dict or list
-            of callbacks, or ``save_on_background`` is not a bool (on construction).
+            of callbacks, ``save_on_background`` or ``save_on_preemption`` is not a bool, or
+            ``preemption_signals`` not signal numbers (on construction).
         StateError: (on construction) if ``directory`` is an object-store URL
             (``s3://``, ``gs://``...): nothing is written, locally or remotely.
         OSError: with ``save_on_background``, at a later batch, the next save or train
@@ -293,6 +314,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         monitor=None,
         mode="auto",
         keep_best=0,
+        save_on_preemption=True,
+        preemption_signals=preemption.DEFAULT_SIGNALS,
         keep=_fit_checks.UNSET,
         async_save=_fit_checks.UNSET,
     ):
@@ -303,14 +326,10 @@ class StableCheckpoint(keras.callbacks.Callback):
         max_to_keep = _fit_checks.resolve_alias("max_to_keep", max_to_keep, 3, "keep", keep, 2)
         save_on_background = _fit_checks.resolve_alias("save_on_background", save_on_background, False, "async_save", async_save, 2)  # fmt: skip
         _fit_checks.check_arguments(save_freq, max_to_keep, verbose, save_on_background)
+        self.preemption = preemption.FitPreemption(save_on_preemption, preemption_signals)
+        opts = {"keep_best": keep_best, "monitor": monitor, "mode": mode, "verbose": verbose}
         self.manager = CheckpointManager(
-            directory,
-            max_to_keep,
-            keep_best=keep_best,
-            monitor=monitor,
-            mode=mode,
-            save_on_background=save_on_background,
-            verbose=verbose,
+            directory, max_to_keep, save_on_background=save_on_background, **opts
         )
         self.manager.name = "StableCheckpoint"
         ref = weakref.ref(self)  # the manager holds no reference to the callback: no cycle
@@ -336,6 +355,11 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._read_only = None
 
     @property
+    def reached_preemption(self) -> bool:
+        """Whether the last ``fit`` saved and stopped for a preemption signal."""
+        return self.preemption.step is not None
+
+    @property
     def last_save(self):
         """The :class:`~keras_stable_state.SaveHandle` of the newest background save, or ``None``."""
         return self.manager.last_save
@@ -345,10 +369,11 @@ class StableCheckpoint(keras.callbacks.Callback):
 
         Returns:
             ``{"directory", "save_freq", "max_to_keep", "verbose", "save_on_background",
-            "on_data_change", "monitor", "mode", "keep_best"}``.
+            "on_data_change", "monitor", "mode", "keep_best", "save_on_preemption",
+            "preemption_signals"}`` (the signals as ints).
         """
-        names = _fit_checks.CONFIG_NAMES
-        return {name: getattr(self, name) for name in names}
+        config = {name: getattr(self, name) for name in _fit_checks.CONFIG_NAMES}
+        return {**config, **self.preemption.config()}
 
     @classmethod
     def from_config(cls, config):
@@ -386,9 +411,6 @@ class StableCheckpoint(keras.callbacks.Callback):
                 raise
             self._read_only = err
 
-    def _release_directory(self):
-        self.manager.release()
-
     # -- restore ----------------------------------------------------------------------
     def on_train_begin(self, logs=None):
         model = self.model
@@ -410,14 +432,12 @@ class StableCheckpoint(keras.callbacks.Callback):
         try:
             self._take_directory()
             self._restore_newest()
-            self._check_resume()
-            epochs = (self.params or {}).get("epochs")
-            restored = None if self.restore_report is None else self._position.epoch
-            _fit_checks.refuse_read_only(
-                self.directory, self._read_only, epochs, self._position.epoch, restored
-            )
+            guard = _fit_checks.check_resume(self, self._position, self.restore_report, self._read_only)
+            self._epoch_guard = guard
+            self.preemption.begin(compat.fit_frame(), self._say)
         except BaseException:
-            self._release_directory()  # fit stops here; Keras will not call on_train_end
+            self.manager.release()  # fit stops here; Keras will not call on_train_end
+            self.preemption.end()
             raise
         # From here, saves from other threads wait for a step boundary (on_train_batch_end).
         self._gated = model  # held as is: ``self.model`` would sync JAX's state at every step
@@ -428,26 +448,12 @@ class StableCheckpoint(keras.callbacks.Callback):
         a background save in flight is dropped (its error belonged to an earlier fit)."""
         self._spe = spe
         self._position = Position(spe)
-        self._pending_restore = None
-        self._save_requested = False
-        self._skip_until = 0
-        self._rng_after_skip = None
-        self._execution_begin = 0
+        self._pending_restore, self._rng_after_skip = None, None
+        self._save_requested, self._skip_until, self._execution_begin = False, 0, 0
         self.restore_report = None
         self.skipped_checkpoints = []
         self.moved_checkpoints = []
         self.manager.drop_in_flight()
-
-    def _check_resume(self):
-        # The on_epoch_begin callbacks Keras runs again for a resumed epoch, then the data size.
-        pos = self._position
-        self._epoch_guard = _fit_checks.EpochBeginGuard.start(self, pos)
-        live = _fit_checks.live_data(self.params)
-        if self.restore_report is not None and _fit_checks.check_data(
-            pos.saved_data, live, pos, self.on_data_change
-        ):
-            pos.step = 0  # on_data_change="restart_epoch": the interrupted epoch from its first batch
-        pos.data = live
 
     def _restore_newest(self):
         restored = self.manager.restore_newest_with(
@@ -481,20 +487,12 @@ class StableCheckpoint(keras.callbacks.Callback):
         )
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._collect(wait=False)
+        self.manager.check_for_errors()
         record, self._pending_restore = self._pending_restore, None
         saved_data = None
         if record is not None:
-            saved_data, self._rng_after_skip = resume.apply_pending(
-                record,
-                self.restore_report,
-                self._callbacks,
-                self.model,
-                self._position,
-                self._order,
-                self._input,
-                self._skip_batches,
-            )
+            args = (record, self.restore_report, self._callbacks, self.model, self._position, self._order)
+            saved_data, self._rng_after_skip = resume.apply_pending(*args, self._input, self._skip_batches)
         elif self._save_requested:
             self._position.step = 0
             self._save()
@@ -512,7 +510,7 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     # -- save -------------------------------------------------------------------------
     def on_train_batch_begin(self, batch, logs=None):
-        self._collect(wait=False)
+        self.manager.check_for_errors()
         guard, self._epoch_guard = self._epoch_guard, None
         if guard is not None:  # every callback's on_epoch_begin has run for the resumed epoch
             guard.after_epoch_begin()
@@ -541,14 +539,20 @@ class StableCheckpoint(keras.callbacks.Callback):
         pos.end_execution(self._execution_begin, batch, (self.params or {}).get("steps"))
         if self.save_freq != "epoch" and pos.global_step // self.save_freq > before // self.save_freq:
             self._save_requested = True
+        if self.preemption.reached(pos.global_step):
+            self._preempt(pos)
 
     def on_epoch_end(self, epoch, logs=None):
+        stop = self.preemption.at_epoch_end
+        if self.preemption.step is not None and not stop:
+            return  # stopped mid-epoch: the checkpoint, taken at that batch end, is the position
         self._metrics = numeric_logs(logs)
         self._skip_until = 0
         self._position.epoch = epoch + 1
         self._position.step = 0
-        if self.save_freq == "epoch":
+        if self.save_freq == "epoch" or stop:  # a preemption's: written at train end, after every callback
             self._save_requested = True
+        self.model.stop_training = self.model.stop_training or stop
 
     def on_train_end(self, logs=None):
         try:
@@ -563,7 +567,19 @@ class StableCheckpoint(keras.callbacks.Callback):
                 checkpoint.training_ends(self._gated)
                 self._gated = None
             compat.set_initial_epoch(self.model, None)
-            self._release_directory()
+            self.manager.release()
+            self.preemption.end()
+
+    def _preempt(self, pos):
+        """A signal came (to any process): save this step, wait until it is written, stop."""
+        steps = (self.params or {}).get("steps")
+        last_batch = bool(steps) and pos.step >= steps  # then the epoch-end checkpoint, at train end
+        received = self.preemption.stop(pos.global_step, last_batch)
+        if not last_batch:
+            self._save()
+            self.manager.wait()
+            self.model.stop_training = True
+        self._say(f"{received} (preemption): checkpoint of global step {pos.global_step}; training stops")
 
     def _save(self):
         self._save_requested = False
@@ -573,28 +589,11 @@ class StableCheckpoint(keras.callbacks.Callback):
             pos.epoch_rng = state.rng_state()
             self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
         self._where[pos.global_step] = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"
-        self.manager.save(
-            pos.global_step,
-            self.model,
-            metrics=self._metrics,
-            epoch=pos.epoch,
-            callbacks=self._callbacks,
-            state=self._providers(),
-        )
-
-    def _collect(self, wait):
-        """Finish the background save in flight, if any (with ``wait=False`` only if it has
-        ended): raise its error, or prune and report it."""
-        if wait:
-            self.manager.wait()
-        else:
-            self.manager.check_for_errors()
+        found = {"callbacks": self._callbacks, "state": self._providers()}
+        self.manager.save(pos.global_step, self.model, metrics=self._metrics, epoch=pos.epoch, **found)
 
     def _saved(self, step, path, secs, blocked_secs):
         where = self._where.pop(step, f"global step {step}")
-        if self.verbose:
-            size_mb = checkpoint_dir.size_of(path) / 1e6
-            timing = f"{secs * 1e3:.0f} ms"
-            if blocked_secs is not None:
-                timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"
-            self._say(f"saved {os.path.basename(path)} ({where}): {size_mb:.2f} MB in {timing}")
+        if self.verbose:  # the size is read only for the line
+            size = checkpoint_dir.size_of(path)
+            self._say(saved_message(os.path.basename(path), where, size, secs, blocked_secs))

@@ -325,6 +325,21 @@ def _warn_listed_before(ckpt, callbacks, epoch):
 _DATA_FIELDS = ("batch_size", "num_samples", "steps")
 
 
+def check_resume(ckpt, pos, report, read_only):
+    """The train-begin checks of ``ckpt`` after its restore (``report``: the restore's, or
+    ``None``): the data size (``pos.step = 0`` for ``on_data_change="restart_epoch"``) and a
+    read-only directory (``read_only``: its error, or ``None``); the guard of the
+    ``on_epoch_begin`` callbacks Keras runs again for a resumed epoch."""
+    guard = EpochBeginGuard.start(ckpt, pos)
+    live = live_data(ckpt.params)
+    if report is not None and check_data(pos.saved_data, live, pos, ckpt.on_data_change):
+        pos.step = 0  # on_data_change="restart_epoch": the interrupted epoch from its first batch
+    pos.data = live
+    restored = None if report is None else pos.epoch
+    refuse_read_only(ckpt.directory, read_only, (ckpt.params or {}).get("epochs"), pos.epoch, restored)
+    return guard
+
+
 def live_data(params) -> dict:
     """``{"batch_size", "num_samples", "steps"}`` of this fit (``None`` where unknown):
     the data adapter's batch size and sample count, and the steps per epoch Keras runs."""

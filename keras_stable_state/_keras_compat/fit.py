@@ -16,6 +16,7 @@ __all__ = [
     "fit_callbacks",
     "fit_data_adapter",
     "fit_epoch_iterator",
+    "fit_frame",
     "fit_threads",
     "per_output_loss_weighting",
     "set_initial_epoch",
@@ -72,6 +73,18 @@ def fit_epoch_iterator():
             found = frame.f_locals.get("epoch_iterator")
             if isinstance(found, EpochIterator):
                 return found
+        frame = frame.f_back
+    return None
+
+
+def fit_frame():
+    """The frame of the ``fit`` call running in this thread (found as :func:`fit_epoch_iterator`
+    finds its iterator), or ``None``: a caller learns later whether that ``fit`` still runs
+    by looking for the frame on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "fit" and "epoch_iterator" in frame.f_code.co_varnames:
+            return frame
         frame = frame.f_back
     return None
 

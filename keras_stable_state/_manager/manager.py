@@ -12,6 +12,7 @@ from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import policy
+from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard, entered_guard
 from keras_stable_state._manager.records import (
     RECORD,
     CheckpointMetadata,
@@ -21,6 +22,7 @@ from keras_stable_state._manager.records import (
     check_step,
     metadata_of,
     refuse_orbax,
+    saved_message,
 )
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
 
@@ -55,6 +57,23 @@ class CheckpointManager:
     file) is moved into ``<directory>/unreadable/`` and the one before is tried, with an
     :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each moved file,
     exactly as ``StableCheckpoint`` does on train begin.
+
+    Preemption, for a custom loop: ``with mgr.preemption_guard(signals=(signal.SIGTERM,)) as
+    guard:`` installs a handler for each of ``signals`` (e.g. ``(signal.SIGTERM,
+    signal.SIGUSR1)`` under SLURM's ``--signal=USR1@90``) that only notes the signal; leaving
+    the block (also by an exception) puts the previous handlers back. At each step boundary
+    the loop asks ``mgr.reached_preemption(step)`` (or ``guard.reached_preemption(step)``):
+    ``True`` once a signal came; then :meth:`save` the step, :meth:`wait` for a background
+    save, and leave the loop. ``guard.signal_received`` is the first signal that came, or
+    ``None``. With several JAX processes ``reached_preemption`` is a collective (one small
+    ``process_allgather``) that every process calls at every step with the same step: if any
+    process got a signal, all answer ``True`` at the same step (as Orbax's
+    ``CheckpointManager.reached_preemption``). ``preemption_guard`` raises ``TypeError`` /
+    ``ValueError`` for ``signals`` that are not signal numbers, none, or ``SIGKILL`` /
+    ``SIGSTOP``; entering it raises ``StateError`` off the main thread (only the main thread
+    may install signal handlers) or if it is entered already; ``reached_preemption`` raises
+    ``StateError`` outside an entered guard of this manager (no signal is handled there) and
+    if the processes asked at different steps. See ``docs/how-to/preemption.md``.
 
     Args:
         directory: Folder of the checkpoints (created on the first lock): a ``str``,
@@ -152,6 +171,7 @@ class CheckpointManager:
         self._finalizer = None
         self._in_flight = None  # (handle, step, info) of the background save not yet collected
         self._summaries = {}  # path -> (file identity, (metadata, record, version))
+        self._guard = None  # the PreemptionGuard of preemption_guard(), once made
 
     def get_config(self) -> dict:
         """The constructor arguments: ``{"directory", "max_to_keep", "keep_best", "monitor",
@@ -231,6 +251,15 @@ class CheckpointManager:
                 exc.add_note(f"{self.name}: the background save failed as well: {err!r}")
             else:
                 raise exc from err
+
+    def preemption_guard(self, signals=DEFAULT_SIGNALS) -> PreemptionGuard:
+        """A ``PreemptionGuard`` of ``signals`` for a custom loop (see the class docstring)."""
+        self._guard = PreemptionGuard(signals, owner=self.name)
+        return self._guard
+
+    def reached_preemption(self, step) -> bool:
+        """The entered :meth:`preemption_guard`'s ``reached_preemption(step)`` (see the class docstring)."""
+        return entered_guard(self._guard, f"{self.name}({self.directory!r})", step).reached_preemption(step)
 
     # -- listing ----------------------------------------------------------------------------
     def checkpoints(self) -> list:
@@ -388,11 +417,7 @@ class CheckpointManager:
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)
         elif self.verbose:
-            timing = f"{secs * 1e3:.0f} ms"
-            if blocked_secs is not None:
-                timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"
-            size_mb = files.size_of(path) / 1e6
-            self._say(f"saved {path} (step {step}): {size_mb:.2f} MB in {timing}")
+            self._say(saved_message(path, f"step {step}", files.size_of(path), secs, blocked_secs))
 
     def prune(self, newest=None) -> list:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among

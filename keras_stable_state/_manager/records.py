@@ -126,6 +126,14 @@ def metadata_of(step, path, summary, size_bytes) -> CheckpointMetadata:
     )
 
 
+def saved_message(shown, where, size_bytes, secs, blocked_secs) -> str:
+    """The verbose line of a save of ``shown`` (a path or name) taken at ``where``."""
+    timing = f"{secs * 1e3:.0f} ms"
+    if blocked_secs is not None:
+        timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"
+    return f"saved {shown} ({where}): {size_bytes / 1e6:.2f} MB in {timing}"
+
+
 def refuse_orbax(directory) -> None:
     """Raise ``ValueError`` for a manager directory named ``*.orbax``."""
     if orbax_layout.is_orbax_path(directory):
