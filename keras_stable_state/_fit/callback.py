@@ -16,7 +16,7 @@ from keras_stable_state._fit import inexact, resume
 from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._fit.position import Metrics, Position, numeric_logs
 from keras_stable_state._manager import CheckpointManager, wait_for_earlier_saves
-from keras_stable_state._manager import directory as checkpoint_dir
+from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state._optimizer import stable_optimizer_in, tracked_optimizers
 from keras_stable_state.errors import (
     InexactResumeWarning,
@@ -151,11 +151,11 @@ class StableCheckpoint(keras.callbacks.Callback):
     model tracks is saved and restored, each under its attribute name.
 
     Args:
-        directory: Folder of the checkpoints (created if needed): a ``str``, ``bytes``
-            (decoded with ``os.fsdecode``), ``os.PathLike`` or ``file://`` URL; not an
-            object-store URL (``s3://``, ``gs://``: refused). Give each run its own
-            folder; nothing else should write into it (see ``docs/concepts/security.md``
-            for what is refused in it: symbolic links and other non-regular files).
+        directory: Folder of the checkpoints (created if needed): a ``str``, ``bytes`` (decoded
+            with ``os.fsdecode``), ``os.PathLike``, ``file://`` URL or object-store URL (``s3://``
+            ...: see :class:`~keras_stable_state.CheckpointManager`). Give each run its own
+            folder; nothing else should write into it (see ``docs/concepts/security.md``).
+        storage_options: ``dict`` for an object-store directory's fsspec filesystem, or ``None``.
         save_freq: ``"epoch"`` or an ``int``: save every that many batches (a
             multiple of the model's ``steps_per_execution``).
         max_to_keep: How many newest checkpoints to keep (``>= 1``; ``None``: all).
@@ -194,10 +194,9 @@ class StableCheckpoint(keras.callbacks.Callback):
             and the global step continues), with an :class:`InexactResumeWarning`.
         monitor: The metric (a key of ``fit``'s logs, e.g. ``"val_loss"``) that ranks
             checkpoints for ``keep_best``, or ``None``.
-        mode: ``"min"``, ``"max"`` or ``"auto"`` (see
-            :class:`~keras_stable_state.CheckpointManager`).
-        keep_best: How many best checkpoints by ``monitor`` to keep beside the
-            ``max_to_keep`` latest (``>= 0``; needs ``monitor``).
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (see :class:`~keras_stable_state.CheckpointManager`).
+        keep_best: How many best checkpoints by ``monitor`` to keep beside the ``max_to_keep``
+            latest (``>= 0``; needs ``monitor``).
         keep: Deprecated alias of ``max_to_keep`` (keyword only).
         async_save: Deprecated alias of ``save_on_background`` (keyword only).
 
@@ -211,8 +210,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             callbacks given are put back at train end); ``verbose=1`` says so.
         restore_report: The :class:`~keras_stable_state.RestoreReport` of the
             checkpoint restored on train begin, or ``None`` (fresh start).
-        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint
-            skipped on train begin, newest first.
+        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint skipped on train begin.
         moved_checkpoints: ``(path, new path)`` of each of them, moved into
             ``<directory>/unreadable/``.
         removed_temporary_files: Stale ``.kss-*`` temporary files removed on train begin.
@@ -229,8 +227,8 @@ class StableCheckpoint(keras.callbacks.Callback):
             ``restore_training_state``) (on construction).
         TypeError: if ``directory`` is not a path, ``callbacks`` is not a dict or list
             of callbacks, or ``save_on_background`` is not a bool (on construction).
-        StateError: (on construction) if ``directory`` is an object-store URL
-            (``s3://``, ``gs://``...): nothing is written, locally or remotely.
+        StorageBackendError: (on construction) for an object-store URL whose fsspec
+            implementation is not installed, naming it: nothing is written anywhere.
         OSError: with ``save_on_background``, at a later batch, the next save or train
             end: the error of a background write that failed (disk full, folder
             removed), naming the file; the checkpoints written before it are intact.
@@ -293,11 +291,12 @@ class StableCheckpoint(keras.callbacks.Callback):
         monitor=None,
         mode="auto",
         keep_best=0,
+        storage_options=None,
         keep=_fit_checks.UNSET,
         async_save=_fit_checks.UNSET,
     ):
         super().__init__()
-        directory = _fit_checks.local_directory(directory)
+        directory = open_directory(directory, storage_options, "StableCheckpoint")[0]
         _fit_checks.refuse_orbax_directory(directory)
         self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
         max_to_keep = _fit_checks.resolve_alias("max_to_keep", max_to_keep, 3, "keep", keep, 2)
@@ -311,6 +310,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             mode=mode,
             save_on_background=save_on_background,
             verbose=verbose,
+            storage_options=storage_options,
         )
         self.manager.name = "StableCheckpoint"
         ref = weakref.ref(self)  # the manager holds no reference to the callback: no cycle
@@ -593,7 +593,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     def _saved(self, step, path, secs, blocked_secs):
         where = self._where.pop(step, f"global step {step}")
         if self.verbose:
-            size_mb = checkpoint_dir.size_of(path) / 1e6
+            size_mb = self.manager.checkpoint_size(path) / 1e6
             timing = f"{secs * 1e3:.0f} ms"
             if blocked_secs is not None:
                 timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"

@@ -8,7 +8,6 @@ import weakref
 
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import policy
@@ -22,6 +21,7 @@ from keras_stable_state._manager.records import (
     metadata_of,
     refuse_orbax,
 )
+from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
 
 
@@ -124,8 +124,10 @@ class CheckpointManager:
         mode="auto",
         save_on_background=False,
         verbose=0,
+        storage_options=None,
     ):
-        self.directory = storage.fs_path(directory, "directory")
+        self.directory, self._files = open_directory(directory, storage_options, "CheckpointManager")
+        self.storage_options = storage_options
         refuse_orbax(self.directory)
         self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
         if not isinstance(save_on_background, bool):
@@ -157,6 +159,7 @@ class CheckpointManager:
         """The constructor arguments: ``{"directory", "max_to_keep", "keep_best", "monitor",
         "mode", "save_on_background", "verbose"}``."""
         names = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background", "verbose")
+        names += ("storage_options",)
         return {name: getattr(self, name) for name in names}
 
     def _say(self, message):
@@ -179,13 +182,13 @@ class CheckpointManager:
             OSError: if the directory or its lock file cannot be created or locked
                 (read-only file system: ``errno.EROFS``; permissions), naming it.
         """
-        files.prepare(self.directory, self.name)
-        self._lock = files.DirectoryLock.acquire(
+        self._files.prepare(self.directory, self.name)
+        self._lock = self._files.acquire_lock(
             self.directory, self._token, writer=self.name, reclaimable=reclaimable
         )
         if self._finalizer is None:  # released when the manager is garbage collected or the process exits
-            self._finalizer = weakref.finalize(self, files.release_token, self._token)
-        self.removed_temporary_files = files.remove_temporary_files(self.directory)
+            self._finalizer = weakref.finalize(self, self._files.release_token, self._token)
+        self.removed_temporary_files = self._files.remove_temporary_files(self.directory)
         if self.removed_temporary_files:
             self._say(
                 f"removed {len(self.removed_temporary_files)} temporary file(s) of an interrupted save: "
@@ -235,7 +238,7 @@ class CheckpointManager:
     # -- listing ----------------------------------------------------------------------------
     def checkpoints(self) -> list:
         """Paths of the checkpoints in the directory (``ckpt-<10 digits>.h5``), newest first."""
-        return files.checkpoints(self.directory)
+        return self._files.checkpoints(self.directory)
 
     def all_steps(self) -> list:
         """The steps of the checkpoints in the directory, oldest first (unreadable ones too)."""
@@ -248,11 +251,11 @@ class CheckpointManager:
 
     def _summary(self, path):
         """``(metadata, record, version)`` of ``path``, read once per written file."""
-        key = files.identity(path)
+        key = self._files.identity(path)
         cached = self._summaries.get(path)
         if cached is not None and key is not None and cached[0] == key:
             return cached[1]
-        metadata, extra, version = files.read_summary(path)
+        metadata, extra, version = self._files.read_summary(path)
         record = (extra.get("providers") or {}).get(RECORD)
         summary = (metadata, record if isinstance(record, dict) else {}, version)
         self._summaries[path] = (key, summary)
@@ -293,11 +296,15 @@ class CheckpointManager:
                 :func:`keras_stable_state.format.open_file`).
         """
         path = self._path(check_step(step))
-        return metadata_of(step, path, self._summary(path), files.size_of(path))
+        return metadata_of(step, path, self._summary(path), self._files.size_of(path))
+
+    def checkpoint_size(self, path) -> int:
+        """Size in bytes of the checkpoint at ``path`` (``OSError`` naming it if it is gone)."""
+        return self._files.size_of(path)
 
     def _path(self, step):
         path = files.path_of(self.directory, step)
-        if not files.exists(path):
+        if not self._files.exists(path):
             raise FileNotFoundError(
                 errno.ENOENT,
                 f"No checkpoint of step {step} in {self.directory!r}; its steps are {self.all_steps()}.",
@@ -341,12 +348,14 @@ class CheckpointManager:
         path = files.path_of(self.directory, step)
         info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
         started = time.perf_counter()
+        self._files.begin_save(path)
         result = checkpoint.save_training_state(
             path,
             model,
             optimizer,
             state={**providers, RECORD: ManagerRecord(info)},
             blocking=not self.save_on_background,
+            storage_options=self._files.STORAGE_OPTIONS,
             **state,
         )
         if self.save_on_background:
@@ -381,6 +390,7 @@ class CheckpointManager:
         self._saved(step, handle.path, info, handle.write_secs, handle.blocked_secs)
 
     def _saved(self, step, path, info, secs, blocked_secs):
+        self._files.commit(path, step, info)
         self._summaries.pop(path, None)
         self.prune(newest=path)
         if self.on_saved is not None:
@@ -389,7 +399,7 @@ class CheckpointManager:
             timing = f"{secs * 1e3:.0f} ms"
             if blocked_secs is not None:
                 timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"
-            size_mb = files.size_of(path) / 1e6
+            size_mb = self._files.size_of(path) / 1e6
             self._say(f"saved {path} (step {step}): {size_mb:.2f} MB in {timing}")
 
     def prune(self, newest=None) -> list:
@@ -402,7 +412,7 @@ class CheckpointManager:
         best = self._best_steps(paths, self.keep_best) if self.keep_best else []
         kept = policy.kept_steps([files.step_of(p) for p in paths], newest_step, self.max_to_keep, best)
         removed = [p for p in paths if files.step_of(p) not in kept]
-        files.remove(removed)
+        self._files.remove(removed)
         for path in removed:
             self._summaries.pop(path, None)
         return removed
@@ -438,6 +448,7 @@ class CheckpointManager:
                 does not fit the model: nothing is moved aside); for ``"best"`` and int
                 steps, an unreadable checkpoint's error (no fallback).
         """
+        restore_options.setdefault("storage_options", self._files.STORAGE_OPTIONS)
         options = checkpoint.RestoreOptions.from_keywords("CheckpointManager.restore", **restore_options)
         if isinstance(step, str) and step not in ("latest", "best"):
             raise ValueError(f"`step` must be 'latest', 'best' or an int. Received: step={step!r}")
@@ -502,10 +513,10 @@ class CheckpointManager:
             if unreadable is not None:
                 unreadable(path, err)
             self.skipped_checkpoints.append((path, str(err)))
-            self.moved_checkpoints.append((path, files.move_aside(self.directory, path, self.name)))
+            self.moved_checkpoints.append((path, self._files.move_aside(self.directory, path, self.name)))
             self._summaries.pop(path, None)
 
-        return files.restore_newest(self.checkpoints(), self.directory, restore, moved, self.name)
+        return self._files.restore_newest(self.checkpoints(), self.directory, restore, moved, self.name)
 
 
 def wait_for_earlier_saves(directory) -> None:
