@@ -394,9 +394,15 @@ class RemoteDirectory:
         return info if ok else None
 
     def release_token(self, token) -> None:
-        """Release every lock of this process that ``token`` owns."""
+        """Release every lock of this process that ``token`` owns: the manager's finalizer
+        (garbage collection, the end of the process). A store that cannot be reached then
+        keeps the lock object (the next writer of this host takes it over; another host's
+        is told to remove it): an error at the end of a process has no caller to go to."""
         for held in list(_HELD.values()):
-            held.release(token)
+            try:
+                held.release(token)
+            except Exception:  # the store's errors (no connection at exit...): see above
+                continue
 
     def remove_temporary_files(self, directory=None) -> list:
         """Clean up what a killed writer left (see the module docstring); the URLs removed
