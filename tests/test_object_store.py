@@ -1,7 +1,8 @@
 """Object stores through fsspec, against a real S3-compatible server (moto's S3 in server
 mode, tests/scripts/s3_server.py, on 127.0.0.1) reached by s3fs: save, restore, the command
-line, commit markers, a kill mid-upload, a scheme without its implementation, and the old
-bug (a URL used as a local path: a folder ``./gs:/bucket``) never coming back.
+line, commit markers, a kill mid-upload, checkpoint directories (CheckpointManager and
+StableCheckpoint: markers, pruning, left-overs, the lock object, a writer killed at random
+moments), a scheme without its implementation, and the old bug (a URL used as a local path: a folder ``./gs:/bucket``) never coming back.
 
 Every s3fs client here has dummy credentials, the server's endpoint and the instance
 metadata service turned off, so nothing leaves the machine. Google Cloud Storage is only
@@ -553,7 +554,8 @@ def test_an_uncommitted_checkpoint_is_never_latest_and_is_cleaned_up(bucket):
     mgr = kss.CheckpointManager(url, max_to_keep=None)
     mgr._files.commit(f"{url}/ckpt-0000000002.h5", 2, {"step": 2})  # the marker matches the damaged object
     with pytest.warns(
-        kss.UnreadableCheckpointWarning, match=r"ckpt-0000000002.h5. -> .*unreadable/ckpt-0000000002.h5. .*Fell back"
+        kss.UnreadableCheckpointWarning,
+        match=r"ckpt-0000000002.h5. -> .*unreadable/ckpt-0000000002.h5. .*Fell back",
     ):
         mgr.restore(target)
     assert mgr.restored_step == 1 and mgr.all_steps() == [1]

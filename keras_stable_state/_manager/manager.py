@@ -56,9 +56,19 @@ class CheckpointManager:
     :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each moved file,
     exactly as ``StableCheckpoint`` does on train begin.
 
+    In an object store (``directory`` an ``s3://``, ``gs://``, ``memory://``... URL, through
+    fsspec: see ``docs/how-to/cloud-storage.md``) each checkpoint is uploaded whole, then
+    its commit marker ``ckpt-<step:010d>.h5.commit``; the listing (and so "latest") takes only
+    checkpoints whose marker is there and names the object as it is, pruning removes the
+    marker first, unreadable checkpoints are copied into ``unreadable/`` then removed, and
+    left-overs of a killed writer are cleaned up when the lock is taken. The lock is the
+    object ``.stable-checkpoint.lock``, created with an exclusive write; a stale one is taken
+    over only if its holder ran on this host and has died.
+
     Args:
         directory: Folder of the checkpoints (created on the first lock): a ``str``,
-            ``bytes`` or ``os.PathLike``. Nothing else should write into it.
+            ``bytes`` or ``os.PathLike``, a ``file://`` URL (the local path it names) or an
+            object-store URL. Nothing else should write into it.
         max_to_keep: How many latest checkpoints to keep (``>= 1``), or ``None`` to keep
             every one. With ``save_on_background`` a file is pruned only once the new one
             is written.
@@ -76,6 +86,9 @@ class CheckpointManager:
             by the next :meth:`save`, :meth:`check_for_errors`, :meth:`wait` or
             :meth:`close`.
         verbose: ``1`` prints one line per save and restore (Keras' ``print_msg``).
+        storage_options: For an object-store URL: a ``dict`` passed to its fsspec filesystem
+            (every save, restore and listing), or ``None``; fsspec's configuration and the
+            store's environment variables apply as fsspec applies them.
 
     Attributes:
         name: What messages, warnings and the lock file call this writer
@@ -100,9 +113,10 @@ class CheckpointManager:
             ``directory`` ending in ``.orbax`` (the manager writes ``.h5`` files).
         TypeError: on construction, if ``directory`` is not a path or
             ``save_on_background`` not a bool.
-        CheckpointFormatError: on construction, for an object-store URL (``s3://``,
-            ``gs://``...: the manager keeps its checkpoints in a local or mounted folder;
-            nothing is written). A ``file://`` URL is the local path it names.
+        CheckpointFormatError: on construction, for ``storage_options`` with a local
+            directory, or a ``file://`` URL on another host.
+        StorageBackendError: on construction, for a URL whose fsspec implementation is not
+            installed, naming the package (nothing is written anywhere).
 
     Example:
         >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
@@ -178,9 +192,11 @@ class CheckpointManager:
                 naming its pid and host.
             NotADirectoryError: if ``directory`` is a file.
             StateError: if the lock file is a symbolic link, a hard link of another file or
-                not a regular file, or on a platform without ``flock`` (Windows).
+                not a regular file, or on a platform without ``flock`` (Windows); in an object
+                store, if its filesystem has no exclusive write (no lock is pretended).
             OSError: if the directory or its lock file cannot be created or locked
-                (read-only file system: ``errno.EROFS``; permissions), naming it.
+                (read-only file system: ``errno.EROFS``; permissions), naming it. In an object store:
+                the lock object cannot be written (no bucket, refused credentials).
         """
         self._files.prepare(self.directory, self.name)
         self._lock = self._files.acquire_lock(
