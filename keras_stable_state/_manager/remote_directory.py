@@ -422,8 +422,14 @@ class RemoteDirectory:
     def begin_save(self, path) -> None:
         """Remove the marker of ``path``'s step, if any: the checkpoint being replaced is
         not in the directory until its new marker is written."""
+        self._forget(path)
         self.folder.child(self._name(path) + MARKER_SUFFIX).remove()
+
+    def _forget(self, path) -> None:
+        # A marker read is cached by its listed (size, ETag); a store without ETags
+        # (memory://) could list a rewritten marker of the same size as the old one.
         self._committed.pop(path, None)
+        self._markers.pop(self._name(path) + MARKER_SUFFIX, None)
 
     def commit(self, path, step, info) -> None:
         """Write the marker of the uploaded checkpoint ``path`` (``info``: the manager's record).
@@ -450,6 +456,7 @@ class RemoteDirectory:
             "backend": keras.backend.backend(),
             "format_version": storage.FORMAT_VERSION,
         }
+        self._forget(path)
         storage.remote.write_marker(self.folder, name + MARKER_SUFFIX, payload)
 
     def remove(self, paths) -> None:
@@ -458,7 +465,7 @@ class RemoteDirectory:
             name = self._name(path)
             self.folder.child(name + MARKER_SUFFIX).remove()
             self.folder.child(name).remove()
-            self._committed.pop(path, None)
+            self._forget(path)
 
     def move_aside(self, directory, path, writer="StableCheckpoint"):
         """Copy the checkpoint ``path`` into ``<directory>/unreadable/`` (``<name>.<n>`` if
