@@ -593,7 +593,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     def _saved(self, step, path, secs, blocked_secs):
         where = self._where.pop(step, f"global step {step}")
         if self.verbose:
-            size_mb = self.manager.checkpoint_size(path) / 1e6
+            size_mb = self.manager.files.size_of(path) / 1e6
             timing = f"{secs * 1e3:.0f} ms"
             if blocked_secs is not None:
                 timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"

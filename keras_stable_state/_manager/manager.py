@@ -24,6 +24,9 @@ from keras_stable_state._manager.records import (
 from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
 
+_CONFIG_NAMES = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background", "verbose")
+_CONFIG_NAMES += ("storage_options",)
+
 
 class CheckpointManager:
     """A directory of checkpoints for any training loop: steps, latest and best, pruning,
@@ -91,6 +94,11 @@ class CheckpointManager:
             store's environment variables apply as fsspec applies them.
 
     Attributes:
+        files: What reads and writes the directory: the module
+            ``keras_stable_state._manager.directory`` for a local folder, a
+            ``RemoteDirectory`` (``_manager.remote_directory``) for an object store; both
+            have ``size_of(path)``, ``checkpoints(directory)``... (internal, may change).
+        storage_options: The ``storage_options`` of an object-store directory, or ``None``.
         name: What messages, warnings and the lock file call this writer
             (``"CheckpointManager"``; the manager of a ``StableCheckpoint``:
             ``"StableCheckpoint"``).
@@ -140,8 +148,7 @@ class CheckpointManager:
         verbose=0,
         storage_options=None,
     ):
-        self.directory, self._files = open_directory(directory, storage_options, "CheckpointManager")
-        self.storage_options = storage_options
+        self.directory, self.files = open_directory(directory, storage_options, "CheckpointManager")
         refuse_orbax(self.directory)
         self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
         if not isinstance(save_on_background, bool):
@@ -150,6 +157,7 @@ class CheckpointManager:
             )
         if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        self.storage_options = self.files.STORAGE_OPTIONS
         self.max_to_keep = max_to_keep
         self.keep_best = keep_best
         self.monitor = monitor
@@ -171,10 +179,8 @@ class CheckpointManager:
 
     def get_config(self) -> dict:
         """The constructor arguments: ``{"directory", "max_to_keep", "keep_best", "monitor",
-        "mode", "save_on_background", "verbose"}``."""
-        names = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background", "verbose")
-        names += ("storage_options",)
-        return {name: getattr(self, name) for name in names}
+        "mode", "save_on_background", "verbose", "storage_options"}``."""
+        return {name: getattr(self, name) for name in _CONFIG_NAMES}
 
     def _say(self, message):
         if self.verbose:
@@ -191,20 +197,18 @@ class CheckpointManager:
                 ``StableCheckpoint``, in this process or another) holds the directory,
                 naming its pid and host.
             NotADirectoryError: if ``directory`` is a file.
-            StateError: if the lock file is a symbolic link, a hard link of another file or
-                not a regular file, or on a platform without ``flock`` (Windows); in an object
-                store, if its filesystem has no exclusive write (no lock is pretended).
-            OSError: if the directory or its lock file cannot be created or locked
-                (read-only file system: ``errno.EROFS``; permissions), naming it. In an object store:
-                the lock object cannot be written (no bucket, refused credentials).
+            StateError: if the lock file is a symbolic link, a hard link of another file or not a
+                regular file, on a platform without ``flock`` (Windows), or in a store without exclusive writes.
+            OSError: if the directory or its lock file (object) cannot be created or locked (read-only
+                file system: ``errno.EROFS``; permissions; no bucket, refused credentials), naming it.
         """
-        self._files.prepare(self.directory, self.name)
-        self._lock = self._files.acquire_lock(
+        self.files.prepare(self.directory, self.name)
+        self._lock = self.files.acquire_lock(
             self.directory, self._token, writer=self.name, reclaimable=reclaimable
         )
         if self._finalizer is None:  # released when the manager is garbage collected or the process exits
-            self._finalizer = weakref.finalize(self, self._files.release_token, self._token)
-        self.removed_temporary_files = self._files.remove_temporary_files(self.directory)
+            self._finalizer = weakref.finalize(self, self.files.release_token, self._token)
+        self.removed_temporary_files = self.files.remove_temporary_files(self.directory)
         if self.removed_temporary_files:
             self._say(
                 f"removed {len(self.removed_temporary_files)} temporary file(s) of an interrupted save: "
@@ -254,7 +258,7 @@ class CheckpointManager:
     # -- listing ----------------------------------------------------------------------------
     def checkpoints(self) -> list:
         """Paths of the checkpoints in the directory (``ckpt-<10 digits>.h5``), newest first."""
-        return self._files.checkpoints(self.directory)
+        return self.files.checkpoints(self.directory)
 
     def all_steps(self) -> list:
         """The steps of the checkpoints in the directory, oldest first (unreadable ones too)."""
@@ -267,11 +271,11 @@ class CheckpointManager:
 
     def _summary(self, path):
         """``(metadata, record, version)`` of ``path``, read once per written file."""
-        key = self._files.identity(path)
+        key = self.files.identity(path)
         cached = self._summaries.get(path)
         if cached is not None and key is not None and cached[0] == key:
             return cached[1]
-        metadata, extra, version = self._files.read_summary(path)
+        metadata, extra, version = self.files.read_summary(path)
         record = (extra.get("providers") or {}).get(RECORD)
         summary = (metadata, record if isinstance(record, dict) else {}, version)
         self._summaries[path] = (key, summary)
@@ -312,15 +316,11 @@ class CheckpointManager:
                 :func:`keras_stable_state.format.open_file`).
         """
         path = self._path(check_step(step))
-        return metadata_of(step, path, self._summary(path), self._files.size_of(path))
-
-    def checkpoint_size(self, path) -> int:
-        """Size in bytes of the checkpoint at ``path`` (``OSError`` naming it if it is gone)."""
-        return self._files.size_of(path)
+        return metadata_of(step, path, self._summary(path), self.files.size_of(path))
 
     def _path(self, step):
         path = files.path_of(self.directory, step)
-        if not self._files.exists(path):
+        if not self.files.exists(path):
             raise FileNotFoundError(
                 errno.ENOENT,
                 f"No checkpoint of step {step} in {self.directory!r}; its steps are {self.all_steps()}.",
@@ -364,14 +364,14 @@ class CheckpointManager:
         path = files.path_of(self.directory, step)
         info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
         started = time.perf_counter()
-        self._files.begin_save(path)
+        self.files.begin_save(path)
         result = checkpoint.save_training_state(
             path,
             model,
             optimizer,
             state={**providers, RECORD: ManagerRecord(info)},
             blocking=not self.save_on_background,
-            storage_options=self._files.STORAGE_OPTIONS,
+            storage_options=self.files.STORAGE_OPTIONS,
             **state,
         )
         if self.save_on_background:
@@ -406,7 +406,7 @@ class CheckpointManager:
         self._saved(step, handle.path, info, handle.write_secs, handle.blocked_secs)
 
     def _saved(self, step, path, info, secs, blocked_secs):
-        self._files.commit(path, step, info)
+        self.files.commit(path, step, info)
         self._summaries.pop(path, None)
         self.prune(newest=path)
         if self.on_saved is not None:
@@ -415,7 +415,7 @@ class CheckpointManager:
             timing = f"{secs * 1e3:.0f} ms"
             if blocked_secs is not None:
                 timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"
-            size_mb = self._files.size_of(path) / 1e6
+            size_mb = self.files.size_of(path) / 1e6
             self._say(f"saved {path} (step {step}): {size_mb:.2f} MB in {timing}")
 
     def prune(self, newest=None) -> list:
@@ -428,7 +428,7 @@ class CheckpointManager:
         best = self._best_steps(paths, self.keep_best) if self.keep_best else []
         kept = policy.kept_steps([files.step_of(p) for p in paths], newest_step, self.max_to_keep, best)
         removed = [p for p in paths if files.step_of(p) not in kept]
-        self._files.remove(removed)
+        self.files.remove(removed)
         for path in removed:
             self._summaries.pop(path, None)
         return removed
@@ -464,7 +464,7 @@ class CheckpointManager:
                 does not fit the model: nothing is moved aside); for ``"best"`` and int
                 steps, an unreadable checkpoint's error (no fallback).
         """
-        restore_options.setdefault("storage_options", self._files.STORAGE_OPTIONS)
+        restore_options.setdefault("storage_options", self.files.STORAGE_OPTIONS)
         options = checkpoint.RestoreOptions.from_keywords("CheckpointManager.restore", **restore_options)
         if isinstance(step, str) and step not in ("latest", "best"):
             raise ValueError(f"`step` must be 'latest', 'best' or an int. Received: step={step!r}")
@@ -529,10 +529,10 @@ class CheckpointManager:
             if unreadable is not None:
                 unreadable(path, err)
             self.skipped_checkpoints.append((path, str(err)))
-            self.moved_checkpoints.append((path, self._files.move_aside(self.directory, path, self.name)))
+            self.moved_checkpoints.append((path, self.files.move_aside(self.directory, path, self.name)))
             self._summaries.pop(path, None)
 
-        return self._files.restore_newest(self.checkpoints(), self.directory, restore, moved, self.name)
+        return self.files.restore_newest(self.checkpoints(), self.directory, restore, moved, self.name)
 
 
 def wait_for_earlier_saves(directory) -> None:
