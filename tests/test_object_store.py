@@ -552,7 +552,7 @@ def test_an_uncommitted_checkpoint_is_never_latest_and_is_cleaned_up(bucket):
     # a committed object that fails its checks: moved aside, the one before restored
     folder.child("ckpt-0000000002.h5").put_bytes(data[:-100])
     mgr = kss.CheckpointManager(url, max_to_keep=None)
-    mgr._files.commit(f"{url}/ckpt-0000000002.h5", 2, {"step": 2})  # the marker matches the damaged object
+    mgr.files.commit(f"{url}/ckpt-0000000002.h5", 2, {"step": 2})  # the marker matches the damaged object
     with pytest.warns(
         kss.UnreadableCheckpointWarning,
         match=r"ckpt-0000000002.h5. -> .*unreadable/ckpt-0000000002.h5. .*Fell back",
