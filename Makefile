@@ -63,6 +63,7 @@ KSS_FUZZ_EDITS ?= 300
 # SIGKILLs at random moments during saves (StableCheckpoint, async saves, fit), and examples
 # per hypothesis property test (make test runs 10).
 KSS_KILL_SAVES ?= 50
+KSS_S3_KILLS ?= 20
 KSS_HYPOTHESIS_EXAMPLES ?= 200
 # Restores under 20 memory limits from 1.1x to 3x the state, and 1000 saves from another
 # thread during fit (tests/test_hostile_memory.py, tests/test_hostile_threads.py).
@@ -91,6 +92,9 @@ fuzz: setup
 		echo "=== full disks, file-size limits and 300,000 extra index rows, backend: $$b ==="; \
 		KSS_HOSTILE_DISK_STEPS=16 KSS_HOSTILE_ROWS=300000 KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
 			-p no:cacheprovider tests/test_hostile_disk.py tests/test_hostile_messages.py || status=1; \
+		echo "=== $(KSS_S3_KILLS) SIGKILLs of a writer into an S3 directory, backend: $$b ==="; \
+		KSS_S3_KILLS=$(KSS_S3_KILLS) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider \
+			tests/test_object_store.py -k killed_at_a_random_moment || status=1; \
 	done; exit $$status
 
 # Resume-conformance matrix (tests/matrix.py): MATRIX_CASES drawn fit configurations per

@@ -16,8 +16,8 @@ from keras_stable_state._fit import inexact, resume
 from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._fit.position import Metrics, Position, numeric_logs
 from keras_stable_state._manager import CheckpointManager, preemption, wait_for_earlier_saves
-from keras_stable_state._manager import directory as checkpoint_dir
 from keras_stable_state._manager.records import saved_message
+from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state._optimizer import stable_optimizer_in, tracked_optimizers
 from keras_stable_state.errors import (
     InexactResumeWarning,
@@ -163,11 +163,11 @@ class StableCheckpoint(keras.callbacks.Callback):
     model tracks is saved and restored, each under its attribute name.
 
     Args:
-        directory: Folder of the checkpoints (created if needed): a ``str``, ``bytes``
-            (decoded with ``os.fsdecode``), ``os.PathLike`` or ``file://`` URL; not an
-            object-store URL (``s3://``, ``gs://``: refused). Give each run its own
-            folder; nothing else should write into it (see ``docs/concepts/security.md``
-            for what is refused in it: symbolic links and other non-regular files).
+        directory: Folder of the checkpoints (created if needed): a ``str``, ``bytes`` (decoded
+            with ``os.fsdecode``), ``os.PathLike``, ``file://`` URL or object-store URL (``s3://``
+            ...: see :class:`~keras_stable_state.CheckpointManager`). Give each run its own
+            folder; nothing else should write into it (see ``docs/concepts/security.md``).
+        storage_options: ``dict`` for an object-store directory's fsspec filesystem, or ``None``.
         save_freq: ``"epoch"`` or an ``int``: save every that many batches (a
             multiple of the model's ``steps_per_execution``).
         max_to_keep: How many newest checkpoints to keep (``>= 1``; ``None``: all).
@@ -227,8 +227,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             callbacks given are put back at train end); ``verbose=1`` says so.
         restore_report: The :class:`~keras_stable_state.RestoreReport` of the
             checkpoint restored on train begin, or ``None`` (fresh start).
-        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint
-            skipped on train begin, newest first.
+        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint skipped on train begin.
         moved_checkpoints: ``(path, new path)`` of each of them, moved into
             ``<directory>/unreadable/``.
         removed_temporary_files: Stale ``.kss-*`` temporary files removed on train begin.
@@ -250,8 +249,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         TypeError: if ``directory`` is not a path, ``callbacks`` is not a dict or list
             of callbacks, ``save_on_background`` or ``save_on_preemption`` is not a bool, or
             ``preemption_signals`` not signal numbers (on construction).
-        StateError: (on construction) if ``directory`` is an object-store URL
-            (``s3://``, ``gs://``...): nothing is written, locally or remotely.
+        StorageBackendError: (on construction) for an object-store URL whose fsspec
+            implementation is not installed, naming it: nothing is written anywhere.
         OSError: with ``save_on_background``, at a later batch, the next save or train
             end: the error of a background write that failed (disk full, folder
             removed), naming the file; the checkpoints written before it are intact.
@@ -316,11 +315,12 @@ class StableCheckpoint(keras.callbacks.Callback):
         keep_best=0,
         save_on_preemption=True,
         preemption_signals=preemption.DEFAULT_SIGNALS,
+        storage_options=None,
         keep=_fit_checks.UNSET,
         async_save=_fit_checks.UNSET,
     ):
         super().__init__()
-        directory = _fit_checks.local_directory(directory)
+        directory = open_directory(directory, storage_options, "StableCheckpoint")[0]
         _fit_checks.refuse_orbax_directory(directory)
         self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
         max_to_keep = _fit_checks.resolve_alias("max_to_keep", max_to_keep, 3, "keep", keep, 2)
@@ -329,7 +329,11 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.preemption = preemption.FitPreemption(save_on_preemption, preemption_signals)
         opts = {"keep_best": keep_best, "monitor": monitor, "mode": mode, "verbose": verbose}
         self.manager = CheckpointManager(
-            directory, max_to_keep, save_on_background=save_on_background, **opts
+            directory,
+            max_to_keep,
+            save_on_background=save_on_background,
+            storage_options=storage_options,
+            **opts,
         )
         self.manager.name = "StableCheckpoint"
         ref = weakref.ref(self)  # the manager holds no reference to the callback: no cycle
@@ -595,5 +599,5 @@ class StableCheckpoint(keras.callbacks.Callback):
     def _saved(self, step, path, secs, blocked_secs):
         where = self._where.pop(step, f"global step {step}")
         if self.verbose:  # the size is read only for the line
-            size = checkpoint_dir.size_of(path)
+            size = self.manager.files.size_of(path)
             self._say(saved_message(os.path.basename(path), where, size, secs, blocked_secs))

@@ -6,7 +6,10 @@ into :data:`UNREADABLE_DIR` (with the :class:`~keras_stable_state.UnreadableChec
 naming them) and the fallback over them (:func:`restore_newest`).
 
 Every access to the directory (list, exists, stat, remove, rename, open) goes through a
-function of this module, so that another file system can be put under the manager here."""
+function of this module; :class:`~keras_stable_state._manager.remote_directory.RemoteDirectory`
+has the same functions as methods for a directory in an object store (the manager holds
+one or the other as its ``files``). Here a file is visible once it is renamed into place,
+so :func:`begin_save` and :func:`commit` do nothing."""
 
 from __future__ import annotations
 
@@ -61,12 +64,14 @@ def new_token() -> int:
     return next(_TOKENS)
 
 
-def _writer_of(info) -> str:
+def writer_of(info) -> str:
+    """The writer kind a lock's JSON names (``"StableCheckpoint"`` when unknown)."""
     kind = info.get("writer") if isinstance(info, dict) else None
     return kind if kind in ("StableCheckpoint", "CheckpointManager") else "StableCheckpoint"
 
 
-def _holder_text(info):
+def holder_text(info):
+    """``"pid <n> on host <h>, since <t>"`` from a lock's JSON, or ``None``."""
     if not isinstance(info, dict) or not isinstance(info.get("pid"), int):
         return None
     text = f"pid {info['pid']} on host {info.get('host', '?')}"
@@ -82,7 +87,7 @@ def _read_holder(fd):
         info = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError):  # being written right now, or not ours: holder unknown
         return None, "StableCheckpoint"
-    return _holder_text(info), _writer_of(info)
+    return holder_text(info), writer_of(info)
 
 
 def _open_lock(directory, path) -> int:
@@ -120,6 +125,30 @@ def _open_lock(directory, path) -> int:
             "keras_stable_state.restore_training_state(StableCheckpoint(directory).checkpoints()[0], model).)",
             path,
         ) from err
+
+
+def refuse_other_owner(held, token, directory) -> None:
+    """Refuse ``token`` the lock ``held`` by another owner of this process, unless that
+    owner took it ``reclaimable`` in this thread (or a thread that ended): the rule of
+    :meth:`DirectoryLock.acquire`, for local and object-store directories alike.
+
+    Raises:
+        CheckpointInUseError: naming this process, the holder's thread and ``directory``.
+    """
+    alive = {t.ident for t in threading.enumerate()}
+    other_thread = held.thread != threading.get_ident() and held.thread in alive
+    if held.token != token and (other_thread or not held.reclaimable):
+        names = {t.ident: t.name for t in threading.enumerate()}
+        where = "another thread still training" if other_thread else "this thread"
+        thread = names.get(held.thread, "ended")
+        holder = f"pid {os.getpid()} on host {socket.gethostname()}, thread {thread!r}"
+        raise CheckpointInUseError(
+            f"Checkpoint directory {directory!r} is in use by another {held.writer} writer "
+            f"({holder}: this process, {where}); wait for it to finish (close() a "
+            "CheckpointManager, or leave its `with` block) or use another directory.",
+            path=directory,
+            holder=holder,
+        )
 
 
 class DirectoryLock:
@@ -180,20 +209,7 @@ class DirectoryLock:
                 held._close()  # the directory or lock file was removed meanwhile: lock afresh
                 held = None
             if held is not None:
-                alive = {t.ident for t in threading.enumerate()}
-                other_thread = held.thread != threading.get_ident() and held.thread in alive
-                if held.token != token and (other_thread or not held.reclaimable):
-                    names = {t.ident: t.name for t in threading.enumerate()}
-                    where = "another thread still training" if other_thread else "this thread"
-                    thread = names.get(held.thread, "ended")
-                    holder = f"pid {os.getpid()} on host {socket.gethostname()}, thread {thread!r}"
-                    raise CheckpointInUseError(
-                        f"Checkpoint directory {directory!r} is in use by another {held.writer} writer "
-                        f"({holder}: this process, {where}); wait for it to finish (close() a "
-                        "CheckpointManager, or leave its `with` block) or use another directory.",
-                        path=directory,
-                        holder=holder,
-                    )
+                refuse_other_owner(held, token, directory)
             else:
                 held = cls(key, directory, *cls._lock(directory, writer))
                 _HELD[key] = held
@@ -297,7 +313,24 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
+def acquire_lock(directory, token, *, writer="StableCheckpoint", reclaimable=True):
+    """:meth:`DirectoryLock.acquire` (the lock of a local directory)."""
+    return DirectoryLock.acquire(directory, token, writer=writer, reclaimable=reclaimable)
+
+
 # -- the files ------------------------------------------------------------------------------
+STORAGE_OPTIONS = None
+"""The ``storage_options`` of a local directory's saves and restores: none."""
+
+
+def begin_save(path) -> None:
+    """Nothing: a local checkpoint replaces the one of its step by an atomic rename."""
+
+
+def commit(path, step, info) -> None:
+    """Nothing: a local checkpoint is visible once renamed into place, and complete then."""
+
+
 def checkpoints(directory) -> list:
     """Paths of the checkpoints in ``directory``, newest first (files named
     ``ckpt-<10 digits>.h5``; ``[]`` if ``directory`` is not a folder)."""
@@ -500,7 +533,7 @@ def warn_unreadable(directory, skipped, moved, restored, where, writer="StableCh
     )
 
 
-def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoint"):
+def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoint", read=storage.read_file):
     """Read the checkpoints ``paths`` of ``directory`` (newest first) until one restores.
 
     Each file is read once (one open handle, every check made on the bytes read through
@@ -510,7 +543,8 @@ def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoi
     (``CorruptCheckpointError``, ``CheckpointFormatError``, raised by the read or by
     ``restore``; a FIFO, device or other non-regular file; a symbolic link to nothing)
     goes to ``unreadable(path, err)`` and the next one is tried; a file removed since it
-    was listed is skipped.
+    was listed is skipped. ``read(path)`` reads a record (an object store's directory
+    reads through its filesystem).
 
     Returns:
         The path restored, or ``None`` if none was left.
@@ -525,7 +559,7 @@ def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoi
     """
     for path in paths:
         try:
-            record = storage.read_file(path)
+            record = read(path)
             restore(path, record)
         except CheckpointInUseError as err:
             holder = f" ({err.holder})" if err.holder else ""

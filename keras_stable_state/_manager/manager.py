@@ -8,7 +8,6 @@ import weakref
 
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import policy
@@ -24,7 +23,11 @@ from keras_stable_state._manager.records import (
     refuse_orbax,
     saved_message,
 )
+from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+
+_CONFIG_NAMES = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background", "verbose")
+_CONFIG_NAMES += ("storage_options",)
 
 
 class CheckpointManager:
@@ -75,9 +78,19 @@ class CheckpointManager:
     ``StateError`` outside an entered guard of this manager (no signal is handled there) and
     if the processes asked at different steps. See ``docs/how-to/preemption.md``.
 
+    In an object store (``directory`` an ``s3://``, ``gs://``, ``memory://``... URL, through
+    fsspec: see ``docs/how-to/cloud-storage.md``) each checkpoint is uploaded whole, then
+    its commit marker ``ckpt-<step:010d>.h5.commit``; the listing (and so "latest") takes only
+    checkpoints whose marker is there and names the object as it is, pruning removes the
+    marker first, unreadable checkpoints are copied into ``unreadable/`` then removed, and
+    left-overs of a killed writer are cleaned up when the lock is taken. The lock is the
+    object ``.stable-checkpoint.lock``, created with an exclusive write; a stale one is taken
+    over only if its holder ran on this host and has died.
+
     Args:
         directory: Folder of the checkpoints (created on the first lock): a ``str``,
-            ``bytes`` or ``os.PathLike``. Nothing else should write into it.
+            ``bytes`` or ``os.PathLike``, a ``file://`` URL (the local path it names) or an
+            object-store URL. Nothing else should write into it.
         max_to_keep: How many latest checkpoints to keep (``>= 1``), or ``None`` to keep
             every one. With ``save_on_background`` a file is pruned only once the new one
             is written.
@@ -95,8 +108,16 @@ class CheckpointManager:
             by the next :meth:`save`, :meth:`check_for_errors`, :meth:`wait` or
             :meth:`close`.
         verbose: ``1`` prints one line per save and restore (Keras' ``print_msg``).
+        storage_options: For an object-store URL: a ``dict`` passed to its fsspec filesystem
+            (every save, restore and listing), or ``None``; fsspec's configuration and the
+            store's environment variables apply as fsspec applies them.
 
     Attributes:
+        files: What reads and writes the directory: the module
+            ``keras_stable_state._manager.directory`` for a local folder, a
+            ``RemoteDirectory`` (``_manager.remote_directory``) for an object store; both
+            have ``size_of(path)``, ``checkpoints(directory)``... (internal, may change).
+        storage_options: The ``storage_options`` of an object-store directory, or ``None``.
         name: What messages, warnings and the lock file call this writer
             (``"CheckpointManager"``; the manager of a ``StableCheckpoint``:
             ``"StableCheckpoint"``).
@@ -119,9 +140,10 @@ class CheckpointManager:
             ``directory`` ending in ``.orbax`` (the manager writes ``.h5`` files).
         TypeError: on construction, if ``directory`` is not a path or
             ``save_on_background`` not a bool.
-        CheckpointFormatError: on construction, for an object-store URL (``s3://``,
-            ``gs://``...: the manager keeps its checkpoints in a local or mounted folder;
-            nothing is written). A ``file://`` URL is the local path it names.
+        CheckpointFormatError: on construction, for ``storage_options`` with a local
+            directory, or a ``file://`` URL on another host.
+        StorageBackendError: on construction, for a URL whose fsspec implementation is not
+            installed, naming the package (nothing is written anywhere).
 
     Example:
         >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
@@ -143,8 +165,9 @@ class CheckpointManager:
         mode="auto",
         save_on_background=False,
         verbose=0,
+        storage_options=None,
     ):
-        self.directory = storage.fs_path(directory, "directory")
+        self.directory, self.files = open_directory(directory, storage_options, "CheckpointManager")
         refuse_orbax(self.directory)
         self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
         if not isinstance(save_on_background, bool):
@@ -153,6 +176,7 @@ class CheckpointManager:
             )
         if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
+        self.storage_options = self.files.STORAGE_OPTIONS
         self.max_to_keep = max_to_keep
         self.keep_best = keep_best
         self.monitor = monitor
@@ -175,9 +199,8 @@ class CheckpointManager:
 
     def get_config(self) -> dict:
         """The constructor arguments: ``{"directory", "max_to_keep", "keep_best", "monitor",
-        "mode", "save_on_background", "verbose"}``."""
-        names = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background", "verbose")
-        return {name: getattr(self, name) for name in names}
+        "mode", "save_on_background", "verbose", "storage_options"}``."""
+        return {name: getattr(self, name) for name in _CONFIG_NAMES}
 
     def _say(self, message):
         if self.verbose:
@@ -194,18 +217,18 @@ class CheckpointManager:
                 ``StableCheckpoint``, in this process or another) holds the directory,
                 naming its pid and host.
             NotADirectoryError: if ``directory`` is a file.
-            StateError: if the lock file is a symbolic link, a hard link of another file or
-                not a regular file, or on a platform without ``flock`` (Windows).
-            OSError: if the directory or its lock file cannot be created or locked
-                (read-only file system: ``errno.EROFS``; permissions), naming it.
+            StateError: if the lock file is a symbolic link, a hard link of another file or not a
+                regular file, on a platform without ``flock`` (Windows), or in a store without exclusive writes.
+            OSError: if the directory or its lock file (object) cannot be created or locked (read-only
+                file system: ``errno.EROFS``; permissions; no bucket, refused credentials), naming it.
         """
-        files.prepare(self.directory, self.name)
-        self._lock = files.DirectoryLock.acquire(
+        self.files.prepare(self.directory, self.name)
+        self._lock = self.files.acquire_lock(
             self.directory, self._token, writer=self.name, reclaimable=reclaimable
         )
         if self._finalizer is None:  # released when the manager is garbage collected or the process exits
-            self._finalizer = weakref.finalize(self, files.release_token, self._token)
-        self.removed_temporary_files = files.remove_temporary_files(self.directory)
+            self._finalizer = weakref.finalize(self, self.files.release_token, self._token)
+        self.removed_temporary_files = self.files.remove_temporary_files(self.directory)
         if self.removed_temporary_files:
             self._say(
                 f"removed {len(self.removed_temporary_files)} temporary file(s) of an interrupted save: "
@@ -264,7 +287,7 @@ class CheckpointManager:
     # -- listing ----------------------------------------------------------------------------
     def checkpoints(self) -> list:
         """Paths of the checkpoints in the directory (``ckpt-<10 digits>.h5``), newest first."""
-        return files.checkpoints(self.directory)
+        return self.files.checkpoints(self.directory)
 
     def all_steps(self) -> list:
         """The steps of the checkpoints in the directory, oldest first (unreadable ones too)."""
@@ -277,11 +300,11 @@ class CheckpointManager:
 
     def _summary(self, path):
         """``(metadata, record, version)`` of ``path``, read once per written file."""
-        key = files.identity(path)
+        key = self.files.identity(path)
         cached = self._summaries.get(path)
         if cached is not None and key is not None and cached[0] == key:
             return cached[1]
-        metadata, extra, version = files.read_summary(path)
+        metadata, extra, version = self.files.read_summary(path)
         record = (extra.get("providers") or {}).get(RECORD)
         summary = (metadata, record if isinstance(record, dict) else {}, version)
         self._summaries[path] = (key, summary)
@@ -322,11 +345,11 @@ class CheckpointManager:
                 :func:`keras_stable_state.format.open_file`).
         """
         path = self._path(check_step(step))
-        return metadata_of(step, path, self._summary(path), files.size_of(path))
+        return metadata_of(step, path, self._summary(path), self.files.size_of(path))
 
     def _path(self, step):
         path = files.path_of(self.directory, step)
-        if not files.exists(path):
+        if not self.files.exists(path):
             raise FileNotFoundError(
                 errno.ENOENT,
                 f"No checkpoint of step {step} in {self.directory!r}; its steps are {self.all_steps()}.",
@@ -372,12 +395,14 @@ class CheckpointManager:
         if self.monitor is not None:  # read by `keras-stable-state ls` to name the best
             info.update(monitor=self.monitor, mode=self._direction)
         started = time.perf_counter()
+        self.files.begin_save(path)
         result = checkpoint.save_training_state(
             path,
             model,
             optimizer,
             state={**providers, RECORD: ManagerRecord(info)},
             blocking=not self.save_on_background,
+            storage_options=self.files.STORAGE_OPTIONS,
             **state,
         )
         if self.save_on_background:
@@ -412,12 +437,13 @@ class CheckpointManager:
         self._saved(step, handle.path, info, handle.write_secs, handle.blocked_secs)
 
     def _saved(self, step, path, info, secs, blocked_secs):
+        self.files.commit(path, step, info)
         self._summaries.pop(path, None)
         self.prune(newest=path)
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)
         elif self.verbose:
-            self._say(saved_message(path, f"step {step}", files.size_of(path), secs, blocked_secs))
+            self._say(saved_message(path, f"step {step}", self.files.size_of(path), secs, blocked_secs))
 
     def prune(self, newest=None) -> list:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
@@ -429,7 +455,7 @@ class CheckpointManager:
         best = self._best_steps(paths, self.keep_best) if self.keep_best else []
         kept = policy.kept_steps([files.step_of(p) for p in paths], newest_step, self.max_to_keep, best)
         removed = [p for p in paths if files.step_of(p) not in kept]
-        files.remove(removed)
+        self.files.remove(removed)
         for path in removed:
             self._summaries.pop(path, None)
         return removed
@@ -465,6 +491,7 @@ class CheckpointManager:
                 does not fit the model: nothing is moved aside); for ``"best"`` and int
                 steps, an unreadable checkpoint's error (no fallback).
         """
+        restore_options.setdefault("storage_options", self.files.STORAGE_OPTIONS)
         options = checkpoint.RestoreOptions.from_keywords("CheckpointManager.restore", **restore_options)
         if isinstance(step, str) and step not in ("latest", "best"):
             raise ValueError(f"`step` must be 'latest', 'best' or an int. Received: step={step!r}")
@@ -529,10 +556,10 @@ class CheckpointManager:
             if unreadable is not None:
                 unreadable(path, err)
             self.skipped_checkpoints.append((path, str(err)))
-            self.moved_checkpoints.append((path, files.move_aside(self.directory, path, self.name)))
+            self.moved_checkpoints.append((path, self.files.move_aside(self.directory, path, self.name)))
             self._summaries.pop(path, None)
 
-        return files.restore_newest(self.checkpoints(), self.directory, restore, moved, self.name)
+        return self.files.restore_newest(self.checkpoints(), self.directory, restore, moved, self.name)
 
 
 def wait_for_earlier_saves(directory) -> None:

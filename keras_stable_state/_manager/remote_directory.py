@@ -1,0 +1,545 @@
+"""A :class:`~keras_stable_state.CheckpointManager` directory in an object store
+(``s3://``, ``gs://``, ``az://``, ``memory://``...) reached through fsspec.
+
+An object store has no atomic rename and no ``flock``, so a checkpoint is made visible
+by a commit marker instead, and the one-writer rule by a lock object:
+
+* **Checkpoints and markers.** Each checkpoint ``ckpt-<step:010d>.h5`` is written locally,
+  then uploaded whole (:func:`~keras_stable_state.format.remote.upload_written`: the
+  object appears only once its upload completes); then its commit marker
+  ``ckpt-<step:010d>.h5.commit`` (:data:`MARKER_SUFFIX`) is written: a small JSON object
+  holding the object's size and ETag and the manager's record (step, epoch, metrics,
+  wall time), the writer's backend and format version. A checkpoint **is** in the
+  directory only when its marker is there and names the object's current size (and
+  ETag, where the store gives one): :meth:`RemoteDirectory.checkpoints` lists those
+  alone, so ``latest_step()``, ``all_steps()`` and ``restore(step="latest")`` never pick
+  an object whose upload was interrupted, nor one replaced behind the marker's back.
+  Saving a step that is already there removes its marker first. Pruning removes the
+  marker first, then the object, so a half-removed checkpoint is never listed.
+  ``metadata()``, ``best_step()`` and pruning read the markers, never the objects.
+* **Left-overs.** When the lock is taken (so no other writer can be saving), objects a
+  killed writer left are cleaned up: a checkpoint object without a marker (its upload
+  or its marker was interrupted) and a ``.kss-*`` temporary object are removed; a marker
+  without its object (an interrupted prune) is removed; a checkpoint whose marker is
+  damaged or names another object is moved aside into ``unreadable/`` with its marker
+  (it may be a good checkpoint with a bad marker: it is kept, never listed).
+* **Unreadable checkpoints** (a committed object that fails its checks) are copied into
+  ``<directory>/unreadable/`` (``<name>.<n>`` if taken), then their marker and object are
+  removed: the copy and delete of an object store, in place of a rename.
+* **The lock** is the object ``.stable-checkpoint.lock``, created with an exclusive
+  (conditional, ``If-None-Match: *``) write where the filesystem offers one (fsspec's
+  ``pipe_file(mode="create")``: s3fs on S3 and S3-compatible stores, gcsfs, ``memory://``);
+  a filesystem that refuses that write mode is refused (no lock is pretended). It holds
+  the writer's kind, pid and host and a random nonce, and is removed on release (only
+  if it is still this writer's). Nothing releases the lock of a process that died: a
+  lock whose holder is on this host and no longer runs is taken over; one held by
+  another host is refused with :class:`~keras_stable_state.CheckpointInUseError`
+  naming it and the lock object to remove once that writer is known to be gone. What
+  is assumed: one writer per directory, which the lock enforces among writers that use
+  it (a writer that ignores it, or a store that does not honour the conditional write,
+  is not stopped).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+
+import keras
+
+from keras_stable_state import format as storage
+from keras_stable_state._manager import directory as local
+from keras_stable_state._manager.records import RECORD
+from keras_stable_state.errors import (
+    CheckpointFormatError,
+    CheckpointInUseError,
+    CorruptCheckpointError,
+    StateError,
+)
+
+__all__ = ["MARKER_SUFFIX", "RemoteDirectory", "RemoteLock"]
+
+MARKER_SUFFIX = ".commit"
+"""The suffix of a checkpoint's commit marker (``ckpt-<step:010d>.h5.commit``)."""
+_MARKER = re.compile(r"^(ckpt-\d{10}\.h5)\.commit$")
+
+_HELD = {}  # lock object URL -> RemoteLock held by this process
+_HELD_GUARD = threading.Lock()
+_GONE = object()  # the lock object was removed while it was being read
+
+
+def _float_out(value):
+    return value if not isinstance(value, float) or math.isfinite(value) else repr(value)
+
+
+def _encode(info: dict) -> dict:
+    """The manager's record as JSON (a non-finite metric as ``"nan"``, ``"inf"``, ``"-inf"``)."""
+    metrics = {k: _float_out(v) for k, v in (info.get("metrics") or {}).items()}
+    return {**info, "metrics": metrics}
+
+
+def _decode(record) -> dict:
+    if not isinstance(record, dict):
+        return {}
+    metrics = record.get("metrics")
+    if isinstance(metrics, dict):
+        record = {**record, "metrics": {k: float(v) if isinstance(v, str) else v for k, v in metrics.items()}}
+    return record
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a process id: never taken for a dead holder
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class RemoteLock:
+    """The lock object of an object-store directory, held by one writer of this process.
+
+    Attributes:
+        url: The lock object's URL.
+        fd: Not ``None`` while held (the name is :class:`~keras_stable_state._manager.
+            directory.DirectoryLock`'s; there is no file descriptor).
+        token, thread, reclaimable, writer: As for ``DirectoryLock``.
+    """
+
+    def __init__(self, store, directory, nonce):
+        self.store = store
+        self.url = store.url
+        self.directory = directory
+        self.nonce = nonce
+        self.fd = nonce
+        self.pid = os.getpid()
+        self.token = None
+        self.thread = None
+        self.reclaimable = False
+        self.writer = "StableCheckpoint"
+
+    def release(self, token) -> None:
+        """Remove the lock object if ``token`` owns the lock and it is still this writer's.
+
+        Raises:
+            OSError: the store's errors when reading or removing it.
+        """
+        with _HELD_GUARD:
+            if self.fd is None or self.token != token:
+                return
+            self.fd = None
+            if _HELD.get(self.url) is self:
+                del _HELD[self.url]
+            if self.pid != os.getpid():
+                return  # a forked child never removes its parent's lock
+            try:
+                info = json.loads(self.store.read_bytes().decode("utf-8"))
+            except (FileNotFoundError, ValueError):
+                return  # removed, or replaced by something not ours: not ours to remove
+            if isinstance(info, dict) and info.get("nonce") == self.nonce:
+                self.store.remove()
+
+
+def _forget_locks_in_child():
+    global _HELD_GUARD
+    _HELD_GUARD = threading.Lock()
+    for held in list(_HELD.values()):
+        held.fd = None
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
+
+
+class RemoteDirectory:
+    """The directory of a manager in an object store: the functions of
+    :mod:`keras_stable_state._manager.directory` as methods (see the module docstring
+    for the markers, the lock and the clean-up).
+
+    Args:
+        url: The directory's URL (``"s3://bucket/run"``).
+        storage_options: ``dict`` for the fsspec filesystem, or ``None``.
+
+    Raises:
+        StorageBackendError: if fsspec or the scheme's implementation is not installed,
+            naming the package to install (nothing is read or written).
+        TypeError: if ``storage_options`` is not a ``dict`` (or ``None``).
+    """
+
+    def __init__(self, url: str, storage_options=None):
+        self.folder = storage.remote.RemotePath(url, storage_options)
+        self.url = self.folder.url
+        self.STORAGE_OPTIONS = self.folder.storage_options or None
+        self._markers = {}  # marker name -> ((size, etag) of the marker, payload or the error)
+        self._committed = {}  # checkpoint URL -> its marker's payload, from the last listing
+
+    # -- listing ------------------------------------------------------------------------
+    def _entries(self) -> dict:
+        """``{name: (size, etag)}`` of the objects directly in the folder, listed now."""
+        fs = self.folder.fs
+        fs.invalidate_cache(self.folder.path)
+        try:
+            entries = fs.ls(self.folder.path, detail=True)
+        except FileNotFoundError:
+            return {}
+        found = {}
+        for entry in entries:
+            name = str(entry.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
+            if entry.get("type") == "file" and name:
+                found[name] = (int(entry.get("size") or 0), entry.get("ETag") or entry.get("etag"))
+        return found
+
+    def _marker(self, name, key):
+        """The payload of marker ``name`` (listed with ``key``), or the error reading it."""
+        cached = self._markers.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            payload = storage.remote.read_marker(self.folder, name)
+        except CorruptCheckpointError as err:
+            payload = err
+        if payload is None:
+            payload = FileNotFoundError(f"{name} was removed since it was listed")
+        self._markers[name] = (key, payload)
+        return payload
+
+    def _sort(self, entries):
+        """``(committed {name: payload}, no marker [names], bad marker [(name, reason)],
+        orphan markers [names], temporary [names])``."""
+        committed, bare, bad, orphans = {}, [], [], []
+        for name, (size, etag) in entries.items():
+            if local.step_of(name) is None:
+                continue
+            marker = name + MARKER_SUFFIX
+            if marker not in entries:
+                bare.append(name)
+                continue
+            payload = self._marker(marker, entries[marker])
+            if isinstance(payload, FileNotFoundError):
+                bare.append(name)
+            elif isinstance(payload, Exception):
+                bad.append((name, str(payload)))
+            elif payload.get("size") != size or (etag and payload.get("etag") and payload["etag"] != etag):
+                bad.append((name, f"its marker names an object of {payload.get('size')} bytes, ETag "
+                            f"{payload.get('etag')}; the object is {size} bytes, ETag {etag}"))  # fmt: skip
+            else:
+                committed[name] = payload
+        for name in entries:
+            found = _MARKER.match(name)
+            if found and found.group(1) not in entries:
+                orphans.append(name)
+        temporary = [n for n in entries if n.startswith(local.TEMP_PREFIX)]
+        return committed, bare, bad, orphans, temporary
+
+    def checkpoints(self, directory=None) -> list:
+        """URLs of the committed checkpoints, newest first (listed now)."""
+        committed = self._sort(self._entries())[0]
+        self._committed = {self._url(n): p for n, p in committed.items()}
+        return sorted(self._committed, reverse=True)
+
+    def _url(self, name):
+        return f"{self.url}/{name}"
+
+    def _name(self, path):
+        return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+    def exists(self, path) -> bool:
+        """Whether the checkpoint ``path`` is committed (listed now)."""
+        return path in self.checkpoints()
+
+    def _payload(self, path) -> dict:
+        payload = self._committed.get(path)
+        if payload is None and path in self.checkpoints():
+            payload = self._committed.get(path)
+        if payload is None:
+            raise FileNotFoundError(
+                errno.ENOENT, f"No committed checkpoint at {path!r} (its marker is missing).", path
+            )
+        return payload
+
+    def identity(self, path):
+        """The ``(size, ETag)`` the marker of ``path`` names, or ``None`` if it is not committed."""
+        try:
+            payload = self._payload(path)
+        except FileNotFoundError:
+            return None
+        return (payload.get("size"), payload.get("etag"))
+
+    def read_summary(self, path):
+        """``(metadata, extra, format version)`` as :func:`~keras_stable_state._manager.
+        directory.read_summary` returns them, from the marker of ``path`` (the object is
+        not read).
+
+        Raises:
+            FileNotFoundError: if ``path`` is not committed.
+        """
+        payload = self._payload(path)
+        metadata = {"backend": payload.get("backend")}
+        extra = {"providers": {RECORD: _decode(payload.get("record"))}}
+        return metadata, extra, payload.get("format_version")
+
+    def size_of(self, path) -> int:
+        """Size in bytes of the object at ``path`` (``FileNotFoundError`` naming it if gone)."""
+        return self.folder.child(self._name(path)).size()
+
+    # -- the lock -----------------------------------------------------------------------
+    def prepare(self, directory=None, writer="StableCheckpoint") -> None:
+        """Refuse a directory URL that is an object, not a folder (an object store has no
+        folders to create).
+
+        Raises:
+            NotADirectoryError: if an object is at the directory's URL.
+        """
+        if self.folder.path and self.folder.is_object():
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"{writer}'s directory {self.url!r} is an object, not a folder of objects. Pass a "
+                "folder URL (it holds ckpt-<step>.h5 objects); to save one object use "
+                "keras_stable_state.save_training_state",
+                self.url,
+            )
+
+    def acquire_lock(self, directory, token, *, writer="StableCheckpoint", reclaimable=True):
+        """Take the lock object (see the module docstring); the held :class:`RemoteLock`.
+
+        Raises:
+            CheckpointInUseError: if another writer holds it (in this process: as for a
+                local directory; elsewhere: naming its pid and host and the lock object).
+            StateError: if the filesystem has no exclusive write (no lock is pretended).
+            OSError: naming the lock object if it cannot be written (a missing bucket,
+                refused credentials).
+        """
+        store = self.folder.child(local.LOCK_NAME)
+        with _HELD_GUARD:
+            held = _HELD.get(store.url)
+            if held is not None:
+                local.refuse_other_owner(held, token, self.url)
+            else:
+                held = RemoteLock(store, self.url, self._create_lock(store, writer))
+                _HELD[store.url] = held
+            held.token, held.thread = token, threading.get_ident()
+            held.reclaimable, held.writer = reclaimable, writer
+            return held
+
+    def _create_lock(self, store, writer) -> str:
+        nonce = secrets.token_hex(8)
+        info = {
+            "writer": writer,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "nonce": nonce,
+        }
+        data = json.dumps(info).encode("utf-8")
+        holder = None
+        for _ in range(3):
+            try:
+                store.fs.pipe_file(store.path, data, mode="create")
+                return nonce
+            except FileExistsError:
+                holder = self._holder(store)
+            except (TypeError, NotImplementedError, ValueError) as err:
+                raise StateError(
+                    f"The checkpoint directory {self.url!r} cannot be locked: its filesystem "
+                    f"({type(store.fs).__name__}) offers no exclusive write (pipe_file(mode='create'): "
+                    f"{err}), and without one a second writer could not be refused. Use a local folder, "
+                    "or save single objects with keras_stable_state.save_training_state.",
+                    key=local.LOCK_NAME,
+                ) from err
+            except OSError as err:
+                raise OSError(
+                    err.errno,
+                    f"Cannot write the lock object {store.url!r} of the checkpoint directory {self.url!r} "
+                    f"({err}). Check the bucket, the URL and the credentials.",
+                    store.url,
+                ) from err
+            finally:
+                store.fs.invalidate_cache(store.path)
+            if holder is _GONE:
+                continue  # released since the write was refused: try again
+            if holder is None or holder.get("host") != socket.gethostname() or _alive(holder["pid"]):
+                break
+            store.remove()  # its holder ran on this host and is dead: the lock is stale
+        holder = None if holder is _GONE else holder
+        text = local.holder_text(holder) if holder else None
+        raise CheckpointInUseError(
+            f"Checkpoint directory {self.url!r} is in use by another {local.writer_of(holder)} writer "
+            f"({text or 'holder unknown: the lock object names none'}); wait for it to finish or use "
+            f"another directory. (The lock is the object {store.url!r}; nothing releases the lock of "
+            "a writer that died on another host: once you know that writer is gone, remove that object "
+            "and run again.)",
+            path=self.url,
+            holder=text,
+        )
+
+    def _holder(self, store):
+        try:
+            info = json.loads(store.read_bytes().decode("utf-8"))
+        except FileNotFoundError:
+            return _GONE  # removed meanwhile: try again
+        except ValueError:
+            return None
+        ok = isinstance(info, dict) and isinstance(info.get("pid"), int)
+        return info if ok else None
+
+    def release_token(self, token) -> None:
+        """Release every lock of this process that ``token`` owns: the manager's finalizer
+        (garbage collection, the end of the process). A store that cannot be reached then
+        keeps the lock object (the next writer of this host takes it over; another host's
+        is told to remove it): an error at the end of a process has no caller to go to."""
+        for held in list(_HELD.values()):
+            try:
+                held.release(token)
+            except Exception:  # the store's errors (no connection at exit...): see above
+                continue
+
+    def remove_temporary_files(self, directory=None) -> list:
+        """Clean up what a killed writer left (see the module docstring); the URLs removed
+        or moved aside. Call it holding the lock."""
+        entries = self._entries()
+        _, bare, bad, orphans, temporary = self._sort(entries)
+        done = []
+        for name in [*temporary, *bare, *orphans]:
+            self.folder.child(name).remove()
+            done.append(self._url(name))
+        for name, _ in bad:
+            self.move_aside(self.url, self._url(name))
+            done.append(self._url(name))
+        return done
+
+    # -- saving and removing ------------------------------------------------------------
+    def begin_save(self, path) -> None:
+        """Remove the marker of ``path``'s step, if any: the checkpoint being replaced is
+        not in the directory until its new marker is written."""
+        self._forget(path)
+        self.folder.child(self._name(path) + MARKER_SUFFIX).remove()
+
+    def _forget(self, path) -> None:
+        # A marker read is cached by its listed (size, ETag); a store without ETags
+        # (memory://) could list a rewritten marker of the same size as the old one.
+        self._committed.pop(path, None)
+        self._markers.pop(self._name(path) + MARKER_SUFFIX, None)
+
+    def commit(self, path, step, info) -> None:
+        """Write the marker of the uploaded checkpoint ``path`` (``info``: the manager's record).
+
+        Raises:
+            FileNotFoundError: if the object is not there.
+            OSError: naming the marker when it cannot be written.
+        """
+        name = self._name(path)
+        obj = self.folder.child(name)
+        obj.fs.invalidate_cache(obj.path)
+        try:
+            found = obj.fs.info(obj.path)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                errno.ENOENT, f"The checkpoint {path!r} just saved is not in the store.", path
+            ) from err
+        payload = {
+            "step": step,
+            "object": name,
+            "size": int(found.get("size") or 0),
+            "etag": found.get("ETag") or found.get("etag"),
+            "record": _encode(info),
+            "backend": keras.backend.backend(),
+            "format_version": storage.FORMAT_VERSION,
+        }
+        self._forget(path)
+        storage.remote.write_marker(self.folder, name + MARKER_SUFFIX, payload)
+
+    def remove(self, paths) -> None:
+        """Remove the checkpoints ``paths``: each marker first, then its object."""
+        for path in paths:
+            name = self._name(path)
+            self.folder.child(name + MARKER_SUFFIX).remove()
+            self.folder.child(name).remove()
+            self._forget(path)
+
+    def move_aside(self, directory, path, writer="StableCheckpoint"):
+        """Copy the checkpoint ``path`` into ``<directory>/unreadable/`` (``<name>.<n>`` if
+        taken), then remove its marker and object; the copy's URL, or ``None`` if the
+        object was removed meanwhile.
+
+        Raises:
+            StateError: if it cannot be copied or removed.
+        """
+        name = self._name(path)
+        fs = self.folder.fs
+        aside = storage.remote.RemotePath(f"{self.url}/{local.UNREADABLE_DIR}", _fs=fs, _path=f"{self.folder.path}/{local.UNREADABLE_DIR}")  # fmt: skip
+        taken = set(aside.list())
+        target, n = name, 1
+        while target in taken:
+            target, n = f"{name}.{n}", n + 1
+        copy = aside.child(target)
+        try:
+            fs.copy(self.folder.child(name).path, copy.path)
+        except FileNotFoundError:
+            self.folder.child(name + MARKER_SUFFIX).remove()
+            return None
+        except OSError as err:
+            raise StateError(
+                f"Checkpoint {path!r} is unreadable and could not be copied aside to {copy.url!r} ({err}). "
+                f"Move or delete it (and its marker {name + MARKER_SUFFIX!r}) yourself: {writer} does not "
+                "restore it, and left in place it would count as one of the `max_to_keep` newest.",
+            ) from err
+        fs.invalidate_cache(aside.path)
+        self.remove([path])
+        return copy.url
+
+    def restore_newest(self, paths, directory, restore, unreadable, writer="StableCheckpoint"):
+        """:func:`~keras_stable_state._manager.directory.restore_newest`, reading each
+        object whole through the store."""
+
+        def read(path):
+            return storage.read_file(path, storage_options=self.STORAGE_OPTIONS)
+
+        return local.restore_newest(paths, self.url, restore, unreadable, writer, read=read)
+
+
+def refuse_options(storage_options, directory, writer) -> None:
+    """Refuse ``storage_options`` given with a local ``directory``.
+
+    Raises:
+        CheckpointFormatError: naming the directory.
+    """
+    if storage_options is not None:
+        raise CheckpointFormatError(
+            f"`storage_options` of {writer} are options of an object store's fsspec filesystem, but "
+            f"{directory!r} is a local path. Leave `storage_options` out, or pass the directory's URL "
+            "(s3://bucket/run, gs://...).",
+            expected="an object-store URL",
+            received=directory,
+        )
+
+
+def open_directory(directory, storage_options, writer):
+    """``(directory, files)`` of a manager: ``directory`` as a ``str`` (a ``file://`` URL
+    as the local path it names) and what reads and writes it: the module
+    :mod:`~keras_stable_state._manager.directory` for a local folder, a
+    :class:`RemoteDirectory` for an object-store URL.
+
+    Raises:
+        TypeError: if ``directory`` is not a ``str``, ``bytes`` or ``os.PathLike``, or
+            ``storage_options`` not a ``dict`` (or ``None``).
+        CheckpointFormatError: for ``storage_options`` with a local directory, or a
+            ``file://`` URL on another host.
+        StorageBackendError: if fsspec or the scheme's implementation is not installed.
+    """
+    directory = storage.remote.resolve(storage.fs_path(directory, "directory", urls=True), "directory")
+    if storage.remote.is_remote(directory):
+        files = RemoteDirectory(directory, storage_options)
+        return files.url, files
+    refuse_options(storage_options, directory, writer)
+    return storage.fs_path(directory, "directory"), local
