@@ -7,11 +7,12 @@ import time
 import weakref
 
 from keras_stable_state import _core as checkpoint
+from keras_stable_state import _processes as processes
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
-from keras_stable_state._manager import policy
+from keras_stable_state._manager import orbax_steps, policy
 from keras_stable_state._manager.records import (
     RECORD,
     CheckpointMetadata,
@@ -20,7 +21,6 @@ from keras_stable_state._manager.records import (
     check_save_keywords,
     check_step,
     metadata_of,
-    refuse_orbax,
 )
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
 
@@ -55,6 +55,15 @@ class CheckpointManager:
     file) is moved into ``<directory>/unreadable/`` and the one before is tried, with an
     :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each moved file,
     exactly as ``StableCheckpoint`` does on train begin.
+
+    A ``directory`` named ``*.orbax`` holds ``.orbax`` step directories
+    ``ckpt-<step:010d>.orbax`` instead (the ``.orbax`` engine of ``save_training_state``:
+    every JAX process writes its own shards; a step is committed by renaming its
+    ``.ckpt-<step>.orbax.kss-partial`` folder, so the newest is never an incomplete one).
+    With several JAX processes every process calls :meth:`save`, :meth:`restore`,
+    :meth:`lock` and :meth:`prune` (collectives): process 0 alone takes the lock, prunes
+    and moves unreadable checkpoints aside, the others wait for it, and all restore the
+    checkpoints process 0 lists.
 
     Args:
         directory: Folder of the checkpoints (created on the first lock): a ``str``,
@@ -96,8 +105,10 @@ class CheckpointManager:
 
     Raises:
         ValueError: on construction, for an invalid ``max_to_keep``, ``keep_best``,
-            ``monitor``, ``mode`` or ``verbose``, ``keep_best`` without ``monitor``, or a
-            ``directory`` ending in ``.orbax`` (the manager writes ``.h5`` files).
+            ``monitor``, ``mode`` or ``verbose``, ``keep_best`` without ``monitor``, or
+            ``save_on_background=True`` for a ``directory`` ending in ``.orbax``.
+        StateError: on construction, for a ``directory`` ending in ``.orbax`` when
+            orbax-checkpoint (the ``[orbax]`` extra) is not installed.
         TypeError: on construction, if ``directory`` is not a path or
             ``save_on_background`` not a bool.
         CheckpointFormatError: on construction, for an object-store URL (``s3://``,
@@ -126,12 +137,12 @@ class CheckpointManager:
         verbose=0,
     ):
         self.directory = storage.fs_path(directory, "directory")
-        refuse_orbax(self.directory)
         self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
         if not isinstance(save_on_background, bool):
             raise TypeError(
                 f"`save_on_background` must be a bool. Received: save_on_background={save_on_background!r}"
             )
+        orbax_steps.check_options(self.directory, save_on_background)
         if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
         self.max_to_keep = max_to_keep
@@ -179,6 +190,15 @@ class CheckpointManager:
             OSError: if the directory or its lock file cannot be created or locked
                 (read-only file system: ``errno.EROFS``; permissions), naming it.
         """
+        if processes.process_count() > 1:  # process 0 locks and cleans; the others wait for it
+            self.removed_temporary_files = processes.share_from_primary(
+                self.directory, lambda: self._lock_here(reclaimable)
+            )
+            self._lock = self._lock if processes.process_index() == 0 else _FOLLOWER
+            return self.removed_temporary_files
+        return self._lock_here(reclaimable)
+
+    def _lock_here(self, reclaimable=False):
         files.prepare(self.directory, self.name)
         self._lock = files.DirectoryLock.acquire(
             self.directory, self._token, writer=self.name, reclaimable=reclaimable
@@ -197,6 +217,8 @@ class CheckpointManager:
     def locked(self) -> bool:
         """Whether this manager holds its directory's lock."""
         lock = self._lock
+        if lock is _FOLLOWER:
+            return True
         return lock is not None and lock.fd is not None and lock.token == self._token
 
     def _ensure_locked(self):
@@ -206,7 +228,7 @@ class CheckpointManager:
     def release(self) -> None:
         """Release the lock now, without waiting for a background save (see :meth:`close`)."""
         lock, self._lock = self._lock, None
-        if lock is not None:
+        if lock is not None and lock is not _FOLLOWER:
             lock.release(self._token)
 
     def close(self) -> None:
@@ -394,7 +416,16 @@ class CheckpointManager:
 
     def prune(self, newest=None) -> list:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
-        them) and the best ``keep_best``; the paths removed."""
+        them) and the best ``keep_best``; the paths removed. With several JAX processes
+        every process calls it, process 0 removes."""
+        if processes.process_count() > 1:
+            removed = processes.share_from_primary(self.directory, lambda: self._prune_here(newest))
+            for path in removed:
+                self._summaries.pop(path, None)
+            return removed
+        return self._prune_here(newest)
+
+    def _prune_here(self, newest):
         paths = self.checkpoints()
         if self.max_to_keep is None:
             return []
@@ -502,10 +533,19 @@ class CheckpointManager:
             if unreadable is not None:
                 unreadable(path, err)
             self.skipped_checkpoints.append((path, str(err)))
-            self.moved_checkpoints.append((path, files.move_aside(self.directory, path, self.name)))
+            target = processes.share_from_primary(
+                path, lambda: files.move_aside(self.directory, path, self.name)
+            )  # with several JAX processes: process 0 moves it, once every process has read it
+            self.moved_checkpoints.append((path, target))
             self._summaries.pop(path, None)
 
-        return files.restore_newest(self.checkpoints(), self.directory, restore, moved, self.name)
+        # Several JAX processes try the same checkpoints: those process 0 lists.
+        paths = processes.share_from_primary(self.directory, self.checkpoints)
+        return files.restore_newest(paths, self.directory, restore, moved, self.name)
+
+
+_FOLLOWER = object()
+"""The lock of a manager on a JAX process other than 0: process 0 holds the directory's."""
 
 
 def wait_for_earlier_saves(directory) -> None:

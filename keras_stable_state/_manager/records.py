@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import types
 
-from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._manager import directory as files
 
 RECORD = "checkpoint"
@@ -122,17 +121,6 @@ def metadata_of(step, path, summary, size_bytes) -> CheckpointMetadata:
         format=version,
         backend=metadata.get("backend"),
     )
-
-
-def refuse_orbax(directory) -> None:
-    """Raise ``ValueError`` for a manager directory named ``*.orbax``."""
-    if orbax_engine.is_orbax_path(directory):
-        raise ValueError(
-            f"CheckpointManager({directory!r}): the manager writes ckpt-<step>.h5 files into its "
-            "directory, so a directory named '*.orbax' would hold .h5 files, not an Orbax checkpoint. "
-            "Give it a directory not ending in '.orbax' (the .orbax engine is reached through "
-            "keras_stable_state.save_training_state with a path ending in '.orbax')."
-        )
 
 
 def check_save_keywords(state: dict, epoch) -> dict:
