@@ -109,7 +109,9 @@ def test_manager_on_orbax_steps_keeps_latest_and_best(tmp_path, data):
 
 @pytest.mark.parametrize("make", [kss.StableCheckpoint, kss.CheckpointManager])
 def test_background_saves_are_refused_for_orbax_steps(tmp_path, make):
-    with pytest.raises(ValueError, match=r"save_on_background=True.*Orbax engine writes in the calling thread"):
+    with pytest.raises(
+        ValueError, match=r"save_on_background=True.*Orbax engine writes in the calling thread"
+    ):
         make(tmp_path / "run.orbax", save_on_background=True)
     assert not (tmp_path / "run.orbax").exists()
 

@@ -7,8 +7,8 @@ import time
 import weakref
 
 from keras_stable_state import _core as checkpoint
-from keras_stable_state import _processes as processes
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _processes as processes
 from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
