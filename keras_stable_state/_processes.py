@@ -130,3 +130,12 @@ def share_from_primary(what: str, compute):
     size = int(multihost_utils.broadcast_one_to_all(np.int32(0 if data is None else data.size)))
     buffer = np.zeros(size, dtype=np.uint8) if data is None else data
     return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes().decode("utf-8"))
+
+
+def gather_ints(value: int) -> list:
+    """``value`` of every process, by process index (a collective; ``[value]`` with one)."""
+    if process_count() == 1:
+        return [int(value)]
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value))).reshape(-1)]
