@@ -21,7 +21,6 @@ import threading
 import time
 import warnings
 
-from keras_stable_state import _processes as processes
 from keras_stable_state import format as storage
 from keras_stable_state._manager import orbax_steps
 from keras_stable_state.errors import (
@@ -518,50 +517,19 @@ def warn_unreadable(directory, skipped, moved, restored, where, writer="StableCh
     )
 
 
-def _read(path):
+def read(path):
+    """The record of the checkpoint ``path`` (a ``.h5`` file or a ``.orbax`` step directory).
+
+    Raises:
+        Every error of :func:`keras_stable_state.format.read_file` (of :func:`.orbax_steps.read`).
+    """
     return orbax_steps.read(path) if orbax_steps.is_step(path) else storage.read_file(path)
 
 
-_OUTCOMES = ("read", "unreadable", "not found", "refused")
-
-
-def _read_agreed(path):
-    """The record of ``path``; with several JAX processes, once every process read it alike
-    (a collective), so that all take the same branch of :func:`restore_newest`.
-
-    Raises:
-        StateError: if the processes' reads ended differently, naming each outcome.
-        Exception: this process' read error, when every process failed alike.
-    """
-    code = 0
-    try:
-        record, failure = _read(path), None
-    except (CorruptCheckpointError, CheckpointFormatError) as err:
-        record, failure, code = None, err, 1
-    except FileNotFoundError as err:
-        record, failure, code = None, err, 2
-    except Exception as err:  # noqa: BLE001 - re-raised below, once the processes have compared
-        record, failure, code = None, err, 3
-    codes = processes.gather_ints(code)
-    if len(set(codes)) > 1:
-        told = ", ".join(f"process {i}: {_OUTCOMES[c]}" for i, c in enumerate(codes))
-        raise StateError(
-            f"The JAX processes read the checkpoint {path!r} differently ({told}): they must restore "
-            "the same checkpoint, and do not fall back on their own. Check that every process sees "
-            "the same files (one shared file system), then restore again.",
-            key=None,
-            expected="the same outcome on every process",
-            received=told,
-        ) from failure
-    if failure is not None:
-        raise failure
-    return record
-
-
-def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoint"):
+def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoint", read_with=read):
     """Read the checkpoints ``paths`` of ``directory`` (newest first) until one restores.
 
-    Each file is read once (one open handle, every check made on the bytes read through
+    Each file is read once (``read_with(path)``, by default :func:`read`; one open handle, every check made on the bytes read through
     it), and its record goes to ``restore(path, record)``, which restores everything
     from that record: a file replaced between the check and the restore cannot mix
     two files' state. A file that is unreadable
@@ -579,13 +547,11 @@ def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoi
         NewerFormatError: if a checkpoint was written by a newer keras_stable_state (it
             is not damaged: it is left in place, and there is no fallback).
         FileNotFoundError: if a file that still exists cannot be opened as such.
-        StateError: with several JAX processes, if their reads of a checkpoint ended
-            differently (each read alone, then they compare: a collective per file).
         Exception: any other error of ``restore`` (a checkpoint that does not fit the model).
     """
     for path in paths:
         try:
-            record = _read_agreed(path)
+            record = read_with(path)
             restore(path, record)
         except CheckpointInUseError as err:
             holder = f" ({err.holder})" if err.holder else ""

@@ -12,7 +12,7 @@ from keras_stable_state import _processes as processes
 from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
-from keras_stable_state._manager import orbax_steps, policy
+from keras_stable_state._manager import orbax_steps, policy, shared
 from keras_stable_state._manager.records import (
     RECORD,
     CheckpointMetadata,
@@ -60,9 +60,9 @@ class CheckpointManager:
     ``ckpt-<step:010d>.orbax`` instead (the ``.orbax`` engine of ``save_training_state``:
     every JAX process writes its own shards; a step is committed by renaming its
     ``.ckpt-<step>.orbax.kss-partial`` folder, so the newest is never an incomplete one).
-    With several JAX processes every process calls :meth:`save`, :meth:`restore`,
-    :meth:`lock` and :meth:`prune` (collectives): process 0 alone takes the lock, prunes
-    and moves unreadable checkpoints aside, the others wait for it, and all restore the
+    With several JAX processes every process calls :meth:`save`, :meth:`restore` and
+    :meth:`lock` (collectives): process 0 alone takes the lock, prunes after each save and
+    moves unreadable checkpoints aside, the others wait for it, and all restore the
     checkpoints process 0 lists.
 
     Args:
@@ -190,15 +190,11 @@ class CheckpointManager:
             OSError: if the directory or its lock file cannot be created or locked
                 (read-only file system: ``errno.EROFS``; permissions), naming it.
         """
-        if processes.process_count() > 1:  # process 0 locks and cleans; the others wait for it
-            self.removed_temporary_files = processes.share_from_primary(
-                self.directory, lambda: self._lock_here(reclaimable)
-            )
-            self._lock = self._lock if processes.process_index() == 0 else _FOLLOWER
-            return self.removed_temporary_files
-        return self._lock_here(reclaimable)
+        removed = processes.share_from_primary(self.directory, lambda: self._lock_here(reclaimable))
+        self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed  # JAX
+        return removed
 
-    def _lock_here(self, reclaimable=False):
+    def _lock_here(self, reclaimable):
         files.prepare(self.directory, self.name)
         self._lock = files.DirectoryLock.acquire(
             self.directory, self._token, writer=self.name, reclaimable=reclaimable
@@ -217,8 +213,6 @@ class CheckpointManager:
     def locked(self) -> bool:
         """Whether this manager holds its directory's lock."""
         lock = self._lock
-        if lock is _FOLLOWER:
-            return True
         return lock is not None and lock.fd is not None and lock.token == self._token
 
     def _ensure_locked(self):
@@ -228,7 +222,7 @@ class CheckpointManager:
     def release(self) -> None:
         """Release the lock now, without waiting for a background save (see :meth:`close`)."""
         lock, self._lock = self._lock, None
-        if lock is not None and lock is not _FOLLOWER:
+        if lock is not None:
             lock.release(self._token)
 
     def close(self) -> None:
@@ -404,7 +398,7 @@ class CheckpointManager:
 
     def _saved(self, step, path, info, secs, blocked_secs):
         self._summaries.pop(path, None)
-        self.prune(newest=path)
+        processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # JAX: process 0
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)
         elif self.verbose:
@@ -416,16 +410,7 @@ class CheckpointManager:
 
     def prune(self, newest=None) -> list:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
-        them) and the best ``keep_best``; the paths removed. With several JAX processes
-        every process calls it, process 0 removes."""
-        if processes.process_count() > 1:
-            removed = processes.share_from_primary(self.directory, lambda: self._prune_here(newest))
-            for path in removed:
-                self._summaries.pop(path, None)
-            return removed
-        return self._prune_here(newest)
-
-    def _prune_here(self, newest):
+        them) and the best ``keep_best``; the paths removed."""
         paths = self.checkpoints()
         if self.max_to_keep is None:
             return []
@@ -533,19 +518,11 @@ class CheckpointManager:
             if unreadable is not None:
                 unreadable(path, err)
             self.skipped_checkpoints.append((path, str(err)))
-            target = processes.share_from_primary(
-                path, lambda: files.move_aside(self.directory, path, self.name)
-            )  # with several JAX processes: process 0 moves it, once every process has read it
-            self.moved_checkpoints.append((path, target))
+            self.moved_checkpoints.append((path, shared.move_aside(self.directory, path, self.name)))
             self._summaries.pop(path, None)
 
-        # Several JAX processes try the same checkpoints: those process 0 lists.
-        paths = processes.share_from_primary(self.directory, self.checkpoints)
-        return files.restore_newest(paths, self.directory, restore, moved, self.name)
-
-
-_FOLLOWER = object()
-"""The lock of a manager on a JAX process other than 0: process 0 holds the directory's."""
+        paths = shared.checkpoints(self.directory)  # JAX: those process 0 lists, read by every process
+        return files.restore_newest(paths, self.directory, restore, moved, self.name, shared.read_agreed)
 
 
 def wait_for_earlier_saves(directory) -> None:
