@@ -152,3 +152,31 @@ def agree(table, what: str) -> bool:
             received=steps,
         )
     return bool(rows[:, 0].any())
+
+
+def share_from_primary(what: str, compute):
+    """``compute()`` run on process 0 only, its result (JSON values) returned on every process.
+
+    As :func:`run_on_primary` (the others wait; a failure on process 0 is raised there and
+    a :class:`StateError` on the others), then the result is broadcast to all.
+    """
+    result = run_on_primary(what, compute)
+    if process_count() == 1:
+        return result
+    import json
+
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(result).encode("utf-8"), dtype=np.uint8) if process_index() == 0 else None
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(0 if data is None else data.size)))
+    buffer = np.zeros(size, dtype=np.uint8) if data is None else data
+    return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes().decode("utf-8"))
+
+
+def gather_ints(value: int) -> list:
+    """``value`` of every process, by process index (a collective; ``[value]`` with one)."""
+    if process_count() == 1:
+        return [int(value)]
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value))).reshape(-1)]

@@ -64,8 +64,10 @@ class StableCheckpoint(keras.callbacks.Callback):
     generators the skipped batches are drawn from a fresh iterator, so the
     resume is exact only if their order is deterministic.
 
-    Each save is one ``ckpt-<global step>.h5`` file (see
-    :func:`keras_stable_state.save_training_state`), written atomically through a
+    Each save is one ``ckpt-<global step>.h5`` file (in a directory named ``*.orbax``, a
+    ``ckpt-<global step>.orbax`` step directory of the ``.orbax`` engine: every JAX
+    process writes its own shards, see :class:`~keras_stable_state.CheckpointManager`)
+    (see :func:`keras_stable_state.save_training_state`), written atomically through a
     ``.kss-*`` temporary file; the newest ``max_to_keep`` files are kept, and with
     ``monitor`` and ``keep_best`` the best ``keep_best`` by that metric beside them (only
     files named ``ckpt-<10 digits>.h5`` count, and a file that vanished meanwhile is
@@ -242,15 +244,15 @@ class StableCheckpoint(keras.callbacks.Callback):
             ``monitor``, ``mode`` or ``keep_best`` (``keep_best`` without ``monitor``), both a
             deprecated alias and its new name, ``preemption_signals`` empty or holding
             ``SIGKILL``/``SIGSTOP``,
-            a callback name that is empty or holds ``/``, ``#``, ``@`` or whitespace, or a
-            ``directory`` ending in ``.orbax`` (StableCheckpoint writes ``.h5`` files; the
-            Orbax engine is reached through ``save_training_state`` /
-            ``restore_training_state``) (on construction).
+            a callback name that is empty or holds ``/``, ``#``, ``@`` or whitespace, or
+            ``save_on_background=True`` with a ``*.orbax`` directory (on construction).
         TypeError: if ``directory`` is not a path, ``callbacks`` is not a dict or list
             of callbacks, ``save_on_background`` or ``save_on_preemption`` is not a bool, or
             ``preemption_signals`` not signal numbers (on construction).
         StorageBackendError: (on construction) for an object-store URL whose fsspec
             implementation is not installed, naming it: nothing is written anywhere.
+        StateError: (on construction) for a ``*.orbax`` directory without orbax-checkpoint
+            (the ``[orbax]`` extra).
         OSError: with ``save_on_background``, at a later batch, the next save or train
             end: the error of a background write that failed (disk full, folder
             removed), naming the file; the checkpoints written before it are intact.
@@ -321,11 +323,10 @@ class StableCheckpoint(keras.callbacks.Callback):
     ):
         super().__init__()
         directory = open_directory(directory, storage_options, "StableCheckpoint")[0]
-        _fit_checks.refuse_orbax_directory(directory)
         self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
         max_to_keep = _fit_checks.resolve_alias("max_to_keep", max_to_keep, 3, "keep", keep, 2)
         save_on_background = _fit_checks.resolve_alias("save_on_background", save_on_background, False, "async_save", async_save, 2)  # fmt: skip
-        _fit_checks.check_arguments(save_freq, max_to_keep, verbose, save_on_background)
+        _fit_checks.check_arguments(save_freq, max_to_keep, verbose, save_on_background, directory)
         self.preemption = preemption.FitPreemption(save_on_preemption, preemption_signals)
         opts = {"keep_best": keep_best, "monitor": monitor, "mode": mode, "verbose": verbose}
         self.manager = CheckpointManager(

@@ -17,7 +17,7 @@ import keras
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import format as storage
-from keras_stable_state._engines import orbax as _orbax_engine
+from keras_stable_state._manager import orbax_steps
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import InexactResumeWarning, StateError
 
@@ -85,19 +85,6 @@ def with_history(given: dict, model) -> dict:
     return found
 
 
-def refuse_orbax_directory(directory: str) -> None:
-    """Raise ``ValueError`` for a ``StableCheckpoint`` directory named ``*.orbax``."""
-    if _orbax_engine.is_orbax_path(directory):
-        raise ValueError(
-            f"StableCheckpoint({directory!r}): StableCheckpoint writes ckpt-<step>.h5 files into its "
-            "directory; it does not use the Orbax engine, so a directory named '*.orbax' would hold .h5 "
-            "files, not an Orbax checkpoint. The .orbax engine is reachable through "
-            "keras_stable_state.save_training_state(path, model) and restore_training_state(path, "
-            "model) with a path ending in '.orbax'. Give StableCheckpoint a directory not ending in "
-            "'.orbax'."
-        )
-
-
 def check_on_data_change(value) -> str:
     """``value`` if it is one of :data:`ON_DATA_CHANGE`, else ``ValueError``."""
     if value not in ON_DATA_CHANGE:
@@ -136,12 +123,14 @@ def resolve_alias(new_name, new_value, default, old_name, old_value, stacklevel)
     return old_value
 
 
-def check_arguments(save_freq, max_to_keep, verbose, save_on_background) -> None:
+def check_arguments(save_freq, max_to_keep, verbose, save_on_background, directory=None) -> None:
     """Refuse invalid ``StableCheckpoint`` arguments.
 
     Raises:
+        StateError: for a ``directory`` named ``*.orbax`` when orbax-checkpoint is not installed.
         ValueError: if ``save_freq`` is not ``"epoch"`` or an int >= 1, ``max_to_keep`` not
-            ``None`` or an int >= 1 (``True`` is refused for both), or ``verbose`` not 0 or 1.
+            ``None`` or an int >= 1 (``True`` is refused for both), ``verbose`` not 0 or 1, or
+            ``save_on_background`` is ``True`` for a ``directory`` named ``*.orbax``.
         TypeError: if ``save_on_background`` is not a bool.
     """
     # bool is an int in Python: save_freq=True or max_to_keep=True would silently mean 1.
@@ -167,6 +156,8 @@ def check_arguments(save_freq, max_to_keep, verbose, save_on_background) -> None
             "`save_on_background` (formerly `async_save`) must be True or False. Received: "
             f"save_on_background={save_on_background!r} (of type {type(save_on_background).__name__})"
         )
+    if directory is not None:  # a '*.orbax' directory: Orbax installed, no background saves
+        orbax_steps.check_options(directory, save_on_background, "StableCheckpoint")
 
 
 def refuse_read_only(directory, read_only, epochs, epoch, restored_epoch) -> None:

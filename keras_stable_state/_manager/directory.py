@@ -25,6 +25,7 @@ import time
 import warnings
 
 from keras_stable_state import format as storage
+from keras_stable_state._manager import orbax_steps
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,
@@ -333,7 +334,10 @@ def commit(path, step, info) -> None:
 
 def checkpoints(directory) -> list:
     """Paths of the checkpoints in ``directory``, newest first (files named
-    ``ckpt-<10 digits>.h5``; ``[]`` if ``directory`` is not a folder)."""
+    ``ckpt-<10 digits>.h5``; in a directory named ``*.orbax``, step directories
+    ``ckpt-<10 digits>.orbax``; ``[]`` if ``directory`` is not a folder)."""
+    if orbax_steps.uses_orbax(directory):
+        return orbax_steps.checkpoints(directory)
     if not os.path.isdir(directory):
         return []
     names = sorted((n for n in os.listdir(directory) if _NAME.match(n)), reverse=True)
@@ -341,13 +345,17 @@ def checkpoints(directory) -> list:
 
 
 def path_of(directory, step: int) -> str:
-    """The path of the checkpoint of ``step`` in ``directory`` (``ckpt-<step:010d>.h5``)."""
-    return os.path.join(directory, f"ckpt-{step:010d}.h5")
+    """The path of the checkpoint of ``step`` in ``directory`` (``ckpt-<step:010d>.h5``, or
+    ``ckpt-<step:010d>.orbax`` in a directory named ``*.orbax``)."""
+    suffix = orbax_steps.SUFFIX if orbax_steps.uses_orbax(directory) else ".h5"
+    return os.path.join(directory, f"ckpt-{step:010d}{suffix}")
 
 
 def step_of(path) -> int | None:
-    """The step a checkpoint path names, or ``None`` if its name is not ``ckpt-<10 digits>.h5``."""
-    found = _NAME.match(os.path.basename(path))
+    """The step a checkpoint path names, or ``None`` if its name is not ``ckpt-<10 digits>.h5``
+    (or ``.orbax``)."""
+    name = os.path.basename(path)
+    found = _NAME.match(name) or orbax_steps.NAME.match(name)
     return None if found is None else int(found.group(1))
 
 
@@ -359,6 +367,8 @@ def exists(path) -> bool:
 def identity(path):
     """What tells one written file from another at ``path`` (device, inode, size, modification
     time), or ``None`` if nothing is there: a cache key for what was read from it."""
+    if orbax_steps.is_step(path):
+        return orbax_steps.identity(path)
     try:
         st = os.stat(path)
     except OSError:
@@ -367,7 +377,10 @@ def identity(path):
 
 
 def size_of(path) -> int:
-    """Size in bytes of the file at ``path`` (``OSError`` naming it if it is gone)."""
+    """Size in bytes of the file at ``path`` (of a ``.orbax`` step: of its files; ``OSError``
+    naming it if it is gone)."""
+    if orbax_steps.is_step(path):
+        return orbax_steps.size_of(path)
     return os.path.getsize(path)
 
 
@@ -379,6 +392,8 @@ def read_summary(path):
     Raises:
         Every error of :func:`keras_stable_state.format.open_file`.
     """
+    if orbax_steps.is_step(path):
+        return orbax_steps.read_summary(path)
     with storage.open_file(path) as f:
         return dict(f.metadata), dict(f.extra), f.version
 
@@ -417,8 +432,9 @@ def prepare(directory, writer="StableCheckpoint") -> None:
 
 
 def remove_temporary_files(directory) -> list:
-    """Remove the ``.kss-*`` temporary files a killed save left in ``directory``; their paths."""
-    removed = []
+    """Remove the ``.kss-*`` temporary files a killed save left in ``directory`` (and the
+    partial step directories of a ``*.orbax`` one, see :mod:`.orbax_steps`); their paths."""
+    removed = orbax_steps.remove_temporary(directory) if orbax_steps.uses_orbax(directory) else []
     with os.scandir(directory) as entries:
         for entry in entries:
             if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(follow_symlinks=False):
@@ -432,10 +448,11 @@ def remove_temporary_files(directory) -> list:
 
 
 def remove(paths) -> None:
-    """Remove the checkpoint files ``paths``; a file removed meanwhile is skipped."""
+    """Remove the checkpoint files (or ``.orbax`` step directories) ``paths``; one removed
+    meanwhile is skipped."""
     for old in paths:
         try:
-            os.remove(old)
+            orbax_steps.remove(old) if orbax_steps.is_step(old) else os.remove(old)
         except FileNotFoundError:
             continue  # removed by someone else since it was listed
 
@@ -533,18 +550,27 @@ def warn_unreadable(directory, skipped, moved, restored, where, writer="StableCh
     )
 
 
-def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoint", read=storage.read_file):
+def read(path):
+    """The record of the checkpoint ``path`` (a ``.h5`` file or a ``.orbax`` step directory).
+
+    Raises:
+        Every error of :func:`keras_stable_state.format.read_file` (of :func:`.orbax_steps.read`).
+    """
+    return orbax_steps.read(path) if orbax_steps.is_step(path) else storage.read_file(path)
+
+
+def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoint", read_with=read):
     """Read the checkpoints ``paths`` of ``directory`` (newest first) until one restores.
 
-    Each file is read once (one open handle, every check made on the bytes read through
+    Each file is read once (``read_with(path)``, by default :func:`read`; one open handle, every check made on the bytes read through
     it), and its record goes to ``restore(path, record)``, which restores everything
     from that record: a file replaced between the check and the restore cannot mix
     two files' state. A file that is unreadable
     (``CorruptCheckpointError``, ``CheckpointFormatError``, raised by the read or by
     ``restore``; a FIFO, device or other non-regular file; a symbolic link to nothing)
     goes to ``unreadable(path, err)`` and the next one is tried; a file removed since it
-    was listed is skipped. ``read(path)`` reads a record (an object store's directory
-    reads through its filesystem).
+    was listed is skipped. ``read_with`` reads a record (an object store's directory reads
+    through its filesystem; several JAX processes read through a collective that compares).
 
     Returns:
         The path restored, or ``None`` if none was left.
@@ -559,7 +585,7 @@ def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoi
     """
     for path in paths:
         try:
-            record = read(path)
+            record = read_with(path)
             restore(path, record)
         except CheckpointInUseError as err:
             holder = f" ({err.holder})" if err.holder else ""

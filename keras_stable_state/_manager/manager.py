@@ -8,9 +8,10 @@ import weakref
 
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _processes as processes
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
-from keras_stable_state._manager import policy
+from keras_stable_state._manager import orbax_steps, policy, shared
 from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard, entered_guard
 from keras_stable_state._manager.records import (
     RECORD,
@@ -20,7 +21,6 @@ from keras_stable_state._manager.records import (
     check_save_keywords,
     check_step,
     metadata_of,
-    refuse_orbax,
     saved_message,
 )
 from keras_stable_state._manager.remote_directory import open_directory
@@ -87,6 +87,15 @@ class CheckpointManager:
     object ``.stable-checkpoint.lock``, created with an exclusive write; a stale one is taken
     over only if its holder ran on this host and has died.
 
+    A ``directory`` named ``*.orbax`` holds ``.orbax`` step directories
+    ``ckpt-<step:010d>.orbax`` instead (the ``.orbax`` engine of ``save_training_state``:
+    every JAX process writes its own shards; a step is committed by renaming its
+    ``.ckpt-<step>.orbax.kss-partial`` folder, so the newest is never an incomplete one).
+    With several JAX processes every process calls :meth:`save`, :meth:`restore` and
+    :meth:`lock` (collectives): process 0 alone takes the lock, prunes after each save and
+    moves unreadable checkpoints aside, the others wait for it, and all restore the
+    checkpoints process 0 lists.
+
     Args:
         directory: Folder of the checkpoints (created on the first lock): a ``str``,
             ``bytes`` or ``os.PathLike``, a ``file://`` URL (the local path it names) or an
@@ -136,8 +145,10 @@ class CheckpointManager:
 
     Raises:
         ValueError: on construction, for an invalid ``max_to_keep``, ``keep_best``,
-            ``monitor``, ``mode`` or ``verbose``, ``keep_best`` without ``monitor``, or a
-            ``directory`` ending in ``.orbax`` (the manager writes ``.h5`` files).
+            ``monitor``, ``mode`` or ``verbose``, ``keep_best`` without ``monitor``, or
+            ``save_on_background=True`` for a ``directory`` ending in ``.orbax``.
+        StateError: on construction, for a ``directory`` ending in ``.orbax`` when
+            orbax-checkpoint (the ``[orbax]`` extra) is not installed.
         TypeError: on construction, if ``directory`` is not a path or
             ``save_on_background`` not a bool.
         CheckpointFormatError: on construction, for ``storage_options`` with a local
@@ -168,12 +179,12 @@ class CheckpointManager:
         storage_options=None,
     ):
         self.directory, self.files = open_directory(directory, storage_options, "CheckpointManager")
-        refuse_orbax(self.directory)
         self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
         if not isinstance(save_on_background, bool):
             raise TypeError(
                 f"`save_on_background` must be a bool. Received: save_on_background={save_on_background!r}"
             )
+        orbax_steps.check_options(self.directory, save_on_background)
         if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
         self.storage_options = self.files.STORAGE_OPTIONS
@@ -222,6 +233,11 @@ class CheckpointManager:
             OSError: if the directory or its lock file (object) cannot be created or locked (read-only
                 file system: ``errno.EROFS``; permissions; no bucket, refused credentials), naming it.
         """
+        removed = processes.share_from_primary(self.directory, lambda: self._lock_here(reclaimable))
+        self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed  # JAX
+        return removed
+
+    def _lock_here(self, reclaimable):
         self.files.prepare(self.directory, self.name)
         self._lock = self.files.acquire_lock(
             self.directory, self._token, writer=self.name, reclaimable=reclaimable
@@ -439,7 +455,7 @@ class CheckpointManager:
     def _saved(self, step, path, info, secs, blocked_secs):
         self.files.commit(path, step, info)
         self._summaries.pop(path, None)
-        self.prune(newest=path)
+        processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # JAX: process 0
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)
         elif self.verbose:
@@ -556,10 +572,17 @@ class CheckpointManager:
             if unreadable is not None:
                 unreadable(path, err)
             self.skipped_checkpoints.append((path, str(err)))
-            self.moved_checkpoints.append((path, self.files.move_aside(self.directory, path, self.name)))
+            self.moved_checkpoints.append(
+                (path, shared.move_aside(self.files, self.directory, path, self.name))
+            )
             self._summaries.pop(path, None)
 
-        return self.files.restore_newest(self.checkpoints(), self.directory, restore, moved, self.name)
+        paths = shared.checkpoints(
+            self.files, self.directory
+        )  # JAX: those process 0 lists, read by every process
+        return self.files.restore_newest(
+            paths, self.directory, restore, moved, self.name, read_with=shared.agreed(self.files.read)
+        )
 
 
 def wait_for_earlier_saves(directory) -> None:

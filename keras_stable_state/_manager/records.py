@@ -8,7 +8,6 @@ import dataclasses
 import types
 
 from keras_stable_state._manager import directory as files
-from keras_stable_state.format import orbax_layout
 
 RECORD = "checkpoint"
 """The provider name (record ``providers/checkpoint``) of the manager's metadata in each
@@ -132,17 +131,6 @@ def saved_message(shown, where, size_bytes, secs, blocked_secs) -> str:
     if blocked_secs is not None:
         timing = f"{timing} in the background, training blocked {blocked_secs * 1e3:.0f} ms"
     return f"saved {shown} ({where}): {size_bytes / 1e6:.2f} MB in {timing}"
-
-
-def refuse_orbax(directory) -> None:
-    """Raise ``ValueError`` for a manager directory named ``*.orbax``."""
-    if orbax_layout.is_orbax_path(directory):
-        raise ValueError(
-            f"CheckpointManager({directory!r}): the manager writes ckpt-<step>.h5 files into its "
-            "directory, so a directory named '*.orbax' would hold .h5 files, not an Orbax checkpoint. "
-            "Give it a directory not ending in '.orbax' (the .orbax engine is reached through "
-            "keras_stable_state.save_training_state with a path ending in '.orbax')."
-        )
 
 
 def check_save_keywords(state: dict, epoch) -> dict:

@@ -498,14 +498,20 @@ class RemoteDirectory:
         self.remove([path])
         return copy.url
 
-    def restore_newest(self, paths, directory, restore, unreadable, writer="StableCheckpoint"):
-        """:func:`~keras_stable_state._manager.directory.restore_newest`, reading each
-        object whole through the store."""
+    def read(self, path):
+        """The record of the checkpoint object ``path``, read whole through the store.
 
-        def read(path):
-            return storage.read_file(path, storage_options=self.STORAGE_OPTIONS)
+        Raises:
+            Every error of :func:`keras_stable_state.format.read_file`.
+        """
+        return storage.read_file(path, storage_options=self.STORAGE_OPTIONS)
 
-        return local.restore_newest(paths, self.url, restore, unreadable, writer, read=read)
+    def restore_newest(
+        self, paths, directory, restore, unreadable, writer="StableCheckpoint", read_with=None
+    ):
+        """:func:`~keras_stable_state._manager.directory.restore_newest` in the store, each
+        object read by ``read_with`` (by default :meth:`read`)."""
+        return local.restore_newest(paths, self.url, restore, unreadable, writer, read_with or self.read)
 
 
 def refuse_options(storage_options, directory, writer) -> None:

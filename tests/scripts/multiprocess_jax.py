@@ -8,9 +8,15 @@ for each engine, train 2 more epochs (the uninterrupted run). PHASE ``resume``:
 for each engine, build a fresh model, restore, train the same 2 epochs. Process
 0 writes what the test compares to FOLDER/<what>.npz: every model and optimizer
 variable gathered whole (a collective run on both processes) and the losses.
+
+With the ``orbax`` engine, ``train`` then fits a fresh model for 4 epochs with
+``StableCheckpoint(FOLDER/fit.orbax, save_freq=2)`` and both processes SIGKILL
+themselves inside epoch 1 (after the save of global step 6); ``resume`` fits a fresh
+model with the same callback, which resumes from that directory.
 """
 
 import os
+import signal
 import sys
 
 PROCESS_ID, PORT, PHASE, FOLDER, ENGINES = sys.argv[1:6]
@@ -78,6 +84,39 @@ def fit(model, epochs):
     return np.array(history.history["loss"], dtype="float64")
 
 
+class KillAt(keras.callbacks.Callback):
+    """Both processes meet at the begin of batch ``batch`` of ``epoch``, then SIGKILL themselves."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        pass
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            multihost_utils.sync_global_devices("kill")
+            print(f"process {PROCESS_ID} killed", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fit_with_checkpoint(model, kill=None):
+    ckpt = kss.StableCheckpoint(os.path.join(FOLDER, "fit.orbax"), save_freq=2, max_to_keep=2)
+    callbacks = [ckpt] if kill is None else [ckpt, KillAt(*kill)]
+    history = model.fit(
+        local(x_all), local(y_all), batch_size=GLOBAL_BATCH // 2, epochs=4, shuffle=False, verbose=0,
+        callbacks=callbacks,
+    )  # fmt: skip
+    return ckpt, np.array(history.history["loss"], dtype="float64")
+
+
 def gathered(model):
     values = {}
     for prefix, variables in (("model", model.variables), ("optimizer", model.optimizer.variables)):
@@ -114,6 +153,9 @@ if PHASE == "train":
         kss.save_training_state(os.path.join(FOLDER, f"state.{engine}"), model)
     second = fit(model, 2)
     dump("uninterrupted", {**gathered(model), "loss": np.concatenate([first, second])})
+    if "orbax" in ENGINES:  # saves at global steps 2, 4, 6 (4 steps an epoch); killed at step 7
+        print(f"process {PROCESS_ID} {PHASE} done", flush=True)
+        fit_with_checkpoint(build(), kill=(1, 3))
 else:
     for engine in ENGINES.split(","):
         model = build()
@@ -126,4 +168,9 @@ else:
         dump(f"restored_{engine}", gathered(model))
         second = fit(model, 2)
         dump(f"resumed_{engine}", {**gathered(model), "loss": second})
+    if "orbax" in ENGINES:
+        model = build()
+        ckpt, losses = fit_with_checkpoint(model)
+        assert ckpt.restore_report is not None and not ckpt.restore_report.left_fresh, ckpt.restore_report
+        dump("fit_resumed", {**gathered(model), "loss": losses})
 print(f"process {PROCESS_ID} {PHASE} done", flush=True)

@@ -1,0 +1,84 @@
+"""A checkpoint directory shared by several JAX processes (``jax.distributed``): process 0
+alone locks, lists, prunes and moves unreadable checkpoints aside; the others wait for it
+and take its answers. Every function here is a collective (see
+:mod:`keras_stable_state._processes`); with one process it is the plain directory call."""
+
+from __future__ import annotations
+
+from keras_stable_state import _processes as processes
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+
+
+class Follower:
+    """The lock of a manager on a JAX process other than 0: process 0 holds the directory's;
+    releasing it does nothing."""
+
+    fd = -1  # held (see CheckpointManager.locked) from its making to its release
+
+    def __init__(self, token):
+        self.token = token
+
+    def release(self, token):
+        if token == self.token:
+            self.fd = None
+
+
+def held(lock, token):
+    """The lock a manager holds once :func:`~keras_stable_state._processes.share_from_primary`
+    ran its locking on process 0: ``lock`` there (and with one process), a :class:`Follower`
+    of ``token`` on the others."""
+    return lock if processes.process_index() == 0 else Follower(token)
+
+
+_OUTCOMES = ("read", "unreadable", "not found", "refused")
+
+
+def checkpoints(files, directory) -> list:
+    """The checkpoints of ``directory`` as process 0 lists them (newest first), through
+    ``files`` (the module :mod:`.directory`, or a
+    :class:`~keras_stable_state._manager.remote_directory.RemoteDirectory`)."""
+    return processes.share_from_primary(directory, lambda: files.checkpoints(directory))
+
+
+def move_aside(files, directory, path, writer) -> str | None:
+    """``files.move_aside`` on process 0, once every process has read ``path``; its result."""
+    return processes.share_from_primary(path, lambda: files.move_aside(directory, path, writer))
+
+
+def agreed(read):
+    """``read`` (path -> record, e.g. :func:`.directory.read`) made a collective: see :func:`read_agreed`."""
+    return lambda path: read_agreed(path, read)
+
+
+def read_agreed(path, read):
+    """The record of ``path`` (``read(path)``); with several JAX processes, once every
+    process read it alike, so that all take the same branch of
+    :func:`.directory.restore_newest` (restore, move aside, skip or raise).
+
+    Raises:
+        StateError: if the processes' reads ended differently, naming each outcome.
+        Exception: this process' read error, when every process failed alike.
+    """
+    code = 0
+    try:
+        record, failure = read(path), None
+    except (CorruptCheckpointError, CheckpointFormatError) as err:
+        record, failure, code = None, err, 1
+    except FileNotFoundError as err:
+        record, failure, code = None, err, 2
+    except Exception as err:  # noqa: BLE001 - re-raised below, once the processes have compared
+        record, failure, code = None, err, 3
+    codes = processes.gather_ints(code)
+    if len(set(codes)) > 1:
+        told = ", ".join(f"process {i}: {_OUTCOMES[c]}" for i, c in enumerate(codes))
+        raise StateError(
+            f"The JAX processes read the checkpoint {path!r} differently ({told}): they must restore "
+            "the same checkpoint, and none falls back on its own. Check that every process sees the "
+            "same files (one shared file system), then restore again.",
+            key=None,
+            expected="the same outcome on every process",
+            received=told,
+        ) from failure
+    if failure is not None:
+        raise failure
+    return record
