@@ -21,6 +21,7 @@ from kit import mlp
 import keras_stable_state as kss
 from keras_stable_state import format as storage
 from keras_stable_state._manager import directory as checkpoint_dir
+from keras_stable_state._manager import lock as directory_lock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -263,7 +264,7 @@ def test_a_directory_that_is_not_a_path_is_a_type_error(value):
 
 
 def test_without_flock_stable_checkpoint_refuses_to_run_unlocked(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint_dir, "LOCKING", False)
+    monkeypatch.setattr(directory_lock, "LOCKING", False)
     model = mlp()
     before = [np.asarray(v).copy() for v in model.weights]
     with pytest.raises(kss.StateError, match=r"cannot lock its directory .*no flock"):
@@ -281,7 +282,7 @@ def _read_only(monkeypatch):
     def refuse(directory, path):
         raise OSError(errno.EROFS, "Read-only file system", path)
 
-    monkeypatch.setattr(checkpoint_dir, "_open_lock", refuse)
+    monkeypatch.setattr(directory_lock, "_open_lock", refuse)
 
 
 def test_a_read_only_directory_resumes_a_finished_fit_and_refuses_one_with_epochs_left(tmp_path, monkeypatch):

@@ -329,13 +329,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         _fit_checks.check_arguments(save_freq, max_to_keep, verbose, save_on_background, directory)
         self.preemption = preemption.FitPreemption(save_on_preemption, preemption_signals)
         opts = {"keep_best": keep_best, "monitor": monitor, "mode": mode, "verbose": verbose}
-        self.manager = CheckpointManager(
-            directory,
-            max_to_keep,
-            save_on_background=save_on_background,
-            storage_options=storage_options,
-            **opts,
-        )
+        opts.update(save_on_background=save_on_background, storage_options=storage_options)
+        self.manager = CheckpointManager(directory, max_to_keep, **opts)
         self.manager.name = "StableCheckpoint"
         ref = weakref.ref(self)  # the manager holds no reference to the callback: no cycle
         self.manager.on_saved = lambda *args: ref()._saved(*args)

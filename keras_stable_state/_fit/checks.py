@@ -16,8 +16,7 @@ import warnings
 import keras
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import format as storage
-from keras_stable_state._manager import orbax_steps
+from keras_stable_state._manager import orbax_io
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import InexactResumeWarning, StateError
 
@@ -47,30 +46,6 @@ _HARMLESS = (
     keras.callbacks.SwapEMAWeights,
 )
 _LR_ONLY = (keras.callbacks.LearningRateScheduler,)
-
-
-def local_directory(directory) -> str:
-    """``StableCheckpoint``'s ``directory`` as a local path (a ``file://`` URL as the path it
-    names), refusing an object-store URL.
-
-    Raises:
-        TypeError: if ``directory`` is not a ``str``, ``bytes`` or ``os.PathLike``.
-        StateError: for an object-store URL (``s3://``, ``gs://``...): nothing is made,
-            locally or remotely.
-    """
-    directory = storage.fs_path(directory, "directory", urls=True)
-    if storage.remote.is_remote(directory):
-        raise StateError(
-            f"StableCheckpoint({directory!r}): the directory is in an object store "
-            f"({storage.remote.scheme_of(directory)}://), and StableCheckpoint keeps its checkpoints "
-            "in a local (or mounted) folder only: remote directories for StableCheckpoint come with "
-            "the checkpoint manager. Nothing was written, and no local folder named after the scheme "
-            "was made. Give StableCheckpoint a local folder, and copy or save single files to the "
-            "store with keras_stable_state.save_training_state('s3://bucket/run.h5', model).",
-            expected="a local directory",
-            received=directory,
-        )
-    return storage.fs_path(directory, "directory")
 
 
 def with_history(given: dict, model) -> dict:
@@ -157,7 +132,7 @@ def check_arguments(save_freq, max_to_keep, verbose, save_on_background, directo
             f"save_on_background={save_on_background!r} (of type {type(save_on_background).__name__})"
         )
     if directory is not None:  # a '*.orbax' directory: Orbax installed, no background saves
-        orbax_steps.check_options(directory, save_on_background, "StableCheckpoint")
+        orbax_io.check_options(directory, save_on_background, "StableCheckpoint")
 
 
 def refuse_read_only(directory, read_only, epochs, epoch, restored_epoch) -> None:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import errno
 import time
-import weakref
 
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as processes
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
-from keras_stable_state._manager import orbax_steps, policy, shared
+from keras_stable_state._manager import orbax_io, policy, shared
+from keras_stable_state._manager.holder import DirectoryHolder
 from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard, entered_guard
 from keras_stable_state._manager.records import (
     RECORD,
@@ -30,7 +30,7 @@ _CONFIG_NAMES = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "sa
 _CONFIG_NAMES += ("storage_options",)
 
 
-class CheckpointManager:
+class CheckpointManager(DirectoryHolder):
     """A directory of checkpoints for any training loop: steps, latest and best, pruning,
     the fallback over unreadable checkpoints, the directory lock, background saves.
 
@@ -184,7 +184,7 @@ class CheckpointManager:
             raise TypeError(
                 f"`save_on_background` must be a bool. Received: save_on_background={save_on_background!r}"
             )
-        orbax_steps.check_options(self.directory, save_on_background)
+        orbax_io.check_options(self.directory, save_on_background)
         if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
         self.storage_options = self.files.STORAGE_OPTIONS
@@ -207,6 +207,7 @@ class CheckpointManager:
         self._in_flight = None  # (handle, step, info) of the background save not yet collected
         self._summaries = {}  # path -> (file identity, (metadata, record, version))
         self._guard = None  # the PreemptionGuard of preemption_guard(), once made
+        self._read = shared.agreed(orbax_io.read if self.files is files else self.files.read)
 
     def get_config(self) -> dict:
         """The constructor arguments: ``{"directory", "max_to_keep", "keep_best", "monitor",
@@ -216,80 +217,6 @@ class CheckpointManager:
     def _say(self, message):
         if self.verbose:
             compat.print_msg(f"{self.name}: {message}")
-
-    # -- the lock ---------------------------------------------------------------------------
-    def lock(self, *, reclaimable=False) -> list:
-        """Create the directory, take its lock, remove the ``.kss-*`` temporary files a killed
-        save left; their paths. ``reclaimable=True`` (``StableCheckpoint``'s) lets a
-        ``StableCheckpoint`` of the same thread take the lock over (its ``fit`` raised).
-
-        Raises:
-            CheckpointInUseError: if another writer (a ``CheckpointManager`` or
-                ``StableCheckpoint``, in this process or another) holds the directory,
-                naming its pid and host.
-            NotADirectoryError: if ``directory`` is a file.
-            StateError: if the lock file is a symbolic link, a hard link of another file or not a
-                regular file, on a platform without ``flock`` (Windows), or in a store without exclusive writes.
-            OSError: if the directory or its lock file (object) cannot be created or locked (read-only
-                file system: ``errno.EROFS``; permissions; no bucket, refused credentials), naming it.
-        """
-        removed = processes.share_from_primary(self.directory, lambda: self._lock_here(reclaimable))
-        self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed  # JAX
-        return removed
-
-    def _lock_here(self, reclaimable):
-        self.files.prepare(self.directory, self.name)
-        self._lock = self.files.acquire_lock(
-            self.directory, self._token, writer=self.name, reclaimable=reclaimable
-        )
-        if self._finalizer is None:  # released when the manager is garbage collected or the process exits
-            self._finalizer = weakref.finalize(self, self.files.release_token, self._token)
-        self.removed_temporary_files = self.files.remove_temporary_files(self.directory)
-        if self.removed_temporary_files:
-            self._say(
-                f"removed {len(self.removed_temporary_files)} temporary file(s) of an interrupted save: "
-                f"{self.removed_temporary_files}"
-            )
-        return self.removed_temporary_files
-
-    @property
-    def locked(self) -> bool:
-        """Whether this manager holds its directory's lock."""
-        lock = self._lock
-        return lock is not None and lock.fd is not None and lock.token == self._token
-
-    def _ensure_locked(self):
-        if not self.locked:
-            self.lock()
-
-    def release(self) -> None:
-        """Release the lock now, without waiting for a background save (see :meth:`close`)."""
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release(self._token)
-
-    def close(self) -> None:
-        """Wait for the background save in flight (raising its error), then release the lock."""
-        try:
-            self.wait()
-        finally:
-            self.release()
-
-    def __enter__(self):
-        self._ensure_locked()
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as err:  # the block's own error is the one raised; this one is told in it
-            if hasattr(exc, "add_note"):  # Python >= 3.11
-                exc.add_note(f"{self.name}: the background save failed as well: {err!r}")
-            else:
-                raise exc from err
 
     def preemption_guard(self, signals=DEFAULT_SIGNALS) -> PreemptionGuard:
         """A ``PreemptionGuard`` of ``signals`` for a custom loop (see the class docstring)."""
@@ -577,11 +504,10 @@ class CheckpointManager:
             )
             self._summaries.pop(path, None)
 
-        paths = shared.checkpoints(
-            self.files, self.directory
-        )  # JAX: those process 0 lists, read by every process
+        # JAX: the checkpoints process 0 lists, each read by every process alike
+        paths = shared.checkpoints(self.files, self.directory)
         return self.files.restore_newest(
-            paths, self.directory, restore, moved, self.name, read_with=shared.agreed(self.files.read)
+            paths, self.directory, restore, moved, self.name, read_with=self._read
         )
 
 

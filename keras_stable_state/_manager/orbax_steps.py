@@ -20,11 +20,11 @@ import re
 import shutil
 
 from keras_stable_state import format as storage
-from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state.errors import CheckpointFormatError
+from keras_stable_state.format import orbax_layout
 
 NAME = re.compile(r"^ckpt-(\d{10})\.orbax$")
-SUFFIX = orbax_engine.SUFFIX
+SUFFIX = orbax_layout.SUFFIX
 _PARTIAL = re.compile(r"^\.(ckpt-\d{10}\.orbax)\.kss-partial$")
 _OLD = re.compile(r"^(ckpt-\d{10}\.orbax)\.kss-old$")
 
@@ -32,40 +32,12 @@ _OLD = re.compile(r"^(ckpt-\d{10}\.orbax)\.kss-old$")
 def uses_orbax(directory) -> bool:
     """Whether the checkpoints of ``directory`` are ``.orbax`` step directories (its name ends
     in ``.orbax``)."""
-    return orbax_engine.is_orbax_path(directory)
+    return orbax_layout.is_orbax_path(directory)
 
 
 def is_step(path) -> bool:
     """Whether ``path`` names a step directory (``ckpt-<10 digits>.orbax``)."""
     return NAME.match(os.path.basename(os.fsdecode(path).rstrip("/\\"))) is not None
-
-
-def check_options(directory, save_on_background, writer="CheckpointManager") -> None:
-    """Refuse what a ``.orbax`` checkpoint directory cannot do.
-
-    Raises:
-        StateError: if orbax-checkpoint is not installed (naming the ``[orbax]`` extra).
-        ValueError: for ``save_on_background=True``: the ``.orbax`` engine writes in the
-            calling thread (its shards are written by every process together); for an
-            object-store URL (``s3://...``): the ``.orbax`` engine writes a local folder.
-    """
-    if not uses_orbax(directory):
-        return
-    if "://" in str(directory):
-        raise ValueError(
-            f"{writer}({directory!r}): a directory named '*{SUFFIX}' keeps each checkpoint as a "
-            f"'{SUFFIX}' step folder that the Orbax engine writes on a local (or shared, mounted) file "
-            "system, not in an object store. Give a local path for '*.orbax', or a directory not "
-            "ending in '.orbax' to keep ckpt-<step>.h5 objects in the store."
-        )
-    orbax_engine.check_installed()
-    if save_on_background:
-        raise ValueError(
-            f"{writer}({directory!r}, save_on_background=True): a directory named '*{SUFFIX}' keeps "
-            f"each checkpoint as a '{SUFFIX}' step directory, which the Orbax engine writes in the "
-            "calling thread (every process its own shards, together). Pass save_on_background=False, "
-            "or give a directory not ending in '.orbax' to write ckpt-<step>.h5 files in the background."
-        )
 
 
 def checkpoints(directory) -> list:
@@ -79,21 +51,10 @@ def checkpoints(directory) -> list:
     return [os.path.join(directory, n) for n in names]
 
 
-def read(path) -> storage.StateRecord:
-    """The record of the step directory ``path`` (its arrays read on demand).
-
-    Raises:
-        CheckpointFormatError: if ``path`` is a symbolic link (never followed) or not a
-            ``.orbax`` training state; every error of the engine's ``read``.
-    """
-    _refuse_link(path)
-    return orbax_engine.read(path)
-
-
 def read_summary(path):
     """``(metadata, extra, format version)`` of the step directory ``path`` (its ``state.h5``)."""
-    _refuse_link(path)
-    with storage.open_file(os.path.join(path, orbax_engine.RECORD)) as f:
+    refuse_link(path)
+    with storage.open_file(os.path.join(path, orbax_layout.RECORD)) as f:
         return dict(f.metadata), dict(f.extra), f.version
 
 
@@ -101,7 +62,7 @@ def identity(path):
     """What tells one written step from another: the identity of its ``state.h5`` (written
     last, a new file for each save), or ``None`` if there is none."""
     try:
-        st = os.stat(os.path.join(path, orbax_engine.RECORD), follow_symlinks=False)
+        st = os.stat(os.path.join(path, orbax_layout.RECORD), follow_symlinks=False)
     except OSError:
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -146,7 +107,7 @@ def remove_temporary(directory) -> list:
     return removed
 
 
-def _refuse_link(path):
+def refuse_link(path):
     if os.path.islink(path):
         raise CheckpointFormatError(
             f"{path!r} is a symbolic link; a checkpoint directory's '{SUFFIX}' steps are read only as "

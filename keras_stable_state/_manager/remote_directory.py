@@ -56,6 +56,7 @@ import keras
 
 from keras_stable_state import format as storage
 from keras_stable_state._manager import directory as local
+from keras_stable_state._manager import lock
 from keras_stable_state._manager.records import RECORD
 from keras_stable_state.errors import (
     CheckpointFormatError,
@@ -112,7 +113,7 @@ class RemoteLock:
     Attributes:
         url: The lock object's URL.
         fd: Not ``None`` while held (the name is :class:`~keras_stable_state._manager.
-            directory.DirectoryLock`'s; there is no file descriptor).
+            lock.DirectoryLock`'s; there is no file descriptor).
         token, thread, reclaimable, writer: As for ``DirectoryLock``.
     """
 
@@ -324,7 +325,7 @@ class RemoteDirectory:
         with _HELD_GUARD:
             held = _HELD.get(store.url)
             if held is not None:
-                local.refuse_other_owner(held, token, self.url)
+                lock.refuse_other_owner(held, token, self.url)
             else:
                 held = RemoteLock(store, self.url, self._create_lock(store, writer))
                 _HELD[store.url] = held
@@ -372,9 +373,9 @@ class RemoteDirectory:
                 break
             store.remove()  # its holder ran on this host and is dead: the lock is stale
         holder = None if holder is _GONE else holder
-        text = local.holder_text(holder) if holder else None
+        text = lock.holder_text(holder) if holder else None
         raise CheckpointInUseError(
-            f"Checkpoint directory {self.url!r} is in use by another {local.writer_of(holder)} writer "
+            f"Checkpoint directory {self.url!r} is in use by another {lock.writer_of(holder)} writer "
             f"({text or 'holder unknown: the lock object names none'}); wait for it to finish or use "
             f"another directory. (The lock is the object {store.url!r}; nothing releases the lock of "
             "a writer that died on another host: once you know that writer is gone, remove that object "
@@ -511,7 +512,9 @@ class RemoteDirectory:
     ):
         """:func:`~keras_stable_state._manager.directory.restore_newest` in the store, each
         object read by ``read_with`` (by default :meth:`read`)."""
-        return local.restore_newest(paths, self.url, restore, unreadable, writer, read_with or self.read)
+        return local.restore_newest(
+            paths, self.url, restore, unreadable, writer, read_with=read_with or self.read
+        )
 
 
 def refuse_options(storage_options, directory, writer) -> None:

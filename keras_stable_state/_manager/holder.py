@@ -1,0 +1,91 @@
+"""The lock a :class:`~keras_stable_state.CheckpointManager` holds over its directory:
+taking it (with several JAX processes, process 0 alone takes it and cleans up), releasing
+it, and the context manager."""
+
+from __future__ import annotations
+
+import weakref
+
+from keras_stable_state import _processes as processes
+from keras_stable_state._manager import shared
+
+
+class DirectoryHolder:
+    """The lock part of :class:`~keras_stable_state.CheckpointManager`, which sets what it
+    uses: ``directory``, ``files`` (the module :mod:`.directory` or a
+    :class:`~keras_stable_state._manager.remote_directory.RemoteDirectory`), ``name``,
+    ``removed_temporary_files``, ``_token``, ``_lock``, ``_finalizer``, ``_say`` and ``wait``.
+    """
+
+    def lock(self, *, reclaimable=False) -> list:
+        """Create the directory, take its lock, remove the ``.kss-*`` temporary files a killed
+        save left; their paths. ``reclaimable=True`` (``StableCheckpoint``'s) lets a
+        ``StableCheckpoint`` of the same thread take the lock over (its ``fit`` raised).
+
+        Raises:
+            CheckpointInUseError: if another writer (a ``CheckpointManager`` or
+                ``StableCheckpoint``, in this process or another) holds the directory,
+                naming its pid and host.
+            NotADirectoryError: if ``directory`` is a file.
+            StateError: if the lock file is a symbolic link, a hard link of another file or not a
+                regular file, on a platform without ``flock`` (Windows), or in a store without exclusive writes.
+            OSError: if the directory or its lock file (object) cannot be created or locked (read-only
+                file system: ``errno.EROFS``; permissions; no bucket, refused credentials), naming it.
+        """
+        removed = processes.share_from_primary(self.directory, lambda: self._lock_here(reclaimable))
+        self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed  # JAX
+        return removed
+
+    def _lock_here(self, reclaimable):
+        self.files.prepare(self.directory, self.name)
+        self._lock = self.files.acquire_lock(
+            self.directory, self._token, writer=self.name, reclaimable=reclaimable
+        )
+        if self._finalizer is None:  # released when the manager is garbage collected or the process exits
+            self._finalizer = weakref.finalize(self, self.files.release_token, self._token)
+        self.removed_temporary_files = self.files.remove_temporary_files(self.directory)
+        if self.removed_temporary_files:
+            self._say(
+                f"removed {len(self.removed_temporary_files)} temporary file(s) of an interrupted save: "
+                f"{self.removed_temporary_files}"
+            )
+        return self.removed_temporary_files
+
+    @property
+    def locked(self) -> bool:
+        """Whether this manager holds its directory's lock."""
+        lock = self._lock
+        return lock is not None and lock.fd is not None and lock.token == self._token
+
+    def _ensure_locked(self):
+        if not self.locked:
+            self.lock()
+
+    def release(self) -> None:
+        """Release the lock now, without waiting for a background save (see :meth:`close`)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release(self._token)
+
+    def close(self) -> None:
+        """Wait for the background save in flight (raising its error), then release the lock."""
+        try:
+            self.wait()
+        finally:
+            self.release()
+
+    def __enter__(self):
+        self._ensure_locked()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as err:  # the block's own error is the one raised; this one is told in it
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"{self.name}: the background save failed as well: {err!r}")
+            else:
+                raise exc from err

@@ -1,0 +1,58 @@
+"""What a directory of ``.orbax`` step directories needs from the Orbax engine (and so from
+Keras and JAX): the option checks and reading a step. :mod:`.orbax_steps` (listing, names,
+removal) stays free of both, so the command line lists such a directory without them."""
+
+from __future__ import annotations
+
+from keras_stable_state import format as storage
+from keras_stable_state._engines import orbax as orbax_engine
+from keras_stable_state._manager import orbax_steps
+
+
+def check_options(directory, save_on_background, writer="CheckpointManager") -> None:
+    """Refuse what a ``.orbax`` checkpoint directory cannot do.
+
+    Raises:
+        StateError: if orbax-checkpoint is not installed (naming the ``[orbax]`` extra).
+        ValueError: for ``save_on_background=True``: the ``.orbax`` engine writes in the
+            calling thread (its shards are written by every process together); for an
+            object-store URL (``s3://...``): the ``.orbax`` engine writes a local folder.
+    """
+    if not orbax_steps.uses_orbax(directory):
+        return
+    if "://" in str(directory):
+        raise ValueError(
+            f"{writer}({directory!r}): a directory named '*{orbax_steps.SUFFIX}' keeps each checkpoint as a "
+            f"'{orbax_steps.SUFFIX}' step folder that the Orbax engine writes on a local (or shared, mounted) file "
+            "system, not in an object store. Give a local path for '*.orbax', or a directory not "
+            "ending in '.orbax' to keep ckpt-<step>.h5 objects in the store."
+        )
+    orbax_engine.check_installed()
+    if save_on_background:
+        raise ValueError(
+            f"{writer}({directory!r}, save_on_background=True): a directory named '*{orbax_steps.SUFFIX}' keeps "
+            f"each checkpoint as a '{orbax_steps.SUFFIX}' step directory, which the Orbax engine writes in the "
+            "calling thread (every process its own shards, together). Pass save_on_background=False, "
+            "or give a directory not ending in '.orbax' to write ckpt-<step>.h5 files in the background."
+        )
+
+
+def read_step(path) -> storage.StateRecord:
+    """The record of the step directory ``path`` (its arrays read on demand).
+
+    Raises:
+        CheckpointFormatError: if ``path`` is a symbolic link (never followed) or not a
+            ``.orbax`` training state; every error of the engine's ``read``.
+    """
+    orbax_steps.refuse_link(path)
+    return orbax_engine.read(path)
+
+
+def read(path) -> storage.StateRecord:
+    """The record of the checkpoint ``path`` of a local directory (a ``.h5`` file, or a
+    ``.orbax`` step directory: :func:`read_step`).
+
+    Raises:
+        Every error of :func:`keras_stable_state.format.read_file` (of :func:`read_step`).
+    """
+    return read_step(path) if orbax_steps.is_step(path) else storage.read_file(path)
