@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
     from keras_stable_state._fit import StableCheckpoint
     from keras_stable_state._identity.contract import TrainableContract
     from keras_stable_state._identity.registry import VariableKey, VariableRegistry
-    from keras_stable_state._manager import CheckpointManager, CheckpointMetadata
+    from keras_stable_state._manager.manager import CheckpointManager, CheckpointMetadata
     from keras_stable_state._optimizer import GradientAccumulator, StableOptimizer
     from keras_stable_state._state import ScheduleMismatchError
     from keras_stable_state.errors import (
@@ -103,8 +103,8 @@ _SOURCES = {
     "SaveHandle": "_engines.background",
     "InexactResumeWarning": "errors",
     "StableCheckpoint": "_fit",
-    "CheckpointManager": "_manager",
-    "CheckpointMetadata": "_manager",
+    "CheckpointManager": "_manager.manager",
+    "CheckpointMetadata": "_manager.manager",
     "UnreadableCheckpointWarning": "errors",
     "TrainableContract": "_identity.contract",
     "VariableKey": "_identity.registry",
