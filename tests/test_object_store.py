@@ -335,9 +335,11 @@ print("SAVED", flush=True)
 
 
 @pytest.mark.slow
-def test_kill_mid_upload_leaves_the_previous_object(bucket, server):
+def test_kill_mid_upload_leaves_the_previous_object(bucket, server, tmp_path):
     """A save killed while its multipart upload is under way leaves the previous whole object
-    (restored exactly) and no other object under the prefix."""
+    (restored exactly) and no other object under the prefix. The writer runs on JAX (it
+    starts fastest; what is killed is the upload, the same on every backend), its local
+    temporary file under ``tmp_path`` (a SIGKILLed process cannot remove it)."""
     endpoint, flag = server
     if os.path.exists(flag):
         os.remove(flag)
@@ -347,7 +349,13 @@ def test_kill_mid_upload_leaves_the_previous_object(bucket, server):
     previous = remote.RemotePath(url).size()
     child = subprocess.Popen(
         [sys.executable, "-c", _BIG_SAVE.format(url=url)],
-        env={**os.environ, **_env(endpoint), "PYTHONPATH": ROOT},
+        env={
+            **os.environ,
+            **_env(endpoint),
+            "PYTHONPATH": ROOT,
+            "KERAS_BACKEND": "jax",
+            "TMPDIR": str(tmp_path),
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -404,6 +412,7 @@ def test_gs_without_gcsfs_is_refused_naming_the_extra(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     env = {**os.environ, **_DUMMY, "PYTHONPATH": os.pathsep.join([str(site), ROOT])}
+    env["KERAS_BACKEND"] = "jax"  # the refusal comes before any backend code; JAX starts fastest
     child = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_GS_CHILD)],
         cwd=work,
@@ -640,7 +649,7 @@ for step in range(1, 1000):
 
 
 @pytest.mark.slow
-def test_a_writer_killed_at_a_random_moment_leaves_latest_complete(bucket, server):
+def test_a_writer_killed_at_a_random_moment_leaves_latest_complete(bucket, server, tmp_path):
     """A child saving 4 MB checkpoints in a loop, SIGKILLed at random moments (uploads,
     markers, prunes): latest_step() is a step whose object and marker are whole, and it
     restores that step's values, on this backend. ``KSS_S3_KILLS`` trials (make fuzz: 20)."""
@@ -652,7 +661,13 @@ def test_a_writer_killed_at_a_random_moment_leaves_latest_complete(bucket, serve
         child = subprocess.Popen(
             [sys.executable, "-c", _SAVE_LOOP.format(url=url)],
             # the writer runs on JAX (the quickest to start); this backend restores its files
-            env={**os.environ, **_env(endpoint), "PYTHONPATH": ROOT, "KERAS_BACKEND": "jax"},
+            env={
+                **os.environ,
+                **_env(endpoint),
+                "PYTHONPATH": ROOT,
+                "KERAS_BACKEND": "jax",
+                "TMPDIR": str(tmp_path),
+            },
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,

@@ -26,6 +26,13 @@ import pytest
 import keras_stable_state as kss
 from keras_stable_state import _keras_compat
 
+BACKEND = keras.backend.backend()
+# The source tree is the same in every pass: its static checks run once, in the jax pass.
+once = pytest.mark.skipif(
+    BACKEND != "jax",
+    reason="the package's source tree, read by ast: the same on every backend; run once, in the jax pass",
+)
+
 PACKAGE = pathlib.Path(kss.__file__).parent
 ROOT = "keras_stable_state"
 
@@ -133,10 +140,12 @@ def _graph() -> dict:
     return {m: sorted({t for _, t, _ in _imports(m)} - {m}) for m in _sources()}
 
 
+@once
 def test_every_module_has_a_layer():
     assert sorted({_part(m) for m in _sources()} - set(LAYERS)) == []
 
 
+@once
 def test_the_import_graph_has_no_cycle():
     graph = _graph()
     state = {}
@@ -155,6 +164,7 @@ def test_the_import_graph_has_no_cycle():
         visit(module, [])
 
 
+@once
 def test_no_module_imports_a_higher_layer():
     upward = [
         f"{_where(module, node)}: {module} ({_part(module)}) imports {target}"
@@ -167,6 +177,7 @@ def test_no_module_imports_a_higher_layer():
     assert upward == [], "\n".join(["imports of a higher layer:", *upward])
 
 
+@once
 def test_dependency_direction_inside_a_layer():
     """The wrapper does not know the slot mapping built on it, and the registry of variable
     keys needs only the key grammar, the model walk, the errors and the Keras compatibility
@@ -192,6 +203,7 @@ def _reachable(module: str) -> set:
     return seen
 
 
+@once
 def test_the_file_format_and_the_command_line_import_no_keras_and_no_backend():
     """``format`` and ``cli`` read files and print: no Keras, no TensorFlow, JAX, Torch or
     Orbax, at module level or inside a function, in themselves or in any package module
@@ -211,6 +223,7 @@ def test_the_file_format_and_the_command_line_import_no_keras_and_no_backend():
 
 
 @pytest.mark.slow
+@once
 def test_importing_the_file_format_and_the_command_line_loads_no_keras():
     """What the static rule above cannot see: importing ``keras_stable_state.format`` or
     ``keras_stable_state.cli`` first runs ``keras_stable_state/__init__.py``, which must then
@@ -226,6 +239,7 @@ def test_importing_the_file_format_and_the_command_line_loads_no_keras():
     assert sorted({name.split(".")[0] for name in loaded}) == []
 
 
+@once
 def test_the_key_grammar_imports_no_keras():
     keys = f"{ROOT}._identity.keys"
     names = {name for _, name in _external_imports(keys)}
@@ -254,6 +268,7 @@ def _dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
+@once
 def test_keras_internals_only_in_the_compat_module():
     """``keras.src``, ``sys._getframe`` and private attributes of ``keras`` (``keras.x._y``)
     appear only in ``_keras_compat.py``, which guards them by the supported Keras range."""
@@ -289,6 +304,7 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not _dunder(name)
 
 
+@once
 def test_no_module_uses_another_modules_private_names():
     """Siblings import each other's public names: no ``from keras_stable_state.x import _y``
     and no ``x._y`` on an imported package module (a private *module* such as ``_core`` or
@@ -321,6 +337,7 @@ def test_no_module_uses_another_modules_private_names():
     assert offenders == [], "\n".join(["private names of another module:", *offenders])
 
 
+@once
 def test_no_module_over_600_lines():
     long = {
         str(path.relative_to(PACKAGE.parent)): len(text.splitlines())
@@ -340,6 +357,7 @@ def _code_lines(node) -> int:
     return lines
 
 
+@once
 def test_no_class_over_400_lines():
     long = {
         f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}": _code_lines(node)
