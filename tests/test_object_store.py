@@ -137,6 +137,20 @@ def test_directories_with_a_scheme_make_no_local_folder(url, tmp_path, monkeypat
     assert os.listdir(tmp_path) == []
 
 
+def test_an_orbax_directory_in_an_object_store_is_refused(tmp_path, monkeypatch):
+    """``*.orbax`` step folders are written by the Orbax engine on a local (or mounted) file
+    system: in an object store they are refused on construction, nothing written."""
+    pytest.importorskip("orbax.checkpoint", reason="the .orbax engine needs the [orbax] extra")
+    monkeypatch.chdir(tmp_path)
+    for make in (kss.StableCheckpoint, kss.CheckpointManager):
+        with pytest.raises(ValueError, match=r"memory://kss-run\.orbax.*not in an object store"):
+            make("memory://kss-run.orbax")
+    import fsspec
+
+    assert not fsspec.filesystem("memory").exists("/kss-run.orbax")
+    assert os.listdir(tmp_path) == []
+
+
 def test_stable_checkpoint_takes_a_file_url_as_its_local_path(tmp_path):
     cb = kss.StableCheckpoint((tmp_path / "ck").as_uri())
     assert cb.directory == str(tmp_path / "ck")
