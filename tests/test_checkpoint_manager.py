@@ -67,8 +67,12 @@ def _weights(model):
 
 # -- a custom loop, killed and resumed ------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_after", [5, 9])
-def test_a_killed_custom_loop_resumes_exactly_from_the_latest_checkpoint(tmp_path, kill_after):
+def test_a_killed_custom_loop_resumes_exactly_from_the_latest_checkpoint(tmp_path):
+    """The loop is SIGKILLed after a step drawn at random (``KSS_CRASH_SEED`` replays it)
+    from those that leave two checkpoints and steps to train (5..12)."""
+    seed = int(os.environ.get("KSS_CRASH_SEED", np.random.SeedSequence().entropy % 2**32))
+    kill_after = int(np.random.default_rng(seed).integers(2 * EVERY - 1, STEPS - 1))
+    print(f"killed after step {kill_after} (KSS_CRASH_SEED={seed})")
     directory, init = tmp_path / "ckpts", tmp_path / "init.npz"
     start_model = mlp(seed=0)
     np.savez(init, **{str(i): w for i, w in enumerate(_weights(start_model))})
