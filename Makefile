@@ -55,6 +55,16 @@ test: setup lint docs
 		KERAS_BACKEND=$$b $(PYTEST) tests || exit 1; \
 	done
 
+# Device placement (issue 17): a restore lands on each variable's device / JAX sharding. On
+# a GPU machine the variables live on the GPU; JAX also runs the sharded case on 4
+# simulated CPU devices (and the 2-process harness); then the save/restore benchmark.
+.PHONY: test-device
+test-device: setup
+	XLA_FLAGS=--xla_force_host_platform_device_count=4 KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/test_device_placement.py
+	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/test_device_placement.py tests/test_multiprocess_jax.py
+	@for b in tensorflow torch; do KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/test_device_placement.py || exit 1; done
+	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(BIN)/python benchmarks/save_restore.py --sizes 120 --rounds 3 || exit 1; done
+
 # Long fuzz campaign of damaged files on every backend (tests/test_integrity.py); override
 # the budget with e.g. `make fuzz KSS_FUZZ_FLIPS=5000`; KSS_FUZZ_SEED draws other cases.
 KSS_FUZZ_FLIPS ?= 2000
