@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import numpy as np
 
@@ -191,9 +192,11 @@ def _digests(parts: list) -> list:
 
 # -- saving ------------------------------------------------------------------------------
 def live_value(variable, to_numpy):
-    """What the engine saves for ``variable``: its JAX array as it is (no gather), else NumPy."""
+    """What the engine saves for ``variable``: its JAX array as it is (no gather, no copy:
+    JAX arrays are immutable, and a blocking save reads them at a step boundary), else NumPy."""
     value = getattr(variable, "value", variable)
-    if _multiprocess.is_sharded(value):
+    jax = sys.modules.get("jax")  # (no JAX imported: not a JAX array)
+    if jax is not None and isinstance(value, jax.Array):
         return value
     return to_numpy(variable)
 
