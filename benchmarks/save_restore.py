@@ -19,6 +19,15 @@ round by round in a rotating order:
 Ratios are per round; the median with min and max is printed. Targets (issue
 10): save / raw write <= 1.15, restore / read_direct <= 1.3. The machine is
 shared: a ratio inside the A/A band is "no measurable difference".
+
+With orbax-checkpoint installed (``--no-orbax`` to skip), then, with the Adam
+slots filled with random values: ``save_training_state`` / ``restore_training_state``
+of a ``.orbax`` directory (every check on) against Orbax's own synchronous
+``PyTreeCheckpointer`` save of the same arrays (JAX arrays on JAX, NumPy
+elsewhere) over the old directory removed first, and, beside it, a save to a new
+directory with the previous one removed after (what ours does: one of the two is
+whole at every moment); and its restore into NumPy + ``assign`` to the
+variables; Orbax's own save and restore timed twice (A/A). Target (issue 17): <= 1.2.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import keras_stable_state as kss  # noqa: E402
 
 SAVE_TARGET = 1.15
 RESTORE_TARGET = 1.3
+ORBAX_TARGET = 1.2
 
 
 def parse_args(argv=None):
@@ -51,10 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size (default 5)")
     p.add_argument("--dir", default=None, help="folder for the files (default: a temporary folder)")
     p.add_argument("--json", default=None, help="write the results here for benchmarks/report.py")
+    p.add_argument("--no-orbax", action="store_true", help="skip the .orbax rows (else run if installed)")
     return p.parse_args(argv)
 
 
-def bench_size(mb: int, rounds: int, folder: str):
+def bench_size(mb: int, rounds: int, folder: str, orbax: bool = False):
     model = c.mlp_for_bytes(mb * 10**6)
     arrays = c.state_arrays(model)
     nbytes = sum(a.nbytes for a in arrays)
@@ -120,11 +131,102 @@ def bench_size(mb: int, rounds: int, folder: str):
         f"{mb} MB state ({keras.backend.backend()}): raw write {raw_s * 1e3:.0f} ms "
         f"({nbytes / raw_s / 1e9:.2f} GB/s), read_direct {rd_s * 1e3:.0f} ms ({nbytes / rd_s / 1e9:.2f} GB/s)"
     )
-    return title, save_rows + restore_rows
+    orbax_rows = bench_orbax(model, rounds, folder) if orbax else []
+    return title, save_rows + restore_rows + orbax_rows
+
+
+def bench_orbax(model, rounds: int, folder: str) -> list:
+    """The .orbax rows: ours against Orbax's own save and restore + assign of the same arrays."""
+    import orbax.checkpoint as ocp
+
+    rng = np.random.default_rng(0)
+    for v in model.optimizer.variables:  # random slots: what a trained state holds (zeros compress)
+        if len(v.shape) and "float" in str(v.dtype):
+            v.assign(rng.normal(size=v.shape).astype(v.dtype))
+    variables = model.variables + model.optimizer.variables
+    ours = os.path.join(folder, "s.orbax")
+    own = {n: os.path.join(folder, n) for n in ("own", "own2")}
+
+    def tree():
+        jax_arrays = keras.backend.backend() == "jax"
+        return {
+            str(i): v.value if jax_arrays else keras.ops.convert_to_numpy(v) for i, v in enumerate(variables)
+        }
+
+    def own_save(where):
+        shutil.rmtree(where, ignore_errors=True)
+        with ocp.PyTreeCheckpointer() as ckptr:
+            ckptr.save(where, tree())
+
+    restore_args = {str(i): ocp.RestoreArgs(restore_type=np.ndarray) for i in range(len(variables))}
+
+    def own_restore(where):
+        with ocp.PyTreeCheckpointer() as ckptr:
+            restored = ckptr.restore(where, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+        for i, v in enumerate(variables):
+            v.assign(restored[str(i)])
+
+    steps = [0]
+
+    def own_save_keeping():  # a new step, the previous removed once it is written (like ours)
+        steps[0] += 1
+        own_save(os.path.join(folder, f"step{steps[0]}"))
+        shutil.rmtree(os.path.join(folder, f"step{steps[0] - 1}"), ignore_errors=True)
+
+    save_ops = {
+        "orbax": lambda: own_save(own["own"]),
+        "orbax2": lambda: own_save(own["own2"]),
+        "orbax_keep": own_save_keeping,
+        "kss": lambda: kss.save_training_state(ours, model),
+    }
+    for op in save_ops.values():
+        op()
+    print("== .orbax save", flush=True)
+    st = c.run_rounds(save_ops, rounds, log=_log)
+    restore_ops = {
+        "orbax": lambda: own_restore(own["own"]),
+        "orbax2": lambda: own_restore(own["own2"]),
+        "kss": lambda: kss.restore_training_state(ours, model),
+    }
+    for op in restore_ops.values():
+        op()
+    print("== .orbax restore", flush=True)
+    rt = c.run_rounds(restore_ops, rounds, log=_log)
+    return [
+        (
+            ".orbax save_training_state / Orbax PyTree save",
+            c.summary(c.ratios(st, "kss", "orbax")),
+            ORBAX_TARGET,
+        ),
+        (
+            ".orbax save_training_state / Orbax save, previous kept",
+            c.summary(c.ratios(st, "kss", "orbax_keep")),
+            None,
+        ),
+        ("A/A Orbax save / Orbax save", c.summary(c.ratios(st, "orbax2", "orbax")), None),
+        (
+            ".orbax restore_training_state / Orbax restore + assign",
+            c.summary(c.ratios(rt, "kss", "orbax")),
+            ORBAX_TARGET,
+        ),
+        (
+            "A/A Orbax restore + assign / Orbax restore + assign",
+            c.summary(c.ratios(rt, "orbax2", "orbax")),
+            None,
+        ),
+    ]
 
 
 def _log(r, got):
     print(f"  round {r + 1}: " + "  ".join(f"{n} {t * 1e3:7.1f} ms" for n, t in got.items()), flush=True)
+
+
+def _has_orbax() -> bool:
+    try:
+        import orbax.checkpoint  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main(argv=None):
@@ -135,7 +237,7 @@ def main(argv=None):
     sections = []
     try:
         for mb in sizes:
-            title, rows = bench_size(mb, args.rounds, folder)
+            title, rows = bench_size(mb, args.rounds, folder, orbax=not args.no_orbax and _has_orbax())
             c.print_rows(title, rows)
             sections.append({"title": title, "rows": rows})
             keras.backend.clear_session()

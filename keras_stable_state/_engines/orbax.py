@@ -12,18 +12,20 @@ A path ending in ``.orbax`` is a directory::
                      model and optimizer array, ``{"model": {"0": ...},
                      "optimizer": {"0": ...}}``, numbered as in the index
 
-The index lists ``[section, key, name, shape, dtype, hash]`` per array: our
-stable key, the Orbax leaf name and a 64-bit position-keyed hash of its bytes.
-Orbax checksums only its shard index, not the data, so each array is checked
-against this hash when restored. The hash is a sum modulo 2**64 over elements
-of ``mix(mix(flat_index + seed) ^ bits)``, ``mix`` being the SplitMix64
-finalizer (Steele, Lea and Flood, "Fast splittable pseudorandom number
-generators", OOPSLA 2014) and ``seed`` the CRC-32 (``zlib.crc32``) of the key,
-dtype and shape (this hash is the engine's own, not the record's xxh3-64);
-a sum of per-element hashes (an additive multiset hash, Bellare and Micciancio,
-"A new paradigm for collision-free hashing", EUROCRYPT 1997) can be computed
-shard by shard on each process and added up, so no process ever holds a whole
-sharded array.
+The index (version 2) lists ``[section, key, name, shape, dtype, hash, block]``
+per array: our stable key, the Orbax leaf name, a 64-bit hash of its bytes and
+the block shape of that hash's grid. Orbax checksums only its shard index, not
+the data, so each array is checked against this hash when restored. The hash
+(``format.orbax_layout``) is the sum modulo 2**64 of the xxh3-64 of the bytes of
+each block of the grid, seeded by the key, dtype, shape and the block's place;
+the grid is the array's shards when saved (one block for an unsharded array).
+Each process hashes the shards it writes, in place on the CPU (``np.asarray`` of
+a CPU shard is its own buffer; on an accelerator it is a copy to the host beside
+the one Orbax makes to write it), and the partial sums of the processes are added. On restore a process hashes the
+shards it read, whole blocks at a time; when the current sharding cuts the
+saved blocks (a restore onto another layout), the saved blocks are read from
+``arrays/`` with TensorStore instead, split between the processes. States of
+index version 1 (a per-element SplitMix64 hash) are still read and checked.
 
 With several JAX processes each process writes only the shards it holds
 (Orbax), process 0 writes ``state.h5``; on restore each process reads only the
@@ -35,12 +37,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 
 import numpy as np
 
 from keras_stable_state import _processes as _multiprocess
 from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+from keras_stable_state.format import orbax_layout as layout
 from keras_stable_state.format.orbax_layout import (  # noqa: F401 (names of this engine)
     ARRAYS,
     INDEX,
@@ -48,12 +52,11 @@ from keras_stable_state.format.orbax_layout import (  # noqa: F401 (names of thi
     RECORD,
     SECTIONS,
     SUFFIX,
-    block_hash,
     index_entries,
     is_orbax_path,
 )
 
-_MASK = (1 << 64) - 1
+_MASK = layout.MASK
 _SECTIONS = SECTIONS
 
 
@@ -77,41 +80,123 @@ def _ocp():
     return ocp
 
 
-# -- the hash (block_hash: format.orbax_layout) -----------------------------------------
-def _shard_hashes(values: list, keys: list, dtypes: list) -> list:
-    """The hash of each value (NumPy, or a JAX array summed over every process' shards)."""
-    partial = []
-    collective = False
-    for value, key, dtype in zip(values, keys, dtypes, strict=True):
-        shape = tuple(value.shape)
+# -- the hash (format.orbax_layout) ---------------------------------------------------
+def _grid(value) -> tuple:
+    """The block shape of the hash of ``value``: its shard shape when sharded, else its shape."""
+    shape = tuple(map(int, value.shape))
+    if 0 in shape or not _multiprocess.is_sharded(value):
+        return shape
+    return tuple(map(int, value.sharding.shard_shape(shape)))
+
+
+def _box(index, shape) -> tuple:
+    """``(start, stop)`` of a shard's index (a tuple of slices) in an array of ``shape``."""
+    start = tuple(0 if s.start is None else s.start for s in index)
+    stop = tuple(n if s.stop is None else s.stop for s, n in zip(index, shape, strict=True))
+    return start, stop
+
+
+def _held(value, shape, block) -> bool:
+    """Whether every shard of the sharded ``value`` is a union of whole blocks of ``block``."""
+    boxes = value.sharding.devices_indices_map(shape).values()
+    return all(layout.aligned(*_box(index, shape), shape, block) for index in boxes)
+
+
+def _local_hash(value, key, dtype, block):
+    """``(hash, whole)``: this process' part of the hash of ``value`` (a NumPy array or a
+    JAX array); ``whole`` if this process holds it all (an unsharded value)."""
+    shape = tuple(map(int, value.shape))
+    if block is None:  # index version 1: per element
+        part = layout.element_hash
         if isinstance(value, np.ndarray) or not _multiprocess.is_sharded(value):
-            total = block_hash(np.asarray(value), (0,) * len(shape), shape, key, dtype)
-            # A whole array is hashed on every process; counted once (on process 0) when summed.
-            partial.append(total if _multiprocess.process_index() == 0 else 0)
-            continue
-        collective = True
+            return part(np.asarray(value), (0,) * len(shape), shape, key, dtype), True
         total = 0
         for shard in value.addressable_shards:
-            if shard.replica_id != 0:  # each block once, whichever device holds it
+            if shard.replica_id == 0:  # each block once, whichever device holds it
+                total += part(np.asarray(shard.data), _box(shard.index, shape)[0], shape, key, dtype)
+        return total & _MASK, False
+    if 0 in shape:  # no element (nothing to read, not even on another process)
+        return layout.region_hash(
+            np.zeros(shape, np.uint8), (0,) * len(shape), shape, block, key, dtype
+        ), True
+    if isinstance(value, np.ndarray) or not _multiprocess.is_sharded(value):
+        return layout.region_hash(np.asarray(value), (0,) * len(shape), shape, block, key, dtype), True
+    total = 0
+    for shard in value.addressable_shards:
+        if shard.replica_id == 0:  # each block once, whichever device holds it
+            start = _box(shard.index, shape)[0]
+            total += layout.region_hash(np.asarray(shard.data), start, shape, block, key, dtype)
+    return total & _MASK, False
+
+
+def _stored_hash(lazy) -> int:
+    """This process' part of the hash of ``lazy``'s saved blocks, read from ``arrays/`` with
+    TensorStore: the blocks whose number modulo the process count is this process' index."""
+    import tensorstore as ts
+
+    where = lazy.source.where
+    spec = layout.store_spec(lazy.source.directory, f"{lazy.section}.{lazy.leaf}", where)
+    count, me = _multiprocess.process_count(), _multiprocess.process_index()
+    try:
+        store = ts.open(spec, open=True).result()
+        total = 0
+        for number, first in enumerate(layout.block_starts(lazy.shape, lazy.block)):
+            if number % count != me:
                 continue
-            start = tuple(0 if s.start is None else s.start for s in shard.index)
-            total += block_hash(np.asarray(shard.data), start, shape, key, dtype)
-        partial.append(total & _MASK)
-    if _multiprocess.process_count() == 1 or not (collective or partial):
-        return [p & _MASK for p in partial]
+            box = tuple(
+                slice(f, min(f + b, n)) for f, b, n in zip(first, lazy.block, lazy.shape, strict=True)
+            )
+            block = np.asarray(store[box].read().result())
+            total += layout.region_hash(block, first, lazy.shape, lazy.block, lazy.key, lazy.dtype.name)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise CorruptCheckpointError(
+            f"{where}: array {lazy.key} cannot be read from '{ARRAYS}' to check it ({err}); the folder is "
+            "damaged or incomplete. Restore from an earlier checkpoint.",
+            key=lazy.key,
+        ) from err
+    return total & _MASK
+
+
+def _combine(parts: list) -> np.ndarray:
+    """The local parts ``[(hash, whole)]`` of every process, ``uint64`` of shape ``(processes, n)``
+    (a collective with several processes)."""
+    local = np.array([[h for h, _ in parts]], dtype=np.uint64).reshape(1, -1)
+    if _multiprocess.process_count() == 1 or not parts:
+        return local
     from jax.experimental import multihost_utils
 
-    halves = np.array([[p >> 32, p & 0xFFFFFFFF] for p in partial], dtype=np.uint32).reshape(-1, 2)
+    halves = np.stack([local[0] >> np.uint64(32), local[0] & np.uint64(0xFFFFFFFF)], axis=-1).astype(
+        np.uint32
+    )
     every = np.asarray(multihost_utils.process_allgather(halves)).astype(np.uint64)
-    sums = ((every[..., 0] << np.uint64(32)) | every[..., 1]).sum(axis=0, dtype=np.uint64)
-    return [int(s) for s in sums]
+    return (every[..., 0] << np.uint64(32)) | every[..., 1]
+
+
+def _fails(column: np.ndarray, whole: bool, digest: str) -> bool:
+    """Whether the parts ``column`` of every process miss ``digest``: each process' own hash
+    of a value it holds whole, or their sum for a sharded one."""
+    if whole:
+        return any(f"{int(h):016x}" != digest for h in column)
+    return f"{int(column.sum(dtype=np.uint64)):016x}" != digest
+
+
+def _digests(parts: list) -> list:
+    """The hash of each array from its local parts: a whole value's from process 0, a sharded one's
+    the sum over processes."""
+    every = _combine(parts)
+    return [
+        int(every[0, i]) if whole else int(every[:, i].sum(dtype=np.uint64))
+        for i, (_, whole) in enumerate(parts)
+    ]
 
 
 # -- saving ------------------------------------------------------------------------------
 def live_value(variable, to_numpy):
-    """What the engine saves for ``variable``: its JAX array as it is (no gather), else NumPy."""
+    """What the engine saves for ``variable``: its JAX array as it is (no gather, no copy:
+    JAX arrays are immutable, and a blocking save reads them at a step boundary), else NumPy."""
     value = getattr(variable, "value", variable)
-    if _multiprocess.is_sharded(value):
+    jax = sys.modules.get("jax")  # (no JAX imported: not a JAX array)
+    if jax is not None and isinstance(value, jax.Array):
         return value
     return to_numpy(variable)
 
@@ -154,13 +239,16 @@ def write(path: str, record: storage.StateRecord) -> str:
     # Values may be zero-argument callables (converted lazily, storage.StateRecord).
     entries = [(s, k, v() if callable(v) else v) for s in _SECTIONS for k, v in getattr(record, s).items()]
     dtypes = [storage.dtype_name(v) for _, _, v in entries]
-    hashes = _shard_hashes([v for _, _, v in entries], [k for _, k, _ in entries], dtypes)
+    grids = [_grid(v) for _, _, v in entries]
+    parts = [_local_hash(v, k, d, g) for (_, k, v), d, g in zip(entries, dtypes, grids, strict=True)]
+    hashes = _digests(parts)
     counters = dict.fromkeys(_SECTIONS, 0)
-    for (section, key, value), dtype, digest in zip(entries, dtypes, hashes, strict=True):
+    for (section, key, value), dtype, digest, grid in zip(entries, dtypes, hashes, grids, strict=True):
         leaf = str(counters[section])
         counters[section] += 1
         tree.setdefault(section, {})[leaf] = value
-        index.append([section, key, leaf, list(map(int, value.shape)), dtype, f"{digest:016x}"])
+        shape = list(map(int, value.shape))
+        index.append([section, key, leaf, shape, dtype, f"{digest:016x}", list(grid)])
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         checkpointer.save(os.path.join(partial, ARRAYS), args=ocp.args.PyTreeSave(tree))
     small = storage.StateRecord(
@@ -193,12 +281,14 @@ class OrbaxArray:
 
     ``np.asarray`` reads it whole (on every process) and checks its hash;
     :func:`materialize` reads the arrays planned for variables at once, each
-    process only the shards of the variable's current sharding.
+    process only the shards of the variable's current sharding. ``block`` is the
+    grid of its hash (``None``: index version 1, per element).
     """
 
-    def __init__(self, source, section, key, leaf, shape, dtype, digest):
+    def __init__(self, source, section, key, leaf, shape, dtype, digest, block=None):
         self.source, self.section, self.key, self.leaf = source, section, key, leaf
         self.shape, self.dtype, self.digest = tuple(shape), storage.numpy_dtype(dtype), digest
+        self.block = None if block is None else tuple(block)
         self.ndim = len(self.shape)
 
     def __array__(self, dtype=None, copy=None):
@@ -213,8 +303,7 @@ class _Source:
     def __init__(self, directory, where):
         self.directory, self.where = directory, where
 
-    def load(self, wanted):
-        """``[(OrbaxArray, sharding or None)]`` -> checked values (JAX arrays on a sharding, else NumPy)."""
+    def _restore(self, wanted):
         ocp = _ocp()
         item, args = {}, {}
         for lazy, sharding in wanted:
@@ -224,19 +313,40 @@ class _Source:
             else:
                 arg = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=lazy.shape)
             args.setdefault(lazy.section, {})[lazy.leaf] = arg
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(
+                os.path.join(self.directory, ARRAYS),
+                args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
+            )
+        return [restored[lazy.section][lazy.leaf] for lazy, _ in wanted]
+
+    def load(self, wanted):
+        """``[(OrbaxArray, sharding or None)]`` -> checked values (JAX arrays on a sharding, else NumPy).
+
+        Raises:
+            CorruptCheckpointError: naming the first damaged key (``.key``; the message
+                names every one found) if Orbax cannot read an array, an array has another
+                shape or dtype than the sealed index says, or fails its hash.
+        """
         try:
-            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-                restored = checkpointer.restore(
-                    os.path.join(self.directory, ARRAYS),
-                    args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
-                )
+            values = self._restore(wanted)
         except (OSError, ValueError, KeyError) as err:
+            unreadable = []
+            if len(wanted) > 1:  # which arrays: each read alone (only when a read failed)
+                for one in wanted:
+                    try:
+                        self._restore([one])
+                    except (OSError, ValueError, KeyError):
+                        unreadable.append(one[0].key)
+            keys = unreadable or [w.key for w, _ in wanted]
             raise CorruptCheckpointError(
-                f"{self.where}: Orbax could not read the arrays ({type(err).__name__}: {err}); the "
-                f"'{ARRAYS}' folder is damaged or incomplete. Restore from an earlier checkpoint.",
-                key=wanted[0][0].key if wanted else None,
+                f"{self.where}: Orbax could not read the arrays {keys} ({type(err).__name__}: {err}); the "
+                f"'{ARRAYS}' folder is damaged or incomplete. Nothing was restored. Restore from an earlier "
+                "checkpoint.",
+                key=keys[0] if keys else None,
+                expected="readable arrays",
+                received=keys,
             ) from err
-        values = [restored[lazy.section][lazy.leaf] for lazy, _ in wanted]
         for (lazy, _), value in zip(wanted, values, strict=True):
             found = (tuple(np.shape(value)), storage.dtype_name(value))
             if found != (lazy.shape, lazy.dtype.name):
@@ -248,8 +358,19 @@ class _Source:
                     expected=(lazy.shape, lazy.dtype.name),
                     received=found,
                 )
-        hashes = _shard_hashes(values, [w.key for w, _ in wanted], [w.dtype.name for w, _ in wanted])
-        bad = [w.key for (w, _), h in zip(wanted, hashes, strict=True) if f"{h:016x}" != w.digest]
+        parts = []
+        for (lazy, _), value in zip(wanted, values, strict=True):
+            sharded = lazy.block is not None and 0 not in lazy.shape and _multiprocess.is_sharded(value)
+            if sharded and not _held(value, lazy.shape, lazy.block):  # shards cut the saved blocks
+                parts.append((_stored_hash(lazy), False))
+            else:
+                parts.append(_local_hash(value, lazy.key, lazy.dtype.name, lazy.block))
+        every = _combine(parts)
+        bad = [
+            w.key
+            for i, ((w, _), (_, whole)) in enumerate(zip(wanted, parts, strict=True))
+            if _fails(every[:, i], whole, w.digest)
+        ]
         if bad:
             raise CorruptCheckpointError(
                 f"{self.where}: arrays {bad} fail their hash: their bytes in '{ARRAYS}' are not the ones "
@@ -269,6 +390,7 @@ def read(path: str) -> storage.StateRecord:
         CheckpointFormatError: if ``path`` is not a ``.orbax`` training-state directory.
         CorruptCheckpointError: if ``state.h5`` fails its checks (its xxh3-128 seal,
             its records' and arrays' xxh3-64) or its index is malformed.
+        NewerFormatError: if its index version is above the newest this version reads.
         StateError: if orbax-checkpoint is not installed.
     """
     _ocp()
@@ -288,9 +410,8 @@ def read(path: str) -> storage.StateRecord:
     metadata = record.metadata if isinstance(record, storage.StateRecord) else None
     entries = index_entries(metadata, where)
     source = _Source(path, where)
-    for item in entries:
-        section, key, leaf, shape, dtype, digest = item
-        getattr(record, section)[key] = OrbaxArray(source, section, key, leaf, shape, dtype, digest)
+    for section, key, leaf, shape, dtype, digest, block in entries:
+        getattr(record, section)[key] = OrbaxArray(source, section, key, leaf, shape, dtype, digest, block)
     return record
 
 

@@ -11,7 +11,6 @@ its hash in the index.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -19,7 +18,6 @@ import numpy as np
 from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 from keras_stable_state.format import orbax_layout as layout
-from keras_stable_state.format.files import open_binary
 
 __all__ = ["CONTAINER", "OrbaxState", "is_orbax_state"]
 
@@ -57,6 +55,7 @@ class OrbaxState:
         CheckpointFormatError: if ``path`` holds no regular ``state.h5`` (not a ``.orbax``
             training state).
         CorruptCheckpointError: if ``state.h5`` fails its checks or its index is malformed.
+        NewerFormatError: if its index version is above the newest this version reads.
         The other errors of :func:`keras_stable_state.format.open_file` for ``state.h5``.
     """
 
@@ -88,32 +87,17 @@ class OrbaxState:
         self.metadata = {k: v for k, v in meta.items() if k != layout.INDEX}
         self.members, self.member, self.damaged_members, self.problems = [], None, [], []
         self.optimizer_keys, self.model_class = {}, None
-        self._digests = {}
+        self._digests, self._blocks = {}, {}
         own = [e for e in f.entries if e.section not in layout.SECTIONS]
         indexed = []
-        for section, key, leaf, shape, dtype, digest in items:
+        for section, key, leaf, shape, dtype, digest, block in items:
             nbytes = int(np.prod(shape, dtype=np.int64)) * storage.numpy_dtype(dtype).itemsize
             entry = storage.Entry(
                 section, key, f"{layout.ARRAYS}/{section}.{leaf}", tuple(shape), dtype, nbytes
             )
-            self._digests[entry.dataset] = digest
+            self._digests[entry.dataset], self._blocks[entry.dataset] = digest, block
             indexed.append(entry)
         self.entries = indexed + own
-
-    def _driver(self):
-        try:
-            with open_binary(
-                os.path.join(self.path, layout.ARRAYS, "_METADATA"), what="Orbax metadata"
-            ) as fh:
-                info = json.loads(fh.read(1 << 24))
-        except (OSError, ValueError, CheckpointFormatError) as err:
-            raise CorruptCheckpointError(
-                f"{self.where}: the Orbax metadata {layout.ARRAYS}/_METADATA cannot be read ({err}); "
-                "the folder is damaged or incomplete. Restore from an earlier checkpoint.",
-                key=layout.ARRAYS,
-            ) from err
-        info = info if isinstance(info, dict) else {}
-        return ("zarr3" if info.get("use_zarr3") else "zarr"), bool(info.get("use_ocdbt", True))
 
     def read(self, entry) -> np.ndarray:
         """Read one array and check it: the index's hash for an Orbax array, else the record's checksum.
@@ -127,17 +111,9 @@ class OrbaxState:
         if digest is None:
             return self._file.read(entry)
         ts = _tensorstore(self.where)
-        driver, ocdbt = self._driver()
-        base = os.path.abspath(os.path.join(self.path, layout.ARRAYS))
-        name = entry.dataset.split("/", 1)[1]
-        if ocdbt:
-            kvstore = {"driver": "ocdbt", "base": f"file://{base}", "path": f"{name}/"}
-        else:
-            kvstore = {"driver": "file", "path": os.path.join(base, name) + "/"}
+        spec = layout.store_spec(self.path, entry.dataset.split("/", 1)[1], self.where)
         try:
-            value = np.asarray(
-                ts.open({"driver": driver, "kvstore": kvstore}, open=True).result().read().result()
-            )
+            value = np.asarray(ts.open(spec, open=True).result().read().result())
         except (ValueError, OSError, RuntimeError) as err:
             raise CorruptCheckpointError(
                 f"{self.where}: array {entry.key!r} cannot be read from {layout.ARRAYS}/ ({err}); the "
@@ -154,7 +130,12 @@ class OrbaxState:
                 expected=(tuple(entry.shape), entry.dtype),
                 received=found,
             )
-        computed = f"{layout.block_hash(value, (0,) * value.ndim, value.shape, entry.key, entry.dtype):016x}"
+        block, start = self._blocks[entry.dataset], (0,) * value.ndim
+        if block is None:  # index version 1
+            computed = layout.element_hash(value, start, value.shape, entry.key, entry.dtype)
+        else:
+            computed = layout.region_hash(value, start, value.shape, block, entry.key, entry.dtype)
+        computed = f"{computed:016x}"
         if computed != digest:
             raise CorruptCheckpointError(
                 f"{self.where}: array {entry.key!r} fails its hash (expected {digest}, computed {computed}): "
