@@ -22,6 +22,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import NOISE_LEGEND  # noqa: E402
+
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 QUICK = {
     "save_restore.py": ["--sizes", "12,120", "--rounds", "5"],
@@ -64,16 +68,22 @@ def render(results: list, full: bool) -> str:
             "Read each ratio against its A/A row (the noise of the machine during the run).",
             "",
         ]
+    marked = False
     for r in results:
         for s in r["sections"]:
             lines += [f"**{r['benchmark']}** - {s['title']}", ""]
+            lines += [f"_{note}_" for note in s.get("notes", [])] + ([""] if s.get("notes") else [])
             lines += ["| ratio | median | min | max | target |", "|---|---|---|---|---|"]
             for row in s["rows"]:
                 target = "" if row["target"] is None else f"<= {row['target']}"
+                mark = " ~" if row.get("within_noise") else ""
+                marked = marked or bool(mark)
                 lines.append(
-                    f"| {row['label']} | {row['median']:.3f} | {row['min']:.3f} | {row['max']:.3f} | {target} |"
+                    f"| {row['label']} | {row['median']:.3f}{mark} | {row['min']:.3f} | {row['max']:.3f} | {target} |"
                 )
             lines.append("")
+    if marked:
+        lines += [f"{NOISE_LEGEND}.", ""]
     return "\n".join(lines)
 
 

@@ -2,23 +2,38 @@
 
 Usage::
 
-    KERAS_BACKEND=jax python benchmarks/save_restore.py [--sizes 12,120] [--rounds 5] [--json out.json]
+    KERAS_BACKEND=jax python benchmarks/save_restore.py [--sizes 12,120] [--rounds 5] [--threads 1]
+        [--dir FOLDER] [--no-cold] [--json out.json]
 
 For each state size (MB of weights + Adam slots, float32; ``--sizes 12,120,600``
 for the full run) an 8 x Dense MLP with Adam is built, and in one process,
 round by round in a rotating order:
 
 * save: ``save_training_state`` to ``.h5`` and to ``.keras``, stock
-  ``model.save_weights`` + ``fsync``, and the floor: a durable raw write of the
-  same number of bytes (one ``write`` + ``fsync``), timed twice (A/A);
-* restore (in place, into the same model): ``restore_training_state`` from the
-  ``.h5`` and the ``.keras``, stock ``model.load_weights``, and the floor: h5py
-  ``Dataset.read_direct`` of the same arrays into preallocated arrays, timed
-  twice (A/A). Files are warm in the page cache for every contender alike.
+  ``model.save_weights`` + ``fsync`` and ``model.save`` (``.keras``) + ``fsync``,
+  and the floor: a durable raw write of the same number of bytes (one ``write`` +
+  ``fsync``), timed twice (A/A);
+* restore, warm (in place, into the same model): ``restore_training_state`` from
+  the ``.h5`` and the ``.keras``, stock ``model.load_weights``,
+  ``keras.saving.load_model`` of ``model.save``'s file (a new model, as stock
+  Keras restores a ``.keras``), and the floor: h5py ``Dataset.read_direct`` of the
+  same arrays into preallocated arrays, timed twice (A/A). Files are warm in the
+  page cache for every contender alike;
+* restore, cold: the same contenders, each file dropped from the page cache first
+  (``fsync``, then ``os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)``, untimed), as
+  a resume after a restart reads it; the floor is a cold ``read_direct`` (A/A
+  twice). Whether dropping works here is checked first (``mincore``: the share of
+  the file still resident) and printed; where it does not (tmpfs, another OS),
+  the cold rows are left out and the header says why.
 
-Ratios are per round; the median with min and max is printed. Targets (issue
-10): save / raw write <= 1.15, restore / read_direct <= 1.3. The machine is
-shared: a ratio inside the A/A band is "no measurable difference".
+Ratios are per round; the median with min and max is printed. Targets: issue 10,
+save / raw write <= 1.15, restore / read_direct <= 1.3; issue 17, restore ``.h5``
+/ stock ``load_weights`` <= 1.0 warm and cold, ``.keras`` restore <=
+``load_model``, ``.keras`` save <= 1.15x ``model.save``. The machine is shared: a
+ratio whose median lies inside its section's A/A band (min-max of the A/A ratios
+of the same rounds) is marked ``~ (within A/A noise)``: no measurable difference.
+Every contender runs with the same threads (``--threads``, set once by
+``_common.configure_threads`` and printed in the header).
 
 With orbax-checkpoint installed (``--no-orbax`` to skip), then, with the Adam
 slots filled with random values: ``save_training_state`` / ``restore_training_state``
@@ -43,7 +58,7 @@ if __name__ == "__main__":
 
 import _common as c  # noqa: E402
 
-c.configure_threads_env()
+c.configure_threads_env(c.threads_from_argv())
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -53,6 +68,7 @@ import keras_stable_state as kss  # noqa: E402
 SAVE_TARGET = 1.15
 RESTORE_TARGET = 1.3
 ORBAX_TARGET = 1.2
+STOCK_TARGET = 1.0  # issue 17: restore / stock load_weights, .keras restore / load_model
 
 
 def parse_args(argv=None):
@@ -62,16 +78,21 @@ def parse_args(argv=None):
     p.add_argument("--dir", default=None, help="folder for the files (default: a temporary folder)")
     p.add_argument("--json", default=None, help="write the results here for benchmarks/report.py")
     p.add_argument("--no-orbax", action="store_true", help="skip the .orbax rows (else run if installed)")
+    p.add_argument("--no-cold", action="store_true", help="leave out the cold-read rows")
+    c.add_threads_arg(p)
     return p.parse_args(argv)
 
 
-def bench_size(mb: int, rounds: int, folder: str, orbax: bool = False):
+def bench_size(mb: int, rounds: int, folder: str, cold: bool, orbax: bool = False):
     model = c.mlp_for_bytes(mb * 10**6)
     arrays = c.state_arrays(model)
     nbytes = sum(a.nbytes for a in arrays)
     buffer = np.ones(nbytes, dtype=np.uint8)
     targets = [np.empty_like(a) for a in arrays]
-    p = {n: os.path.join(folder, n) for n in ("raw.bin", "raw2.bin", "s.h5", "s.keras", "w.weights.h5")}
+    p = {
+        n: os.path.join(folder, n)
+        for n in ("raw.bin", "raw2.bin", "s.h5", "s.keras", "w.weights.h5", "m.keras")
+    }
     p["h5raw"] = os.path.join(folder, "raw.h5")
     c.h5py_write_datasets(p["h5raw"], arrays)
 
@@ -79,30 +100,38 @@ def bench_size(mb: int, rounds: int, folder: str, orbax: bool = False):
         model.save_weights(p["w.weights.h5"])
         c.fsync_path(p["w.weights.h5"])
 
+    def stock_model_save():
+        model.save(p["m.keras"])
+        c.fsync_path(p["m.keras"])
+
     save_ops = {
         "raw": lambda: c.durable_raw_write(p["raw.bin"], buffer),
         "raw2": lambda: c.durable_raw_write(p["raw2.bin"], buffer),
         "h5": lambda: kss.save_training_state(p["s.h5"], model),
         "keras": lambda: kss.save_training_state(p["s.keras"], model),
         "stock": stock_save,
+        "model_save": stock_model_save,
     }
     for op in save_ops.values():  # warm-up: first-touch memory, imports, tracing
         op()
     print(f"\n== {mb} MB state ({nbytes / 1e6:.1f} MB in {len(arrays)} arrays), save", flush=True)
-    st = c.run_rounds(save_ops, rounds, log=_log)
+    st = c.run_rounds(save_ops, rounds, log=c.round_logger("raw2", "raw"))
     restore_ops = {
         "rd": lambda: c.h5py_read_direct(p["h5raw"], targets),
         "rd2": lambda: c.h5py_read_direct(p["h5raw"], targets),
         "h5": lambda: kss.restore_training_state(p["s.h5"], model),
         "keras": lambda: kss.restore_training_state(p["s.keras"], model),
         "stock": lambda: model.load_weights(p["w.weights.h5"]),
+        "load_model": lambda: keras.saving.load_model(p["m.keras"]),
     }
     for op in restore_ops.values():
         op()
-    print(f"== {mb} MB state, restore", flush=True)
-    rt = c.run_rounds(restore_ops, rounds, log=_log)
+    print(f"== {mb} MB state, restore (warm)", flush=True)
+    rt = c.run_rounds(restore_ops, rounds, log=c.round_logger("rd2", "rd"))
     raw_s = c.summary(st["raw"])[0]
     rd_s = c.summary(rt["rd"])[0]
+    save_aa = c.summary(c.ratios(st, "raw2", "raw"))
+    rd_aa = c.summary(c.ratios(rt, "rd2", "rd"))
     save_rows = [
         ("save_training_state .h5 / durable raw write", c.summary(c.ratios(st, "h5", "raw")), SAVE_TARGET),
         (
@@ -111,7 +140,20 @@ def bench_size(mb: int, rounds: int, folder: str, orbax: bool = False):
             SAVE_TARGET,
         ),
         ("stock save_weights+fsync / durable raw write", c.summary(c.ratios(st, "stock", "raw")), None),
-        ("A/A raw write / raw write", c.summary(c.ratios(st, "raw2", "raw")), None),
+        ("stock model.save+fsync / durable raw write", c.summary(c.ratios(st, "model_save", "raw")), None),
+        (
+            "save_training_state .h5 / stock save_weights+fsync",
+            c.summary(c.ratios(st, "h5", "stock")),
+            None,
+            save_aa,
+        ),
+        (
+            "save_training_state .keras / stock model.save+fsync",
+            c.summary(c.ratios(st, "keras", "model_save")),
+            SAVE_TARGET,
+            save_aa,
+        ),
+        ("A/A raw write / raw write", save_aa, None),
     ]
     restore_rows = [
         (
@@ -125,14 +167,29 @@ def bench_size(mb: int, rounds: int, folder: str, orbax: bool = False):
             RESTORE_TARGET,
         ),
         ("stock load_weights / h5py read_direct", c.summary(c.ratios(rt, "stock", "rd")), None),
-        ("A/A read_direct / read_direct", c.summary(c.ratios(rt, "rd2", "rd")), None),
+        (
+            "stock keras.saving.load_model / h5py read_direct",
+            c.summary(c.ratios(rt, "load_model", "rd")),
+            None,
+        ),
+        *_versus_stock(rt, "", rd_aa),
+        ("A/A read_direct / read_direct", rd_aa, None),
     ]
     title = (
         f"{mb} MB state ({keras.backend.backend()}): raw write {raw_s * 1e3:.0f} ms "
         f"({nbytes / raw_s / 1e9:.2f} GB/s), read_direct {rd_s * 1e3:.0f} ms ({nbytes / rd_s / 1e9:.2f} GB/s)"
     )
-    orbax_rows = bench_orbax(model, rounds, folder) if orbax else []
-    return title, save_rows + restore_rows + orbax_rows
+    sections = [{"title": title, "rows": save_rows + restore_rows}]
+    if cold:
+        sections.append(cold_restore(model, p, targets, rounds, mb, nbytes))
+    if orbax:
+        sections.append(
+            {
+                "title": f"{mb} MB state, .orbax ({keras.backend.backend()})",
+                "rows": bench_orbax(model, rounds, folder),
+            }
+        )
+    return sections
 
 
 def bench_orbax(model, rounds: int, folder: str) -> list:
@@ -182,7 +239,7 @@ def bench_orbax(model, rounds: int, folder: str) -> list:
     for op in save_ops.values():
         op()
     print("== .orbax save", flush=True)
-    st = c.run_rounds(save_ops, rounds, log=_log)
+    st = c.run_rounds(save_ops, rounds, log=c.round_logger("orbax2", "orbax"))
     restore_ops = {
         "orbax": lambda: own_restore(own["own"]),
         "orbax2": lambda: own_restore(own["own2"]),
@@ -191,34 +248,87 @@ def bench_orbax(model, rounds: int, folder: str) -> list:
     for op in restore_ops.values():
         op()
     print("== .orbax restore", flush=True)
-    rt = c.run_rounds(restore_ops, rounds, log=_log)
+    rt = c.run_rounds(restore_ops, rounds, log=c.round_logger("orbax2", "orbax"))
+    save_aa = c.summary(c.ratios(st, "orbax2", "orbax"))
+    restore_aa = c.summary(c.ratios(rt, "orbax2", "orbax"))
     return [
         (
             ".orbax save_training_state / Orbax PyTree save",
             c.summary(c.ratios(st, "kss", "orbax")),
             ORBAX_TARGET,
+            save_aa,
         ),
         (
             ".orbax save_training_state / Orbax save, previous kept",
             c.summary(c.ratios(st, "kss", "orbax_keep")),
             None,
+            save_aa,
         ),
-        ("A/A Orbax save / Orbax save", c.summary(c.ratios(st, "orbax2", "orbax")), None),
+        ("A/A Orbax save / Orbax save", save_aa, None),
         (
             ".orbax restore_training_state / Orbax restore + assign",
             c.summary(c.ratios(rt, "kss", "orbax")),
             ORBAX_TARGET,
+            restore_aa,
+        ),
+        ("A/A Orbax restore + assign / Orbax restore + assign", restore_aa, None),
+    ]
+
+
+def _versus_stock(times, suffix, band):
+    """Our restores against stock Keras' own, in the same rounds (issue 17: <= 1.0)."""
+    when = f", {suffix}" if suffix else ""
+    return [
+        (
+            f"restore_training_state .h5 / stock load_weights{when}",
+            c.summary(c.ratios(times, "h5", "stock")),
+            STOCK_TARGET,
+            band,
         ),
         (
-            "A/A Orbax restore + assign / Orbax restore + assign",
-            c.summary(c.ratios(rt, "orbax2", "orbax")),
-            None,
+            f"restore_training_state .keras / stock load_model{when}",
+            c.summary(c.ratios(times, "keras", "load_model")),
+            STOCK_TARGET,
+            band,
         ),
     ]
 
 
-def _log(r, got):
-    print(f"  round {r + 1}: " + "  ".join(f"{n} {t * 1e3:7.1f} ms" for n, t in got.items()), flush=True)
+def cold_restore(model, p, targets, rounds, mb, nbytes) -> dict:
+    """The cold-read section: every contender's file dropped from the page cache (untimed)
+    just before it is read, as a resume after a restart reads it."""
+    ops = {
+        "rd": lambda: c.h5py_read_direct(p["h5raw"], targets),
+        "rd2": lambda: c.h5py_read_direct(p["h5raw"], targets),
+        "h5": lambda: kss.restore_training_state(p["s.h5"], model),
+        "keras": lambda: kss.restore_training_state(p["s.keras"], model),
+        "stock": lambda: model.load_weights(p["w.weights.h5"]),
+        "load_model": lambda: keras.saving.load_model(p["m.keras"]),
+    }
+    files = {"rd": "h5raw", "rd2": "h5raw", "h5": "s.h5", "keras": "s.keras", "stock": "w.weights.h5"}
+    files["load_model"] = "m.keras"
+    before = {name: (lambda f=p[files[name]]: c.drop_from_cache(f)) for name in ops}
+    print(f"== {mb} MB state, restore (cold: each file dropped from the page cache first)", flush=True)
+    times = c.run_rounds(ops, rounds, log=c.round_logger("rd2", "rd"), before=before)
+    band = c.summary(c.ratios(times, "rd2", "rd"))
+    rd_s = c.summary(times["rd"])[0]
+    rows = [
+        ("restore_training_state .h5 / h5py read_direct, cold", c.summary(c.ratios(times, "h5", "rd")), None),
+        (
+            "restore_training_state .keras / h5py read_direct, cold",
+            c.summary(c.ratios(times, "keras", "rd")),
+            None,
+        ),
+        ("stock load_weights / h5py read_direct, cold", c.summary(c.ratios(times, "stock", "rd")), None),
+        ("stock load_model / h5py read_direct, cold", c.summary(c.ratios(times, "load_model", "rd")), None),
+        *_versus_stock(times, "cold", band),
+        ("A/A read_direct / read_direct, cold", band, None),
+    ]
+    title = (
+        f"{mb} MB state ({keras.backend.backend()}), cold reads: read_direct {rd_s * 1e3:.0f} ms "
+        f"({nbytes / rd_s / 1e9:.2f} GB/s)"
+    )
+    return {"title": title, "rows": rows}
 
 
 def _has_orbax() -> bool:
@@ -231,19 +341,33 @@ def _has_orbax() -> bool:
 
 def main(argv=None):
     args = parse_args(argv)
+    threads = c.configure_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    print(f"save_restore: {c.machine()}; {args.rounds} rounds; sizes {sizes} MB", flush=True)
     folder = args.dir or tempfile.mkdtemp(prefix="kss-bench-")
+    cold, cold_note = False, "cold reads not measured (--no-cold)"
+    if not args.no_cold:
+        probe = os.path.join(folder, "probe.bin")
+        c.durable_raw_write(probe, np.ones(1 << 24, np.uint8))
+        cold, cold_note = c.cold_reads_possible(probe)
+        os.remove(probe)
+    print(
+        f"save_restore: {c.machine()}; {args.rounds} rounds; sizes {sizes} MB; threads: {threads} "
+        f"(every contender); {cold_note}",
+        flush=True,
+    )
     sections = []
     try:
         for mb in sizes:
-            title, rows = bench_size(mb, args.rounds, folder, orbax=not args.no_orbax and _has_orbax())
-            c.print_rows(title, rows)
-            sections.append({"title": title, "rows": rows})
+            orbax = not args.no_orbax and _has_orbax()
+            for section in bench_size(mb, args.rounds, folder, cold, orbax=orbax):
+                c.print_rows(section["title"], section["rows"])
+                sections.append(section)
             keras.backend.clear_session()
     finally:
         if args.dir is None:
             shutil.rmtree(folder, ignore_errors=True)
+    for section in sections:
+        section["notes"] = [f"threads: {threads}", cold_note]
     c.dump_json(args.json, "save_restore", sections)
     return 0
 

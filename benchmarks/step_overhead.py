@@ -67,53 +67,18 @@ def parse_args(argv=None):
         help="timed steps per fit (default: jax 40, tensorflow 30, torch 15)",
     )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each fit")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="intra-op threads (default 1; 0: the backend's own default). On a shared 2-core machine "
-        "multi-threaded steps swing by 2-20x whenever another process runs; one thread keeps the "
-        "A/A band narrow. JAX honours only 1 (XLA_FLAGS) or 0.",
-    )
+    c.add_threads_arg(parser)
     parser.add_argument("--no-jaxpr", action="store_true", help="skip the JAX structural check")
     return parser.parse_args(argv)
 
 
-def configure_threads_env(threads):
-    """Before Keras (and so JAX) is imported: single-threaded XLA CPU when ``threads == 1``."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if threads == 1 and os.environ.get("KERAS_BACKEND") == "jax":
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def configure_threads(threads):
-    """After Keras is imported, before any op runs: torch / tensorflow thread pools."""
-    backend = keras.backend.backend()
-    if threads > 0 and backend == "torch":
-        import torch
-
-        torch.set_num_threads(threads)
-    elif threads > 0 and backend == "tensorflow":
-        import tensorflow as tf
-
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-    if backend == "torch":
-        import torch
-
-        return str(torch.get_num_threads())
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return str(tf.config.threading.get_intra_op_parallelism_threads() or "default")
-    return (
-        "1 (XLA_FLAGS)" if "intra_op_parallelism_threads=1" in os.environ.get("XLA_FLAGS", "") else "default"
-    )
-
+import _common as c  # noqa: E402
 
 if __name__ == "__main__":
-    configure_threads_env(parse_args().threads)
+    c.configure_threads_env(parse_args().threads)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -207,7 +172,7 @@ def main(argv=None):
     args = parse_args(argv)
     backend = keras.backend.backend()
     steps = args.steps or DEFAULT_STEPS.get(backend, 50)
-    threads = configure_threads(args.threads)
+    threads = c.configure_threads(args.threads)
 
     rng = np.random.default_rng(0)
     n = (args.warmup + steps) * BATCH
