@@ -260,6 +260,7 @@ def test_config_round_trips_with_async_save(tmp_path):
         "monitor": None,
         "mode": "auto",
         "keep_best": 0,
+        "storage_options": None,
         "save_on_preemption": True,
         "preemption_signals": (int(signal.SIGTERM),),
     }

@@ -341,7 +341,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.monitor = monitor
         self.mode = mode
         self.verbose = int(verbose)
-        self.save_on_background = save_on_background
+        self.save_on_background, self.storage_options = save_on_background, self.manager.storage_options
         self.run_complete = False
         self._metrics = {}  # the numeric logs of the last batch or epoch end: the next save's metrics
         self._where = {}  # step -> where in the fit its save was taken (for the verbose line)
@@ -369,8 +369,8 @@ class StableCheckpoint(keras.callbacks.Callback):
 
         Returns:
             ``{"directory", "save_freq", "max_to_keep", "verbose", "save_on_background",
-            "on_data_change", "monitor", "mode", "keep_best", "save_on_preemption",
-            "preemption_signals"}`` (the signals as ints).
+            "on_data_change", "monitor", "mode", "keep_best", "storage_options",
+            "save_on_preemption", "preemption_signals"}`` (the signals as ints).
         """
         config = {name: getattr(self, name) for name in _fit_checks.CONFIG_NAMES}
         return {**config, **self.preemption.config()}

@@ -1,9 +1,12 @@
-"""A directory of checkpoints for any training loop: :class:`CheckpointManager` (``manager``),
-what it keeps and calls best (``policy``), and the directory itself: the lock, listing,
-pruning, temporary files, unreadable files moved aside and the fallback over them
-(``directory``).
+"""A directory of checkpoints for any training loop: :class:`CheckpointManager` (``manager``,
+its lock methods in ``holder``), what it keeps and calls best (``policy``), what it records
+(``records``), and the directory itself: listing, pruning, temporary files, unreadable files
+moved aside and the fallback over them (``directory``), its lock file (``lock``), the same in
+an object store (``remote_directory``), ``.orbax`` step directories (``orbax_steps``; what
+needs the Orbax engine: ``orbax_io``), several JAX processes (``shared``) and preemption
+signals (``preemption``).
 
-``directory`` and ``policy`` import no Keras, and the names below load on first use
+``directory``, ``lock``, ``policy``, ``records`` and ``orbax_steps`` import no Keras, and the names below load on first use
 (PEP 562), so that the command line (``keras-stable-state ls``) lists a directory with the
 manager's own rules without importing Keras."""
 
