@@ -102,3 +102,42 @@ def test_a_sharded_restore_keeps_each_layout_and_copies_each_shard_once(tmp_path
         assert sorted(placed) == sorted(tuple(v.shape) for v in sharded), (placed, [v.path for v in sharded])
     finally:
         keras.distribution.set_distribution(None)
+
+
+_COMPILES: list = []  # JAX compile events seen while _RECORDING holds True
+_RECORDING = [False]
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA compilation at restore time is JAX's (jnp conversions)")
+def test_a_restore_compiles_no_xla_program(tmp_path):
+    """A restore moves host arrays to the device without compiling anything: under JAX 0.10
+    ``jnp.asarray`` of a NumPy array stages it through a jitted identity (one compilation
+    per new shape, and the first one starts XLA's compile-alarm thread, which aborts the
+    process when a memory limit forbids a new thread). Shapes never used before in this
+    process, so that any compilation would happen here (or be looked up in JAX's cache:
+    the trace event fires either way)."""
+    import jax
+
+    if not _COMPILES and not getattr(jax.monitoring, "_kss_listening", False):
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda name, secs, **kw: _COMPILES.append(name) if _RECORDING[0] else None
+        )
+        jax.monitoring._kss_listening = True
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(13, name="odd"), keras.layers.Dense(3)])
+    model.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=model), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    path = str(tmp_path / "state.h5")
+    kss.save_training_state(path, model)
+    saved = [to_np(v) for v in _all(model)]
+    for v in _all(model):
+        v.assign(np.full(v.shape, 5, dtype=v.dtype))
+    _COMPILES.clear()
+    _RECORDING[0] = True
+    try:
+        kss.restore_training_state(path, model)
+    finally:
+        _RECORDING[0] = False
+    assert [n for n in _COMPILES if n.startswith("/jax/core/compile")] == []
+    for i, (v, a) in enumerate(zip(_all(model), saved, strict=True)):
+        np.testing.assert_array_equal(to_np(v), a, err_msg=f"variable {i} ({v.path})")

@@ -132,9 +132,12 @@ def _to_tensor_fn(backend):
         # torch.from_numpy warns on read-only memory: such an array is left to ``assign``.
         return lambda value: torch.from_numpy(value) if value.flags.writeable else value
     if backend == "jax":
-        import jax.numpy as jnp
+        import jax
 
-        return jnp.asarray
+        # jax.device_put copies the host array to the default device; jnp.asarray would
+        # stage it through a jitted identity (JAX >= 0.10): one XLA compilation per new
+        # shape and dtype, whose first one also starts XLA's compile-alarm thread.
+        return jax.device_put
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -149,7 +152,7 @@ def _native(value):
     ``convert_to_tensor`` with the variable's dtype, which costs more than the copy
     for small arrays (dtype parsing: 10-40 us per variable); a tensor of the
     variable's dtype skips it. It is the same conversion (``torch.from_numpy``,
-    ``jnp.asarray``, ``tf.constant``, onto the default device) that
+    ``jax.device_put``, ``tf.constant``, onto the default device) that
     ``assign`` then checks (shape) and copies from as before. Anything else
     (bfloat16, 64-bit types, a read-only array on torch, a placed ``jax.Array``) is
     returned as it is, for ``assign`` to convert.
