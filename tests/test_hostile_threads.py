@@ -37,8 +37,6 @@ import keras
 import numpy as np
 import keras_stable_state as kss
 
-folder, saves, gated = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "gated"
-
 
 def build():
     keras.utils.set_random_seed(3)
@@ -51,70 +49,84 @@ def values(model):
     return [np.array(keras.ops.convert_to_numpy(v)) for v in list(model.weights) + list(model.optimizer.variables)]
 
 
-model = build()
-rng = np.random.default_rng(0)
-x, y = rng.standard_normal((64, 4)).astype("float32"), rng.standard_normal((64, 1)).astype("float32")
-steps = {}  # optimizer.iterations -> every variable at that step's end (training thread)
-done = threading.Event()
-saved, refused, errors = [], [], []
+def run(folder, saves, gated):
+    model = build()
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 4)).astype("float32"), rng.standard_normal((64, 1)).astype("float32")
+    steps = {}  # optimizer.iterations -> every variable at that step's end (training thread)
+    done = threading.Event()
+    saved, refused, errors = [], [], []
 
 
-class Record(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        self._record()
+    class Record(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self._record()
 
-    def on_train_batch_end(self, batch, logs=None):
-        self._record()
-        if done.is_set():
-            self.model.stop_training = True
+        def on_train_batch_end(self, batch, logs=None):
+            self._record()
+            if done.is_set():
+                self.model.stop_training = True
 
-    def _record(self):
-        m = self.model  # on JAX this attaches the training state to the variables
-        steps[int(keras.ops.convert_to_numpy(m.optimizer.iterations))] = values(m)
-
-
-def saver():
-    i = 0
-    try:
-        while len(saved) + len(refused) < saves:
-            path = os.path.join(folder, f"s-{i:05d}.h5")
-            i += 1
-            try:
-                kss.save_training_state(path, model, include_rng=False)
-                saved.append(path)
-            except kss.StateError as err:
-                refused.append(str(err))
-    except BaseException as err:
-        errors.append(repr(err))
-    finally:
-        done.set()
+        def _record(self):
+            m = self.model  # on JAX this attaches the training state to the variables
+            steps[int(keras.ops.convert_to_numpy(m.optimizer.iterations))] = values(m)
 
 
-model.optimizer.build(model.trainable_variables)
-callbacks = [kss.StableCheckpoint(os.path.join(folder, "ckpt"), save_freq="epoch", verbose=0)] if gated else []
-thread = threading.Thread(target=saver, name="saver-thread")
-started = threading.Event()
+    def saver():
+        i = 0
+        try:
+            while len(saved) + len(refused) < saves:
+                path = os.path.join(folder, f"s-{i:05d}.h5")
+                i += 1
+                try:
+                    kss.save_training_state(path, model, include_rng=False)
+                    saved.append(path)
+                except kss.StateError as err:
+                    refused.append(str(err))
+        except BaseException as err:
+            errors.append(repr(err))
+        finally:
+            done.set()
 
 
-class Start(keras.callbacks.Callback):
-    def on_train_batch_begin(self, batch, logs=None):
-        if not started.is_set():
-            started.set()
-            thread.start()
+    model.optimizer.build(model.trainable_variables)
+    callbacks = [kss.StableCheckpoint(os.path.join(folder, "ckpt"), save_freq="epoch", verbose=0)] if gated else []
+    thread = threading.Thread(target=saver, name="saver-thread")
+    started = threading.Event()
+
+    class Start(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if not started.is_set():
+                started.set()
+                thread.start()
 
 
-model.fit(x, y, batch_size=8, epochs=10000, verbose=0, callbacks=[*callbacks, Record(), Start()])
-done.wait(300)
-thread.join(300)
-print("RESULT " + json.dumps({"saved": saved, "refused": refused[:3], "refusals": len(refused), "errors": errors,
-                              "steps": {str(k): [a.tolist() for a in v] for k, v in steps.items()}}), flush=True)
+    model.fit(x, y, batch_size=8, epochs=10000, verbose=0, callbacks=[*callbacks, Record(), Start()])
+    done.wait(300)
+    thread.join(300)
+    return ({"saved": saved, "refused": refused[:3], "refusals": len(refused), "errors": errors,
+                                  "steps": {str(k): [a.tolist() for a in v] for k, v in steps.items()}})
+
+
+results = {}
+for folder, saves, mode in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):  # each mode in turn, one process
+    results[mode] = run(folder, int(saves), mode == "gated")
+print("RESULT " + json.dumps(results), flush=True)
 """
 
 
-def _fit_with_saves(tmp_path, mode):
+@pytest.fixture(scope="module")
+def found(tmp_path_factory):
+    """Both fits in one child process (one framework start), each in a folder of its own:
+    with a ``StableCheckpoint`` (``SAVES`` saves from the other thread), then without one
+    (3 tries). ``{"gated": ..., "plain": ...}``."""
+    runs = [
+        (tmp_path_factory.mktemp("gated"), SAVES, "gated"),
+        (tmp_path_factory.mktemp("plain"), 3, "plain"),
+    ]
     env = {**os.environ, "KERAS_BACKEND": BACKEND, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path), str(SAVES if mode == "gated" else 3), mode],
+        [sys.executable, "-c", CHILD, *[str(a) for run in runs for a in run]],
         capture_output=True,
         text=True,
         env=env,
@@ -142,8 +154,8 @@ def _values(model):
 
 
 @pytest.mark.slow
-def test_saves_from_another_thread_during_fit_are_each_of_one_step(tmp_path):
-    found = _fit_with_saves(tmp_path, "gated")
+def test_saves_from_another_thread_during_fit_are_each_of_one_step(found):
+    found = found["gated"]
     assert found["errors"] == [] and found["refusals"] == 0, found["refused"]
     assert len(found["saved"]) == SAVES
     steps = {int(k): [np.asarray(a) for a in v] for k, v in found["steps"].items()}
@@ -164,8 +176,8 @@ def test_saves_from_another_thread_during_fit_are_each_of_one_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_save_from_another_thread_during_a_fit_without_stable_checkpoint_is_refused(tmp_path):
-    found = _fit_with_saves(tmp_path, "plain")
+def test_a_save_from_another_thread_during_a_fit_without_stable_checkpoint_is_refused(found):
+    found = found["plain"]
     assert found["errors"] == []
     assert found["refusals"] >= 1 and found["refused"], found
     assert "'saver-thread'" in found["refused"][0] and "'MainThread'" in found["refused"][0]
