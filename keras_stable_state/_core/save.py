@@ -48,7 +48,6 @@ from keras_stable_state.format.sink import LimitedFile
 __all__ = ["save_training_state", "training_state_record"]
 
 
-@walking_once
 def save_training_state(
     filepath,
     model,
@@ -183,6 +182,45 @@ def save_training_state(
         >>> handle.wait()
     """
     started = time.perf_counter()
+    out = _save(
+        filepath,
+        model,
+        optimizer,
+        model_state=model_state,
+        callbacks=callbacks,
+        state=state,
+        include_rng=include_rng,
+        allow_order_keys=allow_order_keys,
+        variables=variables,
+        mappers=mappers,
+        blocking=blocking,
+        storage_options=storage_options,
+        started=started,
+    )
+    # A background write starts once the call has left the model (step boundary, walk cache,
+    # paused collector): from then on its thread competes for the GIL, and nothing is left here.
+    return out() if callable(out) else out
+
+
+@walking_once
+def _save(
+    filepath,
+    model,
+    optimizer,
+    *,
+    model_state,
+    callbacks,
+    state,
+    include_rng,
+    allow_order_keys,
+    variables,
+    mappers,
+    blocking,
+    storage_options,
+    started,
+):
+    """:func:`save_training_state`, returning for ``blocking=False`` the zero-argument callable
+    that submits the background write (and returns its :class:`SaveHandle`)."""
     verb = "save_training_state"
     filepath = check_filepath(filepath, verb)
     filepath, store = object_store_target(filepath, storage_options, verb)
@@ -209,7 +247,10 @@ def save_training_state(
     with boundary.saving(model, verb):
 
         def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
-            return orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
+            if orbax:
+                return orbax_engine.live_value(variable, to_numpy)
+            # in the background: JAX arrays copied on their devices (background.host_record)
+            return to_numpy(variable) if blocking else background.live_value(variable, to_numpy)
 
         record = training_state_record(
             model,
@@ -336,7 +377,8 @@ def _check_processes(filepath):
 
 
 def _save_in_background(filepath, model, record, started, store=None):
-    """Copy what is still shared with live objects, then write in a background thread."""
+    """Copy what is still shared with live objects; return the callable that submits the
+    write to a background thread."""
     record = background.host_record(record)
     archive_writer = None
     if filepath.endswith(".keras"):
@@ -349,7 +391,8 @@ def _save_in_background(filepath, model, record, started, store=None):
             with LimitedFile(tmp, "wb") as fh:
                 fh.write(archive)
 
-    return background.submit(
+    return functools.partial(
+        background.submit,
         filepath,
         lambda: write_to(filepath, store, record, keras_archive_writer=archive_writer),
         started,
