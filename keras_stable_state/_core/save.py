@@ -249,8 +249,10 @@ def _save(
         def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
             if orbax:
                 return orbax_engine.live_value(variable, to_numpy)
-            # in the background: JAX arrays copied on their devices (background.host_record)
-            return to_numpy(variable) if blocking else background.live_value(variable, to_numpy)
+            # in the background: JAX arrays and TensorFlow reads, copied or converted as
+            # background.host_record says (mapped arrays are encoded by the call: host copies)
+            live = not blocking and not mappers
+            return background.live_value(variable, to_numpy) if live else to_numpy(variable)
 
         record = training_state_record(
             model,

@@ -174,14 +174,32 @@ def _jax_array_type():
 
 def live_value(variable, to_numpy):
     """What a background save takes of ``variable`` in the calling thread: its JAX array
-    as it is (no copy yet: :func:`host_record` copies it on its devices), else
-    ``to_numpy(variable)`` (a host array, copied by :func:`host_record` where it shares
-    memory with the variable)."""
+    as it is (no copy yet: :func:`host_record` copies it on its devices or views it on
+    CPU); on TensorFlow, a read of a plain resource variable (a tensor that shares the
+    variable's buffer: an update of the variable, which needs the buffer to itself,
+    writes into a new one, TensorFlow's copy-on-write); else ``to_numpy(variable)`` (a
+    host array, copied by :func:`host_record` where it shares memory with the
+    variable)."""
     value = getattr(variable, "value", variable)
     kind = _jax_array_type()
     if kind is not None and isinstance(value, kind):
         return value
+    if type(value).__name__ == "ResourceVariable" and "tensorflow" in sys.modules:
+        return _TensorRead(value.read_value())
     return to_numpy(variable)
+
+
+class _TensorRead:
+    """A TensorFlow tensor read from a variable, brought to the host when it is called
+    (``.numpy()``, in the background thread)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __call__(self):
+        return self.tensor.numpy()
 
 
 def device_copies(arrays: list) -> list:
@@ -247,7 +265,8 @@ def host_record(record: storage.StateRecord) -> storage.StateRecord:
     view's external reference keeps the buffer alive and unchanged, and a later step
     that donates the array (Keras' JAX trainer donates the state to every step) gets a
     copy of it instead (XLA's CPU client copies a donated buffer that has external
-    references), inside that step's execution."""
+    references), inside that step's execution. On TensorFlow the record holds the
+    variable's read (:func:`live_value`), converted by the background thread."""
     try:
         extra = _json_copy(record.extra)
     except RecursionError:  # a self-referencing state: as deepcopy has it (the write refuses it)
@@ -259,7 +278,9 @@ def host_record(record: storage.StateRecord) -> storage.StateRecord:
         for key, value in getattr(record, name).items():
             if callable(value):  # converted lazily by save_training_state (storage.StateRecord)
                 value = value()
-            if kind is not None and isinstance(value, kind) and _on_cpu(value):
+            if isinstance(value, _TensorRead):  # converted by the background thread
+                out[key] = value
+            elif kind is not None and isinstance(value, kind) and _on_cpu(value):
                 # A view of the buffer (a copy only where JAX must assemble one): the view's
                 # hold keeps the buffer as it is; a step that donates it copies it first.
                 out[key] = np.asarray(value)
