@@ -29,6 +29,8 @@ device is waited for there: it is part of what the save costs the training threa
 and the steps that ran during the write, each against the round's baseline step (the
 two threads share the CPUs: on a 2-core machine this is the real cost of overlapping).
 Threads are set once for every contender (``--threads``, ``_common.configure_threads``).
+The calling thread's CPU time in ``A`` and ``C`` is printed too: on a machine loaded by
+other processes the wall time of a short call stretches with the load, its CPU time not.
 
 Exit code (the targets of issue 17): 0 when, on JAX, the median ``A/S <= 0.1``, and on
 TensorFlow and Torch the median ``A/C <= 1`` (the call blocks no longer than one host
@@ -121,6 +123,7 @@ def main(argv=None):
     names = ("S", "A", "S2", "C")
     orders = [names[i:] + names[:i] for i in range(len(names))]
     blocked = {name: [] for name in names}
+    cpu = {name: [] for name in names}  # CPU time of the calling thread in the call
     ratio_ab, ratio_aa, ratio_floor, ratio_af, writes, overlap, slowdowns = [], [], [], [], [], [], []
     after = {"A": [], "S": []}  # the first training step after the call / the round's baseline step
     t_start = time.perf_counter()
@@ -132,12 +135,13 @@ def main(argv=None):
             got = {}
             for name in orders[r % len(orders)]:
                 path = os.path.join(folder, f"{name}-{r}.{args.format}")
-                t = time.perf_counter()
+                t, t_cpu = time.perf_counter(), time.thread_time()
                 if name == "C":
                     copies = host_copy(model)
                 else:
                     handle = kss.save_training_state(path, model, blocking=name != "A")
                 got[name] = time.perf_counter() - t
+                cpu[name].append(time.thread_time() - t_cpu)
                 blocked[name].append(got[name])
                 if name == "C":
                     del copies
@@ -179,6 +183,10 @@ def main(argv=None):
         ("C", "C  host copy of the variables alone, ms"),
     ):
         med, lo, hi = summary(blocked[name])
+        print(f"  {label:<44} {med * 1e3:8.1f} {lo * 1e3:8.1f} {hi * 1e3:8.1f}")
+    for name in ("A", "C"):
+        med, lo, hi = summary(cpu[name])
+        label = f"{name}  CPU time of the calling thread, ms"
         print(f"  {label:<44} {med * 1e3:8.1f} {lo * 1e3:8.1f} {hi * 1e3:8.1f}")
     med, lo, hi = summary(writes)
     print(f"  {'A  background write, ms':<44} {med * 1e3:8.1f} {lo * 1e3:8.1f} {hi * 1e3:8.1f}")

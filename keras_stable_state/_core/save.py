@@ -75,7 +75,7 @@ def save_training_state(
     a :class:`~keras_stable_state.StableCheckpoint` in that ``fit``, the call waits for
     the next step boundary (the end of the current training step; the training thread
     waits meanwhile, until every value saved is read: for ``blocking=True`` until the
-    file is written, for ``blocking=False`` until the host copy is made); without one,
+    file is written, for ``blocking=False`` until every value is held apart); without one,
     it is refused (a Keras callback cannot stop a step half-way, and nothing else
     tells when one ends). A save from the training thread itself (in a callback) runs
     at once, as always.
@@ -118,8 +118,11 @@ def save_training_state(
             records each mapper so the restore decodes without it being passed
             again, and the report lists the keys (docs: smaller checkpoints).
         blocking: ``True``: return once the file is written. ``False``: return a
-            :class:`~keras_stable_state.SaveHandle` once every value is copied to
-            host memory, and write the file in a background thread (see
+            :class:`~keras_stable_state.SaveHandle` once every value is held apart
+            from training (Torch: copied to host memory; TensorFlow: read, the
+            variables' next update writes into new buffers; JAX: viewed on CPU,
+            where a step that donates the array copies it first, or copied on the
+            device asynchronously), and write the file in a background thread (see
             "Asynchronous saves" in the docs). The call first waits for the
             previous background write into the same folder. For ``.keras`` paths,
             Keras' own archive (config and weights) is also built in memory

@@ -184,9 +184,16 @@ def live_value(variable, to_numpy):
     kind = _jax_array_type()
     if kind is not None and isinstance(value, kind):
         return value
-    if type(value).__name__ == "ResourceVariable" and "tensorflow" in sys.modules:
-        return _TensorRead(value.read_value())
+    if type(value).__name__ in _TF_RESOURCE_VARIABLES and "tensorflow" in sys.modules:
+        return _TensorRead(value.value())  # one ReadVariableOp (read_value() adds an identity)
     return to_numpy(variable)
+
+
+# TensorFlow's plain resource variables (Keras' variables; optimizer slots made inside a
+# tf.function are UnliftedInitializerVariable); distributed ones are converted by to_numpy.
+_TF_RESOURCE_VARIABLES = frozenset(
+    {"ResourceVariable", "UninitializedVariable", "UnliftedInitializerVariable"}
+)
 
 
 class _TensorRead:

@@ -190,7 +190,9 @@ class StableCheckpoint(keras.callbacks.Callback):
         save_on_background: ``True`` writes each checkpoint in a background thread
             (:func:`~keras_stable_state.save_training_state` with
             ``blocking=False``): the training step waits only while the state
-            is copied to host memory. A save first waits for the previous one;
+            is held apart from training (copied to host memory on Torch; read or
+            viewed, without a copy, on TensorFlow and JAX on CPU). A save first
+            waits for the previous one;
             a failed background write raises its error (an ``OSError`` naming
             the file, or what the write raised) at the next batch, save or
             train end, whichever comes first; ``on_train_end`` waits for the
