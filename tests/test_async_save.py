@@ -78,6 +78,52 @@ def test_async_save_writes_what_a_blocking_save_writes_while_training_goes_on(tm
             np.testing.assert_array_equal(to_np(v), w)
 
 
+@pytest.mark.parametrize("copy", ["as the backend has it", "on the device"])
+def test_background_save_at_step_k_holds_step_k_after_later_donating_steps(tmp_path, copy, monkeypatch):
+    """A save taken at step k, written after three more ``train_on_batch`` steps (each of
+    which donates the state to its jitted step on JAX), holds exactly step k's values,
+    compared by position with copies taken before the call."""
+    from keras_stable_state._engines import background
+
+    jax_cpu = keras.backend.backend() == "jax" and __import__("jax").devices()[0].platform == "cpu"
+    if copy == "on the device":
+        if keras.backend.backend() != "jax":
+            pytest.skip("device copies are made of JAX arrays only (TensorFlow and Torch copy to the host)")
+        monkeypatch.setattr(background, "_on_cpu", lambda array: False)  # the accelerator path, on CPU
+    m = _model()
+    _train(m)
+    x, y = X[:8], Y[:8]
+    m.train_on_batch(x, y)
+    weights = [to_np(v).copy() for v in m.weights]
+    slots = [to_np(v).copy() for v in m.optimizer.variables]
+    gate, real = threading.Event(), storage.write_record
+
+    def write_later(*args, **kwargs):
+        assert gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(storage, "write_record", write_later)
+    handle = kss.save_training_state(tmp_path / "k.h5", m, blocking=False)
+    for _ in range(3):
+        m.train_on_batch(x, y)
+    assert not np.array_equal(to_np(m.weights[0]), weights[0])
+    assert not np.array_equal(to_np(m.optimizer.variables[-1]), slots[-1])
+    gate.set()
+    handle.wait()
+    monkeypatch.setattr(storage, "write_record", real)
+    if jax_cpu:  # the steps donate: a plain reference to a variable's array would have been deleted
+        ref = m.weights[0].value
+        m.train_on_batch(x, y)
+        assert ref.is_deleted()
+    fresh = _model()
+    kss.restore_training_state(handle.path, fresh)
+    assert len(fresh.weights) == len(weights) and len(fresh.optimizer.variables) == len(slots)
+    for i, (v, w) in enumerate(zip(fresh.weights, weights, strict=True)):
+        np.testing.assert_array_equal(to_np(v), w, err_msg=f"weight {i}")
+    for i, (v, w) in enumerate(zip(fresh.optimizer.variables, slots, strict=True)):
+        np.testing.assert_array_equal(to_np(v), w, err_msg=f"optimizer variable {i}")
+
+
 def test_async_save_writes_the_other_state_as_it_was_at_the_call(tmp_path, monkeypatch):
     class Live:
         """A provider whose state holds its live containers and array."""

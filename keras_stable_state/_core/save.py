@@ -48,7 +48,6 @@ from keras_stable_state.format.sink import LimitedFile
 __all__ = ["save_training_state", "training_state_record"]
 
 
-@walking_once
 def save_training_state(
     filepath,
     model,
@@ -76,7 +75,7 @@ def save_training_state(
     a :class:`~keras_stable_state.StableCheckpoint` in that ``fit``, the call waits for
     the next step boundary (the end of the current training step; the training thread
     waits meanwhile, until every value saved is read: for ``blocking=True`` until the
-    file is written, for ``blocking=False`` until the host copy is made); without one,
+    file is written, for ``blocking=False`` until every value is held apart); without one,
     it is refused (a Keras callback cannot stop a step half-way, and nothing else
     tells when one ends). A save from the training thread itself (in a callback) runs
     at once, as always.
@@ -119,8 +118,11 @@ def save_training_state(
             records each mapper so the restore decodes without it being passed
             again, and the report lists the keys (docs: smaller checkpoints).
         blocking: ``True``: return once the file is written. ``False``: return a
-            :class:`~keras_stable_state.SaveHandle` once every value is copied to
-            host memory, and write the file in a background thread (see
+            :class:`~keras_stable_state.SaveHandle` once every value is held apart
+            from training (Torch: copied to host memory; TensorFlow: read, the
+            variables' next update writes into new buffers; JAX: viewed on CPU,
+            where a step that donates the array copies it first, or copied on the
+            device asynchronously), and write the file in a background thread (see
             "Asynchronous saves" in the docs). The call first waits for the
             previous background write into the same folder. For ``.keras`` paths,
             Keras' own archive (config and weights) is also built in memory
@@ -183,6 +185,45 @@ def save_training_state(
         >>> handle.wait()
     """
     started = time.perf_counter()
+    out = _save(
+        filepath,
+        model,
+        optimizer,
+        model_state=model_state,
+        callbacks=callbacks,
+        state=state,
+        include_rng=include_rng,
+        allow_order_keys=allow_order_keys,
+        variables=variables,
+        mappers=mappers,
+        blocking=blocking,
+        storage_options=storage_options,
+        started=started,
+    )
+    # A background write starts once the call has left the model (step boundary, walk cache,
+    # paused collector): from then on its thread competes for the GIL, and nothing is left here.
+    return out() if callable(out) else out
+
+
+@walking_once
+def _save(
+    filepath,
+    model,
+    optimizer,
+    *,
+    model_state,
+    callbacks,
+    state,
+    include_rng,
+    allow_order_keys,
+    variables,
+    mappers,
+    blocking,
+    storage_options,
+    started,
+):
+    """:func:`save_training_state`, returning for ``blocking=False`` the zero-argument callable
+    that submits the background write (and returns its :class:`SaveHandle`)."""
     verb = "save_training_state"
     filepath = check_filepath(filepath, verb)
     filepath, store = object_store_target(filepath, storage_options, verb)
@@ -209,7 +250,12 @@ def save_training_state(
     with boundary.saving(model, verb):
 
         def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
-            return orbax_engine.live_value(variable, to_numpy) if orbax else to_numpy(variable)
+            if orbax:
+                return orbax_engine.live_value(variable, to_numpy)
+            # in the background: JAX arrays and TensorFlow reads, copied or converted as
+            # background.host_record says (mapped arrays are encoded by the call: host copies)
+            live = not blocking and not mappers
+            return background.live_value(variable, to_numpy) if live else to_numpy(variable)
 
         record = training_state_record(
             model,
@@ -336,7 +382,8 @@ def _check_processes(filepath):
 
 
 def _save_in_background(filepath, model, record, started, store=None):
-    """Copy what is still shared with live objects, then write in a background thread."""
+    """Copy what is still shared with live objects; return the callable that submits the
+    write to a background thread."""
     record = background.host_record(record)
     archive_writer = None
     if filepath.endswith(".keras"):
@@ -349,7 +396,8 @@ def _save_in_background(filepath, model, record, started, store=None):
             with LimitedFile(tmp, "wb") as fh:
                 fh.write(archive)
 
-    return background.submit(
+    return functools.partial(
+        background.submit,
         filepath,
         lambda: write_to(filepath, store, record, keras_archive_writer=archive_writer),
         started,

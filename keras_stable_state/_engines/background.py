@@ -1,7 +1,8 @@
 """Background writes of training states: ``save_training_state(..., blocking=False)``.
 
 The calling thread builds the whole :class:`~keras_stable_state.format.StateRecord`
-(every array copied to host NumPy) and hands it to :func:`submit`; one shared
+(every array copied: to host NumPy, or for JAX arrays on their own devices, see
+:func:`host_record`) and hands it to :func:`submit`; one shared
 ``concurrent.futures.ThreadPoolExecutor`` runs the write (the same
 ``storage.write_record`` a blocking save calls: seal, temporary file, ``fsync``,
 atomic rename). Writes into one folder run one after the other, in the order they
@@ -17,7 +18,9 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import os
+import sys
 import threading
 import time
 
@@ -25,7 +28,15 @@ import numpy as np
 
 from keras_stable_state import format as storage
 
-__all__ = ["SaveHandle", "folder_of", "host_record", "submit", "wait_for_folder"]
+__all__ = [
+    "SaveHandle",
+    "device_copies",
+    "folder_of",
+    "host_record",
+    "live_value",
+    "submit",
+    "wait_for_folder",
+]
 
 _WORKERS = 4
 _GUARD = threading.Lock()
@@ -49,9 +60,10 @@ class SaveHandle:
     """A training-state save whose file write runs in a background thread.
 
     Returned by :func:`~keras_stable_state.save_training_state` with
-    ``blocking=False``. When it is returned, every value has been copied to host
-    memory: training may change the model and optimizer at once without changing
-    what is written. The write (HDF5 record, seal, temporary file, ``fsync``,
+    ``blocking=False``. When it is returned, every value has been copied (to host
+    memory; JAX arrays on their own devices, by a copy the device runs before the
+    next step, brought to the host by the background thread): training may change
+    the model and optimizer at once without changing what is written. The write (HDF5 record, seal, temporary file, ``fsync``,
     atomic rename) runs in a background thread; until it ends, the previous file at
     ``path`` (if any) is left as it was, and a process killed meanwhile leaves only a
     ``.kss-*`` temporary file beside it.
@@ -155,6 +167,76 @@ def _owned(array, always):
     return array
 
 
+def _jax_array_type():
+    jax = sys.modules.get("jax")  # (no JAX imported: no JAX array to copy)
+    return None if jax is None else jax.Array
+
+
+def live_value(variable, to_numpy):
+    """What a background save takes of ``variable`` in the calling thread: its JAX array
+    as it is (no copy yet: :func:`host_record` copies it on its devices or views it on
+    CPU); on TensorFlow, a read of a plain resource variable (a tensor that shares the
+    variable's buffer: an update of the variable, which needs the buffer to itself,
+    writes into a new one, TensorFlow's copy-on-write); else ``to_numpy(variable)`` (a
+    host array, copied by :func:`host_record` where it shares memory with the
+    variable)."""
+    value = getattr(variable, "value", variable)
+    kind = _jax_array_type()
+    if kind is not None and isinstance(value, kind):
+        return value
+    if type(value).__name__ in _TF_RESOURCE_VARIABLES and "tensorflow" in sys.modules:
+        return _TensorRead(value.value())  # one ReadVariableOp (read_value() adds an identity)
+    return to_numpy(variable)
+
+
+# TensorFlow's plain resource variables (Keras' variables; optimizer slots made inside a
+# tf.function are UnliftedInitializerVariable); distributed ones are converted by to_numpy.
+_TF_RESOURCE_VARIABLES = frozenset(
+    {"ResourceVariable", "UninitializedVariable", "UnliftedInitializerVariable"}
+)
+
+
+class _TensorRead:
+    """A TensorFlow tensor read from a variable, brought to the host when it is called
+    (``.numpy()``, in the background thread)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __call__(self):
+        return self.tensor.numpy()
+
+
+def device_copies(arrays: list) -> list:
+    """A copy of each JAX array on its own devices, with its sharding (one batched
+    ``jax.device_put(..., may_alias=False)``; ``Array.copy()`` each on a JAX without
+    ``may_alias``). Dispatched asynchronously: the caller waits for the dispatch, not for
+    the copy, which the device runs before any later computation that donates the
+    original (Keras' JAX trainer donates the state to each step: a reference to the
+    original would be deleted by the next step)."""
+    import jax
+
+    try:
+        return list(jax.device_put(arrays, may_alias=False))
+    except TypeError as err:  # JAX < 0.4.36: no may_alias
+        if "may_alias" not in str(err):
+            raise
+        return [a.copy() for a in arrays]
+
+
+def _on_cpu(array) -> bool:
+    return all(device.platform == "cpu" for device in array.devices())
+
+
+def _host_value(copy):
+    """A JAX copy made by :func:`device_copies`, on the host (in the background thread): a
+    view of its buffer on CPU, the device-to-host transfer elsewhere; nothing else holds
+    the copy, so it cannot change or be donated."""
+    return np.asarray(copy)
+
+
 _PLAIN = frozenset({str, int, float, bool, type(None)})
 
 
@@ -179,16 +261,49 @@ def host_record(record: storage.StateRecord) -> storage.StateRecord:
     update its own array in place) and the JSON parts of the other state (a callback's
     or schedule's state may hold its live lists) are copied. ``metadata`` and
     ``contract`` are built for this save alone by ``training_state_record``: they
-    are handed over as they are."""
+    are handed over as they are.
+
+    A model or optimizer value that is a JAX array (:func:`live_value`) is not copied
+    to the host by the calling thread. On an accelerator it is copied on its own
+    devices by one asynchronous :func:`device_copies` and held as a callable that
+    brings the copy to the host when the background thread writes it: the calling
+    thread waits for the dispatch, not for the copy nor a device-to-host transfer. On
+    CPU the record holds a NumPy view of its buffer (``np.asarray``: no copy): the
+    view's external reference keeps the buffer alive and unchanged, and a later step
+    that donates the array (Keras' JAX trainer donates the state to every step) gets a
+    copy of it instead (XLA's CPU client copies a donated buffer that has external
+    references), inside that step's execution. On TensorFlow the record holds the
+    variable's read (:func:`live_value`), converted by the background thread."""
     try:
         extra = _json_copy(record.extra)
     except RecursionError:  # a self-referencing state: as deepcopy has it (the write refuses it)
         extra = copy.deepcopy(record.extra)
+    kind = _jax_array_type()
+    sections, live = {}, []
+    for name in ("model", "optimizer"):
+        out = sections[name] = {}
+        for key, value in getattr(record, name).items():
+            if callable(value):  # converted lazily by save_training_state (storage.StateRecord)
+                value = value()
+            if isinstance(value, _TensorRead):  # converted by the background thread
+                out[key] = value
+            elif kind is not None and isinstance(value, kind) and _on_cpu(value):
+                # A view of the buffer (a copy only where JAX must assemble one): the view's
+                # hold keeps the buffer as it is; a step that donates it copies it first.
+                out[key] = np.asarray(value)
+            elif kind is not None and isinstance(value, kind):
+                live.append((out, key, value))
+                out[key] = None  # (keeps the order of the keys)
+            else:
+                out[key] = _owned(value, False)
+    if live:
+        for (out, key, _), copied in zip(live, device_copies([v for _, _, v in live]), strict=True):
+            out[key] = functools.partial(_host_value, copied)
     return dataclasses.replace(
         record,
         extra=extra,
-        model={k: _owned(a, False) for k, a in record.model.items()},
-        optimizer={k: _owned(a, False) for k, a in record.optimizer.items()},
+        model=sections["model"],
+        optimizer=sections["optimizer"],
         arrays={k: _owned(a, True) for k, a in record.arrays.items()},
     )
 

@@ -189,8 +189,9 @@ class StableCheckpoint(keras.callbacks.Callback):
             (``model.history``) is always included, as ``"History/0"``.
         save_on_background: ``True`` writes each checkpoint in a background thread
             (:func:`~keras_stable_state.save_training_state` with
-            ``blocking=False``): the training step waits only while the state
-            is copied to host memory. A save first waits for the previous one;
+            ``blocking=False``): the training step waits only while the state is
+            held apart from training (a host copy on Torch, none on TensorFlow and
+            JAX). A save first waits for the previous one;
             a failed background write raises its error (an ``OSError`` naming
             the file, or what the write raised) at the next batch, save or
             train end, whichever comes first; ``on_train_end`` waits for the

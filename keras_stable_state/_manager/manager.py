@@ -112,7 +112,8 @@ class CheckpointManager(DirectoryHolder):
             ``recall`` or ``f1``.
         save_on_background: ``True`` writes each checkpoint in a background thread
             (:func:`~keras_stable_state.save_training_state` with ``blocking=False``):
-            :meth:`save` returns once the state is copied to host memory. A save first
+            :meth:`save` returns once the state is held apart from training (see its
+            ``blocking`` argument). A save first
             waits for the previous one; the error of a failed background write is raised
             by the next :meth:`save`, :meth:`check_for_errors`, :meth:`wait` or
             :meth:`close`.

@@ -6,7 +6,11 @@ link nor onto an existing file, with mode ``0o666``: the umask applies as for
 ``open``, and the process umask is never changed), written, checked to be still
 the file created (nothing replaced it meanwhile), ``fsync``-ed through its own
 descriptor and renamed onto the path (``os.replace``: a symbolic link at the
-path is replaced, never written through), then the folder is ``fsync``-ed.
+path is replaced, never written through), then the folder is ``fsync``-ed. The page
+cache of the file being replaced is dropped before the new one is written
+(:func:`release_cached_pages`): the write then reuses those pages, as a write that
+truncates the file in place does, instead of needing a second file's worth of fresh
+memory while both files are cached.
 
 This module imports no Keras.
 """
@@ -17,6 +21,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 
 from keras_stable_state.errors import CheckpointFormatError, StateError
 from keras_stable_state.format.remote import refuse_url
@@ -50,6 +55,40 @@ def create_temporary(folder: str, suffix: str = "") -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, "no free temporary file name after 100 tries", folder)
+
+
+_PEEK = (
+    os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+)
+
+
+def release_cached_pages(path: str) -> None:
+    """Drop the page cache of the regular file at ``path`` (``posix_fadvise(DONTNEED)``),
+    which an atomic write is about to replace; anything else (no file, a link, a FIFO, a
+    device, no ``posix_fadvise``, an error) is left alone. Nothing on disk changes: the
+    file stays whole until the rename, it is only read from the disk if read again.
+
+    Why: the temporary file needs as many fresh pages as the file is large while the
+    old file's pages stay cached; where fresh memory is slow (a virtual machine that hands
+    freed pages back to its host), writing 600 MB then took 1.4-2.7 s instead of
+    0.45-0.6 s, the time of a write that truncates the file in place (``open("wb")``,
+    as Keras' ``save_weights`` does) or of this one after the drop.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return
+        fd = os.open(path, _PEEK)
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(folder: str) -> None:
@@ -146,6 +185,7 @@ class atomic_path:
         except OSError as err:
             raise _write_error(self.filepath, err) from err
         self.folder = folder
+        release_cached_pages(self.filepath)
         return self.tmp
 
     def _discard(self):
