@@ -2,11 +2,15 @@
 
 A ``.keras`` training state is Keras' archive (``config.json``,
 ``model.weights.h5``: what ``keras.saving.load_model`` reads) plus the record
-member ``keras_stable_state.h5``. The model variables would be stored twice;
-instead, a model array whose dtype, shape and bytes equal a dataset of Keras'
-weights file is not written again: its index row names that dataset
-(``"model.weights.h5:/layers/dense/vars/0"``). Matching is by content, so it
-holds for any layer's ``save_own_variables``; an array Keras stores otherwise
+member ``keras_stable_state.h5``. The model variables and the optimizer slots
+(``model.save`` writes the compiled optimizer's variables under
+``optimizer/vars``) would be stored twice; instead, a model array, or an
+optimizer array larger than :data:`~keras_stable_state.format.PACK_LIMIT` bytes,
+whose dtype, shape and bytes equal a dataset of Keras' weights file is not
+written again: its index row names that dataset
+(``"model.weights.h5:/layers/dense/vars/0"``, ``"model.weights.h5:/optimizer/vars/2"``)
+and keeps the array's own key. Matching is by content, so it holds for any
+layer's ``save_own_variables`` and any optimizer; an array Keras stores otherwise
 (transformed, another dtype) is simply kept in the record.
 
 The record's sealed index holds the xxh3-128 and length of the whole weights
