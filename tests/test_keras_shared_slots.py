@@ -17,6 +17,7 @@ from conftest import to_np
 import keras_stable_state as kss
 from keras_stable_state import cli
 from keras_stable_state import format as storage
+from keras_stable_state.format import keras_archive
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 PREFIX = "model.weights.h5:/"
@@ -317,3 +318,30 @@ def test_a_keras_state_written_before_the_slots_were_shared_still_restores_exact
         _assert_same(a, live)
     assert int(to_np(m.optimizer.iterations)) == 2
     assert cli.main(["verify", path]) == 0
+
+
+def test_the_writer_finds_every_keras_dataset_by_its_dtype_shape_and_bytes(saved, tmp_path):
+    """The datasets of Keras' weights file are hashed where they lie, in one pass with the
+    whole member: the same map as reading each dataset with h5py and hashing its array."""
+    _, path, m, _ = saved
+    stock = str(tmp_path / "stock.keras")
+    m.save(stock)
+    expected = {}
+    with zipfile.ZipFile(stock) as zf, zf.open(storage.KERAS_WEIGHTS_MEMBER) as fh:
+        with h5py.File(fh, "r") as w:
+            w.visititems(
+                lambda name, obj: (
+                    expected.setdefault(keras_archive.content_key(obj[()]), set()).add(f"{PREFIX}{name}")
+                    if isinstance(obj, h5py.Dataset) and obj.dtype.kind in "fiub"
+                    else None
+                )
+            )
+        member = zf.read(storage.KERAS_WEIGHTS_MEMBER)
+    found = keras_archive.KerasWeights.of_archive(stock)
+    assert found.spec == {
+        "member": storage.KERAS_WEIGHTS_MEMBER,
+        "bytes": len(member),
+        "xxh3-128": xxhash.xxh3_128(member).hexdigest(),
+    }
+    assert set(found.by_content) == set(expected)
+    assert all(ref in expected[key] for key, ref in found.by_content.items())

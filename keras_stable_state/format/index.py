@@ -268,7 +268,7 @@ def _open_shared(rec, spec, rows):
             key=keras_archive.MEMBER,
         )
     start, size = keras_archive.member_span(src.fh, info)
-    if size != spec["bytes"] or keras_archive.hash_span(src.fh, start, size) != spec["xxh3-128"]:
+    if size != spec["bytes"] or keras_archive.hash_span(src.fh, start, size)[0] != spec["xxh3-128"]:
         what = (
             f"the member ({size} bytes) is not the one the training state was written with "
             f"({spec['bytes']} bytes, xxh3-128 {spec['xxh3-128']}); the arrays shared with it cannot be trusted"

@@ -86,7 +86,8 @@ class Entry:
             (``"layers/dense/vars/0"``).
         dataset: The HDF5 path of the dataset holding it (format 3: its blob,
             ``"/model/0"``, shared with other arrays when small, or the dataset of
-            Keras' ``model.weights.h5`` it shares, ``"model.weights.h5:/layers/dense/vars/0"``).
+            Keras' ``model.weights.h5`` it shares, ``"model.weights.h5:/layers/dense/vars/0"``,
+            ``"model.weights.h5:/optimizer/vars/2"``).
         shape: Its shape, a tuple of ints.
         dtype: Its dtype name (``"bfloat16"`` for arrays stored as their bits).
         nbytes: Size of its stored data in bytes.
