@@ -24,7 +24,10 @@ round by round in a rotating order:
   a resume after a restart reads it; the floor is a cold ``read_direct`` (A/A
   twice). Whether dropping works here is checked first (``mincore``: the share of
   the file still resident) and printed; where it does not (tmpfs, another OS),
-  the cold rows are left out and the header says why.
+  the cold rows are left out and the header says why;
+* file sizes (the same every round): the ``.keras`` training state against
+  ``model.save``'s file (issue 17: <= 1.05, the optimizer slots stored once) and
+  the files against the state's bytes.
 
 Ratios are per round; the median with min and max is printed. Targets: issue 10,
 save / raw write <= 1.15, restore / read_direct <= 1.3; issue 17, restore ``.h5``
@@ -69,6 +72,7 @@ SAVE_TARGET = 1.15
 RESTORE_TARGET = 1.3
 ORBAX_TARGET = 1.2
 STOCK_TARGET = 1.0  # issue 17: restore / stock load_weights, .keras restore / load_model
+SIZE_TARGET = 1.05  # issue 17: .keras training state / model.save's file (the slots stored once)
 
 
 def parse_args(argv=None):
@@ -154,6 +158,7 @@ def bench_size(mb: int, rounds: int, folder: str, cold: bool, orbax: bool = Fals
             save_aa,
         ),
         ("A/A raw write / raw write", save_aa, None),
+        *_file_sizes(p, nbytes),
     ]
     restore_rows = [
         (
@@ -272,6 +277,22 @@ def bench_orbax(model, rounds: int, folder: str) -> list:
             restore_aa,
         ),
         ("A/A Orbax restore + assign / Orbax restore + assign", restore_aa, None),
+    ]
+
+
+def _file_sizes(p: dict, nbytes: int) -> list:
+    """Rows of file sizes (one value, the same in every round): the ``.keras`` training state
+    against ``model.save``'s file (issue 17: <= 1.05) and the files against the state's bytes."""
+    ours, stock = os.path.getsize(p["s.keras"]), os.path.getsize(p["m.keras"])
+
+    def row(label, value, target=None):
+        return (label, (value, value, value), target)
+
+    return [
+        row("file size: .keras state / model.save's .keras", ours / stock, SIZE_TARGET),
+        row("file size: .keras state / state bytes", ours / nbytes),
+        row("file size: model.save's .keras / state bytes", stock / nbytes),
+        row("file size: .h5 state / state bytes", os.path.getsize(p["s.h5"]) / nbytes),
     ]
 
 

@@ -73,11 +73,14 @@ def edit_array(f, key: str, fn) -> None:
 
 def drop_last(f, section: str) -> str:
     """Remove the last array of ``section`` from the index and its bytes from its blob
-    (the blob itself when it held nothing else), keeping the layout a reader expects;
-    returns the removed key."""
+    (the blob itself when it held nothing else; only its row when it names a dataset of
+    Keras' ``model.weights.h5``), keeping the layout a reader expects; returns the removed key."""
     idx = index(f)
     rows = idx[section]
     key, _, _, blob, offset, _ = rows.pop()
+    if isinstance(blob, str):  # a .keras row naming a dataset of Keras' model.weights.h5: no blob
+        write_json(f, "index", idx)
+        return key
     left = [r for r in rows if r[3] == blob]
     name = f"{section}/{blob}"
     if left:

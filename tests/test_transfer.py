@@ -16,6 +16,7 @@ from conftest import BACKEND
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "transfer.py")
 BACKENDS = ("tensorflow", "jax", "torch")
 DRIVER = os.environ.get("KSS_TRANSFER_BACKEND", "jax")
+CASES = ("dense", "mixed", "embedding", "wide")
 
 pytestmark = pytest.mark.skipif(
     BACKEND != DRIVER, reason=f"the matrix drives all backends in subprocesses; it runs in the {DRIVER} pass"
@@ -47,7 +48,7 @@ def matrix(tmp_path_factory):
     out = {}
     for w in BACKENDS:
         for r in BACKENDS:
-            for case in ("dense", "mixed", "embedding"):
+            for case in CASES:
                 with open(root / f"{w}_to_{r}" / f"{case}.json") as fh:
                     out[w, r, case] = json.load(fh)
     return out
@@ -63,7 +64,7 @@ def _params(result):
 
 
 @pytest.mark.parametrize("writer,reader", PAIRS)
-@pytest.mark.parametrize("case", ["dense", "mixed", "embedding"])
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.slow
 def test_restored_state_is_exact_and_every_cast_reported(matrix, writer, reader, case):
     res = matrix[writer, reader, case]
@@ -110,3 +111,17 @@ def test_embedding_continuation_same_backend_exact_other_backends_documented(mat
         # Backends update Embedding rows and draw Dropout masks differently; the
         # restored state is exact (test above) and docs/transfer.md gives the size.
         assert 0.0 < worst < 0.1
+
+
+@pytest.mark.parametrize("writer,reader", PAIRS)
+@pytest.mark.slow
+def test_slots_shared_with_keras_weights_restore_on_every_backend(matrix, writer, reader):
+    """The "wide" case's kernel slots (72 x 256 float32, over 64 KiB) are read from Keras'
+    model.weights.h5 in the .keras file, and restore exactly (bits, or reported casts) above."""
+    res = matrix[writer, reader, "wide"]
+    assert sorted(res["shared_optimizer_keys"]) == [
+        "path:layers/wide/kernel#momentums",
+        "path:layers/wide/kernel#velocities",
+    ]
+    assert [k for k, v in res["restored"].items() if not v["value"]] == []
+    assert res["predict_max_abs"] <= 1e-5

@@ -4,10 +4,12 @@ The index row of an array is ``[key, dtype, shape, blob, offset, xxh3-64 hex]``.
 Each section's blobs must hold exactly the listed arrays, in index order, at
 the offsets the writer gives them (packed from 0, each start aligned to
 :data:`~keras_stable_state.format.ALIGN`): no gap, overlap, stray byte or
-unreferenced blob is accepted. In a ``.keras`` archive a row's blob may instead
-name a dataset of Keras' ``model.weights.h5`` (``"model.weights.h5:/layers/..."``),
-whose member's length and xxh3-128 the index records
-(:mod:`keras_stable_state.format.keras_archive`). See ``docs/concepts/file-format.md``.
+unreferenced blob is accepted. In a ``.keras`` archive a model or optimizer row's
+blob may instead name a dataset of Keras' ``model.weights.h5``
+(``"model.weights.h5:/layers/..."``, ``"model.weights.h5:/optimizer/vars/1"``), whose
+member's length and xxh3-128 the index records (:mod:`keras_stable_state.format.keras_archive`);
+the index field ``shared_sections`` lists the sections that do so when the optimizer is one
+of them (absent: the model alone). See ``docs/concepts/file-format.md``.
 
 The functions take the :class:`~keras_stable_state.format.records.RecordListing`
 being filled. This module imports no Keras.
@@ -26,7 +28,15 @@ from keras_stable_state.errors import StateError, listed
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import DTYPES, aligned, stored_dtype
 from keras_stable_state.format.probe import damaged, diagnose, newer_format
-from keras_stable_state.format.record import INDEX, MAX_NDIM, SECTIONS, SHARED, Entry
+from keras_stable_state.format.record import (
+    INDEX,
+    MAX_NDIM,
+    SECTIONS,
+    SHARABLE,
+    SHARED,
+    SHARED_SECTIONS,
+    Entry,
+)
 from keras_stable_state.format.schema import is_int
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")
@@ -89,16 +99,17 @@ def list_index(rec, datasets: dict, index) -> None:
         CorruptCheckpointError: naming the key, blob or record concerned.
     """
     where = rec.where
-    if isinstance(index, dict) and set(SECTIONS) <= set(index) and set(index) - {SHARED, *SECTIONS}:
-        raise newer_format(
-            where, rec.version, [f"index field {k}" for k in sorted(set(index) - {SHARED, *SECTIONS})]
-        )
-    if not isinstance(index, dict) or set(index) - {SHARED} != set(SECTIONS):
+    fields = {SHARED, SHARED_SECTIONS, *SECTIONS}
+    if isinstance(index, dict) and set(SECTIONS) <= set(index) and set(index) - fields:
+        raise newer_format(where, rec.version, [f"index field {k}" for k in sorted(set(index) - fields)])
+    if not isinstance(index, dict) or set(index) - {SHARED, SHARED_SECTIONS} != set(SECTIONS):
         raise damaged(
             where, f"record 'index' is not an object with exactly the sections {list(SECTIONS)}", key=INDEX
         )
+    sharing = _sharing(rec, index)
     if SHARED in index:
-        _open_shared(rec, index[SHARED], index["model"])
+        rows = [row for s in sharing if isinstance(index[s], list) for row in index[s]]
+        _open_shared(rec, index[SHARED], rows)
     for section in SECTIONS:
         rows = index[section]
         if not isinstance(rows, list):
@@ -107,7 +118,7 @@ def list_index(rec, datasets: dict, index) -> None:
         ends = [None] * len(sizes)
         seen = set()
         for row in rows:
-            rec.add_entry(_index_entry(rec, section, row, sizes, ends), seen)
+            rec.add_entry(_index_entry(rec, section, row, sizes, ends, sharing), seen)
         for i, (end, size) in enumerate(zip(ends, sizes, strict=True)):
             if end is None:
                 raise damaged(
@@ -126,7 +137,30 @@ def list_index(rec, datasets: dict, index) -> None:
                 )
 
 
-def _index_entry(rec, section: str, row, sizes: list, ends: list) -> Entry:
+def _sharing(rec, index: dict) -> tuple:
+    """The sections whose rows may name datasets of Keras' weights member: those the field
+    :data:`SHARED_SECTIONS` lists (only with :data:`SHARED`), else the model alone."""
+    if SHARED_SECTIONS not in index:
+        return ("model",)
+    listed_ = index[SHARED_SECTIONS]
+    ok = (
+        SHARED in index
+        and isinstance(listed_, list)
+        and listed_
+        and all(isinstance(s, str) and s in SHARABLE for s in listed_)
+        and len(set(listed_)) == len(listed_)
+    )
+    if not ok:
+        raise damaged(
+            rec.where,
+            f"record 'index': field {SHARED_SECTIONS!r} is {str(listed_)[:160]}, not a list of distinct "
+            f"sections out of {list(SHARABLE)} beside the field {SHARED!r}",
+            key=INDEX,
+        )
+    return tuple(listed_)
+
+
+def _index_entry(rec, section: str, row, sizes: list, ends: list, sharing=("model",)) -> Entry:
     where = rec.where
     ok = (
         isinstance(row, list)
@@ -155,7 +189,7 @@ def _index_entry(rec, section: str, row, sizes: list, ends: list) -> Entry:
             where, f"array for key {key!r} says dtype {dtype!r}, not one this library writes", key=key
         )
     if isinstance(blob, str):
-        return _shared_entry(rec, section, row)
+        return _shared_entry(rec, section, row, sharing)
     if not 0 <= blob < len(sizes):
         raise damaged(
             where,
@@ -194,7 +228,8 @@ def _index_entry(rec, section: str, row, sizes: list, ends: list) -> Entry:
 
 
 def _open_shared(rec, spec, rows):
-    """Keras' weights member a ``.keras`` record shares model arrays with: its length
+    """Keras' weights member a ``.keras`` record shares arrays with (``rows``: the index rows
+    of the sections that share, to name a damaged one): its length
     and xxh3-128 are checked against ``spec`` (from the sealed index) before HDF5
     parses it, then its structure, as for a record; its datasets go to ``rec.shared``."""
     src = rec.src
@@ -222,7 +257,7 @@ def _open_shared(rec, spec, rows):
     except KeyError:
         raise damaged(
             src.path,
-            f"the record shares model arrays with {keras_archive.MEMBER}, which the archive lacks",
+            f"the record shares arrays with {keras_archive.MEMBER}, which the archive lacks",
             key=keras_archive.MEMBER,
         ) from None
     if info.compress_type != zipfile.ZIP_STORED:
@@ -233,10 +268,10 @@ def _open_shared(rec, spec, rows):
             key=keras_archive.MEMBER,
         )
     start, size = keras_archive.member_span(src.fh, info)
-    if size != spec["bytes"] or keras_archive.hash_span(src.fh, start, size) != spec["xxh3-128"]:
+    if size != spec["bytes"] or keras_archive.hash_span(src.fh, start, size)[0] != spec["xxh3-128"]:
         what = (
             f"the member ({size} bytes) is not the one the training state was written with "
-            f"({spec['bytes']} bytes, xxh3-128 {spec['xxh3-128']}); its model arrays cannot be trusted"
+            f"({spec['bytes']} bytes, xxh3-128 {spec['xxh3-128']}); the arrays shared with it cannot be trusted"
         )
         expect = (
             [
@@ -258,16 +293,23 @@ def _open_shared(rec, spec, rows):
         raise damaged(where, f"HDF5 object {err}", key=keras_archive.MEMBER) from err
 
 
-def _shared_entry(rec, section: str, row) -> Entry:
+def _shared_entry(rec, section: str, row, sharing: tuple) -> Entry:
     key, dtype, shape, ref, offset, digest = row
-    ds = rec.shared.get(ref) if section == "model" and offset == 0 else None
+    if section not in sharing:
+        raise damaged(
+            rec.where,
+            f"array for key {key!r} in section {section!r} refers to {ref!r}, but the index shares "
+            f"only the sections {list(sharing)} with Keras' {keras_archive.MEMBER}",
+            key=key,
+        )
+    ds = rec.shared.get(ref) if offset == 0 else None
     stored = stored_dtype(dtype)
     if ds is None or ds.dtype != stored or tuple(ds.shape) != tuple(shape):
         found = "no such dataset" if ds is None else f"{ds.dtype.str} {tuple(ds.shape)}"
         raise damaged(
             rec.where,
             f"array for key {key!r} refers to {ref!r} at offset {offset} in section {section!r}, but "
-            f"that is {found}, not the model array {stored.str} {tuple(shape)} the index says",
+            f"that is {found}, not the {section} array {stored.str} {tuple(shape)} the index says",
             key=key,
         )
     return Entry(

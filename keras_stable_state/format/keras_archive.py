@@ -2,11 +2,15 @@
 
 A ``.keras`` training state is Keras' archive (``config.json``,
 ``model.weights.h5``: what ``keras.saving.load_model`` reads) plus the record
-member ``keras_stable_state.h5``. The model variables would be stored twice;
-instead, a model array whose dtype, shape and bytes equal a dataset of Keras'
-weights file is not written again: its index row names that dataset
-(``"model.weights.h5:/layers/dense/vars/0"``). Matching is by content, so it
-holds for any layer's ``save_own_variables``; an array Keras stores otherwise
+member ``keras_stable_state.h5``. The model variables and the optimizer slots
+(``model.save`` writes the compiled optimizer's variables under
+``optimizer/vars``) would be stored twice; instead, a model array, or an
+optimizer array larger than :data:`~keras_stable_state.format.PACK_LIMIT` bytes,
+whose dtype, shape and bytes equal a dataset of Keras' weights file is not
+written again: its index row names that dataset
+(``"model.weights.h5:/layers/dense/vars/0"``, ``"model.weights.h5:/optimizer/vars/2"``)
+and keeps the array's own key. Matching is by content, so it holds for any
+layer's ``save_own_variables`` and any optimizer; an array Keras stores otherwise
 (transformed, another dtype) is simply kept in the record.
 
 The record's sealed index holds the xxh3-128 and length of the whole weights
@@ -75,19 +79,33 @@ def member_span(fh, info: zipfile.ZipInfo) -> tuple[int, int]:
     return checks.member_start(fh, info), info.file_size
 
 
-def hash_span(fh, start: int, size: int) -> str:
-    """xxh3-128 (hex) of ``size`` bytes of ``fh`` from ``start``, read in chunks."""
-    h = xxhash.xxh3_128()
+def hash_span(fh, start: int, size: int, regions=()) -> tuple[str, list]:
+    """xxh3-128 (hex) of ``size`` bytes of ``fh`` from ``start``, read once in chunks into
+    one reused buffer, and of each of ``regions`` (``(offset, nbytes)`` inside the span)
+    from the same chunks: ``(hex of the span, [hex of each region])``."""
+    whole = xxhash.xxh3_128()
+    hashers = [xxhash.xxh3_128() for _ in regions]
+    order = sorted(range(len(regions)), key=lambda i: regions[i][0])
     buf = bytearray(_CHUNK)
     fh.seek(start)
-    left = size
-    while left:
-        n = fh.readinto(memoryview(buf)[: min(left, _CHUNK)])
+    pos, first = 0, 0  # order[first:] holds every region not yet hashed to its end
+    while pos < size:
+        n = fh.readinto(memoryview(buf)[: min(size - pos, _CHUNK)])
         if not n:
             break
-        h.update(memoryview(buf)[:n])
-        left -= n
-    return h.hexdigest()
+        chunk, end = memoryview(buf)[:n], pos + n
+        whole.update(chunk)
+        for i in order[first:]:
+            offset, nbytes = regions[i]
+            if offset >= end:
+                break
+            lo, hi = max(offset, pos), min(offset + nbytes, end)
+            if hi > lo:
+                hashers[i].update(chunk[lo - pos : hi - pos])
+        while first < len(order) and regions[order[first]][0] + regions[order[first]][1] <= end:
+            first += 1
+        pos = end
+    return whole.hexdigest(), [h.hexdigest() for h in hashers]
 
 
 def content_key(stored: np.ndarray) -> tuple:
@@ -122,15 +140,28 @@ class KerasWeights:
             if info.compress_type != zipfile.ZIP_STORED:
                 return None
             start, size = member_span(fh, info)
-            spec = {"member": MEMBER, "bytes": size, "xxh3-128": hash_span(fh, start, size)}
-            by_content = {}
+            found, regions = [], []  # (path, content key or index into regions), walk order
             with h5py.File(Window(fh, start, size), "r") as f:
                 for path, ds in checks.walk(f, size):
                     try:
                         checks.check_dtype(ds.dtype, path)
                     except checks.StructureError:
                         continue
-                    by_content.setdefault(content_key(checks.read_dataset(ds)), f"{PREFIX}/{path}")
+                    nbytes = int(ds.size or 0) * ds.dtype.itemsize
+                    offset = ds.id.get_offset() if nbytes else None
+                    if offset is None or offset + nbytes > size:  # compact or empty: read it
+                        found.append((path, content_key(checks.read_dataset(ds))))
+                        continue
+                    found.append((path, len(regions)))
+                    regions.append((offset, nbytes, ds.dtype.str, tuple(int(n) for n in ds.shape)))
+            # contiguous datasets hashed where they lie, in the same pass as the whole member
+            digest, digests = hash_span(fh, start, size, [r[:2] for r in regions])
+            spec = {"member": MEMBER, "bytes": size, "xxh3-128": digest}
+            by_content = {}
+            for path, key in found:
+                if isinstance(key, int):
+                    key = (*regions[key][2:], digests[key])
+                by_content.setdefault(key, f"{PREFIX}/{path}")
         return cls(spec=spec, by_content=by_content)
 
     def find(self, stored: np.ndarray) -> str | None:

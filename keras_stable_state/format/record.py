@@ -18,14 +18,25 @@ USERBLOCK_SIZE = 512
 SECTIONS = ("model", "optimizer", "state")
 RECORDS = ("metadata", "contract", "extra")
 INDEX = "index"
-# Index field of a .keras record naming Keras' weights member it shares model arrays with.
-SHARED = "shared"
 # Format 3 packing: arrays up to PACK_LIMIT bytes share blobs, a blob is written once it
 # holds BLOB_TARGET bytes (so a save holds at most about BLOB_TARGET + PACK_LIMIT bytes of
 # packed arrays), and each packed array starts at a multiple of ALIGN.
 PACK_LIMIT = 1 << 16
 BLOB_TARGET = 1 << 20
 ALIGN = 16
+# Index field of a .keras record naming Keras' weights member it shares arrays with.
+SHARED = "shared"
+# Index field listing the sections whose rows name datasets of that member, written when a
+# section other than the model shares (the optimizer slots); absent, the model alone may
+# (files written before the slots were shared). A reader that does not know the field refuses
+# the file as written by a newer version instead of calling it damaged.
+SHARED_SECTIONS = "shared_sections"
+# The sections a .keras record may share with Keras' weights member, and the size in bytes
+# an array must pass to be shared: every model array (as since sharing began); an optimizer
+# array only when larger than PACK_LIMIT (smaller ones stay packed in the record's blobs: each
+# would save at most PACK_LIMIT bytes, yet cost an HDF5 dataset read of its own to restore).
+SHARE_ABOVE = {"model": 0, "optimizer": PACK_LIMIT}
+SHARABLE = tuple(SHARE_ABOVE)
 MAX_NDIM = 32
 JSON_MAX_DEPTH = 100
 # An archive member may unpack to at most this many times its stored size (plus the slack).
@@ -75,7 +86,8 @@ class Entry:
             (``"layers/dense/vars/0"``).
         dataset: The HDF5 path of the dataset holding it (format 3: its blob,
             ``"/model/0"``, shared with other arrays when small, or the dataset of
-            Keras' ``model.weights.h5`` it shares, ``"model.weights.h5:/layers/dense/vars/0"``).
+            Keras' ``model.weights.h5`` it shares, ``"model.weights.h5:/layers/dense/vars/0"``,
+            ``"model.weights.h5:/optimizer/vars/2"``).
         shape: Its shape, a tuple of ints.
         dtype: Its dtype name (``"bfloat16"`` for arrays stored as their bits).
         nbytes: Size of its stored data in bytes.

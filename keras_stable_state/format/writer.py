@@ -5,8 +5,9 @@ The HDF5 image is written one array at a time (an array larger than
 smaller ones packed into shared blobs), each array's xxh3-64 in its index row
 and each JSON record's xxh3-64 in its ``xxh3`` attribute; then the xxh3-128
 seal is written into the user block (:mod:`keras_stable_state.format.seal`).
-Inside a ``.keras`` archive the model arrays Keras' ``model.weights.h5``
-already holds are referred to, not written again
+Inside a ``.keras`` archive the model arrays and the optimizer arrays larger than
+``PACK_LIMIT`` that Keras' ``model.weights.h5`` already holds are referred to, not
+written again
 (:mod:`keras_stable_state.format.keras_archive`). The layout is described in
 ``docs/concepts/file-format.md``.
 
@@ -38,7 +39,9 @@ from keras_stable_state.format.record import (
     PACK_LIMIT,
     RECORDS,
     SECTIONS,
+    SHARE_ABOVE,
     SHARED,
+    SHARED_SECTIONS,
     USERBLOCK_SIZE,
     StateRecord,
 )
@@ -54,9 +57,10 @@ class _SectionWriter:
     """Writes one section's arrays into numbered uint8 blobs (format 3), one array at a
     time, and builds the section's index rows."""
 
-    def __init__(self, group, shared=None):
+    def __init__(self, group, shared=None, share_above=0):
         self.group = group
         self.shared = shared
+        self.share_above = share_above
         self.rows = []
         self.blobs = 0
         self.buf = bytearray()
@@ -71,7 +75,7 @@ class _SectionWriter:
         raw = stored.reshape(-1).view(np.uint8)
         digest = f"{sandbox.digest_v3(str(key), name, stored.shape, raw):016x}"
         shape = [int(n) for n in stored.shape]
-        ref = self.shared.find(stored) if self.shared is not None and raw.nbytes else None
+        ref = self.shared.find(stored) if self.shared is not None and raw.nbytes > self.share_above else None
         if ref is not None:  # the same bytes are in Keras' model.weights.h5: not written twice
             self.rows.append([str(key), name, shape, ref, 0, digest])
             return
@@ -98,14 +102,15 @@ class _SectionWriter:
         self.open = False
 
 
-def _write_section(group, arrays, shared=None) -> list:
+def _write_section(group, arrays, shared=None, share_above=0) -> list:
     """Write ``arrays`` into ``group`` as blobs (format 3); return the section's index rows.
 
     ``arrays``: a dict ``{key: array or zero-argument callable returning one}``, or
     an iterable of ``(key, array or callable)`` pairs; each is converted, written
-    (or packed) and dropped in turn.
+    (or packed) and dropped in turn. An array of more than ``share_above`` bytes whose
+    dtype, shape and bytes ``shared`` holds is referred to instead.
     """
-    writer = _SectionWriter(group, shared)
+    writer = _SectionWriter(group, shared, share_above)
     for key, value in arrays.items() if isinstance(arrays, dict) else arrays:
         writer.add(key, value)
     writer.flush()
@@ -114,7 +119,8 @@ def _write_section(group, arrays, shared=None) -> list:
 
 def write_h5(target, record: StateRecord, shared: keras_archive.KerasWeights | None = None) -> None:
     """Write ``record``'s HDF5 image (format 3), user block left zero, to ``target`` (a
-    path or a binary file object), one array at a time; model arrays found in
+    path or a binary file object), one array at a time; model arrays, and optimizer
+    arrays larger than :data:`~keras_stable_state.format.PACK_LIMIT` bytes, found in
     ``shared`` (Keras' weights of the same archive) are referred to, not written.
 
     A path is written through a :class:`~keras_stable_state.format.sink.Sink`, so a
@@ -149,11 +155,19 @@ def _write_image(target, record: StateRecord, shared) -> None:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         index = {
-            section: _write_section(f.create_group(section), arrays, shared if section == "model" else None)
+            section: _write_section(
+                f.create_group(section),
+                arrays,
+                shared if section in SHARE_ABOVE else None,
+                SHARE_ABOVE.get(section, 0),
+            )
             for section, arrays in zip(SECTIONS, (record.model, record.optimizer, record.arrays), strict=True)
         }
-        if any(isinstance(row[3], str) for row in index["model"]):
+        sharing = [s for s in SHARE_ABOVE if any(isinstance(row[3], str) for row in index[s])]
+        if sharing:
             index[SHARED] = shared.spec
+        if set(sharing) - {"model"}:  # absent, a reader lets the model alone share
+            index[SHARED_SECTIONS] = sharing
         # JSON records are uint8 datasets: no HDF5 attribute size cap, no variable-length types.
         for name in (*RECORDS, INDEX):
             data = json_array(index if name == INDEX else getattr(record, name))

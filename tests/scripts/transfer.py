@@ -12,7 +12,9 @@ usage:
                                                      differences, the report and a load_model check
 
 Cases: "dense" (Dense, Conv2D, BatchNormalization, LayerNormalization; AdamW with a schedule),
-"mixed" (the same under mixed_float16, so with a LossScaleOptimizer) and "embedding" (Embedding, Dropout).
+"mixed" (the same under mixed_float16, so with a LossScaleOptimizer), "embedding" (Embedding,
+Dropout) and "wide" (a Dense kernel of 72 x 256: its slots, over 64 KiB, are shared with Keras'
+model.weights.h5 in the .keras file; OUT/wide.json lists the optimizer keys read from there).
 """
 
 import json
@@ -25,10 +27,11 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
+from keras_stable_state import format as storage  # noqa: E402
 from keras_stable_state._optimizer import optimizer_entries  # noqa: E402
 
 STEPS = 20
-CASES = ("dense", "mixed", "embedding")
+CASES = ("dense", "mixed", "embedding", "wide")
 
 
 def data(case):
@@ -50,6 +53,13 @@ def build(case):
             keras.layers.Dropout(0.2, name="drop"),
             keras.layers.GlobalAveragePooling1D(),
             keras.layers.Dense(1, name="head", dtype="float32"),
+        ]
+    elif case == "wide":
+        layers = [
+            keras.Input((6, 6, 2)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(256, activation="tanh", name="wide"),
+            keras.layers.Dense(1, name="head"),
         ]
     else:
         layers = [
@@ -148,6 +158,8 @@ def read(directory, out_dir):
             diff = float(np.max(np.abs(a - b))) if a.size else 0.0
             scale = float(np.max(np.abs(a))) if a.size else 0.0
             cont[key] = {"abs": diff, "rel": diff / scale if scale else diff}
+        with storage.open_file(path) as f:
+            shared = [e.key for e in f.section("optimizer") if e.dataset.startswith("model.weights.h5:")]
         loaded = keras.saving.load_model(path)
         pred = keras.ops.convert_to_numpy(loaded.predict(data(case)[0][:8], verbose=0)).astype("float32")
         keras.config.set_dtype_policy("float32")
@@ -161,6 +173,7 @@ def read(directory, out_dir):
                     "restored": restored,
                     "continued": cont,
                     "predict_max_abs": float(np.max(np.abs(pred - ref["predict"]))),
+                    "shared_optimizer_keys": shared,
                 },
                 fh,
             )
