@@ -134,10 +134,12 @@ def _to_tensor_fn(backend):
     if backend == "jax":
         import jax
 
-        # jax.device_put copies the host array to the default device; jnp.asarray would
-        # stage it through a jitted identity (JAX >= 0.10): one XLA compilation per new
-        # shape and dtype, whose first one also starts XLA's compile-alarm thread.
-        return jax.device_put
+        # A copy of the host array's own, put on the default device: on the CPU, JAX 0.10's
+        # device_put uses a 64-byte aligned NumPy array's memory even with may_alias=False
+        # (measured), and the caller may still change that array. jnp.asarray would copy,
+        # but through a jitted identity: one XLA compilation per new shape and dtype, whose
+        # first one also starts XLA's compile-alarm thread.
+        return lambda value: jax.device_put(np.array(value, copy=True), may_alias=True)
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -152,7 +154,7 @@ def _native(value):
     ``convert_to_tensor`` with the variable's dtype, which costs more than the copy
     for small arrays (dtype parsing: 10-40 us per variable); a tensor of the
     variable's dtype skips it. It is the same conversion (``torch.from_numpy``,
-    ``jax.device_put``, ``tf.constant``, onto the default device) that
+    ``jax.device_put`` of a copy, ``tf.constant``, onto the default device) that
     ``assign`` then checks (shape) and copies from as before. Anything else
     (bfloat16, 64-bit types, a read-only array on torch, a placed ``jax.Array``) is
     returned as it is, for ``assign`` to convert.
