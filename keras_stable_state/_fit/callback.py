@@ -475,7 +475,9 @@ class StableCheckpoint(keras.callbacks.Callback):
         # the epoch-start random state once every callback has run on_train_begin. All of
         # it from ``record``, the one read (and check) of the file: never read twice.
         options = checkpoint.RestoreOptions(state={"position": self._position}, include_rng=False)
-        self.restore_report = checkpoint.restore_with(path, self.model, options, record=record)
+        # Only the state records of ``record`` are read after this (never its model and
+        # optimizer arrays): the variables may keep those arrays' memory.
+        self.restore_report = checkpoint.restore_with(path, self.model, options, record=record, take=True)
         pos = self._position
         self._pending_restore = record
         writer = (self.restore_report.writer or {}).get("backend")
