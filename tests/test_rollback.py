@@ -17,6 +17,7 @@ from kit import mlp
 import keras_stable_state as kss
 from keras_stable_state._core import apply as apply_mod
 from keras_stable_state._core import plan as plan_mod
+from keras_stable_state.format.sandbox import aligned_empty
 
 
 def _variables(model):
@@ -135,7 +136,10 @@ def test_kept_value_is_never_changed_by_what_the_variable_goes_through():
     var = keras.Variable(np.arange(12, dtype="float32").reshape(3, 4), trainable=True)
     old_values = np.arange(12, dtype="float32").reshape(3, 4)
     kept = apply_mod._kept(var)
-    step = apply_mod.variable_step(var, np.full((3, 4), 7.0, "float32"), owned=True)
+    value = aligned_empty((3, 4), "float32")  # as the reader allocates: taken without a copy
+    value[...] = 7.0
+    assert apply_mod.shareable(value)
+    step = apply_mod.variable_step(var, value, owned=True)
     undo, _ = step.snapshot()
     step.apply()
     np.testing.assert_array_equal(to_np(var), np.full((3, 4), 7.0))
@@ -182,8 +186,6 @@ def _on_cpu(var) -> bool:
 def test_owned_arrays_are_taken_without_a_copy_and_others_never_shared():
     """An array the restore owns becomes the variable's memory where the backend can
     (on the CPU; 64-byte aligned, as the reader allocates); a caller's array never does."""
-    from keras_stable_state.format.sandbox import aligned_empty
-
     owned = aligned_empty((4, 8), "float32")
     owned[...] = 3.0
     assert owned.ctypes.data % 64 == 0 and apply_mod.shareable(owned)
