@@ -8,6 +8,7 @@ import dataclasses
 import keras
 import numpy as np
 
+from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as _multiprocess
 from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
@@ -114,7 +115,7 @@ class Step:
     name: str
     apply: object
     snapshot: object
-    nbytes: int = 0  # the bytes of the value it assigns (see _check_headroom)
+    nbytes: int = 0  # the bytes its snapshot allocates to convert the value (see _check_headroom)
 
 
 # Dtypes every backend holds as they are (native byte order): a host array of one of
@@ -122,6 +123,11 @@ class Step:
 _NATIVE_DTYPES = frozenset(
     np.dtype(n) for n in ("float16", "float32", "int8", "int16", "int32", "uint8", "bool")
 )
+# Dtypes a TensorFlow variable takes from a host array without a copy (through DLPack).
+_TF_SHARED_DTYPES = _NATIVE_DTYPES - {np.dtype("bool")}
+# TensorFlow's CPU kernels need a tensor's buffer at a multiple of 64 bytes (a variable
+# holding a less aligned one crashes the process in its next copy kernel).
+_TF_ALIGN = 64
 _TO_TENSOR = {}  # backend name -> host array to tensor (imported once)
 
 
@@ -168,50 +174,109 @@ def _native(value):
     return convert(value)
 
 
-def _prepared(var, array):
+def shareable(array, backend=None) -> bool:
+    """Whether a variable of ``backend`` (default: Keras' backend) can use the memory of
+    the host array ``array`` as its own, with no copy: on Torch a writable, C-order
+    NumPy array of a dtype in :data:`_NATIVE_DTYPES`; on JAX the same with its data at a
+    multiple of 64 bytes (as :func:`~keras_stable_state.format.sandbox.read_dataset`
+    reads arrays; on the CPU, JAX then uses the host memory, which nothing writes
+    afterwards; on an accelerator it copies it there); on TensorFlow the same, but not
+    ``bool`` and not empty. Never on other backends."""
+    if type(array) is not np.ndarray or array.dtype not in _NATIVE_DTYPES:
+        return False
+    flags = array.flags
+    if not (flags.writeable and flags.c_contiguous and flags.aligned):
+        return False
+    backend = backend or keras.backend.backend()
+    if backend == "torch":
+        return True
+    if backend == "tensorflow":
+        return array.dtype in _TF_SHARED_DTYPES and array.size > 0 and array.ctypes.data % _TF_ALIGN == 0
+    if backend == "jax":
+        return array.ctypes.data % _TF_ALIGN == 0
+    return False
+
+
+def _prepared(var, array, owned):
     """``array`` as the value ``var.assign`` takes without converting or allocating: the
     backend's own tensor of the variable's dtype, on its device (on JAX: placed on its
     current sharding). Called for every variable before the first assignment, so that
-    running out of memory here changes nothing. On TensorFlow the host array itself:
-    its conversion, one array at a time as it is assigned, fits in the memory
-    :func:`_check_headroom` found free."""
+    running out of memory here changes nothing.
+
+    With ``owned`` (the array is the restore's alone and :func:`shareable`), the tensor
+    uses the array's memory (Torch: ``torch.from_numpy``; TensorFlow: DLPack; JAX:
+    ``jax.device_put(..., may_alias=True)``), which the variable then keeps as its own:
+    no copy on the CPU. Otherwise the tensor is a copy of its own (the caller's array is
+    never shared with a variable).
+    """
     value = _multiprocess.place(var, array)
     if type(value) is not np.ndarray:
         return value  # a placed jax.Array (sharded, or read by the Orbax engine)
     backend = keras.backend.backend()
-    if backend == "tensorflow":
-        return value  # converted as it is assigned, within the headroom checked (_check_headroom)
-    if value.dtype in _NATIVE_DTYPES and (backend != "torch" or value.flags.writeable):
-        value = _native(value)
-    else:  # bfloat16, 64-bit types, a read-only array on torch: Keras' own conversion (a copy)
-        value = keras.ops.convert_to_tensor(value, dtype=_dtype(var))
+    if backend == "jax" and owned and shareable(value, backend):
+        import jax
+
+        return jax.device_put(value, may_alias=True)
+    if backend == "tensorflow" and owned and shareable(value, backend):
+        import tensorflow as tf
+
+        return tf.experimental.dlpack.from_dlpack(value.__dlpack__())
+    if backend == "torch" and owned and shareable(value, backend):
+        import torch
+
+        tensor = torch.from_numpy(value)
+    elif value.dtype in _NATIVE_DTYPES and (backend != "torch" or value.flags.writeable):
+        tensor = _native(value)  # TensorFlow's tf.constant and JAX's device_put of a copy
+    else:  # bfloat16, 64-bit types, a read-only array on torch: Keras' own conversion
+        tensor = keras.ops.convert_to_tensor(value, dtype=_dtype(var))
     if backend == "torch":
-        device = var.value.device
-        if value.device != device:
-            value = value.to(device)
-    return value
+        param = compat.variable_storage(var)
+        if tensor.dtype != param.dtype:  # what assign would convert (the swap keeps the dtype)
+            tensor = tensor.to(param.dtype)
+        device = param.device
+        if tensor.device != device:
+            tensor = tensor.to(device)  # the one host-to-device copy
+        elif not owned and tensor.data_ptr() == value.ctypes.data:
+            tensor = tensor.clone()  # it shares the caller's array: the variable gets its own copy
+    return tensor
 
 
 def _kept(var):
-    """The variable's current value, kept for a rollback that allocates nothing.
+    """The variable's current value, kept by reference for a rollback that allocates
+    nothing (no copy on any backend).
 
-    JAX arrays are immutable and ``assign`` replaces the variable's array, so the old
-    array itself is kept (no copy). TensorFlow and Torch assign into the variable's own
-    buffer, so the old value is copied on the device now, before the first assignment;
-    putting it back copies it into that buffer (``assign`` of a tensor of the variable's
-    dtype and device converts nothing).
+    JAX arrays are immutable and ``assign`` replaces the variable's array: the old
+    array itself is kept. On Torch the variable's parameter is given the new value's
+    storage (:func:`_swap`), so the old storage (its tensor, ``Parameter.data``) is
+    kept as it is. On TensorFlow the kept value is a read of the variable
+    (``ReadVariableOp``), which shares the variable's buffer: TensorFlow copies on
+    write (an assignment gives the variable the new buffer; an in-place update such
+    as ``assign_add`` or an optimizer's ``ResourceApply*`` copies a buffer still
+    shared with a read first), so the read keeps the old values
+    (``tests/test_rollback.py`` proves it).
     """
     value = var.value
     backend = keras.backend.backend()
     if backend == "jax":
         return value
     if backend == "torch":
-        return value.detach().clone()
+        return compat.variable_storage(var).data
     if backend == "tensorflow":
         import tensorflow as tf
 
-        return tf.raw_ops.DeepCopy(x=value)
+        return tf.convert_to_tensor(value)
     return private_copy(to_numpy(var))
+
+
+def _swap(var, tensor):
+    """On Torch: make ``tensor`` (of the variable's shape, dtype and device) the storage
+    of the variable's parameter, in place of its current one. The ``Parameter``
+    itself (what modules and Keras' optimizers hold), its ``requires_grad`` and
+    ``.grad`` stay as they are."""
+    import torch
+
+    with torch.no_grad():
+        compat.variable_storage(var).data = tensor
 
 
 def _differs(var, old) -> bool:
@@ -227,39 +292,78 @@ def _differs(var, old) -> bool:
     return not state_mod.same_state(np.asarray(current), np.asarray(getattr(old, "numpy", lambda: old)()))
 
 
-def variable_step(var, array, name=None):
+def variable_step(var, array, name=None, *, owned=False):
     """The step assigning ``array`` to ``var``: its snapshot converts ``array`` for the
     variable (:func:`_prepared`) and keeps the current value (:func:`_kept`), both before
-    the first assignment of the restore; its undo assigns the kept value back."""
+    the first assignment of the restore; its undo puts the kept value back.
+
+    Every step assigns once through ``var.assign`` with no copy of its own beyond the
+    conversion: on Torch the parameter is first given the prepared tensor's storage
+    (:func:`_swap`), which makes ``assign``'s copy a no-op (Torch skips a copy onto
+    the same memory), and an ``assign`` that raises swaps the old storage back before
+    the error goes on; the undo swaps the old storage back, then assigns it the same
+    way. On TensorFlow ``assign`` shares the prepared tensor's buffer (no copy); the
+    undo assigns the kept read back. On JAX ``assign`` replaces the array.
+
+    Args:
+        var: The ``keras.Variable``.
+        array: Its value, of its shape (a host array, or a placed ``jax.Array``).
+        name: For messages; default the variable's path.
+        owned: ``array`` is the restore's alone (read from the file by it; nothing the
+            caller holds shares its memory): the variable may keep its memory as its
+            own (:func:`shareable`). Default ``False``: a copy.
+    """
     prepared = []
+    torch_backend = keras.backend.backend() == "torch"
 
     def snapshot():
-        prepared.append(_prepared(var, array))
+        prepared.append(_prepared(var, array, owned))
         old = _kept(var)
+        if torch_backend:
+
+            def undo():
+                _swap(var, old)
+                var.assign(old)
+
+            return undo, (lambda: _differs(var, old))
         return (lambda: var.assign(old)), (lambda: _differs(var, old))
 
     def apply():
         value = prepared.pop()  # dropped once assigned: the variable holds it, or a copy
+        if torch_backend:
+            old = compat.variable_storage(var).data
+            _swap(var, value)
+            try:
+                var.assign(value)
+            except BaseException:
+                _swap(var, old)
+                raise
+            return
         var.assign(_native(value) if type(value) is np.ndarray else value)
 
-    return Step(name or getattr(var, "path", var.name), apply, snapshot, int(getattr(array, "nbytes", 0)))
+    shared = owned and shareable(array)
+    nbytes = 0 if shared else int(getattr(array, "nbytes", 0))
+    return Step(name or getattr(var, "path", var.name), apply, snapshot, nbytes)
 
 
 def _check_headroom(steps) -> None:
     """On TensorFlow, raise ``MemoryError`` unless what the restore allocates from here
-    on can be allocated now: the kept values (as many bytes as the values assigned) and
-    the conversion of the largest value (two copies: TensorFlow's ``convert_to_tensor``
-    copies a host array, then copies it again into memory of its own alignment).
-    TensorFlow's conversion of a host array and its copy kernel die with SIGSEGV when
-    its allocator cannot grow (its oneDNN CPU allocator grows its pool by regions up to
-    the pool's size) instead of raising; so that running out of memory is an error and
-    not a crash, twice these bytes are first allocated (and freed at once) by NumPy,
-    which raises ``MemoryError``. The other backends raise their own out-of-memory
-    errors."""
+    on can be allocated now. TensorFlow keeps no copy for the rollback (the kept
+    values are reads of the variables' buffers, :func:`_kept`) and its ``assign``
+    shares the converted value's buffer; what it allocates is the conversion of
+    every value that is not handed over as it is (``step.nbytes``, kept by the
+    variables afterwards) plus a transient second copy of the largest of them
+    (``convert_to_tensor`` copies a host array, then may copy it again into memory of
+    its own alignment). TensorFlow's conversion and its copy kernel die with SIGSEGV
+    when its allocator cannot grow (its oneDNN CPU allocator grows its pool by
+    regions up to the pool's size) instead of raising; so that running out of memory
+    is an error and not a crash, twice these bytes are first allocated (and freed at
+    once) by NumPy, which raises ``MemoryError``. The other backends raise their own
+    out-of-memory errors."""
     if keras.backend.backend() != "tensorflow":
         return
     sizes = [getattr(step, "nbytes", 0) for step in steps]
-    need = 2 * (sum(sizes) + 2 * max(sizes, default=0))
+    need = 2 * (sum(sizes) + max(sizes, default=0))
     if need:
         probe = np.empty(need, np.uint8)
         del probe
@@ -289,9 +393,10 @@ def apply_steps(steps, where=None):
     Every snapshot is taken before the first step is applied, and a snapshot makes
     everything its step allocates: running out of memory there (or anywhere before
     the first assignment) changes nothing, and putting values back allocates no new
-    memory for model and optimizer variables (JAX keeps the old arrays themselves;
-    TensorFlow and Torch copy into the variables' own buffers from device copies made
-    up front).
+    memory for model and optimizer variables: their old values are kept by
+    reference, not copied (JAX keeps the old arrays, Torch the parameters' old
+    storage, TensorFlow a copy-on-write read of each variable; see :func:`_kept`), and
+    putting one back hands that back to the variable.
 
     Raises:
         The error of the failing step (a ``KeyFormatError`` from a provider as

@@ -110,4 +110,4 @@ def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, 
         **kwargs,
     )
     record = storage.read_bytes(bytes(data))
-    return restore_with(_LABEL, model, options, defer=defer, record=record)
+    return restore_with(_LABEL, model, options, defer=defer, record=record, take=True)

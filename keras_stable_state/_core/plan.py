@@ -62,6 +62,9 @@ class RestoreRequest:
         rules: The rename rules, or ``None``.
         strict, allow_cast, include_rng, check_schedule, keep_learning_rate: The flags
             of :func:`~keras_stable_state.restore_training_state`.
+        owned: The record's arrays are this restore's alone (it read them, and nothing
+            else reads them afterwards): a variable may keep an array's memory as its
+            own instead of a copy (:func:`~keras_stable_state._core.apply.variable_step`).
     """
 
     filepath: str
@@ -76,6 +79,7 @@ class RestoreRequest:
     include_rng: bool
     check_schedule: bool
     keep_learning_rate: bool
+    owned: bool = False
 
     @property
     def where(self) -> str:
@@ -110,6 +114,8 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
             f"Model {model.name!r} has no variables yet; call it on a batch (a subclassed model's "
             "`build(input_shape)` may create none) before restoring its training state."
         )
+    read = record  # its arrays, as read, stay alive (ids below) until the restore ends
+    owned = _read_arrays(record) if request.owned else set()
     record, mapped = mappers_mod.decode_record(record, where)
     report = RestoreReport()
     report.transfer = rules is not None or not strict
@@ -173,10 +179,27 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     )
     # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
     plan = orbax_engine.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
-    steps += [variable_step(var, array) for var, array in plan]
+    taken = set()  # an array is handed to one variable at most
+    for var, array in plan:
+        mine = id(array) in owned and id(array) not in taken
+        if mine:
+            taken.add(id(array))
+        steps.append(variable_step(var, array, owned=mine))
     steps += layer_state.finalize_steps(model)
     apply_steps(steps, request.filepath)
+    del read
     return report
+
+
+def _read_arrays(record) -> set:
+    """The ids of the host arrays of ``record``'s model and optimizer sections, as read
+    (a mapper's decoded or a cast array is not among them)."""
+    if isinstance(record, storage.StockWeights):
+        optimizer = record.optimizer
+        groups = (record.arrays.values(), optimizer.values() if isinstance(optimizer, dict) else optimizer)
+    else:
+        groups = (record.model.values(), record.optimizer.values())
+    return {id(a) for group in groups for a in group if type(a) is np.ndarray}
 
 
 def _model_registry(model, extras):

@@ -258,7 +258,7 @@ def restore_training_state(
 @builds_undone_on_refusal
 @walking_once
 def restore_with(
-    filepath, model, options: RestoreOptions, *, defer=False, record=None
+    filepath, model, options: RestoreOptions, *, defer=False, record=None, take=False
 ) -> RestoreReport | PendingRestore:
     """:func:`restore_training_state` with its options grouped.
 
@@ -269,6 +269,9 @@ def restore_with(
         defer: As for :func:`restore_training_state`.
         record: The record of ``filepath`` read already (by a :class:`PendingRestore`,
             or from bytes); ``None``: read the file now.
+        take: The arrays of ``record`` are the caller's to give away: nothing reads its
+            model and optimizer arrays after this call, so the variables may keep their
+            memory instead of a copy. Always so for a record read here.
 
     Returns:
         As :func:`restore_training_state`.
@@ -294,6 +297,7 @@ def restore_with(
     extras = check_variables(options.variables, verb, model)
     rules = check_rename(options.prefix, options.rename, verb)
     check_flags(verb, defer=defer)
+    owned = take or record is None
     if record is None:
         record = (
             orbax_engine.read(filepath)
@@ -302,7 +306,9 @@ def restore_with(
         )
     if defer:
         mappers_mod.decode_record(record, file_label(filepath))  # an unknown mapper is refused now
-        pending = PendingRestore(filepath, record, model, dataclasses.replace(options, callbacks=callbacks))
+        pending = PendingRestore(
+            filepath, record, model, dataclasses.replace(options, callbacks=callbacks), take=owned
+        )
         if model.built and model.variables:
             pending.restore()
         return pending
@@ -319,6 +325,7 @@ def restore_with(
         include_rng=options.include_rng,
         check_schedule=options.check_schedule,
         keep_learning_rate=options.keep_learning_rate,
+        owned=owned,
     )
     return restore_record(record, request)
 
@@ -348,10 +355,12 @@ class PendingRestore(keras.callbacks.Callback):
         >>> print(pending.report)
     """
 
-    def __init__(self, filepath, record, target, options: RestoreOptions):
+    def __init__(self, filepath, record, target, options: RestoreOptions, *, take=False):
         """Made by :func:`restore_with` (``filepath``: the file read; ``record``: what it
-        held; ``target``: the model to restore into; ``options``: the restore's)."""
+        held; ``target``: the model to restore into; ``options``: the restore's; ``take``:
+        the record is this object's alone, see :func:`restore_with`)."""
         super().__init__()
+        self._take = take
         self.filepath = filepath
         self.report = None
         self._record = record
@@ -378,7 +387,9 @@ class PendingRestore(keras.callbacks.Callback):
                 f"The state of {file_label(self.filepath)} was already restored into {self._target.name!r} "
                 "by this PendingRestore; call restore_training_state again to restore it twice."
             )
-        report = restore_with(self.filepath, self._target, self._options, record=self._record)
+        report = restore_with(
+            self.filepath, self._target, self._options, record=self._record, take=self._take
+        )
         self.report, self._record = report, None
         return report
 

@@ -476,7 +476,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         # the epoch-start random state once every callback has run on_train_begin. All of
         # it from ``record``, the one read (and check) of the file: never read twice.
         options = checkpoint.RestoreOptions(state={"position": self._position}, include_rng=False)
-        self.restore_report = checkpoint.restore_with(path, self.model, options, record=record)
+        # take: only its state records are read after this; the variables may keep its arrays
+        self.restore_report = checkpoint.restore_with(path, self.model, options, record=record, take=True)
         pos = self._position
         self._pending_restore = record
         writer = (self.restore_report.writer or {}).get("backend")

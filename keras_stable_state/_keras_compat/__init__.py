@@ -71,6 +71,7 @@ from keras_stable_state._keras_compat.layers import (
     metric_own_variables,
     seed_generator_states,
     text_vectorization_lookup,
+    variable_storage,
 )
 from keras_stable_state._keras_compat.optimizers import (
     arm,
@@ -160,6 +161,7 @@ __all__ = [
     "to_snake_case",
     "total_loss_count_index",
     "var_key",
+    "variable_storage",
     "walk_saveable",
 ]
 

@@ -12,6 +12,7 @@ __all__ = [
     "metric_own_variables",
     "seed_generator_states",
     "text_vectorization_lookup",
+    "variable_storage",
 ]
 
 
@@ -23,6 +24,13 @@ def layer_own_variables(layer):
 def seed_generator_states(layer) -> list:
     """The state variables of a layer's own seed generators."""
     return [sg.state for sg in layer._seed_generators]
+
+
+def variable_storage(variable):
+    """What a ``keras.Variable`` holds (Keras' ``_value``): on Torch its ``torch.nn.Parameter``
+    (never autocast, unlike ``variable.value``), on TensorFlow its ``tf.Variable``, on JAX
+    its array."""
+    return variable._value
 
 
 def metric_own_variables(metric) -> list:

@@ -448,7 +448,8 @@ class CheckpointManager(DirectoryHolder):
             restored = {}
 
             def restore(path, record):
-                restored["report"] = checkpoint.restore_with(path, model, options, record=record)
+                # the record was read for this restore alone: its arrays may become the variables'
+                restored["report"] = checkpoint.restore_with(path, model, options, record=record, take=True)
 
             path = self.restore_newest_with(restore)
             if self.skipped_checkpoints:

@@ -286,6 +286,7 @@ def _open_shared(rec, spec, rows):
             raise diagnose(
                 where, path, keras_archive.MEMBER, what, default_key=keras_archive.MEMBER, expect=expect
             )
+    src.hashed_members.add(keras_archive.MEMBER)  # its xxh3-128 holds: no zip CRC-32 read after
     src.shared_h5 = h5py.File(keras_archive.Window(src.fh, start, size), "r")
     try:
         rec.shared = {f"{keras_archive.PREFIX}/{path}": ds for path, ds in sandbox.walk(src.shared_h5, size)}

@@ -300,7 +300,9 @@ class CheckpointFile:
     def check_members(self, progress=None):
         """Read every other archive member to the end, so that zip checks its CRC-32.
 
-        Appends failures to :attr:`damaged_members`; does nothing for HDF5 files.
+        A member a hash checked on opening covers whole (the sealed record member read
+        in place, Keras' weights member whose xxh3-128 the sealed index records) is not
+        read again. Appends failures to :attr:`damaged_members`; does nothing for HDF5 files.
 
         Args:
             progress: Optional callable given the number of bytes read after each chunk.
@@ -309,7 +311,9 @@ class CheckpointFile:
         if zf is None:
             return
         for name, _ in self.members:
-            if name == self.member or any(name == d for d, _ in self.damaged_members):
+            if name == self.member or name in self._src.hashed_members:
+                continue
+            if any(name == d for d, _ in self.damaged_members):
                 continue
             try:
                 with zf.open(name) as fh:

@@ -162,9 +162,32 @@ def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None, st
     return found
 
 
+# Arrays are read into memory starting at a multiple of this many bytes: TensorFlow's CPU
+# kernels need 64-byte alignment of a host buffer a tensor uses as its own (the restore
+# hands a read array to a variable without a copy where the backend allows it).
+READ_ALIGN = 64
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """A new, writable, C-order array of ``shape`` and ``dtype`` whose data starts at a
+    multiple of :data:`READ_ALIGN` bytes (a view of a slightly larger ``uint8`` buffer)."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(n) for n in shape)
+    if dtype.hasobject or dtype.itemsize == 0:  # not a plain numeric dtype: NumPy's own
+        return np.empty(shape, dtype)
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * dtype.itemsize
+    raw = np.empty(nbytes + READ_ALIGN, np.uint8)
+    start = -raw.ctypes.data % READ_ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def read_dataset(ds) -> np.ndarray:
-    """The dataset's data as stored (no dtype conversion), C order."""
-    out = np.empty(ds.shape, dtype=ds.dtype)
+    """The dataset's data as stored (no dtype conversion), C order, in a new array whose
+    data starts at a multiple of :data:`READ_ALIGN` bytes (:func:`aligned_empty`)."""
+    out = aligned_empty(ds.shape, ds.dtype)
     if out.size:
         ds.read_direct(out)
     return out

@@ -27,7 +27,7 @@ import zlib
 import h5py
 
 from keras_stable_state.errors import CheckpointFormatError, CheckpointInUseError, CorruptCheckpointError
-from keras_stable_state.format import files, sandbox
+from keras_stable_state.format import files, keras_archive, sandbox
 from keras_stable_state.format import seal as _seal
 from keras_stable_state.format.probe import damaged, diagnose, probe_or_refuse
 from keras_stable_state.format.record import (
@@ -62,6 +62,9 @@ class Source:
         container, where, sealed, seal_version, members, member, model_class:
             As :class:`keras_stable_state.format.CheckpointFile` documents them.
         keras_metadata: Keras' ``metadata.json`` of an archive, or ``{}``.
+        hashed_members: The archive members whose every byte a hash checked on opening
+            covers (the sealed record member read in place, Keras' weights member the
+            record shares arrays with): their zip CRC-32 is not read again.
     """
 
     def __init__(self, path: str, data: bytes | None):
@@ -76,6 +79,7 @@ class Source:
         self.member = None
         self.model_class = None
         self.keras_metadata = {}
+        self.hashed_members = set()
         self._member_size = None
 
     def _lock(self):
@@ -213,6 +217,9 @@ class Source:
                 received=self.path,
             )
         self.where = f"{self.path}:{self.member}"
+        if self._open_member_in_place():
+            self._read_keras_json(present)
+            return
         try:
             data = self.zip.read(self.member)
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as err:
@@ -232,6 +239,33 @@ class Source:
         self.h5 = h5py.File(io.BytesIO(data), "r")
         self._member_size = len(data)
         self._read_keras_json(present)
+
+    def _open_member_in_place(self) -> bool:
+        """Open a sealed record member stored uncompressed where it lies in the archive
+        (:class:`~keras_stable_state.format.keras_archive.Window`), without copying it into
+        memory: its seal (xxh3-128 over every byte after its user block, and their count)
+        is checked in chunks first, and covers everything the zip CRC-32 would. ``False``
+        (nothing opened) for another member, a compressed one or one without a seal:
+        those are read whole, with the zip CRC-32 checked."""
+        info = self.zip.getinfo(self.member)
+        if self.member != MEMBER or info.compress_type != zipfile.ZIP_STORED:
+            return False
+        start, size = keras_archive.member_span(self.fh, info)
+        window = keras_archive.Window(self.fh, start, size)
+        head = window.read(USERBLOCK_SIZE)
+        if not head.startswith(_seal.MAGIC):
+            return False
+        version, name, ok = _seal.check_stream(window, head, size, self.where)
+        if not ok:
+            with self.on_disk() as path:
+                raise diagnose(self.where, path, self.member, f"its content fails its {name} seal")
+        self.sealed = True
+        self.seal_version = version
+        self.hashed_members.add(self.member)
+        window.seek(0)
+        self.h5 = h5py.File(window, "r")
+        self._member_size = size
+        return True
 
     def _read_keras_json(self, present: set) -> None:
         """Keras' ``metadata.json`` and the model class of ``config.json``, when present."""

@@ -1,0 +1,219 @@
+"""Rollback by reference: a restore keeps the variables' old values without copying them
+(JAX: the old arrays; Torch: the parameters' old storage, the new value swapped in;
+TensorFlow: a read of each variable, which TensorFlow copies on write), and a failure
+after every new value is in place still puts back every variable exactly as it was.
+
+Values are compared by position with values set by the test itself before the restore
+(``before``) and with the saved ones (``saved``), both computed independently of the
+restore.
+"""
+
+import keras
+import numpy as np
+import pytest
+from conftest import BACKEND, to_np
+from kit import mlp
+
+import keras_stable_state as kss
+from keras_stable_state._core import apply as apply_mod
+from keras_stable_state._core import plan as plan_mod
+from keras_stable_state.format.sandbox import aligned_empty
+
+
+def _variables(model):
+    return list(model.weights) + list(model.optimizer.variables)
+
+
+def _fill(variables, shift):
+    """Give every variable a value of its own: ``shift + i`` (float), ``i + shift`` (int)."""
+    values = []
+    for i, v in enumerate(variables):
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        value = np.full(tuple(v.shape), shift + i, dtype=dtype)
+        v.assign(value)
+        values.append(value)
+    return values
+
+
+@pytest.fixture
+def saved_model(tmp_path, data):
+    x, y = data
+    model = mlp(4, 16, named=True, seed=3)
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    variables = _variables(model)
+    saved = _fill(variables, 100)
+    path = tmp_path / "state.h5"
+    kss.save_training_state(path, model)
+    before = _fill(variables, 1)
+    return model, variables, path, saved, before
+
+
+def _assert_values(variables, expected):
+    assert len(variables) == len(expected)
+    for i, (v, want) in enumerate(zip(variables, expected, strict=True)):
+        np.testing.assert_array_equal(to_np(v), want, err_msg=f"variable {i} ({v.path})")
+
+
+def _torch_storage(variables):
+    """Torch: ``(parameter, data pointer)`` of every variable (the rollback swaps the old
+    storage back into the same parameter)."""
+    from keras_stable_state import _keras_compat as compat
+
+    params = [compat.variable_storage(v) for v in variables]
+    return params, [p.data_ptr() for p in params]
+
+
+def test_failure_after_every_variable_is_assigned_rolls_back_by_position(saved_model, monkeypatch):
+    model, variables, path, saved, before = saved_model
+    if BACKEND == "torch":
+        params, pointers = _torch_storage(variables)
+    reached = []
+
+    def fail():
+        # every variable holds its new value here: the swap (Torch) and assign are done
+        reached.append([bool(np.array_equal(to_np(v), s)) for v, s in zip(variables, saved, strict=True)])
+        raise RuntimeError("injected failure after the last assignment")
+
+    real = plan_mod.layer_state.finalize_steps
+    monkeypatch.setattr(
+        plan_mod.layer_state,
+        "finalize_steps",
+        lambda m: [*real(m), apply_mod.Step("injected", fail, lambda: ((lambda: None), (lambda: True)))],
+    )
+    with pytest.raises(RuntimeError, match="injected failure"):
+        kss.restore_training_state(path, model)
+    assert reached and all(reached[0]), "the failure was injected before every variable was assigned"
+    _assert_values(variables, before)
+    if BACKEND == "torch":
+        after, after_pointers = _torch_storage(variables)
+        assert all(a is b for a, b in zip(params, after, strict=True))  # the same Parameters
+        assert after_pointers == pointers  # holding their old storage again
+        assert [p.requires_grad for p in after] == [v.trainable for v in variables]
+    # and the same file restores once nothing fails
+    monkeypatch.undo()
+    kss.restore_training_state(path, model)
+    _assert_values(variables, saved)
+
+
+def test_variable_whose_assign_raises_after_the_swap_rolls_back(saved_model, monkeypatch):
+    model, variables, path, saved, before = saved_model
+    last = model.optimizer.variables[-1]
+    calls = []
+
+    def refuse(value):
+        calls.append(to_np(last).copy())  # Torch: the new storage is swapped in already
+        raise RuntimeError("backend refuses the variable")
+
+    monkeypatch.setattr(last, "assign", refuse)
+    with pytest.raises(RuntimeError, match="backend refuses the variable"):
+        kss.restore_training_state(path, model)
+    assert len(calls) == 1
+    if BACKEND == "torch":  # the refusal came after the swap, and the swap was undone
+        position = next(i for i, v in enumerate(variables) if v is last)
+        np.testing.assert_array_equal(calls[0], saved[position])
+    _assert_values(variables, before)
+
+
+def test_restore_then_training_leaves_the_file_and_a_second_restore_exact(saved_model, data):
+    """The variables may keep the restore's read arrays as their memory; training then
+    writes into that memory, which nothing else reads: a second restore of the same file
+    gives the saved values again."""
+    model, variables, path, saved, before = saved_model
+    x, y = data
+    kss.restore_training_state(path, model)
+    _assert_values(variables, saved)
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    assert not np.array_equal(to_np(model.weights[0]), saved[0])
+    kss.restore_training_state(path, model)
+    _assert_values(variables, saved)
+
+
+def test_kept_value_is_never_changed_by_what_the_variable_goes_through():
+    """The rollback's kept value (no copy on any backend) keeps the old values through
+    an assignment, in-place updates and an optimizer step. On TensorFlow this is the proof
+    that a read of a variable (``ReadVariableOp``) is copy-on-write: it fails if
+    TensorFlow ever updates a variable's buffer in place while a read shares it."""
+    var = keras.Variable(np.arange(12, dtype="float32").reshape(3, 4), trainable=True)
+    old_values = np.arange(12, dtype="float32").reshape(3, 4)
+    kept = apply_mod._kept(var)
+    value = aligned_empty((3, 4), "float32")  # as the reader allocates: taken without a copy
+    value[...] = 7.0
+    assert apply_mod.shareable(value)
+    step = apply_mod.variable_step(var, value, owned=True)
+    undo, _ = step.snapshot()
+    step.apply()
+    np.testing.assert_array_equal(to_np(var), np.full((3, 4), 7.0))
+    var.assign_add(np.ones((3, 4), "float32"))
+    var.assign_sub(np.full((3, 4), 3.0, "float32"))
+    var.assign(np.full((3, 4), -1.0, "float32"))
+    optimizer = keras.optimizers.Adam(learning_rate=0.5)
+    optimizer.apply_gradients([(keras.ops.ones((3, 4)), var)])
+    optimizer.apply_gradients([(keras.ops.ones((3, 4)), var)])
+    assert not np.array_equal(to_np(var), old_values)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(kept), old_values)
+    undo()
+    np.testing.assert_array_equal(to_np(var), old_values)
+    var.assign_add(np.ones((3, 4), "float32"))  # the put-back value is the variable's own again
+    np.testing.assert_array_equal(to_np(var), old_values + 1)
+
+
+@pytest.mark.skipif(
+    BACKEND != "torch", reason="the storage swap is Torch's (JAX and TensorFlow replace buffers)"
+)
+def test_torch_swap_keeps_the_parameter_and_its_gradient():
+    import torch
+
+    from keras_stable_state import _keras_compat as compat
+
+    var = keras.Variable(np.zeros((2, 3), "float32"), trainable=True)
+    param = compat.variable_storage(var)
+    param.grad = torch.ones((2, 3))
+    value = np.arange(6, dtype="float32").reshape(2, 3)
+    apply_mod.apply_steps([apply_mod.variable_step(var, value, owned=True)])
+    assert compat.variable_storage(var) is param and isinstance(param, torch.nn.Parameter)
+    assert param.requires_grad and param.grad is not None
+    assert param.data_ptr() == value.ctypes.data  # the restore's array is the variable's memory
+    np.testing.assert_array_equal(to_np(var), value)
+
+
+def _on_cpu(var) -> bool:
+    value = var.value
+    if BACKEND == "jax":
+        return all(d.platform == "cpu" for d in value.devices())
+    return "cpu" in str(value.device).lower()
+
+
+def test_owned_arrays_are_taken_without_a_copy_and_others_never_shared():
+    """An array the restore owns becomes the variable's memory where the backend can
+    (on the CPU; 64-byte aligned, as the reader allocates); a caller's array never does."""
+    owned = aligned_empty((4, 8), "float32")
+    owned[...] = 3.0
+    assert owned.ctypes.data % 64 == 0 and apply_mod.shareable(owned)
+    var = keras.Variable(np.zeros((4, 8), "float32"))
+    apply_mod.apply_steps([apply_mod.variable_step(var, owned, owned=True)])
+    np.testing.assert_array_equal(to_np(var), np.full((4, 8), 3.0))
+    if _on_cpu(var):  # nothing but the variable uses it after a restore; here: it is shared
+        owned[0, 0] = 9.0
+        assert to_np(var)[0, 0] == 9.0
+
+    theirs = np.full((4, 8), 5.0, "float32")
+    other = keras.Variable(np.zeros((4, 8), "float32"))
+    apply_mod.apply_steps([apply_mod.variable_step(other, theirs)])
+    theirs[...] = 0.0
+    np.testing.assert_array_equal(to_np(other), np.full((4, 8), 5.0))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="the 64-byte alignment is TensorFlow's")
+def test_tensorflow_refuses_to_share_an_unaligned_array():
+    raw = np.zeros(4 * 8 + 16, "float32")
+    start = (-raw.ctypes.data % 64) // 4 + 4  # 16 bytes past a 64-byte boundary
+    array = raw[start : start + 32].reshape(4, 8)
+    assert array.ctypes.data % 64 == 16
+    assert not apply_mod.shareable(array)
+    var = keras.Variable(np.zeros((4, 8), "float32"))
+    array[...] = 2.0
+    apply_mod.apply_steps([apply_mod.variable_step(var, array, owned=True)])
+    array[...] = 0.0
+    np.testing.assert_array_equal(to_np(var), np.full((4, 8), 2.0))
+    var.assign_add(np.ones((4, 8), "float32"))  # a copy kernel on it: no crash
+    np.testing.assert_array_equal(to_np(var), np.full((4, 8), 3.0))
