@@ -164,41 +164,47 @@ def _writer_backend():
     return {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[BACKEND]
 
 
-@pytest.mark.slow
-def test_a_shuffled_checkpoint_written_on_another_backend_resumes_on_the_same_samples(tmp_path):
-    writer = _writer_backend()
+@pytest.fixture(scope="module")
+def other_backend(tmp_path_factory):
+    """One child process on :func:`_writer_backend` writes what the two cross-backend tests
+    below resume: a mid-epoch checkpoint of a shuffled fit and that fit's end (``ckpt``,
+    ``ref.npz``), and one epoch of a model with Dropout (``dropout``)."""
+    root = tmp_path_factory.mktemp("other_backend")
     script = os.path.join(os.path.dirname(__file__), "scripts", "shuffled_writer.py")
-    env = dict(os.environ, KERAS_BACKEND=writer, TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(os.environ, KERAS_BACKEND=_writer_backend(), TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run(
-        [sys.executable, script, str(tmp_path / "ckpt"), str(tmp_path / "ref.npz")],
+        [sys.executable, script, str(root / "ckpt"), str(root / "ref.npz"), str(root / "dropout")],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    ref = np.load(tmp_path / "ref.npz")
+    return root
+
+
+@pytest.mark.slow
+def test_a_shuffled_checkpoint_written_on_another_backend_resumes_on_the_same_samples(other_backend):
+    ref = np.load(other_backend / "ref.npz")
     with warnings.catch_warnings():
         warnings.simplefilter("error", kss.InexactResumeWarning)  # no random layer: no warning
-        weights, _ = fit_arrays(tmp_path / "ckpt", seed=99)
+        weights, _ = fit_arrays(other_backend / "ckpt", seed=99)
     _assert_same([ref[f"arr_{i}"] for i in range(len(ref.files))], weights, tol=1e-5)
 
 
 @pytest.mark.slow
-def test_a_cross_backend_resume_of_a_model_with_dropout_warns_naming_the_layer(tmp_path):
+def test_a_cross_backend_resume_of_a_model_with_dropout_warns_naming_the_layer(other_backend):
     writer = _writer_backend()
-    code = (
-        f"import sys, keras; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_fit_input as t\n"
-        "m = t._model(dropout=True)\n"
-        "import keras_stable_state as kss\n"
-        f"m.fit(t.X, t.Y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint({str(tmp_path)!r})])\n"
-    )
-    env = dict(os.environ, KERAS_BACKEND=writer, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
     m = _model(dropout=True)
     with pytest.warns(kss.InexactResumeWarning, match=rf"written on {writer}.*\['dropout"):
-        m.fit(X, Y, epochs=2, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(tmp_path)])
+        m.fit(
+            X,
+            Y,
+            epochs=2,
+            batch_size=8,
+            verbose=0,
+            callbacks=[kss.StableCheckpoint(other_backend / "dropout")],
+        )
 
 
 # -- tf.data streams that outlive an epoch -------------------------------------------------

@@ -188,18 +188,15 @@ class StableCheckpoint(keras.callbacks.Callback):
             class). Default: none. The ``History`` of the ``fit`` call
             (``model.history``) is always included, as ``"History/0"``.
         save_on_background: ``True`` writes each checkpoint in a background thread
-            (:func:`~keras_stable_state.save_training_state` with
-            ``blocking=False``): the training step waits only while the state is
-            held apart from training (a host copy on Torch, none on TensorFlow and
-            JAX). A save first waits for the previous one;
-            a failed background write raises its error (an ``OSError`` naming
-            the file, or what the write raised) at the next batch, save or
-            train end, whichever comes first; ``on_train_end`` waits for the
-            last write and raises its failure (none is swallowed). A process
-            killed during a write leaves a ``.kss-*`` temporary file, removed
-            on the next train begin, and the checkpoints written before it.
-            (``async_save=``, its former name, still works for one release, with a
-            ``DeprecationWarning``.)
+            (:func:`~keras_stable_state.save_training_state` with ``blocking=False``): the training
+            step waits only while the state is held apart from training (a host copy on Torch, none
+            on TensorFlow and JAX). A save first waits for the previous one; a failed background
+            write raises its error (an ``OSError`` naming the file, or what the write raised) at the
+            next batch, save or train end, whichever comes first; ``on_train_end`` waits for the
+            last write and raises its failure (none is swallowed). A process killed during a write
+            leaves a ``.kss-*`` temporary file, removed on the next train begin, and the checkpoints
+            written before it. (``async_save=``, its former name, still works for one release, with
+            a ``DeprecationWarning``.)
         on_data_change: What a mid-epoch resume does when the batch size, number of
             samples or steps per epoch differ from the checkpoint's: ``"raise"``
             (default, ``StateError``) or ``"restart_epoch"``: train the interrupted

@@ -1,7 +1,8 @@
 """Write a mid-epoch StableCheckpoint of a shuffled NumPy fit, and the weights of the same fit
-run to the end, for tests/test_fit_input.py's cross-backend resume.
+run to the end, for tests/test_fit_input.py's cross-backend resume; with DROPOUT_DIR, also the
+checkpoints of one epoch of a model with Dropout (its cross-backend resume warns).
 
-usage: shuffled_writer.py CKPT_DIR REF_NPZ   (backend: KERAS_BACKEND)
+usage: shuffled_writer.py CKPT_DIR REF_NPZ [DROPOUT_DIR]   (backend: KERAS_BACKEND)
 """
 
 import os
@@ -12,10 +13,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from test_fit_input import fit_arrays  # noqa: E402
+import test_fit_input as t  # noqa: E402
+
+import keras_stable_state as kss  # noqa: E402
 
 ckpt_dir, ref_npz = sys.argv[1], sys.argv[2]
-ref, _ = fit_arrays(os.path.join(ckpt_dir + "-ref"))
+ref, _ = t.fit_arrays(os.path.join(ckpt_dir + "-ref"))
 np.savez(ref_npz, *ref)
 keras.backend.clear_session()
-fit_arrays(ckpt_dir, stop=(1, 3))
+t.fit_arrays(ckpt_dir, stop=(1, 3))
+if len(sys.argv) > 3:
+    keras.backend.clear_session()
+    m = t._model(dropout=True)
+    m.fit(t.X, t.Y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(sys.argv[3])])
