@@ -1,8 +1,9 @@
 """Background writes of training states: ``save_training_state(..., blocking=False)``.
 
 The calling thread builds the whole :class:`~keras_stable_state.format.StateRecord`
-(every array copied: to host NumPy, or for JAX arrays on their own devices, see
-:func:`host_record`) and hands it to :func:`submit`; one shared
+(every array held apart from training: a host copy, a TensorFlow read, a view of a JAX
+CPU buffer or a JAX copy on its devices, see :func:`host_record`) and hands it to
+:func:`submit`; one shared
 ``concurrent.futures.ThreadPoolExecutor`` runs the write (the same
 ``storage.write_record`` a blocking save calls: seal, temporary file, ``fsync``,
 atomic rename). Writes into one folder run one after the other, in the order they
@@ -60,13 +61,15 @@ class SaveHandle:
     """A training-state save whose file write runs in a background thread.
 
     Returned by :func:`~keras_stable_state.save_training_state` with
-    ``blocking=False``. When it is returned, every value has been copied (to host
-    memory; JAX arrays on their own devices, by a copy the device runs before the
-    next step, brought to the host by the background thread): training may change
-    the model and optimizer at once without changing what is written. The write (HDF5 record, seal, temporary file, ``fsync``,
-    atomic rename) runs in a background thread; until it ends, the previous file at
-    ``path`` (if any) is left as it was, and a process killed meanwhile leaves only a
-    ``.kss-*`` temporary file beside it.
+    ``blocking=False``. When it is returned, every value is held apart from
+    training (Torch: a host copy; TensorFlow: a read, the variable's next update
+    writes into a new buffer; JAX on CPU: a view of the buffer, which a step that
+    donates it copies first; JAX on an accelerator: a copy on its devices, brought to
+    the host by the background thread): training may change the model and optimizer
+    at once without changing what is written. The write (HDF5 record, seal, temporary
+    file, ``fsync``, atomic rename) runs in a background thread; until it ends, the
+    previous file at ``path`` (if any) is left as it was, and a process killed
+    meanwhile leaves only a ``.kss-*`` temporary file beside it.
 
     Attributes:
         path: The file being written (``str``).
