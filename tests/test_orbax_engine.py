@@ -69,6 +69,26 @@ def test_round_trip_and_resume_exactly(tmp_path, data):
         np.testing.assert_array_equal(b, a)
 
 
+def test_a_state_with_its_scalars_in_arrays_still_restores_exactly(tmp_path, data, monkeypatch):
+    """Directories written before scalars moved to state.h5 hold every array in arrays/:
+    one read restores them all, the counter and learning rate included, by position."""
+    x, y = data
+    model = _model()
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    path = tmp_path / "run.orbax"
+    with monkeypatch.context() as patched:
+        patched.setattr(_orbax_engine, "_inline", lambda value: False)
+        kss.save_training_state(path, model)
+    record = _orbax_engine.read(str(path))
+    assert all(isinstance(v, _orbax_engine.OrbaxArray) for v in record.optimizer.values())
+    saved = _arrays(model)
+    other = _fresh()
+    kss.restore_training_state(str(path), other)
+    for a, b in zip(saved, _arrays(other), strict=True):
+        np.testing.assert_array_equal(b, a)
+    assert int(to_np(other.optimizer.iterations)) == int(to_np(model.optimizer.iterations)) > 0
+
+
 def test_shape_mismatch_names_the_key(tmp_path):
     path = tmp_path / "run.orbax"
     kss.save_training_state(path, _fresh(3))
@@ -420,8 +440,11 @@ def test_the_saved_blocks_read_back_with_tensorstore_give_the_index_hash(tmp_pat
     path = tmp_path / "run.orbax"
     kss.save_training_state(path, _fresh())
     record = _orbax_engine.read(str(path))
-    lazies = [*record.model.values(), *record.optimizer.values()]
-    assert len(lazies) == 4 + 2 + 4 * 2  # 4 weights, iterations and learning rate, 2 slots each
+    values = [*record.model.values(), *record.optimizer.values()]
+    lazies = [v for v in values if isinstance(v, _orbax_engine.OrbaxArray)]
+    assert len(lazies) == 4 + 4 * 2  # 4 weights, 2 slots each
+    inline = [v for v in values if not isinstance(v, _orbax_engine.OrbaxArray)]
+    assert [np.ndim(v) for v in inline] == [0, 0]  # iterations and learning rate: in state.h5
     for lazy in lazies:
         assert lazy.block == lazy.shape  # saved unsharded: one block
         assert f"{_orbax_engine._stored_hash(lazy):016x}" == lazy.digest, lazy.key

@@ -178,7 +178,8 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
         record, model, strict=strict, report=report, where=where, rules=rules
     )
     # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
-    plan = orbax_engine.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
+    plan, fresh = orbax_engine.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
+    owned |= fresh
     taken = set()  # an array is handed to one variable at most
     for var, array in plan:
         mine = id(array) in owned and id(array) not in taken

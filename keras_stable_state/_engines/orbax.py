@@ -9,7 +9,8 @@ A path ending in ``.orbax`` is a directory::
                      other state and its small arrays, and in
                      ``metadata["orbax"]`` the index of the arrays below
         arrays/      an Orbax PyTree checkpoint (``orbax.checkpoint``) of every
-                     model and optimizer array, ``{"model": {"0": ...},
+                     model and optimizer array but scalars (kept in
+                     ``state.h5``), ``{"model": {"0": ...},
                      "optimizer": {"0": ...}}``, numbered as in the index
 
 The index (version 2) lists ``[section, key, name, shape, dtype, hash, block]``
@@ -201,11 +202,20 @@ def live_value(variable, to_numpy):
     return to_numpy(variable)
 
 
+def _inline(value) -> bool:
+    """Whether ``value`` is stored in ``state.h5`` rather than in ``arrays/``: a scalar (an
+    optimizer's ``iterations``, its learning rate) that this process holds whole. Such
+    values are checked before anything is assigned; read from ``arrays/`` they would cost
+    an Orbax restore of their own (10-15 ms of fixed cost)."""
+    return np.ndim(value) == 0 and not _multiprocess.is_sharded(value)
+
+
 def write(path: str, record: storage.StateRecord) -> str:
     """Write ``record`` to the ``.orbax`` directory ``path`` (every process calls this).
 
     ``record.model`` and ``record.optimizer`` hold NumPy arrays or sharded JAX
-    arrays. The new directory is built beside ``path`` (``.<name>.kss-partial``)
+    arrays; scalars (:func:`_inline`) are stored with the record in ``state.h5``
+    (sealed and hashed as any array of a record), every other array in ``arrays/``. The new directory is built beside ``path`` (``.<name>.kss-partial``)
     and then moved onto it; a previous directory is moved to
     ``<name>.kss-old`` first and removed last, so one of the two is whole at
     every moment.
@@ -238,6 +248,11 @@ def write(path: str, record: storage.StateRecord) -> str:
     index, tree = [], {}
     # Values may be zero-argument callables (converted lazily, storage.StateRecord).
     entries = [(s, k, v() if callable(v) else v) for s in _SECTIONS for k, v in getattr(record, s).items()]
+    inline = {section: {} for section in _SECTIONS}
+    for section, key, value in entries:
+        if _inline(value):
+            inline[section][key] = np.asarray(value)
+    entries = [(s, k, v) for s, k, v in entries if k not in inline[s]]
     dtypes = [storage.dtype_name(v) for _, _, v in entries]
     grids = [_grid(v) for _, _, v in entries]
     parts = [_local_hash(v, k, d, g) for (_, k, v), d, g in zip(entries, dtypes, grids, strict=True)]
@@ -249,13 +264,14 @@ def write(path: str, record: storage.StateRecord) -> str:
         tree.setdefault(section, {})[leaf] = value
         shape = list(map(int, value.shape))
         index.append([section, key, leaf, shape, dtype, f"{digest:016x}", list(grid)])
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        checkpointer.save(os.path.join(partial, ARRAYS), args=ocp.args.PyTreeSave(tree))
+    if tree:  # (a state of scalars only has no arrays/)
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            checkpointer.save(os.path.join(partial, ARRAYS), args=ocp.args.PyTreeSave(tree))
     small = storage.StateRecord(
         metadata={**record.metadata, INDEX: {"version": INDEX_VERSION, "arrays": index}},
         contract=record.contract,
-        model={},
-        optimizer={},
+        model=inline["model"],
+        optimizer=inline["optimizer"],
         extra=record.extra,
         arrays=record.arrays,
     )
@@ -415,16 +431,19 @@ def read(path: str) -> storage.StateRecord:
     return record
 
 
-def materialize(plan: list) -> list:
-    """``[(variable, value)]`` with every :class:`OrbaxArray` read (one Orbax restore for all)
-    onto its variable's current sharding; other values are left as they are."""
+def materialize(plan: list) -> tuple[list, set]:
+    """``([(variable, value)], fresh)``: ``plan`` with every :class:`OrbaxArray` read (one
+    Orbax restore for all) onto its variable's current sharding, other values left as
+    they are; ``fresh`` holds the ``id`` of each NumPy array read here, which nothing
+    else holds (a variable may keep its memory: see
+    :func:`~keras_stable_state._core.apply.variable_step`)."""
     wanted = [
         (i, value, getattr(getattr(var, "value", None), "sharding", None))
         for i, (var, value) in enumerate(plan)
         if isinstance(value, OrbaxArray)
     ]
     if not wanted:
-        return plan
+        return plan, set()
     loads = [
         (v, s if _multiprocess.is_sharded(getattr(plan[i][0], "value", None)) else None) for i, v, s in wanted
     ]
@@ -432,4 +451,4 @@ def materialize(plan: list) -> list:
     plan = list(plan)
     for (i, _, _), value in zip(wanted, values, strict=True):
         plan[i] = (plan[i][0], value)
-    return plan
+    return plan, {id(value) for value in values if type(value) is np.ndarray}
