@@ -71,6 +71,7 @@ from keras_stable_state._keras_compat.layers import (
     metric_own_variables,
     seed_generator_states,
     text_vectorization_lookup,
+    tf_plain_resource,
     variable_storage,
 )
 from keras_stable_state._keras_compat.optimizers import (
@@ -161,6 +162,7 @@ __all__ = [
     "to_snake_case",
     "total_loss_count_index",
     "var_key",
+    "tf_plain_resource",
     "variable_storage",
     "walk_saveable",
 ]

@@ -12,6 +12,7 @@ __all__ = [
     "metric_own_variables",
     "seed_generator_states",
     "text_vectorization_lookup",
+    "tf_plain_resource",
     "variable_storage",
 ]
 
@@ -31,6 +32,24 @@ def variable_storage(variable):
     (never autocast, unlike ``variable.value``), on TensorFlow its ``tf.Variable``, on JAX
     its array."""
     return variable._value
+
+
+def tf_plain_resource(variable):
+    """On TensorFlow, the ``tf.Variable`` (a plain ``ResourceVariable``) behind ``variable``
+    when reading and writing its resource directly is all that ``variable.assign`` and a
+    read of ``variable.value`` do: eager execution, no stateless scope, no distribution
+    strategy's variable, no ``assign`` of the variable's own or of a subclass. Else
+    ``None``: go through Keras."""
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.backend.common.variables import Variable
+    from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+
+    resource = variable._value
+    if type(resource) is not ResourceVariable or "assign" in vars(variable):
+        return None
+    if type(variable).assign is not Variable.assign or in_stateless_scope():
+        return None
+    return resource if resource._in_graph_mode is False else None
 
 
 def metric_own_variables(metric) -> list:
