@@ -34,22 +34,28 @@ def variable_storage(variable):
     return variable._value
 
 
+_TF_TYPES: list = []  # [ResourceVariable, Keras' Variable.assign, in_stateless_scope], imported once
+
+
 def tf_plain_resource(variable):
     """On TensorFlow, the ``tf.Variable`` (a plain ``ResourceVariable``) behind ``variable``
     when reading and writing its resource directly is all that ``variable.assign`` and a
     read of ``variable.value`` do: eager execution, no stateless scope, no distribution
     strategy's variable, no ``assign`` of the variable's own or of a subclass. Else
     ``None``: go through Keras."""
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-    from keras.src.backend.common.variables import Variable
-    from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+    if not _TF_TYPES:
+        from keras.src.backend.common.stateless_scope import in_stateless_scope
+        from keras.src.backend.common.variables import Variable
+        from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
+        _TF_TYPES.extend([ResourceVariable, Variable.assign, in_stateless_scope])
+    resource_type, keras_assign, in_stateless_scope = _TF_TYPES
     resource = variable._value
-    if type(resource) is not ResourceVariable or "assign" in vars(variable):
+    if type(resource) is not resource_type or "assign" in vars(variable):
         return None
-    if type(variable).assign is not Variable.assign or in_stateless_scope():
+    if type(variable).assign is not keras_assign or in_stateless_scope():
         return None
-    return resource if resource._in_graph_mode is False else None
+    return None if resource._in_graph_mode else resource
 
 
 def metric_own_variables(metric) -> list:
