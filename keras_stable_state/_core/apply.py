@@ -386,7 +386,7 @@ def _put_on_devices(steps) -> None:
     ``jax.device_put`` of them all, as :func:`_prepared` places each (its own memory when
     shared, else a copy's; on the default device): JAX's per-call cost is about half of
     a small array's restore (60-100 us here), and a list pays most of it once."""
-    pending = [step for step in steps if step.host is not None]
+    pending = [step for step in steps if getattr(step, "host", None) is not None]
     if not pending:
         return
     import jax

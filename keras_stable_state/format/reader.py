@@ -126,6 +126,7 @@ class CheckpointFile:
         self._key_groups = set()
         self._blob = (None, None)
         self._shared = {}
+        self._datasets = {}
         self._sync_source()
         if data is None and not os.path.exists(self.path):
             link = f" (a symbolic link to {os.readlink(self.path)!r})" if os.path.islink(self.path) else ""
@@ -201,6 +202,7 @@ class CheckpointFile:
             self.version = listing.version
             self.metadata, self.contract, self.extra = listing.metadata, listing.contract, listing.extra
             self._shared = listing.shared
+            self._datasets = listing.datasets
         elif self.member == MEMBER:
             raise damaged(self.where, f"the member does not say it is a {FORMAT} record")
         else:
@@ -280,7 +282,8 @@ class CheckpointFile:
             if entry.dataset.startswith(keras_archive.PREFIX):
                 blob = sandbox.read_dataset(self._shared[entry.dataset]).reshape(-1).view(np.uint8)
             elif name != entry.dataset:
-                blob = sandbox.read_dataset(self._src.h5[entry.dataset])
+                ds = self._datasets.get(entry.dataset)
+                blob = sandbox.read_dataset(self._src.h5[entry.dataset] if ds is None else ds)
                 self._blob = (entry.dataset, blob) if blob.nbytes <= _BLOB_CACHE_LIMIT else (None, None)
             raw = blob[entry.offset : entry.offset + entry.nbytes]
             if raw.nbytes != entry.nbytes:
@@ -362,6 +365,7 @@ class CheckpointFile:
         self._src.close()
         self._blob = (None, None)
         self._shared = {}
+        self._datasets = {}
 
     def __enter__(self):
         return self

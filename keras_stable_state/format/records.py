@@ -81,6 +81,8 @@ class RecordListing(Listing):
         metadata, contract, extra: The JSON records, once read.
         shared: Format 3 in a ``.keras`` archive: the datasets of Keras' weights
             member the record shares, by ``"model.weights.h5:/path"``; else ``{}``.
+        datasets: Every dataset the walk checked, by its path (``"/model/0"``), opened
+            (an array is read through it, not looked up again).
     """
 
     def __init__(self, src):
@@ -89,6 +91,7 @@ class RecordListing(Listing):
         self.contract = None
         self.extra = {}
         self.shared = {}
+        self.datasets = {}
 
     def list(self) -> None:
         """Read the records, list every array and check the records' schema.
@@ -108,6 +111,7 @@ class RecordListing(Listing):
         if unknown:
             raise damaged(self.where, f"unexpected objects {listed(unknown)} at the root", key=unknown[0])
         datasets = dict(self.walk(RECORDS if self.version == 1 else ()))
+        self.datasets = {f"/{path}": ds for path, ds in datasets.items()}
         self.metadata, self.contract, self.extra = (self.read_json(name) for name in RECORDS)
         if self.version >= 3:
             _index.list_index(self, datasets, self.read_json(INDEX))
