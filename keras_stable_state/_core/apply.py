@@ -21,6 +21,7 @@ from keras_stable_state.errors import (
     MalformedKeyError,
     StateError,
 )
+from keras_stable_state.format.sandbox import aligned_empty
 
 
 def _dtype(variable) -> str:
@@ -144,17 +145,26 @@ def _to_tensor_fn(backend):
     if backend == "jax":
         import jax
 
-        # A copy of the host array's own, put on the default device: on the CPU, JAX 0.10's
-        # device_put uses a 64-byte aligned NumPy array's memory even with may_alias=False
-        # (measured), and the caller may still change that array. jnp.asarray would copy,
+        # A 64-byte aligned copy of the host array, put on the default device, where JAX uses
+        # its memory (on the CPU, JAX 0.10's device_put uses a 64-byte aligned NumPy array's
+        # memory even with may_alias=False, measured: never the caller's array, which the
+        # caller may still change). jnp.asarray would copy,
         # but through a jitted identity: one XLA compilation per new shape and dtype, whose
         # first one also starts XLA's compile-alarm thread.
-        return lambda value: jax.device_put(np.array(value, copy=True), may_alias=True)
+        return lambda value: jax.device_put(_aligned_copy(value), may_alias=True)
     if backend == "tensorflow":
         import tensorflow as tf
 
         return tf.constant  # what tf.convert_to_tensor does with a NumPy array
     return lambda value: value
+
+
+def _aligned_copy(array) -> np.ndarray:
+    """A copy of ``array`` in new memory starting at a multiple of 64 bytes, which a JAX or
+    TensorFlow tensor can use as its own (:func:`shareable`)."""
+    out = aligned_empty(array.shape, array.dtype)
+    out[...] = array
+    return out
 
 
 def _native(value):
@@ -211,7 +221,8 @@ def _prepared(var, array, owned):
     uses the array's memory (Torch: ``torch.from_numpy``; TensorFlow: DLPack; JAX:
     ``jax.device_put(..., may_alias=True)``), which the variable then keeps as its own:
     no copy on the CPU. Otherwise the tensor is a copy of its own (the caller's array is
-    never shared with a variable).
+    never shared with a variable): on TensorFlow and JAX the memory of a 64-byte aligned
+    host copy (:func:`_aligned_copy`), handed over the same way.
     """
     value = _multiprocess.place(var, array)
     if type(value) is not np.ndarray:
@@ -221,10 +232,12 @@ def _prepared(var, array, owned):
         import jax
 
         return jax.device_put(value, may_alias=True)
-    if backend == "tensorflow" and owned and shareable(value, backend):
+    if backend == "tensorflow" and value.dtype in _TF_SHARED_DTYPES and value.size:
         import tensorflow as tf
 
-        return tf.experimental.dlpack.from_dlpack(value.__dlpack__())
+        # DLPack costs 2-4 us per array against 20-70 us for tf.constant (which copies too).
+        host = value if owned and shareable(value, backend) else _aligned_copy(value)
+        return tf.experimental.dlpack.from_dlpack(host.__dlpack__())
     if backend == "torch" and owned and shareable(value, backend):
         import torch
 
@@ -391,7 +404,7 @@ def _put_on_devices(steps) -> None:
         return
     import jax
 
-    hosts = [array if shared else np.array(array, copy=True) for array, shared in (s.host for s in pending)]
+    hosts = [array if shared else _aligned_copy(array) for array, shared in (s.host for s in pending)]
     for step, value in zip(pending, jax.device_put(hosts, may_alias=True), strict=True):
         step.receive(value)
 
@@ -402,9 +415,10 @@ def _check_headroom(steps) -> None:
     values are reads of the variables' buffers, :func:`_kept`) and its ``assign``
     shares the converted value's buffer; what it allocates is the conversion of
     every value that is not handed over as it is (``step.nbytes``, kept by the
-    variables afterwards) plus a transient second copy of the largest of them
-    (``convert_to_tensor`` copies a host array, then may copy it again into memory of
-    its own alignment). TensorFlow's conversion and its copy kernel die with SIGSEGV
+    variables afterwards: a 64-byte aligned NumPy copy handed over through DLPack, or
+    for ``bool`` and empty values Keras' conversion) plus a transient second copy of
+    the largest of them (``convert_to_tensor`` copies a host array, then may copy it
+    again into memory of its own alignment). TensorFlow's conversion and its copy kernel die with SIGSEGV
     when its allocator cannot grow (its oneDNN CPU allocator grows its pool by
     regions up to the pool's size) instead of raising; so that running out of memory
     is an error and not a crash, twice these bytes are first allocated (and freed at
