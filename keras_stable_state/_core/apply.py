@@ -455,7 +455,8 @@ def apply_steps(steps, where=None):
     first, then re-raise.
 
     Every snapshot is taken before the first step is applied, and a snapshot makes
-    everything its step allocates: running out of memory there (or anywhere before
+    everything its step allocates (on JAX the host arrays of every step are placed
+    together first, :func:`_put_on_devices`): running out of memory there (or anywhere before
     the first assignment) changes nothing, and putting values back allocates no new
     memory for model and optimizer variables: their old values are kept by
     reference, not copied (JAX keeps the old arrays, Torch the parameters' old
