@@ -48,6 +48,14 @@ from keras_stable_state.format.sink import LimitedFile
 __all__ = ["save_training_state", "training_state_record"]
 
 
+def _host_array(variable):
+    """``variable``'s value as a NumPy array (:func:`~keras_stable_state._numpy.to_numpy`);
+    on TensorFlow, a plain variable through one ``ReadVariableOp`` of its resource
+    (``compat.tf_read``): 30 us per variable instead of 140."""
+    read = compat.tf_read(variable)
+    return to_numpy(variable) if read is None else read.numpy()
+
+
 def save_training_state(
     filepath,
     model,
@@ -255,7 +263,7 @@ def _save(
             # in the background: JAX arrays and TensorFlow reads, copied or converted as
             # background.host_record says (mapped arrays are encoded by the call: host copies)
             live = not blocking and not mappers
-            return background.live_value(variable, to_numpy) if live else to_numpy(variable)
+            return background.live_value(variable, to_numpy) if live else _host_array(variable)
 
         record = training_state_record(
             model,
@@ -308,7 +316,7 @@ def training_state_record(
     allow_order_keys=False,
     variables=None,
     mappers=None,
-    convert=to_numpy,
+    convert=_host_array,
     before_copy=None,
 ):
     """The :class:`~keras_stable_state.format.StateRecord` that :func:`save_training_state`

@@ -72,6 +72,7 @@ from keras_stable_state._keras_compat.layers import (
     seed_generator_states,
     text_vectorization_lookup,
     tf_plain_resource,
+    tf_read,
     variable_storage,
 )
 from keras_stable_state._keras_compat.optimizers import (
@@ -163,6 +164,7 @@ __all__ = [
     "total_loss_count_index",
     "var_key",
     "tf_plain_resource",
+    "tf_read",
     "variable_storage",
     "walk_saveable",
 ]

@@ -13,6 +13,7 @@ __all__ = [
     "seed_generator_states",
     "text_vectorization_lookup",
     "tf_plain_resource",
+    "tf_read",
     "variable_storage",
 ]
 
@@ -35,10 +36,13 @@ def variable_storage(variable):
 
 
 _TF_TYPES: list = []  # [ResourceVariable, Keras' Variable.assign, in_stateless_scope], imported once
+# TensorFlow's plain resource variables: Keras' variables, and optimizer slots made inside a
+# tf.function (UnliftedInitializerVariable); a distribution strategy's variables are not.
+_TF_PLAIN = frozenset({"ResourceVariable", "UninitializedVariable", "UnliftedInitializerVariable"})
 
 
 def tf_plain_resource(variable):
-    """On TensorFlow, the ``tf.Variable`` (a plain ``ResourceVariable``) behind ``variable``
+    """On TensorFlow, the ``tf.Variable`` (a plain resource variable) behind ``variable``
     when reading and writing its resource directly is all that ``variable.assign`` and a
     read of ``variable.value`` do: eager execution, no stateless scope, no distribution
     strategy's variable, no ``assign`` of the variable's own or of a subclass. Else
@@ -46,16 +50,29 @@ def tf_plain_resource(variable):
     if not _TF_TYPES:
         from keras.src.backend.common.stateless_scope import in_stateless_scope
         from keras.src.backend.common.variables import Variable
-        from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+        from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
 
-        _TF_TYPES.extend([ResourceVariable, Variable.assign, in_stateless_scope])
+        _TF_TYPES.extend([BaseResourceVariable, Variable.assign, in_stateless_scope])
     resource_type, keras_assign, in_stateless_scope = _TF_TYPES
-    resource = variable._value
-    if type(resource) is not resource_type or "assign" in vars(variable):
+    resource = getattr(variable, "_value", None)
+    if type(resource).__name__ not in _TF_PLAIN or not isinstance(resource, resource_type):
         return None
-    if type(variable).assign is not keras_assign or in_stateless_scope():
+    if "assign" in vars(variable) or type(variable).assign is not keras_assign or in_stateless_scope():
         return None
     return None if resource._in_graph_mode else resource
+
+
+def tf_read(variable):
+    """On TensorFlow, one ``ReadVariableOp`` of a plain variable's resource
+    (:func:`tf_plain_resource`): a tensor sharing the variable's buffer (TensorFlow
+    copies on write), read without the 40-100 us of Python of ``variable.value``; else
+    ``None``."""
+    resource = tf_plain_resource(variable)
+    if resource is None:
+        return None
+    from tensorflow.python.ops import gen_resource_variable_ops
+
+    return gen_resource_variable_ops.read_variable_op(resource.handle, resource.dtype)
 
 
 def metric_own_variables(metric) -> list:
