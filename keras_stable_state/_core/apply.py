@@ -148,9 +148,9 @@ def _to_tensor_fn(backend):
         # A 64-byte aligned copy of the host array, put on the default device, where JAX uses
         # its memory (on the CPU, JAX 0.10's device_put uses a 64-byte aligned NumPy array's
         # memory even with may_alias=False, measured: never the caller's array, which the
-        # caller may still change). jnp.asarray would copy,
-        # but through a jitted identity: one XLA compilation per new shape and dtype, whose
-        # first one also starts XLA's compile-alarm thread.
+        # caller may still change). jnp.asarray would copy, but through a jitted identity:
+        # one XLA compilation per new shape and dtype, whose first one also starts XLA's
+        # compile-alarm thread.
         return lambda value: jax.device_put(_aligned_copy(value), may_alias=True)
     if backend == "tensorflow":
         import tensorflow as tf

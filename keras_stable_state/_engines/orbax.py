@@ -215,7 +215,8 @@ def write(path: str, record: storage.StateRecord) -> str:
 
     ``record.model`` and ``record.optimizer`` hold NumPy arrays or sharded JAX
     arrays; scalars (:func:`_inline`) are stored with the record in ``state.h5``
-    (sealed and hashed as any array of a record), every other array in ``arrays/``. The new directory is built beside ``path`` (``.<name>.kss-partial``)
+    (sealed and hashed as any array of a record), every other array in
+    ``arrays/``. The new directory is built beside ``path`` (``.<name>.kss-partial``)
     and then moved onto it; a previous directory is moved to
     ``<name>.kss-old`` first and removed last, so one of the two is whole at
     every moment.
