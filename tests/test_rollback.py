@@ -217,3 +217,34 @@ def test_tensorflow_refuses_to_share_an_unaligned_array():
     np.testing.assert_array_equal(to_np(var), np.full((4, 8), 2.0))
     var.assign_add(np.ones((4, 8), "float32"))  # a copy kernel on it: no crash
     np.testing.assert_array_equal(to_np(var), np.full((4, 8), 3.0))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="resource variables are TensorFlow's")
+def test_tensorflow_writes_a_resource_directly_only_where_that_is_all_assign_does(saved_model):
+    """A restore assigns a plain variable's resource itself (AssignVariableOp), optimizer
+    slots built inside fit's tf.function included; a variable with an ``assign`` of its own,
+    or one in a stateless scope, goes through Keras."""
+    from keras_stable_state import _keras_compat as compat
+
+    model, variables, path, saved, before = saved_model
+    assert all(compat.tf_plain_resource(v) is compat.variable_storage(v) for v in variables)
+    plain = keras.Variable(np.zeros((2, 3), "float32"))
+    read = compat.tf_read(plain)
+    plain.assign(np.ones((2, 3), "float32"))
+    np.testing.assert_array_equal(read.numpy(), np.zeros((2, 3)))  # the read kept its buffer
+    with keras.StatelessScope():
+        assert compat.tf_plain_resource(plain) is None and compat.tf_read(plain) is None
+    calls = []
+    last = variables[-1]
+    original = last.assign
+
+    def own(value):
+        calls.append(np.array(value))
+        return original(value)
+
+    last.assign = own
+    assert compat.tf_plain_resource(last) is None
+    kss.restore_training_state(path, model)
+    assert len(calls) == 1  # only the variable with an assign of its own went through it
+    np.testing.assert_array_equal(calls[0], saved[-1])
+    _assert_values(variables, saved)
