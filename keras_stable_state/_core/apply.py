@@ -243,7 +243,7 @@ def _prepared(var, array, owned):
 
         tensor = torch.from_numpy(value)
     elif value.dtype in _NATIVE_DTYPES and (backend != "torch" or value.flags.writeable):
-        tensor = _native(value)  # TensorFlow's tf.constant and JAX's device_put of a copy
+        tensor = _native(value)  # tf.constant (TensorFlow: bool, empty); JAX: device_put of a copy
     else:  # bfloat16, 64-bit types, a read-only array on torch: Keras' own conversion
         tensor = keras.ops.convert_to_tensor(value, dtype=_dtype(var))
     if backend == "torch":
