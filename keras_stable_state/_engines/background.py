@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from keras_stable_state import _keras_compat as compat
 from keras_stable_state import format as storage
 
 __all__ = [
@@ -178,25 +179,20 @@ def _jax_array_type():
 def live_value(variable, to_numpy):
     """What a background save takes of ``variable`` in the calling thread: its JAX array
     as it is (no copy yet: :func:`host_record` copies it on its devices or views it on
-    CPU); on TensorFlow, a read of a plain resource variable (a tensor that shares the
-    variable's buffer: an update of the variable, which needs the buffer to itself,
-    writes into a new one, TensorFlow's copy-on-write); else ``to_numpy(variable)`` (a
+    CPU); on TensorFlow, a read of a plain resource variable (``compat.tf_read``, the
+    same read a restore keeps: a tensor that shares the variable's buffer; an update of
+    the variable, which needs the buffer to itself, writes into a new one, TensorFlow's
+    copy-on-write); else ``to_numpy(variable)`` (a
     host array, copied by :func:`host_record` where it shares memory with the
     variable)."""
     value = getattr(variable, "value", variable)
     kind = _jax_array_type()
     if kind is not None and isinstance(value, kind):
         return value
-    if type(value).__name__ in _TF_RESOURCE_VARIABLES and "tensorflow" in sys.modules:
-        return _TensorRead(value.value())  # one ReadVariableOp (read_value() adds an identity)
+    read = compat.tf_read(variable) if "tensorflow" in sys.modules else None
+    if read is not None:
+        return _TensorRead(read)
     return to_numpy(variable)
-
-
-# TensorFlow's plain resource variables (Keras' variables; optimizer slots made inside a
-# tf.function are UnliftedInitializerVariable); distributed ones are converted by to_numpy.
-_TF_RESOURCE_VARIABLES = frozenset(
-    {"ResourceVariable", "UninitializedVariable", "UnliftedInitializerVariable"}
-)
 
 
 class _TensorRead:
