@@ -82,3 +82,76 @@ def test_keras_record_member_damaged_in_place_is_refused_by_its_seal(tmp_path, d
         raise AssertionError("a damaged record member was restored")
     for v, want in zip(model.weights + model.optimizer.variables, before, strict=True):
         np.testing.assert_array_equal(to_np(v), want)
+
+
+def test_a_restore_reads_the_file_once_whole(tmp_path, data):
+    """Every array comes from the bytes read while the seal was checked: the file emptied
+    on disk after opening changes nothing of what is read (by position, against the saved
+    values)."""
+    model = _trained(data, hidden=(8192,))
+    path = tmp_path / "s.h5"
+    kss.save_training_state(path, model)
+    saved = [to_np(v) for v in model.weights]
+    with storage.CheckpointFile(str(path), whole=True) as f:
+        with open(path, "r+b") as fh:  # the same file, emptied in place
+            fh.truncate(0)
+        got = {e.key: f.read(e) for e in f.entries if e.section == "model"}
+    assert len(got) == len(saved)
+    for want, array in zip(saved, got.values(), strict=True):
+        np.testing.assert_array_equal(array, want)
+
+
+def _image_of_next_restore(monkeypatch):
+    """A weak reference to the memory of the image the next whole read makes (``refs[0]()``:
+    the array that owns it, which every view of the image keeps alive)."""
+    import weakref
+
+    from keras_stable_state.format import image
+
+    refs = []
+    real = image.read_sealed
+
+    def watch(*args):
+        version, name, ok, buffer = real(*args)
+        owner = buffer
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        refs.append(weakref.ref(owner))
+        return version, name, ok, buffer
+
+    monkeypatch.setattr(image, "read_sealed", watch)
+    return refs
+
+
+def test_a_partial_restore_keeps_no_view_of_the_whole_file(tmp_path, data, monkeypatch):
+    """Variables keep the read image as their memory only where they take at least half
+    of it: a model restored from a file mostly made of another layer's arrays gets copies,
+    and the image is freed after the restore; a whole restore keeps it (the variables are
+    views of it). Values are compared by position with the saved ones."""
+    import gc
+
+    import keras
+
+    x, y = data
+    keras.utils.set_random_seed(3)
+    small = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, name="out")])
+    big = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(1, name="out"), keras.layers.Dense(65536, name="wide")]
+    )
+    for m in (small, big):
+        m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
+    big.fit(x, np.zeros((len(x), 65536), "float32"), epochs=1, batch_size=16, verbose=0)
+    path = tmp_path / "big.h5"
+    kss.save_training_state(path, big)
+    want = [to_np(v) for v in big.get_layer("out").weights]
+    small.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    refs = _image_of_next_restore(monkeypatch)
+    kss.restore_training_state(path, small, strict=False)
+    gc.collect()
+    assert len(refs) == 1 and refs[0]() is None, "a variable keeps the whole file's image alive"
+    for v, w in zip(small.get_layer("out").weights, want, strict=True):
+        np.testing.assert_array_equal(to_np(v), w)
+    refs = _image_of_next_restore(monkeypatch)
+    kss.restore_training_state(path, big)
+    gc.collect()
+    assert len(refs) == 1 and refs[0]() is not None, "a whole restore copied what it could keep"

@@ -180,6 +180,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
     plan, fresh = orbax_engine.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
     owned |= fresh
+    owned -= _sparse_views(plan, owned)
     taken = set()  # an array is handed to one variable at most
     for var, array in plan:
         mine = id(array) in owned and id(array) not in taken
@@ -201,6 +202,33 @@ def _read_arrays(record) -> set:
     else:
         groups = (record.model.values(), record.optimizer.values())
     return {id(a) for group in groups for a in group if type(a) is np.ndarray}
+
+
+def _root(array):
+    """The array whose memory ``array`` views (itself if it owns its memory)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array
+
+
+def _sparse_views(plan, owned: set) -> set:
+    """The ids of owned arrays that are views of a buffer (a file image read whole,
+    :mod:`~keras_stable_state.format.image`) of which the variables would take less than
+    half: a variable keeping such a view keeps the whole buffer alive, so those are
+    copied instead (a restore of part of a file holds no more than about twice what it
+    restored)."""
+    taken, views = {}, {}
+    for _, array in plan:
+        if id(array) not in owned or type(array) is not np.ndarray or array.base is None:
+            continue
+        root = _root(array)
+        views.setdefault(id(root), (root, set()))[1].add(id(array))
+        taken[id(root)] = taken.get(id(root), 0) + array.nbytes
+    sparse = set()
+    for key, (root, ids) in views.items():
+        if 2 * taken[key] < root.nbytes:
+            sparse |= ids
+    return sparse
 
 
 def _model_registry(model, extras):

@@ -28,6 +28,7 @@ import zlib
 import numpy as np
 
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+from keras_stable_state.format import image as _image
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import EXOTIC, decode_array, stored_dtype
 from keras_stable_state.format.memory import out_of_memory
@@ -56,6 +57,12 @@ class CheckpointFile:
 
     Args:
         path: A ``.keras`` archive or an HDF5 file (``.h5``, ``.weights.h5``).
+        data: The file's bytes, held in memory (:meth:`from_bytes`), or ``None``.
+        whole: For a reader that reads every array (:func:`read_file`): a sealed
+            record is read once, whole, into one buffer as its seal is checked
+            (:mod:`~keras_stable_state.format.image`), and :meth:`read` returns views
+            of that buffer (one kept alive keeps it all). Otherwise the seal is
+            hashed in chunks and each array is read from the file when asked.
 
     Attributes:
         path: The file's path (``"<bytes>"`` for :meth:`from_bytes`).
@@ -100,7 +107,7 @@ class CheckpointFile:
         MalformedKeyError: (a ``CorruptCheckpointError``) for a key restore could not parse.
     """
 
-    def __init__(self, path, *, data: bytes | None = None):
+    def __init__(self, path, *, data: bytes | None = None, whole: bool = False):
         data = None if data is None else bytes(data)
         if data is not None and not isinstance(path, str):
             path = "<bytes>"
@@ -122,7 +129,8 @@ class CheckpointFile:
         self.optimizer_keys = {}
         self.damaged_members = []
         self.problems = []
-        self._src = Source(self.path, data)
+        self._src = Source(self.path, data, whole)
+        self._spans = {}
         self._key_groups = set()
         self._blob = (None, None)
         self._shared = {}
@@ -165,7 +173,7 @@ class CheckpointFile:
             raise
 
     @classmethod
-    def from_bytes(cls, data: bytes, name: str = "<bytes>") -> CheckpointFile:
+    def from_bytes(cls, data: bytes, name: str = "<bytes>", *, whole: bool = False) -> CheckpointFile:
         """Open a training state held in memory (e.g. fetched from an object store), with
         the same checks as a file; :attr:`path` is ``name`` (``"<bytes>"``; the object's
         URL for one read from a store), which messages name.
@@ -176,7 +184,7 @@ class CheckpointFile:
         """
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(f"A training state in memory must be bytes. Received: {type(data).__name__}")
-        return cls(str(name), data=data)
+        return cls(str(name), data=data, whole=whole)
 
     def _sync_source(self):
         src = self._src
@@ -203,6 +211,7 @@ class CheckpointFile:
             self.metadata, self.contract, self.extra = listing.metadata, listing.contract, listing.extra
             self._shared = listing.shared
             self._datasets = listing.datasets
+            self._spans = listing.spans
         elif self.member == MEMBER:
             raise damaged(self.where, f"the member does not say it is a {FORMAT} record")
         else:
@@ -242,7 +251,7 @@ class CheckpointFile:
         if entry.xxh3 is not None:
             return self._read_packed(entry)
         try:
-            stored = sandbox.read_dataset(h5[entry.dataset])
+            stored = self._load(entry.dataset, h5[entry.dataset])
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as err:
             if out_of_memory(err):
                 raise
@@ -264,6 +273,15 @@ class CheckpointFile:
             return stored.view(target)
         return stored
 
+    def _load(self, name: str, ds) -> np.ndarray:
+        """The data of the dataset ``ds`` at ``name`` as stored: a view of the image read
+        whole (:mod:`~keras_stable_state.format.image`), else read from the file into a
+        new 64-byte aligned array."""
+        image, offset = self._src.image, self._spans.get(name)
+        if image is not None and offset is not None:
+            return _image.dataset_view(image, offset, ds.id)
+        return sandbox.read_dataset(ds)
+
     def _failed_checksum(self, entry: Entry, expected, computed) -> CorruptCheckpointError:
         return damaged(
             self.where,
@@ -283,7 +301,7 @@ class CheckpointFile:
                 blob = sandbox.read_dataset(self._shared[entry.dataset]).reshape(-1).view(np.uint8)
             elif name != entry.dataset:
                 ds = self._datasets.get(entry.dataset)
-                blob = sandbox.read_dataset(self._src.h5[entry.dataset] if ds is None else ds)
+                blob = self._load(entry.dataset, self._src.h5[entry.dataset] if ds is None else ds)
                 self._blob = (entry.dataset, blob) if blob.nbytes <= _BLOB_CACHE_LIMIT else (None, None)
             raw = blob[entry.offset : entry.offset + entry.nbytes]
             if raw.nbytes != entry.nbytes:
@@ -401,12 +419,18 @@ def open_file(filepath, *, storage_options=None) -> CheckpointFile:
         FileNotFoundError: naming the URL if there is no such object.
         The errors of :class:`CheckpointFile`, and the store's (``PermissionError``...).
     """
+    return _open(filepath, storage_options, whole=False)
+
+
+def _open(filepath, storage_options, *, whole: bool) -> CheckpointFile:
     if isinstance(filepath, bytes | str | os.PathLike):
         path = os.fsdecode(os.fspath(filepath))
         if is_remote(path):
-            return CheckpointFile.from_bytes(RemotePath(path, storage_options).read_bytes(), path)
+            return CheckpointFile.from_bytes(
+                RemotePath(path, storage_options).read_bytes(), path, whole=whole
+            )
         filepath = resolve(path)
-    return CheckpointFile(filepath)
+    return CheckpointFile(filepath, whole=whole)
 
 
 def read_bytes(data: bytes, name: str = "<bytes>"):
@@ -417,7 +441,7 @@ def read_bytes(data: bytes, name: str = "<bytes>"):
         TypeError: if ``data`` is not bytes-like.
         The errors of :func:`read_file`.
     """
-    return _read_whole(CheckpointFile.from_bytes(data, name))
+    return _read_whole(CheckpointFile.from_bytes(data, name, whole=True))
 
 
 def read_file(filepath, *, storage_options=None):
@@ -448,7 +472,7 @@ def read_file(filepath, *, storage_options=None):
             state nor Keras weights.
         StorageBackendError: for a URL whose fsspec implementation is not installed.
     """
-    return _read_whole(open_file(filepath, storage_options=storage_options))
+    return _read_whole(_open(filepath, storage_options, whole=True))
 
 
 def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:

@@ -24,6 +24,12 @@ INDEX = "index"
 PACK_LIMIT = 1 << 16
 BLOB_TARGET = 1 << 20
 ALIGN = 16
+# The data of every dataset of DATA_ALIGN_ABOVE bytes or more starts at a multiple of
+# DATA_ALIGN bytes in the file (HDF5's H5Pset_alignment; the user block is a multiple of
+# it too): a reader that reads the image whole into an aligned buffer hands such arrays to
+# TensorFlow and JAX, which need 64-byte aligned host memory, as views without a copy.
+DATA_ALIGN = 64
+DATA_ALIGN_ABOVE = 1 << 12
 # Index field of a .keras record naming Keras' weights member it shares arrays with.
 SHARED = "shared"
 # Index field listing the sections whose rows name datasets of that member, written when a

@@ -35,6 +35,8 @@ class Listing:
         where: The file as error messages name it.
         version: The record's format version once read, else ``None``.
         entries: The arrays listed so far, in file order.
+        spans: The byte offset in the image of every contiguous, non-empty dataset's
+            data, by its path (``"/model/0"``), once walked.
     """
 
     def __init__(self, src):
@@ -42,6 +44,7 @@ class Listing:
         self.where = src.where
         self.version = None
         self.entries = []
+        self.spans = {}
 
     def walk(self, strings=()) -> list:
         """Every dataset as ``(path, dataset)`` (:func:`keras_stable_state.format.sandbox.walk`).
@@ -50,8 +53,9 @@ class Listing:
             CorruptCheckpointError: naming the key stored there (format 3: the keys
                 of the blob), for any object :func:`~keras_stable_state.format.sandbox.walk` refuses.
         """
+        spans = {}
         try:
-            return sandbox.walk(self.src.h5, self.src.data_limit(), strings=strings)
+            found = sandbox.walk(self.src.h5, self.src.data_limit(), strings=strings, spans=spans)
         except sandbox.StructureError as err:
             key = self._key_of(err.where)
             named = f"array for key {key!r}: " if key != err.where else ""
@@ -60,6 +64,8 @@ class Listing:
                     self, err.where.lstrip("/"), None, f"is refused: HDF5 object {err}"
                 ) from err
             raise damaged(self.where, f"{named}HDF5 object {err}", key=key) from err
+        self.spans = {f"/{path}": offset for path, offset in spans.items()}
+        return found
 
     def _key_of(self, where: str) -> str:
         """The ``key`` attribute of the object at ``where`` when it is plain text (format 3:

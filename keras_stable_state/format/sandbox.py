@@ -85,12 +85,16 @@ def check_dtype(dtype, where: str) -> None:
         raise StructureError(where, f"has big-endian dtype {dtype.str} (files are written little-endian)")
 
 
-def check_dataset(ds, data_limit: int) -> None:
+def check_dataset(ds, data_limit: int) -> int | None:
     """Refuse a dataset whose data is not plain, contiguous and inside the file.
 
     Args:
         ds: An ``h5py.Dataset``.
         data_limit: The file's length in bytes (dataset offsets count from its start).
+
+    Returns:
+        The byte offset of a contiguous dataset's data in the file (inside it), or
+        ``None`` for an empty or compact one (its data, if any, is in its header).
 
     Raises:
         StructureError: for virtual datasets, external storage, chunked or
@@ -125,6 +129,8 @@ def check_dataset(ds, data_limit: int) -> None:
             raise StructureError(
                 where, f"declares {nbytes} bytes but {stored} are stored at offset {offset} of {data_limit}"
             )
+        return offset
+    return None
 
 
 _VIRTUAL = getattr(h5py.h5d, "VIRTUAL", -1)
@@ -132,7 +138,7 @@ _VIRTUAL = getattr(h5py.h5d, "VIRTUAL", -1)
 _LINK_NAMES = {h5py.h5l.TYPE_SOFT: "SoftLink", h5py.h5l.TYPE_EXTERNAL: "ExternalLink"}
 
 
-def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None, strings=()) -> list:
+def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None, strings=(), spans=None) -> list:
     """Every dataset under ``group`` as ``(path, dataset)``, refusing links and odd objects.
 
     Only hard links are followed; soft links, external links, user-defined
@@ -140,7 +146,9 @@ def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None, st
     :data:`MAX_DEPTH` or more than :data:`MAX_OBJECTS` objects. Datasets named
     in ``strings`` (paths) may instead be scalar strings: format 1 kept its
     JSON records so. Objects are opened through h5py's low-level API (``h5l``,
-    ``h5o``): about a third of what its high-level ``group[name]`` costs.
+    ``h5o``): about a third of what its high-level ``group[name]`` costs. With ``spans``
+    (a dict), the data offset of every contiguous, non-empty dataset is put in it by path
+    (:func:`check_dataset`).
 
     Raises:
         StructureError: naming the object.
@@ -170,10 +178,12 @@ def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None, st
                 if obj.shape != () or h5py.check_string_dtype(obj.dtype) is None:
                     raise StructureError(path, f"is {obj.dtype} {obj.shape}, not a string record")
             else:
-                check_dataset(obj, data_limit)
+                offset = check_dataset(obj, data_limit)
+                if spans is not None and offset is not None:
+                    spans[path] = offset
                 found.append((path, obj))
         elif isinstance(oid, h5py.h5g.GroupID):
-            found += walk(h5py.Group(oid), data_limit, f"{path}/", depth + 1, seen, strings)
+            found += walk(h5py.Group(oid), data_limit, f"{path}/", depth + 1, seen, strings, spans)
         else:
             what = "Datatype" if isinstance(oid, h5py.h5t.TypeID) else type(oid).__name__
             raise StructureError(path, f"is a {what} (only groups and datasets are read)")

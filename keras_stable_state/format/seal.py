@@ -85,14 +85,15 @@ def parse(user_block: bytes, where: str) -> tuple[int, bytes, int]:
     return int(version), bytes.fromhex(digest), int(match.group(2))
 
 
-def check_stream(fh, user_block: bytes, size: int, where: str) -> tuple[int, str, bool]:
-    """Check the seal of the file ``fh`` (``size`` bytes, its first 512 bytes
-    ``user_block``), hashing it in chunks; ``fh`` is left at offset 0.
+def start(user_block: bytes, size: int, where: str):
+    """Parse the seal of a file of ``size`` bytes whose first 512 bytes are ``user_block``
+    and check its length, before hashing it.
 
     Returns:
-        ``(format version, hash name, whether the digest matches)``.
+        ``(format version, hash name, a new hasher, the digest the seal holds)``.
 
     Raises:
+        NewerFormatError: for the seal of a newer format.
         CorruptCheckpointError: if the seal is malformed, or the file is not as long as it says.
     """
     version, digest, length = parse(user_block, where)
@@ -104,7 +105,30 @@ def check_stream(fh, user_block: bytes, size: int, where: str) -> tuple[int, str
             received=size,
         )
     name, hasher = _HASH[version]
-    h = hasher()
+    return version, name, hasher(), digest
+
+
+def truncated(where: str, size: int, got: int):
+    """The error for a file that ended after ``got`` of its ``size`` bytes while being read."""
+    return damaged(
+        where,
+        f"it is truncated or was cut while being read: {got} of its {size} bytes could be read",
+        expected=size,
+        received=got,
+    )
+
+
+def check_stream(fh, user_block: bytes, size: int, where: str) -> tuple[int, str, bool]:
+    """Check the seal of the file ``fh`` (``size`` bytes, its first 512 bytes
+    ``user_block``), hashing it in chunks; ``fh`` is left at offset 0.
+
+    Returns:
+        ``(format version, hash name, whether the digest matches)``.
+
+    Raises:
+        CorruptCheckpointError: if the seal is malformed, or the file is not as long as it says.
+    """
+    version, name, h, digest = start(user_block, size, where)
     fh.seek(USERBLOCK_SIZE)
     buf = bytearray(CHUNK)
     while n := fh.readinto(buf):

@@ -28,6 +28,7 @@ import h5py
 
 from keras_stable_state.errors import CheckpointFormatError, CheckpointInUseError, CorruptCheckpointError
 from keras_stable_state.format import files, keras_archive, sandbox
+from keras_stable_state.format import image as _image
 from keras_stable_state.format import seal as _seal
 from keras_stable_state.format.probe import damaged, diagnose, probe_or_refuse
 from keras_stable_state.format.record import (
@@ -65,11 +66,18 @@ class Source:
         hashed_members: The archive members whose every byte a hash checked on opening
             covers (the sealed record member read in place, Keras' weights member the
             record shares arrays with): their zip CRC-32 is not read again.
+        whole: Read a sealed image whole into :attr:`image` while checking its seal
+            (for a reader that reads every array), rather than hash it in chunks and
+            read each array from the file when asked.
+        image: The sealed record's image, read once (:func:`~keras_stable_state.format.image.read_sealed`),
+            which :attr:`h5` parses and arrays are views of; else ``None``.
     """
 
-    def __init__(self, path: str, data: bytes | None):
+    def __init__(self, path: str, data: bytes | None, whole: bool = False):
         self.path = path
         self.data = data
+        self.whole = whole
+        self.image = None
         self.fh = self.zip = self.h5 = self.shared_h5 = None
         self.container = ".h5 file"
         self.where = path
@@ -129,12 +137,12 @@ class Source:
         if head.startswith(_seal.MAGIC):
             size = self.fh.seek(0, 2)
             self.fh.seek(0)
-            version, name, ok = _seal.check_stream(self.fh, head, size, self.path)
+            version, name, ok = self._check_seal(self.fh, head, size, self.path)
             if not ok:
                 with self.on_disk() as path:
                     raise diagnose(self.path, path, None, f"its content fails its {name} seal")
             self.seal_version = version
-            self.h5 = h5py.File(self.fh, "r")
+            self.h5 = h5py.File(self.fh if self.image is None else _image.ImageFile(self.image), "r")
             self.sealed = True
         elif head.startswith(_HDF5_SIGNATURE):
             with self.on_disk() as path:
@@ -156,6 +164,14 @@ class Source:
             )
         if self.path.endswith(".weights.h5"):
             self.container = ".weights.h5 file"
+
+    def _check_seal(self, fh, head: bytes, size: int, where: str) -> tuple[int, str, bool]:
+        """The seal check of :mod:`~keras_stable_state.format.seal`; with :attr:`whole`, the
+        bytes are kept in :attr:`image` as they are hashed."""
+        if not self.whole:
+            return _seal.check_stream(fh, head, size, where)
+        version, name, ok, self.image = _image.read_sealed(fh, head, size, where)
+        return version, name, ok
 
     def _hdf5_after_user_block(self) -> bool:
         self.fh.seek(USERBLOCK_SIZE)
@@ -255,7 +271,7 @@ class Source:
         head = window.read(USERBLOCK_SIZE)
         if not head.startswith(_seal.MAGIC):
             return False
-        version, name, ok = _seal.check_stream(window, head, size, self.where)
+        version, name, ok = self._check_seal(window, head, size, self.where)
         if not ok:
             with self.on_disk() as path:
                 raise diagnose(self.where, path, self.member, f"its content fails its {name} seal")
@@ -263,7 +279,7 @@ class Source:
         self.seal_version = version
         self.hashed_members.add(self.member)
         window.seek(0)
-        self.h5 = h5py.File(window, "r")
+        self.h5 = h5py.File(window if self.image is None else _image.ImageFile(self.image), "r")
         self._member_size = size
         return True
 
@@ -312,3 +328,4 @@ class Source:
                 with contextlib.suppress(OSError, ValueError, RuntimeError):
                     handle.close()
         self.h5 = self.zip = self.fh = self.shared_h5 = None
+        self.image = None

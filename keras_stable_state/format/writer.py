@@ -32,6 +32,8 @@ from keras_stable_state.format.atomic import atomic_path, create_temporary, dire
 from keras_stable_state.format.codec import aligned, encode_array, json_array
 from keras_stable_state.format.record import (
     BLOB_TARGET,
+    DATA_ALIGN,
+    DATA_ALIGN_ABOVE,
     FORMAT,
     FORMAT_VERSION,
     INDEX,
@@ -151,7 +153,13 @@ def write_h5(target, record: StateRecord, shared: keras_archive.KerasWeights | N
 
 
 def _write_image(target, record: StateRecord, shared) -> None:
-    with h5py.File(target, "w", userblock_size=USERBLOCK_SIZE) as f:
+    with h5py.File(
+        target,
+        "w",
+        userblock_size=USERBLOCK_SIZE,
+        alignment_threshold=DATA_ALIGN_ABOVE,
+        alignment_interval=DATA_ALIGN,
+    ) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
         index = {

@@ -1,0 +1,127 @@
+"""A sealed HDF5 image read once into memory, its arrays taken as views of it.
+
+A whole-file read (:func:`~keras_stable_state.format.read_file`, every restore) of a
+sealed record reads its bytes once, into one buffer starting at a multiple of
+:data:`~keras_stable_state.format.sandbox.READ_ALIGN` bytes, hashing each chunk as it
+arrives (:func:`read_sealed`); HDF5 then parses its metadata from that buffer
+(:class:`ImageFile`), and each array is a view of the buffer at its dataset's offset
+(:func:`dataset_view`): no second read and no copy. What HDF5 parses and what the
+restore uses are the bytes the seal covered, so a file changed on disk after the check
+cannot reach a variable.
+
+The arrays share the buffer: one of them kept alive keeps the whole image alive (the
+restore core copies instead where the variables would take less than half of it).
+
+This module imports no Keras.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import threading
+
+import numpy as np
+
+from keras_stable_state.format import sandbox
+from keras_stable_state.format import seal as _seal
+from keras_stable_state.format.record import USERBLOCK_SIZE
+
+
+def read_sealed(fh, user_block: bytes, size: int, where: str) -> tuple[int, str, bool, np.ndarray]:
+    """Read the file ``fh`` (``size`` bytes, its first 512 bytes ``user_block``) whole into
+    one aligned buffer, hashing it for its seal as it is read.
+
+    The file is read in chunks of :data:`~keras_stable_state.format.seal.CHUNK` bytes;
+    past :data:`_OVERLAP_ABOVE` bytes another thread hashes each chunk while the next is
+    read (``readinto`` and ``xxhash`` both release the GIL), so the hash costs little
+    more than the read.
+
+    Returns:
+        ``(format version, hash name, whether the digest matches, the buffer)``: a
+        writable ``uint8`` array of ``size`` bytes whose data starts at a multiple of
+        :data:`~keras_stable_state.format.sandbox.READ_ALIGN` bytes.
+
+    Raises:
+        CorruptCheckpointError: if the seal is malformed, or the file is not as long as
+            it says or ends sooner when read.
+        MemoryError: if there is no memory for the buffer.
+    """
+    version, name, h, digest = _seal.start(user_block, size, where)
+    image = sandbox.aligned_empty((size,), np.uint8)
+    view = memoryview(image)
+    if size <= _OVERLAP_ABOVE:
+        _read_chunks(fh, view, size, where, lambda lo, hi: h.update(view[lo:hi]))
+        return version, name, h.digest() == digest, image
+    chunks: queue.SimpleQueue = queue.SimpleQueue()
+
+    def hash_chunks():
+        while (span := chunks.get()) is not None:
+            h.update(view[span[0] : span[1]])
+
+    hasher = threading.Thread(target=hash_chunks, name="kss-seal-hash", daemon=True)
+    hasher.start()
+    try:
+        _read_chunks(fh, view, size, where, lambda lo, hi: chunks.put((lo, hi)))
+    finally:
+        chunks.put(None)
+        hasher.join()
+    return version, name, h.digest() == digest, image
+
+
+# Files larger than this are hashed in another thread while they are read.
+_OVERLAP_ABOVE = 2 * _seal.CHUNK
+
+
+def _read_chunks(fh, view: memoryview, size: int, where: str, done_chunk) -> None:
+    """Read ``size`` bytes of ``fh`` from its start into ``view``, chunk by chunk, calling
+    ``done_chunk(lo, hi)`` with each chunk's span past the user block; ``fh`` is left at 0."""
+    fh.seek(0)
+    done = 0
+    while done < size:
+        n = fh.readinto(view[done : min(size, done + _seal.CHUNK)])
+        if not n:
+            raise _seal.truncated(where, size, done)
+        if done + n > USERBLOCK_SIZE:
+            done_chunk(max(done, USERBLOCK_SIZE), done + n)
+        done += n
+    fh.seek(0)
+
+
+class ImageFile(io.RawIOBase):
+    """A read-only, seekable file over a ``uint8`` buffer, for h5py to parse metadata from."""
+
+    def __init__(self, image: np.ndarray):
+        super().__init__()
+        self._view = memoryview(image)
+        self._size = image.nbytes
+        self._pos = 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self._pos
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buf):
+        n = max(0, min(len(buf), self._size - self._pos))
+        if n:
+            memoryview(buf).cast("B")[:n] = self._view[self._pos : self._pos + n]
+            self._pos += n
+        return n
+
+
+def dataset_view(image: np.ndarray, offset: int, dsid) -> np.ndarray:
+    """The data of the contiguous dataset ``dsid`` (an ``h5py.h5d.DatasetID`` that
+    :func:`~keras_stable_state.format.sandbox.check_dataset` passed, its data at byte
+    ``offset`` of the image, inside it) as a view of ``image``: its stored dtype and
+    shape, C order, writable."""
+    return np.ndarray(dsid.shape, dtype=dsid.dtype, buffer=image, offset=offset)
