@@ -1,5 +1,6 @@
-"""What a restore reads, and into what: arrays land in 64-byte aligned host memory of their
-own (which a variable may then keep without a copy), and a ``.keras`` restore reads the
+"""What a restore reads, and into what: a sealed file is read once, whole, and its arrays are
+views of that buffer at 64-byte aligned offsets (which a variable may then keep without a
+copy, unless it would keep a buffer mostly unused), and a ``.keras`` restore reads the
 record member and Keras' weights member in place, each checked by its hash, never copied
 whole into memory or read a second time for its zip CRC-32."""
 

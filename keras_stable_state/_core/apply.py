@@ -192,8 +192,9 @@ def shareable(array, backend=None) -> bool:
     """Whether a variable of ``backend`` (default: Keras' backend) can use the memory of
     the host array ``array`` as its own, with no copy: on Torch a writable, C-order
     NumPy array of a dtype in :data:`_NATIVE_DTYPES`; on JAX the same with its data at a
-    multiple of 64 bytes (as :func:`~keras_stable_state.format.sandbox.read_dataset`
-    reads arrays; on the CPU, JAX then uses the host memory, which nothing writes
+    multiple of 64 bytes (as the reader's arrays of 4 KiB or more are: views of a 64-byte
+    aligned file image, :mod:`~keras_stable_state.format.image`, or arrays
+    :func:`~keras_stable_state.format.sandbox.read_dataset` reads; on the CPU, JAX then uses the host memory, which nothing writes
     afterwards; on an accelerator it copies it there); on TensorFlow the same, but not
     ``bool`` and not empty. Never on other backends."""
     if type(array) is not np.ndarray or array.dtype not in _NATIVE_DTYPES:
