@@ -7,6 +7,7 @@ whole into memory or read a second time for its zip CRC-32."""
 import zipfile
 
 import numpy as np
+import pytest
 from conftest import to_np
 from kit import mlp
 
@@ -85,21 +86,29 @@ def test_keras_record_member_damaged_in_place_is_refused_by_its_seal(tmp_path, d
         np.testing.assert_array_equal(to_np(v), want)
 
 
-def test_a_restore_reads_the_file_once_whole(tmp_path, data):
-    """Every array comes from the bytes read while the seal was checked: the file emptied
-    on disk after opening changes nothing of what is read (by position, against the saved
-    values)."""
+@pytest.mark.parametrize("suffix", ["h5", "keras"])
+def test_a_restore_reads_the_file_once_whole(tmp_path, data, suffix):
+    """Every array comes from the bytes read while the seals were checked (a ``.keras``:
+    the record member's and Keras' weights member's): the file emptied on disk after
+    opening changes nothing of what is read (model and optimizer, by position, against
+    the saved values)."""
     model = _trained(data, hidden=(8192,))
-    path = tmp_path / "s.h5"
+    path = tmp_path / f"s.{suffix}"
     kss.save_training_state(path, model)
     saved = [to_np(v) for v in model.weights]
+    slots = {v.path: to_np(v) for v in model.optimizer.variables}
     with storage.CheckpointFile(str(path), whole=True) as f:
         with open(path, "r+b") as fh:  # the same file, emptied in place
             fh.truncate(0)
         got = {e.key: f.read(e) for e in f.entries if e.section == "model"}
+        optimizer = [f.read(e) for e in f.entries if e.section == "optimizer"]
     assert len(got) == len(saved)
     for want, array in zip(saved, got.values(), strict=True):
         np.testing.assert_array_equal(array, want)
+    big = [a for a in slots.values() if a.nbytes > storage.PACK_LIMIT]
+    assert len(big) == 2  # the hidden kernel's two Adam moments, both among those read
+    for want in big:
+        assert any(a.shape == want.shape and np.array_equal(a, want) for a in optimizer)
 
 
 def _image_of_next_restore(monkeypatch):

@@ -30,17 +30,10 @@ from keras_stable_state.format.record import USERBLOCK_SIZE
 
 def read_sealed(fh, user_block: bytes, size: int, where: str) -> tuple[int, str, bool, np.ndarray]:
     """Read the file ``fh`` (``size`` bytes, its first 512 bytes ``user_block``) whole into
-    one aligned buffer, hashing it for its seal as it is read.
-
-    The file is read in chunks of :data:`~keras_stable_state.format.seal.CHUNK` bytes;
-    past :data:`_OVERLAP_ABOVE` bytes another thread hashes each chunk while the next is
-    read (``readinto`` and ``xxhash`` both release the GIL), so the hash costs little
-    more than the read.
+    one aligned buffer, hashing it for its seal as it is read (:func:`read_hashed`).
 
     Returns:
-        ``(format version, hash name, whether the digest matches, the buffer)``: a
-        writable ``uint8`` array of ``size`` bytes whose data starts at a multiple of
-        :data:`~keras_stable_state.format.sandbox.READ_ALIGN` bytes.
+        ``(format version, hash name, whether the digest matches, the buffer)``.
 
     Raises:
         CorruptCheckpointError: if the seal is malformed, or the file is not as long as
@@ -48,11 +41,32 @@ def read_sealed(fh, user_block: bytes, size: int, where: str) -> tuple[int, str,
         MemoryError: if there is no memory for the buffer.
     """
     version, name, h, digest = _seal.start(user_block, size, where)
+    image = read_hashed(fh, size, h, where, skip=USERBLOCK_SIZE)
+    return version, name, h.digest() == digest, image
+
+
+def read_hashed(fh, size: int, h, where: str, *, skip: int = 0) -> np.ndarray:
+    """Read ``size`` bytes of the file ``fh`` from its start into one new buffer, feeding
+    every byte past the first ``skip`` to the hasher ``h`` (``update``) as it is read.
+
+    The file is read in chunks of :data:`~keras_stable_state.format.seal.CHUNK` bytes;
+    past :data:`_OVERLAP_ABOVE` bytes another thread hashes each chunk while the next is
+    read (``readinto`` and ``xxhash`` both release the GIL), so the hash costs little
+    more than the read. ``fh`` is left at offset 0.
+
+    Returns:
+        A writable ``uint8`` array of ``size`` bytes whose data starts at a multiple of
+        :data:`~keras_stable_state.format.sandbox.READ_ALIGN` bytes.
+
+    Raises:
+        CorruptCheckpointError: naming ``where`` if the file ends before ``size`` bytes.
+        MemoryError: if there is no memory for the buffer.
+    """
     image = sandbox.aligned_empty((size,), np.uint8)
     view = memoryview(image)
     if size <= _OVERLAP_ABOVE:
-        _read_chunks(fh, view, size, where, lambda lo, hi: h.update(view[lo:hi]))
-        return version, name, h.digest() == digest, image
+        _read_chunks(fh, view, size, where, skip, lambda lo, hi: h.update(view[lo:hi]))
+        return image
     chunks: queue.SimpleQueue = queue.SimpleQueue()
 
     def hash_chunks():
@@ -62,28 +76,28 @@ def read_sealed(fh, user_block: bytes, size: int, where: str) -> tuple[int, str,
     hasher = threading.Thread(target=hash_chunks, name="kss-seal-hash", daemon=True)
     hasher.start()
     try:
-        _read_chunks(fh, view, size, where, lambda lo, hi: chunks.put((lo, hi)))
+        _read_chunks(fh, view, size, where, skip, lambda lo, hi: chunks.put((lo, hi)))
     finally:
         chunks.put(None)
         hasher.join()
-    return version, name, h.digest() == digest, image
+    return image
 
 
 # Files larger than this are hashed in another thread while they are read.
 _OVERLAP_ABOVE = 2 * _seal.CHUNK
 
 
-def _read_chunks(fh, view: memoryview, size: int, where: str, done_chunk) -> None:
+def _read_chunks(fh, view: memoryview, size: int, where: str, skip: int, done_chunk) -> None:
     """Read ``size`` bytes of ``fh`` from its start into ``view``, chunk by chunk, calling
-    ``done_chunk(lo, hi)`` with each chunk's span past the user block; ``fh`` is left at 0."""
+    ``done_chunk(lo, hi)`` with each chunk's span past the first ``skip`` bytes."""
     fh.seek(0)
     done = 0
     while done < size:
         n = fh.readinto(view[done : min(size, done + _seal.CHUNK)])
         if not n:
             raise _seal.truncated(where, size, done)
-        if done + n > USERBLOCK_SIZE:
-            done_chunk(max(done, USERBLOCK_SIZE), done + n)
+        if done + n > skip:
+            done_chunk(max(done, skip), done + n)
         done += n
     fh.seek(0)
 

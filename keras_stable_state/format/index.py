@@ -23,8 +23,10 @@ import zipfile
 
 import h5py
 import numpy as np
+import xxhash
 
 from keras_stable_state.errors import StateError, listed
+from keras_stable_state.format import image as _image
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import DTYPES, aligned, stored_dtype
 from keras_stable_state.format.probe import damaged, diagnose, newer_format
@@ -268,7 +270,16 @@ def _open_shared(rec, spec, rows):
             key=keras_archive.MEMBER,
         )
     start, size = keras_archive.member_span(src.fh, info)
-    if size != spec["bytes"] or keras_archive.hash_span(src.fh, start, size)[0] != spec["xxh3-128"]:
+    image = None
+    if size != spec["bytes"]:
+        digest = None
+    elif src.whole:  # read once, whole, as the record (format.image): arrays are views of it
+        h = xxhash.xxh3_128()
+        image = _image.read_hashed(keras_archive.Window(src.fh, start, size), size, h, where)
+        digest = h.hexdigest()
+    else:
+        digest = keras_archive.hash_span(src.fh, start, size)[0]
+    if digest != spec["xxh3-128"]:
         what = (
             f"the member ({size} bytes) is not the one the training state was written with "
             f"({spec['bytes']} bytes, xxh3-128 {spec['xxh3-128']}); the arrays shared with it cannot be trusted"
@@ -287,11 +298,17 @@ def _open_shared(rec, spec, rows):
                 where, path, keras_archive.MEMBER, what, default_key=keras_archive.MEMBER, expect=expect
             )
     src.hashed_members.add(keras_archive.MEMBER)  # its xxh3-128 holds: no zip CRC-32 read after
-    src.shared_h5 = h5py.File(keras_archive.Window(src.fh, start, size), "r")
+    src.shared_image = image
+    src.shared_h5 = h5py.File(
+        keras_archive.Window(src.fh, start, size) if image is None else _image.ImageFile(image), "r"
+    )
+    spans = {}
     try:
-        rec.shared = {f"{keras_archive.PREFIX}/{path}": ds for path, ds in sandbox.walk(src.shared_h5, size)}
+        found = sandbox.walk(src.shared_h5, size, spans=spans)
     except sandbox.StructureError as err:
         raise damaged(where, f"HDF5 object {err}", key=keras_archive.MEMBER) from err
+    rec.shared = {f"{keras_archive.PREFIX}/{path}": ds for path, ds in found}
+    rec.shared_spans = {f"{keras_archive.PREFIX}/{path}": offset for path, offset in spans.items()}
 
 
 def _shared_entry(rec, section: str, row, sharing: tuple) -> Entry:

@@ -211,7 +211,7 @@ class CheckpointFile:
             self.metadata, self.contract, self.extra = listing.metadata, listing.contract, listing.extra
             self._shared = listing.shared
             self._datasets = listing.datasets
-            self._spans = listing.spans
+            self._spans = {**listing.spans, **listing.shared_spans}
         elif self.member == MEMBER:
             raise damaged(self.where, f"the member does not say it is a {FORMAT} record")
         else:
@@ -275,9 +275,12 @@ class CheckpointFile:
 
     def _load(self, name: str, ds) -> np.ndarray:
         """The data of the dataset ``ds`` at ``name`` as stored: a view of the image read
-        whole (:mod:`~keras_stable_state.format.image`), else read from the file into a
-        new 64-byte aligned array."""
-        image, offset = self._src.image, self._spans.get(name)
+        whole (:mod:`~keras_stable_state.format.image`; the record's, or for a name in Keras'
+        weights member that member's), else read from the file into a new 64-byte aligned
+        array."""
+        src = self._src
+        image = src.shared_image if name.startswith(keras_archive.PREFIX) else src.image
+        offset = self._spans.get(name)
         if image is not None and offset is not None:
             return _image.dataset_view(image, offset, ds.id)
         return sandbox.read_dataset(ds)
@@ -298,7 +301,7 @@ class CheckpointFile:
         try:
             name, blob = self._blob
             if entry.dataset.startswith(keras_archive.PREFIX):
-                blob = sandbox.read_dataset(self._shared[entry.dataset]).reshape(-1).view(np.uint8)
+                blob = self._load(entry.dataset, self._shared[entry.dataset]).reshape(-1).view(np.uint8)
             elif name != entry.dataset:
                 ds = self._datasets.get(entry.dataset)
                 blob = self._load(entry.dataset, self._src.h5[entry.dataset] if ds is None else ds)

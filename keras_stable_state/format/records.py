@@ -87,6 +87,7 @@ class RecordListing(Listing):
         metadata, contract, extra: The JSON records, once read.
         shared: Format 3 in a ``.keras`` archive: the datasets of Keras' weights
             member the record shares, by ``"model.weights.h5:/path"``; else ``{}``.
+        shared_spans: The data offsets of those datasets in that member, by the same names.
         datasets: Every dataset the walk checked, by its path (``"/model/0"``), opened
             (an array is read through it, not looked up again).
     """
@@ -97,6 +98,7 @@ class RecordListing(Listing):
         self.contract = None
         self.extra = {}
         self.shared = {}
+        self.shared_spans = {}
         self.datasets = {}
 
     def list(self) -> None:

@@ -60,6 +60,9 @@ class Source:
         h5: The ``h5py.File`` of the record or weights image, once opened.
         shared_h5: The ``h5py.File`` of Keras' weights member a ``.keras`` record
             shares arrays with, or ``None``; closed with the rest.
+        shared_image: With :attr:`whole`, that member read once, whole, while its
+            xxh3-128 was checked (:attr:`shared_h5` parses it; arrays are views of it);
+            else ``None``.
         container, where, sealed, seal_version, members, member, model_class:
             As :class:`keras_stable_state.format.CheckpointFile` documents them.
         keras_metadata: Keras' ``metadata.json`` of an archive, or ``{}``.
@@ -77,7 +80,7 @@ class Source:
         self.path = path
         self.data = data
         self.whole = whole
-        self.image = None
+        self.image = self.shared_image = None
         self.fh = self.zip = self.h5 = self.shared_h5 = None
         self.container = ".h5 file"
         self.where = path
@@ -328,4 +331,4 @@ class Source:
                 with contextlib.suppress(OSError, ValueError, RuntimeError):
                     handle.close()
         self.h5 = self.zip = self.fh = self.shared_h5 = None
-        self.image = None
+        self.image = self.shared_image = None
