@@ -165,3 +165,23 @@ def test_a_partial_restore_keeps_no_view_of_the_whole_file(tmp_path, data, monke
     kss.restore_training_state(path, big)
     gc.collect()
     assert len(refs) == 1 and refs[0]() is not None, "a whole restore copied what it could keep"
+
+
+def test_a_file_that_ends_sooner_than_its_size_is_damaged_naming_it():
+    """The whole read stops at the end of the file's bytes: a file shorter when read than
+    when measured is refused as damaged, naming it, with the bytes expected and read."""
+    import io
+
+    import xxhash
+
+    from keras_stable_state.format import image
+
+    data = bytes(range(256)) * 100_000  # 25.6 MB: hashed in another thread as it is read
+    h = xxhash.xxh3_128()
+    got = image.read_hashed(io.BytesIO(data), len(data), h, "whole.h5", skip=512)
+    assert got.tobytes() == data and got.ctypes.data % 64 == 0
+    assert h.hexdigest() == xxhash.xxh3_128(data[512:]).hexdigest()
+    for size in (1000, len(data)):  # hashed in this thread / in another
+        with pytest.raises(kss.CorruptCheckpointError, match="cut.h5") as err:
+            image.read_hashed(io.BytesIO(data[: size - 7]), size, xxhash.xxh3_128(), "cut.h5")
+        assert (err.value.expected, err.value.received) == (size, size - 7)

@@ -232,7 +232,10 @@ class CheckpointFile:
         Returns:
             The array, of shape ``entry.shape``; ``bfloat16`` and float8 arrays
             (stored as unsigned integers of the same width) are viewed as their
-            ``ml_dtypes`` dtype, others keep their stored dtype.
+            ``ml_dtypes`` dtype, others keep their stored dtype. A file opened
+            ``whole`` returns a view of the buffer read on opening (arrays in one
+            HDF5 dataset, and all arrays of a sealed record, share memory); otherwise
+            a new array read from the file.
 
         Raises:
             CorruptCheckpointError: naming ``entry.key`` if the array cannot be
