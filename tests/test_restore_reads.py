@@ -112,24 +112,25 @@ def test_a_restore_reads_the_file_once_whole(tmp_path, data, suffix):
 
 
 def _image_of_next_restore(monkeypatch):
-    """A weak reference to the memory of the image the next whole read makes (``refs[0]()``:
-    the array that owns it, which every view of the image keeps alive)."""
+    """Weak references to the memory of the images the next whole read makes (``refs[i]()``:
+    the array that owns each, which every view of it keeps alive): the record's, and a
+    ``.keras`` archive's Keras weights member's."""
     import weakref
 
     from keras_stable_state.format import image
 
     refs = []
-    real = image.read_sealed
+    real = image.read_hashed
 
-    def watch(*args):
-        version, name, ok, buffer = real(*args)
+    def watch(*args, **kwargs):
+        buffer = real(*args, **kwargs)
         owner = buffer
         while isinstance(owner.base, np.ndarray):
             owner = owner.base
         refs.append(weakref.ref(owner))
-        return version, name, ok, buffer
+        return buffer
 
-    monkeypatch.setattr(image, "read_sealed", watch)
+    monkeypatch.setattr(image, "read_hashed", watch)
     return refs
 
 
@@ -185,3 +186,54 @@ def test_a_file_that_ends_sooner_than_its_size_is_damaged_naming_it():
         with pytest.raises(kss.CorruptCheckpointError, match="cut.h5") as err:
             image.read_hashed(io.BytesIO(data[: size - 7]), size, xxhash.xxh3_128(), "cut.h5")
         assert (err.value.expected, err.value.received) == (size, size - 7)
+
+
+@pytest.mark.parametrize("suffix", ["h5", "keras"])
+def test_misaligned_arrays_are_kept_as_views_only_where_the_backend_can(tmp_path, data, monkeypatch, suffix):
+    """A record written before the writer aligned its arrays (the writer's alignment is
+    turned off here), and Keras' own weights member of a ``.keras`` (never aligned): Torch
+    keeps views of the file's image at any offset; TensorFlow and JAX, which would copy
+    every such view while the image is held (twice the state at the peak), get arrays
+    read one by one into aligned memory: Keras' member is not read whole, and a
+    misaligned record's image is dropped before the values are assigned. Values are
+    compared by position with the saved ones on every backend."""
+    import gc
+
+    import h5py
+    import keras
+
+    from keras_stable_state._core import plan
+    from keras_stable_state.format import writer
+
+    monkeypatch.setattr(writer, "DATA_ALIGN_ABOVE", 1 << 62)
+    model = mlp(4, (8192, 64), seed=5)  # kernels of 128 KiB and 2 MiB, with their Adam moments
+    model.fit(*data, epochs=1, batch_size=8, verbose=0)
+    path = tmp_path / f"s.{suffix}"
+    kss.save_training_state(path, model)
+    if suffix == "h5":
+        with h5py.File(path, "r") as f:
+            offsets = [f[f"model/{n}"].id.get_offset() for n in f["model"]]
+        assert any(o % 64 for o in offsets if o is not None), "the arrays happen to be aligned"
+    saved = [to_np(v) for v in model.weights]
+    for v in model.weights:
+        v.assign(np.zeros(tuple(v.shape), to_np(v).dtype))
+    refs = _image_of_next_restore(monkeypatch)
+    held = []  # whether each image read is still held when the assignments start
+    real_apply = plan.apply_steps
+
+    def watch(*args, **kwargs):
+        gc.collect()
+        held.append([r() is not None for r in refs])
+        return real_apply(*args, **kwargs)
+
+    monkeypatch.setattr(plan, "apply_steps", watch)
+    kss.restore_training_state(path, model)
+    for v, want in zip(model.weights, saved, strict=True):
+        np.testing.assert_array_equal(to_np(v), want)
+    (during,) = held
+    if keras.backend.backend() == "torch":  # the record's image, and Keras' member's
+        assert len(refs) == (2 if suffix == "keras" else 1) and all(during), (len(refs), during)
+    elif suffix == "keras":  # Keras' member read array by array; the record's image is aligned
+        assert len(refs) == 1, f"Keras' weights member was read whole on {keras.backend.backend()}"
+    else:  # the misaligned record opened again, read array by array
+        assert len(refs) == 1 and not any(during), f"an image is held on {keras.backend.backend()}"

@@ -188,6 +188,14 @@ def _native(value):
     return convert(value)
 
 
+def takes_unaligned() -> bool:
+    """Whether a variable of Keras' backend can use host memory at any offset as its own
+    (Torch), so that a reader's views of a file image at unaligned offsets are worth
+    keeping (``unaligned_views`` of :func:`~keras_stable_state.format.read_file`); see
+    :func:`shareable`."""
+    return keras.backend.backend() == "torch"
+
+
 def shareable(array, backend=None) -> bool:
     """Whether a variable of ``backend`` (default: Keras' backend) can use the memory of
     the host array ``array`` as its own, with no copy: on Torch a writable, C-order

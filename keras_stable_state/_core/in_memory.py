@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from keras_stable_state import format as storage
 from keras_stable_state._core import boundary
+from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._core.restore import RestoreOptions, restore_with
 from keras_stable_state._core.save import training_state_record
 
@@ -109,5 +110,5 @@ def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, 
         allow_cast=allow_cast,
         **kwargs,
     )
-    record = storage.read_bytes(bytes(data))
+    record = storage.read_bytes(bytes(data), unaligned_views=takes_unaligned())
     return restore_with(_LABEL, model, options, defer=defer, record=record, take=True)

@@ -15,6 +15,7 @@ import keras
 
 from keras_stable_state import format as storage
 from keras_stable_state._core import mappers as mappers_mod
+from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._core.arguments import (
     check_callbacks,
     check_filepath,
@@ -302,7 +303,9 @@ def restore_with(
         record = (
             orbax_engine.read(filepath)
             if orbax_engine.is_orbax_path(filepath)
-            else storage.read_file(filepath, storage_options=options.storage_options)
+            else storage.read_file(
+                filepath, storage_options=options.storage_options, unaligned_views=takes_unaligned()
+            )
         )
     if defer:
         mappers_mod.decode_record(record, file_label(filepath))  # an unknown mapper is refused now

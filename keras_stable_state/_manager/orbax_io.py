@@ -5,6 +5,7 @@ removal) stays free of both, so the command line lists such a directory without 
 from __future__ import annotations
 
 from keras_stable_state import format as storage
+from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._manager import orbax_steps
 
@@ -55,4 +56,6 @@ def read(path) -> storage.StateRecord:
     Raises:
         Every error of :func:`keras_stable_state.format.read_file` (of :func:`read_step`).
     """
-    return read_step(path) if orbax_steps.is_step(path) else storage.read_file(path)
+    if orbax_steps.is_step(path):
+        return read_step(path)
+    return storage.read_file(path, unaligned_views=takes_unaligned())

@@ -55,6 +55,7 @@ import time
 import keras
 
 from keras_stable_state import format as storage
+from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._manager import directory as local
 from keras_stable_state._manager import lock
 from keras_stable_state._manager.records import RECORD
@@ -505,7 +506,9 @@ class RemoteDirectory:
         Raises:
             Every error of :func:`keras_stable_state.format.read_file`.
         """
-        return storage.read_file(path, storage_options=self.STORAGE_OPTIONS)
+        return storage.read_file(
+            path, storage_options=self.STORAGE_OPTIONS, unaligned_views=takes_unaligned()
+        )
 
     def restore_newest(
         self, paths, directory, restore, unreadable, writer="StableCheckpoint", read_with=None

@@ -273,7 +273,7 @@ def _open_shared(rec, spec, rows):
     image = None
     if size != spec["bytes"]:
         digest = None
-    elif src.whole:  # read once, whole, as the record (format.image): arrays are views of it
+    elif src.whole and src.unaligned_views:  # read once, whole (format.image): arrays are views of it
         h = xxhash.xxh3_128()
         image = _image.read_hashed(keras_archive.Window(src.fh, start, size), size, h, where)
         digest = h.hexdigest()

@@ -33,7 +33,16 @@ from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import EXOTIC, decode_array, stored_dtype
 from keras_stable_state.format.memory import out_of_memory
 from keras_stable_state.format.probe import damaged
-from keras_stable_state.format.record import BLOB_TARGET, FORMAT, MEMBER, SECTIONS, Entry, StateRecord
+from keras_stable_state.format.record import (
+    BLOB_TARGET,
+    DATA_ALIGN,
+    DATA_ALIGN_ABOVE,
+    FORMAT,
+    MEMBER,
+    SECTIONS,
+    Entry,
+    StateRecord,
+)
 from keras_stable_state.format.records import RecordListing
 from keras_stable_state.format.remote import RemotePath, is_remote, refuse_url, resolve
 from keras_stable_state.format.source import Source
@@ -63,6 +72,13 @@ class CheckpointFile:
             (:mod:`~keras_stable_state.format.image`), and :meth:`read` returns views
             of that buffer (one kept alive keeps it all). Otherwise the seal is
             hashed in chunks and each array is read from the file when asked.
+        unaligned_views: With ``whole``: whether the caller can use an array at any
+            offset (Torch can; TensorFlow and JAX copy memory that does not start at
+            a multiple of 64 bytes). With ``False``, Keras' weights member of a
+            ``.keras`` archive (whose datasets Keras does not align) is read array by
+            array into aligned memory, and a record written before the writer aligned
+            its arrays is opened again that way, so that no image is held while its
+            views are copied.
 
     Attributes:
         path: The file's path (``"<bytes>"`` for :meth:`from_bytes`).
@@ -107,7 +123,7 @@ class CheckpointFile:
         MalformedKeyError: (a ``CorruptCheckpointError``) for a key restore could not parse.
     """
 
-    def __init__(self, path, *, data: bytes | None = None, whole: bool = False):
+    def __init__(self, path, *, data: bytes | None = None, whole: bool = False, unaligned_views: bool = True):
         data = None if data is None else bytes(data)
         if data is not None and not isinstance(path, str):
             path = "<bytes>"
@@ -129,7 +145,7 @@ class CheckpointFile:
         self.optimizer_keys = {}
         self.damaged_members = []
         self.problems = []
-        self._src = Source(self.path, data, whole)
+        self._src = Source(self.path, data, whole, unaligned_views)
         self._spans = {}
         self._key_groups = set()
         self._blob = (None, None)
@@ -150,6 +166,8 @@ class CheckpointFile:
             )
         try:
             self._open()
+            if whole and not unaligned_views and self._misaligned():
+                self._reopen_in_chunks(data)
         except BaseException as err:
             self.close()
             if isinstance(err, StateError | FileNotFoundError | PermissionError) or out_of_memory(err):
@@ -173,7 +191,9 @@ class CheckpointFile:
             raise
 
     @classmethod
-    def from_bytes(cls, data: bytes, name: str = "<bytes>", *, whole: bool = False) -> CheckpointFile:
+    def from_bytes(
+        cls, data: bytes, name: str = "<bytes>", *, whole: bool = False, unaligned_views: bool = True
+    ) -> CheckpointFile:
         """Open a training state held in memory (e.g. fetched from an object store), with
         the same checks as a file; :attr:`path` is ``name`` (``"<bytes>"``; the object's
         URL for one read from a store), which messages name.
@@ -184,7 +204,31 @@ class CheckpointFile:
         """
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(f"A training state in memory must be bytes. Received: {type(data).__name__}")
-        return cls(str(name), data=data, whole=whole)
+        return cls(str(name), data=data, whole=whole, unaligned_views=unaligned_views)
+
+    def _misaligned(self) -> bool:
+        """Whether the record's image holds an array of
+        :data:`~keras_stable_state.format.record.DATA_ALIGN_ABOVE` bytes or more that does
+        not start at a multiple of :data:`~keras_stable_state.format.record.DATA_ALIGN`
+        bytes (a file written before the writer aligned them)."""
+        if self._src.image is None:
+            return False
+        return any(
+            offset % DATA_ALIGN
+            for name, offset in self._spans.items()
+            if name in self._datasets and self._datasets[name].id.get_storage_size() >= DATA_ALIGN_ABOVE
+        )
+
+    def _reopen_in_chunks(self, data) -> None:
+        """Open the file again without keeping its image: for a caller that needs aligned
+        memory (``unaligned_views=False``), the views of a misaligned image would each be
+        copied while the image is still held (twice the state at the peak); the arrays
+        are read one by one into aligned memory instead, after the seal is hashed in
+        chunks."""
+        self._src.close()
+        self._src = Source(self.path, data, False)
+        self._spans, self._blob = {}, (None, None)
+        self._open()
 
     def _sync_source(self):
         src = self._src
@@ -428,18 +472,17 @@ def open_file(filepath, *, storage_options=None) -> CheckpointFile:
     return _open(filepath, storage_options, whole=False)
 
 
-def _open(filepath, storage_options, *, whole: bool) -> CheckpointFile:
+def _open(filepath, storage_options, *, whole: bool, unaligned_views: bool = True) -> CheckpointFile:
     if isinstance(filepath, bytes | str | os.PathLike):
         path = os.fsdecode(os.fspath(filepath))
         if is_remote(path):
-            return CheckpointFile.from_bytes(
-                RemotePath(path, storage_options).read_bytes(), path, whole=whole
-            )
+            data = RemotePath(path, storage_options).read_bytes()
+            return CheckpointFile.from_bytes(data, path, whole=whole, unaligned_views=unaligned_views)
         filepath = resolve(path)
-    return CheckpointFile(filepath, whole=whole)
+    return CheckpointFile(filepath, whole=whole, unaligned_views=unaligned_views)
 
 
-def read_bytes(data: bytes, name: str = "<bytes>"):
+def read_bytes(data: bytes, name: str = "<bytes>", *, unaligned_views: bool = True):
     """:func:`read_file` for a training state held in memory (``.h5`` or ``.keras`` bytes);
     messages name it ``name`` (the URL of an object read from a store).
 
@@ -447,10 +490,10 @@ def read_bytes(data: bytes, name: str = "<bytes>"):
         TypeError: if ``data`` is not bytes-like.
         The errors of :func:`read_file`.
     """
-    return _read_whole(CheckpointFile.from_bytes(data, name, whole=True))
+    return _read_whole(CheckpointFile.from_bytes(data, name, whole=True, unaligned_views=unaligned_views))
 
 
-def read_file(filepath, *, storage_options=None):
+def read_file(filepath, *, storage_options=None, unaligned_views: bool = True):
     """Read a training-state file, or a stock Keras weights file, whole, with every check.
 
     A URL is read as :func:`open_file` reads it (``storage_options`` for its filesystem).
@@ -458,7 +501,10 @@ def read_file(filepath, *, storage_options=None):
     Every array is read and (keras_stable_state files) checked against its
     checksum (format 3: xxh3-64; formats 1-2: CRC-32), and every archive member
     against its zip CRC-32, before anything is returned. Built on
-    :func:`open_file`; the command line's ``verify`` runs exactly these checks.
+    :func:`open_file`; the command line's ``verify`` runs exactly these checks. A sealed
+    record is read once, whole, and its arrays are views of that buffer
+    (:class:`CheckpointFile`'s ``whole``); ``unaligned_views=False`` is for a caller
+    that needs 64-byte aligned memory (see :class:`CheckpointFile`).
 
     Returns:
         :class:`StateRecord` for files written by keras_stable_state,
@@ -478,7 +524,7 @@ def read_file(filepath, *, storage_options=None):
             state nor Keras weights.
         StorageBackendError: for a URL whose fsspec implementation is not installed.
     """
-    return _read_whole(_open(filepath, storage_options, whole=True))
+    return _read_whole(_open(filepath, storage_options, whole=True, unaligned_views=unaligned_views))
 
 
 def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:

@@ -72,14 +72,20 @@ class Source:
         whole: Read a sealed image whole into :attr:`image` while checking its seal
             (for a reader that reads every array), rather than hash it in chunks and
             read each array from the file when asked.
+        unaligned_views: With :attr:`whole`: the caller can use arrays at any offset
+            (Torch). ``False`` (TensorFlow and JAX need 64-byte aligned memory to use an
+            array without a copy): Keras' weights member of a ``.keras`` archive, whose
+            datasets Keras does not align, is hashed in chunks and read array by array
+            into aligned arrays instead of whole.
         image: The sealed record's image, read once (:func:`~keras_stable_state.format.image.read_sealed`),
             which :attr:`h5` parses and arrays are views of; else ``None``.
     """
 
-    def __init__(self, path: str, data: bytes | None, whole: bool = False):
+    def __init__(self, path: str, data: bytes | None, whole: bool = False, unaligned_views: bool = True):
         self.path = path
         self.data = data
         self.whole = whole
+        self.unaligned_views = unaligned_views
         self.image = self.shared_image = None
         self.fh = self.zip = self.h5 = self.shared_h5 = None
         self.container = ".h5 file"
