@@ -16,7 +16,7 @@ Operations: ``save_training_state`` ``.h5`` / ``.keras``, ``restore_training_sta
 ``.h5`` / ``.keras`` (in place), stock ``save_weights`` / ``load_weights``, and the
 floors: plain h5py datasets written from host arrays already made, and h5py
 ``read_direct`` into preallocated arrays (run twice: the A/A rows).
-Target (issue 10): <= 0.1 for save and restore.
+Targets: save <= 0.1 (issue 10); restore <= 0.25 (issue 17, which relaxed issue 10's 0.1).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGET = 0.1
+RESTORE_TARGET = 0.25  # issue 17
 OPS = [
     "save_h5",
     "save_keras",
@@ -46,8 +47,8 @@ OPS = [
 LABELS = {
     "save_h5": ("save_training_state .h5", TARGET),
     "save_keras": ("save_training_state .keras", TARGET),
-    "restore_h5": ("restore_training_state .h5", TARGET),
-    "restore_keras": ("restore_training_state .keras", TARGET),
+    "restore_h5": ("restore_training_state .h5", RESTORE_TARGET),
+    "restore_keras": ("restore_training_state .keras", RESTORE_TARGET),
     "stock_save": ("stock save_weights", None),
     "stock_load": ("stock load_weights", None),
     "h5py_write": ("h5py datasets from host arrays (floor)", None),
