@@ -231,9 +231,9 @@ def test_a_resume_reads_its_checkpoint_once_even_if_it_is_replaced_meanwhile(tmp
 
     real_read, reads = storage.read_file, []
 
-    def read_then_replace(path):
+    def read_then_replace(path, **kwargs):
         reads.append(os.fspath(path))
-        record = real_read(path)
+        record = real_read(path, **kwargs)
         if len(reads) == 1:  # the file changes between its check and its restore
             tmp = folder / "incoming.tmp"
             shutil.copyfile(replacement, tmp)

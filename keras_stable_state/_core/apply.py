@@ -21,7 +21,7 @@ from keras_stable_state.errors import (
     MalformedKeyError,
     StateError,
 )
-from keras_stable_state.format.sandbox import aligned_empty
+from keras_stable_state.format.image import aligned_copy as _aligned_copy
 
 
 def _dtype(variable) -> str:
@@ -159,14 +159,6 @@ def _to_tensor_fn(backend):
     return lambda value: value
 
 
-def _aligned_copy(array) -> np.ndarray:
-    """A copy of ``array`` in new memory starting at a multiple of 64 bytes, which a JAX or
-    TensorFlow tensor can use as its own (:func:`shareable`)."""
-    out = aligned_empty(array.shape, array.dtype)
-    out[...] = array
-    return out
-
-
 def _native(value):
     """``value`` as the backend's own tensor when it is a host array of a plain dtype.
 
@@ -200,10 +192,12 @@ def shareable(array, backend=None) -> bool:
     """Whether a variable of ``backend`` (default: Keras' backend) can use the memory of
     the host array ``array`` as its own, with no copy: on Torch a writable, C-order
     NumPy array of a dtype in :data:`_NATIVE_DTYPES`; on JAX the same with its data at a
-    multiple of 64 bytes (as the reader's arrays of 4 KiB or more are: views of a 64-byte
-    aligned file image, :mod:`~keras_stable_state.format.image`, or arrays
-    :func:`~keras_stable_state.format.sandbox.read_dataset` reads; on the CPU, JAX then uses the host memory, which nothing writes
-    afterwards; on an accelerator it copies it there); on TensorFlow the same, but not
+    multiple of 64 bytes (as the reader's arrays with a dataset of their own are, over
+    4 KiB: views of a 64-byte aligned file image at 64-byte offsets,
+    :mod:`~keras_stable_state.format.image`, or arrays
+    :func:`~keras_stable_state.format.sandbox.read_dataset` reads; arrays packed in a
+    blob are 16-byte aligned, Keras' own datasets not at all); on the CPU, JAX then uses
+    the host memory, which nothing writes afterwards; on an accelerator it copies it there); on TensorFlow the same, but not
     ``bool`` and not empty. Never on other backends."""
     if type(array) is not np.ndarray or array.dtype not in _NATIVE_DTYPES:
         return False
@@ -231,7 +225,7 @@ def _prepared(var, array, owned):
     ``jax.device_put(..., may_alias=True)``), which the variable then keeps as its own:
     no copy on the CPU. Otherwise the tensor is a copy of its own (the caller's array is
     never shared with a variable): on TensorFlow and JAX the memory of a 64-byte aligned
-    host copy (:func:`_aligned_copy`), handed over the same way.
+    host copy (:func:`~keras_stable_state.format.image.aligned_copy`), handed over the same way.
     """
     value = _multiprocess.place(var, array)
     if type(value) is not np.ndarray:

@@ -36,50 +36,75 @@ def read_sealed(fh, user_block: bytes, size: int, where: str) -> tuple[int, str,
         ``(format version, hash name, whether the digest matches, the buffer)``.
 
     Raises:
+        NewerFormatError: for the seal of a format version this version does not read.
         CorruptCheckpointError: if the seal is malformed, or the file is not as long as
             it says or ends sooner when read.
         MemoryError: if there is no memory for the buffer.
+        OSError: a failed read.
     """
     version, name, h, digest = _seal.start(user_block, size, where)
     image = read_hashed(fh, size, h, where, skip=USERBLOCK_SIZE)
     return version, name, h.digest() == digest, image
 
 
-def read_hashed(fh, size: int, h, where: str, *, skip: int = 0) -> np.ndarray:
+def read_hashed(fh, size: int, h, where: str, *, skip: int = 0, key: str | None = None) -> np.ndarray:
     """Read ``size`` bytes of the file ``fh`` from its start into one new buffer, feeding
     every byte past the first ``skip`` to the hasher ``h`` (``update``) as it is read.
 
     The file is read in chunks of :data:`~keras_stable_state.format.seal.CHUNK` bytes;
     past :data:`_OVERLAP_ABOVE` bytes another thread hashes each chunk while the next is
     read (``readinto`` and ``xxhash`` both release the GIL), so the hash costs little
-    more than the read. ``fh`` is left at offset 0.
+    more than the read; an error in that thread is raised here, and an error here stops
+    it at once. ``fh`` is left at offset 0.
 
     Returns:
         A writable ``uint8`` array of ``size`` bytes whose data starts at a multiple of
         :data:`~keras_stable_state.format.sandbox.READ_ALIGN` bytes.
 
     Raises:
-        CorruptCheckpointError: naming ``where`` if the file ends before ``size`` bytes.
+        CorruptCheckpointError: naming ``where`` (and ``key``) if the file ends before
+            ``size`` bytes.
         MemoryError: if there is no memory for the buffer.
+        OSError: a failed read, as ``fh`` raised it.
     """
     image = sandbox.aligned_empty((size,), np.uint8)
     view = memoryview(image)
+
+    def hash_now(lo, hi):
+        h.update(view[lo:hi])
+
     if size <= _OVERLAP_ABOVE:
-        _read_chunks(fh, view, size, where, skip, lambda lo, hi: h.update(view[lo:hi]))
+        _read_chunks(fh, view, size, where, skip, key, hash_now)
         return image
     chunks: queue.SimpleQueue = queue.SimpleQueue()
+    failed: list = []  # the hashing thread's error, raised in this one
+    stop = threading.Event()  # set when this thread fails: the rest is not hashed
 
     def hash_chunks():
-        while (span := chunks.get()) is not None:
-            h.update(view[span[0] : span[1]])
+        try:
+            while (span := chunks.get()) is not None:
+                if not stop.is_set():
+                    hash_now(*span)
+        except BaseException as err:  # handed to the reading thread, raised there
+            failed.append(err)
+            stop.set()
 
     hasher = threading.Thread(target=hash_chunks, name="kss-seal-hash", daemon=True)
-    hasher.start()
     try:
-        _read_chunks(fh, view, size, where, skip, lambda lo, hi: chunks.put((lo, hi)))
+        hasher.start()
+    except RuntimeError:  # no thread can start (a thread limit): hash in this one
+        _read_chunks(fh, view, size, where, skip, key, hash_now)
+        return image
+    try:
+        _read_chunks(fh, view, size, where, skip, key, lambda lo, hi: failed or chunks.put((lo, hi)))
+    except BaseException:
+        stop.set()
+        raise
     finally:
         chunks.put(None)
         hasher.join()
+    if failed:
+        raise failed[0]
     return image
 
 
@@ -87,7 +112,7 @@ def read_hashed(fh, size: int, h, where: str, *, skip: int = 0) -> np.ndarray:
 _OVERLAP_ABOVE = 2 * _seal.CHUNK
 
 
-def _read_chunks(fh, view: memoryview, size: int, where: str, skip: int, done_chunk) -> None:
+def _read_chunks(fh, view: memoryview, size: int, where: str, skip: int, key, done_chunk) -> None:
     """Read ``size`` bytes of ``fh`` from its start into ``view``, chunk by chunk, calling
     ``done_chunk(lo, hi)`` with each chunk's span past the first ``skip`` bytes."""
     fh.seek(0)
@@ -95,7 +120,7 @@ def _read_chunks(fh, view: memoryview, size: int, where: str, skip: int, done_ch
     while done < size:
         n = fh.readinto(view[done : min(size, done + _seal.CHUNK)])
         if not n:
-            raise _seal.truncated(where, size, done)
+            raise _seal.truncated(where, size, done, key=key)
         if done + n > skip:
             done_chunk(max(done, skip), done + n)
         done += n
@@ -131,6 +156,14 @@ class ImageFile(io.RawIOBase):
             memoryview(buf).cast("B")[:n] = self._view[self._pos : self._pos + n]
             self._pos += n
         return n
+
+
+def aligned_copy(array: np.ndarray) -> np.ndarray:
+    """A copy of ``array`` in new memory starting at a multiple of
+    :data:`~keras_stable_state.format.sandbox.READ_ALIGN` bytes."""
+    out = sandbox.aligned_empty(array.shape, array.dtype)
+    out[...] = array
+    return out
 
 
 def dataset_view(image: np.ndarray, offset: int, dsid) -> np.ndarray:

@@ -275,7 +275,8 @@ def _open_shared(rec, spec, rows):
         digest = None
     elif src.whole and src.unaligned_views:  # read once, whole (format.image): arrays are views of it
         h = xxhash.xxh3_128()
-        image = _image.read_hashed(keras_archive.Window(src.fh, start, size), size, h, where)
+        window = keras_archive.Window(src.fh, start, size)
+        image = _image.read_hashed(window, size, h, where, key=keras_archive.MEMBER)
         digest = h.hexdigest()
     else:
         digest = keras_archive.hash_span(src.fh, start, size)[0]

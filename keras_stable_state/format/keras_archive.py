@@ -17,7 +17,9 @@ The record's sealed index holds the xxh3-128 and length of the whole weights
 member, checked before HDF5 parses a byte of it, and each shared array's own
 xxh3-64 (over its key, dtype, shape and bytes), checked when it is read. The
 member must be stored uncompressed (Keras writes it so): it is read in place
-through :class:`Window`, never copied whole into memory.
+through :class:`Window`, never through zip's decompressing reader; a whole read on
+Torch (:mod:`~keras_stable_state.format.image`) reads it once into one buffer while
+hashing it, otherwise it is hashed in chunks and its arrays are read one by one.
 
 This module imports no Keras.
 """

@@ -147,6 +147,7 @@ class CheckpointFile:
         self.problems = []
         self._src = Source(self.path, data, whole, unaligned_views)
         self._spans = {}
+        self._handed = set()  # Keras' datasets an array was read from (views of Keras' member)
         self._key_groups = set()
         self._blob = (None, None)
         self._shared = {}
@@ -167,7 +168,7 @@ class CheckpointFile:
         try:
             self._open()
             if whole and not unaligned_views and self._misaligned():
-                self._reopen_in_chunks(data)
+                self._read_in_chunks()
         except BaseException as err:
             self.close()
             if isinstance(err, StateError | FileNotFoundError | PermissionError) or out_of_memory(err):
@@ -219,16 +220,15 @@ class CheckpointFile:
             if name in self._datasets and self._datasets[name].id.get_storage_size() >= DATA_ALIGN_ABOVE
         )
 
-    def _reopen_in_chunks(self, data) -> None:
-        """Open the file again without keeping its image: for a caller that needs aligned
-        memory (``unaligned_views=False``), the views of a misaligned image would each be
-        copied while the image is still held (twice the state at the peak); the arrays
-        are read one by one into aligned memory instead, after the seal is hashed in
-        chunks."""
-        self._src.close()
-        self._src = Source(self.path, data, False)
-        self._spans, self._blob = {}, (None, None)
-        self._open()
+    def _read_in_chunks(self) -> None:
+        """Let the image go and list the file again from its open, locked handle: for a
+        caller that needs aligned memory (``unaligned_views=False``), the views of a
+        misaligned image would each be copied while the image is still held (twice the
+        state at the peak); the arrays are read one by one into aligned memory instead
+        (the seal already checked; each array still checked against its own checksum)."""
+        self._src.drop_image()
+        self._blob = (None, None)
+        self._list()
 
     def _sync_source(self):
         src = self._src
@@ -241,9 +241,12 @@ class CheckpointFile:
         self.members, self.member, self.model_class = src.members, src.member, src.model_class
 
     def _open(self):
-        src = self._src
-        src.open()
+        self._src.open()
         self._sync_source()
+        self._list()
+
+    def _list(self):
+        src = self._src
         is_record = src.h5.attrs.get("format") == FORMAT
         if self.sealed and not is_record:
             raise damaged(self.where, f"a sealed record whose format attribute is not {FORMAT!r}")
@@ -277,9 +280,10 @@ class CheckpointFile:
             The array, of shape ``entry.shape``; ``bfloat16`` and float8 arrays
             (stored as unsigned integers of the same width) are viewed as their
             ``ml_dtypes`` dtype, others keep their stored dtype. A file opened
-            ``whole`` returns a view of the buffer read on opening (arrays in one
-            HDF5 dataset, and all arrays of a sealed record, share memory); otherwise
-            a new array read from the file.
+            ``whole`` returns a view of the buffer read on opening (all arrays of a
+            sealed record share that buffer, none overlaps another: a second array
+            read from one dataset of Keras' weights member, as rows of equal arrays
+            are, is a copy); otherwise a new array read from the file.
 
         Raises:
             CorruptCheckpointError: naming ``entry.key`` if the array cannot be
@@ -349,6 +353,9 @@ class CheckpointFile:
             name, blob = self._blob
             if entry.dataset.startswith(keras_archive.PREFIX):
                 blob = self._load(entry.dataset, self._shared[entry.dataset]).reshape(-1).view(np.uint8)
+                if entry.dataset in self._handed:  # rows of equal arrays refer to one dataset
+                    blob = _image.aligned_copy(blob)  # each array has memory of its own
+                self._handed.add(entry.dataset)
             elif name != entry.dataset:
                 ds = self._datasets.get(entry.dataset)
                 blob = self._load(entry.dataset, self._src.h5[entry.dataset] if ds is None else ds)

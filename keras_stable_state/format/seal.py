@@ -108,11 +108,13 @@ def start(user_block: bytes, size: int, where: str):
     return version, name, hasher(), digest
 
 
-def truncated(where: str, size: int, got: int):
-    """The error for a file that ended after ``got`` of its ``size`` bytes while being read."""
+def truncated(where: str, size: int, got: int, key: str | None = None):
+    """The error for a file that ended after ``got`` of its ``size`` bytes while being read
+    (``key``: the archive member concerned, if any)."""
     return damaged(
         where,
         f"it is truncated or was cut while being read: {got} of its {size} bytes could be read",
+        key=key,
         expected=size,
         received=got,
     )
@@ -126,6 +128,7 @@ def check_stream(fh, user_block: bytes, size: int, where: str) -> tuple[int, str
         ``(format version, hash name, whether the digest matches)``.
 
     Raises:
+        NewerFormatError: for the seal of a format version this version does not read.
         CorruptCheckpointError: if the seal is malformed, or the file is not as long as it says.
     """
     version, name, h, digest = start(user_block, size, where)

@@ -86,7 +86,7 @@ class Source:
         self.data = data
         self.whole = whole
         self.unaligned_views = unaligned_views
-        self.image = self.shared_image = None
+        self.image = self.shared_image = self._sealed_fh = None
         self.fh = self.zip = self.h5 = self.shared_h5 = None
         self.container = ".h5 file"
         self.where = path
@@ -180,7 +180,22 @@ class Source:
         if not self.whole:
             return _seal.check_stream(fh, head, size, where)
         version, name, ok, self.image = _image.read_sealed(fh, head, size, where)
+        self._sealed_fh = fh
         return version, name, ok
+
+    def drop_image(self) -> None:
+        """Parse the sealed image from the file (the same open, locked handle it was read
+        and hashed from) instead of :attr:`image`, and let the image go; Keras' weights
+        member a record shares arrays with is closed too, for the listing to open again.
+        For a caller that would copy every view of the image (see :attr:`unaligned_views`)."""
+        for handle in (self.shared_h5, self.h5):
+            if handle is not None:
+                with contextlib.suppress(OSError, ValueError, RuntimeError):
+                    handle.close()
+        self.shared_h5 = self.shared_image = self.image = None
+        self.hashed_members.discard(keras_archive.MEMBER)
+        self._sealed_fh.seek(0)
+        self.h5 = h5py.File(self._sealed_fh, "r")
 
     def _hdf5_after_user_block(self) -> bool:
         self.fh.seek(USERBLOCK_SIZE)
@@ -267,9 +282,10 @@ class Source:
 
     def _open_member_in_place(self) -> bool:
         """Open a sealed record member stored uncompressed where it lies in the archive
-        (:class:`~keras_stable_state.format.keras_archive.Window`), without copying it into
-        memory: its seal (xxh3-128 over every byte after its user block, and their count)
-        is checked in chunks first, and covers everything the zip CRC-32 would. ``False``
+        (:class:`~keras_stable_state.format.keras_archive.Window`), never through zip's
+        decompressing reader: its seal (xxh3-128 over every byte after its user block, and
+        their count) is checked first, in chunks, or with :attr:`whole` while the member is
+        read once into :attr:`image`, and covers everything the zip CRC-32 would. ``False``
         (nothing opened) for another member, a compressed one or one without a seal:
         those are read whole, with the zip CRC-32 checked."""
         info = self.zip.getinfo(self.member)
@@ -328,6 +344,8 @@ class Source:
         user block included)."""
         if self.zip is not None:
             return self._member_size
+        if self.image is not None:
+            return self.image.nbytes  # what was hashed and is parsed, whatever the file is now
         return len(self.data) if self.data is not None else os.fstat(self.fh.fileno()).st_size
 
     def close(self):
@@ -337,4 +355,4 @@ class Source:
                 with contextlib.suppress(OSError, ValueError, RuntimeError):
                     handle.close()
         self.h5 = self.zip = self.fh = self.shared_h5 = None
-        self.image = self.shared_image = None
+        self.image = self.shared_image = self._sealed_fh = None
