@@ -288,3 +288,24 @@ def test_equal_arrays_read_from_one_dataset_do_not_share_memory(tmp_path, unalig
     model.get_layer("a").bias.assign(np.full((20000,), 3.0, "float32"))
     np.testing.assert_array_equal(to_np(model.get_layer("b").bias), np.zeros((20000,), "float32"))
     np.testing.assert_array_equal(to_np(model.get_layer("a").bias), np.full((20000,), 3.0, "float32"))
+
+
+def test_an_error_of_the_hashing_thread_is_raised_by_the_read():
+    """Past 8 MiB another thread hashes while the file is read: its error is the read's
+    error (not a digest that merely fails, which would call the file damaged)."""
+    import io
+
+    from keras_stable_state.format import image
+
+    class Refusing:
+        calls = 0
+
+        def update(self, data):
+            Refusing.calls += 1
+            if Refusing.calls == 2:
+                raise ValueError("hasher refused")
+
+    data = bytes(64 << 20)
+    with pytest.raises(ValueError, match="hasher refused"):
+        image.read_hashed(io.BytesIO(data), len(data), Refusing(), "big.h5")
+    assert Refusing.calls == 2  # no chunk was hashed after the error
