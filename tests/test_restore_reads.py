@@ -262,13 +262,26 @@ def test_misaligned_arrays_are_kept_as_views_only_where_the_backend_can(tmp_path
         assert len(refs) == 1 and not any(during), f"an image is held on {keras.backend.backend()}"
 
 
+@pytest.mark.parametrize("writer", ["now", "before"])
 @pytest.mark.parametrize("unaligned_views", [True, False])
-def test_equal_arrays_read_from_one_dataset_do_not_share_memory(tmp_path, unaligned_views):
-    """Equal arrays of a ``.keras`` (two fresh zero biases; their Adam moments) are rows that
-    refer to one dataset of Keras' weights member: each array read has memory of its own,
-    so a restored variable updated in place leaves the other as it was (by position)."""
+def test_equal_arrays_read_from_one_dataset_do_not_share_memory(
+    tmp_path, monkeypatch, unaligned_views, writer
+):
+    """Equal arrays of a ``.keras`` (two fresh zero biases; their Adam moments) each refer to
+    a dataset of their own in Keras' weights member; a file written before they did
+    ("before": rows of equal arrays refer to one dataset) is read with a copy for each
+    repeat. Either way each array read has memory of its own, so a restored variable
+    updated in place leaves the other as it was (by position)."""
     import keras
 
+    from keras_stable_state.format import keras_archive
+
+    if writer == "before":
+        monkeypatch.setattr(
+            keras_archive.KerasWeights,
+            "find",
+            lambda self, a: (self.by_content.get(keras_archive.content_key(a)) or [None])[0],
+        )
     keras.utils.set_random_seed(7)
     x = keras.Input((4,))
     y = keras.layers.Add()([keras.layers.Dense(20000, name="a")(x), keras.layers.Dense(20000, name="b")(x)])
@@ -277,6 +290,10 @@ def test_equal_arrays_read_from_one_dataset_do_not_share_memory(tmp_path, unalig
     model.optimizer.build(model.trainable_variables)
     path = tmp_path / "twins.keras"
     kss.save_training_state(path, model)
+    with storage.open_file(path) as f:
+        refs = [e.dataset for e in f.entries if e.shape == (20000,)]
+    assert len(refs) == 6 and all(r.startswith(keras_archive.PREFIX) for r in refs)
+    assert len(set(refs)) == (6 if writer == "now" else 1), refs
     record = storage.read_file(path, unaligned_views=unaligned_views)
     arrays = [*record.model.values(), *record.optimizer.values()]
     zeros = [a for a in arrays if a.nbytes > storage.PACK_LIMIT and not a.any() and a.shape == (20000,)]

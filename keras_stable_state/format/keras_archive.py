@@ -122,7 +122,9 @@ class KerasWeights:
 
     Attributes:
         spec: ``{"member", "bytes", "xxh3-128"}`` for the record's index.
-        by_content: ``{content_key: "model.weights.h5:/path"}``.
+        by_content: ``{content_key: ["model.weights.h5:/path", ...]}``, every dataset
+            of that content in walk order (Keras stores each variable on its own, so
+            equal arrays, zero Adam moments say, each have one).
     """
 
     spec: dict
@@ -163,9 +165,15 @@ class KerasWeights:
             for path, key in found:
                 if isinstance(key, int):
                     key = (*regions[key][2:], digests[key])
-                by_content.setdefault(key, f"{PREFIX}/{path}")
+                by_content.setdefault(key, []).append(f"{PREFIX}/{path}")
         return cls(spec=spec, by_content=by_content)
 
     def find(self, stored: np.ndarray) -> str | None:
-        """The dataset of Keras' weights holding exactly ``stored``, or ``None``."""
-        return self.by_content.get(content_key(stored))
+        """The dataset of Keras' weights holding exactly ``stored``, or ``None``: for equal
+        arrays, a distinct one each while any is left."""
+        paths = self.by_content.get(content_key(stored))
+        if not paths:
+            return None
+        # Equal arrays refer to distinct datasets while there are any left (a reader gives each
+        # array memory of its own without a copy); past them, to the last one.
+        return paths.pop(0) if len(paths) > 1 else paths[0]

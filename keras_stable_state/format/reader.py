@@ -353,8 +353,10 @@ class CheckpointFile:
             name, blob = self._blob
             if entry.dataset.startswith(keras_archive.PREFIX):
                 blob = self._load(entry.dataset, self._shared[entry.dataset]).reshape(-1).view(np.uint8)
-                if entry.dataset in self._handed:  # rows of equal arrays refer to one dataset
-                    blob = _image.aligned_copy(blob)  # each array has memory of its own
+                if entry.dataset in self._handed and self._src.shared_image is not None:
+                    # rows of equal arrays referring to one dataset (files written before
+                    # each got its own): each array has memory of its own
+                    blob = _image.aligned_copy(blob)
                 self._handed.add(entry.dataset)
             elif name != entry.dataset:
                 ds = self._datasets.get(entry.dataset)
