@@ -77,8 +77,8 @@ class CheckpointFile:
             a multiple of 64 bytes). With ``False``, Keras' weights member of a
             ``.keras`` archive (whose datasets Keras does not align) is read array by
             array into aligned memory, and a record written before the writer aligned
-            its arrays is opened again that way, so that no image is held while its
-            views are copied.
+            its arrays is listed again that way from the same open handle, so that no
+            image is held while its views would be copied.
 
     Attributes:
         path: The file's path (``"<bytes>"`` for :meth:`from_bytes`).
