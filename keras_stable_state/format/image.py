@@ -11,6 +11,10 @@ cannot reach a variable.
 
 The arrays share the buffer: one of them kept alive keeps the whole image alive (the
 restore core copies instead where the variables would take less than half of it).
+:func:`read_hashed` reads a ``.keras`` archive's Keras weights member the same way, its
+xxh3-128 checked against the sealed index, where the caller can use views at Keras'
+unaligned offsets (Torch); :func:`aligned_copy` is the 64-byte aligned copy the reader
+and the restore core make where a view cannot be used.
 
 This module imports no Keras.
 """
