@@ -197,8 +197,9 @@ def shareable(array, backend=None) -> bool:
     :mod:`~keras_stable_state.format.image`, or arrays
     :func:`~keras_stable_state.format.sandbox.read_dataset` reads; arrays packed in a
     blob are 16-byte aligned, Keras' own datasets not at all); on the CPU, JAX then uses
-    the host memory, which nothing writes afterwards; on an accelerator it copies it there); on TensorFlow the same, but not
-    ``bool`` and not empty. Never on other backends."""
+    the host memory, which nothing writes afterwards; on an accelerator it copies it
+    there); on TensorFlow the same, but not ``bool`` and not empty. Never on other
+    backends."""
     if type(array) is not np.ndarray or array.dtype not in _NATIVE_DTYPES:
         return False
     flags = array.flags

@@ -21,7 +21,6 @@ This module imports no Keras.
 
 from __future__ import annotations
 
-import io
 import queue
 import threading
 
@@ -29,6 +28,7 @@ import numpy as np
 
 from keras_stable_state.format import sandbox
 from keras_stable_state.format import seal as _seal
+from keras_stable_state.format.keras_archive import SizedReader
 from keras_stable_state.format.record import USERBLOCK_SIZE
 
 
@@ -131,31 +131,15 @@ def _read_chunks(fh, view: memoryview, size: int, where: str, skip: int, key, do
     fh.seek(0)
 
 
-class ImageFile(io.RawIOBase):
+class ImageFile(SizedReader):
     """A read-only, seekable file over a ``uint8`` buffer, for h5py to parse metadata from."""
 
     def __init__(self, image: np.ndarray):
-        super().__init__()
+        super().__init__(image.nbytes)
         self._view = memoryview(image)
-        self._size = image.nbytes
-        self._pos = 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def tell(self):
-        return self._pos
-
-    def seek(self, offset, whence=io.SEEK_SET):
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
 
     def readinto(self, buf):
-        n = max(0, min(len(buf), self._size - self._pos))
+        n = self._left(buf)
         if n:
             memoryview(buf).cast("B")[:n] = self._view[self._pos : self._pos + n]
             self._pos += n

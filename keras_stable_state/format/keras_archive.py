@@ -40,13 +40,13 @@ PREFIX = f"{MEMBER}:"
 _CHUNK = 1 << 22
 
 
-class Window(io.RawIOBase):
-    """A read-only, seekable file over ``size`` bytes of ``fh`` starting at ``start``
-    (an archive member stored uncompressed), for h5py."""
+class SizedReader(io.RawIOBase):
+    """A read-only, seekable file of ``size`` bytes, for h5py: position and seeking; a
+    subclass reads (``readinto``) from where its bytes lie."""
 
-    def __init__(self, fh, start: int, size: int):
+    def __init__(self, size: int):
         super().__init__()
-        self._fh, self._start, self._size, self._pos = fh, start, size, 0
+        self._size, self._pos = size, 0
 
     def readable(self):
         return True
@@ -62,8 +62,21 @@ class Window(io.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
+    def _left(self, buf) -> int:
+        """How many bytes a read into ``buf`` from the current position gets."""
+        return max(0, min(len(buf), self._size - self._pos))
+
+
+class Window(SizedReader):
+    """A read-only, seekable file over ``size`` bytes of ``fh`` starting at ``start``
+    (an archive member stored uncompressed), for h5py."""
+
+    def __init__(self, fh, start: int, size: int):
+        super().__init__(size)
+        self._fh, self._start = fh, start
+
     def readinto(self, buf):
-        n = max(0, min(len(buf), self._size - self._pos))
+        n = self._left(buf)
         if not n:
             return 0
         self._fh.seek(self._start + self._pos)
