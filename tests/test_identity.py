@@ -190,9 +190,9 @@ def _count_walks(monkeypatch):
         walks.append("keras" if keras_style else "stable")
         return walk_once(model, keras_style, cache)
 
-    def counted_kids(obj):
+    def counted_kids(obj, classes=None):
         kids[id(obj)] = kids.get(id(obj), 0) + 1
-        return walk_saveable(obj)
+        return walk_saveable(obj, classes)
 
     monkeypatch.setattr(identity, "_walk_once", counted_walk)
     monkeypatch.setattr(_keras_compat, "walk_saveable", counted_kids)

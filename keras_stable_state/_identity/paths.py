@@ -233,6 +233,7 @@ class _Walker:
         self.out: dict = {}
         self.layers: dict = {}
         self.visited: set = set()
+        self.classes: dict = {}  # the class part of dir(), per class, for this walk
         # Containers such as ``Sequential.layers`` are built anew on each access: hold on to
         # every visited one so that a later list cannot reuse its id() and be skipped.
         self.alive: list = []
@@ -244,7 +245,7 @@ class _Walker:
             kids = hit[1]
         else:
             # Only what a walk follows: containers, layers and metrics (kept for the call).
-            kids = [(a, c) for a, c in compat.walk_saveable(obj) if isinstance(c, _FOLLOWED)]
+            kids = [(a, c) for a, c in compat.walk_saveable(obj, self.classes) if isinstance(c, _FOLLOWED)]
             if cache is not None:
                 cache[("kids", id(obj))] = (obj, kids)
         if self.keras_style or compat.obj_type(obj) in ("Sequential", "Functional"):

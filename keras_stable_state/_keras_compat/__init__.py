@@ -95,6 +95,7 @@ from keras_stable_state._keras_compat.rng import (
     set_global_seed_generator,
 )
 from keras_stable_state._keras_compat.saving import (
+    attribute_names,
     obj_type,
     save_keras_archive_to,
     to_snake_case,
@@ -167,6 +168,7 @@ __all__ = [
     "tf_read",
     "variable_storage",
     "walk_saveable",
+    "attribute_names",
 ]
 
 # The guard: runs once, when this package is first imported (before any caller uses it).

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import keras
 
-__all__ = ["obj_type", "save_keras_archive_to", "to_snake_case", "walk_saveable"]
+__all__ = ["attribute_names", "obj_type", "save_keras_archive_to", "to_snake_case", "walk_saveable"]
 
 
 def to_snake_case(name: str) -> str:
@@ -18,7 +20,7 @@ def to_snake_case(name: str) -> str:
 _SKIPSETS: dict = {}
 
 
-def walk_saveable(obj):
+def walk_saveable(obj, classes: dict | None = None):
     """``(attribute, child)`` pairs Keras' saving walk visits under ``obj`` (none for
     objects Keras does not save).
 
@@ -26,6 +28,12 @@ def walk_saveable(obj):
     ``layers`` of a Sequential or Functional model first, then every attribute in
     ``dir()`` order with private ones last, less those of a plain reference object
     of the same type (``saving_lib.get_attr_skipset``, computed once per type here).
+
+    Args:
+        obj: Any object (a layer, model, metric, optimizer, container...).
+        classes: A dict the caller keeps for one walk (no class changes meanwhile),
+            in which the class part of ``dir(obj)`` is listed once per class
+            (:func:`attribute_names`); ``None``: ``dir(obj)`` each call.
     """
     from keras.src.saving import keras_saveable, saving_lib
 
@@ -39,13 +47,59 @@ def walk_saveable(obj):
         yield "layers", obj.layers
     # Filtered before sorting (the same order: the filter does not depend on it), so only
     # the few attributes left are sorted, not all of ``dir()``.
-    names = [a for a in dir(obj) if a not in skip and a[:2] != "__"]
+    names = attribute_names(obj, skip, classes)
     for attr in sorted(names, key=saving_lib._name_key):
         try:
             child = getattr(obj, attr)
         except Exception:  # noqa: BLE001 (Keras' walk skips attributes that raise, so must this one)
             continue
         yield attr, child
+
+
+def _module_dir():
+    torch = sys.modules.get("torch")  # (no Torch imported: no Torch module to walk)
+    return None if torch is None else torch.nn.Module.__dir__
+
+
+def attribute_names(obj, skip=frozenset(), classes: dict | None = None):
+    """``{a for a in dir(obj) if a not in skip and a[:2] != "__"}``, the names Keras' walk
+    looks at (a ``set``: ``Module.__dir__`` may list a name twice, one attribute), with
+    the class part of ``dir`` taken from ``classes``.
+
+    ``dir(obj)`` of an object whose type keeps ``object.__dir__`` is the keys of its
+    ``__dict__`` and of every class ``__dict__`` of its type (CPython's
+    ``object___dir___impl``); of a ``torch.nn.Module`` (Keras' layers on Torch) the
+    same plus the names of its parameters, submodules and buffers, less names
+    starting with a digit (``Module.__dir__``). Listing a class's names costs more than
+    the rest (11-18 us for a Keras layer, per object), so ``classes`` (a dict the
+    caller keeps for one walk, in which no class changes) keeps them, filtered, per
+    class and ``skip``. With any other ``__dir__``, a ``__class__`` that is not the
+    object's type, a ``__dict__`` that is not a dict, or no ``classes``: ``dir(obj)``
+    itself.
+    """
+    cls = type(obj)
+    own = cls.__dir__
+    torch_module = own is not object.__dir__ and own is _module_dir()
+    instance = getattr(obj, "__dict__", None)
+    if (
+        classes is None
+        or (own is not object.__dir__ and not torch_module)
+        or getattr(obj, "__class__", None) is not cls
+        or not (instance is None or type(instance) is dict)
+    ):
+        return {a for a in dir(obj) if a not in skip and a[:2] != "__"}
+
+    def keep(name):
+        return name not in skip and name[:2] != "__" and not (torch_module and name[:1].isdigit())
+
+    base = classes.get((cls, skip))
+    if base is None:
+        listed = dir(cls) if torch_module else type.__dir__(cls)
+        base = classes[(cls, skip)] = frozenset(filter(keep, listed))
+    parts = [instance or ()]
+    if torch_module:
+        parts += [obj._parameters, obj._modules, obj._buffers]
+    return base.union(*(filter(keep, part) for part in parts))
 
 
 def obj_type(obj) -> str:
