@@ -248,3 +248,48 @@ def test_tensorflow_writes_a_resource_directly_only_where_that_is_all_assign_doe
     assert len(calls) == 1  # only the variable with an assign of its own went through it
     np.testing.assert_array_equal(calls[0], saved[-1])
     _assert_values(variables, saved)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the storage swap is Torch's")
+def test_torch_swap_is_the_assignment_only_where_that_is_all_assign_does(saved_model, monkeypatch):
+    """A restore gives each parameter the new storage and calls no ``assign`` where
+    Keras' own would only copy that memory onto itself; a variable with an ``assign``
+    of its own, a subclass's ``_direct_assign``, or a stateless scope goes through
+    ``assign``."""
+    from keras.src.backend.torch.core import Variable as TorchVariable
+
+    from keras_stable_state import _keras_compat as compat
+
+    model, variables, path, saved, before = saved_model
+    assert all(compat.torch_swap_is_assign(v) for v in variables)
+    with keras.StatelessScope():
+        assert not compat.torch_swap_is_assign(variables[0])
+    direct = []
+
+    def counted(self, value):
+        direct.append(self.path)
+        return original_direct(self, value)
+
+    original_direct = TorchVariable._direct_assign
+    calls = []
+    last = variables[-1]
+    original = last.assign
+
+    def own(value):
+        calls.append(np.array(keras.ops.convert_to_numpy(value)))
+        return original(value)
+
+    last.assign = own
+    assert not compat.torch_swap_is_assign(last)
+    monkeypatch.setattr(TorchVariable, "_direct_assign", counted)
+    assert not compat.torch_swap_is_assign(variables[0])
+    monkeypatch.undo()
+    kss.restore_training_state(path, model)
+    assert len(calls) == 1  # only the variable with an assign of its own went through it
+    np.testing.assert_array_equal(calls[0], saved[-1])
+    _assert_values(variables, saved)
+    _fill(variables, 7)
+    monkeypatch.setattr(TorchVariable, "_direct_assign", counted)
+    kss.restore_training_state(path, model)  # a replaced _direct_assign: every variable through it
+    assert sorted(direct) == sorted(v.path for v in variables)  # (the last one's own assign calls it too)
+    _assert_values(variables, saved)

@@ -313,10 +313,7 @@ def _swap(var, tensor):
     of the variable's parameter, in place of its current one. The ``Parameter``
     itself (what modules and Keras' optimizers hold), its ``requires_grad`` and
     ``.grad`` stay as they are."""
-    import torch
-
-    with torch.no_grad():
-        compat.variable_storage(var).data = tensor
+    compat.variable_storage(var).data = tensor  # (``.data`` is not recorded by autograd)
 
 
 def _differs(var, old) -> bool:
@@ -337,12 +334,13 @@ def variable_step(var, array, name=None, *, owned=False):
     variable (:func:`_prepared`) and keeps the current value (:func:`_kept`), both before
     the first assignment of the restore; its undo puts the kept value back.
 
-    Every step assigns once through ``var.assign`` with no copy of its own beyond the
-    conversion: on Torch the parameter is first given the prepared tensor's storage
-    (:func:`_swap`), which makes ``assign``'s copy a no-op (Torch skips a copy onto
-    the same memory), and an ``assign`` that raises swaps the old storage back before
-    the error goes on; the undo swaps the old storage back, then assigns it the same
-    way. On TensorFlow ``assign`` shares the prepared tensor's buffer (no copy); the
+    Every step assigns once with no copy of its own beyond the conversion: on Torch
+    the parameter is given the prepared tensor's storage (:func:`_swap`); that is the
+    assignment where ``var.assign`` would only copy that memory onto itself (Keras' own
+    ``assign``, outside a stateless scope: :func:`compat.torch_swap_is_assign`), else
+    ``var.assign`` runs after it, and an ``assign`` that raises swaps the old storage
+    back before the error goes on; the undo swaps the old storage back, then assigns
+    it the same way. On TensorFlow ``assign`` shares the prepared tensor's buffer (no copy); the
     undo assigns the kept read back. On JAX ``assign`` replaces the array.
 
     Args:
@@ -375,6 +373,8 @@ def variable_step(var, array, name=None, *, owned=False):
         if torch_backend:
             old = compat.variable_storage(var).data
             _swap(var, value)
+            if compat.torch_swap_is_assign(var):
+                return  # assign would copy the memory onto itself
             try:
                 var.assign(value)
             except BaseException:

@@ -73,6 +73,7 @@ from keras_stable_state._keras_compat.layers import (
     text_vectorization_lookup,
     tf_plain_resource,
     tf_read,
+    torch_swap_is_assign,
     variable_storage,
 )
 from keras_stable_state._keras_compat.optimizers import (
@@ -165,6 +166,7 @@ __all__ = [
     "total_loss_count_index",
     "var_key",
     "tf_plain_resource",
+    "torch_swap_is_assign",
     "tf_read",
     "variable_storage",
     "walk_saveable",
