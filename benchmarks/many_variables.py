@@ -13,7 +13,10 @@ full run. In one process, round by round in a rotating order:
 * save: ``save_training_state(".h5")`` against plain h5py writing one dataset
   per array of the same shapes, then ``fsync`` (timed twice: A/A);
 * restore: ``restore_training_state(".h5")`` in place against h5py
-  ``read_direct`` of the same datasets into preallocated arrays (twice: A/A).
+  ``read_direct`` of the same datasets into preallocated arrays (twice: A/A), and
+  against Keras' own ``variable.assign(host array)`` of every variable (what
+  ``load_weights`` does per variable once it has read the arrays; the floor of any
+  restore that goes through Keras' variables, printed in seconds too).
 
 Printed: ratios per round (median, min, max), each round's A/A ratio, and
 microseconds per array; a ratio whose median lies inside the A/A band of its
@@ -113,10 +116,18 @@ def bench(n, rounds, folder, phases, profile=None):
             ("A/A h5py write / h5py write", band, None),
         ]
     if "restore" in phases:
+        variables = model.variables + model.optimizer.variables
+        values = [np.array(a) for a in arrays]  # (np.array: copies, which assign may keep)
+
+        def keras_assign():
+            for variable, value in zip(variables, values, strict=True):
+                variable.assign(value)
+
         restore_ops = {
             "rd": lambda: c.h5py_read_direct(h5raw, targets),
             "rd2": lambda: c.h5py_read_direct(h5raw, targets),
             "h5": lambda: kss.restore_training_state(ours, model),
+            "ka": keras_assign,
         }
         restore_ops["h5"]()
         print(f"== {len(arrays)} arrays, restore", flush=True)
@@ -125,7 +136,9 @@ def bench(n, rounds, folder, phases, profile=None):
         total = c.summary(rt["h5"])[0]
         goal = f" (target < {RESTORE_SECONDS_100K:.0f} s at 100k)" if len(arrays) >= 100_000 else ""
         parts.append(
-            f"restore {rper['h5']:.0f} us vs read_direct {rper['rd']:.0f} us; restore total {total:.2f} s{goal}"
+            f"restore {rper['h5']:.0f} us vs read_direct {rper['rd']:.0f} us and Keras' assign "
+            f"{rper['ka']:.0f} us; restore total {total:.2f} s{goal}, Keras' assign alone "
+            f"{c.summary(rt['ka'])[0]:.2f} s"
         )
         band = c.summary(c.ratios(rt, "rd2", "rd"))
         rows += [
@@ -135,6 +148,13 @@ def bench(n, rounds, folder, phases, profile=None):
                 TARGET,
                 band,
             ),
+            (
+                "restore_training_state .h5 / Keras' assign of host arrays",
+                c.summary(c.ratios(rt, "h5", "ka")),
+                None,
+                band,
+            ),
+            ("Keras' assign of host arrays / h5py read_direct", c.summary(c.ratios(rt, "ka", "rd")), None),
             ("A/A read_direct / read_direct", band, None),
         ]
     if profile:

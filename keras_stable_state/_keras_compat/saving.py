@@ -89,17 +89,17 @@ def attribute_names(obj, skip=frozenset(), classes: dict | None = None):
     ):
         return {a for a in dir(obj) if a not in skip and a[:2] != "__"}
 
-    def keep(name):
-        return name not in skip and name[:2] != "__" and not (torch_module and name[:1].isdigit())
+    def keep(names):
+        return {n for n in names if n[:2] != "__" and not (torch_module and n[:1].isdigit())}
 
     base = classes.get((cls, skip))
     if base is None:
         listed = dir(cls) if torch_module else type.__dir__(cls)
-        base = classes[(cls, skip)] = frozenset(filter(keep, listed))
-    parts = [instance or ()]
+        base = classes[(cls, skip)] = frozenset(keep(set(listed) - skip))
+    names = set(instance) if instance else set()
     if torch_module:
-        parts += [obj._parameters, obj._modules, obj._buffers]
-    return base.union(*(filter(keep, part) for part in parts))
+        names.update(obj._parameters, obj._modules, obj._buffers)
+    return base.union(keep(names - skip))
 
 
 def obj_type(obj) -> str:
