@@ -272,3 +272,41 @@ def test_walk_reused_in_a_call_is_redone_when_the_model_gains_variables():
         "path:later/kernel",
         "path:later/bias",
     ]
+
+
+# -- each key text parsed once per call ---------------------------------------------------------
+def test_parsing_once_gives_the_key_parsed_outside_it_and_refuses_the_same_texts():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from keras_stable_state._identity import keys
+    from keras_stable_state.errors import KeyFormatError
+
+    texts = st.one_of(
+        st.builds(lambda p: f"path:{p}", st.from_regex(r"[a-z_/0-9]{1,12}", fullmatch=True)),
+        st.builds(lambda i: f"order:{i}", st.integers(0, 10**6)),
+        st.builds(lambda n: f"var:{n}", st.text(min_size=1, max_size=6)),
+        st.text(max_size=12),
+    )
+
+    def parsed(text):
+        try:
+            return keys.VariableKey.parse(text)
+        except KeyFormatError as err:
+            return ("refused", str(err))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(texts, min_size=1, max_size=8))
+    def check(batch):
+        outside = [parsed(t) for t in batch]
+        with keys.parsing_once():
+            first = [parsed(t) for t in batch]
+            with keys.parsing_once():  # nested: the outer memo
+                again = [parsed(t) for t in batch]
+        assert first == outside and again == outside
+        for a, b in zip(first, again, strict=True):
+            if isinstance(a, keys.VariableKey):
+                assert a is b  # the same key, not parsed again
+        assert keys._PARSED.get() is None  # left: nothing kept
+
+    check()

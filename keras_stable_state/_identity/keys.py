@@ -23,6 +23,8 @@ Optimizer entry keys:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -49,6 +51,7 @@ __all__ = [
     "parse_entry_key",
     "parse_model_key",
     "parse_optimizer_key",
+    "parsing_once",
     "slot_key",
     "split_entry_key",
     "split_entry_name",
@@ -104,12 +107,25 @@ class VariableKey:
 
     @classmethod
     def parse(cls, text) -> VariableKey:
-        """Parse ``"path:<path>"``, ``"order:<int>"`` or ``"var:<name>"``.
+        """Parse ``"path:<path>"``, ``"order:<int>"`` or ``"var:<name>"``; inside
+        :func:`parsing_once`, a text parsed before gives the same key again.
 
         Raises:
             KeyFormatError: if ``text`` is none of these forms (the file was
                 written by something else, or damaged).
         """
+        memo = _PARSED.get()
+        if memo is not None and isinstance(text, str):
+            key = memo.get(text)
+            if key is not None:
+                return key
+        key = cls._parse(text)
+        if memo is not None:
+            memo[text] = key
+        return key
+
+    @classmethod
+    def _parse(cls, text) -> VariableKey:
         match = _KEY_RE.match(text) if isinstance(text, str) else None
         if match is None or (match.group(2) is not None and _bad_path(match.group(2))):
             raise KeyFormatError(
@@ -125,6 +141,25 @@ class VariableKey:
         if match.group(5):
             return cls(EXTRA, match.group(6))
         return cls(ORDERED, match.group(4))
+
+
+_PARSED: contextvars.ContextVar = contextvars.ContextVar("keras_stable_state_parsed_keys", default=None)
+
+
+@contextlib.contextmanager
+def parsing_once():
+    """Within this context :meth:`VariableKey.parse` parses each text once and returns the
+    same (immutable) key for it again: a restore parses every key of a file when it is
+    listed and again when it is bound (about 1.2 us each). Nested contexts share the
+    outer one; a text that is refused is not kept (it is refused again)."""
+    if _PARSED.get() is not None:
+        yield
+        return
+    token = _PARSED.set({})
+    try:
+        yield
+    finally:
+        _PARSED.reset(token)
 
 
 def _bad_path(path: str) -> bool:

@@ -24,6 +24,7 @@ import re
 import keras
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state._identity import keys
 
 __all__ = ["one_walk", "stable_layer_paths", "stable_paths", "stable_variable_paths", "walk", "walk_cache"]
 
@@ -119,7 +120,8 @@ def one_walk():
     used to walk it again (Keras' ``dir()`` walk costs about 0.3 ms per layer). Inside
     the context the children Keras' walk yields for each object, each complete walk
     and each registry (by model and variable list) are kept and reused; on leaving,
-    they are dropped. Nested contexts share the outer one.
+    they are dropped. Nested contexts share the outer one. Each key text is parsed once
+    inside it too (:func:`~keras_stable_state._identity.keys.parsing_once`).
 
     A registry asked for variables the walk did not reach, which the model has
     gained since it was walked (a layer built inside the context), walks the
@@ -132,7 +134,8 @@ def one_walk():
         return
     token = _WALKS.set({})
     try:
-        yield
+        with keys.parsing_once():
+            yield
     finally:
         _WALKS.reset(token)
 
