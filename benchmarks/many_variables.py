@@ -117,7 +117,8 @@ def bench(n, rounds, folder, phases, profile=None):
         ]
     if "restore" in phases:
         variables = model.variables + model.optimizer.variables
-        values = [np.array(a) for a in arrays]  # (np.array: copies, which assign may keep)
+        # copies (assign may keep them), of each variable's shape (np.ascontiguousarray makes a scalar 1-d)
+        values = [np.array(a).reshape(tuple(v.shape)) for a, v in zip(arrays, variables, strict=True)]
 
         def keras_assign():
             for variable, value in zip(variables, values, strict=True):
