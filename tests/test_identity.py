@@ -276,6 +276,7 @@ def test_walk_reused_in_a_call_is_redone_when_the_model_gains_variables():
 
 # -- each key text parsed once per call ---------------------------------------------------------
 def test_parsing_once_gives_the_key_parsed_outside_it_and_refuses_the_same_texts():
+    from conftest import hypothesis_examples
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
@@ -295,7 +296,7 @@ def test_parsing_once_gives_the_key_parsed_outside_it_and_refuses_the_same_texts
         except KeyFormatError as err:
             return ("refused", str(err))
 
-    @settings(max_examples=200, deadline=None)
+    @settings(max_examples=hypothesis_examples(200), deadline=None)
     @given(st.lists(texts, min_size=1, max_size=8))
     def check(batch):
         outside = [parsed(t) for t in batch]
