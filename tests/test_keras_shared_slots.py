@@ -349,3 +349,39 @@ def test_the_writer_finds_every_keras_dataset_by_its_dtype_shape_and_bytes(saved
         set(refs) == expected[key] and len(refs) == len(expected[key])
         for key, refs in found.by_content.items()
     )
+
+
+def _h5_datasets(data: bytes) -> dict:
+    """``{path: (dtype, shape, bytes)}`` of every dataset of an HDF5 file image."""
+    import io
+
+    out = {}
+    with h5py.File(io.BytesIO(data), "r") as f:
+        f.visititems(
+            lambda name, obj: (
+                out.__setitem__(name, (obj.dtype.str, obj.shape, obj[()].tobytes()))
+                if isinstance(obj, h5py.Dataset)
+                else None
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("kind", ["adam", "adam_amsgrad_ema"])
+def test_keras_members_are_what_model_save_writes(kind, tmp_path):
+    """Keras' part of a ``.keras`` state (its walk given the skip sets it would build, for
+    the call) is what ``model.save`` writes: the same config and every weights dataset
+    with the same bytes at the same path; nothing is left in Keras' global state."""
+    import json
+
+    from keras.src.backend.common import global_state
+
+    m = _trained(kind)
+    ours, stock = str(tmp_path / "s.keras"), str(tmp_path / "m.keras")
+    kss.save_training_state(ours, m)
+    m.save(stock)
+    assert json.loads(_member(ours, "config.json")) == json.loads(_member(stock, "config.json"))
+    mine, theirs = _h5_datasets(_member(ours, PREFIX[:-2])), _h5_datasets(_member(stock, PREFIX[:-2]))
+    assert mine == theirs and any(p.startswith("optimizer/") for p in mine)
+    for name in ("Layer", "Sequential", "Functional", "Optimizer", "Metric", "Operation", "Loss"):
+        assert global_state.get_global_attribute(f"saving_attr_skiplist_{name}") is None
