@@ -293,3 +293,56 @@ def test_torch_swap_is_the_assignment_only_where_that_is_all_assign_does(saved_m
     kss.restore_training_state(path, model)  # a replaced _direct_assign: every variable through it
     assert sorted(direct) == sorted(v.path for v in variables)  # (the last one's own assign calls it too)
     _assert_values(variables, saved)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the storage swap and version counters are Torch's")
+def test_torch_swap_skips_assign_and_counts_as_an_in_place_write(saved_model):
+    """Each parameter's version counter rises by exactly one in a restore (the swap counts
+    as one in-place write; Keras' ``assign``, a ``copy_``, would add a second), and a
+    graph built on the old values refuses ``backward()`` after the restore, as it would
+    after ``assign``, instead of silently using the restored values."""
+
+    from keras_stable_state import _keras_compat as compat
+
+    model, variables, path, saved, before = saved_model
+    trainable = [compat.variable_storage(v) for v in model.trainable_variables]
+    loss = sum((p * p).sum() for p in trainable)  # saves every trainable parameter
+    params = [compat.variable_storage(v) for v in variables]
+    versions = [p._version for p in params]
+    kss.restore_training_state(path, model)
+    _assert_values(variables, saved)
+    assert [p._version for p in params] == [n + 1 for n in versions]
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the storage swap is Torch's")
+@pytest.mark.parametrize("member", ["_convert_to_tensor", "value", "shape"])
+def test_torch_variable_subclass_with_its_own_members_goes_through_assign(member):
+    """A variable whose class replaces a member ``assign`` runs through (a clipping
+    ``_convert_to_tensor``; its own ``value`` or ``shape``) is given the new value by its
+    ``assign``: a clipping class receives the clipped value, what ``variable.assign``
+    gives it, not the array swapped in as it is."""
+    from keras.src.backend.torch.core import Variable as TorchVariable
+
+    from keras_stable_state import _keras_compat as compat
+
+    def clip(self, value, dtype=None):
+        value = TorchVariable._convert_to_tensor(self, value, dtype)
+        return value.clamp(-1.0, 1.0) if member == "_convert_to_tensor" else value
+
+    body = {"_convert_to_tensor": clip}
+    if member != "_convert_to_tensor":
+        body[member] = property(getattr(TorchVariable, member).fget)
+    kind = type("Clipped", (TorchVariable,), body)
+    var = kind(np.zeros(3, "float32"))
+    plain = keras.Variable(np.zeros(3, "float32"))
+    assert not compat.torch_swap_is_assign(var) and compat.torch_swap_is_assign(plain)
+    new = np.array([5.0, -5.0, 0.5], "float32")
+    expected = np.clip(new, -1.0, 1.0) if member == "_convert_to_tensor" else new
+    var.assign(np.zeros(3, "float32"))
+    apply_mod.apply_steps(
+        [apply_mod.variable_step(var, new.copy()), apply_mod.variable_step(plain, new.copy())]
+    )
+    np.testing.assert_array_equal(to_np(var), expected)
+    np.testing.assert_array_equal(to_np(plain), new)

@@ -166,8 +166,8 @@ def _native(value):
     ``convert_to_tensor`` with the variable's dtype, which costs more than the copy
     for small arrays (dtype parsing: 10-40 us per variable); a tensor of the
     variable's dtype skips it. It is the same conversion (``torch.from_numpy``,
-    ``jax.device_put`` of a copy, ``tf.constant``, onto the default device) that
-    ``assign`` then checks (shape) and copies from as before. Anything else
+    ``jax.device_put`` of a copy, ``tf.constant``, onto the default device); the
+    shape is the variable's already (:func:`coerce`). Anything else
     (bfloat16, 64-bit types, a read-only array on torch, a placed ``jax.Array``) is
     returned as it is, for ``assign`` to convert.
     """
@@ -312,8 +312,14 @@ def _swap(var, tensor):
     """On Torch: make ``tensor`` (of the variable's shape, dtype and device) the storage
     of the variable's parameter, in place of its current one. The ``Parameter``
     itself (what modules and Keras' optimizers hold), its ``requires_grad`` and
-    ``.grad`` stay as they are."""
-    compat.variable_storage(var).data = tensor  # (``.data`` is not recorded by autograd)
+    ``.grad`` stay as they are. Its version counter is increased, as an in-place
+    ``copy_`` would: a graph that saved the old value refuses ``backward()`` after the
+    restore (Torch's "modified by an inplace operation") instead of using the new one."""
+    import torch
+
+    parameter = compat.variable_storage(var)
+    parameter.data = tensor  # (``.data`` is not recorded by autograd)
+    torch.autograd.graph.increment_version(parameter)
 
 
 def _differs(var, old) -> bool:
@@ -339,8 +345,8 @@ def variable_step(var, array, name=None, *, owned=False):
     assignment where ``var.assign`` would only copy that memory onto itself (Keras' own
     ``assign``, outside a stateless scope: :func:`compat.torch_swap_is_assign`), else
     ``var.assign`` runs after it, and an ``assign`` that raises swaps the old storage
-    back before the error goes on; the undo swaps the old storage back, then assigns
-    it the same way. On TensorFlow ``assign`` shares the prepared tensor's buffer (no
+    back before the error goes on; the undo swaps the old storage back, then calls
+    ``var.assign`` with it (always). On TensorFlow ``assign`` shares the prepared tensor's buffer (no
     copy); the undo assigns the kept read back. On JAX ``assign`` replaces the array.
 
     Args:

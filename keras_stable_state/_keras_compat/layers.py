@@ -75,30 +75,34 @@ def tf_read(variable):
     return gen_resource_variable_ops.read_variable_op(resource.handle, resource.dtype)
 
 
-_TORCH_TYPES: list = []  # [Keras' Variable.assign, Torch Variable._direct_assign, in_stateless_scope]
+# Keras' Torch ``Variable`` members that ``assign`` runs through: its own ``assign`` (dtype
+# conversion, shape check, stateless scope) and ``shape``, Torch's ``_convert_to_tensor``,
+# ``_direct_assign`` (a ``copy_`` into ``value``) and ``value``.
+_TORCH_ASSIGN_MEMBERS = ("assign", "shape", "_convert_to_tensor", "_direct_assign", "value")
+_TORCH_TYPES: list = []  # [{member: Keras' Torch Variable's own}, in_stateless_scope]
 
 
 def torch_swap_is_assign(variable) -> bool:
     """On Torch, whether giving ``variable``'s parameter a value's storage
     (``Parameter.data = value``, with ``value`` of the variable's shape, dtype and
-    device) is all that ``variable.assign(value)`` would then do: Keras' own ``assign``
-    and ``_direct_assign`` (a ``copy_`` into the parameter, of memory it already
-    holds), neither replaced on the variable or a subclass, and no stateless scope
-    (where ``assign`` records an update instead). Else ``False``: call ``assign``."""
+    device, then the parameter's version counter increased as ``copy_`` would) is all
+    that ``variable.assign(value)`` would then do: Keras' own ``assign``, ``shape``,
+    ``_convert_to_tensor``, ``_direct_assign`` (a ``copy_`` into the parameter, of
+    memory it already holds) and ``value``, none of them replaced on the variable or a
+    subclass, and no stateless scope (where ``assign`` records an update instead).
+    Else ``False``: call ``assign``."""
     if not _TORCH_TYPES:
         from keras.src.backend.common.stateless_scope import in_stateless_scope
-        from keras.src.backend.common.variables import Variable
         from keras.src.backend.torch.core import Variable as TorchVariable
 
-        _TORCH_TYPES.extend([Variable.assign, TorchVariable._direct_assign, in_stateless_scope])
-    keras_assign, direct_assign, in_stateless_scope = _TORCH_TYPES
+        own = {name: getattr(TorchVariable, name) for name in _TORCH_ASSIGN_MEMBERS}
+        _TORCH_TYPES[:] = [own, in_stateless_scope]  # one assignment: no half-filled list
+    members, in_stateless_scope = _TORCH_TYPES
     kind = type(variable)
-    own = vars(variable)
+    instance = vars(variable)
     return (
-        kind.assign is keras_assign
-        and kind._direct_assign is direct_assign
-        and "assign" not in own
-        and "_direct_assign" not in own
+        all(getattr(kind, name, None) is member for name, member in members.items())
+        and not any(name in instance for name in members)
         and not in_stateless_scope()
     )
 
