@@ -102,7 +102,8 @@ def test_stock_objects_list_what_dir_lists():
     assert classes, "no class part was kept: the walk would list every class each time"
 
 
-_NAME = st.from_regex(r"_{0,2}[a-z][a-z0-9_]{0,6}", fullmatch=True).filter(lambda n: not n.endswith("__"))
+# ``~`` first: Keras' walk gives ``_a`` and ``~_a`` one sort key (private names last)
+_NAME = st.from_regex(r"~?_{0,2}[a-z][a-z0-9_]{0,6}", fullmatch=True).filter(lambda n: not n.endswith("__"))
 _VALUE = st.sampled_from(["int", "layer", "list", "dict", "str"])
 
 
@@ -130,7 +131,11 @@ def test_generated_layers_list_what_dir_lists(own, shared, later, raising, hidde
     """Two instances of one generated class (the second read from ``classes``), with
     instance attributes set before and after the first walk, class attributes, a
     property that raises, and (``hidden``) a ``__dir__`` of its own that hides names."""
-    body = {name: _value(kind, i) for i, (name, kind) in enumerate(shared.items())}
+    body = {  # new names only: Keras' own class attributes stay as they are
+        name: _value(kind, i)
+        for i, (name, kind) in enumerate(shared.items())
+        if not hasattr(keras.layers.Layer, name)
+    }
     if raising:
         body["broken"] = property(lambda self: 1 / 0)
     if hidden:
@@ -149,6 +154,20 @@ def test_generated_layers_list_what_dir_lists(own, shared, later, raising, hidde
         for i, (name, kind) in enumerate(later.items()):  # new attributes set between walks
             if not hasattr(obj, name):
                 setattr(obj, name, _value(kind, 100 + i))
+
+
+def test_names_sharing_a_sort_key_come_in_keras_order():
+    """``_aN`` and ``~_aN`` share Keras' sort key (``~_aN``); Keras' stable sort of the
+    alphabetical ``dir()`` puts ``_aN`` first. Sixteen such pairs: an order left to a
+    set's iteration (it changes with ``PYTHONHASHSEED``) would put at least one pair
+    the other way round in all but about one process in 65,000."""
+    layer = keras.layers.Dense(2)
+    for i in range(16):
+        setattr(layer, f"_a{i}", i)
+        setattr(layer, f"~_a{i}", -i)
+    ours = [attr for attr, _ in compat.walk_saveable(layer, {})]
+    assert ours == [attr for attr, _ in saving_lib._walk_saveable(layer)]
+    assert ours.index("_a3") + 1 == ours.index("~_a3")
 
 
 def test_torch_parameters_buffers_and_digit_names():

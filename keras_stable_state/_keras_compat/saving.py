@@ -46,9 +46,11 @@ def walk_saveable(obj, classes: dict | None = None):
     if kind in ("Sequential", "Functional"):
         yield "layers", obj.layers
     # Filtered before sorting (the same order: the filter does not depend on it), so only
-    # the few attributes left are sorted, not all of ``dir()``.
+    # the few attributes left are sorted, not all of ``dir()``. Keras sorts ``dir()``'s
+    # alphabetical list stably by ``_name_key`` (``_a`` and ``~_a`` share one key: ``_a``
+    # first); a set has no order, so the name itself breaks the tie.
     names = attribute_names(obj, skip, classes)
-    for attr in sorted(names, key=saving_lib._name_key):
+    for attr in sorted(names, key=lambda a: (saving_lib._name_key(a), a)):
         try:
             child = getattr(obj, attr)
         except Exception:  # noqa: BLE001 (Keras' walk skips attributes that raise, so must this one)
