@@ -117,7 +117,7 @@ def one_walk():
 
     ``save_training_state`` and ``restore_training_state`` build several registries
     (model, contract, each optimizer, layer state) from one unchanged model; each
-    used to walk it again (Keras' ``dir()`` walk costs about 0.3 ms per layer). Inside
+    used to walk it again (each walk costs 35-40 us per small layer, docs/performance.md). Inside
     the context the children Keras' walk yields for each object, each complete walk
     and each registry (by model and variable list) are kept and reused; on leaving,
     they are dropped. Nested contexts share the outer one. Each key text is parsed once
