@@ -301,7 +301,6 @@ def test_torch_swap_skips_assign_and_counts_as_an_in_place_write(saved_model):
     as one in-place write; Keras' ``assign``, a ``copy_``, would add a second), and a
     graph built on the old values refuses ``backward()`` after the restore, as it would
     after ``assign``, instead of silently using the restored values."""
-
     from keras_stable_state import _keras_compat as compat
 
     model, variables, path, saved, before = saved_model
@@ -331,9 +330,10 @@ def test_torch_variable_subclass_with_its_own_members_goes_through_assign(member
         value = TorchVariable._convert_to_tensor(self, value, dtype)
         return value.clamp(-1.0, 1.0) if member == "_convert_to_tensor" else value
 
-    body = {"_convert_to_tensor": clip}
-    if member != "_convert_to_tensor":
-        body[member] = property(getattr(TorchVariable, member).fget)
+    if member == "_convert_to_tensor":
+        body = {member: clip}
+    else:  # the same getter in a property of the subclass's own: only that member replaced
+        body = {member: property(getattr(TorchVariable, member).fget)}
     kind = type("Clipped", (TorchVariable,), body)
     var = kind(np.zeros(3, "float32"))
     plain = keras.Variable(np.zeros(3, "float32"))

@@ -346,8 +346,9 @@ def variable_step(var, array, name=None, *, owned=False):
     ``assign``, outside a stateless scope: :func:`compat.torch_swap_is_assign`), else
     ``var.assign`` runs after it, and an ``assign`` that raises swaps the old storage
     back before the error goes on; the undo swaps the old storage back, then calls
-    ``var.assign`` with it (always). On TensorFlow ``assign`` shares the prepared tensor's buffer (no
-    copy); the undo assigns the kept read back. On JAX ``assign`` replaces the array.
+    ``var.assign`` with it (always). On TensorFlow ``assign`` shares the prepared
+    tensor's buffer (no copy); the undo assigns the kept read back. On JAX ``assign``
+    replaces the array.
 
     Args:
         var: The ``keras.Variable``.
