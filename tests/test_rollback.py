@@ -327,8 +327,7 @@ def test_torch_variable_subclass_with_its_own_members_goes_through_assign(member
     from keras_stable_state import _keras_compat as compat
 
     def clip(self, value, dtype=None):
-        value = TorchVariable._convert_to_tensor(self, value, dtype)
-        return value.clamp(-1.0, 1.0) if member == "_convert_to_tensor" else value
+        return TorchVariable._convert_to_tensor(self, value, dtype).clamp(-1.0, 1.0)
 
     if member == "_convert_to_tensor":
         body = {member: clip}
@@ -341,8 +340,12 @@ def test_torch_variable_subclass_with_its_own_members_goes_through_assign(member
     new = np.array([5.0, -5.0, 0.5], "float32")
     expected = np.clip(new, -1.0, 1.0) if member == "_convert_to_tensor" else new
     var.assign(np.zeros(3, "float32"))
+    versions = [compat.variable_storage(v)._version for v in (var, plain)]
     apply_mod.apply_steps(
         [apply_mod.variable_step(var, new.copy()), apply_mod.variable_step(plain, new.copy())]
     )
     np.testing.assert_array_equal(to_np(var), expected)
     np.testing.assert_array_equal(to_np(plain), new)
+    # the swap writes once; the subclass's assign (a copy_) once more, the plain one's not at all
+    after = [compat.variable_storage(v)._version for v in (var, plain)]
+    assert after == [versions[0] + 2, versions[1] + 1]
