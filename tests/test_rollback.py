@@ -203,12 +203,54 @@ def test_owned_arrays_are_taken_without_a_copy_and_others_never_shared():
     np.testing.assert_array_equal(to_np(other), np.full((4, 8), 5.0))
 
 
+def _at_16_past_64(shape, fill):
+    """A float32 array of ``shape`` filled with ``fill``, its data 16 bytes past a 64-byte boundary."""
+    size = int(np.prod(shape))
+    raw = np.zeros(size + 32, "float32")
+    start = (-raw.ctypes.data % 64) // 4 + 4
+    array = raw[start : start + size].reshape(shape)
+    array[...] = fill
+    assert array.ctypes.data % 64 == 16
+    return array
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the one device_put of every host array is JAX's")
+def test_jax_places_owned_arrays_as_they_are_and_copies_a_callers_first(monkeypatch):
+    """On JAX an array the restore owns goes to ``device_put`` as it is (JAX copies one it
+    cannot alias itself); a caller's array is first copied into memory of the restore's
+    own, so that no variable shares the caller's memory, whatever its alignment."""
+    copied = []
+    original = apply_mod._aligned_copy
+
+    def counting(array):
+        copied.append(array.ctypes.data)
+        return original(array)
+
+    monkeypatch.setattr(apply_mod, "_aligned_copy", counting)
+    owned = [_at_16_past_64((4, 8), 3.0), aligned_empty((4, 8), "float32"), _at_16_past_64((5,), 4.0)]
+    owned[1][...] = 6.0
+    variables = [keras.Variable(np.zeros(a.shape, "float32")) for a in owned]
+    apply_mod.apply_steps(
+        [apply_mod.variable_step(v, a, owned=True) for v, a in zip(variables, owned, strict=True)]
+    )
+    assert copied == []
+    for var, value in zip(variables, (3.0, 6.0, 4.0), strict=True):
+        np.testing.assert_array_equal(to_np(var), np.full(var.shape, value))
+
+    theirs = [_at_16_past_64((4, 8), 5.0), aligned_empty((4, 8), "float32")]
+    theirs[1][...] = 7.0
+    others = [keras.Variable(np.zeros((4, 8), "float32")) for _ in theirs]
+    apply_mod.apply_steps([apply_mod.variable_step(v, a) for v, a in zip(others, theirs, strict=True)])
+    assert copied == [a.ctypes.data for a in theirs]
+    for array in theirs:
+        array[...] = 0.0
+    for var, value in zip(others, (5.0, 7.0), strict=True):
+        np.testing.assert_array_equal(to_np(var), np.full((4, 8), value))
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the 64-byte alignment is TensorFlow's")
 def test_tensorflow_refuses_to_share_an_unaligned_array():
-    raw = np.zeros(4 * 8 + 16, "float32")
-    start = (-raw.ctypes.data % 64) // 4 + 4  # 16 bytes past a 64-byte boundary
-    array = raw[start : start + 32].reshape(4, 8)
-    assert array.ctypes.data % 64 == 16
+    array = _at_16_past_64((4, 8), 0.0)
     assert not apply_mod.shareable(array)
     var = keras.Variable(np.zeros((4, 8), "float32"))
     array[...] = 2.0
