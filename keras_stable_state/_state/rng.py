@@ -57,7 +57,8 @@ class ParsedRng:
         numpy: The tuple for ``np.random.set_state``.
         python: The tuple for ``random.setstate``.
         keras_global_seed: Keras' global seed generator state in this backend's
-            seed dtype, or ``None``.
+            seed dtype, or ``None``: the saving process had no global seed generator
+            (:func:`apply_rng_state` then removes this process's).
         torch: ``uint8`` array for ``torch.set_rng_state``, or ``None`` (always
             ``None`` off the Torch backend).
     """
@@ -223,13 +224,18 @@ def rng_snapshot():
 
 
 def apply_rng_state(parsed: ParsedRng) -> None:
-    """Set the global generators from a :class:`ParsedRng`; if one refuses, put back
+    """Set the global generators from a :class:`ParsedRng` (Keras' global seed
+    generator removed where the saving process had none); if one refuses, put back
     every one already set and re-raise."""
     put_back = rng_snapshot()
     try:
         # Keras' global seed generator draws its seed from Python's generator when it is
-        # created: create (and set) it before Python's state is put back.
-        if parsed.keras_global_seed is not None:
+        # created: create (and set) it before Python's state is put back. None was saved
+        # when the saving process had none: this process's is dropped, so the next unseeded
+        # draw makes one from the restored Python state, as it would have after the save.
+        if parsed.keras_global_seed is None:
+            compat.set_global_seed_generator(None)
+        else:
             compat.make_global_seed_generator().state.assign(parsed.keras_global_seed)
         np.random.set_state(parsed.numpy)
         random.setstate(parsed.python)
