@@ -210,6 +210,37 @@ def test_saves_into_one_folder_are_written_in_order_and_the_next_call_waits(tmp_
     assert order == ["a.h5", "b.h5"]
 
 
+@pytest.mark.parametrize("ext", [".h5", ".keras"])
+def test_a_restore_waits_for_the_background_save_of_its_file(tmp_path, ext, monkeypatch):
+    """A restore of a file whose background save is still being written reads the state
+    of that save's call, not the file it replaces (compared by position)."""
+    path = tmp_path / f"s{ext}"
+    m = _model()
+    _train(m, 1)
+    kss.save_training_state(path, m)  # the older file on disk
+    _train(m, 2)
+    expected = [to_np(v) for v in m.variables + m.optimizer.variables]
+    gate, real = threading.Event(), storage.write_record
+
+    def slow_write(path, record, **kwargs):
+        gate.wait(30)
+        return real(path, record, **kwargs)
+
+    monkeypatch.setattr(storage, "write_record", slow_write)
+    handle = kss.save_training_state(path, m, blocking=False)
+    _train(m, 1)  # the model moves on; the save holds the call's values
+    fresh = _model()
+    _train(fresh, 1)
+    assert not handle.done()
+    threading.Timer(0.3, gate.set).start()
+    kss.restore_training_state(path, fresh)
+    assert handle.done()
+    got = [to_np(v) for v in fresh.variables + fresh.optimizer.variables]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(g, e)
+
+
 # -- StableCheckpoint(save_on_background=True) ----------------------------------------------------------
 
 

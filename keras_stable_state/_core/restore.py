@@ -30,6 +30,7 @@ from keras_stable_state._core.guards import builds_undone_on_refusal, memory_ref
 from keras_stable_state._core.object_store import object_store_target
 from keras_stable_state._core.plan import RestoreRequest, restore_record
 from keras_stable_state._core.report import RestoreReport
+from keras_stable_state._engines import background
 from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.keys import file_label
 from keras_stable_state.errors import StateError
@@ -114,7 +115,10 @@ def restore_training_state(
             (``s3://bucket/run.h5``, ``gs://...``; needs the ``[cloud]``
             extra) is downloaded whole into memory, then read with every
             check a file gets (messages name the URL); a ``file://`` URL is
-            the local path it names.
+            the local path it names. A background save of this process into
+            the same folder (``blocking=False``) ends before the file is read,
+            so the state read is the last one saved (its error, if any, stays
+            with its :class:`SaveHandle`).
         model: The built ``keras.Model`` to restore into, however it was built.
         optimizer: Default ``model.optimizer``; ``None`` with an uncompiled
             model restores model variables only.
@@ -300,6 +304,9 @@ def restore_with(
     check_flags(verb, defer=defer)
     owned = take or record is None
     if record is None:
+        # a background save of this process into the file's folder ends first (as Orbax's
+        # AsyncCheckpointer.restore waits): the file read is the last one saved, not a race
+        background.wait_for_folder(background.folder_of(filepath))
         record = (
             orbax_engine.read(filepath)
             if orbax_engine.is_orbax_path(filepath)
