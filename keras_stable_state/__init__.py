@@ -1,6 +1,6 @@
 """keras_stable_state: training that resumes exactly, on TensorFlow, JAX and PyTorch.
 
-Public API (see ``docs/`` and DESIGN.md)::
+Public API (see ``README.md`` and ``docs/``; ``make docs`` builds the site)::
 
     import keras_stable_state as kss
     kss.StableOptimizer(inner)
