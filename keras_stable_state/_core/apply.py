@@ -222,20 +222,19 @@ def _prepared(var, array, owned):
     running out of memory here changes nothing.
 
     With ``owned`` (the array is the restore's alone and :func:`shareable`), the tensor
-    uses the array's memory (Torch: ``torch.from_numpy``; TensorFlow: DLPack; JAX:
-    ``jax.device_put(..., may_alias=True)``), which the variable then keeps as its own:
-    no copy on the CPU. Otherwise the tensor is a copy of its own (the caller's array is
-    never shared with a variable): on TensorFlow and JAX the memory of a 64-byte aligned
-    host copy (:func:`~keras_stable_state.format.image.aligned_copy`), handed over the same way.
+    uses the array's memory (Torch: ``torch.from_numpy``; TensorFlow: DLPack), which the
+    variable then keeps as its own: no copy on the CPU. Otherwise the tensor is a copy of
+    its own (the caller's array is never shared with a variable): on TensorFlow the
+    memory of a 64-byte aligned host copy
+    (:func:`~keras_stable_state.format.image.aligned_copy`), handed over the same way.
+    On JAX a host array of a dtype in :data:`_NATIVE_DTYPES` for an unsharded variable
+    never gets here: :func:`_put_on_devices` places it first, owned or not; any other
+    goes through Keras' conversion (a copy).
     """
     value = _multiprocess.place(var, array)
     if type(value) is not np.ndarray:
         return value  # a placed jax.Array (sharded, or read by the Orbax engine)
     backend = keras.backend.backend()
-    if backend == "jax" and owned and shareable(value, backend):
-        import jax
-
-        return jax.device_put(value, may_alias=True)
     if backend == "tensorflow" and value.dtype in _TF_SHARED_DTYPES and value.size:
         import tensorflow as tf
 
