@@ -189,7 +189,7 @@ def live_value(variable, to_numpy):
     kind = _jax_array_type()
     if kind is not None and isinstance(value, kind):
         return value
-    read = compat.tf_read(variable) if "tensorflow" in sys.modules else None
+    read = compat.tf_read(variable)  # None off the TensorFlow backend
     if read is not None:
         return _TensorRead(read)
     return to_numpy(variable)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import keras
+
 __all__ = [
     "called_as_layer",
     "clear_vocabulary",
@@ -46,7 +48,10 @@ def tf_plain_resource(variable):
     when reading and writing its resource directly is all that ``variable.assign`` and a
     read of ``variable.value`` do: eager execution, no stateless scope, no distribution
     strategy's variable, no ``assign`` of the variable's own or of a subclass. Else
-    ``None``: go through Keras."""
+    ``None``: go through Keras. Always ``None`` on the JAX and Torch backends, without
+    importing TensorFlow (a JAX- or Torch-only install has none)."""
+    if keras.backend.backend() != "tensorflow":
+        return None
     if not _TF_TYPES:
         from keras.src.backend.common.stateless_scope import in_stateless_scope
         from keras.src.backend.common.variables import Variable
