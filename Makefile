@@ -1,6 +1,8 @@
 # Two entry points for a new user (see README.md):
-#   make demo   set up .venv and run the main job (interrupt, resume, compare)
-#   make test   set up .venv and run every test on all three backends
+#   make demo   set up .venv-$(BACKEND) (the wheel with one framework) and run the main job
+#               (interrupt, resume, compare)
+#   make test   set up .venv and run every test on all three backends, then check each
+#               framework installed alone from the wheel (make test-installs)
 #   make lab    open the example notebooks in JupyterLab (BACKEND=jax|tensorflow|torch)
 PYTHON ?= python3
 VENV := .venv
@@ -25,8 +27,31 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 setup: $(VENV)/.installed
 
-demo: setup
-	$(BIN)/python examples/resume_demo.py --backend $(BACKEND)
+# A user's install: a fresh environment with the wheel and one framework's extra (Torch: the
+# CPU build constraints.txt pins), nothing else; the wheel is kept beside it. Rebuilt when
+# the package, pyproject.toml or constraints.txt change.
+PACKAGE_FILES := $(shell find keras_stable_state -name '*.py' -o -name 'py.typed')
+.venv-%/.installed: pyproject.toml constraints.txt README.md $(PACKAGE_FILES)
+	rm -rf .venv-$*
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/pip wheel -q --no-deps -w .venv-$*/wheel .
+	.venv-$*/bin/pip install -q -c constraints.txt "$$(ls .venv-$*/wheel/keras_stable_state-*.whl)[$*]"
+	touch $@
+
+demo: .venv-$(BACKEND)/.installed
+	.venv-$(BACKEND)/bin/pip install -q -c constraints.txt "$$(ls .venv-$(BACKEND)/wheel/keras_stable_state-*.whl)[$(BACKEND),demo]"
+	.venv-$(BACKEND)/bin/python examples/resume_demo.py --backend $(BACKEND)
+
+# Each framework alone, as a user installs it (tests/install_check.py): fresh environments
+# from the wheel; in each, the README's quick start as written, the command line on its
+# files, the demo, then the quick tests of that backend. Fails if any step imports another
+# framework.
+.PHONY: test-installs
+test-installs:
+	@for b in $(BACKENDS); do \
+		rm -rf .venv-$$b && $(MAKE) --no-print-directory .venv-$$b/.installed && \
+		$(PYTHON) tests/install_check.py --backend $$b --venv .venv-$$b --tests --jobs $(JOBS) || exit 1; \
+	done
 
 # ruff everywhere; mypy on the public API (its files and settings: [tool.mypy] in pyproject.toml)
 lint: setup
@@ -54,6 +79,7 @@ test: setup lint docs
 		echo "=== backend: $$b ==="; \
 		KERAS_BACKEND=$$b $(PYTEST) tests || exit 1; \
 	done
+	$(MAKE) --no-print-directory test-installs
 
 # Device placement (issue 17): a restore lands on each variable's device / JAX sharding. On
 # a GPU machine the variables live on the GPU; JAX also runs the sharded case on 4
@@ -136,4 +162,4 @@ lab: $(VENV)/.notebooks
 	KERAS_BACKEND=$(BACKEND) $(BIN)/jupyter lab notebooks/
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(addprefix .venv-,$(BACKENDS)) .pytest_cache
