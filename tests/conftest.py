@@ -197,3 +197,12 @@ class LrLog(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.seen[(self.epoch, batch)] = self._lr()
+
+
+@pytest.fixture(params=["flock", "portable"])
+def directory_lock(request, monkeypatch):
+    """Run a test once with each directory lock (``flock`` and the portable marker lock),
+    forced through ``KSS_DIRECTORY_LOCK`` in this process and the child processes it starts;
+    the implementation's name."""
+    monkeypatch.setenv("KSS_DIRECTORY_LOCK", request.param)
+    return request.param

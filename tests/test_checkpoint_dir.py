@@ -145,7 +145,7 @@ class _Snapshots(keras.callbacks.Callback):
 
 # -- one writer per directory -------------------------------------------------------------------
 @pytest.mark.slow
-def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path):
+def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path, directory_lock):
     d = tmp_path / "ckpts"
     ready, release = tmp_path / "ready", tmp_path / "release"
     child = _start(tmp_path, "hold", d, ready, release)
@@ -187,7 +187,7 @@ def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path):
     assert _names(d) == ["ckpt-0000000006.h5", "ckpt-0000000012.h5"]  # lock file removed
 
 
-def test_second_writer_in_another_thread_is_refused(tmp_path):
+def test_second_writer_in_another_thread_is_refused(tmp_path, directory_lock):
     d = tmp_path / "ckpts"
     started, release, failures = threading.Event(), threading.Event(), []
 
@@ -216,7 +216,7 @@ def test_second_writer_in_another_thread_is_refused(tmp_path):
     assert _names(d) == ["ckpt-0000000006.h5"]
 
 
-def test_fit_that_raised_leaves_the_lock_to_the_next_fit_in_the_same_thread(tmp_path):
+def test_fit_that_raised_leaves_the_lock_to_the_next_fit_in_the_same_thread(tmp_path, directory_lock):
     d = tmp_path / "ckpts"
 
     m = _model()

@@ -234,7 +234,7 @@ def test_background_saves_write_the_same_checkpoints_and_prune_once_written(tmp_
 
 
 # -- the lock --------------------------------------------------------------------------------
-def test_the_lock_excludes_a_second_manager_and_a_stable_checkpoint(tmp_path):
+def test_the_lock_excludes_a_second_manager_and_a_stable_checkpoint(tmp_path, directory_lock):
     model = mlp(seed=0)
     with kss.CheckpointManager(tmp_path) as mgr:
         assert mgr.locked
@@ -262,7 +262,7 @@ sys.stdin.read()
 
 
 @pytest.mark.slow
-def test_a_manager_of_another_process_excludes_this_one_naming_it(tmp_path):
+def test_a_manager_of_another_process_excludes_this_one_naming_it(tmp_path, directory_lock):
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(tmp_path)],
         stdin=subprocess.PIPE,

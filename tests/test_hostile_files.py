@@ -12,8 +12,10 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import zipfile
 
+import keras
 import numpy as np
 import pytest
 from kit import mlp
@@ -263,17 +265,38 @@ def test_a_directory_that_is_not_a_path_is_a_type_error(value):
         kss.StableCheckpoint(value)
 
 
-def test_without_flock_stable_checkpoint_refuses_to_run_unlocked(tmp_path, monkeypatch):
-    monkeypatch.setattr(directory_lock, "LOCKING", False)
+def test_without_fcntl_stable_checkpoint_locks_its_directory_with_the_portable_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr(directory_lock, "fcntl", None)  # as on Windows
+    monkeypatch.delenv("KSS_DIRECTORY_LOCK", raising=False)
+    held = []
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            held.append(sorted(os.listdir(tmp_path)))
+            refused = []
+
+            def second_writer():  # another thread: refused (another process: tests/test_directory_lock.py)
+                try:
+                    kss.CheckpointManager(tmp_path).lock()
+                except kss.CheckpointInUseError as err:
+                    refused.append(str(err))
+
+            thread = threading.Thread(target=second_writer)
+            thread.start()
+            thread.join(60)
+            assert len(refused) == 1 and "another thread still training" in refused[0]
+
     model = mlp()
-    before = [np.asarray(v).copy() for v in model.weights]
-    with pytest.raises(kss.StateError, match=r"cannot lock its directory .*no flock"):
-        model.fit(
-            np.ones((4, 4)), np.ones((4, 1)), epochs=1, verbose=0, callbacks=[kss.StableCheckpoint(tmp_path)]
-        )
-    assert os.listdir(tmp_path) == []
-    for a, b in zip(model.weights, before, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), b)  # no step was trained
+    model.fit(
+        np.ones((4, 4)),
+        np.ones((4, 1)),
+        epochs=1,
+        batch_size=4,
+        verbose=0,
+        callbacks=[kss.StableCheckpoint(tmp_path), Look()],
+    )
+    assert held == [[".stable-checkpoint.lock", ".stable-checkpoint.lock.owner"]]
+    assert os.listdir(tmp_path) == ["ckpt-0000000001.h5"]  # released: the lock file and marker removed
 
 
 def _read_only(monkeypatch):
@@ -285,7 +308,9 @@ def _read_only(monkeypatch):
     monkeypatch.setattr(directory_lock, "_open_lock", refuse)
 
 
-def test_a_read_only_directory_resumes_a_finished_fit_and_refuses_one_with_epochs_left(tmp_path, monkeypatch):
+def test_a_read_only_directory_resumes_a_finished_fit_and_refuses_one_with_epochs_left(
+    tmp_path, monkeypatch, directory_lock
+):
     x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
     y = x.sum(axis=1, keepdims=True)
     model = mlp(seed=0)
@@ -305,7 +330,7 @@ def test_a_read_only_directory_resumes_a_finished_fit_and_refuses_one_with_epoch
     assert sorted(os.listdir(tmp_path)) == ["ckpt-0000000002.h5", "ckpt-0000000004.h5"]  # nothing written
 
 
-def test_a_lock_file_that_cannot_be_created_names_it_and_the_errno(tmp_path, monkeypatch):
+def test_a_lock_file_that_cannot_be_created_names_it_and_the_errno(tmp_path, monkeypatch, directory_lock):
     def refuse(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", path)
 

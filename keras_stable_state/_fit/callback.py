@@ -83,11 +83,13 @@ class StableCheckpoint(keras.callbacks.Callback):
     holds one step.
 
     The directory belongs to one writer at a time: on train begin the callback takes
-    an exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock`` (a regular file
-    opened without following links, which names its pid and host) and releases it, removing the file, on train end. A second
+    the lock of ``<directory>/.stable-checkpoint.lock`` (a regular file opened without
+    following links, which names its pid and host): an exclusive ``flock``, or where
+    there is no ``fcntl`` (Windows) or ``KSS_DIRECTORY_LOCK=portable`` is set, the portable
+    marker ``.stable-checkpoint.lock.owner``; it releases it, removing the files, on train end. A second
     ``fit`` with a ``StableCheckpoint`` on the same directory, in another process or
-    in another thread, is refused. The operating system releases the lock of a
-    process that dies. If ``fit`` raises, Keras skips ``on_train_end``: the lock is
+    in another thread, is refused. The operating system releases the ``flock`` of a
+    process that dies; the next writer of its host takes a portable marker over. If ``fit`` raises, Keras skips ``on_train_end``: the lock is
     then released when the callback is garbage collected, when the process exits,
     or when a ``StableCheckpoint`` on the same directory begins training again in
     the same thread. Holding the lock, it removes the ``.kss-*`` temporary files
@@ -284,13 +286,12 @@ class StableCheckpoint(keras.callbacks.Callback):
             place and there is no fallback. Upgrade keras_stable_state.
         NotADirectoryError: on train begin, if ``directory`` is a file.
         OSError: on train begin, if the directory or its lock file cannot be created or
-            locked (permissions, a file system without ``flock``), naming it; on a read-only
+            locked (permissions, a file system without ``flock``: set ``KSS_DIRECTORY_LOCK=portable``), naming it; on a read-only
             file system (``errno.EROFS``), if the ``fit`` has epochs left to train (a
             ``fit`` whose epochs are all done resumes from a read-only directory).
         StateError: on train begin, if the lock file is a symbolic link, a hard link of
             another file or not a regular file (it is never written through), if
-            ``unreadable/`` is a symbolic link, or on a platform without ``flock``
-            (Windows): StableCheckpoint does not run with its directory unlocked.
+            ``unreadable/`` is a symbolic link, or if ``KSS_DIRECTORY_LOCK`` is not valid here.
         ContractError, BindingError, DtypeMismatchError, ScheduleMismatchError:
             and any other error of :func:`keras_stable_state.restore_training_state`
             for a readable checkpoint that does not fit the model (the model or

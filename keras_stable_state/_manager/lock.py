@@ -1,7 +1,19 @@
 """The lock of a local checkpoint directory: the file :data:`LOCK_NAME` that its one writer
 (a :class:`~keras_stable_state.CheckpointManager` or :class:`~keras_stable_state.StableCheckpoint`)
-holds with ``flock``, recording who holds it (pid, host, thread), and the one holder per
-directory in this process (:class:`DirectoryLock`)."""
+holds, recording who holds it (writer kind, pid, host, since) as JSON, and the one holder per
+directory in this process (:class:`DirectoryLock`).
+
+Two implementations, chosen in one place (:func:`lock_kind`), once per acquire:
+
+* ``"flock"``, where the ``fcntl`` module exists (Linux, macOS: POSIX): an exclusive ``flock``
+  on the lock file. The operating system releases it when its process ends.
+* ``"portable"``, where it does not (Windows): the marker file ``<lock file>.owner``, created
+  exclusively (:mod:`.portable_lock`, through ``filelock``). A marker of a process of this
+  host that no longer runs is taken over; one of another host is refused.
+
+The environment variable ``KSS_DIRECTORY_LOCK`` (``flock`` or ``portable``) forces one: the
+portable lock on a file system where ``flock`` fails (some network file systems), or in tests.
+"""
 
 from __future__ import annotations
 
@@ -13,19 +25,45 @@ import threading
 import time
 
 from keras_stable_state import format as storage
+from keras_stable_state._manager import portable_lock
 from keras_stable_state.errors import CheckpointInUseError, StateError
 
 try:
     import fcntl
-except ImportError:  # Windows: no flock; StableCheckpoint refuses to run unlocked (see the docs)
+except ImportError:  # Windows: no flock; the portable lock is used instead
     fcntl = None
 
 LOCK_NAME = ".stable-checkpoint.lock"
 """Name of the lock file a writing :class:`StableCheckpoint` holds in its directory."""
 
-LOCKING = fcntl is not None
-"""Whether directories can be locked (``flock`` exists: not on Windows, where
-:meth:`DirectoryLock.acquire` refuses)."""
+LOCK_ENV = "KSS_DIRECTORY_LOCK"
+"""The environment variable that forces a lock implementation: ``flock`` or ``portable``."""
+
+KINDS = ("flock", "portable")
+
+
+def lock_kind() -> str:
+    """The lock implementation to use now: ``KSS_DIRECTORY_LOCK`` if set, else ``"flock"`` where
+    ``fcntl`` exists and ``"portable"`` where it does not.
+
+    Raises:
+        StateError: if ``KSS_DIRECTORY_LOCK`` names no implementation, or ``flock`` where this
+            platform has none.
+    """
+    forced = os.environ.get(LOCK_ENV, "")
+    if forced not in ("", *KINDS):
+        raise StateError(
+            f"The environment variable {LOCK_ENV}={forced!r} names no directory lock; expected 'flock' or "
+            f"'portable' (or unset: flock where it exists). Set it to one of those, or unset it.",
+            key=LOCK_ENV,
+        )
+    if forced == "flock" and fcntl is None:
+        raise StateError(
+            f"The environment variable {LOCK_ENV}=flock asks for flock, but this platform has none (no "
+            f"fcntl module). Unset {LOCK_ENV}, or set it to 'portable'.",
+            key=LOCK_ENV,
+        )
+    return forced or ("flock" if fcntl is not None else "portable")
 
 
 # -- the directory lock -------------------------------------------------------------------
@@ -55,14 +93,28 @@ def holder_text(info):
     return text
 
 
-def _read_holder(fd):
-    """``(holder text or None, writer kind)`` from the lock file's JSON."""
+def _read_record(fd):
+    """The lock file's JSON (``None`` if it is being written right now, or not ours)."""
     try:
-        raw = os.pread(fd, 4096, 0)
-        info = json.loads(raw.decode("utf-8"))
-    except (OSError, ValueError):  # being written right now, or not ours: holder unknown
-        return None, "StableCheckpoint"
-    return holder_text(info), writer_of(info)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return json.loads(os.read(fd, 4096).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _write_record(fd, writer) -> None:
+    """Replace the lock file's content with this writer's JSON record: kind, pid, host, since."""
+    info = {
+        "writer": writer,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    data = json.dumps(info).encode("utf-8")
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _open_lock(directory, path) -> int:
@@ -127,25 +179,28 @@ def refuse_other_owner(held, token, directory) -> None:
 
 
 class DirectoryLock:
-    """An exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock``, held by one
-    writer (a :class:`CheckpointManager`, or the one a :class:`StableCheckpoint` runs
-    over) of this process at a time.
+    """The lock of ``<directory>/.stable-checkpoint.lock`` (``flock``, or the portable marker:
+    see the module docstring), held by one writer (a :class:`CheckpointManager`, or the one a
+    :class:`StableCheckpoint` runs over) of this process at a time.
 
-    The lock file holds the writer's kind, pid and host as JSON so that a refused writer
-    can name it. It is removed on release (while still locked; acquirers check that
-    the file they locked is still the one at the path). A lock of a dead process is
-    released by the operating system. Within one process, a ``StableCheckpoint``
-    whose ``fit`` raised (Keras then skips ``on_train_end``) keeps the lock until it
-    is garbage collected, the process exits, or another ``StableCheckpoint`` on the
-    same directory begins training in the same thread and takes the lock over (a lock
-    taken with ``reclaimable=True``); a ``CheckpointManager``'s lock is never taken over.
+    The lock file holds the writer's kind, pid, host and start as JSON so that a refused writer
+    can name it. It is removed on release (while still locked; acquirers check that the file
+    they locked is still the one at the path), and the portable lock's marker with it. A lock
+    of a dead process is released by the operating system (``flock``) or taken over by the next
+    writer on its host (the portable lock). Within one process, a ``StableCheckpoint`` whose
+    ``fit`` raised (Keras then skips ``on_train_end``) keeps the lock until it is garbage
+    collected, the process exits, or another ``StableCheckpoint`` on the same directory begins
+    training in the same thread and takes the lock over (a lock taken with
+    ``reclaimable=True``); a ``CheckpointManager``'s lock is never taken over. A forked child
+    never uses or removes its parent's lock.
     """
 
-    def __init__(self, key, directory, path, fd):
+    def __init__(self, key, directory, path, fd, marker):
         self.key = key
         self.directory = directory
         self.path = path
         self.fd = fd
+        self.marker = marker  # the portable lock's held filelock.SoftFileLock; None with flock
         self.pid = os.getpid()
         self.token = None
         self.thread = None
@@ -159,24 +214,16 @@ class DirectoryLock:
         ``writer`` (``"StableCheckpoint"`` or ``"CheckpointManager"``) is written into the
         lock file and named to a refused writer. Another owner of this process in the same
         thread takes a held lock over only if its holder took it ``reclaimable`` (a
-        ``StableCheckpoint`` whose ``fit`` raised never released it).
+        ``StableCheckpoint`` whose ``fit`` raised never released it). The implementation is
+        :func:`lock_kind`'s, read here.
 
         Raises:
             CheckpointInUseError: if another writer holds it.
-            StateError: if the lock file is not a regular file of one name (see
-                :func:`_open_lock`), or this platform has no ``flock`` (Windows): the
-                directory cannot be locked, and StableCheckpoint does not run unlocked.
-            OSError: if the lock file cannot be created (read-only file system, permissions).
+            StateError: if the lock file (or the portable lock's marker) is not a regular file of
+                one name (see :func:`_open_lock`), or ``KSS_DIRECTORY_LOCK`` is not valid here.
+            OSError: if the lock file cannot be created or locked (read-only file system,
+                permissions, a file system without ``flock``).
         """
-        if not LOCKING:
-            raise StateError(
-                f"{writer} cannot lock its directory {directory!r}: this platform has no "
-                "flock (the fcntl module; Windows has none), and without the lock a second writer "
-                f"could not be refused. {writer} runs on Linux and macOS; elsewhere, save and "
-                "restore in your own loop with keras_stable_state.save_training_state and "
-                "restore_training_state.",
-                key=LOCK_NAME,
-            )
         key = os.path.realpath(directory)
         with _HELD_GUARD:
             held = _HELD.get(key)
@@ -186,60 +233,17 @@ class DirectoryLock:
             if held is not None:
                 refuse_other_owner(held, token, directory)
             else:
-                held = cls(key, directory, *cls._lock(directory, writer))
+                lock = _flock if lock_kind() == "flock" else _portable
+                held = cls(key, directory, *lock(directory, os.path.join(directory, LOCK_NAME)))
+                try:
+                    _write_record(held.fd, writer)
+                except BaseException:
+                    held._close()
+                    raise
                 _HELD[key] = held
             held.token, held.thread = token, threading.get_ident()
             held.reclaimable, held.writer = reclaimable, writer
             return held
-
-    @staticmethod
-    def _lock(directory, writer):
-        path = os.path.join(directory, LOCK_NAME)
-        for _ in range(20):
-            fd = _open_lock(directory, path)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder, kind = _read_holder(fd)
-                os.close(fd)
-                raise CheckpointInUseError(
-                    f"Checkpoint directory {directory!r} is in use by another {kind} writer "
-                    f"({holder or 'holder unknown: the lock file names none'}); wait for it to finish or "
-                    f"use another directory. (The lock is {path!r}, held with flock; the operating "
-                    "system releases it when that process ends.)",
-                    path=directory,
-                    holder=holder,
-                ) from None
-            except OSError as err:
-                os.close(fd)
-                raise OSError(
-                    err.errno,
-                    f"Cannot lock the checkpoint directory {directory!r}: flock on {path!r} failed "
-                    f"({err.strerror}). Use a directory on a local file system.",
-                    path,
-                ) from err
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the holder removed the file after we opened it: lock the new one
-        else:
-            raise CheckpointInUseError(
-                f"Checkpoint directory {directory!r}: its lock file {path!r} keeps being replaced; another "
-                "process is creating and removing it. Use another directory.",
-                path=directory,
-            )
-        info = {
-            "writer": writer,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode("utf-8"), 0)
-        return path, fd
 
     def _still_in_place(self):
         try:
@@ -247,22 +251,124 @@ class DirectoryLock:
         except (FileNotFoundError, NotADirectoryError):  # the directory was removed (or replaced by a file)
             return False
 
-    def _close(self):
+    def _close(self, *, unlink=False):
+        """Close the lock file (removing it first if ``unlink``) and release the marker."""
         fd, self.fd = self.fd, None
+        marker, self.marker = self.marker, None
         if _HELD.get(self.key) is self:
             del _HELD[self.key]
-        os.close(fd)
+        try:
+            os.close(fd)  # before the unlink: Windows removes no file that is open
+            if unlink:  # the portable lock: the marker is still held, so no writer comes in between
+                try:
+                    os.unlink(self.path)
+                except PermissionError:
+                    if os.name != "nt":
+                        raise  # Windows: a refused writer has it open for a moment; the next holder reuses it
+        finally:
+            if marker is not None:
+                portable_lock.release(marker)
 
     def release(self, token):
-        """Unlock and remove the lock file if ``token`` owns the lock (else do nothing)."""
+        """Unlock and remove the lock file (and the marker) if ``token`` owns the lock (else do
+        nothing). A forked child (another pid) never removes its parent's."""
         with _HELD_GUARD:
             if self.fd is None or self.token != token:
                 return
+            remove = self.pid == os.getpid() and self._still_in_place()
+            while_locked = remove and self.marker is None  # flock: acquirers check the file is in place
             try:
-                if self.pid == os.getpid() and self._still_in_place():
+                if while_locked:
                     os.unlink(self.path)
             finally:
-                self._close()
+                self._close(unlink=remove and not while_locked)
+
+
+def _refused(directory, path, fd, how, *, pid=None, reason=""):
+    """The :class:`CheckpointInUseError` of a lock another writer holds, naming it from the lock
+    file's JSON (``fd``); ``pid``: the holder's pid as the portable lock's marker records it,
+    which wins over a JSON record of another pid (a record a dead holder left)."""
+    info = _read_record(fd)
+    holder, kind = holder_text(info), writer_of(info)
+    if pid is not None and (not isinstance(info, dict) or info.get("pid") != pid):
+        holder = f"pid {pid}, which has not written its lock record yet"
+    return CheckpointInUseError(
+        f"Checkpoint directory {directory!r} is in use by another {kind} writer "
+        f"({holder or 'holder unknown: the lock file names none'}); wait for it to finish or "
+        f"use another directory. {reason}({how})",
+        path=directory,
+        holder=holder,
+    )
+
+
+def _flock(directory, path):
+    """Lock the lock file ``path`` with an exclusive ``flock``: ``(path, fd, None)``."""
+    for _ in range(20):
+        fd = _open_lock(directory, path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            how = f"The lock is {path!r}, held with flock; the operating system releases it when that process ends."
+            err = _refused(directory, path, fd, how)
+            os.close(fd)
+            raise err from None
+        except OSError as err:
+            os.close(fd)
+            raise OSError(
+                err.errno,
+                f"Cannot lock the checkpoint directory {directory!r}: flock on {path!r} failed "
+                f"({err.strerror}); expected a file system with flock. Use a directory on a local file "
+                f"system, or set {LOCK_ENV}=portable for the portable lock (a marker file, for file systems "
+                "without flock, such as some network file systems).",
+                path,
+            ) from err
+        if _same_file(fd, path):
+            return path, fd, None
+        os.close(fd)  # the holder removed the file after we opened it: lock the new one
+    raise CheckpointInUseError(
+        f"Checkpoint directory {directory!r}: its lock file {path!r} keeps being replaced; another "
+        "process is creating and removing it. Use another directory.",
+        path=directory,
+    )
+
+
+def _portable(directory, path):
+    """Lock the lock file ``path`` with the portable lock (:mod:`.portable_lock`):
+    ``(path, fd, marker)``."""
+    fd = _open_lock(directory, path)  # first: a linked or unwritable lock file is refused as with flock
+    try:
+        marker = portable_lock.take(directory, path)
+    except portable_lock.Busy as busy:
+        mark = portable_lock.marker_path(path)
+        how = (
+            f"The lock is the marker {mark!r}, of the portable lock; the next writer of this host takes "
+            "it over once that process has ended. A marker of another host is never taken over: once "
+            f"that process is known to have ended, remove {mark!r}."
+        )
+        err = _refused(
+            directory, path, fd, how, pid=busy.pid, reason=busy.reason + " " if busy.reason else ""
+        )
+        os.close(fd)
+        raise err from None
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        if not _same_file(fd, path):  # the holder removed it after we opened it; nobody does now
+            os.close(fd)
+            fd = _open_lock(directory, path)
+    except BaseException:
+        portable_lock.release(marker)
+        raise
+    return path, fd, marker
+
+
+def _same_file(fd, path) -> bool:
+    """Whether the open ``fd`` is still the file at ``path``."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def release_token(token):
@@ -281,6 +387,7 @@ def _forget_locks_in_child():
             except OSError:
                 pass
             held.fd = None
+        held.marker = None  # the parent's marker: filelock never removes it from a forked child
     _HELD.clear()
 
 

@@ -45,8 +45,9 @@ class CheckpointManager(DirectoryHolder):
     of equal values the earlier step is the better. The metrics travel in the checkpoints,
     so a manager of a resumed run keeps the same notion of best.
 
-    The directory belongs to one writer at a time: the manager takes the same exclusive
-    ``flock`` on ``<directory>/.stable-checkpoint.lock`` as a
+    The directory belongs to one writer at a time: the manager takes the same lock of
+    ``<directory>/.stable-checkpoint.lock`` (an exclusive ``flock``, or the portable marker
+    lock where there is no ``fcntl``: see :mod:`keras_stable_state._manager.lock`) as a
     :class:`~keras_stable_state.StableCheckpoint` (so a manager and a ``StableCheckpoint``
     on one directory exclude each other, in one process or several) on entering its
     ``with`` block, or on its first :meth:`save` or :meth:`restore`, and holds it until

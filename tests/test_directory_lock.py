@@ -1,0 +1,268 @@
+"""The lock of a local checkpoint directory, with each implementation (``flock``, and the
+portable marker lock of platforms without ``fcntl``, forced by ``KSS_DIRECTORY_LOCK`` here and
+in the child processes): two processes contending, a lock left by a process that exited or was
+killed, release and re-acquire, a second writer of this process, links and other files where
+the lock file or the marker belong, a forked child, and the choice of implementation."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from kit import mlp
+
+import keras_stable_state as kss
+from keras_stable_state._manager import lock as locks
+from keras_stable_state._manager import portable_lock
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LOCK = locks.LOCK_NAME
+MARKER = LOCK + portable_lock.MARKER_SUFFIX
+
+# A process that takes the lock of argv[1] and then, by argv[2]: "hold" (until stdin closes,
+# then releases it), "exit" (ends at once without releasing it: os._exit runs no clean-up),
+# "elsewhere" (as "exit", its host name changed first: a holder on another host).
+HOLDER = """
+import os, socket, sys
+directory, how = sys.argv[1:3]
+if how == "elsewhere":
+    socket.gethostname = lambda: "another-host.example"
+from keras_stable_state._manager import lock
+held = lock.acquire_lock(directory, lock.new_token(), writer="CheckpointManager", reclaimable=False)
+print("locked", flush=True)
+if how == "hold":
+    sys.stdin.read()
+    held.release(held.token)
+    sys.exit(0)
+os._exit(0)
+"""
+
+
+def _holder(directory, how):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory), how],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    line = child.stdout.readline().strip()
+    if line != b"locked":
+        child.kill()
+        pytest.fail(f"the holder did not lock: {child.communicate(timeout=60)[1].decode()[-3000:]}")
+    return child
+
+
+def _acquire(directory, writer="StableCheckpoint", reclaimable=True):
+    token = locks.new_token()
+    return locks.acquire_lock(str(directory), token, writer=writer, reclaimable=reclaimable), token
+
+
+def _names(directory):
+    return sorted(os.listdir(directory))
+
+
+def _record(directory):
+    with open(os.path.join(directory, LOCK)) as f:
+        return json.load(f)
+
+
+def test_the_forced_implementation_is_used(tmp_path, directory_lock):
+    held, token = _acquire(tmp_path)
+    try:
+        assert (held.marker is not None) == (directory_lock == "portable")
+        expected = [LOCK, MARKER] if directory_lock == "portable" else [LOCK]
+        assert _names(tmp_path) == expected
+        assert _record(tmp_path)["pid"] == os.getpid()
+    finally:
+        held.release(token)
+    assert _names(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_second_process_is_refused_naming_the_first(tmp_path, directory_lock):
+    child = _holder(tmp_path, "hold")
+    try:
+        holder = f"pid {child.pid} on host {socket.gethostname()}"
+        with pytest.raises(
+            kss.CheckpointInUseError, match=re.escape(f"another CheckpointManager writer ({holder}, since ")
+        ) as info:
+            _acquire(tmp_path)
+        assert info.value.path == str(tmp_path) and info.value.holder.startswith(holder)
+        assert str(tmp_path / (MARKER if directory_lock == "portable" else LOCK)) in str(info.value)
+    finally:
+        child.communicate(b"", timeout=60)
+    assert child.returncode == 0
+    assert _names(tmp_path) == []  # released, files removed
+    held, token = _acquire(tmp_path)
+    held.release(token)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["exit", "kill"])
+def test_a_lock_left_by_a_process_that_ended_is_taken_over(tmp_path, directory_lock, end):
+    child = _holder(tmp_path, "hold" if end == "kill" else "exit")
+    if end == "kill":
+        os.kill(child.pid, signal.SIGKILL)
+    child.communicate(timeout=60)  # reaped: a zombie still runs, as far as a pid check can tell
+    assert child.returncode == (-signal.SIGKILL if end == "kill" else 0)
+    left = [LOCK, MARKER] if directory_lock == "portable" else [LOCK]
+    assert _names(tmp_path) == left and _record(tmp_path)["pid"] == child.pid
+    held, token = _acquire(tmp_path)
+    try:
+        assert _record(tmp_path)["pid"] == os.getpid()
+        assert _record(tmp_path)["writer"] == "StableCheckpoint"
+    finally:
+        held.release(token)
+    assert _names(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_portable_lock_of_another_host_is_refused_naming_its_marker(tmp_path, monkeypatch):
+    monkeypatch.setenv("KSS_DIRECTORY_LOCK", "portable")
+    child = _holder(tmp_path, "elsewhere")
+    child.communicate(timeout=60)  # ended, but no process of this host can tell
+    for _ in range(2):  # never taken over
+        with pytest.raises(kss.CheckpointInUseError) as info:
+            _acquire(tmp_path)
+        message = str(info.value)
+        assert f"pid {child.pid} on host another-host.example" in message
+        assert "cannot probe" in message
+        assert f"remove {str(tmp_path / MARKER)!r}" in message
+    os.remove(tmp_path / MARKER)  # what the message says to do, once that process is known gone
+    held, token = _acquire(tmp_path)
+    held.release(token)
+    assert _names(tmp_path) == []
+
+
+def test_release_then_acquire_again(tmp_path, directory_lock):
+    for writer in ("CheckpointManager", "StableCheckpoint", "CheckpointManager"):
+        held, token = _acquire(tmp_path, writer=writer, reclaimable=False)
+        assert _record(tmp_path)["writer"] == writer
+        held.release(token)
+        assert held.fd is None and held.marker is None
+        assert _names(tmp_path) == []
+        held.release(token)  # a second release does nothing
+
+
+def test_a_second_writer_of_this_process_is_refused(tmp_path, directory_lock):
+    held, token = _acquire(tmp_path, writer="CheckpointManager", reclaimable=False)
+    try:
+        with pytest.raises(kss.CheckpointInUseError, match=r"CheckpointManager writer \(pid .*this process"):
+            _acquire(tmp_path)
+        with pytest.raises(kss.CheckpointInUseError, match="in use by another CheckpointManager writer"):
+            mlp().fit(
+                np.ones((4, 4)),
+                np.ones((4, 1)),
+                epochs=1,
+                verbose=0,
+                callbacks=[kss.StableCheckpoint(tmp_path)],
+            )
+        held.release(token + 1_000_000)  # not its owner: nothing happens
+        assert held.fd is not None
+    finally:
+        held.release(token)
+    reclaimable, token = _acquire(tmp_path)  # a StableCheckpoint whose fit raised never released it
+    again, token2 = _acquire(tmp_path)  # same thread: taken over
+    assert again is reclaimable and again.token == token2
+    again.release(token)  # the old owner's release no longer removes it
+    assert again.fd is not None
+    again.release(token2)
+    assert _names(tmp_path) == []
+
+
+# Takes the lock of argv[1], forks a child that tries to release it and exits normally (at-exit
+# clean-up included), then prints what is left in the directory and whose record it is.
+FORKER = """
+import json, os, sys
+from keras_stable_state._manager import lock
+token = lock.new_token()
+held = lock.acquire_lock(sys.argv[1], token)
+pid = os.fork()
+if pid == 0:
+    lock.release_token(token)
+    held.release(token)
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+with open(os.path.join(sys.argv[1], lock.LOCK_NAME)) as f:
+    record = json.load(f)
+left = sorted(os.listdir(sys.argv[1]))
+still = held.fd is not None
+held.release(token)
+print(json.dumps([os.waitstatus_to_exitcode(status), left, record["pid"] == os.getpid(), still]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX")
+def test_a_forked_child_never_releases_the_parents_lock(tmp_path, directory_lock):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", FORKER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    code, left, ours, still = json.loads(done.stdout.strip().splitlines()[-1])
+    assert code == 0
+    assert left == ([LOCK, MARKER] if directory_lock == "portable" else [LOCK])  # the child removed nothing
+    assert ours and still
+    assert _names(tmp_path) == []  # the parent's release removed them
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symbolic links, hard links and FIFOs are POSIX")
+@pytest.mark.parametrize("name", [LOCK, MARKER])
+@pytest.mark.parametrize("case", ["symlink", "hardlink", "fifo", "directory"])
+def test_a_lock_file_or_marker_that_is_no_regular_file_is_refused(tmp_path, directory_lock, name, case):
+    if name == MARKER and directory_lock == "flock":
+        pytest.skip("flock has no marker")
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    planted = d / name
+    {
+        "symlink": lambda: planted.symlink_to(victim),
+        "hardlink": lambda: os.link(victim, planted),
+        "fifo": lambda: os.mkfifo(planted),
+        "directory": lambda: planted.mkdir(),
+    }[case]()
+    with pytest.raises(kss.StateError, match=re.escape(repr(str(planted)))) as info:
+        _acquire(str(d))
+    assert f"Remove {str(planted)!r}" in str(info.value)
+    assert victim.read_text() == "keep"
+    # nothing else written; a refused marker leaves the (empty) lock file the next writer reuses
+    assert _names(d) == ([LOCK] if name == LOCK else [LOCK, MARKER])
+    assert os.path.realpath(d) not in locks._HELD
+
+
+def test_without_fcntl_the_portable_lock_is_chosen_and_flock_cannot_be_forced(tmp_path, monkeypatch):
+    monkeypatch.setattr(locks, "fcntl", None)  # as on Windows (tests/test_hostile_files.py trains so)
+    monkeypatch.delenv("KSS_DIRECTORY_LOCK", raising=False)
+    assert locks.lock_kind() == "portable"
+    held, token = _acquire(tmp_path)
+    assert held.marker is not None and _names(tmp_path) == [LOCK, MARKER]
+    held.release(token)
+    monkeypatch.setenv("KSS_DIRECTORY_LOCK", "flock")
+    with pytest.raises(
+        kss.StateError, match=r"KSS_DIRECTORY_LOCK=flock asks for flock, but this platform has none"
+    ):
+        _acquire(tmp_path)
+    assert _names(tmp_path) == []
+
+
+def test_an_unknown_implementation_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("KSS_DIRECTORY_LOCK", "lockf")
+    with pytest.raises(kss.StateError, match=r"KSS_DIRECTORY_LOCK='lockf' names no directory lock; expected"):
+        _acquire(tmp_path)
+    assert _names(tmp_path) == []
