@@ -126,7 +126,7 @@ _SOURCES = {
 }
 
 
-def _load_all():
+def _load_all() -> None:
     """Import every module of ``_SOURCES`` and bind its names here (registers the Keras serializables)."""
     for name, module in _SOURCES.items():
         globals()[name] = getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -95,7 +95,7 @@ class StateError(Exception):
         ...     print(err.key, err.expected, err.received)
     """
 
-    def __init__(self, message, *, key=None, expected=None, received=None):
+    def __init__(self, message, *, key=None, expected=None, received=None) -> None:
         super().__init__(bounded(str(message)))
         self.key = key
         self.expected = expected
@@ -140,7 +140,7 @@ class ContractError(StateError, ValueError):
         ['path:layers/hidden/kernel', 'path:layers/hidden/bias']
     """
 
-    def __init__(self, message, *, missing=(), unexpected=(), reshaped=(), retyped=()):
+    def __init__(self, message, *, missing=(), unexpected=(), reshaped=(), retyped=()) -> None:
         super().__init__(message)
         self.missing = list(missing)
         self.unexpected = list(unexpected)
@@ -190,7 +190,7 @@ class NewerFormatError(CheckpointFormatError):
         NewerFormatError: from-the-future.h5: written by a newer keras_stable_state (format 4); upgrade to read it ...
     """
 
-    def __init__(self, message, *, path=None, version=None, unknown=(), key=None):
+    def __init__(self, message, *, path=None, version=None, unknown=(), key=None) -> None:
         super().__init__(message, key=key, received=version)
         self.path = path
         self.version = version
@@ -237,7 +237,7 @@ class CheckpointInUseError(StateError, BlockingIOError):
         CheckpointInUseError: 'run.h5' is in use by another process (locked for writing) ...
     """
 
-    def __init__(self, message, *, path=None, holder=None, key=None):
+    def __init__(self, message, *, path=None, holder=None, key=None) -> None:
         super().__init__(message, key=key)
         self.path = path
         self.holder = holder
@@ -258,7 +258,7 @@ class StorageBackendError(StateError, ImportError):
         StorageBackendError: 'gs://bucket/run.h5' is in Google Cloud Storage (gs://), read and written through gcsfs, which is not installed ...
     """
 
-    def __init__(self, message, *, path=None, scheme=None, package=None):
+    def __init__(self, message, *, path=None, scheme=None, package=None) -> None:
         super().__init__(message, expected=package, received=scheme)
         self.path = path
         self.scheme = scheme

@@ -140,7 +140,7 @@ class CastMapper(StateMapper):
         >>> kss.restore_training_state("run.h5", model).lossy   # every model variable's key
     """
 
-    def __init__(self, dtype="bfloat16"):
+    def __init__(self, dtype="bfloat16") -> None:
         if dtype not in _FLOATS:
             raise ValueError(f"`dtype` of CastMapper must be one of {_FLOATS}. Received: dtype={dtype!r}")
         self.dtype = dtype

@@ -365,7 +365,7 @@ class PendingRestore(keras.callbacks.Callback):
         >>> print(pending.report)
     """
 
-    def __init__(self, filepath, record, target, options: RestoreOptions, *, take=False):
+    def __init__(self, filepath, record, target, options: RestoreOptions, *, take=False) -> None:
         """Made by :func:`restore_with` (``filepath``: the file read; ``record``: what it
         held; ``target``: the model to restore into; ``options``: the restore's; ``take``:
         the record is this object's alone, see :func:`restore_with`)."""

@@ -296,7 +296,7 @@ def _save(
         return filepath
 
 
-def _wait_before_copy(filepath, store=None):
+def _wait_before_copy(filepath, store=None) -> None:
     """Before a background save copies anything: the target is writable, and the previous
     write into its folder has ended (at most one host copy waiting)."""
     if store is None:
@@ -400,7 +400,7 @@ def _save_in_background(filepath, model, record, started, store=None):
         archive = buffer.getvalue()
         del buffer
 
-        def archive_writer(tmp):
+        def archive_writer(tmp) -> None:
             with LimitedFile(tmp, "wb") as fh:
                 fh.write(archive)
 
@@ -440,7 +440,7 @@ def _collect_state(model, optimizer, callbacks, state, include_rng):
     extra = {"schedule": state_mod.schedule_state(optimizer), "callbacks": {}, "providers": {}, "rng": None}
     arrays = {}
 
-    def put(section, name, value):
+    def put(section, name, value) -> None:
         json_value, found = state_mod.split_arrays(value, f"{section}/{name}")
         extra[section][name] = json_value
         arrays.update(found)

@@ -46,7 +46,7 @@ _EXECUTOR = None
 _LATEST = {}  # real path of a folder -> the SaveHandle submitted last into it
 
 
-def _forget_in_child():
+def _forget_in_child() -> None:
     # A forked child has no worker threads; it must not wait on its parent's writes.
     global _GUARD, _EXECUTOR
     _GUARD = threading.Lock()
@@ -89,7 +89,7 @@ class SaveHandle:
         'run.h5'
     """
 
-    def __init__(self, path, future, blocked_secs):
+    def __init__(self, path, future, blocked_secs) -> None:
         self.path = path
         self.blocked_secs = blocked_secs
         self.write_secs = None
@@ -128,7 +128,7 @@ class SaveHandle:
             ) from None
         return self.path
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         status = "writing" if not self.done() else ("failed" if self._future.exception() else "written")
         return f"<SaveHandle {self.path!r} {status}>"
 
@@ -201,7 +201,7 @@ class _TensorRead:
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor):
+    def __init__(self, tensor) -> None:
         self.tensor = tensor
 
     def __call__(self):
@@ -316,7 +316,7 @@ def _executor():
     return _EXECUTOR
 
 
-def _name_path(err, path):
+def _name_path(err, path) -> None:
     """Add ``path`` to an error that does not name it (OSErrors of the writer do)."""
     if path not in str(err) and hasattr(err, "add_note"):
         err.add_note(f"(raised by the background save of {path!r})")

@@ -318,7 +318,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         storage_options=None,
         keep=_fit_checks.UNSET,
         async_save=_fit_checks.UNSET,
-    ):
+    ) -> None:
         super().__init__()
         directory = open_directory(directory, storage_options, "StableCheckpoint")[0]
         self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
@@ -384,7 +384,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         """The callbacks given, and the ``History`` of the ``fit`` call (see ``checks.with_history``)."""
         return _fit_checks.with_history(self._given_callbacks, self.model)
 
-    def _say(self, message):
+    def _say(self, message) -> None:
         if self.verbose:
             compat.print_msg(f"StableCheckpoint: {message}")
 
@@ -441,7 +441,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._gated = model  # held as is: ``self.model`` would sync JAX's state at every step
         checkpoint.training_begins(model)
 
-    def _reset(self, spe):
+    def _reset(self, spe) -> None:
         """The state of a fit before its restore (``spe``: its ``steps_per_execution``);
         a background save in flight is dropped (its error belonged to an earlier fit)."""
         self._spe = spe
@@ -453,7 +453,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.moved_checkpoints = []
         self.manager.drop_in_flight()
 
-    def _restore_newest(self):
+    def _restore_newest(self) -> None:
         restored = self.manager.restore_newest_with(
             self._restore, self._unreadable, read_only=self._read_only is not None
         )
@@ -463,12 +463,12 @@ class StableCheckpoint(keras.callbacks.Callback):
             self, restored, self._position, (self.params or {}).get("epochs"), self._say
         )
 
-    def _unreadable(self, path, err):
+    def _unreadable(self, path, err) -> None:
         self._position = Position(self._spe)
         self._pending_restore = None
         self.restore_report = None
 
-    def _restore(self, path, record):
+    def _restore(self, path, record) -> None:
         # Variables, optimizer, schedule check and position now; callbacks, metrics and
         # the epoch-start random state once every callback has run on_train_begin. All of
         # it from ``record``, the one read (and check) of the file: never read twice.
@@ -485,7 +485,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             f"global step {pos.global_step}"
         )
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch, logs=None) -> None:
         self.manager.check_for_errors()
         record, self._pending_restore = self._pending_restore, None
         saved_data = None
@@ -501,14 +501,14 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._position.epoch_rng = state.rng_state()
             self._order.begin_epoch(saved_data)
 
-    def _skip_batches(self, count):
+    def _skip_batches(self, count) -> None:
         """Draw ``count`` batches (whole executions of ``steps_per_execution`` batches) from
         the data without training on them."""
         self._skip_until = count
         compat.skip_batches(self.model, count // self._spe, per_call=self._spe)
 
     # -- save -------------------------------------------------------------------------
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch, logs=None) -> None:
         self.manager.check_for_errors()
         guard, self._epoch_guard = self._epoch_guard, None
         if guard is not None:  # every callback's on_epoch_begin has run for the resumed epoch
@@ -525,7 +525,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         if self._save_requested:
             self._save()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch, logs=None) -> None:
         # A step boundary: a save waiting in another thread reads the model now (JAX: the
         # model property attaches the training state to the variables first).
         if self._gated is not None:
@@ -541,7 +541,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         if self.preemption.reached(pos.global_step):
             self._preempt(pos)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch, logs=None) -> None:
         stop = self.preemption.at_epoch_end
         if self.preemption.step is not None and not stop:
             return  # stopped mid-epoch: the checkpoint, taken at that batch end, is the position
@@ -553,7 +553,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._save_requested = True
         self.model.stop_training = self.model.stop_training or stop
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs=None) -> None:
         try:
             if self._save_requested:
                 self._save()
@@ -569,7 +569,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             self.manager.release()
             self.preemption.end()
 
-    def _preempt(self, pos):
+    def _preempt(self, pos) -> None:
         """A signal came (to any process): save this step, wait until it is written, stop."""
         steps = (self.params or {}).get("steps")
         last_batch = bool(steps) and pos.step >= steps  # then the epoch-end checkpoint, at train end
@@ -580,7 +580,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             self.model.stop_training = True
         self._say(f"{received} (preemption): checkpoint of global step {pos.global_step}; training stops")
 
-    def _save(self):
+    def _save(self) -> None:
         self._save_requested = False
         self.manager.wait()  # the previous background save ends first; its failure is raised
         pos = self._position
@@ -591,7 +591,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         found = {"callbacks": self._callbacks, "state": self._providers()}
         self.manager.save(pos.global_step, self.model, metrics=self._metrics, epoch=pos.epoch, **found)
 
-    def _saved(self, step, path, secs, blocked_secs):
+    def _saved(self, step, path, secs, blocked_secs) -> None:
         where = self._where.pop(step, f"global step {step}")
         if self.verbose:  # the size is read only for the line
             size = self.manager.files.size_of(path)

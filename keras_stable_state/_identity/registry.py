@@ -50,7 +50,7 @@ class VariableRegistry:
         True
     """
 
-    def __init__(self, entries, *, model=None):
+    def __init__(self, entries, *, model=None) -> None:
         self.entries = list(entries)
         # Where stock Keras keeps each variable: computed from ``model`` on first use.
         self._model = model

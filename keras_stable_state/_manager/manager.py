@@ -178,7 +178,7 @@ class CheckpointManager(DirectoryHolder):
         save_on_background=False,
         verbose=0,
         storage_options=None,
-    ):
+    ) -> None:
         self.directory, self.files = open_directory(directory, storage_options, "CheckpointManager")
         self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
         if not isinstance(save_on_background, bool):
@@ -215,7 +215,7 @@ class CheckpointManager(DirectoryHolder):
         "mode", "save_on_background", "verbose", "storage_options"}``."""
         return {name: getattr(self, name) for name in _CONFIG_NAMES}
 
-    def _say(self, message):
+    def _say(self, message) -> None:
         if self.verbose:
             compat.print_msg(f"{self.name}: {message}")
 
@@ -369,7 +369,7 @@ class CheckpointManager(DirectoryHolder):
         (a ``StableCheckpoint`` starting a new ``fit``: the error belonged to the earlier one)."""
         self._in_flight = None
 
-    def _collect(self, wait):
+    def _collect(self, wait) -> None:
         in_flight = self._in_flight
         if in_flight is None:
             return
@@ -380,7 +380,7 @@ class CheckpointManager(DirectoryHolder):
         handle.wait()
         self._saved(step, handle.path, info, handle.write_secs, handle.blocked_secs)
 
-    def _saved(self, step, path, info, secs, blocked_secs):
+    def _saved(self, step, path, info, secs, blocked_secs) -> None:
         self.files.commit(path, step, info)
         self._summaries.pop(path, None)
         processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # JAX: process 0
@@ -447,7 +447,7 @@ class CheckpointManager(DirectoryHolder):
         if step == "latest":
             restored = {}
 
-            def restore(path, record):
+            def restore(path, record) -> None:
                 # the record was read for this restore alone: its arrays may become the variables'
                 restored["report"] = checkpoint.restore_with(path, model, options, record=record, take=True)
 
@@ -497,7 +497,7 @@ class CheckpointManager(DirectoryHolder):
         self._collect(wait=True)
         self.skipped_checkpoints, self.moved_checkpoints = [], []
 
-        def moved(path, err):
+        def moved(path, err) -> None:
             if unreadable is not None:
                 unreadable(path, err)
             self.skipped_checkpoints.append((path, str(err)))

@@ -67,13 +67,13 @@ class CheckpointMetadata:
 class ManagerRecord:
     """The provider holding the manager's metadata of one save (never restored)."""
 
-    def __init__(self, value):
+    def __init__(self, value) -> None:
         self.value = value
 
     def get_state(self):
         return self.value
 
-    def set_state(self, state):
+    def set_state(self, state) -> None:
         self.value = state
 
 

@@ -43,12 +43,12 @@ class GradientAccumulator:
         ...     optimizer.apply(acc.gradients(), model.trainable_variables); acc.reset()
     """
 
-    def __init__(self, model, variables=None):
+    def __init__(self, model, variables=None) -> None:
         self.model = model
         self._given = None if variables is None else list(variables)
         self.built = False
 
-    def build(self, variables=None):
+    def build(self, variables=None) -> None:
         """Create the sums (zeros) for ``variables`` (default: as given, or the model's trainable ones)."""
         variables = list(variables or self._given or self.model.trainable_variables)
         self.targets = variables

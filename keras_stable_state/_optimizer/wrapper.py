@@ -34,7 +34,7 @@ _BASE_DEFAULTS = {
 }
 
 
-def _hand_over(wrapper):
+def _hand_over(wrapper) -> None:
     """Hand the save/load of every optimizer inside the wrapper (the inner optimizer, a
     LossScaleOptimizer's inner one, a MultiOptimizer's groups) to the wrapper's keyed store:
     Keras' saving walk visits them too and would save and load them by position. Used on
@@ -149,7 +149,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
     # Read by entries.unwrap / optimizer_tree: the slots are the inner optimizer's, no prefix of this one.
     wraps_transparently = True
 
-    def __init__(self, inner_optimizer, name=None, *, model=None, allow_order_keys=False, **kwargs):
+    def __init__(self, inner_optimizer, name=None, *, model=None, allow_order_keys=False, **kwargs) -> None:
         for arg, default in _BASE_DEFAULTS.items():
             value = kwargs.pop(arg, default)
             if value != default:
@@ -200,11 +200,11 @@ class StableOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
-    def learning_rate(self, value):
+    def learning_rate(self, value) -> None:
         if hasattr(self, "inner_optimizer"):
             self.inner_optimizer.learning_rate = value
 
-    def build(self, var_list):
+    def build(self, var_list) -> None:
         """Build the inner optimizer on ``var_list``.
 
         Raises:
@@ -263,10 +263,10 @@ class StableOptimizer(keras.optimizers.Optimizer):
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+    def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     # -- identity ---------------------------------------------------------------
@@ -318,7 +318,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         return optimizer_entries(self, registry, name=name, allow_order_keys=allow)
 
     # -- .keras serialization -----------------------------------------------------
-    def save_own_variables(self, store):
+    def save_own_variables(self, store) -> None:
         """Write every optimizer variable with its key (``.keras`` / ``.weights.h5``).
 
         Datasets ``"0"``, ``"1"``, ... hold the arrays; ``"keys"`` holds their
@@ -336,7 +336,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         for i, entry in enumerate(entries):
             store[str(i)] = numpy_copy(entry.variable)
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store) -> None:
         """Restore variables by key; a store without keys is restored by position.
 
         If the optimizer is not built or not bound yet, the state is kept and
@@ -363,7 +363,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
             self._pending_store = pending  # still not applied: training refuses to start fresh
             raise
 
-    def _load_keyed(self, store):
+    def _load_keyed(self, store) -> None:
         names = list(store.keys())
         if "keys" in names:
             arrays = {k: np.asarray(store[str(i)]) for i, k in enumerate(keys.decode_key_list(store["keys"]))}

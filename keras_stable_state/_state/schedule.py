@@ -26,7 +26,7 @@ class ScheduleMismatchError(StateError, ValueError):
         (config.decay_steps: saved 10, now 20). ...
     """
 
-    def __init__(self, message, *, fields=()):
+    def __init__(self, message, *, fields=()) -> None:
         super().__init__(message)
         self.fields = list(fields)
 

@@ -56,7 +56,7 @@ EXIT_CODES = (
 class Refusal(Exception):
     """A command could not use ``file``: ``error`` says why (raised by :func:`refusing`)."""
 
-    def __init__(self, file, error):
+    def __init__(self, file, error) -> None:
         super().__init__(str(error))
         self.file, self.error = file, error
 
@@ -99,7 +99,7 @@ def _safe(text) -> str:
     return safe(text)
 
 
-def _print(args, result, render):
+def _print(args, result, render) -> None:
     from keras_stable_state.cli import output
 
     if args.json:

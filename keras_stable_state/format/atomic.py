@@ -22,6 +22,7 @@ import errno
 import os
 import secrets
 import stat
+from types import TracebackType
 
 from keras_stable_state.errors import CheckpointFormatError, StateError
 from keras_stable_state.format.remote import refuse_url
@@ -170,7 +171,7 @@ class atomic_path:
             the previous file at ``filepath`` is left as it was.
     """
 
-    def __init__(self, filepath, suffix=""):
+    def __init__(self, filepath, suffix="") -> None:
         self.filepath = os.fsdecode(os.fspath(filepath))
         refuse_url(self.filepath, "training-state path")  # never a local folder named 's3:'
         self.suffix = suffix
@@ -188,7 +189,7 @@ class atomic_path:
         release_cached_pages(self.filepath)
         return self.tmp
 
-    def _discard(self):
+    def _discard(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)
         with contextlib.suppress(FileNotFoundError):
@@ -209,7 +210,12 @@ class atomic_path:
                 key=self.tmp,
             )
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         if exc_type is not None:
             self._discard()
             if isinstance(exc, OSError) and not isinstance(exc, StateError):

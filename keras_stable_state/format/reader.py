@@ -123,7 +123,9 @@ class CheckpointFile:
         MalformedKeyError: (a ``CorruptCheckpointError``) for a key restore could not parse.
     """
 
-    def __init__(self, path, *, data: bytes | None = None, whole: bool = False, unaligned_views: bool = True):
+    def __init__(
+        self, path, *, data: bytes | None = None, whole: bool = False, unaligned_views: bool = True
+    ) -> None:
         data = None if data is None else bytes(data)
         if data is not None and not isinstance(path, str):
             path = "<bytes>"
@@ -230,7 +232,7 @@ class CheckpointFile:
         self._blob = (None, None)
         self._list()
 
-    def _sync_source(self):
+    def _sync_source(self) -> None:
         src = self._src
         self.container, self.where, self.sealed, self.seal_version = (
             src.container,
@@ -240,7 +242,7 @@ class CheckpointFile:
         )
         self.members, self.member, self.model_class = src.members, src.member, src.model_class
 
-    def _open(self):
+    def _open(self) -> None:
         self._src.open()
         self._sync_source()
         self._list()
@@ -377,7 +379,7 @@ class CheckpointFile:
             raise self._failed_checksum(entry, f"{entry.xxh3:016x}", f"{computed:016x}")
         return decode_array(stored, entry.dtype)
 
-    def check_members(self, progress=None):
+    def check_members(self, progress=None) -> None:
         """Read every other archive member to the end, so that zip checks its CRC-32.
 
         A member a hash checked on opening covers whole (the sealed record member read
@@ -436,7 +438,7 @@ class CheckpointFile:
         """Bytes of array data in the file."""
         return sum(e.nbytes for e in self.entries)
 
-    def close(self):
+    def close(self) -> None:
         """Close the file and release its lock; :meth:`read` then raises ``ValueError``.
         Closing twice is harmless."""
         self._src.close()
@@ -447,7 +449,7 @@ class CheckpointFile:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> bool:
         self.close()
         return False
 

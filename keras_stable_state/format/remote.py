@@ -256,7 +256,7 @@ class RemotePath:
         The errors of the fsspec filesystem for options it refuses.
     """
 
-    def __init__(self, url: str, storage_options=None, *, _fs=None, _path=None):
+    def __init__(self, url: str, storage_options=None, *, _fs=None, _path=None) -> None:
         self.url = url.rstrip("/") if not url.endswith("://") else url
         self.storage_options = _check_storage_options(storage_options)
         if _fs is None:
@@ -265,7 +265,7 @@ class RemotePath:
         self.path = _path
         self.protocol = scheme_of(self.url)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"RemotePath({self.url!r})"
 
     def child(self, name: str) -> RemotePath:

@@ -55,7 +55,7 @@ class StockListing(Listing):
         key_groups: The groups (``"optimizer/vars/"``) holding such a ``keys`` dataset.
     """
 
-    def __init__(self, src):
+    def __init__(self, src) -> None:
         super().__init__(src)
         self.metadata = {}
         self.optimizer_keys = {}

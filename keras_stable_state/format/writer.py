@@ -59,7 +59,7 @@ class _SectionWriter:
     """Writes one section's arrays into numbered uint8 blobs (format 3), one array at a
     time, and builds the section's index rows."""
 
-    def __init__(self, group, shared=None, share_above=0):
+    def __init__(self, group, shared=None, share_above=0) -> None:
         self.group = group
         self.shared = shared
         self.share_above = share_above
@@ -68,7 +68,7 @@ class _SectionWriter:
         self.buf = bytearray()
         self.open = False  # a shared blob is being filled (it may hold zero-size arrays only)
 
-    def add(self, key, value):
+    def add(self, key, value) -> None:
         if callable(value):
             value = value()
         stored, name = encode_array(np.asarray(value))
@@ -95,7 +95,7 @@ class _SectionWriter:
         if len(self.buf) >= BLOB_TARGET:
             self.flush()
 
-    def flush(self):
+    def flush(self) -> None:
         if not self.open:
             return
         self.group.create_dataset(str(self.blobs), data=np.frombuffer(self.buf, dtype=np.uint8))
