@@ -12,12 +12,12 @@ the caller does not pass the mappers again.
 
 Built-in mappers:
 
-* :class:`CastMapper` (``CastMapper("bfloat16")``): store a floating-point
+* [`CastMapper`][keras_stable_state.CastMapper] (``CastMapper("bfloat16")``): store a floating-point
   array in another floating-point dtype; cast back on load.
-* :class:`QuantizeMapper`: symmetric per-array int8 quantization
+* [`QuantizeMapper`][keras_stable_state.QuantizeMapper]: symmetric per-array int8 quantization
   (``scale = max|x| / 127``, ``q = round(x / scale)``, ``x' = q * scale``).
 
-A mapper is a :class:`StateMapper` subclass registered with
+A mapper is a [`StateMapper`][keras_stable_state.StateMapper] subclass registered with
 ``keras.saving.register_keras_serializable`` (its registered name is part of
 the file: restore looks it up in Keras' registry and never imports a module
 named by the file).
@@ -52,8 +52,8 @@ def _is_float(name: str) -> bool:
 class StateMapper:
     """Base class of per-key mappers: how one array is stored and read back.
 
-    Subclasses implement :meth:`encode` and :meth:`decode`, set :attr:`lossy`,
-    and round-trip through :meth:`get_config` / :meth:`from_config`; register
+    Subclasses implement [`encode`][keras_stable_state.StateMapper.encode] and [`decode`][keras_stable_state.StateMapper.decode], set `lossy`,
+    and round-trip through [`get_config`][keras_stable_state.StateMapper.get_config] / `from_config`; register
     them with ``@keras.saving.register_keras_serializable()`` so that a file
     naming them can be restored (the class must be registered, i.e. its module
     imported, in the restoring process too).
@@ -95,9 +95,9 @@ class StateMapper:
 
         Args:
             key: The array's key, as saved.
-            array: The stored array (what :meth:`encode` returned).
+            array: The stored array (what [`encode`][keras_stable_state.StateMapper.encode] returned).
             dtype: The original dtype name (``"float32"``).
-            params: The parameters :meth:`encode` returned (arrays as NumPy arrays).
+            params: The parameters [`encode`][keras_stable_state.StateMapper.encode] returned (arrays as NumPy arrays).
 
         Returns:
             A NumPy array of dtype ``dtype`` and the original shape.
@@ -256,7 +256,7 @@ def check_mappers(mappers, verb) -> list:
 
     Raises:
         TypeError: for a non-dict, a non-string pattern, a value that is not a
-            registered :class:`StateMapper`, or a config that is not JSON.
+            registered [`StateMapper`][keras_stable_state.StateMapper], or a config that is not JSON.
         ValueError: for a pattern that is not a regular expression.
     """
     if mappers is None:

@@ -1,10 +1,10 @@
 """``restore_training_state``: its arguments checked, the file read, and the record restored
-(by :func:`~keras_stable_state._core.plan.restore_record`), now or, with ``defer=True``,
-by a :class:`PendingRestore` once the model is built.
+(by `restore_record`), now or, with ``defer=True``,
+by a [`PendingRestore`][keras_stable_state.PendingRestore] once the model is built.
 
-:func:`restore_with` is the verb with its options grouped (:class:`RestoreOptions`)
-and the record optionally given already read: what a :class:`PendingRestore` and
-:func:`~keras_stable_state.restore_training_state_from_bytes` call.
+`restore_with` is the verb with its options grouped (`RestoreOptions`)
+and the record optionally given already read: what a [`PendingRestore`][keras_stable_state.PendingRestore] and
+[`restore_training_state_from_bytes`][keras_stable_state.restore_training_state_from_bytes] call.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ __all__ = ["RestoreOptions", "PendingRestore", "restore_training_state", "restor
 
 @dataclasses.dataclass(frozen=True)
 class RestoreOptions:
-    """The options of :func:`restore_training_state` but ``defer``, as passed (unchecked:
-    :func:`restore_with` checks them); each field is documented there."""
+    """The options of [`restore_training_state`][keras_stable_state.restore_training_state] but ``defer``, as passed (unchecked:
+    `restore_with` checks them); each field is documented there."""
 
     optimizer: object = None
     strict: object = True
@@ -58,7 +58,7 @@ class RestoreOptions:
 
     @classmethod
     def from_keywords(cls, verb, /, **kwargs) -> RestoreOptions:
-        """The options from keyword arguments named as :func:`restore_training_state`'s.
+        """The options from keyword arguments named as [`restore_training_state`][keras_stable_state.restore_training_state]'s.
 
         Raises:
             TypeError: for a name that is not an option, as Python says it for ``verb``.
@@ -88,7 +88,7 @@ def restore_training_state(
     defer=False,
     storage_options=None,
 ) -> RestoreReport | PendingRestore:
-    """Restore a training state saved by :func:`save_training_state` (or a stock Keras file).
+    """Restore a training state saved by [`save_training_state`][keras_stable_state.save_training_state] (or a stock Keras file).
 
     Everything is read, checksummed, checked and converted before the first
     value is assigned: model variables, slots, casts, callback and provider
@@ -107,7 +107,7 @@ def restore_training_state(
 
     Args:
         filepath: A ``.keras`` or ``.h5`` file written by
-            :func:`save_training_state`, a ``.orbax`` directory it wrote
+            [`save_training_state`][keras_stable_state.save_training_state], a ``.orbax`` directory it wrote
             (each array read onto the variable's current sharding, each JAX
             process reading only its own shards), or a stock Keras ``.keras`` /
             ``.weights.h5`` file. With several JAX processes every process
@@ -118,13 +118,13 @@ def restore_training_state(
             the local path it names. A background save of this process into
             the same folder (``blocking=False``) ends before the file is read,
             so the state read is the last one saved (its error, if any, stays
-            with its :class:`SaveHandle`).
+            with its [`SaveHandle`][keras_stable_state.SaveHandle]).
         model: The built ``keras.Model`` to restore into, however it was built.
         optimizer: Default ``model.optimizer``; ``None`` with an uncompiled
             model restores model variables only.
         strict: If ``True`` (default), any difference between the saved
             contract and the model's trainable variables raises
-            :class:`ContractError`. If ``False``, slots of variables no longer
+            [`ContractError`][keras_stable_state.ContractError]. If ``False``, slots of variables no longer
             trained are dropped and variables newly trained start fresh; both
             are listed in the report.
         allow_cast: Cast floating-point arrays whose dtype differs from their
@@ -137,7 +137,7 @@ def restore_training_state(
         check_schedule: Refuse a learning-rate schedule whose config differs
             from the saved one.
         variables: ``{name: keras.Variable}``: the variables outside the model
-            passed by name to :func:`save_training_state`; their values and
+            passed by name to [`save_training_state`][keras_stable_state.save_training_state]; their values and
             slots (``var:<name>``) are restored too.
         prefix: Restore a state saved from a model that is now nested in
             ``model`` (transfer learning: ``Sequential([base, head])``): the
@@ -164,7 +164,7 @@ def restore_training_state(
             ``report.transfer``), not for a resume, whose saved value is the run's.
         defer: Restore into a model that is not built yet: the file is read
             and every array checksummed now, and the returned
-            :class:`PendingRestore` assigns them once the variables exist (as a
+            [`PendingRestore`][keras_stable_state.PendingRestore] assigns them once the variables exist (as a
             ``model.fit`` callback, at ``on_train_begin``, after ``fit`` built
             the model and its optimizer on JAX and PyTorch; or by calling
             ``restore()`` once the model is built), with every check above
@@ -174,7 +174,7 @@ def restore_training_state(
             environment variables apply as well.
 
     Returns:
-        A :class:`RestoreReport`; with ``defer=True`` a :class:`PendingRestore`
+        A [`RestoreReport`][keras_stable_state.RestoreReport]; with ``defer=True`` a [`PendingRestore`][keras_stable_state.PendingRestore]
         (its ``report`` set once restored).
 
     Raises:
@@ -265,24 +265,24 @@ def restore_training_state(
 def restore_with(
     filepath, model, options: RestoreOptions, *, defer=False, record=None, take=False
 ) -> RestoreReport | PendingRestore:
-    """:func:`restore_training_state` with its options grouped.
+    """[`restore_training_state`][keras_stable_state.restore_training_state] with its options grouped.
 
     Args:
-        filepath: As for :func:`restore_training_state` (``"<bytes>"`` with ``record``).
-        model: As for :func:`restore_training_state`.
+        filepath: As for [`restore_training_state`][keras_stable_state.restore_training_state] (``"<bytes>"`` with ``record``).
+        model: As for [`restore_training_state`][keras_stable_state.restore_training_state].
         options: The other arguments but ``defer``.
-        defer: As for :func:`restore_training_state`.
-        record: The record of ``filepath`` read already (by a :class:`PendingRestore`,
+        defer: As for [`restore_training_state`][keras_stable_state.restore_training_state].
+        record: The record of ``filepath`` read already (by a [`PendingRestore`][keras_stable_state.PendingRestore],
             or from bytes); ``None``: read the file now.
         take: The arrays of ``record`` are the caller's to give away: nothing reads its
             model and optimizer arrays after this call, so the variables may keep their
             memory instead of a copy. Always so for a record read here.
 
     Returns:
-        As :func:`restore_training_state`.
+        As [`restore_training_state`][keras_stable_state.restore_training_state].
 
     Raises:
-        Every error of :func:`restore_training_state`.
+        Every error of [`restore_training_state`][keras_stable_state.restore_training_state].
     """
     verb = "restore_training_state"
     filepath = check_filepath(filepath, verb)
@@ -344,18 +344,18 @@ class PendingRestore(keras.callbacks.Callback):
     """A restore waiting for the model's variables: ``restore_training_state(..., defer=True)``.
 
     The file was read and every array checksummed when it was made; nothing is
-    assigned until the model is built. Then :meth:`restore` matches, checks and
-    assigns everything exactly as :func:`restore_training_state` does (all or
+    assigned until the model is built. Then [`restore`][keras_stable_state.PendingRestore.restore] matches, checks and
+    assigns everything exactly as [`restore_training_state`][keras_stable_state.restore_training_state] does (all or
     nothing). Passed to ``model.fit`` as a callback it restores at
     ``on_train_begin``, when ``fit`` has built the model and its optimizer
     (Keras' ``BackupAndRestore`` restores there too) on the JAX and PyTorch
     backends; TensorFlow builds the model inside the first training step, so
-    there build it first and call :meth:`restore` before ``fit`` (the callback
+    there build it first and call [`restore`][keras_stable_state.PendingRestore.restore] before ``fit`` (the callback
     raises a ``StateError`` saying so rather than train unrestored).
 
     Attributes:
         filepath: The file the state was read from.
-        report: The :class:`RestoreReport` once restored, else ``None``.
+        report: The [`RestoreReport`][keras_stable_state.RestoreReport] once restored, else ``None``.
 
     Example:
         >>> model = build_model()                      # not built: no input shape yet
@@ -366,9 +366,9 @@ class PendingRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, filepath, record, target, options: RestoreOptions, *, take=False) -> None:
-        """Made by :func:`restore_with` (``filepath``: the file read; ``record``: what it
+        """Made by `restore_with` (``filepath``: the file read; ``record``: what it
         held; ``target``: the model to restore into; ``options``: the restore's; ``take``:
-        the record is this object's alone, see :func:`restore_with`)."""
+        the record is this object's alone, see `restore_with`)."""
         super().__init__()
         self._take = take
         self.filepath = filepath
@@ -386,11 +386,11 @@ class PendingRestore(keras.callbacks.Callback):
         """Restore now (the model must be built).
 
         Returns:
-            The :class:`RestoreReport`, also kept as ``self.report``.
+            The [`RestoreReport`][keras_stable_state.RestoreReport], also kept as ``self.report``.
 
         Raises:
             StateError: if it was restored already or the model is still not
-                built, and every error of :func:`restore_training_state`.
+                built, and every error of [`restore_training_state`][keras_stable_state.restore_training_state].
         """
         if self.report is not None:
             raise StateError(

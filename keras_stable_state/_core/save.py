@@ -1,11 +1,11 @@
 """``save_training_state``: the training state checked, collected into a record, and written.
 
-:func:`training_state_record` checks the arguments and collects everything into a
-:class:`~keras_stable_state.format.StateRecord` (variables as host copies made
-as the file is written); :func:`save_training_state` writes it to ``.h5`` / ``.keras``
-(:mod:`~keras_stable_state.format.storage`, in the background with
-:mod:`~keras_stable_state._engines.background`) or ``.orbax``
-(:mod:`~keras_stable_state._engines.orbax`).
+`training_state_record` checks the arguments and collects everything into a
+`StateRecord` (variables as host copies made
+as the file is written); [`save_training_state`][keras_stable_state.save_training_state] writes it to ``.h5`` / ``.keras``
+(`storage`, in the background with
+`background`) or ``.orbax``
+(`orbax`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ __all__ = ["save_training_state", "training_state_record"]
 
 
 def _host_array(variable):
-    """``variable``'s value as a NumPy array (:func:`~keras_stable_state._numpy.to_numpy`);
+    """``variable``'s value as a NumPy array (`to_numpy`);
     on TensorFlow, a plain variable through one ``ReadVariableOp`` of its resource
     (``compat.tf_read``): 30 us per variable instead of 140."""
     read = compat.tf_read(variable)
@@ -80,7 +80,7 @@ def save_training_state(
     provider in ``state`` and the global random state.
 
     From another thread while ``model.fit`` trains the model, a save is of one step: with
-    a :class:`~keras_stable_state.StableCheckpoint` in that ``fit``, the call waits for
+    a [`StableCheckpoint`][keras_stable_state.StableCheckpoint] in that ``fit``, the call waits for
     the next step boundary (the end of the current training step; the training thread
     waits meanwhile, until every value saved is read: for ``blocking=True`` until the
     file is written, for ``blocking=False`` until every value is held apart); without one,
@@ -113,20 +113,20 @@ def save_training_state(
             ``ReduceLROnPlateau``, ``ModelCheckpoint``, ``History``, or any
             with ``get_state()`` / ``set_state()``); others are skipped.
         state: ``{name: provider}`` for other objects with ``get_state()`` /
-            ``set_state()`` (e.g. a :class:`~keras_stable_state.GradientAccumulator`).
+            ``set_state()`` (e.g. a [`GradientAccumulator`][keras_stable_state.GradientAccumulator]).
         include_rng: Save NumPy's, Python's and Keras' global random state.
         variables: ``{name: keras.Variable}``: variables outside the model that
             the optimizer trains (a temperature ``log_alpha`` passed to
             ``optimizer.apply`` next to ``model.trainable_variables``). Their
             values and slots are saved under ``var:<name>``; pass the same
-            names to :func:`restore_training_state`.
+            names to [`restore_training_state`][keras_stable_state.restore_training_state].
         mappers: ``{pattern: StateMapper}``: store each model or optimizer
             array whose key ``re.search(pattern, key)`` finds through the mapper
             (e.g. ``{r"^path:.*kernel$": CastMapper("bfloat16")}``); the file
             records each mapper so the restore decodes without it being passed
             again, and the report lists the keys (docs: smaller checkpoints).
         blocking: ``True``: return once the file is written. ``False``: return a
-            :class:`~keras_stable_state.SaveHandle` once every value is held apart
+            [`SaveHandle`][keras_stable_state.SaveHandle] once every value is held apart
             from training (Torch: copied to host memory; TensorFlow: read, the
             variables' next update writes into new buffers; JAX: viewed on CPU,
             where a step that donates the array copies it first, or copied on the
@@ -141,7 +141,7 @@ def save_training_state(
 
     Returns:
         ``filepath`` (``str``) with ``blocking=True``; a
-        :class:`~keras_stable_state.SaveHandle` with ``blocking=False``, whose
+        [`SaveHandle`][keras_stable_state.SaveHandle] with ``blocking=False``, whose
         ``wait()`` raises the ``OSError`` or other error of the background write.
 
     Raises:
@@ -230,8 +230,8 @@ def _save(
     storage_options,
     started,
 ):
-    """:func:`save_training_state`, returning for ``blocking=False`` the zero-argument callable
-    that submits the background write (and returns its :class:`SaveHandle`)."""
+    """[`save_training_state`][keras_stable_state.save_training_state], returning for ``blocking=False`` the zero-argument callable
+    that submits the background write (and returns its [`SaveHandle`][keras_stable_state.SaveHandle])."""
     verb = "save_training_state"
     filepath = check_filepath(filepath, verb)
     filepath, store = object_store_target(filepath, storage_options, verb)
@@ -319,7 +319,7 @@ def training_state_record(
     convert=_host_array,
     before_copy=None,
 ):
-    """The :class:`~keras_stable_state.format.StateRecord` that :func:`save_training_state`
+    """The `StateRecord` that [`save_training_state`][keras_stable_state.save_training_state]
     writes, with every argument checked as it says (``verb`` names the caller in messages;
     ``convert`` turns a variable into the value stored; ``before_copy`` runs once the
     arguments are checked, before any value is read)."""

@@ -49,7 +49,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     ``repeat()``): the number of batches drawn from it before the epoch began is
     saved too, and a resumed run draws them from a fresh iterator first. Shuffled
     arrays whose order cannot be taken over (with ``steps_per_epoch``, or not NumPy
-    arrays, on TensorFlow) get an :class:`InexactResumeWarning` on train begin, as
+    arrays, on TensorFlow) get an [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning] on train begin, as
     does a resume on another backend than the writer's of a model with random
     layers (each backend draws its own dropout masks). A ``PyDataset`` that defines ``get_state()``
     (a dict of JSON values and NumPy arrays) and ``set_state(state)`` has that
@@ -57,7 +57,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     epoch's iterator starts, so one that shuffles in ``on_epoch_end`` resumes
     exactly; one that overrides ``on_epoch_end`` without them, and a ``tf.data``
     pipeline that shuffles with ``reshuffle_each_iteration=True``, get an
-    :class:`InexactResumeWarning` on train begin. The input is found through
+    [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning] on train begin. The input is found through
     ``fit``'s call frame (Keras gives callbacks no handle on it); the batches a
     ``PyDataset``'s workers prefetched while ``fit`` built the model are dropped,
     so each epoch reads its own order. For other ``tf.data`` datasets and
@@ -66,18 +66,18 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     Each save is one ``ckpt-<global step>.h5`` file (in a directory named ``*.orbax``, a
     ``ckpt-<global step>.orbax`` step directory of the ``.orbax`` engine: every JAX
-    process writes its own shards, see :class:`~keras_stable_state.CheckpointManager`)
-    (see :func:`keras_stable_state.save_training_state`), written atomically through a
+    process writes its own shards, see [`CheckpointManager`][keras_stable_state.CheckpointManager])
+    (see [`keras_stable_state.save_training_state`][keras_stable_state.save_training_state]), written atomically through a
     ``.kss-*`` temporary file; the newest ``max_to_keep`` files are kept, and with
     ``monitor`` and ``keep_best`` the best ``keep_best`` by that metric beside them (only
     files named ``ckpt-<10 digits>.h5`` count, and a file that vanished meanwhile is
-    skipped): the directory is that of a :class:`~keras_stable_state.CheckpointManager`
+    skipped): the directory is that of a [`CheckpointManager`][keras_stable_state.CheckpointManager]
     (``manager``). A checkpoint's metrics are the ``logs`` of the batch or epoch end before
     it: an epoch-end save has the epoch's ``val_*`` metrics, a mid-epoch one only the
     running training metrics (so it is never the best by ``val_loss``).
     The resume reads the newest checkpoint once and restores everything (variables,
     position, callback states, random state) from what it read. While the ``fit``
-    runs, a :func:`~keras_stable_state.save_training_state` of the model from
+    runs, a [`save_training_state`][keras_stable_state.save_training_state] of the model from
     another thread waits for the end of the current step, the training thread
     waiting in ``on_train_batch_end`` until that save has read the model: the file
     holds one step.
@@ -96,13 +96,13 @@ class StableCheckpoint(keras.callbacks.Callback):
     An unreadable checkpoint (truncated, failing a checksum, or not a training
     state) is moved into ``<directory>/unreadable/`` (``ckpt-<step>.h5``, or
     ``ckpt-<step>.h5.<n>`` if that name is taken) and the one before is restored,
-    with an :class:`UnreadableCheckpointWarning` naming each moved file. If none is
+    with an [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning] naming each moved file. If none is
     readable, training starts fresh, with that warning. ``skipped_checkpoints``
     lists ``(path, reason)`` and ``moved_checkpoints`` ``(path, new path)`` of each.
     A checkpoint that is locked by another process is not damaged: the callback
-    raises :class:`~keras_stable_state.CheckpointInUseError` and never falls back.
+    raises [`CheckpointInUseError`][keras_stable_state.CheckpointInUseError] and never falls back.
     Nor is one written by a newer keras_stable_state: the callback raises
-    :class:`~keras_stable_state.NewerFormatError`, leaves the file in place and
+    [`NewerFormatError`][keras_stable_state.NewerFormatError], leaves the file in place and
     never falls back.
 
     With ``steps_per_execution=k`` (TensorFlow and JAX; Keras refuses ``k > 1`` on
@@ -127,7 +127,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     the skipped batches' begin and end events (with empty logs). On a resume,
     each callback of the ``fit`` whose state the library cannot see (one of your
     own classes, or a ``LambdaCallback``, without ``get_state()``/``set_state()``)
-    gets an :class:`InexactResumeWarning`: its attributes start fresh in the new
+    gets an [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning]: its attributes start fresh in the new
     process. A ``get_state()`` that returns ``{}`` declares a callback stateless.
 
     On a mid-epoch resume Keras runs every callback's ``on_epoch_begin`` again for
@@ -135,7 +135,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     (at the first batch begin this callback sees), so ``LearningRateScheduler`` is
     applied once per epoch. Every other callback of the ``fit`` that overrides
     ``on_epoch_begin`` (Keras' display, logging and saving callbacks aside) gets an
-    :class:`InexactResumeWarning` on train begin, unless it has an attribute
+    [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning] on train begin, unless it has an attribute
     ``repeatable_epoch_begin = True``. At an epoch-boundary resume, such a callback
     listed before this one (its ``on_epoch_begin`` ran before the epoch-end save was
     written) gets that warning.
@@ -156,18 +156,18 @@ class StableCheckpoint(keras.callbacks.Callback):
     ``fit``'s. A mid-epoch checkpoint whose data differ is refused (``StateError``) or,
     with ``on_data_change="restart_epoch"``, its epoch is trained again from the first
     batch; an epoch-boundary one resumes with the new data. Both of the latter issue
-    an :class:`InexactResumeWarning` naming each field, saved and now.
+    an [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning] naming each field, saved and now.
 
     On train begin every ``StableOptimizer`` the model tracks
     (``model.optimizer`` and optimizer attributes such as a GAN's
     ``d_optimizer``) is bound to the ``fit`` model (see
-    :meth:`~keras_stable_state.StableOptimizer.bind`), and every optimizer the
+    [`bind`][keras_stable_state.StableOptimizer.bind]), and every optimizer the
     model tracks is saved and restored, each under its attribute name.
 
     Args:
         directory: Folder of the checkpoints (created if needed): a ``str``, ``bytes`` (decoded
             with ``os.fsdecode``), ``os.PathLike``, ``file://`` URL or object-store URL (``s3://``
-            ...: see :class:`~keras_stable_state.CheckpointManager`). Give each run its own
+            ...: see [`CheckpointManager`][keras_stable_state.CheckpointManager]). Give each run its own
             folder; nothing else should write into it (see ``docs/concepts/security.md``).
         storage_options: ``dict`` for an object-store directory's fsspec filesystem, or ``None``.
         save_freq: ``"epoch"`` or an ``int``: save every that many batches (a
@@ -188,7 +188,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             class). Default: none. The ``History`` of the ``fit`` call
             (``model.history``) is always included, as ``"History/0"``.
         save_on_background: ``True`` writes each checkpoint in a background thread
-            (:func:`~keras_stable_state.save_training_state` with ``blocking=False``): the training
+            ([`save_training_state`][keras_stable_state.save_training_state] with ``blocking=False``): the training
             step waits only while the state is held apart from training (a host copy on Torch, none
             on TensorFlow and JAX). A save first waits for the previous one; a failed background
             write raises its error (an ``OSError`` naming the file, or what the write raised) at the
@@ -203,11 +203,11 @@ class StableCheckpoint(keras.callbacks.Callback):
             epoch again from its first batch with the new data (the updates of its
             batches applied before the save stay in the weights and optimizer; its
             metrics start afresh, its order is drawn from the random state at the save
-            and the global step continues), with an :class:`InexactResumeWarning`.
+            and the global step continues), with an [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning].
         monitor: The metric (a key of ``fit``'s logs, e.g. ``"val_loss"``) that ranks
             checkpoints for ``keep_best``, or ``None``.
         mode: ``"min"``, ``"max"`` or ``"auto"`` (see
-            :class:`~keras_stable_state.CheckpointManager`).
+            [`CheckpointManager`][keras_stable_state.CheckpointManager]).
         keep_best: How many best checkpoints by ``monitor`` to keep beside the
             ``max_to_keep`` latest (``>= 0``; needs ``monitor``).
         save_on_preemption: ``True`` (default): save and stop on a preemption signal (see
@@ -218,14 +218,14 @@ class StableCheckpoint(keras.callbacks.Callback):
         async_save: Deprecated alias of ``save_on_background`` (keyword only).
 
     Attributes:
-        manager: The :class:`~keras_stable_state.CheckpointManager` of ``directory``
+        manager: The [`CheckpointManager`][keras_stable_state.CheckpointManager] of ``directory``
             (``manager.best_step()``, ``manager.metadata(step)``, ``manager.restore(model,
             step="best")``).
         run_complete: ``True`` once train begin restored a checkpoint at or past ``fit``'s
             ``epochs``: the run is complete, ``fit`` trains no epoch and returns the
             restored ``History`` (its ``history`` and ``epoch`` as saved; the states of the
             callbacks given are put back at train end); ``verbose=1`` says so.
-        restore_report: The :class:`~keras_stable_state.RestoreReport` of the
+        restore_report: The [`RestoreReport`][keras_stable_state.RestoreReport] of the
             checkpoint restored on train begin, or ``None`` (fresh start).
         skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint skipped on train begin.
         moved_checkpoints: ``(path, new path)`` of each of them, moved into
@@ -234,7 +234,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         reached_preemption: ``True`` once the last ``fit`` saved and stopped for a signal;
             ``preemption.step`` is then the checkpoint's global step, and
             ``preemption.handled`` whether that ``fit`` had the handlers (main thread).
-        last_save: The :class:`~keras_stable_state.SaveHandle` of the newest
+        last_save: The [`SaveHandle`][keras_stable_state.SaveHandle] of the newest
             background save (``save_on_background=True``), or ``None``.
 
     Raises:
@@ -292,7 +292,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             ``unreadable/`` is a symbolic link, or on a platform without ``flock``
             (Windows): StableCheckpoint does not run with its directory unlocked.
         ContractError, BindingError, DtypeMismatchError, ScheduleMismatchError:
-            and any other error of :func:`keras_stable_state.restore_training_state`
+            and any other error of [`keras_stable_state.restore_training_state`][keras_stable_state.restore_training_state]
             for a readable checkpoint that does not fit the model (the model or
             its compile arguments changed): fix the model; nothing is moved aside.
 
@@ -359,7 +359,7 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     @property
     def last_save(self):
-        """The :class:`~keras_stable_state.SaveHandle` of the newest background save, or ``None``."""
+        """The [`SaveHandle`][keras_stable_state.SaveHandle] of the newest background save, or ``None``."""
         return self.manager.last_save
 
     def get_config(self):
@@ -375,7 +375,7 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     @classmethod
     def from_config(cls, config):
-        """A ``StableCheckpoint`` from :meth:`get_config`'s dict (plus ``callbacks=`` if given)."""
+        """A ``StableCheckpoint`` from [`get_config`][keras_stable_state.StableCheckpoint.get_config]'s dict (plus ``callbacks=`` if given)."""
         return cls(**config)
 
     # -- discovery ------------------------------------------------------------------

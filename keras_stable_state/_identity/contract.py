@@ -41,7 +41,7 @@ class TrainableContract:
 
     @classmethod
     def from_json(cls, data) -> TrainableContract:
-        """Inverse of :meth:`to_json`.
+        """Inverse of [`to_json`][keras_stable_state.TrainableContract.to_json].
 
         Raises:
             KeyFormatError: if a key is malformed.

@@ -18,7 +18,7 @@ alone:
   list the registry was built over. It is the fallback for variables the walk
   does not reach, and for files that carry no names (stock Keras files).
 
-Binding saved keys to live variables (:meth:`VariableRegistry.bind`) matches
+Binding saved keys to live variables ([`VariableRegistry.bind`][keras_stable_state.VariableRegistry.bind]) matches
 named keys first; ordered keys then bind by index, never claim a variable that
 a named key owns, and must agree in shape and dtype.
 """
@@ -77,7 +77,7 @@ class VariableRegistry:
 
         A variable the walk does not reach gets ``order:<its index in variables>``.
         A tied variable appearing twice in ``variables`` is keyed once. Inside
-        :func:`~keras_stable_state._identity.paths.one_walk` (every save and restore) the
+        `one_walk` (every save and restore) the
         registry of one model and variable list is built once and shared: treat it as
         read-only.
         """
@@ -102,7 +102,7 @@ class VariableRegistry:
         return registry
 
     def rekeyed(self, entries) -> VariableRegistry:
-        """A registry over ``entries`` whose :attr:`keras_paths` are this one's (the same model)."""
+        """A registry over ``entries`` whose [`keras_paths`][keras_stable_state.VariableRegistry.keras_paths] are this one's (the same model)."""
         registry = VariableRegistry(entries, model=self._model)
         registry._keras_paths = self._keras_paths
         registry._keras_source = self
@@ -115,7 +115,7 @@ class VariableRegistry:
 
         Only restores of stock Keras files need it, so it is computed on first use
         (a walk in Keras' own order: inside
-        :func:`~keras_stable_state._identity.paths.one_walk`, once per call).
+        `one_walk`, once per call).
         """
         if self._keras_paths is None:
             if self._keras_source is not None:

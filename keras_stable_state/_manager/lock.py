@@ -1,7 +1,7 @@
-"""The lock of a local checkpoint directory: the file :data:`LOCK_NAME` that its one writer
-(a :class:`~keras_stable_state.CheckpointManager` or :class:`~keras_stable_state.StableCheckpoint`)
+"""The lock of a local checkpoint directory: the file `LOCK_NAME` that its one writer
+(a [`CheckpointManager`][keras_stable_state.CheckpointManager] or [`StableCheckpoint`][keras_stable_state.StableCheckpoint])
 holds with ``flock``, recording who holds it (pid, host, thread), and the one holder per
-directory in this process (:class:`DirectoryLock`)."""
+directory in this process (`DirectoryLock`)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ except ImportError:  # Windows: no flock; StableCheckpoint refuses to run unlock
     fcntl = None
 
 LOCK_NAME = ".stable-checkpoint.lock"
-"""Name of the lock file a writing :class:`StableCheckpoint` holds in its directory."""
+"""Name of the lock file a writing [`StableCheckpoint`][keras_stable_state.StableCheckpoint] holds in its directory."""
 
 LOCKING = fcntl is not None
 """Whether directories can be locked (``flock`` exists: not on Windows, where
-:meth:`DirectoryLock.acquire` refuses)."""
+`DirectoryLock.acquire` refuses)."""
 
 
 # -- the directory lock -------------------------------------------------------------------
@@ -105,7 +105,7 @@ def _open_lock(directory, path) -> int:
 def refuse_other_owner(held, token, directory) -> None:
     """Refuse ``token`` the lock ``held`` by another owner of this process, unless that
     owner took it ``reclaimable`` in this thread (or a thread that ended): the rule of
-    :meth:`DirectoryLock.acquire`, for local and object-store directories alike.
+    `DirectoryLock.acquire`, for local and object-store directories alike.
 
     Raises:
         CheckpointInUseError: naming this process, the holder's thread and ``directory``.
@@ -128,7 +128,7 @@ def refuse_other_owner(held, token, directory) -> None:
 
 class DirectoryLock:
     """An exclusive ``flock`` on ``<directory>/.stable-checkpoint.lock``, held by one
-    writer (a :class:`CheckpointManager`, or the one a :class:`StableCheckpoint` runs
+    writer (a [`CheckpointManager`][keras_stable_state.CheckpointManager], or the one a [`StableCheckpoint`][keras_stable_state.StableCheckpoint] runs
     over) of this process at a time.
 
     The lock file holds the writer's kind, pid and host as JSON so that a refused writer
@@ -164,7 +164,7 @@ class DirectoryLock:
         Raises:
             CheckpointInUseError: if another writer holds it.
             StateError: if the lock file is not a regular file of one name (see
-                :func:`_open_lock`), or this platform has no ``flock`` (Windows): the
+                `_open_lock`), or this platform has no ``flock`` (Windows): the
                 directory cannot be locked, and StableCheckpoint does not run unlocked.
             OSError: if the lock file cannot be created (read-only file system, permissions).
         """
@@ -289,5 +289,5 @@ if hasattr(os, "register_at_fork"):
 
 
 def acquire_lock(directory, token, *, writer="StableCheckpoint", reclaimable=True):
-    """:meth:`DirectoryLock.acquire` (the lock of a local directory)."""
+    """`DirectoryLock.acquire` (the lock of a local directory)."""
     return DirectoryLock.acquire(directory, token, writer=writer, reclaimable=reclaimable)

@@ -34,10 +34,10 @@ class CheckpointManager(DirectoryHolder):
     """A directory of checkpoints for any training loop: steps, latest and best, pruning,
     the fallback over unreadable checkpoints, the directory lock, background saves.
 
-    Each :meth:`save` writes one ``ckpt-<step:010d>.h5`` file (see
-    :func:`keras_stable_state.save_training_state`; atomically, through a ``.kss-*``
+    Each [`save`][keras_stable_state.CheckpointManager.save] writes one ``ckpt-<step:010d>.h5`` file (see
+    [`keras_stable_state.save_training_state`][keras_stable_state.save_training_state]; atomically, through a ``.kss-*``
     temporary file) whose records also hold the step, the epoch, the metrics given and
-    the wall time (record ``providers/checkpoint``; :meth:`metadata` reads them without
+    the wall time (record ``providers/checkpoint``; [`metadata`][keras_stable_state.CheckpointManager.metadata] reads them without
     the arrays). After each save, the checkpoints kept are the latest ``max_to_keep`` (the
     one just written always among them) and the best ``keep_best`` by ``monitor`` among
     all present; the others are removed. Only files named ``ckpt-<10 digits>.h5`` count;
@@ -47,18 +47,18 @@ class CheckpointManager(DirectoryHolder):
 
     The directory belongs to one writer at a time: the manager takes the same exclusive
     ``flock`` on ``<directory>/.stable-checkpoint.lock`` as a
-    :class:`~keras_stable_state.StableCheckpoint` (so a manager and a ``StableCheckpoint``
+    [`StableCheckpoint`][keras_stable_state.StableCheckpoint] (so a manager and a ``StableCheckpoint``
     on one directory exclude each other, in one process or several) on entering its
-    ``with`` block, or on its first :meth:`save` or :meth:`restore`, and holds it until
-    :meth:`close` (or the end of the ``with`` block, or garbage collection, or the end of
+    ``with`` block, or on its first [`save`][keras_stable_state.CheckpointManager.save] or [`restore`][keras_stable_state.CheckpointManager.restore], and holds it until
+    [`close`][keras_stable_state.CheckpointManager.close] (or the end of the ``with`` block, or garbage collection, or the end of
     the process). Taking it, it removes the ``.kss-*`` temporary files a killed save left
-    (``removed_temporary_files``). Listing (:meth:`all_steps`, :meth:`latest_step`,
-    :meth:`best_step`, :meth:`metadata`) takes no lock.
+    (``removed_temporary_files``). Listing ([`all_steps`][keras_stable_state.CheckpointManager.all_steps], [`latest_step`][keras_stable_state.CheckpointManager.latest_step],
+    [`best_step`][keras_stable_state.CheckpointManager.best_step], [`metadata`][keras_stable_state.CheckpointManager.metadata]) takes no lock.
 
     ``restore(model)`` (``step="latest"``) restores the newest readable checkpoint: an
     unreadable one (truncated, failing a checksum, of an unknown format, not a regular
     file) is moved into ``<directory>/unreadable/`` and the one before is tried, with an
-    :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each moved file,
+    [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning] naming each moved file,
     exactly as ``StableCheckpoint`` does on train begin.
 
     Preemption, for a custom loop: ``with mgr.preemption_guard(signals=(signal.SIGTERM,)) as
@@ -66,7 +66,7 @@ class CheckpointManager(DirectoryHolder):
     signal.SIGUSR1)`` under SLURM's ``--signal=USR1@90``) that only notes the signal; leaving
     the block (also by an exception) puts the previous handlers back. At each step boundary
     the loop asks ``mgr.reached_preemption(step)`` (or ``guard.reached_preemption(step)``):
-    ``True`` once a signal came; then :meth:`save` the step, :meth:`wait` for a background
+    ``True`` once a signal came; then [`save`][keras_stable_state.CheckpointManager.save] the step, [`wait`][keras_stable_state.CheckpointManager.wait] for a background
     save, and leave the loop. ``guard.signal_received`` is the first signal that came, or
     ``None``. With several JAX processes ``reached_preemption`` is a collective (one small
     ``process_allgather``) that every process calls at every step with the same step: if any
@@ -91,8 +91,8 @@ class CheckpointManager(DirectoryHolder):
     ``ckpt-<step:010d>.orbax`` instead (the ``.orbax`` engine of ``save_training_state``:
     every JAX process writes its own shards; a step is committed by renaming its
     ``.ckpt-<step>.orbax.kss-partial`` folder, so the newest is never an incomplete one).
-    With several JAX processes every process calls :meth:`save`, :meth:`restore` and
-    :meth:`lock` (collectives): process 0 alone takes the lock, prunes after each save and
+    With several JAX processes every process calls [`save`][keras_stable_state.CheckpointManager.save], [`restore`][keras_stable_state.CheckpointManager.restore] and
+    [`lock`][keras_stable_state.CheckpointManager.lock] (collectives): process 0 alone takes the lock, prunes after each save and
     moves unreadable checkpoints aside, the others wait for it, and all restore the
     checkpoints process 0 lists.
 
@@ -105,18 +105,18 @@ class CheckpointManager(DirectoryHolder):
             is written.
         keep_best: How many best checkpoints by ``monitor`` to keep beside the latest
             (``>= 0``; needs ``monitor``).
-        monitor: The name of the metric (a key of the ``metrics`` given to :meth:`save`)
-            that ranks checkpoints for ``keep_best`` and :meth:`best_step`, or ``None``.
+        monitor: The name of the metric (a key of the ``metrics`` given to [`save`][keras_stable_state.CheckpointManager.save])
+            that ranks checkpoints for ``keep_best`` and [`best_step`][keras_stable_state.CheckpointManager.best_step], or ``None``.
         mode: ``"min"``, ``"max"`` or ``"auto"``: lower is better for a name holding
             ``loss`` or ``error``, higher for one holding ``acc``, ``auc``, ``precision``,
             ``recall`` or ``f1``.
         save_on_background: ``True`` writes each checkpoint in a background thread
-            (:func:`~keras_stable_state.save_training_state` with ``blocking=False``):
-            :meth:`save` returns once the state is held apart from training (see its
+            ([`save_training_state`][keras_stable_state.save_training_state] with ``blocking=False``):
+            [`save`][keras_stable_state.CheckpointManager.save] returns once the state is held apart from training (see its
             ``blocking`` argument). A save first
             waits for the previous one; the error of a failed background write is raised
-            by the next :meth:`save`, :meth:`check_for_errors`, :meth:`wait` or
-            :meth:`close`.
+            by the next [`save`][keras_stable_state.CheckpointManager.save], [`check_for_errors`][keras_stable_state.CheckpointManager.check_for_errors], [`wait`][keras_stable_state.CheckpointManager.wait] or
+            [`close`][keras_stable_state.CheckpointManager.close].
         verbose: ``1`` prints one line per save and restore (Keras' ``print_msg``).
         storage_options: For an object-store URL: a ``dict`` passed to its fsspec filesystem
             (every save, restore and listing), or ``None``; fsspec's configuration and the
@@ -131,14 +131,14 @@ class CheckpointManager(DirectoryHolder):
         name: What messages, warnings and the lock file call this writer
             (``"CheckpointManager"``; the manager of a ``StableCheckpoint``:
             ``"StableCheckpoint"``).
-        restored_step: The step of the checkpoint the last :meth:`restore` restored, or
+        restored_step: The step of the checkpoint the last [`restore`][keras_stable_state.CheckpointManager.restore] restored, or
             ``None``.
         skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint the last
             restore of the latest skipped, newest first.
         moved_checkpoints: ``(path, new path)`` of each of them, moved into
             ``<directory>/unreadable/`` (``None``: removed meanwhile).
         removed_temporary_files: The stale ``.kss-*`` files removed when the lock was taken.
-        last_save: The :class:`~keras_stable_state.SaveHandle` of the newest background
+        last_save: The [`SaveHandle`][keras_stable_state.SaveHandle] of the newest background
             save, or ``None``.
         on_saved: ``None``, or a callable ``(step, path, write_secs, blocked_secs)`` called
             once a save is written and the directory pruned (``blocked_secs`` is ``None``
@@ -225,7 +225,7 @@ class CheckpointManager(DirectoryHolder):
         return self._guard
 
     def reached_preemption(self, step) -> bool:
-        """The entered :meth:`preemption_guard`'s ``reached_preemption(step)`` (see the class docstring)."""
+        """The entered [`preemption_guard`][keras_stable_state.CheckpointManager.preemption_guard]'s ``reached_preemption(step)`` (see the class docstring)."""
         return entered_guard(self._guard, f"{self.name}({self.directory!r})", step).reached_preemption(step)
 
     # -- listing ----------------------------------------------------------------------------
@@ -281,12 +281,12 @@ class CheckpointManager(DirectoryHolder):
         return best[0] if best else None
 
     def metadata(self, step) -> CheckpointMetadata:
-        """The :class:`CheckpointMetadata` of the checkpoint of ``step``.
+        """The [`CheckpointMetadata`][keras_stable_state.CheckpointMetadata] of the checkpoint of ``step``.
 
         Raises:
             FileNotFoundError: if there is no checkpoint of ``step``, naming the steps present.
             CorruptCheckpointError, CheckpointFormatError: if it is unreadable (see
-                :func:`keras_stable_state.format.open_file`).
+                `keras_stable_state.format.open_file`).
         """
         path = self._path(check_step(step))
         return metadata_of(step, path, self._summary(path), self.files.size_of(path))
@@ -309,25 +309,25 @@ class CheckpointManager(DirectoryHolder):
             step: An int (``0`` to ``10**10 - 1``): the file ``ckpt-<step:010d>.h5``. A
                 checkpoint of the same step is replaced (atomically).
             model: A built ``keras.Model``.
-            optimizer: As for :func:`~keras_stable_state.save_training_state`.
+            optimizer: As for [`save_training_state`][keras_stable_state.save_training_state].
             metrics: ``{name: number}`` recorded in the checkpoint's metadata (the values
                 ``monitor`` ranks by), or ``None``.
             epoch: An int recorded in the metadata, or ``None``.
-            **state: The other keywords of :func:`~keras_stable_state.save_training_state`:
+            **state: The other keywords of [`save_training_state`][keras_stable_state.save_training_state]:
                 ``model_state``, ``callbacks``, ``state``, ``include_rng``,
                 ``allow_order_keys``, ``variables``, ``mappers``.
 
         Returns:
             The path written, or with ``save_on_background`` the
-            :class:`~keras_stable_state.SaveHandle` of the background write.
+            [`SaveHandle`][keras_stable_state.SaveHandle] of the background write.
 
         Raises:
             TypeError: for another keyword (``blocking``: use ``save_on_background``),
                 metrics that are not numbers, or an ``epoch`` that is not an int.
             ValueError: for an invalid ``step``, or a ``state`` provider named ``"checkpoint"``
                 (the manager's own record).
-            Exception: every error of :func:`~keras_stable_state.save_training_state` and of
-                :meth:`lock`; the error of the previous background save.
+            Exception: every error of [`save_training_state`][keras_stable_state.save_training_state] and of
+                [`lock`][keras_stable_state.CheckpointManager.lock]; the error of the previous background save.
         """
         step = check_step(step)
         metrics = check_metrics(metrics)
@@ -409,15 +409,15 @@ class CheckpointManager(DirectoryHolder):
         """Restore the checkpoint of ``step`` into ``model``.
 
         Args:
-            model: The model (see :func:`~keras_stable_state.restore_training_state`).
+            model: The model (see [`restore_training_state`][keras_stable_state.restore_training_state]).
             step: ``"latest"``: the newest readable checkpoint, moving unreadable ones aside
-                (see the class); ``"best"``: :meth:`best_step`'s; or an int step.
+                (see the class); ``"best"``: [`best_step`][keras_stable_state.CheckpointManager.best_step]'s; or an int step.
             **restore_options: The keywords of
-                :func:`~keras_stable_state.restore_training_state` (``optimizer``,
+                [`restore_training_state`][keras_stable_state.restore_training_state] (``optimizer``,
                 ``strict``, ``callbacks``, ``state``, ``variables``...), but ``defer``.
 
         Returns:
-            The :class:`~keras_stable_state.RestoreReport`; ``None`` for ``"latest"`` when
+            The [`RestoreReport`][keras_stable_state.RestoreReport]; ``None`` for ``"latest"`` when
             no readable checkpoint is left (the model is untouched). ``restored_step``
             is set to the step restored (``None`` then).
 
@@ -483,14 +483,17 @@ class CheckpointManager(DirectoryHolder):
         (recorded in ``skipped_checkpoints`` and ``moved_checkpoints``; ``unreadable(path,
         err)`` is called first, if given) and the next one tried. Takes the lock, and
         waits for the background save in flight. No warning is issued (the caller says
-        where it fell back to: see :meth:`restore`). ``read_only=True`` reads without the
+        where it fell back to: see [`restore`][keras_stable_state.CheckpointManager.restore]). ``read_only=True`` reads without the
         lock (a directory on a read-only file system, where nobody can write).
 
         Returns:
             The path restored, or ``None`` if no readable checkpoint is left.
 
         Raises:
-            The errors of :meth:`restore` for ``"latest"``.
+            CheckpointInUseError: As [`restore`][keras_stable_state.CheckpointManager.restore]
+                for ``"latest"``: the directory or the newest checkpoint is locked.
+            StateError: If an unreadable checkpoint cannot be moved aside.
+            Exception: Every other error of ``restore(path, record)`` (nothing is moved aside).
         """
         if not read_only:
             self._ensure_locked()

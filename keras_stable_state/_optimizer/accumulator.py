@@ -19,16 +19,16 @@ class GradientAccumulator:
 
     For each trainable variable it keeps a float sum of ``weight * gradient``
     (same shape and dtype as the variable), plus the window's total weight
-    (float32 scalar) and micro-step count (int32 scalar). :meth:`gradients`
+    (float32 scalar) and micro-step count (int32 scalar). [`gradients`][keras_stable_state.GradientAccumulator.gradients]
     returns ``sum / total_weight``, the weighted mean over the window, so an
     accumulated step equals one step on the concatenated batch when each
     micro-batch's weight is its number of samples.
 
-    Usable from every backend's custom loop: stateful (:meth:`accumulate`, for
+    Usable from every backend's custom loop: stateful ([`accumulate`][keras_stable_state.GradientAccumulator.accumulate], for
     ``tf.GradientTape`` and Torch autograd loops) or stateless
-    (:meth:`stateless_accumulate` on ``[v.value for v in acc.variables]``, for
+    ([`stateless_accumulate`][keras_stable_state.GradientAccumulator.stateless_accumulate] on ``[v.value for v in acc.variables]``, for
     jitted JAX loops). Its state is a provider for
-    :func:`keras_stable_state.save_training_state` (``state={"acc": acc}``):
+    [`keras_stable_state.save_training_state`][keras_stable_state.save_training_state] (``state={"acc": acc}``):
     sums are saved under the variables' keys (``path:layers/dense/kernel#grad_sum``).
 
     Args:
@@ -86,7 +86,7 @@ class GradientAccumulator:
         self.micro_steps.assign_add(1)
 
     def stateless_accumulate(self, values, grads, weight=1.0) -> list:
-        """Pure version of :meth:`accumulate` on ``values`` (as ordered in :attr:`variables`)."""
+        """Pure version of [`accumulate`][keras_stable_state.GradientAccumulator.accumulate] on ``values`` (as ordered in [`variables`][keras_stable_state.GradientAccumulator.variables])."""
         n = len(self.sums)
         sums = [
             s + keras.ops.cast(g, s.dtype) * keras.ops.cast(weight, s.dtype)
@@ -139,7 +139,7 @@ class GradientAccumulator:
         }
 
     def set_state(self, state: dict) -> None:
-        """Put back a state from :meth:`get_state` (all checked before any assignment).
+        """Put back a state from [`get_state`][keras_stable_state.GradientAccumulator.get_state] (all checked before any assignment).
 
         Raises:
             BindingError: if a saved key matches no variable, or shapes differ.

@@ -1,7 +1,7 @@
 """``StableOptimizer``: any Keras optimizer, its slots saved and loaded by variable key.
 
-:class:`StableOptimizer` wraps any Keras optimizer, delegates every step to it
-and saves/loads its variables by key (:func:`~keras_stable_state._optimizer.entries.optimizer_entries`)
+[`StableOptimizer`][keras_stable_state.StableOptimizer] wraps any Keras optimizer, delegates every step to it
+and saves/loads its variables by key (`optimizer_entries`)
 inside ``.keras`` files.
 """
 
@@ -50,15 +50,15 @@ _keyed_restore = None
 
 def register_keyed_restore(restore) -> None:
     """Set the function ``restore(optimizer, model, arrays, *, keyed, strict)`` that
-    :meth:`StableOptimizer.load_own_variables` restores with (``slot_restore`` registers
+    [`StableOptimizer.load_own_variables`][keras_stable_state.StableOptimizer.load_own_variables] restores with (``slot_restore`` registers
     ``restore_optimizer_arrays``)."""
     global _keyed_restore
     _keyed_restore = restore
 
 
 def bind_unchecked(optimizer, model) -> None:
-    """Key the slots of ``optimizer`` (a :class:`StableOptimizer`) by ``model``'s paths,
-    without the checks of :meth:`StableOptimizer.bind` and without restoring state a
+    """Key the slots of ``optimizer`` (a [`StableOptimizer`][keras_stable_state.StableOptimizer]) by ``model``'s paths,
+    without the checks of [`StableOptimizer.bind`][keras_stable_state.StableOptimizer.bind] and without restoring state a
     load left pending: ``save_training_state`` and ``restore_training_state`` bind the
     model they are given, then check the optimizer's variables against it and their
     ``variables=`` themselves."""
@@ -102,14 +102,14 @@ class StableOptimizer(keras.optimizers.Optimizer):
     files it saves and loads slots by key instead of by position.
 
     Binding is explicit: the model that gives variables their keys is the one
-    passed as ``model=`` or to :meth:`bind`.
-    :func:`keras_stable_state.save_training_state`,
-    :func:`~keras_stable_state.restore_training_state` and
-    :class:`~keras_stable_state.StableCheckpoint` bind the model they are given
+    passed as ``model=`` or to [`bind`][keras_stable_state.StableOptimizer.bind].
+    [`keras_stable_state.save_training_state`][keras_stable_state.save_training_state],
+    [`restore_training_state`][keras_stable_state.restore_training_state] and
+    [`StableCheckpoint`][keras_stable_state.StableCheckpoint] bind the model they are given
     (for ``StableCheckpoint``: the ``fit`` model, whose ``model.optimizer`` this
     is). Nothing is guessed from the calling code. An optimizer that is not
     bound refuses to save its slots (``model.save`` raises
-    :class:`~keras_stable_state.BindingError` naming the fix) unless
+    [`BindingError`][keras_stable_state.BindingError] naming the fix) unless
     ``allow_order_keys=True``. After ``keras.saving.load_model`` the loaded
     state waits for ``model.optimizer.bind(model)`` (or a ``StableCheckpoint``);
     a training step before that raises instead of training from fresh slots.
@@ -118,7 +118,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         inner_optimizer: A ``keras.optimizers.Optimizer`` instance (or an
             identifier accepted by ``keras.optimizers.get``).
         model: The ``keras.Model`` whose variables this optimizer trains
-            (same as calling :meth:`bind`). Not part of the config.
+            (same as calling [`bind`][keras_stable_state.StableOptimizer.bind]). Not part of the config.
         allow_order_keys: Key slots of variables without a stable path (an
             unbound optimizer, or variables the bound model does not reach) by
             registration order (``order:<i>#<slot>``), and load such keys by
@@ -184,7 +184,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         """The inner optimizer's variables.
 
         Raises:
-            BindingError: while state loaded by ``load_model`` waits for :meth:`bind`
+            BindingError: while state loaded by ``load_model`` waits for [`bind`][keras_stable_state.StableOptimizer.bind]
                 (before a training step could read fresh slots).
         """
         if getattr(self, "_pending_store", None) is not None:
@@ -237,7 +237,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         """Apply gradients with the inner optimizer.
 
         Raises:
-            BindingError: if state loaded by ``load_model`` still waits for :meth:`bind`.
+            BindingError: if state loaded by ``load_model`` still waits for [`bind`][keras_stable_state.StableOptimizer.bind].
         """
         if not self.built:
             if trainable_variables is None:
@@ -254,7 +254,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         """The inner optimizer's ``stateless_apply``.
 
         Raises:
-            BindingError: if state loaded by ``load_model`` still waits for :meth:`bind`.
+            BindingError: if state loaded by ``load_model`` still waits for [`bind`][keras_stable_state.StableOptimizer.bind].
         """
         if self._pending_store is not None:
             self._check_pending()
@@ -299,15 +299,15 @@ class StableOptimizer(keras.optimizers.Optimizer):
         return self
 
     def bound_model(self):
-        """The model whose paths key the slots (see :meth:`bind`), or ``None``."""
+        """The model whose paths key the slots (see [`bind`][keras_stable_state.StableOptimizer.bind]), or ``None``."""
         return None if self._model_ref is None else self._model_ref()
 
     def entries(self, registry=None, *, name=None) -> list:
-        """:func:`optimizer_entries` keyed by the bound model (see :meth:`bind`).
+        """`optimizer_entries` keyed by the bound model (see [`bind`][keras_stable_state.StableOptimizer.bind]).
 
         Raises:
             BindingError: if the optimizer is not bound (and ``allow_order_keys``
-                is False), or see :func:`optimizer_entries`.
+                is False), or see `optimizer_entries`.
         """
         allow = self.allow_order_keys
         if registry is None:
@@ -340,12 +340,12 @@ class StableOptimizer(keras.optimizers.Optimizer):
         """Restore variables by key; a store without keys is restored by position.
 
         If the optimizer is not built or not bound yet, the state is kept and
-        restored when it builds and is bound (:meth:`bind`); a training step
-        before that raises :class:`~keras_stable_state.BindingError`.
+        restored when it builds and is bound ([`bind`][keras_stable_state.StableOptimizer.bind]); a training step
+        before that raises [`BindingError`][keras_stable_state.BindingError].
 
         Raises:
             BindingError, ContractError, DtypeMismatchError: see
-                :func:`keras_stable_state._core.slot_restore.restore_optimizer_arrays`.
+                `keras_stable_state._core.slot_restore.restore_optimizer_arrays`.
         """
         compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "load")
         self._pending_store = {k: np.array(store[k]) for k in store.keys()}

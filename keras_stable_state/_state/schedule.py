@@ -1,4 +1,4 @@
-"""The learning-rate schedule's identity: :func:`schedule_state` saves it, :func:`check_schedule`
+"""The learning-rate schedule's identity: `schedule_state` saves it, `check_schedule`
 refuses a resume under another one.
 
 The current learning rate value itself is an optimizer variable and is saved with them.

@@ -1,14 +1,14 @@
 """Atomic writes: a file appears whole at its path, or the previous one stays.
 
 A temporary file ``.kss-<random><suffix>`` in the same folder is created
-(:func:`create_temporary`: ``O_CREAT | O_EXCL | O_NOFOLLOW``, so never through a
+(`create_temporary`: ``O_CREAT | O_EXCL | O_NOFOLLOW``, so never through a
 link nor onto an existing file, with mode ``0o666``: the umask applies as for
 ``open``, and the process umask is never changed), written, checked to be still
 the file created (nothing replaced it meanwhile), ``fsync``-ed through its own
 descriptor and renamed onto the path (``os.replace``: a symbolic link at the
 path is replaced, never written through), then the folder is ``fsync``-ed. The page
 cache of the file being replaced is dropped before the new one is written
-(:func:`release_cached_pages`): the write then reuses those pages, as a write that
+(`release_cached_pages`): the write then reuses those pages, as a write that
 truncates the file in place does, instead of needing a second file's worth of fresh
 memory while both files are cached.
 
@@ -155,7 +155,7 @@ def directory_error(path: str) -> CheckpointFormatError:
 
 class atomic_path:
     """Context manager yielding a temporary path beside ``filepath`` (a new file of
-    :func:`create_temporary`, ``0o666 & ~umask`` permissions); on success it is checked to
+    `create_temporary`, ``0o666 & ~umask`` permissions); on success it is checked to
     be still that file, fsynced and renamed onto ``filepath`` (``os.replace``), and the
     folder is fsynced; on error it is removed.
 
