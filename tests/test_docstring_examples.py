@@ -46,7 +46,6 @@ NEEDS = {
 }
 # Examples that should run but do not: to fix in the docstring (then drop the entry).
 OUT_OF_DATE = {
-    "kss.StableCheckpoint": "uses EarlyStopping without importing it (keras.callbacks.EarlyStopping)",
 }
 
 _FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE | doctest.IGNORE_EXCEPTION_DETAIL
