@@ -34,128 +34,17 @@ class CheckpointManager(DirectoryHolder):
     """A directory of checkpoints for any training loop: steps, latest and best, pruning,
     the fallback over unreadable checkpoints, the directory lock, background saves.
 
-    Each [`save`][keras_stable_state.CheckpointManager.save] writes one ``ckpt-<step:010d>.h5`` file (see
-    [`keras_stable_state.save_training_state`][keras_stable_state.save_training_state]; atomically, through a ``.kss-*``
-    temporary file) whose records also hold the step, the epoch, the metrics given and
-    the wall time (record ``providers/checkpoint``; [`metadata`][keras_stable_state.CheckpointManager.metadata] reads them without
-    the arrays). After each save, the checkpoints kept are the latest ``max_to_keep`` (the
-    one just written always among them) and the best ``keep_best`` by ``monitor`` among
-    all present; the others are removed. Only files named ``ckpt-<10 digits>.h5`` count;
-    a checkpoint without a finite value of ``monitor`` (or unreadable) is never the best;
-    of equal values the earlier step is the better. The metrics travel in the checkpoints,
-    so a manager of a resumed run keeps the same notion of best.
-
-    The directory belongs to one writer at a time: the manager takes the same exclusive
-    ``flock`` on ``<directory>/.stable-checkpoint.lock`` as a
-    [`StableCheckpoint`][keras_stable_state.StableCheckpoint] (so a manager and a ``StableCheckpoint``
-    on one directory exclude each other, in one process or several) on entering its
-    ``with`` block, or on its first [`save`][keras_stable_state.CheckpointManager.save] or [`restore`][keras_stable_state.CheckpointManager.restore], and holds it until
-    [`close`][keras_stable_state.CheckpointManager.close] (or the end of the ``with`` block, or garbage collection, or the end of
-    the process). Taking it, it removes the ``.kss-*`` temporary files a killed save left
-    (``removed_temporary_files``). Listing ([`all_steps`][keras_stable_state.CheckpointManager.all_steps], [`latest_step`][keras_stable_state.CheckpointManager.latest_step],
-    [`best_step`][keras_stable_state.CheckpointManager.best_step], [`metadata`][keras_stable_state.CheckpointManager.metadata]) takes no lock.
-
-    ``restore(model)`` (``step="latest"``) restores the newest readable checkpoint: an
-    unreadable one (truncated, failing a checksum, of an unknown format, not a regular
-    file) is moved into ``<directory>/unreadable/`` and the one before is tried, with an
-    [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning] naming each moved file,
-    exactly as ``StableCheckpoint`` does on train begin.
-
-    Preemption, for a custom loop: ``with mgr.preemption_guard(signals=(signal.SIGTERM,)) as
-    guard:`` installs a handler for each of ``signals`` (e.g. ``(signal.SIGTERM,
-    signal.SIGUSR1)`` under SLURM's ``--signal=USR1@90``) that only notes the signal; leaving
-    the block (also by an exception) puts the previous handlers back. At each step boundary
-    the loop asks ``mgr.reached_preemption(step)`` (or ``guard.reached_preemption(step)``):
-    ``True`` once a signal came; then [`save`][keras_stable_state.CheckpointManager.save] the step, [`wait`][keras_stable_state.CheckpointManager.wait] for a background
-    save, and leave the loop. ``guard.signal_received`` is the first signal that came, or
-    ``None``. With several JAX processes ``reached_preemption`` is a collective (one small
-    ``process_allgather``) that every process calls at every step with the same step: if any
-    process got a signal, all answer ``True`` at the same step (as Orbax's
-    ``CheckpointManager.reached_preemption``). ``preemption_guard`` raises ``TypeError`` /
-    ``ValueError`` for ``signals`` that are not signal numbers, none, or ``SIGKILL`` /
-    ``SIGSTOP``; entering it raises ``StateError`` off the main thread (only the main thread
-    may install signal handlers) or if it is entered already; ``reached_preemption`` raises
-    ``StateError`` outside an entered guard of this manager (no signal is handled there) and
-    if the processes asked at different steps. See ``docs/how-to/preemption.md``.
-
-    In an object store (``directory`` an ``s3://``, ``gs://``, ``memory://``... URL, through
-    fsspec: see ``docs/how-to/cloud-storage.md``) each checkpoint is uploaded whole, then
-    its commit marker ``ckpt-<step:010d>.h5.commit``; the listing (and so "latest") takes only
-    checkpoints whose marker is there and names the object as it is, pruning removes the
-    marker first, unreadable checkpoints are copied into ``unreadable/`` then removed, and
-    left-overs of a killed writer are cleaned up when the lock is taken. The lock is the
-    object ``.stable-checkpoint.lock``, created with an exclusive write; a stale one is taken
-    over only if its holder ran on this host and has died.
-
-    A ``directory`` named ``*.orbax`` holds ``.orbax`` step directories
-    ``ckpt-<step:010d>.orbax`` instead (the ``.orbax`` engine of ``save_training_state``:
-    every JAX process writes its own shards; a step is committed by renaming its
-    ``.ckpt-<step>.orbax.kss-partial`` folder, so the newest is never an incomplete one).
-    With several JAX processes every process calls [`save`][keras_stable_state.CheckpointManager.save], [`restore`][keras_stable_state.CheckpointManager.restore] and
-    [`lock`][keras_stable_state.CheckpointManager.lock] (collectives): process 0 alone takes the lock, prunes after each save and
-    moves unreadable checkpoints aside, the others wait for it, and all restore the
-    checkpoints process 0 lists.
-
-    Args:
-        directory: Folder of the checkpoints (created on the first lock): a ``str``,
-            ``bytes`` or ``os.PathLike``, a ``file://`` URL (the local path it names) or an
-            object-store URL. Nothing else should write into it.
-        max_to_keep: How many latest checkpoints to keep (``>= 1``), or ``None`` to keep
-            every one. With ``save_on_background`` a file is pruned only once the new one
-            is written.
-        keep_best: How many best checkpoints by ``monitor`` to keep beside the latest
-            (``>= 0``; needs ``monitor``).
-        monitor: The name of the metric (a key of the ``metrics`` given to [`save`][keras_stable_state.CheckpointManager.save])
-            that ranks checkpoints for ``keep_best`` and [`best_step`][keras_stable_state.CheckpointManager.best_step], or ``None``.
-        mode: ``"min"``, ``"max"`` or ``"auto"``: lower is better for a name holding
-            ``loss`` or ``error``, higher for one holding ``acc``, ``auc``, ``precision``,
-            ``recall`` or ``f1``.
-        save_on_background: ``True`` writes each checkpoint in a background thread
-            ([`save_training_state`][keras_stable_state.save_training_state] with ``blocking=False``):
-            [`save`][keras_stable_state.CheckpointManager.save] returns once the state is held apart from training (see its
-            ``blocking`` argument). A save first
-            waits for the previous one; the error of a failed background write is raised
-            by the next [`save`][keras_stable_state.CheckpointManager.save], [`check_for_errors`][keras_stable_state.CheckpointManager.check_for_errors], [`wait`][keras_stable_state.CheckpointManager.wait] or
-            [`close`][keras_stable_state.CheckpointManager.close].
-        verbose: ``1`` prints one line per save and restore (Keras' ``print_msg``).
-        storage_options: For an object-store URL: a ``dict`` passed to its fsspec filesystem
-            (every save, restore and listing), or ``None``; fsspec's configuration and the
-            store's environment variables apply as fsspec applies them.
-
-    Attributes:
-        files: What reads and writes the directory: the module
-            ``keras_stable_state._manager.directory`` for a local folder, a
-            ``RemoteDirectory`` (``_manager.remote_directory``) for an object store; both
-            have ``size_of(path)``, ``checkpoints(directory)``... (internal, may change).
-        storage_options: The ``storage_options`` of an object-store directory, or ``None``.
-        name: What messages, warnings and the lock file call this writer
-            (``"CheckpointManager"``; the manager of a ``StableCheckpoint``:
-            ``"StableCheckpoint"``).
-        restored_step: The step of the checkpoint the last [`restore`][keras_stable_state.CheckpointManager.restore] restored, or
-            ``None``.
-        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint the last
-            restore of the latest skipped, newest first.
-        moved_checkpoints: ``(path, new path)`` of each of them, moved into
-            ``<directory>/unreadable/`` (``None``: removed meanwhile).
-        removed_temporary_files: The stale ``.kss-*`` files removed when the lock was taken.
-        last_save: The [`SaveHandle`][keras_stable_state.SaveHandle] of the newest background
-            save, or ``None``.
-        on_saved: ``None``, or a callable ``(step, path, write_secs, blocked_secs)`` called
-            once a save is written and the directory pruned (``blocked_secs`` is ``None``
-            for a blocking save).
-
-    Raises:
-        ValueError: on construction, for an invalid ``max_to_keep``, ``keep_best``,
-            ``monitor``, ``mode`` or ``verbose``, ``keep_best`` without ``monitor``, or
-            ``save_on_background=True`` for a ``directory`` ending in ``.orbax``.
-        StateError: on construction, for a ``directory`` ending in ``.orbax`` when
-            orbax-checkpoint (the ``[orbax]`` extra) is not installed.
-        TypeError: on construction, if ``directory`` is not a path or
-            ``save_on_background`` not a bool.
-        CheckpointFormatError: on construction, for ``storage_options`` with a local
-            directory, or a ``file://`` URL on another host.
-        StorageBackendError: on construction, for a URL whose fsspec implementation is not
-            installed, naming the package (nothing is written anywhere).
+    Each [`save`][keras_stable_state.CheckpointManager.save] writes one
+    ``ckpt-<step:010d>.h5`` file (a ``ckpt-<step:010d>.orbax`` step directory in a
+    directory named ``*.orbax``) with the step, epoch and metrics, then keeps the latest
+    ``max_to_keep`` and the best ``keep_best`` by ``monitor``.
+    [`restore`][keras_stable_state.CheckpointManager.restore] restores the newest readable
+    one, moving unreadable ones into ``unreadable/`` as
+    [`StableCheckpoint`][keras_stable_state.StableCheckpoint] does. The manager holds the
+    directory's lock from its first save or restore (or ``with`` block) to
+    [`close`][keras_stable_state.CheckpointManager.close]. Locks, object stores, several JAX
+    processes and preemption in full:
+    [in detail](how-to/custom-loops-manager.md#checkpointmanager-in-detail).
 
     Example:
         >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
@@ -165,6 +54,34 @@ class CheckpointManager(DirectoryHolder):
         ...         _ = mgr.save(step + 1, model, metrics={"loss": loss})
         >>> len(mgr.all_steps()) <= 3
         True
+
+    Args:
+        directory: Folder of the checkpoints (created on the first lock): a path,
+            ``file://`` or object-store URL. Nothing else should write into it.
+        max_to_keep: How many latest checkpoints to keep (``>= 1``), or ``None``: all.
+        keep_best: How many best checkpoints by ``monitor`` to keep beside the latest.
+        monitor: The key of the ``metrics`` given to ``save`` that ranks checkpoints.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the name of ``monitor``).
+        save_on_background: ``True`` writes each checkpoint in a background thread.
+        verbose: ``1`` prints one line per save and restore.
+        storage_options: fsspec options for an object-store URL, or ``None``.
+
+    Attributes:
+        restored_step: The step the last ``restore`` restored, or ``None``.
+        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint skipped.
+        moved_checkpoints: ``(path, new path)`` of each, moved into ``unreadable/``.
+        removed_temporary_files: Stale ``.kss-*`` files removed when the lock was taken.
+        last_save: The newest background save's [`SaveHandle`][keras_stable_state.SaveHandle], or ``None``.
+        on_saved: ``None``, or ``(step, path, write_secs, blocked_secs)`` called per save.
+        files, storage_options, name: The directory's reader, its options, the writer's name.
+
+    Raises:
+        ValueError: On construction, for an invalid argument (named in the message).
+        StateError: On construction, for a ``*.orbax`` directory without orbax-checkpoint.
+        TypeError: On construction, if ``directory`` is not a path or a flag not a bool.
+        CheckpointFormatError: For ``storage_options`` with a local directory, or a
+            ``file://`` URL on another host.
+        StorageBackendError: For a URL whose fsspec package is not installed.
     """
 
     def __init__(
