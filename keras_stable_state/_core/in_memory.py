@@ -10,18 +10,28 @@ the records' checksums and schema, every array's xxh3-64 (CRC-32 in format 2)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from keras_stable_state import format as storage
 from keras_stable_state._core import boundary
 from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._core.restore import RestoreOptions, restore_with
 from keras_stable_state._core.save import training_state_record
 
+if TYPE_CHECKING:
+    import keras
+
+    from keras_stable_state._core.report import RestoreReport
+
+
 __all__ = ["restore_training_state_from_bytes", "training_state_to_bytes"]
 
 _LABEL = "<bytes>"
 
 
-def training_state_to_bytes(model, optimizer=None, **kwargs) -> bytes:
+def training_state_to_bytes(
+    model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None, **kwargs: Any
+) -> bytes:
     """The training state as the bytes of a sealed ``.h5`` file, e.g. to put in an object store.
 
     Takes the arguments of [`save_training_state`][keras_stable_state.save_training_state]
@@ -55,7 +65,14 @@ def training_state_to_bytes(model, optimizer=None, **kwargs) -> bytes:
         return storage.record_to_bytes(record)
 
 
-def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, allow_cast=False, **kwargs):
+def restore_training_state_from_bytes(
+    data: bytes,
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    strict: bool = True,
+    allow_cast: bool = False,
+    **kwargs: Any,
+) -> RestoreReport:
     """Restore a training state from bytes (from [`training_state_to_bytes`][keras_stable_state.training_state_to_bytes], or a
     ``.h5`` / ``.keras`` file's bytes fetched from an object store).
 

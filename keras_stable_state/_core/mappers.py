@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
 import keras
 import ml_dtypes
@@ -74,7 +75,7 @@ class StateMapper:
 
     lossy = False
 
-    def encode(self, key, array):
+    def encode(self, key: str, array: np.ndarray) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
         """Encode one array for storage.
 
         Args:
@@ -90,7 +91,7 @@ class StateMapper:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement encode(key, array).")
 
-    def decode(self, key, array, dtype, params):
+    def decode(self, key: str, array: np.ndarray, dtype: str, params: dict[str, Any]) -> np.ndarray:
         """Decode a stored array back to ``dtype``.
 
         Args:
@@ -109,7 +110,7 @@ class StateMapper:
         return {}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> StateMapper:
         return cls(**config)
 
     def __repr__(self) -> str:
@@ -140,7 +141,7 @@ class CastMapper(StateMapper):
         >>> kss.restore_training_state("run.h5", model).lossy   # every model variable's key
     """
 
-    def __init__(self, dtype="bfloat16") -> None:
+    def __init__(self, dtype: str = "bfloat16") -> None:
         if dtype not in _FLOATS:
             raise ValueError(f"`dtype` of CastMapper must be one of {_FLOATS}. Received: dtype={dtype!r}")
         self.dtype = dtype
@@ -149,7 +150,7 @@ class CastMapper(StateMapper):
     def lossy(self) -> bool:
         return self.dtype != "float64"
 
-    def encode(self, key, array):
+    def encode(self, key: str, array: np.ndarray) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
         with np.errstate(over="ignore"):  # an overflow is refused below, naming the key
             stored = np.asarray(array).astype(storage.numpy_dtype(self.dtype))
         overflow = np.isfinite(array) & ~np.isfinite(stored)
@@ -166,7 +167,7 @@ class CastMapper(StateMapper):
             )
         return stored, {}
 
-    def decode(self, key, array, dtype, params):
+    def decode(self, key: str, array: np.ndarray, dtype: str, params: dict[str, Any]) -> np.ndarray:
         return np.asarray(array).astype(storage.numpy_dtype(dtype))
 
     def get_config(self) -> dict:
@@ -200,7 +201,7 @@ class QuantizeMapper(StateMapper):
 
     lossy = True
 
-    def encode(self, key, array):
+    def encode(self, key: str, array: np.ndarray) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
         x = np.asarray(array, dtype=np.float64)
         if not np.isfinite(x).all():
             raise StateError(
@@ -219,12 +220,12 @@ class QuantizeMapper(StateMapper):
         )
         return q, {"scale": np.asarray(scale, dtype=np.float64)}
 
-    def decode(self, key, array, dtype, params):
+    def decode(self, key: str, array: np.ndarray, dtype: str, params: dict[str, Any]) -> np.ndarray:
         scale = np.asarray(params["scale"], dtype=np.float64)
         return (np.asarray(array, dtype=np.float64) * scale).astype(storage.numpy_dtype(dtype))
 
     @staticmethod
-    def bound(array, dtype="float32") -> float:
+    def bound(array: np.ndarray, dtype: str = "float32") -> float:
         """The documented bound on ``|x' - x|`` for ``array`` restored as ``dtype``."""
         m = float(np.max(np.abs(np.asarray(array, dtype=np.float64)))) if np.size(array) else 0.0
         return m / 127.0 / 2.0 + m * float(ml_dtypes.finfo(storage.numpy_dtype(dtype)).eps) / 2.0

@@ -92,7 +92,7 @@ class RestoreReport:
     source: str = storage.FORMAT
     writer: dict = dataclasses.field(default_factory=dict)
 
-    def drop(self, key, reason) -> None:
+    def drop(self, key: str, reason: str) -> None:
         """List ``key`` in ``dropped`` with its ``reason``."""
         self.dropped.append(key)
         self.dropped_reasons[key] = reason

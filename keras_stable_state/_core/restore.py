@@ -10,6 +10,9 @@ and the record optionally given already read: what a [`PendingRestore`][keras_st
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import keras
 
@@ -71,22 +74,22 @@ class RestoreOptions:
 
 
 def restore_training_state(
-    filepath,
-    model,
-    optimizer=None,
-    strict=True,
-    allow_cast=False,
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    strict: bool = True,
+    allow_cast: bool = False,
     *,
-    callbacks=(),
-    state=None,
-    include_rng=True,
-    check_schedule=True,
-    variables=None,
-    prefix=None,
-    rename=None,
-    keep_learning_rate=False,
-    defer=False,
-    storage_options=None,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    state: Mapping[str, Any] | None = None,
+    include_rng: bool = True,
+    check_schedule: bool = True,
+    variables: Mapping[str, keras.Variable] | None = None,
+    prefix: str | None = None,
+    rename: Sequence[tuple[str, str]] | None = None,
+    keep_learning_rate: bool = False,
+    defer: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> RestoreReport | PendingRestore:
     """Restore a training state saved by [`save_training_state`][keras_stable_state.save_training_state] (or a stock Keras file).
 
@@ -264,7 +267,15 @@ class PendingRestore(keras.callbacks.Callback):
         >>> print(pending.report)
     """
 
-    def __init__(self, filepath, record, target, options: RestoreOptions, *, take=False) -> None:
+    def __init__(
+        self,
+        filepath: str,
+        record: storage.StateRecord,
+        target: str,
+        options: RestoreOptions,
+        *,
+        take: bool = False,
+    ) -> None:
         """Made by `restore_with` (``filepath``: the file read; ``record``: what it
         held; ``target``: the model to restore into; ``options``: the restore's; ``take``:
         the record is this object's alone, see `restore_with`)."""
@@ -302,7 +313,7 @@ class PendingRestore(keras.callbacks.Callback):
         self.report, self._record = report, None
         return report
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self.model is not None and self.model is not self._target:
             raise StateError(
                 f"This PendingRestore restores into model {self._target.name!r}, but it was passed to "

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as multiprocess
@@ -45,6 +48,12 @@ from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
 from keras_stable_state.format.sink import LimitedFile
 
+if TYPE_CHECKING:
+    import keras
+
+    from keras_stable_state._core.mappers import StateMapper
+
+
 __all__ = ["save_training_state", "training_state_record"]
 
 
@@ -57,20 +66,20 @@ def _host_array(variable):
 
 
 def save_training_state(
-    filepath,
-    model,
-    optimizer=None,
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
     *,
-    model_state="all",
-    callbacks=(),
-    state=None,
-    include_rng=True,
-    allow_order_keys=False,
-    variables=None,
-    mappers=None,
-    blocking=True,
-    storage_options=None,
-):
+    model_state: str = "all",
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    state: Mapping[str, Any] | None = None,
+    include_rng: bool = True,
+    allow_order_keys: bool = False,
+    variables: Mapping[str, keras.Variable] | None = None,
+    mappers: Mapping[str, StateMapper] | None = None,
+    blocking: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str | background.SaveHandle:
     """Save the whole training state by key: variables, optimizer, contract and the rest.
 
     The file holds the model's variables (per ``model_state``), every optimizer variable

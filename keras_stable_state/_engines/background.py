@@ -89,7 +89,7 @@ class SaveHandle:
         'run.h5'
     """
 
-    def __init__(self, path, future, blocked_secs) -> None:
+    def __init__(self, path: str, future: concurrent.futures.Future[None], blocked_secs: float) -> None:
         self.path = path
         self.blocked_secs = blocked_secs
         self.write_secs = None
@@ -100,7 +100,7 @@ class SaveHandle:
         """``True`` once the write has finished, successfully or not (never blocks)."""
         return self._future.done()
 
-    def wait(self, timeout=None) -> str:
+    def wait(self, timeout: float | None = None) -> str:
         """Wait for the write to finish and return `path`.
 
         Args:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import keras
 
@@ -23,6 +25,10 @@ from keras_stable_state.errors import (
     InexactResumeWarning,
     UnreadableCheckpointWarning,
 )
+
+if TYPE_CHECKING:
+    from keras_stable_state._engines.background import SaveHandle
+
 
 __all__ = ["StableCheckpoint", "UnreadableCheckpointWarning", "InexactResumeWarning"]
 
@@ -95,22 +101,22 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     def __init__(
         self,
-        directory,
-        save_freq="epoch",
-        max_to_keep=3,
-        verbose=0,
-        callbacks=None,
-        save_on_background=False,
-        on_data_change="raise",
+        directory: str | bytes | os.PathLike[str],
+        save_freq: int | str = "epoch",
+        max_to_keep: int | None = 3,
+        verbose: int = 0,
+        callbacks: Mapping[str, keras.callbacks.Callback] | Sequence[keras.callbacks.Callback] | None = None,
+        save_on_background: bool = False,
+        on_data_change: str = "raise",
         *,
-        monitor=None,
-        mode="auto",
-        keep_best=0,
-        save_on_preemption=True,
-        preemption_signals=preemption.DEFAULT_SIGNALS,
-        storage_options=None,
-        keep=_fit_checks.UNSET,
-        async_save=_fit_checks.UNSET,
+        monitor: str | None = None,
+        mode: str = "auto",
+        keep_best: int = 0,
+        save_on_preemption: bool = True,
+        preemption_signals: Sequence[int] = preemption.DEFAULT_SIGNALS,
+        storage_options: Mapping[str, Any] | None = None,
+        keep: Any = _fit_checks.UNSET,
+        async_save: Any = _fit_checks.UNSET,
     ) -> None:
         super().__init__()
         directory = open_directory(directory, storage_options, "StableCheckpoint")[0]
@@ -151,11 +157,11 @@ class StableCheckpoint(keras.callbacks.Callback):
         return self.preemption.step is not None
 
     @property
-    def last_save(self):
+    def last_save(self) -> SaveHandle | None:
         """The [`SaveHandle`][keras_stable_state.SaveHandle] of the newest background save, or ``None``."""
         return self.manager.last_save
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """The constructor arguments but ``callbacks`` (live objects: pass them again).
 
         Returns:
@@ -167,7 +173,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         return {**config, **self.preemption.config()}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> StableCheckpoint:
         """A ``StableCheckpoint`` from [`get_config`][keras_stable_state.StableCheckpoint.get_config]'s dict (plus ``callbacks=`` if given)."""
         return cls(**config)
 
@@ -203,7 +209,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._read_only = err
 
     # -- restore ----------------------------------------------------------------------
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = self.model
         spe = _fit_checks.steps_per_execution(model, self.save_freq)
         for opt in tracked_optimizers(model).values():
@@ -278,7 +284,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             f"global step {pos.global_step}"
         )
 
-    def on_epoch_begin(self, epoch, logs=None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.manager.check_for_errors()
         record, self._pending_restore = self._pending_restore, None
         saved_data = None
@@ -301,7 +307,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         compat.skip_batches(self.model, count // self._spe, per_call=self._spe)
 
     # -- save -------------------------------------------------------------------------
-    def on_train_batch_begin(self, batch, logs=None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self.manager.check_for_errors()
         guard, self._epoch_guard = self._epoch_guard, None
         if guard is not None:  # every callback's on_epoch_begin has run for the resumed epoch
@@ -318,7 +324,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         if self._save_requested:
             self._save()
 
-    def on_train_batch_end(self, batch, logs=None) -> None:
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         # A step boundary: a save waiting in another thread reads the model now (JAX: the
         # model property attaches the training state to the variables first).
         if self._gated is not None:
@@ -334,7 +340,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         if self.preemption.reached(pos.global_step):
             self._preempt(pos)
 
-    def on_epoch_end(self, epoch, logs=None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         stop = self.preemption.at_epoch_end
         if self.preemption.step is not None and not stop:
             return  # stopped mid-epoch: the checkpoint, taken at that batch end, is the position
@@ -346,7 +352,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._save_requested = True
         self.model.stop_training = self.model.stop_training or stop
 
-    def on_train_end(self, logs=None) -> None:
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         try:
             if self._save_requested:
                 self._save()

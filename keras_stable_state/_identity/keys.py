@@ -106,7 +106,7 @@ class VariableKey:
         return int(self.value)
 
     @classmethod
-    def parse(cls, text) -> VariableKey:
+    def parse(cls, text: str) -> VariableKey:
         """Parse ``"path:<path>"``, ``"order:<int>"`` or ``"var:<name>"``; inside
         `parsing_once`, a text parsed before gives the same key again.
 

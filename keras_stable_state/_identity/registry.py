@@ -25,9 +25,16 @@ a named key owns, and must agree in shape and dtype.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
 from keras_stable_state._identity.keys import NAMED, ORDERED, VariableKey
 from keras_stable_state._identity.paths import stable_paths, walk, walk_cache
 from keras_stable_state.errors import BindingError, listed
+
+if TYPE_CHECKING:
+    import keras
+
 
 # VariableKey lives in keys.py (the key grammar, no Keras); it stays importable from here.
 __all__ = ["VariableKey", "VariableRegistry"]
@@ -50,7 +57,9 @@ class VariableRegistry:
         True
     """
 
-    def __init__(self, entries, *, model=None) -> None:
+    def __init__(
+        self, entries: Iterable[tuple[VariableKey, keras.Variable]], *, model: keras.Model | None = None
+    ) -> None:
         self.entries = list(entries)
         # Where stock Keras keeps each variable: computed from ``model`` on first use.
         self._model = model
@@ -72,7 +81,9 @@ class VariableRegistry:
             )
 
     @classmethod
-    def from_model(cls, model, variables=None) -> VariableRegistry:
+    def from_model(
+        cls, model: keras.Model, variables: Sequence[keras.Variable] | None = None
+    ) -> VariableRegistry:
         """Key ``variables`` (default: ``model.variables``) by the model's stable paths.
 
         A variable the walk does not reach gets ``order:<its index in variables>``.
@@ -101,7 +112,7 @@ class VariableRegistry:
             cache[cache_key] = (model, registry)
         return registry
 
-    def rekeyed(self, entries) -> VariableRegistry:
+    def rekeyed(self, entries: Iterable[tuple[VariableKey, keras.Variable]]) -> VariableRegistry:
         """A registry over ``entries`` whose [`keras_paths`][keras_stable_state.VariableRegistry.keras_paths] are this one's (the same model)."""
         registry = VariableRegistry(entries, model=self._model)
         registry._keras_paths = self._keras_paths
@@ -129,10 +140,10 @@ class VariableRegistry:
         return self._keras_paths
 
     @keras_paths.setter
-    def keras_paths(self, value) -> None:
+    def keras_paths(self, value: dict[int, str]) -> None:
         self._keras_paths = value
 
-    def key_of(self, variable) -> VariableKey:
+    def key_of(self, variable: keras.Variable) -> VariableKey:
         """The key of a registered variable.
 
         Raises:
@@ -146,10 +157,12 @@ class VariableRegistry:
     def keys(self) -> list:
         return [k for k, _ in self.entries]
 
-    def variable_of(self, key: VariableKey):
+    def variable_of(self, key: VariableKey) -> keras.Variable | None:
         return self._by_key.get(key)
 
-    def bind(self, saved):
+    def bind(
+        self, saved: Iterable[tuple[VariableKey, tuple[int, ...], str]]
+    ) -> tuple[dict[VariableKey, tuple[keras.Variable, str]], list[VariableKey]]:
         """Bind saved entries to live variables.
 
         Args:

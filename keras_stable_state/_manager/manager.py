@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import os
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
@@ -25,6 +28,13 @@ from keras_stable_state._manager.records import (
 )
 from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import keras
+
+    from keras_stable_state._core.report import RestoreReport
+    from keras_stable_state._engines.background import SaveHandle
+
 
 _CONFIG_NAMES = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background", "verbose")
 _CONFIG_NAMES += ("storage_options",)
@@ -86,15 +96,15 @@ class CheckpointManager(DirectoryHolder):
 
     def __init__(
         self,
-        directory,
-        max_to_keep=3,
+        directory: str | bytes | os.PathLike[str],
+        max_to_keep: int | None = 3,
         *,
-        keep_best=0,
-        monitor=None,
-        mode="auto",
-        save_on_background=False,
-        verbose=0,
-        storage_options=None,
+        keep_best: int = 0,
+        monitor: str | None = None,
+        mode: str = "auto",
+        save_on_background: bool = False,
+        verbose: int = 0,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.directory, self.files = open_directory(directory, storage_options, "CheckpointManager")
         self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
@@ -136,12 +146,12 @@ class CheckpointManager(DirectoryHolder):
         if self.verbose:
             compat.print_msg(f"{self.name}: {message}")
 
-    def preemption_guard(self, signals=DEFAULT_SIGNALS) -> PreemptionGuard:
+    def preemption_guard(self, signals: Sequence[int] = DEFAULT_SIGNALS) -> PreemptionGuard:
         """A ``PreemptionGuard`` of ``signals`` for a custom loop (see the class docstring)."""
         self._guard = PreemptionGuard(signals, owner=self.name)
         return self._guard
 
-    def reached_preemption(self, step) -> bool:
+    def reached_preemption(self, step: int) -> bool:
         """The entered [`preemption_guard`][keras_stable_state.CheckpointManager.preemption_guard]'s ``reached_preemption(step)`` (see the class docstring)."""
         return entered_guard(self._guard, f"{self.name}({self.directory!r})", step).reached_preemption(step)
 
@@ -197,7 +207,7 @@ class CheckpointManager(DirectoryHolder):
         best = self._best_steps(self.checkpoints(), 1)
         return best[0] if best else None
 
-    def metadata(self, step) -> CheckpointMetadata:
+    def metadata(self, step: int) -> CheckpointMetadata:
         """The [`CheckpointMetadata`][keras_stable_state.CheckpointMetadata] of the checkpoint of ``step``.
 
         Raises:
@@ -219,7 +229,16 @@ class CheckpointManager(DirectoryHolder):
         return path
 
     # -- save -------------------------------------------------------------------------------
-    def save(self, step, model, *, optimizer=None, metrics=None, epoch=None, **state):
+    def save(
+        self,
+        step: int,
+        model: keras.Model,
+        *,
+        optimizer: keras.optimizers.Optimizer | None = None,
+        metrics: Mapping[str, float] | None = None,
+        epoch: int | None = None,
+        **state: Any,
+    ) -> str | SaveHandle:
         """Save the training state of ``model`` as the checkpoint of ``step``, then prune.
 
         Args:
@@ -306,7 +325,7 @@ class CheckpointManager(DirectoryHolder):
         elif self.verbose:
             self._say(saved_message(path, f"step {step}", self.files.size_of(path), secs, blocked_secs))
 
-    def prune(self, newest=None) -> list:
+    def prune(self, newest: str | None = None) -> list:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
         them) and the best ``keep_best``; the paths removed."""
         paths = self.checkpoints()
@@ -322,7 +341,9 @@ class CheckpointManager(DirectoryHolder):
         return removed
 
     # -- restore ----------------------------------------------------------------------------
-    def restore(self, model, step="latest", **restore_options):
+    def restore(
+        self, model: keras.Model, step: int | str = "latest", **restore_options: Any
+    ) -> RestoreReport | None:
         """Restore the checkpoint of ``step`` into ``model``.
 
         Args:
@@ -394,7 +415,13 @@ class CheckpointManager(DirectoryHolder):
         self._say(f"restored {path} (step {self.restored_step})")
         return report
 
-    def restore_newest_with(self, restore, unreadable=None, *, read_only=False):
+    def restore_newest_with(
+        self,
+        restore: Callable[[str, Any], None],
+        unreadable: Callable[[str, BaseException], None] | None = None,
+        *,
+        read_only: bool = False,
+    ) -> str | None:
         """Pass the record of the newest readable checkpoint to ``restore(path, record)``
         (which restores everything from that one read); each unreadable one is moved aside
         (recorded in ``skipped_checkpoints`` and ``moved_checkpoints``; ``unreadable(path,

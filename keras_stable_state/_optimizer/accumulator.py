@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import keras
 import numpy as np
 
@@ -43,12 +46,12 @@ class GradientAccumulator:
         ...     optimizer.apply(acc.gradients(), model.trainable_variables); acc.reset()
     """
 
-    def __init__(self, model, variables=None) -> None:
+    def __init__(self, model: keras.Model, variables: Sequence[keras.Variable] | None = None) -> None:
         self.model = model
         self._given = None if variables is None else list(variables)
         self.built = False
 
-    def build(self, variables=None) -> None:
+    def build(self, variables: Sequence[keras.Variable] | None = None) -> None:
         """Create the sums (zeros) for ``variables`` (default: as given, or the model's trainable ones)."""
         variables = list(variables or self._given or self.model.trainable_variables)
         self.targets = variables
@@ -76,7 +79,7 @@ class GradientAccumulator:
         """Micro-steps accumulated in the current window."""
         return int(to_numpy(self.micro_steps)) if self.built else 0
 
-    def accumulate(self, grads, weight=1.0) -> None:
+    def accumulate(self, grads: Sequence[Any], weight: float = 1.0) -> None:
         """Add ``weight * grads`` to the window (stateful: TensorFlow, Torch, eager JAX)."""
         if not self.built:
             self.build()
@@ -85,7 +88,7 @@ class GradientAccumulator:
         self.total_weight.assign_add(keras.ops.cast(weight, "float32"))
         self.micro_steps.assign_add(1)
 
-    def stateless_accumulate(self, values, grads, weight=1.0) -> list:
+    def stateless_accumulate(self, values: Sequence[Any], grads: Sequence[Any], weight: float = 1.0) -> list:
         """Pure version of [`accumulate`][keras_stable_state.GradientAccumulator.accumulate] on ``values`` (as ordered in [`variables`][keras_stable_state.GradientAccumulator.variables])."""
         n = len(self.sums)
         sums = [
@@ -94,7 +97,7 @@ class GradientAccumulator:
         ]
         return [*sums, values[n] + keras.ops.cast(weight, "float32"), values[n + 1] + 1]
 
-    def gradients(self, values=None) -> list:
+    def gradients(self, values: Sequence[Any] | None = None) -> list:
         """The weighted mean gradient of the window (``values``: stateless state)."""
         values = values if values is not None else [v.value for v in self.variables]
         n = len(self.sums)

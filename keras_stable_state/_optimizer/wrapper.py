@@ -8,6 +8,8 @@ inside ``.keras`` files.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -149,7 +151,15 @@ class StableOptimizer(keras.optimizers.Optimizer):
     # Read by entries.unwrap / optimizer_tree: the slots are the inner optimizer's, no prefix of this one.
     wraps_transparently = True
 
-    def __init__(self, inner_optimizer, name=None, *, model=None, allow_order_keys=False, **kwargs) -> None:
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        name: str | None = None,
+        *,
+        model: keras.Model | None = None,
+        allow_order_keys: bool = False,
+        **kwargs: Any,
+    ) -> None:
         for arg, default in _BASE_DEFAULTS.items():
             value = kwargs.pop(arg, default)
             if value != default:
@@ -180,7 +190,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
 
     # -- delegation: the training step is the inner optimizer's ---------------
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         """The inner optimizer's variables.
 
         Raises:
@@ -192,19 +202,19 @@ class StableOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.variables
 
     @property
-    def iterations(self):
+    def iterations(self) -> keras.Variable:
         return self.inner_optimizer.iterations
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> Any:
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
-    def learning_rate(self, value) -> None:
+    def learning_rate(self, value: Any) -> None:
         if hasattr(self, "inner_optimizer"):
             self.inner_optimizer.learning_rate = value
 
-    def build(self, var_list) -> None:
+    def build(self, var_list: Sequence[keras.Variable]) -> None:
         """Build the inner optimizer on ``var_list``.
 
         Raises:
@@ -233,7 +243,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
                 key=self.name,
             )
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[keras.Variable] | None = None) -> Any:
         """Apply gradients with the inner optimizer.
 
         Raises:
@@ -250,7 +260,9 @@ class StableOptimizer(keras.optimizers.Optimizer):
             self._check_pending()
         return self.inner_optimizer.apply(grads, trainable_variables)
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(
+        self, optimizer_variables: Sequence[Any], grads: Sequence[Any], trainable_variables: Sequence[Any]
+    ) -> tuple[list[Any], list[Any]]:
         """The inner optimizer's ``stateless_apply``.
 
         Raises:
@@ -260,17 +272,19 @@ class StableOptimizer(keras.optimizers.Optimizer):
             self._check_pending()
         return self.inner_optimizer.stateless_apply(optimizer_variables, grads, trainable_variables)
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Any) -> Any:
         return self.inner_optimizer.scale_loss(loss)
 
-    def finalize_variable_values(self, var_list) -> None:
+    def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
+    def exclude_from_weight_decay(
+        self, var_list: Sequence[keras.Variable] | None = None, var_names: Sequence[str] | None = None
+    ) -> None:
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     # -- identity ---------------------------------------------------------------
-    def bind(self, model):
+    def bind(self, model: keras.Model) -> StableOptimizer:
         """Key this optimizer's slots by ``model``'s stable variable paths.
 
         Checked: a built optimizer must train only variables of ``model``.
@@ -298,11 +312,11 @@ class StableOptimizer(keras.optimizers.Optimizer):
         self._load_pending()
         return self
 
-    def bound_model(self):
+    def bound_model(self) -> keras.Model | None:
         """The model whose paths key the slots (see [`bind`][keras_stable_state.StableOptimizer.bind]), or ``None``."""
         return None if self._model_ref is None else self._model_ref()
 
-    def entries(self, registry=None, *, name=None) -> list:
+    def entries(self, registry: VariableRegistry = None, *, name: str = None) -> list:
         """`optimizer_entries` keyed by the bound model (see [`bind`][keras_stable_state.StableOptimizer.bind]).
 
         Raises:
@@ -318,7 +332,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         return optimizer_entries(self, registry, name=name, allow_order_keys=allow)
 
     # -- .keras serialization -----------------------------------------------------
-    def save_own_variables(self, store) -> None:
+    def save_own_variables(self, store: dict[str, Any]) -> None:
         """Write every optimizer variable with its key (``.keras`` / ``.weights.h5``).
 
         Datasets ``"0"``, ``"1"``, ... hold the arrays; ``"keys"`` holds their
@@ -336,7 +350,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         for i, entry in enumerate(entries):
             store[str(i)] = numpy_copy(entry.variable)
 
-    def load_own_variables(self, store) -> None:
+    def load_own_variables(self, store: dict[str, Any]) -> None:
         """Restore variables by key; a store without keys is restored by position.
 
         If the optimizer is not built or not bound yet, the state is kept and
@@ -375,7 +389,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         _keyed_restore(self, self.bound_model(), arrays, keyed=keyed, strict=True)
 
     # -- config ---------------------------------------------------------------
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -385,7 +399,9 @@ class StableOptimizer(keras.optimizers.Optimizer):
         return config
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
+    ) -> StableOptimizer:
         config = dict(config)
         config["inner_optimizer"] = keras.saving.deserialize_keras_object(
             config["inner_optimizer"], custom_objects=custom_objects

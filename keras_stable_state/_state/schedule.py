@@ -6,6 +6,8 @@ The current learning rate value itself is an optimizer variable and is saved wit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import keras
 
 from keras_stable_state import _keras_compat as compat
@@ -26,7 +28,7 @@ class ScheduleMismatchError(StateError, ValueError):
         (config.decay_steps: saved 10, now 20). ...
     """
 
-    def __init__(self, message, *, fields=()) -> None:
+    def __init__(self, message: str, *, fields: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.fields = list(fields)
 
