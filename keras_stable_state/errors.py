@@ -9,7 +9,8 @@ what to do about it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "StateError",
@@ -34,7 +35,7 @@ NAMES_SHOWN = 5
 NAME_WIDTH = 120
 
 
-def shown(name, width: int = NAME_WIDTH, quote: bool = True) -> str:
+def shown(name: object, width: int = NAME_WIDTH, quote: bool = True) -> str:
     """``repr(name)`` (``str(name)`` with ``quote=False``), shortened to about ``width``
     characters: its start, then ``... (N characters)``. Every message that echoes a
     name from a file or a model goes through this (or `listed`), so no name
@@ -46,7 +47,9 @@ def shown(name, width: int = NAME_WIDTH, quote: bool = True) -> str:
     return f"{repr(head) if quote else head}... ({len(text):,} characters)"
 
 
-def listed(names: Iterable, limit: int = NAMES_SHOWN, width: int = NAME_WIDTH, quote: bool = True) -> str:
+def listed(
+    names: Iterable[object], limit: int = NAMES_SHOWN, width: int = NAME_WIDTH, quote: bool = True
+) -> str:
     """``names`` as ``['a', 'b', 'c' and 295 more]`` (``[]`` when empty): at most ``limit``,
     each `shown`, with the count of the others."""
     names = names if isinstance(names, list | tuple) else list(names)
@@ -95,7 +98,9 @@ class StateError(Exception):
         ...     print(err.key, err.expected, err.received)
     """
 
-    def __init__(self, message, *, key=None, expected=None, received=None) -> None:
+    def __init__(
+        self, message: str, *, key: str | None = None, expected: object = None, received: object = None
+    ) -> None:
         super().__init__(bounded(str(message)))
         self.key = key
         self.expected = expected
@@ -140,7 +145,15 @@ class ContractError(StateError, ValueError):
         ['path:layers/hidden/kernel', 'path:layers/hidden/bias']
     """
 
-    def __init__(self, message, *, missing=(), unexpected=(), reshaped=(), retyped=()) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        reshaped: Sequence[tuple[str, Any, Any]] = (),
+        retyped: Sequence[tuple[str, Any, Any]] = (),
+    ) -> None:
         super().__init__(message)
         self.missing = list(missing)
         self.unexpected = list(unexpected)
@@ -190,7 +203,15 @@ class NewerFormatError(CheckpointFormatError):
         NewerFormatError: from-the-future.h5: written by a newer keras_stable_state (format 4); upgrade to read it ...
     """
 
-    def __init__(self, message, *, path=None, version=None, unknown=(), key=None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        version: int | None = None,
+        unknown: Sequence[str] = (),
+        key: str | None = None,
+    ) -> None:
         super().__init__(message, key=key, received=version)
         self.path = path
         self.version = version
@@ -237,7 +258,9 @@ class CheckpointInUseError(StateError, BlockingIOError):
         CheckpointInUseError: 'run.h5' is in use by another process (locked for writing) ...
     """
 
-    def __init__(self, message, *, path=None, holder=None, key=None) -> None:
+    def __init__(
+        self, message: str, *, path: str | None = None, holder: str | None = None, key: str | None = None
+    ) -> None:
         super().__init__(message, key=key)
         self.path = path
         self.holder = holder
@@ -258,7 +281,9 @@ class StorageBackendError(StateError, ImportError):
         StorageBackendError: 'gs://bucket/run.h5' is in Google Cloud Storage (gs://), read and written through gcsfs, which is not installed ...
     """
 
-    def __init__(self, message, *, path=None, scheme=None, package=None) -> None:
+    def __init__(
+        self, message: str, *, path: str | None = None, scheme: str | None = None, package: str | None = None
+    ) -> None:
         super().__init__(message, expected=package, received=scheme)
         self.path = path
         self.scheme = scheme

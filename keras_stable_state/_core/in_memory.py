@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from keras_stable_state import format as storage
 from keras_stable_state._core import boundary
 from keras_stable_state._core.apply import takes_unaligned
-from keras_stable_state._core.restore import RestoreOptions, restore_with
+from keras_stable_state._core.restore import PendingRestore, RestoreOptions, restore_with
 from keras_stable_state._core.save import training_state_record
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def restore_training_state_from_bytes(
     strict: bool = True,
     allow_cast: bool = False,
     **kwargs: Any,
-) -> RestoreReport:
+) -> RestoreReport | PendingRestore:
     """Restore a training state from bytes (from [`training_state_to_bytes`][keras_stable_state.training_state_to_bytes], or a
     ``.h5`` / ``.keras`` file's bytes fetched from an object store).
 
@@ -128,4 +128,7 @@ def restore_training_state_from_bytes(
         **kwargs,
     )
     record = storage.read_bytes(bytes(data), unaligned_views=takes_unaligned())
-    return restore_with(_LABEL, model, options, defer=defer, record=record, take=True)
+    restored: RestoreReport | PendingRestore = restore_with(
+        _LABEL, model, options, defer=defer, record=record, take=True
+    )
+    return restored

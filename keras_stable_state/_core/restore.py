@@ -165,7 +165,13 @@ def restore_training_state(
 @builds_undone_on_refusal
 @walking_once
 def restore_with(
-    filepath, model, options: RestoreOptions, *, defer=False, record=None, take=False
+    filepath: str,
+    model: keras.Model,
+    options: RestoreOptions,
+    *,
+    defer: bool = False,
+    record: storage.StateRecord | None = None,
+    take: bool = False,
 ) -> RestoreReport | PendingRestore:
     """[`restore_training_state`][keras_stable_state.restore_training_state] with its options grouped.
 

@@ -14,7 +14,7 @@ import functools
 import io
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_stable_state import _keras_compat as compat
@@ -241,20 +241,20 @@ def _wait_before_copy(filepath, store=None) -> None:
 
 
 def training_state_record(
-    model,
-    optimizer=None,
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
     *,
-    verb,
-    model_state="all",
-    callbacks=(),
-    state=None,
-    include_rng=True,
-    allow_order_keys=False,
-    variables=None,
-    mappers=None,
-    convert=_host_array,
-    before_copy=None,
-):
+    verb: str,
+    model_state: str = "all",
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    state: Mapping[str, Any] | None = None,
+    include_rng: bool = True,
+    allow_order_keys: bool = False,
+    variables: Mapping[str, keras.Variable] | None = None,
+    mappers: Mapping[str, StateMapper] | None = None,
+    convert: Callable[[Any], Any] = _host_array,
+    before_copy: Callable[[], None] | None = None,
+) -> storage.StateRecord:
     """The `StateRecord` that [`save_training_state`][keras_stable_state.save_training_state]
     writes, with every argument checked as it says (``verb`` names the caller in messages;
     ``convert`` turns a variable into the value stored; ``before_copy`` runs once the

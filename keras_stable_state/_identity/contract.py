@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_stable_state._identity.registry import VariableKey, VariableRegistry
@@ -32,7 +33,7 @@ class TrainableContract:
         >>> contract.validate(model)   # raises ContractError on any difference
     """
 
-    entries: tuple
+    entries: tuple[tuple[str, tuple[int, ...], str], ...]
 
     @classmethod
     def capture(cls, model: keras.Model) -> TrainableContract:
@@ -40,12 +41,12 @@ class TrainableContract:
         registry = VariableRegistry.from_model(model, model.trainable_variables)
         return cls(tuple((str(k), tuple(map(int, v.shape)), str(v.dtype)) for k, v in registry.entries))
 
-    def to_json(self) -> list:
+    def to_json(self) -> list[list[Any]]:
         """A JSON-serialisable list of ``[key, shape, dtype]``."""
         return [[k, list(s), d] for k, s, d in self.entries]
 
     @classmethod
-    def from_json(cls, data: str) -> TrainableContract:
+    def from_json(cls, data: Iterable[Sequence[Any]]) -> TrainableContract:
         """Inverse of [`to_json`][keras_stable_state.TrainableContract.to_json].
 
         Raises:
