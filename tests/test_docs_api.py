@@ -91,4 +91,6 @@ def test_public_docstrings_are_short() -> None:
             doc = inspect.getdoc(member) if not isinstance(member, str | int | float) else None
             if doc and len(doc.splitlines()) > MAX_DOC_LINES:
                 long[qualname] = len(doc.splitlines())
-    assert long == {}, f"public docstrings over {MAX_DOC_LINES} lines (move the detail to docs/how-to): {long}"
+    assert long == {}, (
+        f"public docstrings over {MAX_DOC_LINES} lines (move the detail to docs/how-to): {long}"
+    )
