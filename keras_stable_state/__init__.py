@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
     from keras_stable_state._fit import StableCheckpoint
     from keras_stable_state._identity.contract import TrainableContract
     from keras_stable_state._identity.registry import VariableKey, VariableRegistry
-    from keras_stable_state._manager.manager import CheckpointManager, CheckpointMetadata
+    from keras_stable_state._manager.manager import CheckpointManager
+    from keras_stable_state._manager.records import CheckpointMetadata
     from keras_stable_state._optimizer import GradientAccumulator, StableOptimizer
     from keras_stable_state._state import ScheduleMismatchError
     from keras_stable_state.errors import (
@@ -126,13 +127,13 @@ _SOURCES = {
 }
 
 
-def _load_all():
+def _load_all() -> None:
     """Import every module of ``_SOURCES`` and bind its names here (registers the Keras serializables)."""
     for name, module in _SOURCES.items():
         globals()[name] = getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     if name in _SOURCES:
         # All at once: any public name brings the Keras serializables along.
         _load_all()
@@ -140,7 +141,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 

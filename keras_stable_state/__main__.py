@@ -1,4 +1,4 @@
-"""``python -m keras_stable_state``: the ``keras-stable-state`` command line (see :mod:`keras_stable_state.cli`)."""
+"""``python -m keras_stable_state``: the ``keras-stable-state`` command line (see `keras_stable_state.cli`)."""
 
 import sys
 

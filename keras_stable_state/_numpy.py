@@ -1,8 +1,8 @@
 """Variables as NumPy arrays, without the warnings of ``keras.ops.convert_to_numpy``.
 
-A leaf module (it imports nothing of this package but the multi-process helpers, :mod:`keras_stable_state._processes`), used by
-the restore core (:mod:`keras_stable_state._core.apply`), the state providers
-(:mod:`keras_stable_state._state`) and the callbacks.
+A leaf module (it imports nothing of this package but the multi-process helpers, `keras_stable_state._processes`), used by
+the restore core (`keras_stable_state._core.apply`), the state providers
+(`keras_stable_state._state`) and the callbacks.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def to_numpy(variable):
 
 
 def numpy_copy(variable):
-    """:func:`to_numpy`, as an array of its own: a copy where the conversion shares the
+    """`to_numpy`, as an array of its own: a copy where the conversion shares the
     variable's memory (Torch's ``.numpy()``), which a later assignment would change."""
     return private_copy(to_numpy(variable))
 

@@ -77,7 +77,7 @@ def run_on_primary(what: str, write):
 
     The other processes wait for process 0's outcome (a broadcast, so also a
     barrier): if it failed there, process 0 re-raises its error and the others
-    raise a :class:`StateError` saying so.
+    raise a [`StateError`][keras_stable_state.StateError] saying so.
 
     Args:
         what: The file written, for the message.
@@ -119,10 +119,10 @@ def any_process(flag: bool, step: int, what: str) -> bool:
     With one process this is ``bool(flag)`` (no collective). With several JAX processes every
     process gathers every process' ``(flag, step)`` (``multihost_utils.process_allgather``, a
     collective: every process calls it at each step, in the same order) and decides with
-    :func:`agree`.
+    `agree`.
 
     Raises:
-        StateError: if the processes asked at different steps (see :func:`agree`).
+        StateError: if the processes asked at different steps (see `agree`).
     """
     if process_count() == 1:
         return bool(flag)
@@ -133,7 +133,7 @@ def any_process(flag: bool, step: int, what: str) -> bool:
 
 
 def agree(table, what: str) -> bool:
-    """The decision of :func:`any_process` from its gathered table, one row ``(flag, step)``
+    """The decision of `any_process` from its gathered table, one row ``(flag, step)``
     per process (row ``i``: process ``i``): whether any flag is set.
 
     Raises:
@@ -157,8 +157,8 @@ def agree(table, what: str) -> bool:
 def share_from_primary(what: str, compute):
     """``compute()`` run on process 0 only, its result (JSON values) returned on every process.
 
-    As :func:`run_on_primary` (the others wait; a failure on process 0 is raised there and
-    a :class:`StateError` on the others), then the result is broadcast to all.
+    As `run_on_primary` (the others wait; a failure on process 0 is raised there and
+    a [`StateError`][keras_stable_state.StateError] on the others), then the result is broadcast to all.
     """
     result = run_on_primary(what, compute)
     if process_count() == 1:

@@ -1,6 +1,6 @@
-"""Errors raised by keras_stable_state, and the warnings of :class:`StableCheckpoint`.
+"""Errors raised by keras_stable_state, and the warnings of [`StableCheckpoint`][keras_stable_state.StableCheckpoint].
 
-Every refusal derives from :class:`StateError`. Each subclass also inherits the
+Every refusal derives from [`StateError`][keras_stable_state.StateError]. Each subclass also inherits the
 built-in exception a Python user would catch for that kind of problem
 (``ValueError``, ``KeyError``, ``OSError``), following orbax-checkpoint's
 ``errors.py``. Messages say which key, what was expected, what was found, and
@@ -9,7 +9,8 @@ what to do about it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "StateError",
@@ -34,10 +35,10 @@ NAMES_SHOWN = 5
 NAME_WIDTH = 120
 
 
-def shown(name, width: int = NAME_WIDTH, quote: bool = True) -> str:
+def shown(name: object, width: int = NAME_WIDTH, quote: bool = True) -> str:
     """``repr(name)`` (``str(name)`` with ``quote=False``), shortened to about ``width``
     characters: its start, then ``... (N characters)``. Every message that echoes a
-    name from a file or a model goes through this (or :func:`listed`), so no name
+    name from a file or a model goes through this (or `listed`), so no name
     makes a message unbounded."""
     text = name if isinstance(name, str) else repr(name)
     if len(text) <= width:
@@ -46,9 +47,11 @@ def shown(name, width: int = NAME_WIDTH, quote: bool = True) -> str:
     return f"{repr(head) if quote else head}... ({len(text):,} characters)"
 
 
-def listed(names: Iterable, limit: int = NAMES_SHOWN, width: int = NAME_WIDTH, quote: bool = True) -> str:
+def listed(
+    names: Iterable[object], limit: int = NAMES_SHOWN, width: int = NAME_WIDTH, quote: bool = True
+) -> str:
     """``names`` as ``['a', 'b', 'c' and 295 more]`` (``[]`` when empty): at most ``limit``,
-    each :func:`shown`, with the count of the others."""
+    each `shown`, with the count of the others."""
     names = names if isinstance(names, list | tuple) else list(names)
     head = ", ".join(shown(n, width, quote) for n in names[:limit])
     more = f" and {len(names) - limit:,} more" if len(names) > limit else ""
@@ -62,9 +65,9 @@ _WORD_LIMIT = 1000
 
 def bounded(message: str) -> str:
     """``message`` with every run of more than 1,000 characters without a space
-    shortened (:func:`shown`'s way) and, if still longer than :data:`MESSAGE_LIMIT`,
-    its middle left out: the net under :func:`shown` and :func:`listed`, applied to
-    every :class:`StateError`."""
+    shortened (`shown`'s way) and, if still longer than `MESSAGE_LIMIT`,
+    its middle left out: the net under `shown` and `listed`, applied to
+    every [`StateError`][keras_stable_state.StateError]."""
     if len(message) <= _WORD_LIMIT:
         return message
     words = message.split(" ")
@@ -95,7 +98,9 @@ class StateError(Exception):
         ...     print(err.key, err.expected, err.received)
     """
 
-    def __init__(self, message, *, key=None, expected=None, received=None):
+    def __init__(
+        self, message: str, *, key: str | None = None, expected: object = None, received: object = None
+    ) -> None:
         super().__init__(bounded(str(message)))
         self.key = key
         self.expected = expected
@@ -140,7 +145,15 @@ class ContractError(StateError, ValueError):
         ['path:layers/hidden/kernel', 'path:layers/hidden/bias']
     """
 
-    def __init__(self, message, *, missing=(), unexpected=(), reshaped=(), retyped=()):
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        reshaped: Sequence[tuple[str, Any, Any]] = (),
+        retyped: Sequence[tuple[str, Any, Any]] = (),
+    ) -> None:
         super().__init__(message)
         self.missing = list(missing)
         self.unexpected = list(unexpected)
@@ -174,7 +187,7 @@ class NewerFormatError(CheckpointFormatError):
     version does not know in a file whose seal checks.
 
     The file is not damaged, and nothing is done to it:
-    :class:`~keras_stable_state.StableCheckpoint` neither moves it to ``unreadable/``
+    [`StableCheckpoint`][keras_stable_state.StableCheckpoint] neither moves it to ``unreadable/``
     nor falls back past it to an older checkpoint (which would train again what the
     newer one holds), and ``keras-stable-state verify`` exits with 3, not 1. Upgrade
     keras_stable_state to read it.
@@ -190,7 +203,15 @@ class NewerFormatError(CheckpointFormatError):
         NewerFormatError: from-the-future.h5: written by a newer keras_stable_state (format 4); upgrade to read it ...
     """
 
-    def __init__(self, message, *, path=None, version=None, unknown=(), key=None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        version: int | None = None,
+        unknown: Sequence[str] = (),
+        key: str | None = None,
+    ) -> None:
         super().__init__(message, key=key, received=version)
         self.path = path
         self.version = version
@@ -209,8 +230,8 @@ class CorruptCheckpointError(StateError, OSError):
 class MalformedKeyError(CorruptCheckpointError, KeyFormatError):
     """A key in a file cannot be parsed: the file is damaged (or was written by
     something else), not a model that differs. Both a
-    :class:`~keras_stable_state.CorruptCheckpointError` and a
-    :class:`~keras_stable_state.KeyFormatError`.
+    [`CorruptCheckpointError`][keras_stable_state.CorruptCheckpointError] and a
+    [`KeyFormatError`][keras_stable_state.KeyFormatError].
 
     Example:
         >>> kss.restore_training_state("damaged.h5", model)
@@ -221,11 +242,11 @@ class MalformedKeyError(CorruptCheckpointError, KeyFormatError):
 class CheckpointInUseError(StateError, BlockingIOError):
     """A checkpoint file or checkpoint directory is held by another process.
 
-    Raised instead of :class:`CorruptCheckpointError` when a healthy file is
+    Raised instead of [`CorruptCheckpointError`][keras_stable_state.CorruptCheckpointError] when a healthy file is
     locked (open for writing by h5py, or ``flock``-ed exclusively) by another
-    process, and by :class:`~keras_stable_state.StableCheckpoint` when another
+    process, and by [`StableCheckpoint`][keras_stable_state.StableCheckpoint] when another
     writer holds its directory's lock file. The file is not damaged: wait for
-    the other process, or stop it. :class:`~keras_stable_state.StableCheckpoint`
+    the other process, or stop it. [`StableCheckpoint`][keras_stable_state.StableCheckpoint]
     never falls back to an older checkpoint for this error.
 
     Attributes:
@@ -237,7 +258,9 @@ class CheckpointInUseError(StateError, BlockingIOError):
         CheckpointInUseError: 'run.h5' is in use by another process (locked for writing) ...
     """
 
-    def __init__(self, message, *, path=None, holder=None, key=None):
+    def __init__(
+        self, message: str, *, path: str | None = None, holder: str | None = None, key: str | None = None
+    ) -> None:
         super().__init__(message, key=key)
         self.path = path
         self.holder = holder
@@ -258,7 +281,9 @@ class StorageBackendError(StateError, ImportError):
         StorageBackendError: 'gs://bucket/run.h5' is in Google Cloud Storage (gs://), read and written through gcsfs, which is not installed ...
     """
 
-    def __init__(self, message, *, path=None, scheme=None, package=None):
+    def __init__(
+        self, message: str, *, path: str | None = None, scheme: str | None = None, package: str | None = None
+    ) -> None:
         super().__init__(message, expected=package, received=scheme)
         self.path = path
         self.scheme = scheme
@@ -267,7 +292,7 @@ class StorageBackendError(StateError, ImportError):
 
 # -- warnings (StableCheckpoint, on train begin) --------------------------------------------
 class UnreadableCheckpointWarning(UserWarning):
-    """:class:`StableCheckpoint` moved unreadable checkpoints aside on train begin.
+    """[`StableCheckpoint`][keras_stable_state.StableCheckpoint] moved unreadable checkpoints aside on train begin.
 
     Issued when it falls back past damaged checkpoints to an older one, or when
     every checkpoint in the directory is unreadable and training starts fresh.
@@ -283,14 +308,14 @@ class UnreadableCheckpointWarning(UserWarning):
 
 
 class InexactResumeWarning(UserWarning):
-    """:class:`StableCheckpoint` cannot make a resumed ``fit`` see the same data as an
+    """[`StableCheckpoint`][keras_stable_state.StableCheckpoint] cannot make a resumed ``fit`` see the same data as an
     uninterrupted one.
 
     Issued on train begin, naming the input and what a resumed run will see otherwise:
     a ``keras.utils.PyDataset`` that overrides ``on_epoch_end`` (e.g. to shuffle) but
     keeps its order without ``get_state()`` / ``set_state()``, a ``tf.data`` pipeline
     with ``shuffle(..., reshuffle_each_iteration=True)``, shuffled arrays whose order
-    :class:`StableCheckpoint` cannot take over, or a resume on another backend than the
+    [`StableCheckpoint`][keras_stable_state.StableCheckpoint] cannot take over, or a resume on another backend than the
     writer's of a model with random layers, and a callback whose state the library
     cannot see (no ``get_state()``/``set_state()``) on a resume.
 

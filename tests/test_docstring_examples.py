@@ -45,9 +45,7 @@ NEEDS = {
     "kss.training_state_to_bytes": "needs an object store (`bucket`)",
 }
 # Examples that should run but do not: to fix in the docstring (then drop the entry).
-OUT_OF_DATE = {
-    "kss.StableCheckpoint": "uses EarlyStopping without importing it (keras.callbacks.EarlyStopping)",
-}
+OUT_OF_DATE = {}
 
 _FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE | doctest.IGNORE_EXCEPTION_DETAIL
 _SHOWN_ERROR = re.compile(r"^(\w+(?:Error|Exception|Warning)):")

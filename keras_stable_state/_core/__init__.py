@@ -1,12 +1,12 @@
 """The two verbs users call, ``save_training_state`` and ``restore_training_state``, and their parts.
 
-* :mod:`.save`: the record collected and written;
-* :mod:`.restore`: the restore's arguments checked and the file read, now or deferred
-  (:class:`PendingRestore`);
-* :mod:`.plan`: every check and conversion of a read record, then every assignment
-  (:func:`plan_callbacks` for the callback states alone);
-* :mod:`.arguments`, :mod:`.scope`, :mod:`.apply`, :mod:`.mappers`, :mod:`.report`,
-  :mod:`.guards`, :mod:`.in_memory`, :mod:`.boundary`: argument checks, key scopes,
+* `.save`: the record collected and written;
+* `.restore`: the restore's arguments checked and the file read, now or deferred
+  ([`PendingRestore`][keras_stable_state.PendingRestore]);
+* `.plan`: every check and conversion of a read record, then every assignment
+  (`plan_callbacks` for the callback states alone);
+* `.arguments`, `.scope`, `.apply`, `.mappers`, `.report`,
+  `.guards`, `.in_memory`, `.boundary`: argument checks, key scopes,
   all-or-nothing assignment, state mappers, the report, the decorators of the verbs,
   bytes, saves from other threads during ``fit``.
 

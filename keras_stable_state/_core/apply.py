@@ -32,7 +32,7 @@ _DTYPE_NAMES: dict = {}  # np.dtype -> storage.dtype_name (NumPy computes ``dtyp
 
 
 def dtype_name(array) -> str:
-    """:func:`storage.dtype_name`, memoised per dtype (once per restore, not per array)."""
+    """`storage.dtype_name`, memoised per dtype (once per restore, not per array)."""
     dtype = array.dtype
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
@@ -110,14 +110,14 @@ class Step:
     first step of the restore is applied) makes everything the step needs (the value
     to assign, converted; the current value, kept) and returns ``(undo, changed)``: a
     callable putting the current value back without allocating new memory where the
-    backend allows it (see :func:`variable_step`), and one telling whether the value
+    backend allows it (see `variable_step`), and one telling whether the value
     differs from it now."""
 
     name: str
     apply: object
     snapshot: object
     nbytes: int = 0  # the bytes its snapshot allocates to convert the value (see _check_headroom)
-    # JAX: ``(host array, owned)`` for :func:`_put_on_devices` to place with every other
+    # JAX: ``(host array, owned)`` for `_put_on_devices` to place with every other
     # step's in one ``jax.device_put``, and the callable taking the placed array.
     host: tuple | None = None
     receive: object = None
@@ -167,7 +167,7 @@ def _native(value):
     for small arrays (dtype parsing: 10-40 us per variable); a tensor of the
     variable's dtype skips it. It is the same conversion (``torch.from_numpy``,
     ``jax.device_put`` of a copy, ``tf.constant``, onto the default device); the
-    shape is the variable's already (:func:`coerce`). Anything else
+    shape is the variable's already (`coerce`). Anything else
     (bfloat16, 64-bit types, a read-only array on torch, a placed ``jax.Array``) is
     returned as it is, for ``assign`` to convert.
     """
@@ -183,19 +183,19 @@ def _native(value):
 def takes_unaligned() -> bool:
     """Whether a variable of Keras' backend can use host memory at any offset as its own
     (Torch), so that a reader's views of a file image at unaligned offsets are worth
-    keeping (``unaligned_views`` of :func:`~keras_stable_state.format.read_file`); see
-    :func:`shareable`."""
+    keeping (``unaligned_views`` of `read_file`); see
+    `shareable`."""
     return keras.backend.backend() == "torch"
 
 
 def shareable(array, backend=None) -> bool:
     """Whether a variable of ``backend`` (default: Keras' backend) can use the memory of
     the host array ``array`` as its own, with no copy: on Torch a writable, C-order
-    NumPy array of a dtype in :data:`_NATIVE_DTYPES`; on JAX the same with its data at a
+    NumPy array of a dtype in `_NATIVE_DTYPES`; on JAX the same with its data at a
     multiple of 64 bytes (as the reader's arrays with a dataset of their own are, over
     4 KiB: views of a 64-byte aligned file image at 64-byte offsets,
-    :mod:`~keras_stable_state.format.image`, or arrays
-    :func:`~keras_stable_state.format.sandbox.read_dataset` reads; arrays packed in a
+    `image`, or arrays
+    `read_dataset` reads; arrays packed in a
     blob are 16-byte aligned, Keras' own datasets not at all); on the CPU, JAX then uses
     the host memory, which nothing writes afterwards; on an accelerator it copies it
     there); on TensorFlow the same, but not ``bool`` and not empty. Never on other
@@ -221,14 +221,14 @@ def _prepared(var, array, owned):
     current sharding). Called for every variable before the first assignment, so that
     running out of memory here changes nothing.
 
-    With ``owned`` (the array is the restore's alone and :func:`shareable`), the tensor
+    With ``owned`` (the array is the restore's alone and `shareable`), the tensor
     uses the array's memory (Torch: ``torch.from_numpy``; TensorFlow: DLPack), which the
     variable then keeps as its own: no copy on the CPU. Otherwise the tensor is a copy of
     its own (the caller's array is never shared with a variable): on TensorFlow the
     memory of a 64-byte aligned host copy
-    (:func:`~keras_stable_state.format.image.aligned_copy`), handed over the same way.
-    On JAX a host array of a dtype in :data:`_NATIVE_DTYPES` for an unsharded variable
-    never gets here: :func:`_put_on_devices` places it first, owned or not; any other
+    (`aligned_copy`), handed over the same way.
+    On JAX a host array of a dtype in `_NATIVE_DTYPES` for an unsharded variable
+    never gets here: `_put_on_devices` places it first, owned or not; any other
     goes through Keras' conversion (a copy).
     """
     value = _multiprocess.place(var, array)
@@ -267,7 +267,7 @@ def _kept(var):
 
     JAX arrays are immutable and ``assign`` replaces the variable's array: the old
     array itself is kept. On Torch the variable's parameter is given the new value's
-    storage (:func:`_swap`), so the old storage (its tensor, ``Parameter.data``) is
+    storage (`_swap`), so the old storage (its tensor, ``Parameter.data``) is
     kept as it is. On TensorFlow the kept value is a read of the variable
     (``ReadVariableOp``), which shares the variable's buffer: TensorFlow copies on
     write (an assignment gives the variable the new buffer; an in-place update such
@@ -292,10 +292,10 @@ def _kept(var):
 
 
 def _assign(var, value) -> None:
-    """``var.assign(value)`` of a value :func:`_prepared` made (of the variable's shape,
-    :func:`coerce` checked it); on TensorFlow, with ``value`` a tensor of the variable's
+    """``var.assign(value)`` of a value `_prepared` made (of the variable's shape,
+    `coerce` checked it); on TensorFlow, with ``value`` a tensor of the variable's
     dtype, the ``AssignVariableOp`` that ``assign`` ends in, written to the variable's
-    resource directly where that is all ``assign`` does (:func:`compat.tf_plain_resource`):
+    resource directly where that is all ``assign`` does (`compat.tf_plain_resource`):
     it costs about 20 us per variable instead of 120."""
     if keras.backend.backend() == "tensorflow" and type(value) is not np.ndarray:
         resource = compat.tf_plain_resource(var)
@@ -322,7 +322,7 @@ def _swap(var, tensor):
 
 
 def _differs(var, old) -> bool:
-    """Whether ``var`` holds another value than ``old`` (kept by :func:`_kept`)."""
+    """Whether ``var`` holds another value than ``old`` (kept by `_kept`)."""
     backend = keras.backend.backend()
     if backend == "jax":
         return var.value is not old
@@ -336,13 +336,13 @@ def _differs(var, old) -> bool:
 
 def variable_step(var, array, name=None, *, owned=False):
     """The step assigning ``array`` to ``var``: its snapshot converts ``array`` for the
-    variable (:func:`_prepared`) and keeps the current value (:func:`_kept`), both before
+    variable (`_prepared`) and keeps the current value (`_kept`), both before
     the first assignment of the restore; its undo puts the kept value back.
 
     Every step assigns once with no copy of its own beyond the conversion: on Torch
-    the parameter is given the prepared tensor's storage (:func:`_swap`); that is the
+    the parameter is given the prepared tensor's storage (`_swap`); that is the
     assignment where ``var.assign`` would only copy that memory onto itself (Keras' own
-    ``assign``, outside a stateless scope: :func:`compat.torch_swap_is_assign`), else
+    ``assign``, outside a stateless scope: `compat.torch_swap_is_assign`), else
     ``var.assign`` runs after it, and an ``assign`` that raises swaps the old storage
     back before the error goes on; the undo swaps the old storage back, then calls
     ``var.assign`` with it (always). On TensorFlow ``assign`` shares the prepared
@@ -355,7 +355,7 @@ def variable_step(var, array, name=None, *, owned=False):
         name: For messages; default the variable's path.
         owned: ``array`` is the restore's alone (read from the file by it; nothing the
             caller holds shares its memory): the variable may keep its memory as its
-            own (:func:`shareable`). Default ``False``: a copy.
+            own (`shareable`). Default ``False``: a copy.
     """
     prepared = []
     backend = keras.backend.backend()
@@ -407,9 +407,9 @@ def _put_on_devices(steps) -> None:
     ``jax.device_put`` of them all, on the default device: JAX's per-call cost is about
     half of a small array's restore (60-100 us here), and a list pays most of it once.
 
-    An array the restore owns (see :func:`variable_step`) is handed over as it is, with
+    An array the restore owns (see `variable_step`) is handed over as it is, with
     ``may_alias=True``: JAX uses its memory where it is 64-byte aligned
-    (:func:`shareable`) and otherwise copies it into memory of its own, which costs
+    (`shareable`) and otherwise copies it into memory of its own, which costs
     less than a 64-byte aligned NumPy copy first (75 MB in 48 arrays at 16-byte
     offsets: 18.6 ms against 28.2 ms; 20k small arrays: 1.92 s against 2.11 s; medians,
     2026-12-04). A caller's array is first copied into 64-byte aligned memory of the
@@ -428,7 +428,7 @@ def _put_on_devices(steps) -> None:
 def _check_headroom(steps) -> None:
     """On TensorFlow, raise ``MemoryError`` unless what the restore allocates from here
     on can be allocated now. TensorFlow keeps no copy for the rollback (the kept
-    values are reads of the variables' buffers, :func:`_kept`) and its ``assign``
+    values are reads of the variables' buffers, `_kept`) and its ``assign``
     shares the converted value's buffer; what it allocates is the conversion of
     every value that is not handed over as it is (``step.nbytes``, kept by the
     variables afterwards: a 64-byte aligned NumPy copy handed over through DLPack, or
@@ -472,16 +472,16 @@ def apply_steps(steps, where=None):
 
     Every snapshot is taken before the first step is applied, and a snapshot makes
     everything its step allocates (on JAX the host arrays of every step are placed
-    together first, :func:`_put_on_devices`): running out of memory there (or anywhere before
+    together first, `_put_on_devices`): running out of memory there (or anywhere before
     the first assignment) changes nothing, and putting values back allocates no new
     memory for model and optimizer variables: their old values are kept by
     reference, not copied (JAX keeps the old arrays, Torch the parameters' old
-    storage, TensorFlow a copy-on-write read of each variable; see :func:`_kept`), and
+    storage, TensorFlow a copy-on-write read of each variable; see `_kept`), and
     putting one back hands that back to the variable.
 
     Raises:
         The error of the failing step (a ``KeyFormatError`` from a provider as
-        :class:`MalformedKeyError`), or :class:`StateError` naming what could
+        [`MalformedKeyError`][keras_stable_state.MalformedKeyError]), or [`StateError`][keras_stable_state.StateError] naming what could
         not be put back when the rollback itself fails.
     """
     _check_headroom(steps)

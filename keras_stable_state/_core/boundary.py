@@ -8,11 +8,11 @@ runs would write the weights of one step with the iteration counter of another. 
 Keras callback cannot wrap the step, but it runs between steps, and that is what
 this module uses:
 
-* while a ``fit`` with a :class:`~keras_stable_state.StableCheckpoint` runs, the
-  callback holds a :class:`StepGate` for the model (:func:`training_begins` at train
-  begin, :func:`training_ends` at train end); a save from another thread waits in
-  :func:`saving` for the next step boundary, where the training thread, in
-  ``on_train_batch_end`` (:func:`step_boundary`), attaches the state to the model
+* while a ``fit`` with a [`StableCheckpoint`][keras_stable_state.StableCheckpoint] runs, the
+  callback holds a `StepGate` for the model (`training_begins` at train
+  begin, `training_ends` at train end); a save from another thread waits in
+  `saving` for the next step boundary, where the training thread, in
+  ``on_train_batch_end`` (`step_boundary`), attaches the state to the model
   (JAX) and waits until the save has read everything it saves;
 * while any other ``fit`` of the model runs in another thread (found on that thread's
   call stack), a save is refused, naming the thread: nothing at a step boundary can
@@ -73,7 +73,7 @@ def _gate(model):
 
 def training_begins(model) -> StepGate:
     """A ``fit`` of ``model`` starts in this thread: saves from other threads wait for its
-    step boundaries from now on (until :func:`training_ends`)."""
+    step boundaries from now on (until `training_ends`)."""
     gate = StepGate(model)
     with _GATES_LOCK:
         old = _GATES.get(id(model))

@@ -43,7 +43,7 @@ def cyclic_gc_paused():
 
 
 def walking_once(fn):
-    """Run ``fn`` inside :func:`~keras_stable_state._identity.paths.one_walk` (every registry it
+    """Run ``fn`` inside `one_walk` (every registry it
     builds reuses one walk of the model), with the cyclic garbage collector paused."""
 
     @functools.wraps(fn)
@@ -86,10 +86,10 @@ def builds_undone_on_refusal(restore):
 def memory_refused(restore):
     """Running out of memory anywhere in ``restore(filepath, model, ...)`` (reading,
     checking, converting, or assigning, once every assigned value is put back) is a
-    :class:`~keras_stable_state.errors.StateError` naming the file and saying so
-    (:func:`~keras_stable_state.format.memory.memory_refusal`), not a raw
+    [`StateError`][keras_stable_state.StateError] naming the file and saying so
+    (`memory_refusal`), not a raw
     ``MemoryError`` or backend error. A rollback that failed too is reported as such by
-    :func:`~keras_stable_state._core.apply.apply_steps` (a ``StateError`` already)."""
+    `apply_steps` (a ``StateError`` already)."""
 
     @functools.wraps(restore)
     def guarded(filepath, *args, **kwargs):

@@ -5,30 +5,40 @@ The bytes are exactly a sealed ``.h5`` training state (what
 ``save_training_state("x.h5", ...)`` writes), and reading them runs exactly the
 checks a file gets: the xxh3-128 seal (SHA-256 in format 2), the HDF5 structure,
 the records' checksums and schema, every array's xxh3-64 (CRC-32 in format 2)
-(:func:`keras_stable_state.format.read_bytes`).
+(`keras_stable_state.format.read_bytes`).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from keras_stable_state import format as storage
 from keras_stable_state._core import boundary
 from keras_stable_state._core.apply import takes_unaligned
-from keras_stable_state._core.restore import RestoreOptions, restore_with
+from keras_stable_state._core.restore import PendingRestore, RestoreOptions, restore_with
 from keras_stable_state._core.save import training_state_record
+
+if TYPE_CHECKING:
+    import keras
+
+    from keras_stable_state._core.report import RestoreReport
+
 
 __all__ = ["restore_training_state_from_bytes", "training_state_to_bytes"]
 
 _LABEL = "<bytes>"
 
 
-def training_state_to_bytes(model, optimizer=None, **kwargs) -> bytes:
+def training_state_to_bytes(
+    model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None, **kwargs: Any
+) -> bytes:
     """The training state as the bytes of a sealed ``.h5`` file, e.g. to put in an object store.
 
-    Takes the arguments of :func:`~keras_stable_state.save_training_state`
+    Takes the arguments of [`save_training_state`][keras_stable_state.save_training_state]
     except ``filepath``, and saves the same state (a ``.keras`` archive's model
     config is not included: build the model in code, or save the model
     separately). Writing the bytes to a file ``x.h5`` gives a file that
-    :func:`~keras_stable_state.restore_training_state` restores.
+    [`restore_training_state`][keras_stable_state.restore_training_state] restores.
 
     Args:
         model: A built ``keras.Model``.
@@ -55,13 +65,20 @@ def training_state_to_bytes(model, optimizer=None, **kwargs) -> bytes:
         return storage.record_to_bytes(record)
 
 
-def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, allow_cast=False, **kwargs):
-    """Restore a training state from bytes (from :func:`training_state_to_bytes`, or a
+def restore_training_state_from_bytes(
+    data: bytes,
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    strict: bool = True,
+    allow_cast: bool = False,
+    **kwargs: Any,
+) -> RestoreReport | PendingRestore:
+    """Restore a training state from bytes (from [`training_state_to_bytes`][keras_stable_state.training_state_to_bytes], or a
     ``.h5`` / ``.keras`` file's bytes fetched from an object store).
 
     The bytes get every check a file gets (seal, structure, records, every
     array's checksum: xxh3-64, or CRC-32 in format 2) before anything is assigned; then the restore is exactly
-    :func:`~keras_stable_state.restore_training_state`'s, all or nothing.
+    [`restore_training_state`][keras_stable_state.restore_training_state]'s, all or nothing.
     Messages name the source as ``'<bytes>'``.
 
     Args:
@@ -75,8 +92,8 @@ def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, 
             ``keep_learning_rate``, ``defer``: as for ``restore_training_state``.
 
     Returns:
-        A :class:`~keras_stable_state.RestoreReport` (with ``defer=True`` a
-        :class:`~keras_stable_state.PendingRestore`).
+        A [`RestoreReport`][keras_stable_state.RestoreReport] (with ``defer=True`` a
+        [`PendingRestore`][keras_stable_state.PendingRestore]).
 
     Raises:
         TypeError: if ``data`` is not bytes-like (a path: use
@@ -111,4 +128,7 @@ def restore_training_state_from_bytes(data, model, optimizer=None, strict=True, 
         **kwargs,
     )
     record = storage.read_bytes(bytes(data), unaligned_views=takes_unaligned())
-    return restore_with(_LABEL, model, options, defer=defer, record=record, take=True)
+    restored: RestoreReport | PendingRestore = restore_with(
+        _LABEL, model, options, defer=defer, record=record, take=True
+    )
+    return restored

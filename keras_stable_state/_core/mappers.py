@@ -12,12 +12,12 @@ the caller does not pass the mappers again.
 
 Built-in mappers:
 
-* :class:`CastMapper` (``CastMapper("bfloat16")``): store a floating-point
+* [`CastMapper`][keras_stable_state.CastMapper] (``CastMapper("bfloat16")``): store a floating-point
   array in another floating-point dtype; cast back on load.
-* :class:`QuantizeMapper`: symmetric per-array int8 quantization
+* [`QuantizeMapper`][keras_stable_state.QuantizeMapper]: symmetric per-array int8 quantization
   (``scale = max|x| / 127``, ``q = round(x / scale)``, ``x' = q * scale``).
 
-A mapper is a :class:`StateMapper` subclass registered with
+A mapper is a [`StateMapper`][keras_stable_state.StateMapper] subclass registered with
 ``keras.saving.register_keras_serializable`` (its registered name is part of
 the file: restore looks it up in Keras' registry and never imports a module
 named by the file).
@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
 import keras
 import ml_dtypes
@@ -52,8 +53,8 @@ def _is_float(name: str) -> bool:
 class StateMapper:
     """Base class of per-key mappers: how one array is stored and read back.
 
-    Subclasses implement :meth:`encode` and :meth:`decode`, set :attr:`lossy`,
-    and round-trip through :meth:`get_config` / :meth:`from_config`; register
+    Subclasses implement [`encode`][keras_stable_state.StateMapper.encode] and [`decode`][keras_stable_state.StateMapper.decode], set `lossy`,
+    and round-trip through [`get_config`][keras_stable_state.StateMapper.get_config] / `from_config`; register
     them with ``@keras.saving.register_keras_serializable()`` so that a file
     naming them can be restored (the class must be registered, i.e. its module
     imported, in the restoring process too).
@@ -74,7 +75,7 @@ class StateMapper:
 
     lossy = False
 
-    def encode(self, key, array):
+    def encode(self, key: str, array: np.ndarray) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
         """Encode one array for storage.
 
         Args:
@@ -90,14 +91,14 @@ class StateMapper:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement encode(key, array).")
 
-    def decode(self, key, array, dtype, params):
+    def decode(self, key: str, array: np.ndarray, dtype: str, params: dict[str, Any]) -> np.ndarray:
         """Decode a stored array back to ``dtype``.
 
         Args:
             key: The array's key, as saved.
-            array: The stored array (what :meth:`encode` returned).
+            array: The stored array (what [`encode`][keras_stable_state.StateMapper.encode] returned).
             dtype: The original dtype name (``"float32"``).
-            params: The parameters :meth:`encode` returned (arrays as NumPy arrays).
+            params: The parameters [`encode`][keras_stable_state.StateMapper.encode] returned (arrays as NumPy arrays).
 
         Returns:
             A NumPy array of dtype ``dtype`` and the original shape.
@@ -109,7 +110,7 @@ class StateMapper:
         return {}
 
     @classmethod
-    def from_config(cls, config):
+    def from_config(cls, config: dict[str, Any]) -> StateMapper:
         return cls(**config)
 
     def __repr__(self) -> str:
@@ -140,7 +141,7 @@ class CastMapper(StateMapper):
         >>> kss.restore_training_state("run.h5", model).lossy   # every model variable's key
     """
 
-    def __init__(self, dtype="bfloat16"):
+    def __init__(self, dtype: str = "bfloat16") -> None:
         if dtype not in _FLOATS:
             raise ValueError(f"`dtype` of CastMapper must be one of {_FLOATS}. Received: dtype={dtype!r}")
         self.dtype = dtype
@@ -149,7 +150,7 @@ class CastMapper(StateMapper):
     def lossy(self) -> bool:
         return self.dtype != "float64"
 
-    def encode(self, key, array):
+    def encode(self, key: str, array: np.ndarray) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
         with np.errstate(over="ignore"):  # an overflow is refused below, naming the key
             stored = np.asarray(array).astype(storage.numpy_dtype(self.dtype))
         overflow = np.isfinite(array) & ~np.isfinite(stored)
@@ -166,7 +167,7 @@ class CastMapper(StateMapper):
             )
         return stored, {}
 
-    def decode(self, key, array, dtype, params):
+    def decode(self, key: str, array: np.ndarray, dtype: str, params: dict[str, Any]) -> np.ndarray:
         return np.asarray(array).astype(storage.numpy_dtype(dtype))
 
     def get_config(self) -> dict:
@@ -200,7 +201,7 @@ class QuantizeMapper(StateMapper):
 
     lossy = True
 
-    def encode(self, key, array):
+    def encode(self, key: str, array: np.ndarray) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
         x = np.asarray(array, dtype=np.float64)
         if not np.isfinite(x).all():
             raise StateError(
@@ -219,12 +220,12 @@ class QuantizeMapper(StateMapper):
         )
         return q, {"scale": np.asarray(scale, dtype=np.float64)}
 
-    def decode(self, key, array, dtype, params):
+    def decode(self, key: str, array: np.ndarray, dtype: str, params: dict[str, Any]) -> np.ndarray:
         scale = np.asarray(params["scale"], dtype=np.float64)
         return (np.asarray(array, dtype=np.float64) * scale).astype(storage.numpy_dtype(dtype))
 
     @staticmethod
-    def bound(array, dtype="float32") -> float:
+    def bound(array: np.ndarray, dtype: str = "float32") -> float:
         """The documented bound on ``|x' - x|`` for ``array`` restored as ``dtype``."""
         m = float(np.max(np.abs(np.asarray(array, dtype=np.float64)))) if np.size(array) else 0.0
         return m / 127.0 / 2.0 + m * float(ml_dtypes.finfo(storage.numpy_dtype(dtype)).eps) / 2.0
@@ -256,7 +257,7 @@ def check_mappers(mappers, verb) -> list:
 
     Raises:
         TypeError: for a non-dict, a non-string pattern, a value that is not a
-            registered :class:`StateMapper`, or a config that is not JSON.
+            registered [`StateMapper`][keras_stable_state.StateMapper], or a config that is not JSON.
         ValueError: for a pattern that is not a regular expression.
     """
     if mappers is None:

@@ -1,13 +1,13 @@
 """Where ``save_training_state`` and ``restore_training_state`` send an object-store URL.
 
-The verbs call :func:`object_store_target` right after checking ``filepath``: a
+The verbs call `object_store_target` right after checking ``filepath``: a
 ``file://`` URL becomes its local path, an object-store URL (``s3://``, ``gs://``...)
-gets its :class:`~keras_stable_state.format.remote.RemotePath` (the fsspec
+gets its `RemotePath` (the fsspec
 implementation is found, or refused, before anything is collected or written), and
-:func:`write_to` writes the record: locally as always, or through
-:func:`~keras_stable_state.format.remote.upload_written` (a local file in a temporary
+`write_to` writes the record: locally as always, or through
+`upload_written` (a local file in a temporary
 folder, uploaded whole). Reading goes through
-:func:`~keras_stable_state.format.read_file`, which downloads a URL whole first.
+`read_file`, which downloads a URL whole first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _ORBAX = ".orbax"
 
 def object_store_target(filepath: str, storage_options, verb: str, *, write: bool = True):
     """``(filepath, store)``: ``filepath`` (a ``file://`` URL as the local path it names)
-    and, for an object-store URL, its :class:`~keras_stable_state.format.remote.RemotePath`
+    and, for an object-store URL, its `RemotePath`
     (``None`` for a local path).
 
     Args:
@@ -65,13 +65,13 @@ def object_store_target(filepath: str, storage_options, verb: str, *, write: boo
 
 
 def write_to(filepath: str, store, record, keras_archive_writer=None):
-    """Write ``record`` to ``filepath`` (:func:`~keras_stable_state.format.write_record`),
+    """Write ``record`` to ``filepath`` (`write_record`),
     or, with a ``store``, to a local temporary file uploaded whole to it; the size written
     in bytes for an upload, else ``None``.
 
     Raises:
         The errors of ``write_record`` and of
-        :meth:`~keras_stable_state.format.remote.RemotePath.put_file`.
+        `put_file`.
     """
     if store is None:
         storage.write_record(filepath, record, keras_archive_writer=keras_archive_writer)

@@ -1,12 +1,12 @@
 """Restoring a record that is read: every check and conversion first (the planners), then
 every assignment, all or nothing.
 
-:func:`restore_record` is the body of :func:`~keras_stable_state.restore_training_state`
-once its arguments are checked (:class:`RestoreRequest`) and the file is read: it
+`restore_record` is the body of [`restore_training_state`][keras_stable_state.restore_training_state]
+once its arguments are checked (`RestoreRequest`) and the file is read: it
 plans the model variables, the optimizers
-(:func:`~keras_stable_state._optimizer.slots.plan_optimizers`), the callbacks,
+(`plan_optimizers`), the callbacks,
 providers and random state, and the layer state, then runs every step with
-:func:`~keras_stable_state._core.apply.apply_steps`. :func:`plan_callbacks` plans the
+`apply_steps`. `plan_callbacks` plans the
 callback states alone (``StableCheckpoint`` puts them back at train begin).
 """
 
@@ -50,7 +50,7 @@ _DRIFTING = (keras.layers.Embedding, keras.layers.BatchNormalization, keras.laye
 @dataclasses.dataclass(frozen=True)
 class RestoreRequest:
     """The arguments of one restore, checked (by
-    :func:`~keras_stable_state._core.restore.restore_with`).
+    `restore_with`).
 
     Attributes:
         filepath: The file (``str``; ``"<bytes>"`` for bytes), for messages and rollback reports.
@@ -61,10 +61,10 @@ class RestoreRequest:
         extras: ``{name: keras.Variable}``: the variables outside the model.
         rules: The rename rules, or ``None``.
         strict, allow_cast, include_rng, check_schedule, keep_learning_rate: The flags
-            of :func:`~keras_stable_state.restore_training_state`.
+            of [`restore_training_state`][keras_stable_state.restore_training_state].
         owned: The record's arrays are this restore's alone (it read them, and nothing
             else reads them afterwards): a variable may keep an array's memory as its
-            own instead of a copy (:func:`~keras_stable_state._core.apply.variable_step`).
+            own instead of a copy (`variable_step`).
     """
 
     filepath: str
@@ -97,15 +97,15 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     all, or (if an assignment fails) put back every value already assigned and re-raise.
 
     Args:
-        record: A :class:`~keras_stable_state.format.StateRecord` or
-            :class:`~keras_stable_state.format.StockWeights`, read and checksummed.
+        record: A `StateRecord` or
+            `StockWeights`, read and checksummed.
         request: The checked arguments.
 
     Returns:
-        The :class:`RestoreReport`.
+        The [`RestoreReport`][keras_stable_state.RestoreReport].
 
     Raises:
-        Every error of :func:`~keras_stable_state.restore_training_state` but those
+        Every error of [`restore_training_state`][keras_stable_state.restore_training_state] but those
         about its arguments and reading the file.
     """
     model, strict, rules, where = request.model, request.strict, request.rules, request.where
@@ -213,7 +213,7 @@ def _root(array):
 
 def _sparse_views(plan, owned: set) -> set:
     """The ids of owned arrays that are views of a buffer (a file image read whole,
-    :mod:`~keras_stable_state.format.image`) of which the variables would take less than
+    `image`) of which the variables would take less than
     half: a variable keeping such a view keeps the whole buffer alive, so those are
     copied instead (a restore of part of a file holds no more than about twice what it
     restored)."""
@@ -349,9 +349,9 @@ def plan_callbacks(record, callbacks, report, where=None):
     saved state is listed in ``report.left_fresh``.
 
     Args:
-        record: A :class:`~keras_stable_state.format.StateRecord`.
+        record: A `StateRecord`.
         callbacks: The live callbacks: a dict ``{name: callback}`` or a list.
-        report: The :class:`RestoreReport` to add to.
+        report: The [`RestoreReport`][keras_stable_state.RestoreReport] to add to.
         where: The file, for messages.
 
     Returns:

@@ -1,4 +1,4 @@
-"""The :class:`RestoreReport` that ``restore_training_state`` returns, and the writer metadata it compares."""
+"""The [`RestoreReport`][keras_stable_state.RestoreReport] that ``restore_training_state`` returns, and the writer metadata it compares."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["RestoreReport", "writer_metadata"]
 
 @dataclasses.dataclass
 class RestoreReport:
-    """What :func:`restore_training_state` did.
+    """What [`restore_training_state`][keras_stable_state.restore_training_state] did.
 
     Attributes:
         matched: ``{key: "name" | "order"}`` for every restored model variable
@@ -92,7 +92,7 @@ class RestoreReport:
     source: str = storage.FORMAT
     writer: dict = dataclasses.field(default_factory=dict)
 
-    def drop(self, key, reason) -> None:
+    def drop(self, key: str, reason: str) -> None:
         """List ``key`` in ``dropped`` with its ``reason``."""
         self.dropped.append(key)
         self.dropped_reasons[key] = reason

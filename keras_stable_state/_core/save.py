@@ -1,18 +1,21 @@
 """``save_training_state``: the training state checked, collected into a record, and written.
 
-:func:`training_state_record` checks the arguments and collects everything into a
-:class:`~keras_stable_state.format.StateRecord` (variables as host copies made
-as the file is written); :func:`save_training_state` writes it to ``.h5`` / ``.keras``
-(:mod:`~keras_stable_state.format.storage`, in the background with
-:mod:`~keras_stable_state._engines.background`) or ``.orbax``
-(:mod:`~keras_stable_state._engines.orbax`).
+`training_state_record` checks the arguments and collects everything into a
+`StateRecord` (variables as host copies made
+as the file is written); [`save_training_state`][keras_stable_state.save_training_state] writes it to ``.h5`` / ``.keras``
+(`storage`, in the background with
+`background`) or ``.orbax``
+(`orbax`).
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import os
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as multiprocess
@@ -45,11 +48,17 @@ from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
 from keras_stable_state.format.sink import LimitedFile
 
+if TYPE_CHECKING:
+    import keras
+
+    from keras_stable_state._core.mappers import StateMapper
+
+
 __all__ = ["save_training_state", "training_state_record"]
 
 
 def _host_array(variable):
-    """``variable``'s value as a NumPy array (:func:`~keras_stable_state._numpy.to_numpy`);
+    """``variable``'s value as a NumPy array (`to_numpy`);
     on TensorFlow, a plain variable through one ``ReadVariableOp`` of its resource
     (``compat.tf_read``): 30 us per variable instead of 140."""
     read = compat.tf_read(variable)
@@ -57,140 +66,67 @@ def _host_array(variable):
 
 
 def save_training_state(
-    filepath,
-    model,
-    optimizer=None,
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
     *,
-    model_state="all",
-    callbacks=(),
-    state=None,
-    include_rng=True,
-    allow_order_keys=False,
-    variables=None,
-    mappers=None,
-    blocking=True,
-    storage_options=None,
-):
+    model_state: str = "all",
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    state: Mapping[str, Any] | None = None,
+    include_rng: bool = True,
+    allow_order_keys: bool = False,
+    variables: Mapping[str, keras.Variable] | None = None,
+    mappers: Mapping[str, StateMapper] | None = None,
+    blocking: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str | background.SaveHandle:
     """Save the whole training state by key: variables, optimizer, contract and the rest.
 
-    The file holds the model's variables (per ``model_state``), every optimizer
-    variable (slots, iteration count, learning rate, the optimizer's own
-    gradient-accumulation sums), the trainable-variable contract, the
-    learning-rate schedule's config, the state of stateful ``callbacks``, each
-    provider in ``state`` and the global random state.
-
-    From another thread while ``model.fit`` trains the model, a save is of one step: with
-    a :class:`~keras_stable_state.StableCheckpoint` in that ``fit``, the call waits for
-    the next step boundary (the end of the current training step; the training thread
-    waits meanwhile, until every value saved is read: for ``blocking=True`` until the
-    file is written, for ``blocking=False`` until every value is held apart); without one,
-    it is refused (a Keras callback cannot stop a step half-way, and nothing else
-    tells when one ends). A save from the training thread itself (in a callback) runs
-    at once, as always.
-
-    Args:
-        filepath: ``str`` or path ending in ``.keras`` (a Keras archive that
-            ``keras.saving.load_model`` loads, with the training state as an
-            extra member), ``.h5`` (the training state alone) or ``.orbax``
-            (a directory: model and optimizer arrays stored with Orbax, each
-            JAX process writing only its own shards; needs the ``[orbax]``
-            extra). With several JAX processes every process must call this
-            (it runs collectives); for ``.h5`` process 0 alone writes. An
-            object-store URL (``s3://bucket/run.h5``, ``gs://...``, ``az://...``,
-            ``memory://...``; needs the ``[cloud]`` extra) is written as a local
-            file in a temporary folder, with every check, then uploaded whole
-            as one object (see "Cloud storage" in the docs); a ``file://`` URL
-            is the local path it names.
-        model: A built ``keras.Model``.
-        optimizer: The optimizer to save; default ``model.optimizer``. An
-            unbuilt optimizer is built on ``model.trainable_variables`` first.
-            ``None`` with an uncompiled model saves no optimizer state.
-        model_state: ``"all"`` (every model variable), ``"trainable"`` (only
-            trainable variables: the adapter-only / LoRA case, where the caller
-            brings the frozen base back) or ``"none"``. ``.keras`` archives
-            always also hold Keras' own full weights.
-        callbacks: Callbacks whose state to save (``EarlyStopping``,
-            ``ReduceLROnPlateau``, ``ModelCheckpoint``, ``History``, or any
-            with ``get_state()`` / ``set_state()``); others are skipped.
-        state: ``{name: provider}`` for other objects with ``get_state()`` /
-            ``set_state()`` (e.g. a :class:`~keras_stable_state.GradientAccumulator`).
-        include_rng: Save NumPy's, Python's and Keras' global random state.
-        variables: ``{name: keras.Variable}``: variables outside the model that
-            the optimizer trains (a temperature ``log_alpha`` passed to
-            ``optimizer.apply`` next to ``model.trainable_variables``). Their
-            values and slots are saved under ``var:<name>``; pass the same
-            names to :func:`restore_training_state`.
-        mappers: ``{pattern: StateMapper}``: store each model or optimizer
-            array whose key ``re.search(pattern, key)`` finds through the mapper
-            (e.g. ``{r"^path:.*kernel$": CastMapper("bfloat16")}``); the file
-            records each mapper so the restore decodes without it being passed
-            again, and the report lists the keys (docs: smaller checkpoints).
-        blocking: ``True``: return once the file is written. ``False``: return a
-            :class:`~keras_stable_state.SaveHandle` once every value is held apart
-            from training (Torch: copied to host memory; TensorFlow: read, the
-            variables' next update writes into new buffers; JAX: viewed on CPU,
-            where a step that donates the array copies it first, or copied on the
-            device asynchronously), and write the file in a background thread (see
-            "Asynchronous saves" in the docs). The call first waits for the
-            previous background write into the same folder. For ``.keras`` paths,
-            Keras' own archive (config and weights) is also built in memory
-            before the call returns, since it reads the live model.
-        storage_options: For an object-store URL: a ``dict`` passed to the
-            fsspec filesystem (credentials, ``client_kwargs``...); fsspec's own
-            configuration and the store's environment variables apply as well.
-
-    Returns:
-        ``filepath`` (``str``) with ``blocking=True``; a
-        :class:`~keras_stable_state.SaveHandle` with ``blocking=False``, whose
-        ``wait()`` raises the ``OSError`` or other error of the background write.
-
-    Raises:
-        TypeError: naming the argument, for a ``filepath`` that is not a path, a
-            ``model`` that is not a ``keras.Model``, an ``optimizer`` that is not
-            a ``keras.optimizers.Optimizer`` (a name such as ``"adam"`` included),
-            ``callbacks`` that are not a list of ``keras.callbacks.Callback``, a
-            ``state`` provider without ``get_state()`` / ``set_state()``,
-            ``variables`` that are not a dict of ``keras.Variable``, or a flag
-            that is not a bool.
-        ValueError: for an unknown ``model_state``, a provider or variable name
-            that is empty or holds ``/``, a ``variables`` entry that is a
-            model variable or named twice, or a ``mappers`` pattern that is not
-            a regular expression, matches no saved key, or shares a key with
-            another pattern.
-        DtypeMismatchError: for a ``mappers`` pattern matching an array that is
-            not floating-point (``optimizer#iteration``), naming the key.
-        BindingError: if the optimizer trains a variable that is neither in the
-            model nor in ``variables`` (naming its path and the fix), or is
-            unbuilt while ``model`` is a layer of another model.
-        StorageBackendError: (a ``StateError`` and an ``ImportError``) for an
-            object-store URL whose fsspec implementation is not installed,
-            naming the package (``gcsfs`` for ``gs://``) and the ``[cloud]``
-            extra; nothing is written, locally or remotely.
-        CheckpointFormatError: (raised by the call, also with ``blocking=False``)
-            for another extension, a directory, a ``.orbax`` URL (not supported
-            in object stores yet), ``storage_options`` with a local path, or a
-            ``.keras`` path for a model Keras cannot serialize (a subclassed
-            model without ``get_config()``): save to ``.h5`` instead; with
-            several JAX processes, for a ``.keras`` path.
-        StateError: if the model is not built, a provider refuses
-            (e.g. pending gradients for a variable that is no longer trainable),
-            or a mapper refuses a value (a float16 overflow, NaN for int8),
-            naming the key; for ``.orbax`` if orbax-checkpoint is not installed;
-            with several JAX processes, on the others, if process 0 failed to write;
-            if called from another thread while a ``fit`` of ``model`` without a
-            ``StableCheckpoint`` runs, naming that thread.
-        OSError: naming the path (``filename``) when the write fails, with its
-            ``errno`` and, in the message, the bytes the file needs and what limits
-            them (``ENOSPC``: the free bytes; ``EFBIG``: ``RLIMIT_FSIZE``, refused
-            before the kernel's ``SIGXFSZ``), or the URL when the upload fails
-            (refused credentials, a missing bucket); the previous file or object is
-            left intact. With ``blocking=False`` it is raised by the handle's
-            ``wait()`` (or the next save into the folder waits for it), not by the call.
+    The file holds the model's variables (per ``model_state``), every optimizer variable
+    (slots, iteration count, learning rate), the trainable-variable contract, the
+    learning-rate schedule's config, the state of ``callbacks`` and ``state`` providers
+    and the global random state. From another thread while ``model.fit`` runs, the save
+    waits for the step boundary (with a [`StableCheckpoint`][keras_stable_state.StableCheckpoint]
+    in that ``fit``; without one it is refused). In full:
+    [in detail](how-to/custom-loops.md#save_training_state-in-detail).
 
     Example:
         >>> save_training_state("run.keras", model)
         >>> handle = save_training_state("run.h5", model, blocking=False)
         >>> handle.wait()
+
+    Args:
+        filepath: A path or ``file://``/object-store URL ending in ``.keras`` (a Keras
+            archive ``load_model`` loads), ``.h5`` (the training state alone) or
+            ``.orbax`` (a directory written with Orbax; the ``[orbax]`` extra).
+        model: A built ``keras.Model``.
+        optimizer: The optimizer to save; default ``model.optimizer`` (built first if
+            unbuilt); ``None`` with an uncompiled model saves no optimizer state.
+        model_state: ``"all"``, ``"trainable"`` (LoRA, adapters) or ``"none"``.
+        callbacks: Callbacks whose state to save (others are skipped).
+        state: ``{name: provider}`` of other objects with ``get_state()``/``set_state()``.
+        include_rng: Save NumPy's, Python's and Keras' global random state.
+        variables: ``{name: keras.Variable}`` outside the model that the optimizer trains.
+        mappers: ``{pattern: StateMapper}``: store the arrays whose key matches through it.
+        blocking: ``False`` writes the file in a background thread and returns at once.
+        storage_options: fsspec options for an object-store URL.
+
+    Returns:
+        ``filepath`` (``str``) with ``blocking=True``; a
+        [`SaveHandle`][keras_stable_state.SaveHandle] with ``blocking=False``.
+
+    Raises:
+        TypeError: For an argument of the wrong type, naming it.
+        ValueError: For an unknown ``model_state``, an invalid name or ``mappers`` pattern.
+        DtypeMismatchError: For a ``mappers`` pattern matching a non-float array.
+        BindingError: If the optimizer trains a variable outside ``model`` and ``variables``.
+        StorageBackendError: For a URL whose fsspec package is not installed.
+        CheckpointFormatError: For another extension, a directory, or a ``.keras`` path
+            for a model Keras cannot serialize.
+        StateError: If the model is not built, a provider or mapper refuses, or a ``fit``
+            without ``StableCheckpoint`` runs in another thread.
+        OSError: When the write or upload fails, naming the path (the previous file is
+            intact); with ``blocking=False`` raised by the handle's ``wait()``.
     """
     started = time.perf_counter()
     out = _save(
@@ -230,8 +166,8 @@ def _save(
     storage_options,
     started,
 ):
-    """:func:`save_training_state`, returning for ``blocking=False`` the zero-argument callable
-    that submits the background write (and returns its :class:`SaveHandle`)."""
+    """[`save_training_state`][keras_stable_state.save_training_state], returning for ``blocking=False`` the zero-argument callable
+    that submits the background write (and returns its [`SaveHandle`][keras_stable_state.SaveHandle])."""
     verb = "save_training_state"
     filepath = check_filepath(filepath, verb)
     filepath, store = object_store_target(filepath, storage_options, verb)
@@ -296,7 +232,7 @@ def _save(
         return filepath
 
 
-def _wait_before_copy(filepath, store=None):
+def _wait_before_copy(filepath, store=None) -> None:
     """Before a background save copies anything: the target is writable, and the previous
     write into its folder has ended (at most one host copy waiting)."""
     if store is None:
@@ -305,21 +241,21 @@ def _wait_before_copy(filepath, store=None):
 
 
 def training_state_record(
-    model,
-    optimizer=None,
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = None,
     *,
-    verb,
-    model_state="all",
-    callbacks=(),
-    state=None,
-    include_rng=True,
-    allow_order_keys=False,
-    variables=None,
-    mappers=None,
-    convert=_host_array,
-    before_copy=None,
-):
-    """The :class:`~keras_stable_state.format.StateRecord` that :func:`save_training_state`
+    verb: str,
+    model_state: str = "all",
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    state: Mapping[str, Any] | None = None,
+    include_rng: bool = True,
+    allow_order_keys: bool = False,
+    variables: Mapping[str, keras.Variable] | None = None,
+    mappers: Mapping[str, StateMapper] | None = None,
+    convert: Callable[[Any], Any] = _host_array,
+    before_copy: Callable[[], None] | None = None,
+) -> storage.StateRecord:
+    """The `StateRecord` that [`save_training_state`][keras_stable_state.save_training_state]
     writes, with every argument checked as it says (``verb`` names the caller in messages;
     ``convert`` turns a variable into the value stored; ``before_copy`` runs once the
     arguments are checked, before any value is read)."""
@@ -400,7 +336,7 @@ def _save_in_background(filepath, model, record, started, store=None):
         archive = buffer.getvalue()
         del buffer
 
-        def archive_writer(tmp):
+        def archive_writer(tmp) -> None:
             with LimitedFile(tmp, "wb") as fh:
                 fh.write(archive)
 
@@ -440,7 +376,7 @@ def _collect_state(model, optimizer, callbacks, state, include_rng):
     extra = {"schedule": state_mod.schedule_state(optimizer), "callbacks": {}, "providers": {}, "rng": None}
     arrays = {}
 
-    def put(section, name, value):
+    def put(section, name, value) -> None:
         json_value, found = state_mod.split_arrays(value, f"{section}/{name}")
         extra[section][name] = json_value
         arrays.update(found)

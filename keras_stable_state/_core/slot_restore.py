@@ -1,11 +1,11 @@
 """Slot matching on restore: saved optimizer arrays to live optimizer variables, by key.
 
 For every optimizer a model tracks, saved arrays are matched, checked and
-planned (:func:`plan_optimizers`, :func:`plan_optimizer_arrays`), including the
+planned (`plan_optimizers`, `plan_optimizer_arrays`), including the
 checks of parameter-group routing (``MultiOptimizer``) and accumulation windows
 (``gradient_accumulation_steps``). ``StableOptimizer.load_own_variables``
-restores through :func:`restore_optimizer_arrays` (registered with
-:mod:`keras_stable_state._optimizer.wrapper` when this module is imported, with
+restores through `restore_optimizer_arrays` (registered with
+`keras_stable_state._optimizer.wrapper` when this module is imported, with
 the package; the wrapper does not import this module, which imports it).
 """
 
@@ -73,7 +73,7 @@ to its dtype's maximum to be listed in ``RestoreReport.counters_near_limit``."""
 
 
 def _note_counter(report, key, variable, value, iteration_ids) -> None:
-    """List an ``iterations`` counter restored within :data:`COUNTER_MARGIN` of its
+    """List an ``iterations`` counter restored within `COUNTER_MARGIN` of its
     dtype's maximum (Keras' ``int32`` counter on JAX and Torch wraps to negative there)."""
     if id(variable) not in iteration_ids:
         return
@@ -140,7 +140,7 @@ def plan_optimizer_arrays(
         keep_learning_rate: Leave learning-rate variables at their live value;
             every difference is listed in ``report.learning_rates`` either way.
         parsed_keys: ``{entry key: parse_optimizer_key(entry key)}`` already parsed
-            by the caller (:func:`plan_optimizers`); the others are parsed here.
+            by the caller (`plan_optimizers`); the others are parsed here.
 
     Returns:
         A list of ``(variable, array)`` to assign.

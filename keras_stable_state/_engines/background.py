@@ -1,9 +1,9 @@
 """Background writes of training states: ``save_training_state(..., blocking=False)``.
 
-The calling thread builds the whole :class:`~keras_stable_state.format.StateRecord`
+The calling thread builds the whole `StateRecord`
 (every array held apart from training: a host copy, a TensorFlow read, a view of a JAX
-CPU buffer or a JAX copy on its devices, see :func:`host_record`) and hands it to
-:func:`submit`; one shared
+CPU buffer or a JAX copy on its devices, see `host_record`) and hands it to
+`submit`; one shared
 ``concurrent.futures.ThreadPoolExecutor`` runs the write (the same
 ``storage.write_record`` a blocking save calls: seal, temporary file, ``fsync``,
 atomic rename). Writes into one folder run one after the other, in the order they
@@ -46,7 +46,7 @@ _EXECUTOR = None
 _LATEST = {}  # real path of a folder -> the SaveHandle submitted last into it
 
 
-def _forget_in_child():
+def _forget_in_child() -> None:
     # A forked child has no worker threads; it must not wait on its parent's writes.
     global _GUARD, _EXECUTOR
     _GUARD = threading.Lock()
@@ -61,7 +61,7 @@ if hasattr(os, "register_at_fork"):
 class SaveHandle:
     """A training-state save whose file write runs in a background thread.
 
-    Returned by :func:`~keras_stable_state.save_training_state` with
+    Returned by [`save_training_state`][keras_stable_state.save_training_state] with
     ``blocking=False``. When it is returned, every value is held apart from
     training (Torch: a host copy; TensorFlow: a read, the variable's next update
     writes into a new buffer; JAX on CPU: a view of the buffer, which a step that
@@ -89,7 +89,7 @@ class SaveHandle:
         'run.h5'
     """
 
-    def __init__(self, path, future, blocked_secs):
+    def __init__(self, path: str, future: concurrent.futures.Future[None], blocked_secs: float) -> None:
         self.path = path
         self.blocked_secs = blocked_secs
         self.write_secs = None
@@ -100,8 +100,8 @@ class SaveHandle:
         """``True`` once the write has finished, successfully or not (never blocks)."""
         return self._future.done()
 
-    def wait(self, timeout=None) -> str:
-        """Wait for the write to finish and return :attr:`path`.
+    def wait(self, timeout: float | None = None) -> str:
+        """Wait for the write to finish and return `path`.
 
         Args:
             timeout: Seconds to wait at most (``float``); ``None`` waits as long as
@@ -116,7 +116,7 @@ class SaveHandle:
             OSError: the error of the write itself, of its original type, naming
                 the path (disk full, folder removed or unwritable); the previous
                 file at ``path`` is left intact. Every other error the write
-                raised (e.g. :class:`~keras_stable_state.CheckpointFormatError`)
+                raised (e.g. [`CheckpointFormatError`][keras_stable_state.CheckpointFormatError])
                 is re-raised as it is, each time ``wait`` is called.
         """
         try:
@@ -128,7 +128,7 @@ class SaveHandle:
             ) from None
         return self.path
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         status = "writing" if not self.done() else ("failed" if self._future.exception() else "written")
         return f"<SaveHandle {self.path!r} {status}>"
 
@@ -147,9 +147,9 @@ def _latest(folder):
 
 
 def wait_for_folder(folder, timeout=None) -> None:
-    """Wait until the last write submitted into ``folder`` (see :func:`folder_of`) has finished.
+    """Wait until the last write submitted into ``folder`` (see `folder_of`) has finished.
 
-    Its error, if any, is not raised here: it belongs to its :class:`SaveHandle`.
+    Its error, if any, is not raised here: it belongs to its [`SaveHandle`][keras_stable_state.SaveHandle].
 
     Raises:
         TimeoutError: if it has not finished within ``timeout`` seconds.
@@ -178,12 +178,12 @@ def _jax_array_type():
 
 def live_value(variable, to_numpy):
     """What a background save takes of ``variable`` in the calling thread: its JAX array
-    as it is (no copy yet: :func:`host_record` copies it on its devices or views it on
+    as it is (no copy yet: `host_record` copies it on its devices or views it on
     CPU); on TensorFlow, a read of a plain resource variable (``compat.tf_read``, the
     same read a restore keeps: a tensor that shares the variable's buffer; an update of
     the variable, which needs the buffer to itself, writes into a new one, TensorFlow's
     copy-on-write); else ``to_numpy(variable)`` (a
-    host array, copied by :func:`host_record` where it shares memory with the
+    host array, copied by `host_record` where it shares memory with the
     variable)."""
     value = getattr(variable, "value", variable)
     kind = _jax_array_type()
@@ -201,7 +201,7 @@ class _TensorRead:
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor):
+    def __init__(self, tensor) -> None:
         self.tensor = tensor
 
     def __call__(self):
@@ -230,7 +230,7 @@ def _on_cpu(array) -> bool:
 
 
 def _host_value(copy):
-    """A JAX copy made by :func:`device_copies`, on the host (in the background thread): a
+    """A JAX copy made by `device_copies`, on the host (in the background thread): a
     view of its buffer on CPU, the device-to-host transfer elsewhere; nothing else holds
     the copy, so it cannot change or be donated."""
     return np.asarray(copy)
@@ -262,9 +262,9 @@ def host_record(record: storage.StateRecord) -> storage.StateRecord:
     ``contract`` are built for this save alone by ``training_state_record``: they
     are handed over as they are.
 
-    A model or optimizer value that is a JAX array (:func:`live_value`) is not copied
+    A model or optimizer value that is a JAX array (`live_value`) is not copied
     to the host by the calling thread. On an accelerator it is copied on its own
-    devices by one asynchronous :func:`device_copies` and held as a callable that
+    devices by one asynchronous `device_copies` and held as a callable that
     brings the copy to the host when the background thread writes it: the calling
     thread waits for the dispatch, not for the copy nor a device-to-host transfer. On
     CPU the record holds a NumPy view of its buffer (``np.asarray``: no copy): the
@@ -272,7 +272,7 @@ def host_record(record: storage.StateRecord) -> storage.StateRecord:
     that donates the array (Keras' JAX trainer donates the state to every step) gets a
     copy of it instead (XLA's CPU client copies a donated buffer that has external
     references), inside that step's execution. On TensorFlow the record holds the
-    variable's read (:func:`live_value`), converted by the background thread."""
+    variable's read (`live_value`), converted by the background thread."""
     try:
         extra = _json_copy(record.extra)
     except RecursionError:  # a self-referencing state: as deepcopy has it (the write refuses it)
@@ -316,7 +316,7 @@ def _executor():
     return _EXECUTOR
 
 
-def _name_path(err, path):
+def _name_path(err, path) -> None:
     """Add ``path`` to an error that does not name it (OSErrors of the writer do)."""
     if path not in str(err) and hasattr(err, "add_note"):
         err.add_note(f"(raised by the background save of {path!r})")
@@ -333,7 +333,7 @@ def submit(path, write, started) -> SaveHandle:
         started: ``time.perf_counter()`` when the save began in the calling thread.
 
     Returns:
-        The :class:`SaveHandle`.
+        The [`SaveHandle`][keras_stable_state.SaveHandle].
     """
     folder = folder_of(path)
     box = {}

@@ -4,7 +4,7 @@ A path ending in ``.orbax`` is a directory::
 
     run.orbax/
         state.h5     our sealed record (format 3, written by
-                     :func:`keras_stable_state.format.write_record`; see
+                     `keras_stable_state.format.write_record`; see
                      ``docs/concepts/file-format.md``): metadata, contract,
                      other state and its small arrays, and in
                      ``metadata["orbax"]`` the index of the arrays below
@@ -62,7 +62,7 @@ _SECTIONS = SECTIONS
 
 
 def check_installed() -> None:
-    """Raise a :class:`StateError` naming the extra to install if orbax-checkpoint is missing."""
+    """Raise a [`StateError`][keras_stable_state.StateError] naming the extra to install if orbax-checkpoint is missing."""
     _ocp()
 
 
@@ -214,7 +214,7 @@ def write(path: str, record: storage.StateRecord) -> str:
     """Write ``record`` to the ``.orbax`` directory ``path`` (every process calls this).
 
     ``record.model`` and ``record.optimizer`` hold NumPy arrays or sharded JAX
-    arrays; scalars (:func:`_inline`) are stored with the record in ``state.h5``
+    arrays; scalars (`_inline`) are stored with the record in ``state.h5``
     (sealed and hashed as any array of a record), every other array in
     ``arrays/``. The new directory is built beside ``path`` (``.<name>.kss-partial``)
     and then moved onto it; a previous directory is moved to
@@ -297,7 +297,7 @@ class OrbaxArray:
     """A saved array not read yet: its shape and dtype, read on demand.
 
     ``np.asarray`` reads it whole (on every process) and checks its hash;
-    :func:`materialize` reads the arrays planned for variables at once, each
+    `materialize` reads the arrays planned for variables at once, each
     process only the shards of the variable's current sharding. ``block`` is the
     grid of its hash (``None``: index version 1, per element).
     """
@@ -400,7 +400,7 @@ class _Source:
 
 
 def read(path: str) -> storage.StateRecord:
-    """Read the sealed record of the ``.orbax`` directory ``path``; its arrays are :class:`OrbaxArray`.
+    """Read the sealed record of the ``.orbax`` directory ``path``; its arrays are `OrbaxArray`.
 
     Raises:
         FileNotFoundError: if there is no such directory.
@@ -433,11 +433,11 @@ def read(path: str) -> storage.StateRecord:
 
 
 def materialize(plan: list) -> tuple[list, set]:
-    """``([(variable, value)], fresh)``: ``plan`` with every :class:`OrbaxArray` read (one
+    """``([(variable, value)], fresh)``: ``plan`` with every `OrbaxArray` read (one
     Orbax restore for all) onto its variable's current sharding, other values left as
     they are; ``fresh`` holds the ``id`` of each NumPy array read here, which nothing
     else holds (a variable may keep its memory: see
-    :func:`~keras_stable_state._core.apply.variable_step`)."""
+    `variable_step`)."""
     wanted = [
         (i, value, getattr(getattr(var, "value", None), "sharding", None))
         for i, (var, value) in enumerate(plan)

@@ -1,4 +1,4 @@
-"""``model.fit`` integration: :class:`StableCheckpoint` and its parts (the position and
+"""``model.fit`` integration: [`StableCheckpoint`][keras_stable_state.StableCheckpoint] and its parts (the position and
 metric providers, the checkpoint directory, the train-begin checks and warnings, the
 restore of a resumed fit, and the data order of its input)."""
 

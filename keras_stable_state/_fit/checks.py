@@ -1,9 +1,9 @@
-"""Checks of a resumed ``model.fit`` that :class:`~keras_stable_state.StableCheckpoint`
+"""Checks of a resumed ``model.fit`` that [`StableCheckpoint`][keras_stable_state.StableCheckpoint]
 makes on construction and train begin: the directory kind, the callbacks that Keras
 runs ``on_epoch_begin`` of again for a resumed epoch, and the data size saved vs live.
 
 On a mid-epoch resume Keras calls every callback's ``on_epoch_begin`` again for the
-interrupted epoch: :class:`EpochBeginGuard` puts the saved learning rate back once
+interrupted epoch: `EpochBeginGuard` puts the saved learning rate back once
 they have run (so ``LearningRateScheduler`` is not applied twice) and warns about the
 other callbacks whose ``on_epoch_begin`` may change training.
 """
@@ -61,7 +61,7 @@ def with_history(given: dict, model) -> dict:
 
 
 def check_on_data_change(value) -> str:
-    """``value`` if it is one of :data:`ON_DATA_CHANGE`, else ``ValueError``."""
+    """``value`` if it is one of `ON_DATA_CHANGE`, else ``ValueError``."""
     if value not in ON_DATA_CHANGE:
         raise ValueError(
             f"`on_data_change` must be one of {list(ON_DATA_CHANGE)}. Received: on_data_change={value!r}"
@@ -75,7 +75,7 @@ UNSET = object()
 
 def resolve_alias(new_name, new_value, default, old_name, old_value, stacklevel):
     """The value of the argument ``new_name``, given as ``new_value`` or through its deprecated
-    alias ``old_name`` (``old_value``, :data:`UNSET` when not passed), with a
+    alias ``old_name`` (``old_value``, `UNSET` when not passed), with a
     ``DeprecationWarning`` attributed to the ``stacklevel``-th caller for the alias.
 
     Raises:
@@ -225,7 +225,7 @@ class EpochBeginGuard:
     def start(cls, ckpt, position):
         """The guard for a resume inside epoch ``position.epoch`` (``None`` when the
         checkpoint was saved at an epoch boundary or none was restored); issues an
-        :class:`~keras_stable_state.InexactResumeWarning` per callback of the fit whose
+        [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning] per callback of the fit whose
         ``on_epoch_begin`` may change training when run twice."""
         if ckpt.restore_report is None:
             return None

@@ -1,5 +1,5 @@
-"""The :class:`~keras_stable_state.InexactResumeWarning` checks of a
-:class:`~keras_stable_state.StableCheckpoint` at train begin: inputs whose order a resume
+"""The [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning] checks of a
+[`StableCheckpoint`][keras_stable_state.StableCheckpoint] at train begin: inputs whose order a resume
 cannot replay, checkpoints of an older version or another backend, per-output loss means
 counted in other units, and callbacks whose state is not saved.
 
@@ -94,7 +94,7 @@ def warn_inexact_resume(ckpt, record, position, shuffle, writer):
     Args:
         ckpt: The restoring ``StableCheckpoint`` (its ``model``; skipped among the callbacks).
         record: The checkpoint's record (``extra``, ``arrays``).
-        position: The restored :class:`~keras_stable_state._fit.position.Position`.
+        position: The restored `Position`.
         shuffle: Whether the fit's NumPy array order is taken over (``EpochOrder.shuffle``).
         writer: The backend that wrote the checkpoint, or ``None`` if not recorded.
     """

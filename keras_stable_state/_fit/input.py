@@ -6,7 +6,7 @@ kept by Keras:
 * **The order of NumPy array inputs with ``shuffle=True``** (or ``"batch"``). Keras
   draws it with each backend's own generator (NumPy on JAX, Torch's global generator
   in a ``RandomSampler``, ``tf.random.shuffle`` inside a ``tf.data`` pipeline on
-  TensorFlow, whose state no API exposes). :class:`EpochOrder` takes the shuffle
+  TensorFlow, whose state no API exposes). `EpochOrder` takes the shuffle
   over: it switches the data adapter's own shuffling off and, at each epoch begin,
   draws the epoch's permutation with NumPy's global generator (whose state is in
   every checkpoint) and hands the adapter the arrays in that order. The permutation
@@ -15,7 +15,7 @@ kept by Keras:
 * **The place in a stream that outlives an epoch.** With ``steps_per_epoch``, Keras
   keeps one iterator across epochs (``keras/src/trainers/epoch_iterator.py``) until the
   input runs out, so a ``tf.data`` pipeline with ``repeat()`` continues where the last
-  epoch stopped. :class:`EpochOrder` records how many batches of that iterator were
+  epoch stopped. `EpochOrder` records how many batches of that iterator were
   drawn before the current epoch began (``stream_offset``); a resumed run draws them
   from a fresh iterator before the epoch's own batches are skipped.
 """
@@ -63,8 +63,8 @@ class EpochOrder:
         return {"permutation": self.permutation, "stream_offset": int(self.stream_offset)}
 
     def set_state(self, value) -> None:
-        """Take a saved state's fields as they are; :class:`StableCheckpoint` applies them
-        at the resumed epoch's begin (:meth:`begin_epoch`)."""
+        """Take a saved state's fields as they are; [`StableCheckpoint`][keras_stable_state.StableCheckpoint] applies them
+        at the resumed epoch's begin (`begin_epoch`)."""
         self.permutation = np.asarray(value["permutation"], dtype="int64")
         self.stream_offset = int(value["stream_offset"])
 
@@ -72,7 +72,7 @@ class EpochOrder:
         """Draw the epoch's order and note where the stream stands, at an epoch begin.
 
         Args:
-            resumed: The checked saved state (:meth:`check`) of the checkpoint being
+            resumed: The checked saved state (`check`) of the checkpoint being
                 resumed, or ``None``: its stream offset is reached by drawing that many
                 batches from a fresh iterator, and with ``mid_epoch`` its permutation is
                 the order of the rest of the interrupted epoch (else a new one is drawn).

@@ -1,6 +1,6 @@
 """The restore side of a resumed ``model.fit``: what the record of the checkpoint
-restored at train begin (by the :class:`~keras_stable_state.CheckpointManager` under a
-:class:`~keras_stable_state.StableCheckpoint`) puts back at the first epoch begin, once every callback has run
+restored at train begin (by the [`CheckpointManager`][keras_stable_state.CheckpointManager] under a
+[`StableCheckpoint`][keras_stable_state.StableCheckpoint]) puts back at the first epoch begin, once every callback has run
 ``on_train_begin`` (the callback states, the random states, the metric values, the
 ``fit`` input's own state and the epoch's data order)."""
 
@@ -15,7 +15,7 @@ from keras_stable_state.errors import StateError
 
 def report_newest(ckpt, restored, pos, epochs, say) -> bool:
     """Say what the restore at train begin of the ``StableCheckpoint`` ``ckpt`` found
-    (``say``: its verbose printer): the :class:`~keras_stable_state.UnreadableCheckpointWarning` for the checkpoints it moved
+    (``say``: its verbose printer): the [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning] for the checkpoints it moved
     aside, or (verbose) that it starts fresh, or that the run is complete. Whether the run
     is complete: the checkpoint ``restored`` (a path, or ``None``) is at or past ``epochs``
     (``pos``: its position)."""
@@ -44,12 +44,12 @@ def apply_pending(record, report, callbacks, model, position, order, fit_input, 
 
     Args:
         record: The restored checkpoint's record.
-        report: Its :class:`~keras_stable_state.RestoreReport` (``"state:input"`` is
+        report: Its [`RestoreReport`][keras_stable_state.RestoreReport] (``"state:input"`` is
             appended to ``restored_state`` when the input's state is set).
         callbacks: ``{name: callback}`` whose saved state is put back.
         model: The ``fit`` model (its metric variables).
-        position: The restored :class:`~keras_stable_state._fit.position.Position`.
-        order: The fit's :class:`~keras_stable_state._fit.input.EpochOrder`.
+        position: The restored `Position`.
+        order: The fit's `EpochOrder`.
         fit_input: The ``PyDataset`` whose own state is saved, or ``None``.
         skip_batches: Called with the number of batches to draw and skip (mid-epoch).
 
@@ -97,7 +97,7 @@ def apply_pending(record, report, callbacks, model, position, order, fit_input, 
 def apply_callback_states(record, report, callbacks):
     """Put back the saved states of ``callbacks`` (``{name: callback}``) from ``record``, all
     checked before any is set: a resumed ``fit`` with no epoch left to train (its run was
-    complete) runs no epoch begin, so :func:`apply_pending` never runs; its ``History``
+    complete) runs no epoch begin, so `apply_pending` never runs; its ``History``
     (``model.history``, returned by ``fit``) then holds the restored history.
 
     Raises:

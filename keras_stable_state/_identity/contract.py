@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from keras_stable_state._identity.registry import VariableKey, VariableRegistry
 from keras_stable_state.errors import NAMES_SHOWN, ContractError, listed, shown
+
+if TYPE_CHECKING:
+    import keras
+
 
 __all__ = ["TrainableContract"]
 
@@ -27,21 +33,21 @@ class TrainableContract:
         >>> contract.validate(model)   # raises ContractError on any difference
     """
 
-    entries: tuple
+    entries: tuple[tuple[str, tuple[int, ...], str], ...]
 
     @classmethod
-    def capture(cls, model) -> TrainableContract:
+    def capture(cls, model: keras.Model) -> TrainableContract:
         """The contract of ``model``'s current trainable variables."""
         registry = VariableRegistry.from_model(model, model.trainable_variables)
         return cls(tuple((str(k), tuple(map(int, v.shape)), str(v.dtype)) for k, v in registry.entries))
 
-    def to_json(self) -> list:
+    def to_json(self) -> list[list[Any]]:
         """A JSON-serialisable list of ``[key, shape, dtype]``."""
         return [[k, list(s), d] for k, s, d in self.entries]
 
     @classmethod
-    def from_json(cls, data) -> TrainableContract:
-        """Inverse of :meth:`to_json`.
+    def from_json(cls, data: Iterable[Sequence[Any]]) -> TrainableContract:
+        """Inverse of [`to_json`][keras_stable_state.TrainableContract.to_json].
 
         Raises:
             KeyFormatError: if a key is malformed.
@@ -52,7 +58,9 @@ class TrainableContract:
             entries.append((str(key), tuple(int(d) for d in shape), str(dtype)))
         return cls(tuple(entries))
 
-    def diff(self, model):
+    def diff(
+        self, model: keras.Model
+    ) -> tuple[list[str], list[str], list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
         """``(missing, unexpected, reshaped, retyped)`` between this contract and ``model``.
 
         ``missing``: keys the contract lists but the model does not train
@@ -72,7 +80,7 @@ class TrainableContract:
         ]
         return missing, unexpected, reshaped, retyped
 
-    def validate(self, model) -> None:
+    def validate(self, model: keras.Model) -> None:
         """Check that ``model`` trains exactly the variables of this contract.
 
         Raises:

@@ -3,7 +3,7 @@
 This module imports no Keras: the command line and the file checks read keys
 without a backend. Every module that makes, splits or parses a key uses it.
 
-Variable keys (:class:`VariableKey`):
+Variable keys ([`VariableKey`][keras_stable_state.VariableKey]):
 
 * ``path:<stable path>``: a *named* key (``path:layers/dense/kernel``);
 * ``order:<i>``: an *ordered* key, a registration index;
@@ -106,9 +106,9 @@ class VariableKey:
         return int(self.value)
 
     @classmethod
-    def parse(cls, text) -> VariableKey:
+    def parse(cls, text: str) -> VariableKey:
         """Parse ``"path:<path>"``, ``"order:<int>"`` or ``"var:<name>"``; inside
-        :func:`parsing_once`, a text parsed before gives the same key again.
+        `parsing_once`, a text parsed before gives the same key again.
 
         Raises:
             KeyFormatError: if ``text`` is none of these forms (the file was
@@ -148,7 +148,7 @@ _PARSED: contextvars.ContextVar = contextvars.ContextVar("keras_stable_state_par
 
 @contextlib.contextmanager
 def parsing_once():
-    """Within this context :meth:`VariableKey.parse` parses each text once and returns the
+    """Within this context [`VariableKey.parse`][keras_stable_state.VariableKey.parse] parses each text once and returns the
     same (immutable) key for it again: a restore parses every key of a file when it is
     listed and again when it is bound (about 1.2 us each). Nested contexts share the
     outer one; a text that is refused is not kept (it is refused again)."""
@@ -234,7 +234,7 @@ def encode_key_list(keys) -> np.ndarray:
 
 
 def decode_key_list(array) -> list:
-    """The inverse of :func:`encode_key_list`."""
+    """The inverse of `encode_key_list`."""
     return json.loads(np.asarray(array, dtype=np.uint8).tobytes().decode())
 
 
@@ -245,7 +245,7 @@ def file_label(filepath) -> str:
 
 
 def malformed_key(where, section, key, err) -> MalformedKeyError:
-    """The :class:`MalformedKeyError` for ``key`` of ``section`` in the file ``where``."""
+    """The [`MalformedKeyError`][keras_stable_state.MalformedKeyError] for ``key`` of ``section`` in the file ``where``."""
     reason = str(err).split(". ")[0]
     return MalformedKeyError(
         f"{where}: {section} key {key!r} is malformed ({reason}). Keys are 'path:<stable path>', "
@@ -260,7 +260,7 @@ def malformed_key(where, section, key, err) -> MalformedKeyError:
 
 
 def parse_model_key(key, where):
-    """:meth:`VariableKey.parse`, a failure raised as :class:`MalformedKeyError`."""
+    """[`VariableKey.parse`][keras_stable_state.VariableKey.parse], a failure raised as [`MalformedKeyError`][keras_stable_state.MalformedKeyError]."""
     try:
         return VariableKey.parse(key)
     except KeyFormatError as err:
@@ -268,7 +268,7 @@ def parse_model_key(key, where):
 
 
 def parse_optimizer_key(key, where):
-    """:func:`parse_entry_key`, a failure raised as :class:`MalformedKeyError`."""
+    """`parse_entry_key`, a failure raised as [`MalformedKeyError`][keras_stable_state.MalformedKeyError]."""
     try:
         return parse_entry_key(key) if isinstance(key, str) else parse_entry_key(str(key))
     except (KeyFormatError, BindingError) as err:

@@ -10,7 +10,7 @@ building the same model twice, or after other models, gives the same paths.
 A layer's own variable is named by its variable name, or, when Keras named it
 with its global counter (``add_weight(shape=...)`` without ``name`` gives
 ``variable_3``), by the layer attribute holding it, else ``variable@<i>``.
-:class:`~keras_stable_state._identity.registry.VariableRegistry` keys variables
+[`VariableRegistry`][keras_stable_state.VariableRegistry] keys variables
 by these paths.
 """
 
@@ -121,7 +121,7 @@ def one_walk():
     the context the children Keras' walk yields for each object, each complete walk
     and each registry (by model and variable list) are kept and reused; on leaving,
     they are dropped. Nested contexts share the outer one. Each key text is parsed once
-    inside it too (:func:`~keras_stable_state._identity.keys.parsing_once`).
+    inside it too (`parsing_once`).
 
     A registry asked for variables the walk did not reach, which the model has
     gained since it was walked (a layer built inside the context), walks the
@@ -141,7 +141,7 @@ def one_walk():
 
 
 def walk_cache() -> dict | None:
-    """The cache of the current :func:`one_walk` context (``None`` outside one), where
+    """The cache of the current `one_walk` context (``None`` outside one), where
     other registries of the same call may be kept too (under keys of their own)."""
     return _WALKS.get()
 
@@ -152,7 +152,7 @@ def _model_variable_ids(model) -> frozenset:
 
 
 def _cached_walk(model, keras_style: bool, cache: dict):
-    """``(model, out, layers, variable ids)``: :func:`_walk_once` walked once per
+    """``(model, out, layers, variable ids)``: `_walk_once` walked once per
     ``one_walk()`` context, and the ids of the model's variables when it was walked."""
     hit = cache.get(("walk", id(model), keras_style))
     if hit is None or hit[0] is not model:
@@ -165,7 +165,7 @@ def _cached_walk(model, keras_style: bool, cache: dict):
 
 def walk(model, keras_style: bool, layers: dict | None = None) -> dict:
     """``id(variable) -> (path, variable)`` for one walk of ``model`` (``keras_style``: see
-    :func:`_walk_once`), reused inside :func:`one_walk`; every layer reached is added to
+    `_walk_once`), reused inside `one_walk`; every layer reached is added to
     ``layers`` (``id(layer) -> (path, layer)``) when given."""
     cache = _WALKS.get()
     if cache is None:
@@ -181,7 +181,7 @@ def walk(model, keras_style: bool, layers: dict | None = None) -> dict:
 def stable_paths(model, variables) -> dict:
     """``id(variable) -> (path, variable)`` from the stable walk, for keying ``variables``.
 
-    Inside :func:`one_walk` the walk of the call is reused, unless one of
+    Inside `one_walk` the walk of the call is reused, unless one of
     ``variables`` is not reached by it and is a variable the model did not have
     when it was walked: then the model changed inside the context (a layer
     built), and everything cached is dropped and the model walked again.
@@ -200,7 +200,7 @@ def stable_paths(model, variables) -> dict:
 def _walk_once(model, keras_style: bool, cache: dict | None):
     """``(id(variable) -> (path, variable), id(layer) -> (path, layer))`` for one walk
     over the model; every layer reached is listed (the model itself at ``""``).
-    ``cache`` (from :func:`one_walk`) keeps what Keras' walk yields per object.
+    ``cache`` (from `one_walk`) keeps what Keras' walk yields per object.
 
     ``keras_style=True`` reproduces Keras' own ``.weights.h5`` addressing
     (``_walk_saveable`` order, class-name container entries, ``vars/<i>``).
@@ -209,7 +209,7 @@ def _walk_once(model, keras_style: bool, cache: dict | None):
     reach them through the ``layers`` list first and number them by creation
     order), list entries by their user-chosen name, dict entries by their key,
     and a layer's own variables by name, never by Keras' global counter
-    (:func:`_own_names`).
+    (`_own_names`).
     """
     walker = _Walker(keras_style, cache)
     walker.visit(model, "")
@@ -224,7 +224,7 @@ def _join(path, name):
 
 
 class _Walker:
-    """One walk of :func:`_walk_once` (methods, not nested closures: closures that call
+    """One walk of `_walk_once` (methods, not nested closures: closures that call
     each other form a reference cycle, which would keep every visited container and
     the call's cache alive until the next full garbage collection)."""
 
@@ -336,7 +336,7 @@ def stable_variable_paths(model) -> dict:
 def stable_layer_paths(model) -> dict:
     """Map ``id(layer)`` to ``(path, layer)`` for every layer the walk reaches.
 
-    Paths are the ones :func:`stable_variable_paths` builds variable paths
+    Paths are the ones `stable_variable_paths` builds variable paths
     from (``"layers/lookup"``, ``"encoder/norm"``), so they never depend on
     Keras' global naming counters; the model itself is at ``""``. A layer
     reached twice keeps its first path.

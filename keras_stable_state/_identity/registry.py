@@ -18,16 +18,23 @@ alone:
   list the registry was built over. It is the fallback for variables the walk
   does not reach, and for files that carry no names (stock Keras files).
 
-Binding saved keys to live variables (:meth:`VariableRegistry.bind`) matches
+Binding saved keys to live variables ([`VariableRegistry.bind`][keras_stable_state.VariableRegistry.bind]) matches
 named keys first; ordered keys then bind by index, never claim a variable that
 a named key owns, and must agree in shape and dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
 from keras_stable_state._identity.keys import NAMED, ORDERED, VariableKey
 from keras_stable_state._identity.paths import stable_paths, walk, walk_cache
 from keras_stable_state.errors import BindingError, listed
+
+if TYPE_CHECKING:
+    import keras
+
 
 # VariableKey lives in keys.py (the key grammar, no Keras); it stays importable from here.
 __all__ = ["VariableKey", "VariableRegistry"]
@@ -50,7 +57,9 @@ class VariableRegistry:
         True
     """
 
-    def __init__(self, entries, *, model=None):
+    def __init__(
+        self, entries: Iterable[tuple[VariableKey, keras.Variable]], *, model: keras.Model | None = None
+    ) -> None:
         self.entries = list(entries)
         # Where stock Keras keeps each variable: computed from ``model`` on first use.
         self._model = model
@@ -72,12 +81,14 @@ class VariableRegistry:
             )
 
     @classmethod
-    def from_model(cls, model, variables=None) -> VariableRegistry:
+    def from_model(
+        cls, model: keras.Model, variables: Sequence[keras.Variable] | None = None
+    ) -> VariableRegistry:
         """Key ``variables`` (default: ``model.variables``) by the model's stable paths.
 
         A variable the walk does not reach gets ``order:<its index in variables>``.
         A tied variable appearing twice in ``variables`` is keyed once. Inside
-        :func:`~keras_stable_state._identity.paths.one_walk` (every save and restore) the
+        `one_walk` (every save and restore) the
         registry of one model and variable list is built once and shared: treat it as
         read-only.
         """
@@ -101,8 +112,8 @@ class VariableRegistry:
             cache[cache_key] = (model, registry)
         return registry
 
-    def rekeyed(self, entries) -> VariableRegistry:
-        """A registry over ``entries`` whose :attr:`keras_paths` are this one's (the same model)."""
+    def rekeyed(self, entries: Iterable[tuple[VariableKey, keras.Variable]]) -> VariableRegistry:
+        """A registry over ``entries`` whose [`keras_paths`][keras_stable_state.VariableRegistry.keras_paths] are this one's (the same model)."""
         registry = VariableRegistry(entries, model=self._model)
         registry._keras_paths = self._keras_paths
         registry._keras_source = self
@@ -115,7 +126,7 @@ class VariableRegistry:
 
         Only restores of stock Keras files need it, so it is computed on first use
         (a walk in Keras' own order: inside
-        :func:`~keras_stable_state._identity.paths.one_walk`, once per call).
+        `one_walk`, once per call).
         """
         if self._keras_paths is None:
             if self._keras_source is not None:
@@ -129,10 +140,10 @@ class VariableRegistry:
         return self._keras_paths
 
     @keras_paths.setter
-    def keras_paths(self, value) -> None:
+    def keras_paths(self, value: dict[int, str]) -> None:
         self._keras_paths = value
 
-    def key_of(self, variable) -> VariableKey:
+    def key_of(self, variable: keras.Variable) -> VariableKey:
         """The key of a registered variable.
 
         Raises:
@@ -146,10 +157,12 @@ class VariableRegistry:
     def keys(self) -> list:
         return [k for k, _ in self.entries]
 
-    def variable_of(self, key: VariableKey):
+    def variable_of(self, key: VariableKey) -> keras.Variable | None:
         return self._by_key.get(key)
 
-    def bind(self, saved):
+    def bind(
+        self, saved: Iterable[tuple[VariableKey, tuple[int, ...], str]]
+    ) -> tuple[dict[VariableKey, tuple[keras.Variable, str]], list[VariableKey]]:
         """Bind saved entries to live variables.
 
         Args:

@@ -9,18 +9,18 @@ Keras' global seed generator and ``print_msg``. They are reached only through
 the functions of this package (``compat.<function>``, re-exported here from one
 module per area), so a Keras release that changes them breaks this package only:
 
-- :mod:`.version`: the supported range, checked once on import;
-- :mod:`.saving`: the saving walk, Keras' naming, its ``.keras`` writer;
-- :mod:`.layers`: the variables layers and metrics own, lookup vocabularies;
-- :mod:`.optimizers`: optimizer variable lists, ``MultiOptimizer`` routing, the
+- `.version`: the supported range, checked once on import;
+- `.saving`: the saving walk, Keras' naming, its ``.keras`` writer;
+- `.layers`: the variables layers and metrics own, lookup vocabularies;
+- `.optimizers`: optimizer variable lists, ``MultiOptimizer`` routing, the
   hand-over of a wrapped optimizer's save/load, undoing a build;
-- :mod:`.fit`: the running ``fit`` (epoch iterator, callbacks, compile state);
-- :mod:`.data`: the order and stream place of ``fit``'s input;
-- :mod:`.callbacks`: private state of Keras callbacks, ``print_msg``;
-- :mod:`.rng`: Keras' global seed generator.
+- `.fit`: the running ``fit`` (epoch iterator, callbacks, compile state);
+- `.data`: the order and stream place of ``fit``'s input;
+- `.callbacks`: private state of Keras callbacks, ``print_msg``;
+- `.rng`: Keras' global seed generator.
 
 The supported range is pyproject's ``keras>=3.15,<4``. Importing the package
-with a Keras outside it raises :class:`UnsupportedKerasError` (an
+with a Keras outside it raises `UnsupportedKerasError` (an
 ``ImportError``): these internals decide which slot lands on which variable, and
 a silent mismatch is exactly what this library exists to prevent.
 """

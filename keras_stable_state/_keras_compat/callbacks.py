@@ -27,7 +27,7 @@ def ema_weights_in_model(cb) -> bool:
 
 
 def set_ema_weights_in_model(cb, value: bool) -> None:
-    """Set ``SwapEMAWeights``' flag of :func:`ema_weights_in_model`."""
+    """Set ``SwapEMAWeights``' flag of `ema_weights_in_model`."""
     cb._ema_weights_in_model = bool(value)
 
 

@@ -26,7 +26,7 @@ __all__ = [
 def shufflable_arrays(epoch_iterator):
     """``(inputs, shuffle, batch_size)`` of a ``fit`` over NumPy arrays with ``shuffle``
     ``True`` or ``"batch"`` and a fresh iterator per epoch (no ``steps_per_epoch``), whose
-    order :class:`keras_stable_state._fit.input.EpochOrder` can take over; else ``None``.
+    order `keras_stable_state._fit.input.EpochOrder` can take over; else ``None``.
 
     ``inputs`` is the ``ArrayDataAdapter``'s packed ``(x, y, sample_weight)`` structure
     (class weights already turned into sample weights,
@@ -47,7 +47,7 @@ def shufflable_arrays(epoch_iterator):
 
 
 def shuffled_unowned_arrays(epoch_iterator) -> bool:
-    """``True`` for shuffled array inputs whose order :func:`shufflable_arrays` cannot take
+    """``True`` for shuffled array inputs whose order `shufflable_arrays` cannot take
     over (``steps_per_epoch`` given, or leaves that are not NumPy arrays)."""
     from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
 

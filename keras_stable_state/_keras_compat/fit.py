@@ -78,7 +78,7 @@ def fit_epoch_iterator():
 
 
 def fit_frame():
-    """The frame of the ``fit`` call running in this thread (found as :func:`fit_epoch_iterator`
+    """The frame of the ``fit`` call running in this thread (found as `fit_epoch_iterator`
     finds its iterator), or ``None``: a caller learns later whether that ``fit`` still runs
     by looking for the frame on the stack."""
     frame = sys._getframe(1)
@@ -91,7 +91,7 @@ def fit_frame():
 
 def fit_threads(model) -> list:
     """``(ident, name)`` of every thread whose call stack runs a Keras trainer's ``fit`` of
-    ``model`` (the current thread included), found as :func:`fit_epoch_iterator` finds its
+    ``model`` (the current thread included), found as `fit_epoch_iterator` finds its
     own: the ``fit`` frame holding an ``epoch_iterator``, whose ``self`` is ``model``."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     found = []
@@ -108,7 +108,7 @@ def fit_threads(model) -> list:
 
 def fit_data_adapter():
     """The data adapter of the ``fit`` call running in this thread (that of
-    :func:`fit_epoch_iterator`), or ``None``."""
+    `fit_epoch_iterator`), or ``None``."""
     found = fit_epoch_iterator()
     return None if found is None else found.data_adapter
 
@@ -205,7 +205,7 @@ def fit_callbacks() -> list:
     """The callbacks of the ``fit`` call running in this thread (its ``CallbackList``), or ``[]``.
 
     Used only to warn about stateful callbacks that were not given to ``StableCheckpoint``
-    (never to key or save them): the same look-up as :func:`fit_data_adapter`, for the
+    (never to key or save them): the same look-up as `fit_data_adapter`, for the
     ``callbacks`` local that TensorFlow, JAX and Torch trainers' ``fit`` build."""
     frame = sys._getframe(1)
     while frame is not None:

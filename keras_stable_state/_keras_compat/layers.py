@@ -69,7 +69,7 @@ def tf_plain_resource(variable):
 
 def tf_read(variable):
     """On TensorFlow, one ``ReadVariableOp`` of a plain variable's resource
-    (:func:`tf_plain_resource`): a tensor sharing the variable's buffer (TensorFlow
+    (`tf_plain_resource`): a tensor sharing the variable's buffer (TensorFlow
     copies on write), read without the 40-100 us of Python of ``variable.value``; else
     ``None``."""
     resource = tf_plain_resource(variable)

@@ -2,9 +2,9 @@
 a wrapped optimizer's save/load to ``StableOptimizer``, and undoing an optimizer build.
 
 The save/load methods of an optimizer wrapped by ``StableOptimizer`` are
-replaced here (:func:`hand_over`): while wrapped, its state is saved and
+replaced here (`hand_over`): while wrapped, its state is saved and
 loaded by key by the wrapper; used on its own after being taken out of the
-wrapper, they raise a :class:`~keras_stable_state.StateError`.
+wrapper, they raise a [`StateError`][keras_stable_state.StateError].
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class _WrappedHook:
 
 def hand_over(optimizers, wrapper_name) -> None:
     """Replace the save/load methods of ``optimizers`` (every optimizer inside a
-    ``StableOptimizer``) with hooks that only the wrapper arms (:func:`arm`)."""
+    ``StableOptimizer``) with hooks that only the wrapper arms (`arm`)."""
     for opt in optimizers:
         for verb in ("save", "load"):
             if not isinstance(opt.__dict__.get(f"{verb}_own_variables"), _WrappedHook):

@@ -36,7 +36,7 @@ def walk_saveable(obj, classes: dict | None = None):
         obj: Any object (a layer, model, metric, optimizer, container...).
         classes: A dict the caller keeps for one walk (no class changes meanwhile),
             in which the class part of ``dir(obj)`` is listed once per class
-            (:func:`attribute_names`); ``None``: ``dir(obj)`` each call.
+            (`attribute_names`); ``None``: ``dir(obj)`` each call.
     """
     from keras.src.saving import keras_saveable, saving_lib
 
@@ -120,7 +120,7 @@ def save_keras_archive_to(model, fileobj) -> None:
     builds a reference object (a ``Layer()``, an ``Optimizer``...) and lists its
     ``dir()`` each time: it stores what it built under ``saving_attr_skipset_<type>``
     but looks under ``saving_attr_skiplist_<type>`` (Keras 3.15), about 0.1-0.5 ms per
-    object. For this call, the skip sets :func:`walk_saveable` computed already (from
+    object. For this call, the skip sets `walk_saveable` computed already (from
     ``get_attr_skipset`` itself) are put where Keras looks (Keras' global state, local
     to this thread), and taken away after it: the same sets, the same archive (unless
     Keras' base classes gained attributes after the first walk in this process, which

@@ -1,7 +1,7 @@
-"""The supported Keras range; :mod:`keras_stable_state._keras_compat` checks it once, on import.
+"""The supported Keras range; `keras_stable_state._keras_compat` checks it once, on import.
 
 The supported range is pyproject's ``keras>=3.15,<4``. Importing the package
-with a Keras outside it raises :class:`UnsupportedKerasError` (an
+with a Keras outside it raises `UnsupportedKerasError` (an
 ``ImportError``): these internals decide which slot lands on which variable, and
 a silent mismatch is exactly what this library exists to prevent.
 """
@@ -21,7 +21,7 @@ class UnsupportedKerasError(ImportError):
 
 
 def check_keras_version(version: str) -> None:
-    """Refuse a Keras version outside :data:`SUPPORTED_KERAS`.
+    """Refuse a Keras version outside `SUPPORTED_KERAS`.
 
     Raises:
         UnsupportedKerasError: naming the installed and the supported versions.

@@ -1,4 +1,4 @@
-"""A directory of checkpoints for any training loop: :class:`CheckpointManager` (``manager``,
+"""A directory of checkpoints for any training loop: [`CheckpointManager`][keras_stable_state.CheckpointManager] (``manager``,
 its lock methods in ``holder``), what it keeps and calls best (``policy``), what it records
 (``records``), and the directory itself: listing, pruning, temporary files, unreadable files
 moved aside and the fallback over them (``directory``), its lock file (``lock``), the same in

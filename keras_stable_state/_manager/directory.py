@@ -1,15 +1,15 @@
-"""The checkpoint directory of a :class:`~keras_stable_state.CheckpointManager` (and so of
-a :class:`~keras_stable_state.StableCheckpoint`): its ``ckpt-<step>.h5`` files (listed
-newest first, pruned), the lock file :data:`LOCK_NAME` that its one writer holds, the
+"""The checkpoint directory of a [`CheckpointManager`][keras_stable_state.CheckpointManager] (and so of
+a [`StableCheckpoint`][keras_stable_state.StableCheckpoint]): its ``ckpt-<step>.h5`` files (listed
+newest first, pruned), the lock file `LOCK_NAME` that its one writer holds, the
 stale ``.kss-*`` temporary files of a killed save, the unreadable checkpoints moved aside
-into :data:`UNREADABLE_DIR` (with the :class:`~keras_stable_state.UnreadableCheckpointWarning`
-naming them) and the fallback over them (:func:`restore_newest`).
+into `UNREADABLE_DIR` (with the [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning]
+naming them) and the fallback over them (`restore_newest`).
 
 Every access to the directory (list, exists, stat, remove, rename, open) goes through a
-function of this module; :class:`~keras_stable_state._manager.remote_directory.RemoteDirectory`
+function of this module; `RemoteDirectory`
 has the same functions as methods for a directory in an object store (the manager holds
 one or the other as its ``files``). Here a file is visible once it is renamed into place,
-so :func:`begin_save` and :func:`commit` do nothing."""
+so `begin_save` and `commit` do nothing."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ UNREADABLE_DIR = "unreadable"
 """Subfolder of the checkpoint directory that unreadable checkpoints are moved into."""
 LOCK_NAME = lock.LOCK_NAME
 
-# The lock functions of a local directory (:mod:`.lock`), as RemoteDirectory has its own.
+# The lock functions of a local directory (`.lock`), as RemoteDirectory has its own.
 new_token, acquire_lock, release_token = lock.new_token, lock.acquire_lock, lock.release_token
 # -- the files ------------------------------------------------------------------------------
 STORAGE_OPTIONS = None
@@ -108,11 +108,11 @@ def size_of(path) -> int:
 
 def read_summary(path):
     """The small part of a checkpoint's records, read without its arrays: ``(metadata,
-    extra, format version)`` (see :class:`~keras_stable_state.format.CheckpointFile`; its seal
+    extra, format version)`` (see `CheckpointFile`; its seal
     is checked, its arrays are neither read nor decoded).
 
     Raises:
-        Every error of :func:`keras_stable_state.format.open_file`.
+        Every error of `keras_stable_state.format.open_file`.
     """
     if orbax_steps.is_step(path):
         return orbax_steps.read_summary(path)
@@ -155,7 +155,7 @@ def prepare(directory, writer="StableCheckpoint") -> None:
 
 def remove_temporary_files(directory) -> list:
     """Remove the ``.kss-*`` temporary files a killed save left in ``directory`` (and the
-    partial step directories of a ``*.orbax`` one, see :mod:`.orbax_steps`); their paths."""
+    partial step directories of a ``*.orbax`` one, see `.orbax_steps`); their paths."""
     removed = orbax_steps.remove_temporary(directory) if orbax_steps.uses_orbax(directory) else []
     with os.scandir(directory) as entries:
         for entry in entries:
@@ -244,7 +244,7 @@ def _lexists(name, folder_fd) -> bool:
 
 
 def warn_unreadable(directory, skipped, moved, restored, where, writer="StableCheckpoint", stacklevel=2):
-    """Issue the :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each
+    """Issue the [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning] naming each
     unreadable checkpoint moved aside (``skipped``: ``(path, reason)``, ``moved``:
     ``(path, new path or None)``) and the one ``restored`` (``where`` describes its
     position, e.g. ``"step 40"``), or ``None``: training starts fresh. Attributed to the
@@ -275,7 +275,7 @@ def warn_unreadable(directory, skipped, moved, restored, where, writer="StableCh
 def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoint", *, read_with):
     """Read the checkpoints ``paths`` of ``directory`` (newest first) until one restores.
 
-    Each file is read once (``read_with(path)``, e.g. :func:`.orbax_io.read`; one open handle, every check made on the bytes read through
+    Each file is read once (``read_with(path)``, e.g. `.orbax_io.read`; one open handle, every check made on the bytes read through
     it), and its record goes to ``restore(path, record)``, which restores everything
     from that record: a file replaced between the check and the restore cannot mix
     two files' state. A file that is unreadable

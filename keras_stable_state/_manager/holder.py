@@ -1,4 +1,4 @@
-"""The lock a :class:`~keras_stable_state.CheckpointManager` holds over its directory:
+"""The lock a [`CheckpointManager`][keras_stable_state.CheckpointManager] holds over its directory:
 taking it (with several JAX processes, process 0 alone takes it and cleans up), releasing
 it, and the context manager."""
 
@@ -11,9 +11,9 @@ from keras_stable_state._manager import shared
 
 
 class DirectoryHolder:
-    """The lock part of :class:`~keras_stable_state.CheckpointManager`, which sets what it
-    uses: ``directory``, ``files`` (the module :mod:`.directory` or a
-    :class:`~keras_stable_state._manager.remote_directory.RemoteDirectory`), ``name``,
+    """The lock part of [`CheckpointManager`][keras_stable_state.CheckpointManager], which sets what it
+    uses: ``directory``, ``files`` (the module `.directory` or a
+    `RemoteDirectory`), ``name``,
     ``removed_temporary_files``, ``_token``, ``_lock``, ``_finalizer``, ``_say`` and ``wait``.
     """
 
@@ -63,7 +63,7 @@ class DirectoryHolder:
             self.lock()
 
     def release(self) -> None:
-        """Release the lock now, without waiting for a background save (see :meth:`close`)."""
+        """Release the lock now, without waiting for a background save (see `close`)."""
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release(self._token)

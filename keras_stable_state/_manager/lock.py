@@ -1,14 +1,14 @@
-"""The lock of a local checkpoint directory: the file :data:`LOCK_NAME` that its one writer
-(a :class:`~keras_stable_state.CheckpointManager` or :class:`~keras_stable_state.StableCheckpoint`)
+"""The lock of a local checkpoint directory: the file `LOCK_NAME` that its one writer
+(a `CheckpointManager` or `StableCheckpoint`)
 holds, recording who holds it (writer kind, pid, host, since) as JSON, and the one holder per
-directory in this process (:class:`DirectoryLock`).
+directory in this process (`DirectoryLock`).
 
-Two implementations, chosen in one place (:func:`lock_kind`), once per acquire:
+Two implementations, chosen in one place (`lock_kind`), once per acquire:
 
 * ``"flock"``, where the ``fcntl`` module exists (Linux, macOS: POSIX): an exclusive ``flock``
   on the lock file. The operating system releases it when its process ends.
 * ``"portable"``, where it does not (Windows): the marker file ``<lock file>.owner``, created
-  exclusively (:mod:`.portable_lock`, through ``filelock``). A marker of a process of this
+  exclusively (`portable_lock`, through ``filelock``). A marker of a process of this
   host that no longer runs is taken over; one of another host is refused.
 
 The environment variable ``KSS_DIRECTORY_LOCK`` (``flock`` or ``portable``) forces one: the
@@ -34,7 +34,7 @@ except ImportError:  # Windows: no flock; the portable lock is used instead
     fcntl = None
 
 LOCK_NAME = ".stable-checkpoint.lock"
-"""Name of the lock file a writing :class:`StableCheckpoint` holds in its directory."""
+"""Name of the lock file a writing [`StableCheckpoint`][keras_stable_state.StableCheckpoint] holds in its directory."""
 
 LOCK_ENV = "KSS_DIRECTORY_LOCK"
 """The environment variable that forces a lock implementation: ``flock`` or ``portable``."""
@@ -157,7 +157,7 @@ def _open_lock(directory, path) -> int:
 def refuse_other_owner(held, token, directory) -> None:
     """Refuse ``token`` the lock ``held`` by another owner of this process, unless that
     owner took it ``reclaimable`` in this thread (or a thread that ended): the rule of
-    :meth:`DirectoryLock.acquire`, for local and object-store directories alike.
+    `DirectoryLock.acquire`, for local and object-store directories alike.
 
     Raises:
         CheckpointInUseError: naming this process, the holder's thread and ``directory``.
@@ -180,8 +180,8 @@ def refuse_other_owner(held, token, directory) -> None:
 
 class DirectoryLock:
     """The lock of ``<directory>/.stable-checkpoint.lock`` (``flock``, or the portable marker:
-    see the module docstring), held by one writer (a :class:`CheckpointManager`, or the one a
-    :class:`StableCheckpoint` runs over) of this process at a time.
+    see the module docstring), held by one writer (a `CheckpointManager`, or the one a
+    `StableCheckpoint` runs over) of this process at a time.
 
     The lock file holds the writer's kind, pid, host and start as JSON so that a refused writer
     can name it. It is removed on release (while still locked; acquirers check that the file
@@ -215,12 +215,12 @@ class DirectoryLock:
         lock file and named to a refused writer. Another owner of this process in the same
         thread takes a held lock over only if its holder took it ``reclaimable`` (a
         ``StableCheckpoint`` whose ``fit`` raised never released it). The implementation is
-        :func:`lock_kind`'s, read here.
+        `lock_kind`'s, read here.
 
         Raises:
             CheckpointInUseError: if another writer holds it.
             StateError: if the lock file (or the portable lock's marker) is not a regular file of
-                one name (see :func:`_open_lock`), or ``KSS_DIRECTORY_LOCK`` is not valid here.
+                one name (see `_open_lock`), or ``KSS_DIRECTORY_LOCK`` is not valid here.
             OSError: if the lock file cannot be created or locked (read-only file system,
                 permissions, a file system without ``flock``).
         """
@@ -285,7 +285,7 @@ class DirectoryLock:
 
 
 def _refused(directory, path, fd, how, *, pid=None, reason=""):
-    """The :class:`CheckpointInUseError` of a lock another writer holds, naming it from the lock
+    """The `CheckpointInUseError` of a lock another writer holds, naming it from the lock
     file's JSON (``fd``); ``pid``: the holder's pid as the portable lock's marker records it,
     which wins over a JSON record of another pid (a record a dead holder left)."""
     info = _read_record(fd)
@@ -333,7 +333,7 @@ def _flock(directory, path):
 
 
 def _portable(directory, path):
-    """Lock the lock file ``path`` with the portable lock (:mod:`.portable_lock`):
+    """Lock the lock file ``path`` with the portable lock (`portable_lock`):
     ``(path, fd, marker)``."""
     fd = _open_lock(directory, path)  # first: a linked or unwritable lock file is refused as with flock
     try:
@@ -396,5 +396,5 @@ if hasattr(os, "register_at_fork"):
 
 
 def acquire_lock(directory, token, *, writer="StableCheckpoint", reclaimable=True):
-    """:meth:`DirectoryLock.acquire` (the lock of a local directory)."""
+    """`DirectoryLock.acquire` (the lock of a local directory)."""
     return DirectoryLock.acquire(directory, token, writer=writer, reclaimable=reclaimable)

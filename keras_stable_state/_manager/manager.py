@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import os
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
@@ -26,6 +29,13 @@ from keras_stable_state._manager.records import (
 from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
 
+if TYPE_CHECKING:
+    import keras
+
+    from keras_stable_state._core.report import RestoreReport
+    from keras_stable_state._engines.background import SaveHandle
+
+
 _CONFIG_NAMES = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background", "verbose")
 _CONFIG_NAMES += ("storage_options",)
 
@@ -34,129 +44,17 @@ class CheckpointManager(DirectoryHolder):
     """A directory of checkpoints for any training loop: steps, latest and best, pruning,
     the fallback over unreadable checkpoints, the directory lock, background saves.
 
-    Each :meth:`save` writes one ``ckpt-<step:010d>.h5`` file (see
-    :func:`keras_stable_state.save_training_state`; atomically, through a ``.kss-*``
-    temporary file) whose records also hold the step, the epoch, the metrics given and
-    the wall time (record ``providers/checkpoint``; :meth:`metadata` reads them without
-    the arrays). After each save, the checkpoints kept are the latest ``max_to_keep`` (the
-    one just written always among them) and the best ``keep_best`` by ``monitor`` among
-    all present; the others are removed. Only files named ``ckpt-<10 digits>.h5`` count;
-    a checkpoint without a finite value of ``monitor`` (or unreadable) is never the best;
-    of equal values the earlier step is the better. The metrics travel in the checkpoints,
-    so a manager of a resumed run keeps the same notion of best.
-
-    The directory belongs to one writer at a time: the manager takes the same lock of
-    ``<directory>/.stable-checkpoint.lock`` (an exclusive ``flock``, or the portable marker
-    lock where there is no ``fcntl``: see :mod:`keras_stable_state._manager.lock`) as a
-    :class:`~keras_stable_state.StableCheckpoint` (so a manager and a ``StableCheckpoint``
-    on one directory exclude each other, in one process or several) on entering its
-    ``with`` block, or on its first :meth:`save` or :meth:`restore`, and holds it until
-    :meth:`close` (or the end of the ``with`` block, or garbage collection, or the end of
-    the process). Taking it, it removes the ``.kss-*`` temporary files a killed save left
-    (``removed_temporary_files``). Listing (:meth:`all_steps`, :meth:`latest_step`,
-    :meth:`best_step`, :meth:`metadata`) takes no lock.
-
-    ``restore(model)`` (``step="latest"``) restores the newest readable checkpoint: an
-    unreadable one (truncated, failing a checksum, of an unknown format, not a regular
-    file) is moved into ``<directory>/unreadable/`` and the one before is tried, with an
-    :class:`~keras_stable_state.UnreadableCheckpointWarning` naming each moved file,
-    exactly as ``StableCheckpoint`` does on train begin.
-
-    Preemption, for a custom loop: ``with mgr.preemption_guard(signals=(signal.SIGTERM,)) as
-    guard:`` installs a handler for each of ``signals`` (e.g. ``(signal.SIGTERM,
-    signal.SIGUSR1)`` under SLURM's ``--signal=USR1@90``) that only notes the signal; leaving
-    the block (also by an exception) puts the previous handlers back. At each step boundary
-    the loop asks ``mgr.reached_preemption(step)`` (or ``guard.reached_preemption(step)``):
-    ``True`` once a signal came; then :meth:`save` the step, :meth:`wait` for a background
-    save, and leave the loop. ``guard.signal_received`` is the first signal that came, or
-    ``None``. With several JAX processes ``reached_preemption`` is a collective (one small
-    ``process_allgather``) that every process calls at every step with the same step: if any
-    process got a signal, all answer ``True`` at the same step (as Orbax's
-    ``CheckpointManager.reached_preemption``). ``preemption_guard`` raises ``TypeError`` /
-    ``ValueError`` for ``signals`` that are not signal numbers, none, or ``SIGKILL`` /
-    ``SIGSTOP``; entering it raises ``StateError`` off the main thread (only the main thread
-    may install signal handlers) or if it is entered already; ``reached_preemption`` raises
-    ``StateError`` outside an entered guard of this manager (no signal is handled there) and
-    if the processes asked at different steps. See ``docs/how-to/preemption.md``.
-
-    In an object store (``directory`` an ``s3://``, ``gs://``, ``memory://``... URL, through
-    fsspec: see ``docs/how-to/cloud-storage.md``) each checkpoint is uploaded whole, then
-    its commit marker ``ckpt-<step:010d>.h5.commit``; the listing (and so "latest") takes only
-    checkpoints whose marker is there and names the object as it is, pruning removes the
-    marker first, unreadable checkpoints are copied into ``unreadable/`` then removed, and
-    left-overs of a killed writer are cleaned up when the lock is taken. The lock is the
-    object ``.stable-checkpoint.lock``, created with an exclusive write; a stale one is taken
-    over only if its holder ran on this host and has died.
-
-    A ``directory`` named ``*.orbax`` holds ``.orbax`` step directories
-    ``ckpt-<step:010d>.orbax`` instead (the ``.orbax`` engine of ``save_training_state``:
-    every JAX process writes its own shards; a step is committed by renaming its
-    ``.ckpt-<step>.orbax.kss-partial`` folder, so the newest is never an incomplete one).
-    With several JAX processes every process calls :meth:`save`, :meth:`restore` and
-    :meth:`lock` (collectives): process 0 alone takes the lock, prunes after each save and
-    moves unreadable checkpoints aside, the others wait for it, and all restore the
-    checkpoints process 0 lists.
-
-    Args:
-        directory: Folder of the checkpoints (created on the first lock): a ``str``,
-            ``bytes`` or ``os.PathLike``, a ``file://`` URL (the local path it names) or an
-            object-store URL. Nothing else should write into it.
-        max_to_keep: How many latest checkpoints to keep (``>= 1``), or ``None`` to keep
-            every one. With ``save_on_background`` a file is pruned only once the new one
-            is written.
-        keep_best: How many best checkpoints by ``monitor`` to keep beside the latest
-            (``>= 0``; needs ``monitor``).
-        monitor: The name of the metric (a key of the ``metrics`` given to :meth:`save`)
-            that ranks checkpoints for ``keep_best`` and :meth:`best_step`, or ``None``.
-        mode: ``"min"``, ``"max"`` or ``"auto"``: lower is better for a name holding
-            ``loss`` or ``error``, higher for one holding ``acc``, ``auc``, ``precision``,
-            ``recall`` or ``f1``.
-        save_on_background: ``True`` writes each checkpoint in a background thread
-            (:func:`~keras_stable_state.save_training_state` with ``blocking=False``):
-            :meth:`save` returns once the state is held apart from training (see its
-            ``blocking`` argument). A save first
-            waits for the previous one; the error of a failed background write is raised
-            by the next :meth:`save`, :meth:`check_for_errors`, :meth:`wait` or
-            :meth:`close`.
-        verbose: ``1`` prints one line per save and restore (Keras' ``print_msg``).
-        storage_options: For an object-store URL: a ``dict`` passed to its fsspec filesystem
-            (every save, restore and listing), or ``None``; fsspec's configuration and the
-            store's environment variables apply as fsspec applies them.
-
-    Attributes:
-        files: What reads and writes the directory: the module
-            ``keras_stable_state._manager.directory`` for a local folder, a
-            ``RemoteDirectory`` (``_manager.remote_directory``) for an object store; both
-            have ``size_of(path)``, ``checkpoints(directory)``... (internal, may change).
-        storage_options: The ``storage_options`` of an object-store directory, or ``None``.
-        name: What messages, warnings and the lock file call this writer
-            (``"CheckpointManager"``; the manager of a ``StableCheckpoint``:
-            ``"StableCheckpoint"``).
-        restored_step: The step of the checkpoint the last :meth:`restore` restored, or
-            ``None``.
-        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint the last
-            restore of the latest skipped, newest first.
-        moved_checkpoints: ``(path, new path)`` of each of them, moved into
-            ``<directory>/unreadable/`` (``None``: removed meanwhile).
-        removed_temporary_files: The stale ``.kss-*`` files removed when the lock was taken.
-        last_save: The :class:`~keras_stable_state.SaveHandle` of the newest background
-            save, or ``None``.
-        on_saved: ``None``, or a callable ``(step, path, write_secs, blocked_secs)`` called
-            once a save is written and the directory pruned (``blocked_secs`` is ``None``
-            for a blocking save).
-
-    Raises:
-        ValueError: on construction, for an invalid ``max_to_keep``, ``keep_best``,
-            ``monitor``, ``mode`` or ``verbose``, ``keep_best`` without ``monitor``, or
-            ``save_on_background=True`` for a ``directory`` ending in ``.orbax``.
-        StateError: on construction, for a ``directory`` ending in ``.orbax`` when
-            orbax-checkpoint (the ``[orbax]`` extra) is not installed.
-        TypeError: on construction, if ``directory`` is not a path or
-            ``save_on_background`` not a bool.
-        CheckpointFormatError: on construction, for ``storage_options`` with a local
-            directory, or a ``file://`` URL on another host.
-        StorageBackendError: on construction, for a URL whose fsspec implementation is not
-            installed, naming the package (nothing is written anywhere).
+    Each [`save`][keras_stable_state.CheckpointManager.save] writes one
+    ``ckpt-<step:010d>.h5`` file (a ``ckpt-<step:010d>.orbax`` step directory in a
+    directory named ``*.orbax``) with the step, epoch and metrics, then keeps the latest
+    ``max_to_keep`` and the best ``keep_best`` by ``monitor``.
+    [`restore`][keras_stable_state.CheckpointManager.restore] restores the newest readable
+    one, moving unreadable ones into ``unreadable/`` as
+    [`StableCheckpoint`][keras_stable_state.StableCheckpoint] does. The manager holds the
+    directory's lock from its first save or restore (or ``with`` block) to
+    [`close`][keras_stable_state.CheckpointManager.close]. Locks, object stores, several JAX
+    processes and preemption in full:
+    [in detail](how-to/custom-loops-manager.md#checkpointmanager-in-detail).
 
     Example:
         >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
@@ -166,20 +64,48 @@ class CheckpointManager(DirectoryHolder):
         ...         _ = mgr.save(step + 1, model, metrics={"loss": loss})
         >>> len(mgr.all_steps()) <= 3
         True
+
+    Args:
+        directory: Folder of the checkpoints (created on the first lock): a path,
+            ``file://`` or object-store URL. Nothing else should write into it.
+        max_to_keep: How many latest checkpoints to keep (``>= 1``), or ``None``: all.
+        keep_best: How many best checkpoints by ``monitor`` to keep beside the latest.
+        monitor: The key of the ``metrics`` given to ``save`` that ranks checkpoints.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the name of ``monitor``).
+        save_on_background: ``True`` writes each checkpoint in a background thread.
+        verbose: ``1`` prints one line per save and restore.
+        storage_options: fsspec options for an object-store URL, or ``None``.
+
+    Attributes:
+        restored_step: The step the last ``restore`` restored, or ``None``.
+        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint skipped.
+        moved_checkpoints: ``(path, new path)`` of each, moved into ``unreadable/``.
+        removed_temporary_files: Stale ``.kss-*`` files removed when the lock was taken.
+        last_save: The newest background save's [`SaveHandle`][keras_stable_state.SaveHandle], or ``None``.
+        on_saved: ``None``, or ``(step, path, write_secs, blocked_secs)`` called per save.
+        files, storage_options, name: The directory's reader, its options, the writer's name.
+
+    Raises:
+        ValueError: On construction, for an invalid argument (named in the message).
+        StateError: On construction, for a ``*.orbax`` directory without orbax-checkpoint.
+        TypeError: On construction, if ``directory`` is not a path or a flag not a bool.
+        CheckpointFormatError: For ``storage_options`` with a local directory, or a
+            ``file://`` URL on another host.
+        StorageBackendError: For a URL whose fsspec package is not installed.
     """
 
     def __init__(
         self,
-        directory,
-        max_to_keep=3,
+        directory: str | bytes | os.PathLike[str],
+        max_to_keep: int | None = 3,
         *,
-        keep_best=0,
-        monitor=None,
-        mode="auto",
-        save_on_background=False,
-        verbose=0,
-        storage_options=None,
-    ):
+        keep_best: int = 0,
+        monitor: str | None = None,
+        mode: str = "auto",
+        save_on_background: bool = False,
+        verbose: int = 0,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
         self.directory, self.files = open_directory(directory, storage_options, "CheckpointManager")
         self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
         if not isinstance(save_on_background, bool):
@@ -216,17 +142,17 @@ class CheckpointManager(DirectoryHolder):
         "mode", "save_on_background", "verbose", "storage_options"}``."""
         return {name: getattr(self, name) for name in _CONFIG_NAMES}
 
-    def _say(self, message):
+    def _say(self, message) -> None:
         if self.verbose:
             compat.print_msg(f"{self.name}: {message}")
 
-    def preemption_guard(self, signals=DEFAULT_SIGNALS) -> PreemptionGuard:
+    def preemption_guard(self, signals: Sequence[int] = DEFAULT_SIGNALS) -> PreemptionGuard:
         """A ``PreemptionGuard`` of ``signals`` for a custom loop (see the class docstring)."""
         self._guard = PreemptionGuard(signals, owner=self.name)
         return self._guard
 
-    def reached_preemption(self, step) -> bool:
-        """The entered :meth:`preemption_guard`'s ``reached_preemption(step)`` (see the class docstring)."""
+    def reached_preemption(self, step: int) -> bool:
+        """The entered [`preemption_guard`][keras_stable_state.CheckpointManager.preemption_guard]'s ``reached_preemption(step)`` (see the class docstring)."""
         return entered_guard(self._guard, f"{self.name}({self.directory!r})", step).reached_preemption(step)
 
     # -- listing ----------------------------------------------------------------------------
@@ -281,13 +207,13 @@ class CheckpointManager(DirectoryHolder):
         best = self._best_steps(self.checkpoints(), 1)
         return best[0] if best else None
 
-    def metadata(self, step) -> CheckpointMetadata:
-        """The :class:`CheckpointMetadata` of the checkpoint of ``step``.
+    def metadata(self, step: int) -> CheckpointMetadata:
+        """The [`CheckpointMetadata`][keras_stable_state.CheckpointMetadata] of the checkpoint of ``step``.
 
         Raises:
             FileNotFoundError: if there is no checkpoint of ``step``, naming the steps present.
             CorruptCheckpointError, CheckpointFormatError: if it is unreadable (see
-                :func:`keras_stable_state.format.open_file`).
+                `keras_stable_state.format.open_file`).
         """
         path = self._path(check_step(step))
         return metadata_of(step, path, self._summary(path), self.files.size_of(path))
@@ -303,32 +229,41 @@ class CheckpointManager(DirectoryHolder):
         return path
 
     # -- save -------------------------------------------------------------------------------
-    def save(self, step, model, *, optimizer=None, metrics=None, epoch=None, **state):
+    def save(
+        self,
+        step: int,
+        model: keras.Model,
+        *,
+        optimizer: keras.optimizers.Optimizer | None = None,
+        metrics: Mapping[str, float] | None = None,
+        epoch: int | None = None,
+        **state: Any,
+    ) -> str | SaveHandle:
         """Save the training state of ``model`` as the checkpoint of ``step``, then prune.
 
         Args:
             step: An int (``0`` to ``10**10 - 1``): the file ``ckpt-<step:010d>.h5``. A
                 checkpoint of the same step is replaced (atomically).
             model: A built ``keras.Model``.
-            optimizer: As for :func:`~keras_stable_state.save_training_state`.
+            optimizer: As for [`save_training_state`][keras_stable_state.save_training_state].
             metrics: ``{name: number}`` recorded in the checkpoint's metadata (the values
                 ``monitor`` ranks by), or ``None``.
             epoch: An int recorded in the metadata, or ``None``.
-            **state: The other keywords of :func:`~keras_stable_state.save_training_state`:
+            **state: The other keywords of [`save_training_state`][keras_stable_state.save_training_state]:
                 ``model_state``, ``callbacks``, ``state``, ``include_rng``,
                 ``allow_order_keys``, ``variables``, ``mappers``.
 
         Returns:
             The path written, or with ``save_on_background`` the
-            :class:`~keras_stable_state.SaveHandle` of the background write.
+            [`SaveHandle`][keras_stable_state.SaveHandle] of the background write.
 
         Raises:
             TypeError: for another keyword (``blocking``: use ``save_on_background``),
                 metrics that are not numbers, or an ``epoch`` that is not an int.
             ValueError: for an invalid ``step``, or a ``state`` provider named ``"checkpoint"``
                 (the manager's own record).
-            Exception: every error of :func:`~keras_stable_state.save_training_state` and of
-                :meth:`lock`; the error of the previous background save.
+            Exception: every error of [`save_training_state`][keras_stable_state.save_training_state] and of
+                [`lock`][keras_stable_state.CheckpointManager.lock]; the error of the previous background save.
         """
         step = check_step(step)
         metrics = check_metrics(metrics)
@@ -370,7 +305,7 @@ class CheckpointManager(DirectoryHolder):
         (a ``StableCheckpoint`` starting a new ``fit``: the error belonged to the earlier one)."""
         self._in_flight = None
 
-    def _collect(self, wait):
+    def _collect(self, wait) -> None:
         in_flight = self._in_flight
         if in_flight is None:
             return
@@ -381,7 +316,7 @@ class CheckpointManager(DirectoryHolder):
         handle.wait()
         self._saved(step, handle.path, info, handle.write_secs, handle.blocked_secs)
 
-    def _saved(self, step, path, info, secs, blocked_secs):
+    def _saved(self, step, path, info, secs, blocked_secs) -> None:
         self.files.commit(path, step, info)
         self._summaries.pop(path, None)
         processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # JAX: process 0
@@ -390,7 +325,7 @@ class CheckpointManager(DirectoryHolder):
         elif self.verbose:
             self._say(saved_message(path, f"step {step}", self.files.size_of(path), secs, blocked_secs))
 
-    def prune(self, newest=None) -> list:
+    def prune(self, newest: str | None = None) -> list:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
         them) and the best ``keep_best``; the paths removed."""
         paths = self.checkpoints()
@@ -406,19 +341,21 @@ class CheckpointManager(DirectoryHolder):
         return removed
 
     # -- restore ----------------------------------------------------------------------------
-    def restore(self, model, step="latest", **restore_options):
+    def restore(
+        self, model: keras.Model, step: int | str = "latest", **restore_options: Any
+    ) -> RestoreReport | None:
         """Restore the checkpoint of ``step`` into ``model``.
 
         Args:
-            model: The model (see :func:`~keras_stable_state.restore_training_state`).
+            model: The model (see [`restore_training_state`][keras_stable_state.restore_training_state]).
             step: ``"latest"``: the newest readable checkpoint, moving unreadable ones aside
-                (see the class); ``"best"``: :meth:`best_step`'s; or an int step.
+                (see the class); ``"best"``: [`best_step`][keras_stable_state.CheckpointManager.best_step]'s; or an int step.
             **restore_options: The keywords of
-                :func:`~keras_stable_state.restore_training_state` (``optimizer``,
+                [`restore_training_state`][keras_stable_state.restore_training_state] (``optimizer``,
                 ``strict``, ``callbacks``, ``state``, ``variables``...), but ``defer``.
 
         Returns:
-            The :class:`~keras_stable_state.RestoreReport`; ``None`` for ``"latest"`` when
+            The [`RestoreReport`][keras_stable_state.RestoreReport]; ``None`` for ``"latest"`` when
             no readable checkpoint is left (the model is untouched). ``restored_step``
             is set to the step restored (``None`` then).
 
@@ -448,7 +385,7 @@ class CheckpointManager(DirectoryHolder):
         if step == "latest":
             restored = {}
 
-            def restore(path, record):
+            def restore(path, record) -> None:
                 # the record was read for this restore alone: its arrays may become the variables'
                 restored["report"] = checkpoint.restore_with(path, model, options, record=record, take=True)
 
@@ -478,27 +415,36 @@ class CheckpointManager(DirectoryHolder):
         self._say(f"restored {path} (step {self.restored_step})")
         return report
 
-    def restore_newest_with(self, restore, unreadable=None, *, read_only=False):
+    def restore_newest_with(
+        self,
+        restore: Callable[[str, Any], None],
+        unreadable: Callable[[str, BaseException], None] | None = None,
+        *,
+        read_only: bool = False,
+    ) -> str | None:
         """Pass the record of the newest readable checkpoint to ``restore(path, record)``
         (which restores everything from that one read); each unreadable one is moved aside
         (recorded in ``skipped_checkpoints`` and ``moved_checkpoints``; ``unreadable(path,
         err)`` is called first, if given) and the next one tried. Takes the lock, and
         waits for the background save in flight. No warning is issued (the caller says
-        where it fell back to: see :meth:`restore`). ``read_only=True`` reads without the
+        where it fell back to: see [`restore`][keras_stable_state.CheckpointManager.restore]). ``read_only=True`` reads without the
         lock (a directory on a read-only file system, where nobody can write).
 
         Returns:
             The path restored, or ``None`` if no readable checkpoint is left.
 
         Raises:
-            The errors of :meth:`restore` for ``"latest"``.
+            CheckpointInUseError: As [`restore`][keras_stable_state.CheckpointManager.restore]
+                for ``"latest"``: the directory or the newest checkpoint is locked.
+            StateError: If an unreadable checkpoint cannot be moved aside.
+            Exception: Every other error of ``restore(path, record)`` (nothing is moved aside).
         """
         if not read_only:
             self._ensure_locked()
         self._collect(wait=True)
         self.skipped_checkpoints, self.moved_checkpoints = [], []
 
-        def moved(path, err):
+        def moved(path, err) -> None:
             if unreadable is not None:
                 unreadable(path, err)
             self.skipped_checkpoints.append((path, str(err)))

@@ -1,5 +1,5 @@
 """What a directory of ``.orbax`` step directories needs from the Orbax engine (and so from
-Keras and JAX): the option checks and reading a step. :mod:`.orbax_steps` (listing, names,
+Keras and JAX): the option checks and reading a step. `.orbax_steps` (listing, names,
 removal) stays free of both, so the command line lists such a directory without them."""
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ def read_step(path) -> storage.StateRecord:
 
 def read(path) -> storage.StateRecord:
     """The record of the checkpoint ``path`` of a local directory (a ``.h5`` file, or a
-    ``.orbax`` step directory: :func:`read_step`).
+    ``.orbax`` step directory: `read_step`).
 
     Raises:
-        Every error of :func:`keras_stable_state.format.read_file` (of :func:`read_step`).
+        Every error of `keras_stable_state.format.read_file` (of `read_step`).
     """
     if orbax_steps.is_step(path):
         return read_step(path)

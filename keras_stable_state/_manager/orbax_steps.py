@@ -1,9 +1,9 @@
 """Checkpoints that are ``.orbax`` step directories.
 
-A :class:`~keras_stable_state.CheckpointManager` (and so a
-:class:`~keras_stable_state.StableCheckpoint`) whose directory is named ``*.orbax``
+A [`CheckpointManager`][keras_stable_state.CheckpointManager] (and so a
+[`StableCheckpoint`][keras_stable_state.StableCheckpoint]) whose directory is named ``*.orbax``
 keeps each checkpoint as a directory ``ckpt-<step:010d>.orbax`` written by the
-``.orbax`` engine (:mod:`keras_stable_state._engines.orbax`: every JAX process its own
+``.orbax`` engine (`keras_stable_state._engines.orbax`: every JAX process its own
 shards, process 0 the sealed ``state.h5``). The engine builds a step in
 ``.ckpt-<step>.orbax.kss-partial`` and commits it by renaming that folder onto its name,
 so a ``ckpt-<step>.orbax`` directory is whole from the moment it exists: an

@@ -1,4 +1,4 @@
-"""What a :class:`~keras_stable_state.CheckpointManager` keeps and calls best: the checks of
+"""What a [`CheckpointManager`][keras_stable_state.CheckpointManager] keeps and calls best: the checks of
 its ``max_to_keep``, ``keep_best``, ``monitor`` and ``mode``, the direction of a metric,
 and the kept set (the latest ``max_to_keep`` and the best ``keep_best`` by the metric)."""
 
@@ -19,7 +19,7 @@ def check_options(max_to_keep, keep_best, monitor, mode) -> str | None:
     Raises:
         ValueError: if ``max_to_keep`` is not ``None`` or an int ``>= 1``, ``keep_best`` not an
             int ``>= 0`` (``True`` is refused for both), ``monitor`` not ``None`` or a non-empty
-            ``str``, ``keep_best > 0`` without ``monitor``, ``mode`` not one of :data:`MODES`,
+            ``str``, ``keep_best > 0`` without ``monitor``, ``mode`` not one of `MODES`,
             or ``mode="auto"`` for a name whose direction it cannot tell.
     """
     if max_to_keep is not None and not (_is_int(max_to_keep) and max_to_keep >= 1):

@@ -1,12 +1,12 @@
 """The portable lock of a local checkpoint directory, for platforms without ``flock`` (Windows)
 and file systems where ``flock`` fails: the marker file ``<lock file>.owner``, created
-exclusively by :class:`filelock.SoftFileLock`, which records the holder's pid, host and
+exclusively by `filelock.SoftFileLock`, which records the holder's pid, host and
 process start time in it.
 
 A marker of a process of this host that no longer runs (killed, crashed) is taken over by
 the next writer (filelock's stale detection: the pid is gone, or now belongs to a process
 started at another time). A marker of another host is never taken over: that process cannot
-be proven dead from here. :mod:`.lock` chooses this lock or ``flock`` and keeps the JSON
+be proven dead from here. `lock` chooses this lock or ``flock`` and keeps the JSON
 holder record in the lock file itself, for both.
 """
 
@@ -60,7 +60,7 @@ def _refuse_odd_marker(directory, path) -> None:
 
 def take(directory, lock_path) -> SoftFileLock:
     """Create the marker of ``lock_path`` for this process, taking over one left by a process of
-    this host that no longer runs; the held :class:`filelock.SoftFileLock` (one attempt, no wait).
+    this host that no longer runs; the held `filelock.SoftFileLock` (one attempt, no wait).
 
     Raises:
         Busy: if a live process (or one of another host) holds the marker.

@@ -63,10 +63,9 @@ def _on_stack(target, frame) -> bool:
 
 class PreemptionGuard:
     """Signal handlers, installed while the guard is entered, that only note which signal
-    came; :meth:`reached_preemption` tells the training loop when to save and stop.
+    came; `reached_preemption` tells the training loop when to save and stop.
 
-    Made by :meth:`CheckpointManager.preemption_guard
-    <keras_stable_state.CheckpointManager.preemption_guard>` (and by ``StableCheckpoint``
+    Made by `CheckpointManager.preemption_guard<keras_stable_state.CheckpointManager.preemption_guard>` (and by ``StableCheckpoint``
     for its ``fit``). Entering it installs one handler for each of ``signals`` (replacing
     the previous ones), leaving it (also by an exception) puts the previous handlers back,
     where the guard's are still installed. A handler does nothing but record the signal: a
@@ -162,7 +161,7 @@ class PreemptionGuard:
         """Whether the loop should save at ``step`` and stop: a signal came to this process,
         or (several JAX processes) to any process.
 
-        With one process this only reads :attr:`signal_received`. With several JAX
+        With one process this only reads `signal_received`. With several JAX
         processes it is a collective (one small ``process_allgather``): every process must
         call it at every step, with the same ``step``, and all get the same answer, so all
         save the same step.
@@ -193,10 +192,10 @@ def entered_guard(guard, owner, step) -> PreemptionGuard:
 
 
 def fit_guard(signals, owner, fit_frame, explicit) -> PreemptionGuard | None:
-    """A :class:`PreemptionGuard` entered for a ``fit`` (``fit_frame``: its frame, whose end
+    """A `PreemptionGuard` entered for a ``fit`` (``fit_frame``: its frame, whose end
     without ``on_train_end`` hands signals back to the previous handlers, or ``None``); off
     the main thread ``None`` (no handler: the ``fit`` trains without), unless ``explicit``
-    (then the :class:`StateError` of entering the guard)."""
+    (then the [`StateError`][keras_stable_state.StateError] of entering the guard)."""
     if not explicit and threading.current_thread() is not threading.main_thread():
         return None
     return PreemptionGuard(signals, owner=owner, fit_frame=fit_frame).__enter__()

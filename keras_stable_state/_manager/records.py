@@ -1,6 +1,6 @@
-"""What a :class:`~keras_stable_state.CheckpointManager` records in each checkpoint (record
+"""What a [`CheckpointManager`][keras_stable_state.CheckpointManager] records in each checkpoint (record
 ``providers/checkpoint``: step, epoch, metrics, wall time), what it tells of one
-(:class:`CheckpointMetadata`), and the checks of the steps and metrics it is given."""
+([`CheckpointMetadata`][keras_stable_state.CheckpointMetadata]), and the checks of the steps and metrics it is given."""
 
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ SAVE_KEYWORDS = (
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointMetadata:
-    """What :meth:`CheckpointManager.metadata` tells of one checkpoint, read from its
+    """What [`CheckpointManager.metadata`][keras_stable_state.CheckpointManager.metadata] tells of one checkpoint, read from its
     records alone (its seal is checked, its arrays are not read).
 
     Attributes:
         step: The step it was saved at (its file name, ``ckpt-<step:010d>.h5``).
         path: Its path.
-        epoch: The epoch given to :meth:`CheckpointManager.save` (a ``StableCheckpoint``
+        epoch: The epoch given to [`CheckpointManager.save`][keras_stable_state.CheckpointManager.save] (a ``StableCheckpoint``
             gives the epoch of its position), or ``None``.
-        metrics: The metrics given to :meth:`CheckpointManager.save`, ``{name: float}``
+        metrics: The metrics given to [`CheckpointManager.save`][keras_stable_state.CheckpointManager.save], ``{name: float}``
             (read-only; ``{}`` for a checkpoint saved without them or by an older version).
         wall_time: When it was saved, in seconds since the Unix epoch (``time.time()``),
             or ``None`` for a checkpoint saved by an older version.
@@ -67,13 +67,13 @@ class CheckpointMetadata:
 class ManagerRecord:
     """The provider holding the manager's metadata of one save (never restored)."""
 
-    def __init__(self, value):
+    def __init__(self, value) -> None:
         self.value = value
 
     def get_state(self):
         return self.value
 
-    def set_state(self, state):
+    def set_state(self, state) -> None:
         self.value = state
 
 
@@ -108,7 +108,7 @@ def check_metrics(metrics) -> dict:
 
 
 def metadata_of(step, path, summary, size_bytes) -> CheckpointMetadata:
-    """The :class:`CheckpointMetadata` of the checkpoint ``path`` of ``step`` from its
+    """The [`CheckpointMetadata`][keras_stable_state.CheckpointMetadata] of the checkpoint ``path`` of ``step`` from its
     ``summary``: ``(writer metadata, manager record, format version)``."""
     metadata, record, version = summary
     epoch = record.get("epoch")
@@ -134,13 +134,13 @@ def saved_message(shown, where, size_bytes, secs, blocked_secs) -> str:
 
 
 def check_save_keywords(state: dict, epoch) -> dict:
-    """Check the keywords of :meth:`CheckpointManager.save` besides its own; pop and return
+    """Check the keywords of [`CheckpointManager.save`][keras_stable_state.CheckpointManager.save] besides its own; pop and return
     its ``state`` providers (``{}`` for none).
 
     Raises:
-        TypeError: for a keyword that is not one of :data:`SAVE_KEYWORDS`, an ``epoch`` that
+        TypeError: for a keyword that is not one of `SAVE_KEYWORDS`, an ``epoch`` that
             is not ``None`` or an int >= 0, or a ``state`` that is not a dict.
-        ValueError: for a ``state`` provider named :data:`RECORD`.
+        ValueError: for a ``state`` provider named `RECORD`.
     """
     for name in state:
         if name not in SAVE_KEYWORDS:

@@ -1,17 +1,17 @@
-"""A :class:`~keras_stable_state.CheckpointManager` directory in an object store
+"""A [`CheckpointManager`][keras_stable_state.CheckpointManager] directory in an object store
 (``s3://``, ``gs://``, ``az://``, ``memory://``...) reached through fsspec.
 
 An object store has no atomic rename and no ``flock``, so a checkpoint is made visible
 by a commit marker instead, and the one-writer rule by a lock object:
 
 * **Checkpoints and markers.** Each checkpoint ``ckpt-<step:010d>.h5`` is written locally,
-  then uploaded whole (:func:`~keras_stable_state.format.remote.upload_written`: the
+  then uploaded whole (`upload_written`: the
   object appears only once its upload completes); then its commit marker
-  ``ckpt-<step:010d>.h5.commit`` (:data:`MARKER_SUFFIX`) is written: a small JSON object
+  ``ckpt-<step:010d>.h5.commit`` (`MARKER_SUFFIX`) is written: a small JSON object
   holding the object's size and ETag and the manager's record (step, epoch, metrics,
   wall time), the writer's backend and format version. A checkpoint **is** in the
   directory only when its marker is there and names the object's current size (and
-  ETag, where the store gives one): :meth:`RemoteDirectory.checkpoints` lists those
+  ETag, where the store gives one): `RemoteDirectory.checkpoints` lists those
   alone, so ``latest_step()``, ``all_steps()`` and ``restore(step="latest")`` never pick
   an object whose upload was interrupted, nor one replaced behind the marker's back.
   Saving a step that is already there removes its marker first. Pruning removes the
@@ -33,7 +33,7 @@ by a commit marker instead, and the one-writer rule by a lock object:
   the writer's kind, pid and host and a random nonce, and is removed on release (only
   if it is still this writer's). Nothing releases the lock of a process that died: a
   lock whose holder is on this host and no longer runs is taken over; one held by
-  another host is refused with :class:`~keras_stable_state.CheckpointInUseError`
+  another host is refused with [`CheckpointInUseError`][keras_stable_state.CheckpointInUseError]
   naming it and the lock object to remove once that writer is known to be gone. What
   is assumed: one writer per directory, which the lock enforces among writers that use
   it (a writer that ignores it, or a store that does not honour the conditional write,
@@ -113,8 +113,7 @@ class RemoteLock:
 
     Attributes:
         url: The lock object's URL.
-        fd: Not ``None`` while held (the name is :class:`~keras_stable_state._manager.
-            lock.DirectoryLock`'s; there is no file descriptor).
+        fd: Not ``None`` while held (the name is `DirectoryLock`'s; there is no file descriptor).
         token, thread, reclaimable, writer: As for ``DirectoryLock``.
     """
 
@@ -166,7 +165,7 @@ if hasattr(os, "register_at_fork"):
 
 class RemoteDirectory:
     """The directory of a manager in an object store: the functions of
-    :mod:`keras_stable_state._manager.directory` as methods (see the module docstring
+    `keras_stable_state._manager.directory` as methods (see the module docstring
     for the markers, the lock and the clean-up).
 
     Args:
@@ -279,8 +278,7 @@ class RemoteDirectory:
         return (payload.get("size"), payload.get("etag"))
 
     def read_summary(self, path):
-        """``(metadata, extra, format version)`` as :func:`~keras_stable_state._manager.
-        directory.read_summary` returns them, from the marker of ``path`` (the object is
+        """``(metadata, extra, format version)`` as `read_summary` returns them, from the marker of ``path`` (the object is
         not read).
 
         Raises:
@@ -313,7 +311,7 @@ class RemoteDirectory:
             )
 
     def acquire_lock(self, directory, token, *, writer="StableCheckpoint", reclaimable=True):
-        """Take the lock object (see the module docstring); the held :class:`RemoteLock`.
+        """Take the lock object (see the module docstring); the held `RemoteLock`.
 
         Raises:
             CheckpointInUseError: if another writer holds it (in this process: as for a
@@ -504,7 +502,7 @@ class RemoteDirectory:
         """The record of the checkpoint object ``path``, read whole through the store.
 
         Raises:
-            Every error of :func:`keras_stable_state.format.read_file`.
+            Every error of `keras_stable_state.format.read_file`.
         """
         return storage.read_file(
             path, storage_options=self.STORAGE_OPTIONS, unaligned_views=takes_unaligned()
@@ -513,8 +511,8 @@ class RemoteDirectory:
     def restore_newest(
         self, paths, directory, restore, unreadable, writer="StableCheckpoint", read_with=None
     ):
-        """:func:`~keras_stable_state._manager.directory.restore_newest` in the store, each
-        object read by ``read_with`` (by default :meth:`read`)."""
+        """`restore_newest` in the store, each
+        object read by ``read_with`` (by default `read`)."""
         return local.restore_newest(
             paths, self.url, restore, unreadable, writer, read_with=read_with or self.read
         )
@@ -539,8 +537,8 @@ def refuse_options(storage_options, directory, writer) -> None:
 def open_directory(directory, storage_options, writer):
     """``(directory, files)`` of a manager: ``directory`` as a ``str`` (a ``file://`` URL
     as the local path it names) and what reads and writes it: the module
-    :mod:`~keras_stable_state._manager.directory` for a local folder, a
-    :class:`RemoteDirectory` for an object-store URL.
+    `directory` for a local folder, a
+    `RemoteDirectory` for an object-store URL.
 
     Raises:
         TypeError: if ``directory`` is not a ``str``, ``bytes`` or ``os.PathLike``, or

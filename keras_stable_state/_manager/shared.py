@@ -1,7 +1,7 @@
 """A checkpoint directory shared by several JAX processes (``jax.distributed``): process 0
 alone locks, lists, prunes and moves unreadable checkpoints aside; the others wait for it
 and take its answers. Every function here is a collective (see
-:mod:`keras_stable_state._processes`); with one process it is the plain directory call."""
+`keras_stable_state._processes`); with one process it is the plain directory call."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ class Follower:
 
 
 def held(lock, token):
-    """The lock a manager holds once :func:`~keras_stable_state._processes.share_from_primary`
-    ran its locking on process 0: ``lock`` there (and with one process), a :class:`Follower`
+    """The lock a manager holds once `share_from_primary`
+    ran its locking on process 0: ``lock`` there (and with one process), a `Follower`
     of ``token`` on the others."""
     return lock if processes.process_index() == 0 else Follower(token)
 
@@ -35,8 +35,8 @@ _OUTCOMES = ("read", "unreadable", "not found", "refused")
 
 def checkpoints(files, directory) -> list:
     """The checkpoints of ``directory`` as process 0 lists them (newest first), through
-    ``files`` (the module :mod:`.directory`, or a
-    :class:`~keras_stable_state._manager.remote_directory.RemoteDirectory`)."""
+    ``files`` (the module `.directory`, or a
+    `RemoteDirectory`)."""
     return processes.share_from_primary(directory, lambda: files.checkpoints(directory))
 
 
@@ -46,14 +46,14 @@ def move_aside(files, directory, path, writer) -> str | None:
 
 
 def agreed(read):
-    """``read`` (path -> record, e.g. :func:`.directory.read`) made a collective: see :func:`read_agreed`."""
+    """``read`` (path -> record, e.g. `.directory.read`) made a collective: see `read_agreed`."""
     return lambda path: read_agreed(path, read)
 
 
 def read_agreed(path, read):
     """The record of ``path`` (``read(path)``); with several JAX processes, once every
     process read it alike, so that all take the same branch of
-    :func:`.directory.restore_newest` (restore, move aside, skip or raise).
+    `.directory.restore_newest` (restore, move aside, skip or raise).
 
     Raises:
         StateError: if the processes' reads ended differently, naming each outcome.

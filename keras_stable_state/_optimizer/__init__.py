@@ -1,13 +1,13 @@
 """Optimizer state keyed by the model variable each slot belongs to.
 
-Modules, low to high: :mod:`.attribution` (which model variable a slot belongs
-to), :mod:`.entries` (every variable of an optimizer, keyed), :mod:`.wrapper`
-(``StableOptimizer``), :mod:`.tracking` (the optimizers a model tracks),
-:mod:`.groups` (parameter groups and accumulation windows), :mod:`.slots`
-(saving every tracked optimizer), :mod:`.accumulator` (``GradientAccumulator``).
+Modules, low to high: `.attribution` (which model variable a slot belongs
+to), `.entries` (every variable of an optimizer, keyed), `.wrapper`
+(``StableOptimizer``), `.tracking` (the optimizers a model tracks),
+`.groups` (parameter groups and accumulation windows), `.slots`
+(saving every tracked optimizer), `.accumulator` (``GradientAccumulator``).
 Restoring them reads a checkpoint record, so it lives in the restore core,
-:mod:`keras_stable_state._core.slot_restore`, which registers ``StableOptimizer``'s
-keyed restore when :mod:`keras_stable_state._core` is imported.
+`keras_stable_state._core.slot_restore`, which registers ``StableOptimizer``'s
+keyed restore when `keras_stable_state._core` is imported.
 """
 
 from keras_stable_state._optimizer.accumulator import GradientAccumulator

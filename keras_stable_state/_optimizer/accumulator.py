@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import keras
 import numpy as np
 
@@ -19,16 +22,16 @@ class GradientAccumulator:
 
     For each trainable variable it keeps a float sum of ``weight * gradient``
     (same shape and dtype as the variable), plus the window's total weight
-    (float32 scalar) and micro-step count (int32 scalar). :meth:`gradients`
+    (float32 scalar) and micro-step count (int32 scalar). [`gradients`][keras_stable_state.GradientAccumulator.gradients]
     returns ``sum / total_weight``, the weighted mean over the window, so an
     accumulated step equals one step on the concatenated batch when each
     micro-batch's weight is its number of samples.
 
-    Usable from every backend's custom loop: stateful (:meth:`accumulate`, for
+    Usable from every backend's custom loop: stateful ([`accumulate`][keras_stable_state.GradientAccumulator.accumulate], for
     ``tf.GradientTape`` and Torch autograd loops) or stateless
-    (:meth:`stateless_accumulate` on ``[v.value for v in acc.variables]``, for
+    ([`stateless_accumulate`][keras_stable_state.GradientAccumulator.stateless_accumulate] on ``[v.value for v in acc.variables]``, for
     jitted JAX loops). Its state is a provider for
-    :func:`keras_stable_state.save_training_state` (``state={"acc": acc}``):
+    [`keras_stable_state.save_training_state`][keras_stable_state.save_training_state] (``state={"acc": acc}``):
     sums are saved under the variables' keys (``path:layers/dense/kernel#grad_sum``).
 
     Args:
@@ -43,12 +46,12 @@ class GradientAccumulator:
         ...     optimizer.apply(acc.gradients(), model.trainable_variables); acc.reset()
     """
 
-    def __init__(self, model, variables=None):
+    def __init__(self, model: keras.Model, variables: Sequence[keras.Variable] | None = None) -> None:
         self.model = model
         self._given = None if variables is None else list(variables)
         self.built = False
 
-    def build(self, variables=None):
+    def build(self, variables: Sequence[keras.Variable] | None = None) -> None:
         """Create the sums (zeros) for ``variables`` (default: as given, or the model's trainable ones)."""
         variables = list(variables or self._given or self.model.trainable_variables)
         self.targets = variables
@@ -76,7 +79,7 @@ class GradientAccumulator:
         """Micro-steps accumulated in the current window."""
         return int(to_numpy(self.micro_steps)) if self.built else 0
 
-    def accumulate(self, grads, weight=1.0) -> None:
+    def accumulate(self, grads: Sequence[Any], weight: float = 1.0) -> None:
         """Add ``weight * grads`` to the window (stateful: TensorFlow, Torch, eager JAX)."""
         if not self.built:
             self.build()
@@ -85,8 +88,8 @@ class GradientAccumulator:
         self.total_weight.assign_add(keras.ops.cast(weight, "float32"))
         self.micro_steps.assign_add(1)
 
-    def stateless_accumulate(self, values, grads, weight=1.0) -> list:
-        """Pure version of :meth:`accumulate` on ``values`` (as ordered in :attr:`variables`)."""
+    def stateless_accumulate(self, values: Sequence[Any], grads: Sequence[Any], weight: float = 1.0) -> list:
+        """Pure version of [`accumulate`][keras_stable_state.GradientAccumulator.accumulate] on ``values`` (as ordered in [`variables`][keras_stable_state.GradientAccumulator.variables])."""
         n = len(self.sums)
         sums = [
             s + keras.ops.cast(g, s.dtype) * keras.ops.cast(weight, s.dtype)
@@ -94,7 +97,7 @@ class GradientAccumulator:
         ]
         return [*sums, values[n] + keras.ops.cast(weight, "float32"), values[n + 1] + 1]
 
-    def gradients(self, values=None) -> list:
+    def gradients(self, values: Sequence[Any] | None = None) -> list:
         """The weighted mean gradient of the window (``values``: stateless state)."""
         values = values if values is not None else [v.value for v in self.variables]
         n = len(self.sums)
@@ -139,7 +142,7 @@ class GradientAccumulator:
         }
 
     def set_state(self, state: dict) -> None:
-        """Put back a state from :meth:`get_state` (all checked before any assignment).
+        """Put back a state from [`get_state`][keras_stable_state.GradientAccumulator.get_state] (all checked before any assignment).
 
         Raises:
             BindingError: if a saved key matches no variable, or shapes differ.

@@ -2,7 +2,7 @@
 
 Every Keras optimizer keeps its slots in lists aligned with the variables it
 was built with (``self._momentums[self._get_variable_index(v)]``, see
-``keras/src/optimizers/adam.py``); :class:`SlotOwners` reads that alignment,
+``keras/src/optimizers/adam.py``); `SlotOwners` reads that alignment,
 and also dicts keyed by variable, lists of ``(variable, slot)`` pairs and the
 names ``add_variable_from_reference`` gives, so a slot is attributed to its
 model variable without touching the training step.
@@ -39,7 +39,7 @@ def _mangled(ref) -> str | None:
 class SlotOwners:
     """Which model variable each slot of one optimizer belongs to, found without
     relying on order: aligned lists, dicts keyed by variable, lists of pairs, and
-    (:meth:`by_name`) the names ``add_variable_from_reference`` gives.
+    (`by_name`) the names ``add_variable_from_reference`` gives.
 
     Args:
         optimizer: One optimizer (not the ones it wraps; see ``entries.optimizer_tree``).

@@ -1,8 +1,8 @@
 """Optimizer variables keyed by the model variable they belong to.
 
-:func:`optimizer_entries` keys every variable of a built optimizer (and of the
-optimizers it wraps, :func:`optimizer_tree`): a slot by the key of the model
-variable :class:`~keras_stable_state._optimizer.attribution.SlotOwners` finds
+`optimizer_entries` keys every variable of a built optimizer (and of the
+optimizers it wraps, `optimizer_tree`): a slot by the key of the model
+variable `SlotOwners` finds
 it belongs to, an optimizer's own variable by its name.
 """
 
@@ -67,7 +67,7 @@ def unwrap(optimizer):
 
 def optimizer_tree(optimizer, prefix=""):
     """Yield ``(prefix, optimizer)`` for the optimizer and every optimizer it wraps
-    (a ``StableOptimizer`` itself is skipped, see :func:`unwrap`)."""
+    (a ``StableOptimizer`` itself is skipped, see `unwrap`)."""
     if unwrap(optimizer) is not optimizer:
         yield from optimizer_tree(unwrap(optimizer), prefix)
         return
@@ -108,7 +108,7 @@ def optimizer_entries(
             that position when restored.
 
     Returns:
-        A list of :class:`OptimizerEntry`, one per variable in
+        A list of `OptimizerEntry`, one per variable in
         ``optimizer.variables``, in that order (model variables an optimizer
         tracks because it holds them, e.g. in ``(variable, slot)`` pairs, are
         not its state and are left out).
@@ -229,5 +229,5 @@ def optimizer_registry(optimizer, model, extras=None):
 
 
 def keyed_optimizer_entries(optimizer, model, extras=None, **kwargs) -> list:
-    """:func:`optimizer_entries` keyed by ``model``'s paths and ``extras``' names."""
+    """`optimizer_entries` keyed by ``model``'s paths and ``extras``' names."""
     return optimizer_entries(optimizer, optimizer_registry(optimizer, model, extras), **kwargs)

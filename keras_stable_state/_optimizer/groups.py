@@ -1,9 +1,9 @@
 """Parameter groups (``MultiOptimizer`` routing) and gradient-accumulation windows.
 
-Recorded per optimizer on save (:func:`routing`, :func:`accumulation`); on
+Recorded per optimizer on save (`routing`, `accumulation`); on
 restore an unbuilt ``MultiOptimizer`` is built routed as saved
-(:func:`build_routed`) and a changed window or routing is refused
-(:func:`check_windows_and_groups`).
+(`build_routed`) and a changed window or routing is refused
+(`check_windows_and_groups`).
 """
 
 from __future__ import annotations

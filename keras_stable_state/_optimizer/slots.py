@@ -1,10 +1,10 @@
 """The slots of every optimizer a model tracks, keyed on save.
 
-``model.optimizer`` and optimizer attributes (:func:`save_optimizers`), each
-built first when it is not (:func:`ensure_built`, :func:`build_for`: on the
+``model.optimizer`` and optimizer attributes (`save_optimizers`), each
+built first when it is not (`ensure_built`, `build_for`: on the
 model's trainable variables, or on the variables it was saved with), and
-refused when it trains variables outside the model (:func:`check_inside`).
-Restoring is :mod:`keras_stable_state._core.slot_restore`.
+refused when it trains variables outside the model (`check_inside`).
+Restoring is `keras_stable_state._core.slot_restore`.
 """
 
 from __future__ import annotations

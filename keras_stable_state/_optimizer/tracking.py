@@ -55,7 +55,7 @@ def tracked_optimizers(model) -> dict:
 
 
 def stable_optimizer_in(optimizer):
-    """The :class:`StableOptimizer` an optimizer is or wraps (Keras' mixed-precision
+    """The [`StableOptimizer`][keras_stable_state.StableOptimizer] an optimizer is or wraps (Keras' mixed-precision
     ``LossScaleOptimizer`` wraps the compiled one), or ``None``."""
     seen = set()
     while isinstance(optimizer, keras.optimizers.Optimizer) and id(optimizer) not in seen:

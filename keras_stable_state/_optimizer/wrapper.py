@@ -1,13 +1,15 @@
 """``StableOptimizer``: any Keras optimizer, its slots saved and loaded by variable key.
 
-:class:`StableOptimizer` wraps any Keras optimizer, delegates every step to it
-and saves/loads its variables by key (:func:`~keras_stable_state._optimizer.entries.optimizer_entries`)
+[`StableOptimizer`][keras_stable_state.StableOptimizer] wraps any Keras optimizer, delegates every step to it
+and saves/loads its variables by key (`optimizer_entries`)
 inside ``.keras`` files.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -34,7 +36,7 @@ _BASE_DEFAULTS = {
 }
 
 
-def _hand_over(wrapper):
+def _hand_over(wrapper) -> None:
     """Hand the save/load of every optimizer inside the wrapper (the inner optimizer, a
     LossScaleOptimizer's inner one, a MultiOptimizer's groups) to the wrapper's keyed store:
     Keras' saving walk visits them too and would save and load them by position. Used on
@@ -50,15 +52,15 @@ _keyed_restore = None
 
 def register_keyed_restore(restore) -> None:
     """Set the function ``restore(optimizer, model, arrays, *, keyed, strict)`` that
-    :meth:`StableOptimizer.load_own_variables` restores with (``slot_restore`` registers
+    [`StableOptimizer.load_own_variables`][keras_stable_state.StableOptimizer.load_own_variables] restores with (``slot_restore`` registers
     ``restore_optimizer_arrays``)."""
     global _keyed_restore
     _keyed_restore = restore
 
 
 def bind_unchecked(optimizer, model) -> None:
-    """Key the slots of ``optimizer`` (a :class:`StableOptimizer`) by ``model``'s paths,
-    without the checks of :meth:`StableOptimizer.bind` and without restoring state a
+    """Key the slots of ``optimizer`` (a [`StableOptimizer`][keras_stable_state.StableOptimizer]) by ``model``'s paths,
+    without the checks of [`StableOptimizer.bind`][keras_stable_state.StableOptimizer.bind] and without restoring state a
     load left pending: ``save_training_state`` and ``restore_training_state`` bind the
     model they are given, then check the optimizer's variables against it and their
     ``variables=`` themselves."""
@@ -102,14 +104,14 @@ class StableOptimizer(keras.optimizers.Optimizer):
     files it saves and loads slots by key instead of by position.
 
     Binding is explicit: the model that gives variables their keys is the one
-    passed as ``model=`` or to :meth:`bind`.
-    :func:`keras_stable_state.save_training_state`,
-    :func:`~keras_stable_state.restore_training_state` and
-    :class:`~keras_stable_state.StableCheckpoint` bind the model they are given
+    passed as ``model=`` or to [`bind`][keras_stable_state.StableOptimizer.bind].
+    [`keras_stable_state.save_training_state`][keras_stable_state.save_training_state],
+    [`restore_training_state`][keras_stable_state.restore_training_state] and
+    [`StableCheckpoint`][keras_stable_state.StableCheckpoint] bind the model they are given
     (for ``StableCheckpoint``: the ``fit`` model, whose ``model.optimizer`` this
     is). Nothing is guessed from the calling code. An optimizer that is not
     bound refuses to save its slots (``model.save`` raises
-    :class:`~keras_stable_state.BindingError` naming the fix) unless
+    [`BindingError`][keras_stable_state.BindingError] naming the fix) unless
     ``allow_order_keys=True``. After ``keras.saving.load_model`` the loaded
     state waits for ``model.optimizer.bind(model)`` (or a ``StableCheckpoint``);
     a training step before that raises instead of training from fresh slots.
@@ -118,7 +120,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         inner_optimizer: A ``keras.optimizers.Optimizer`` instance (or an
             identifier accepted by ``keras.optimizers.get``).
         model: The ``keras.Model`` whose variables this optimizer trains
-            (same as calling :meth:`bind`). Not part of the config.
+            (same as calling [`bind`][keras_stable_state.StableOptimizer.bind]). Not part of the config.
         allow_order_keys: Key slots of variables without a stable path (an
             unbound optimizer, or variables the bound model does not reach) by
             registration order (``order:<i>#<slot>``), and load such keys by
@@ -149,7 +151,15 @@ class StableOptimizer(keras.optimizers.Optimizer):
     # Read by entries.unwrap / optimizer_tree: the slots are the inner optimizer's, no prefix of this one.
     wraps_transparently = True
 
-    def __init__(self, inner_optimizer, name=None, *, model=None, allow_order_keys=False, **kwargs):
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        name: str | None = None,
+        *,
+        model: keras.Model | None = None,
+        allow_order_keys: bool = False,
+        **kwargs: Any,
+    ) -> None:
         for arg, default in _BASE_DEFAULTS.items():
             value = kwargs.pop(arg, default)
             if value != default:
@@ -180,11 +190,11 @@ class StableOptimizer(keras.optimizers.Optimizer):
 
     # -- delegation: the training step is the inner optimizer's ---------------
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         """The inner optimizer's variables.
 
         Raises:
-            BindingError: while state loaded by ``load_model`` waits for :meth:`bind`
+            BindingError: while state loaded by ``load_model`` waits for [`bind`][keras_stable_state.StableOptimizer.bind]
                 (before a training step could read fresh slots).
         """
         if getattr(self, "_pending_store", None) is not None:
@@ -192,19 +202,19 @@ class StableOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.variables
 
     @property
-    def iterations(self):
+    def iterations(self) -> keras.Variable:
         return self.inner_optimizer.iterations
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> Any:
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
-    def learning_rate(self, value):
+    def learning_rate(self, value: Any) -> None:
         if hasattr(self, "inner_optimizer"):
             self.inner_optimizer.learning_rate = value
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[keras.Variable]) -> None:
         """Build the inner optimizer on ``var_list``.
 
         Raises:
@@ -233,11 +243,11 @@ class StableOptimizer(keras.optimizers.Optimizer):
                 key=self.name,
             )
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[keras.Variable] | None = None) -> Any:
         """Apply gradients with the inner optimizer.
 
         Raises:
-            BindingError: if state loaded by ``load_model`` still waits for :meth:`bind`.
+            BindingError: if state loaded by ``load_model`` still waits for [`bind`][keras_stable_state.StableOptimizer.bind].
         """
         if not self.built:
             if trainable_variables is None:
@@ -250,27 +260,31 @@ class StableOptimizer(keras.optimizers.Optimizer):
             self._check_pending()
         return self.inner_optimizer.apply(grads, trainable_variables)
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(
+        self, optimizer_variables: Sequence[Any], grads: Sequence[Any], trainable_variables: Sequence[Any]
+    ) -> tuple[list[Any], list[Any]]:
         """The inner optimizer's ``stateless_apply``.
 
         Raises:
-            BindingError: if state loaded by ``load_model`` still waits for :meth:`bind`.
+            BindingError: if state loaded by ``load_model`` still waits for [`bind`][keras_stable_state.StableOptimizer.bind].
         """
         if self._pending_store is not None:
             self._check_pending()
         return self.inner_optimizer.stateless_apply(optimizer_variables, grads, trainable_variables)
 
-    def scale_loss(self, loss):
+    def scale_loss(self, loss: Any) -> Any:
         return self.inner_optimizer.scale_loss(loss)
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: Sequence[keras.Variable]) -> None:
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+    def exclude_from_weight_decay(
+        self, var_list: Sequence[keras.Variable] | None = None, var_names: Sequence[str] | None = None
+    ) -> None:
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     # -- identity ---------------------------------------------------------------
-    def bind(self, model):
+    def bind(self, model: keras.Model) -> StableOptimizer:
         """Key this optimizer's slots by ``model``'s stable variable paths.
 
         Checked: a built optimizer must train only variables of ``model``.
@@ -298,16 +312,16 @@ class StableOptimizer(keras.optimizers.Optimizer):
         self._load_pending()
         return self
 
-    def bound_model(self):
-        """The model whose paths key the slots (see :meth:`bind`), or ``None``."""
+    def bound_model(self) -> keras.Model | None:
+        """The model whose paths key the slots (see [`bind`][keras_stable_state.StableOptimizer.bind]), or ``None``."""
         return None if self._model_ref is None else self._model_ref()
 
-    def entries(self, registry=None, *, name=None) -> list:
-        """:func:`optimizer_entries` keyed by the bound model (see :meth:`bind`).
+    def entries(self, registry: VariableRegistry = None, *, name: str = None) -> list:
+        """`optimizer_entries` keyed by the bound model (see [`bind`][keras_stable_state.StableOptimizer.bind]).
 
         Raises:
             BindingError: if the optimizer is not bound (and ``allow_order_keys``
-                is False), or see :func:`optimizer_entries`.
+                is False), or see `optimizer_entries`.
         """
         allow = self.allow_order_keys
         if registry is None:
@@ -318,7 +332,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         return optimizer_entries(self, registry, name=name, allow_order_keys=allow)
 
     # -- .keras serialization -----------------------------------------------------
-    def save_own_variables(self, store):
+    def save_own_variables(self, store: dict[str, Any]) -> None:
         """Write every optimizer variable with its key (``.keras`` / ``.weights.h5``).
 
         Datasets ``"0"``, ``"1"``, ... hold the arrays; ``"keys"`` holds their
@@ -336,16 +350,16 @@ class StableOptimizer(keras.optimizers.Optimizer):
         for i, entry in enumerate(entries):
             store[str(i)] = numpy_copy(entry.variable)
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: dict[str, Any]) -> None:
         """Restore variables by key; a store without keys is restored by position.
 
         If the optimizer is not built or not bound yet, the state is kept and
-        restored when it builds and is bound (:meth:`bind`); a training step
-        before that raises :class:`~keras_stable_state.BindingError`.
+        restored when it builds and is bound ([`bind`][keras_stable_state.StableOptimizer.bind]); a training step
+        before that raises [`BindingError`][keras_stable_state.BindingError].
 
         Raises:
             BindingError, ContractError, DtypeMismatchError: see
-                :func:`keras_stable_state._core.slot_restore.restore_optimizer_arrays`.
+                `keras_stable_state._core.slot_restore.restore_optimizer_arrays`.
         """
         compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "load")
         self._pending_store = {k: np.array(store[k]) for k in store.keys()}
@@ -363,7 +377,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
             self._pending_store = pending  # still not applied: training refuses to start fresh
             raise
 
-    def _load_keyed(self, store):
+    def _load_keyed(self, store) -> None:
         names = list(store.keys())
         if "keys" in names:
             arrays = {k: np.asarray(store[str(i)]) for i, k in enumerate(keys.decode_key_list(store["keys"]))}
@@ -375,7 +389,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         _keyed_restore(self, self.bound_model(), arrays, keyed=keyed, strict=True)
 
     # -- config ---------------------------------------------------------------
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         config = {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -385,7 +399,9 @@ class StableOptimizer(keras.optimizers.Optimizer):
         return config
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None
+    ) -> StableOptimizer:
         config = dict(config)
         config["inner_optimizer"] = keras.saving.deserialize_keras_object(
             config["inner_optimizer"], custom_objects=custom_objects

@@ -1,16 +1,16 @@
 """Everything else a resumed run needs besides variables, each with a ``get_state()`` / ``set_state()`` surface.
 
-* :mod:`.tree`: states as trees of JSON values and NumPy arrays (:func:`split_arrays`,
-  :func:`join_arrays` for storage; :func:`malformed` for a damaged saved record);
-* :mod:`.schedule`: the learning-rate schedule's identity (:func:`check_schedule`);
-* :mod:`.callbacks`: stateful callbacks and state providers (:func:`callback_state`,
-  :func:`parse_callback_state`, :func:`check_provider_state`);
-* :mod:`.rng`: the global random state (:func:`rng_state`, :func:`parse_rng_state`);
-* :mod:`.layers`: layer state that is not a variable (vocabularies, bin boundaries),
+* `.tree`: states as trees of JSON values and NumPy arrays (`split_arrays`,
+  `join_arrays` for storage; `malformed` for a damaged saved record);
+* `.schedule`: the learning-rate schedule's identity (`check_schedule`);
+* `.callbacks`: stateful callbacks and state providers (`callback_state`,
+  `parse_callback_state`, `check_provider_state`);
+* `.rng`: the global random state (`rng_state`, `parse_rng_state`);
+* `.layers`: layer state that is not a variable (vocabularies, bin boundaries),
   imported as ``keras_stable_state._state.layers``.
 
 Restores are all-or-nothing: a saved state is checked in full before anything is
-set, and a malformed one raises :class:`~keras_stable_state.CorruptCheckpointError`
+set, and a malformed one raises [`CorruptCheckpointError`][keras_stable_state.CorruptCheckpointError]
 naming its record.
 """
 

@@ -1,6 +1,6 @@
 """The state of stateful callbacks and state providers, each with a ``get_state()`` / ``set_state()`` surface.
 
-:func:`callback_state` and :func:`set_callback_state` handle Keras'
+`callback_state` and `set_callback_state` handle Keras'
 ``ReduceLROnPlateau``, ``EarlyStopping`` (with ``best_weights``), ``ModelCheckpoint``,
 ``LearningRateScheduler``, ``SwapEMAWeights`` (whether the EMA weights are swapped into
 the model) and ``History``, and any callback defining ``get_state()`` /
@@ -8,8 +8,8 @@ the model) and ``History``, and any callback defining ``get_state()`` /
 NumPy arrays, ``set_state`` takes it back).
 
 Restores are all-or-nothing: a saved state is checked in full before anything is
-set (:func:`parse_callback_state`, :func:`check_provider_state`); a malformed one
-raises :class:`~keras_stable_state.CorruptCheckpointError` naming its record
+set (`parse_callback_state`, `check_provider_state`); a malformed one
+raises [`CorruptCheckpointError`][keras_stable_state.CorruptCheckpointError] naming its record
 (``"callbacks/EarlyStopping/0"``, ``"providers/acc"``). A provider may define
 ``validate_state(state)``, raising a ``StateError`` for a state its ``set_state``
 would not take; it is called before anything is set.
@@ -257,7 +257,7 @@ def parse_callback_state(cb, value, record: str, where: str | None = None):
         where: The file, for messages.
 
     Returns:
-        ``value``, ready for :func:`set_callback_state`.
+        ``value``, ready for `set_callback_state`.
 
     Raises:
         CorruptCheckpointError: naming ``record`` (or its field) for a malformed state.
@@ -295,7 +295,7 @@ def _handler(cb):
 
 
 def _known_handler(cb):
-    """:func:`_handler`, refusing a callback whose state nothing here knows."""
+    """`_handler`, refusing a callback whose state nothing here knows."""
     handler = _handler(cb)
     if handler is None:
         raise StateError(
@@ -318,7 +318,7 @@ def callback_state(cb):
 
 
 def set_callback_state(cb, state) -> None:
-    """Put back a state from :func:`callback_state`.
+    """Put back a state from `callback_state`.
 
     Raises:
         StateError: if the callback keeps no state we can set.

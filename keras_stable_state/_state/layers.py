@@ -10,7 +10,7 @@ Keras variable, so restoring variables alone restores it silently wrong:
 * **bin boundaries** of an adapted ``Discretization`` (a Python list).
 
 Both are saved per layer, keyed by the layer's stable path
-(:func:`~keras_stable_state._identity.paths.stable_layer_paths`), checked in full
+(`stable_layer_paths`), checked in full
 before anything is assigned, and set before the variables.
 
 **Derived state** is recomputed instead: after the variables are assigned,
@@ -186,7 +186,7 @@ def collect_layer_state(model) -> dict:
     Returns:
         ``{layer key: state}``; a state is a JSON-ready ``dict`` whose arrays
         (IDF weights, bin boundaries) are NumPy arrays (split them with
-        :func:`keras_stable_state._state.tree.split_arrays`).
+        `keras_stable_state._state.tree.split_arrays`).
 
     Raises:
         StateError: naming the layer, if a vocabulary holds a token that cannot
@@ -392,11 +392,11 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
     layer is refused under ``strict`` (else listed in ``report.dropped``).
 
     Args:
-        record: A :class:`~keras_stable_state.format.StateRecord`, or a stock
+        record: A `StateRecord`, or a stock
             Keras file's record (which holds no layer state).
         model: The model being restored.
         strict: Refuse layers without a saved state and saved states without a layer.
-        report: The :class:`~keras_stable_state.RestoreReport` to add to.
+        report: The [`RestoreReport`][keras_stable_state.RestoreReport] to add to.
         where: The file, for messages.
         rules: ``[(compiled pattern, replacement)]`` rename rules of
             ``restore_training_state(prefix=..., rename=...)``, applied to

@@ -1,10 +1,10 @@
-"""The random state that decides the run: :func:`rng_state` and :func:`set_rng_state`.
+"""The random state that decides the run: `rng_state` and `set_rng_state`.
 
 NumPy's, Python's and (on the Torch backend) Torch's global generators (data
 shuffling) and Keras' global seed generator; per-layer seed generators are model
 variables and saved with them. A saved state is checked in full before anything
-is set (:func:`parse_rng_state`); a malformed one raises
-:class:`~keras_stable_state.CorruptCheckpointError` naming its record
+is set (`parse_rng_state`); a malformed one raises
+[`CorruptCheckpointError`][keras_stable_state.CorruptCheckpointError] naming its record
 (``"rng/python"``).
 """
 
@@ -58,7 +58,7 @@ class ParsedRng:
         python: The tuple for ``random.setstate``.
         keras_global_seed: Keras' global seed generator state in this backend's
             seed dtype, or ``None``: the saving process had no global seed generator
-            (:func:`apply_rng_state` then removes this process's).
+            (`apply_rng_state` then removes this process's).
         torch: ``uint8`` array for ``torch.set_rng_state``, or ``None`` (always
             ``None`` off the Torch backend).
     """
@@ -94,7 +94,7 @@ def _seed_array(value, record, where):
 
 
 def parse_rng_state(state, where: str | None = None) -> ParsedRng:
-    """Check a state from :func:`rng_state` in full and convert it, setting nothing.
+    """Check a state from `rng_state` in full and convert it, setting nothing.
 
     Each part is tried on a scratch generator (NumPy, Python, Torch), so what
     passes here is what the global generators take.
@@ -104,7 +104,7 @@ def parse_rng_state(state, where: str | None = None) -> ParsedRng:
         where: The file, for messages.
 
     Returns:
-        A :class:`ParsedRng` for :func:`apply_rng_state`.
+        A `ParsedRng` for `apply_rng_state`.
 
     Raises:
         CorruptCheckpointError: naming the record (``"rng/numpy"``,
@@ -224,7 +224,7 @@ def rng_snapshot():
 
 
 def apply_rng_state(parsed: ParsedRng) -> None:
-    """Set the global generators from a :class:`ParsedRng` (Keras' global seed
+    """Set the global generators from a `ParsedRng` (Keras' global seed
     generator removed where the saving process had none); if one refuses, put back
     every one already set and re-raise."""
     put_back = rng_snapshot()
@@ -249,10 +249,10 @@ def apply_rng_state(parsed: ParsedRng) -> None:
 
 
 def set_rng_state(state: dict, where: str | None = None) -> None:
-    """Put back the states from :func:`rng_state`: all of them, or (for a malformed
+    """Put back the states from `rng_state`: all of them, or (for a malformed
     record, or a generator that refuses) none.
 
     Raises:
-        CorruptCheckpointError: naming the malformed record (see :func:`parse_rng_state`).
+        CorruptCheckpointError: naming the malformed record (see `parse_rng_state`).
     """
     apply_rng_state(parse_rng_state(state, where))

@@ -1,10 +1,12 @@
-"""The learning-rate schedule's identity: :func:`schedule_state` saves it, :func:`check_schedule`
+"""The learning-rate schedule's identity: `schedule_state` saves it, `check_schedule`
 refuses a resume under another one.
 
 The current learning rate value itself is an optimizer variable and is saved with them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import keras
 
@@ -26,7 +28,7 @@ class ScheduleMismatchError(StateError, ValueError):
         (config.decay_steps: saved 10, now 20). ...
     """
 
-    def __init__(self, message, *, fields=()):
+    def __init__(self, message: str, *, fields: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.fields = list(fields)
 

@@ -1,9 +1,9 @@
 """States as trees of JSON values and NumPy arrays: the codec and the checks of saved ones.
 
-:func:`split_arrays` and :func:`join_arrays` separate the arrays of a state for
-storage and put them back; :func:`copy_state` and :func:`same_state` copy and
-compare states; :func:`malformed` is the error for a malformed saved record, and
-:func:`check_fields` checks a saved object field by field.
+`split_arrays` and `join_arrays` separate the arrays of a state for
+storage and put them back; `copy_state` and `same_state` copy and
+compare states; `malformed` is the error for a malformed saved record, and
+`check_fields` checks a saved object field by field.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def split_arrays(obj, prefix: str):
 
 
 def join_arrays(obj, arrays: dict, where: str | None = None):
-    """Inverse of :func:`split_arrays`.
+    """Inverse of `split_arrays`.
 
     Raises:
         CorruptCheckpointError: if a reference names no array of ``arrays``
@@ -132,7 +132,7 @@ def is_int(value) -> bool:
 
 
 def is_number(value) -> bool:
-    """``True`` for an integer (see :func:`is_int`) or a Python or NumPy float."""
+    """``True`` for an integer (see `is_int`) or a Python or NumPy float."""
     return is_int(value) or (isinstance(value, (float, np.floating)))
 
 

@@ -1,10 +1,10 @@
 """The ``keras-stable-state`` command line: ``inspect``, ``verify`` and ``diff`` checkpoints, ``ls`` directories.
 
 Also run as ``python -m keras_stable_state``. It reads training-state files
-written by :func:`keras_stable_state.save_training_state` (``.keras`` archives,
+written by [`keras_stable_state.save_training_state`][keras_stable_state.save_training_state] (``.keras`` archives,
 ``.h5`` files and ``.orbax`` folders, whose arrays are read with TensorStore, without
 Orbax), stock Keras ``.keras`` / ``.weights.h5`` files, and lists the checkpoint
-directories of ``StableCheckpoint`` and ``CheckpointManager`` (:func:`list_directory`). Arrays
+directories of ``StableCheckpoint`` and ``CheckpointManager`` (`list_directory`). Arrays
 are read one at a time, on demand: ``inspect`` reads none, ``verify`` and
 ``diff`` read each once.
 
@@ -13,7 +13,7 @@ escape codes when piped; ``--json`` prints one JSON document instead, the
 ``to_json()`` of the dataclass the command's data function returns. Progress
 bars appear on stderr for large files, and only on a terminal.
 
-Exit codes (see :func:`main`): ``0`` done (``verify``: every array is intact;
+Exit codes (see `main`): ``0`` done (``verify``: every array is intact;
 ``diff``: the states are equal within ``--atol``); ``1`` ``verify`` found damage,
 ``diff`` found the states different; ``2`` usage error, or a path that cannot be
 used (missing, not a checkpoint file, unreadable, in use; for ``inspect``, ``diff``
@@ -21,19 +21,19 @@ and ``ls`` also a damaged file); ``3`` a file written by a newer keras_stable_st
 (not damaged: upgrade to read it). A refusal is printed once: one line on stderr, or
 with ``--json`` a ``{"error": {...}}`` document on stdout.
 
-The same findings are available without printing: :func:`inspect_file`,
-:func:`verify_file` and :func:`diff_files` take a path and return dataclasses
-(:class:`RecordInspection` / :class:`StockInspection`, :class:`Verification`,
-:class:`Diff`).
+The same findings are available without printing: `inspect_file`,
+`verify_file` and `diff_files` take a path and return dataclasses
+(`RecordInspection` / `StockInspection`, `Verification`,
+`Diff`).
 
-Parts: :mod:`~keras_stable_state.cli.app` (``argparse``, exit codes),
-:mod:`~keras_stable_state.cli.data` and :mod:`~keras_stable_state.cli.diff`
-(what the commands find), :mod:`~keras_stable_state.cli.results` (the
-dataclasses), :mod:`~keras_stable_state.cli.render` and
-:mod:`~keras_stable_state.cli.output` (text). Files are read through
-:mod:`keras_stable_state.format` (h5py, NumPy, xxhash). Nothing here imports
+Parts: `app` (``argparse``, exit codes),
+`data` and `diff`
+(what the commands find), `results` (the
+dataclasses), `render` and
+`output` (text). Files are read through
+`keras_stable_state.format` (h5py, NumPy, xxhash). Nothing here imports
 Keras or a backend; importing this package imports only ``argparse`` and
-:mod:`keras_stable_state.errors` until a data name is first used or a command
+`keras_stable_state.errors` until a data name is first used or a command
 runs (then NumPy and h5py load), so ``--help`` is quick.
 """
 
@@ -84,7 +84,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
@@ -94,5 +94,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

@@ -1,8 +1,8 @@
 """The ``keras-stable-state`` command: ``argparse``, the commands and their exit codes.
 
-Importing this module imports ``argparse`` and :mod:`keras_stable_state.errors`
-only; a command imports what it needs when it runs (:mod:`~keras_stable_state.cli.data`:
-NumPy, h5py, xxhash; :mod:`~keras_stable_state.cli.render`; ``rich`` on a terminal),
+Importing this module imports ``argparse`` and `keras_stable_state.errors`
+only; a command imports what it needs when it runs (`data`:
+NumPy, h5py, xxhash; `render`; ``rich`` on a terminal),
 so ``--help`` returns before NumPy loads. No command imports Keras or a backend.
 """
 
@@ -54,16 +54,16 @@ EXIT_CODES = (
 
 
 class Refusal(Exception):
-    """A command could not use ``file``: ``error`` says why (raised by :func:`refusing`)."""
+    """A command could not use ``file``: ``error`` says why (raised by `refusing`)."""
 
-    def __init__(self, file, error):
+    def __init__(self, file, error) -> None:
         super().__init__(str(error))
         self.file, self.error = file, error
 
 
 @contextlib.contextmanager
 def refusing(file):
-    """Turn the errors of reading ``file`` into a :class:`Refusal` naming it."""
+    """Turn the errors of reading ``file`` into a `Refusal` naming it."""
     try:
         yield
     except (StateError, OSError) as err:
@@ -99,7 +99,7 @@ def _safe(text) -> str:
     return safe(text)
 
 
-def _print(args, result, render):
+def _print(args, result, render) -> None:
     from keras_stable_state.cli import output
 
     if args.json:
@@ -343,21 +343,21 @@ def main(argv=None) -> int:
         argv: Arguments without the program name; default ``sys.argv[1:]``.
 
     Returns:
-        The exit code: :data:`EXIT_OK` (0) when done (``verify``: every array is intact;
-        ``diff``: the states are equal within ``--atol``); :data:`EXIT_DAMAGED` (1) when
+        The exit code: `EXIT_OK` (0) when done (``verify``: every array is intact;
+        ``diff``: the states are equal within ``--atol``); `EXIT_DAMAGED` (1) when
         ``verify`` found damage (an array fails its checksum or hash or cannot be read, an
         archive member fails its zip CRC-32, the file is truncated or fails its seal), and
-        :data:`EXIT_DIFFERENT` (also 1) when ``diff`` found the states different;
-        :data:`EXIT_ERROR` (2) for a usage error or a path that cannot be used: missing,
+        `EXIT_DIFFERENT` (also 1) when ``diff`` found the states different;
+        `EXIT_ERROR` (2) for a usage error or a path that cannot be used: missing,
         not a checkpoint file (a folder, a FIFO or device, a file of another kind),
         unreadable (permissions), in use by another process, an extra that is not
         installed, Keras failing to load its backend, and for ``inspect``, ``diff`` and
-        ``ls`` a damaged file; :data:`EXIT_NEWER` (3) for a file written by a newer
-        keras_stable_state (:class:`~keras_stable_state.NewerFormatError`: not damaged,
+        ``ls`` a damaged file; `EXIT_NEWER` (3) for a file written by a newer
+        keras_stable_state ([`NewerFormatError`][keras_stable_state.NewerFormatError]: not damaged,
         upgrade to read it). A refusal is printed once: one line on stderr, never a
         traceback, or with ``--json`` the document ``{"error": {"kind", "file",
         "message", "exit_code"}}`` on stdout and nothing else (``kind``: see
-        :func:`error_kind`).
+        `error_kind`).
     """
     parser = build_parser()
     try:

@@ -1,13 +1,13 @@
 """What ``inspect`` and ``verify`` find in a file; no printing here.
 
-:func:`inspect_file` returns a :class:`~keras_stable_state.cli.results.RecordInspection`
+`inspect_file` returns a `RecordInspection`
 (a keras_stable_state training state) or a
-:class:`~keras_stable_state.cli.results.StockInspection` (a stock Keras file), and
-:func:`verify_file` a :class:`~keras_stable_state.cli.results.Verification`. Each has
+`StockInspection` (a stock Keras file), and
+`verify_file` a `Verification`. Each has
 ``to_json()``, the document ``--json`` prints: ``dataclasses.asdict`` with tuples as
 lists, NumPy scalars as Python numbers and non-finite floats as strings (``"nan"``).
 
-Files are read through :mod:`keras_stable_state.format` (h5py and NumPy,
+Files are read through `keras_stable_state.format` (h5py and NumPy,
 never Keras); ``inspect`` reads no array data, ``verify`` reads each array once.
 """
 
@@ -55,8 +55,8 @@ _POSITION_FIELDS = ("epoch", "step", "global_step")
 
 
 def open_checkpoint(path) -> CheckpointFile | OrbaxState:
-    """:func:`keras_stable_state.format.open_file`, refusing a missing path or a folder first;
-    a ``.orbax`` training-state folder opens as an :class:`~keras_stable_state.cli.orbax.OrbaxState`.
+    """`keras_stable_state.format.open_file`, refusing a missing path or a folder first;
+    a ``.orbax`` training-state folder opens as an `OrbaxState`.
 
     An object-store URL (``s3://bucket/run.h5``) is downloaded whole through fsspec (its
     configuration and the store's environment variables, e.g. ``AWS_ENDPOINT_URL``,
@@ -66,7 +66,7 @@ def open_checkpoint(path) -> CheckpointFile | OrbaxState:
         FileNotFoundError: if ``path`` does not exist (or no object is at the URL).
         IsADirectoryError: if ``path`` is a folder (but a ``*.orbax`` one).
         StorageBackendError: for a URL whose fsspec implementation is not installed.
-        The errors of :class:`~keras_stable_state.format.CheckpointFile` otherwise.
+        The errors of `CheckpointFile` otherwise.
     """
     path = storage.fs_path(path, "path", urls=True)
     if storage.remote.is_remote(path):
@@ -87,11 +87,11 @@ def open_checkpoint(path) -> CheckpointFile | OrbaxState:
 
 
 def open_checkpoint_or_damage(path):
-    """:func:`open_checkpoint`, or the :class:`Verification` of a file refused on opening as
+    """`open_checkpoint`, or the `Verification` of a file refused on opening as
     damaged (a ``CorruptCheckpointError``: truncated, failing its seal or structure checks).
 
     Raises:
-        The other errors of :func:`open_checkpoint` (the path cannot be read or is not a
+        The other errors of `open_checkpoint` (the path cannot be read or is not a
         checkpoint file: not damage).
     """
     try:
@@ -101,7 +101,7 @@ def open_checkpoint_or_damage(path):
 
 
 def damaged_array(found) -> CorruptCheckpointError:
-    """The error of an array ``diff`` could not read (a :class:`~keras_stable_state.cli.diff.DamagedArray`)."""
+    """The error of an array ``diff`` could not read (a `DamagedArray`)."""
     return CorruptCheckpointError(found.reason, key=found.key)
 
 
@@ -246,14 +246,14 @@ def inspect_file(file) -> RecordInspection | StockInspection:
 
     Args:
         file: A path (``str`` or ``os.PathLike``) to a ``.keras`` or ``.h5`` file, or an
-            open :class:`~keras_stable_state.format.CheckpointFile` (left open).
+            open `CheckpointFile` (left open).
 
     Returns:
-        A :class:`RecordInspection` for a keras_stable_state training state, a
-        :class:`StockInspection` for a stock Keras file.
+        A `RecordInspection` for a keras_stable_state training state, a
+        `StockInspection` for a stock Keras file.
 
     Raises:
-        The errors of :func:`open_checkpoint` when ``file`` is a path.
+        The errors of `open_checkpoint` when ``file`` is a path.
     """
     if not isinstance(file, CheckpointFile | OrbaxState):
         with open_checkpoint(file) as f:
@@ -262,12 +262,12 @@ def inspect_file(file) -> RecordInspection | StockInspection:
 
 
 def bytes_to_verify(f: CheckpointFile) -> int:
-    """Bytes :func:`verify_file` reads from an open file: its arrays and the other archive members."""
+    """Bytes `verify_file` reads from an open file: its arrays and the other archive members."""
     return f.total_bytes + sum(size for name, size in f.members if name != f.member)
 
 
 def refused(path, err) -> Verification:
-    """The :class:`Verification` of a file refused on opening as damaged with ``err`` (a
+    """The `Verification` of a file refused on opening as damaged with ``err`` (a
     ``CorruptCheckpointError``: seal, truncation, structure)."""
     path = storage.fs_path(path, "path", urls=True)
     key = getattr(err, "key", None)
@@ -288,13 +288,13 @@ def verify_file(file, progress=None) -> Verification:
 
     Args:
         file: A path (a ``.keras`` or ``.h5`` file, a ``.orbax`` folder), or an open
-            :class:`~keras_stable_state.format.CheckpointFile` or
-            :class:`~keras_stable_state.cli.orbax.OrbaxState` (left open).
+            `CheckpointFile` or
+            `OrbaxState` (left open).
         progress: Optional callable given the bytes read after each array or member chunk
-            (they add up to :func:`bytes_to_verify`).
+            (they add up to `bytes_to_verify`).
 
     Returns:
-        A :class:`Verification`; ``ok`` is ``False`` when anything is damaged, also when the
+        A `Verification`; ``ok`` is ``False`` when anything is damaged, also when the
         file is refused on opening as damaged (truncated, failing its seal: ``error`` says why).
 
     Raises:

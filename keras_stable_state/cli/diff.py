@@ -1,6 +1,6 @@
 """What ``diff`` finds between two files, as dataclasses; no printing here.
 
-:func:`diff_files` pairs the arrays of two files (by key; between a stock
+`diff_files` pairs the arrays of two files (by key; between a stock
 Keras file and a training state, by layer structure and position), compares
 shapes, dtypes, contracts, writer metadata and other state, and reads each
 paired array once to compute the largest absolute difference in float64.
@@ -49,7 +49,7 @@ class Difference:
     """A value that differs: ``what`` (a key, metadata field or state path), ``a`` and ``b``.
 
     In JSON, ``what`` is named ``key`` (shapes, dtypes), ``field`` (metadata) or
-    ``path`` (other state); see :meth:`Diff.to_json`.
+    ``path`` (other state); see `Diff.to_json`.
     """
 
     what: str
@@ -63,7 +63,7 @@ class ContractDiff:
 
     Attributes:
         only_in_a, only_in_b: Keys listed by one contract only.
-        shape, dtype: :class:`Difference` per key whose shape (list of ints) or dtype differs.
+        shape, dtype: `Difference` per key whose shape (list of ints) or dtype differs.
         size: ``(len(A's contract), len(B's contract))``.
     """
 
@@ -81,7 +81,7 @@ class SectionDiff:
     Attributes:
         compared_by: How arrays were paired: ``"key"``, ``"layer structure"`` or ``"position"``.
         only_in_a, only_in_b: Keys without a partner.
-        shape, dtype: :class:`Difference` per pair (keyed by A's key) whose shape or dtype differs.
+        shape, dtype: `Difference` per pair (keyed by A's key) whose shape or dtype differs.
         shared: Number of pairs.
         max_abs_diff: ``{key in A: largest |A - B| (float, or None when not numeric and different)}``
             for each pair of equal shape whose arrays could be read.
@@ -112,13 +112,13 @@ class Diff:
     """What ``diff`` found.
 
     Attributes:
-        a, b: :class:`FileSummary` of the two files.
+        a, b: `FileSummary` of the two files.
         notes: Sentences on how the files were compared.
-        metadata: :class:`Difference` per writer metadata field that differs (training states only).
-        contract: :class:`ContractDiff`, or ``None`` unless both files have a contract.
+        metadata: `Difference` per writer metadata field that differs (training states only).
+        contract: `ContractDiff`, or ``None`` unless both files have a contract.
         sections: ``{section: SectionDiff}`` for the sections either file has.
-        state: :class:`Difference` per path of the other state that differs (random state excluded).
-        damaged: :class:`DamagedArray` per array that could not be read.
+        state: `Difference` per path of the other state that differs (random state excluded).
+        damaged: `DamagedArray` per array that could not be read.
     """
 
     a: FileSummary
@@ -150,8 +150,8 @@ class Diff:
         return False
 
     def to_json(self) -> dict:
-        """The ``--json`` document: :func:`~keras_stable_state.cli.results.to_json` of this
-        dataclass, each :class:`Difference`'s ``what`` named ``field`` (metadata), ``path``
+        """The ``--json`` document: `to_json` of this
+        dataclass, each `Difference`'s ``what`` named ``field`` (metadata), ``path``
         (other state) or ``key`` (contract and sections)."""
         doc = to_json(self)
 
@@ -295,7 +295,7 @@ def _flatten(value, prefix=""):
 
 
 def _differing(da: dict, db: dict, missing, skip=lambda name: False) -> list:
-    """:class:`Difference` per name whose values differ, sorted; ``missing`` stands for an absent one."""
+    """`Difference` per name whose values differ, sorted; ``missing`` stands for an absent one."""
     names = sorted(set(da) | set(db))
     return [
         Difference(n, da.get(n, missing), db.get(n, missing))
@@ -355,16 +355,16 @@ def diff_files(file_a, file_b, progress=None) -> Diff:
     """Compare two files: keys, shapes, dtypes, contracts, other state and values.
 
     Args:
-        file_a, file_b: Paths, or open :class:`~keras_stable_state.format.CheckpointFile`
+        file_a, file_b: Paths, or open `CheckpointFile`
             objects (left open).
         progress: Optional callable given the bytes of each pair of arrays compared
             (they add up to at most both files' ``total_bytes``).
 
     Returns:
-        A :class:`Diff`. Arrays that cannot be read are listed in ``damaged``, not raised.
+        A `Diff`. Arrays that cannot be read are listed in ``damaged``, not raised.
 
     Raises:
-        The errors of :func:`~keras_stable_state.cli.data.open_checkpoint` for a path.
+        The errors of `open_checkpoint` for a path.
     """
     files, opened = [], []
     try:

@@ -46,7 +46,7 @@ class CheckpointRow:
     Attributes:
         step: Its step (from its name ``ckpt-<step>.h5``); ``None`` for an incomplete save.
         file: Its path.
-        status: One of :data:`STATUSES`.
+        status: One of `STATUSES`.
         reason: Why it is not ``ok`` (the error's message), else ``None``.
         size_bytes: Its size on disk, or ``None`` if it cannot be read.
         epoch, metrics, wall_time: What the manager recorded with it (``None``, ``{}``
@@ -80,7 +80,7 @@ class Listing:
 
     Attributes:
         directory: The directory.
-        checkpoints: :class:`CheckpointRow` per checkpoint, newest first (incomplete saves last).
+        checkpoints: `CheckpointRow` per checkpoint, newest first (incomplete saves last).
         resume_step: The step ``fit`` would resume from, or ``None``.
         resume: One sentence: what ``fit`` would do (resume from a step, start fresh, or stop
             with an error, naming the checkpoint).
@@ -101,7 +101,7 @@ class Listing:
     notes: list
 
     def to_json(self) -> dict:
-        """The ``--json`` document: :func:`~keras_stable_state.cli.results.to_json` of this dataclass."""
+        """The ``--json`` document: `to_json` of this dataclass."""
         return to_json(self)
 
 
@@ -208,7 +208,7 @@ def list_directory(directory, *, verify=False, monitor=None, mode=None) -> Listi
         mode: ``"min"``, ``"max"``, or ``None`` / ``"auto"`` (as the manager infers it).
 
     Returns:
-        A :class:`Listing`.
+        A `Listing`.
 
     Raises:
         FileNotFoundError: if ``directory`` does not exist.

@@ -1,8 +1,8 @@
 """``.orbax`` training-state directories for ``inspect``, ``verify`` and ``diff``, without Orbax.
 
-:class:`OrbaxState` opens ``<dir>/state.h5`` (our sealed record, read by
-:func:`keras_stable_state.format.open_file` with every check) and lists the arrays
-of ``<dir>/arrays/`` from the index it seals (:mod:`keras_stable_state.format.orbax_layout`),
+`OrbaxState` opens ``<dir>/state.h5`` (our sealed record, read by
+`keras_stable_state.format.open_file` with every check) and lists the arrays
+of ``<dir>/arrays/`` from the index it seals (`keras_stable_state.format.orbax_layout`),
 so ``inspect`` reads no array data and needs nothing but h5py and NumPy. ``verify`` and
 ``diff`` read those arrays with TensorStore (the storage library under Orbax, installed
 with the ``[orbax]`` extra; neither Orbax nor JAX is imported) and check each one against
@@ -45,7 +45,7 @@ def _tensorstore(where: str):
 
 class OrbaxState:
     """A ``.orbax`` training state opened for reading, with the interface of
-    :class:`~keras_stable_state.format.CheckpointFile` that the commands use
+    `CheckpointFile` that the commands use
     (``entries``, ``section``, ``read``, ``check``, ``metadata``, ``contract``, ``extra``).
 
     Args:
@@ -56,7 +56,7 @@ class OrbaxState:
             training state).
         CorruptCheckpointError: if ``state.h5`` fails its checks or its index is malformed.
         NewerFormatError: if its index version is above the newest this version reads.
-        The other errors of :func:`keras_stable_state.format.open_file` for ``state.h5``.
+        The other errors of `keras_stable_state.format.open_file` for ``state.h5``.
     """
 
     def __init__(self, path: str):

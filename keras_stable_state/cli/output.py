@@ -1,6 +1,6 @@
 """Where the command line writes: rich tables on a terminal, plain aligned text when piped, JSON.
 
-Every string read from a file goes through :func:`safe` before it is printed,
+Every string read from a file goes through `safe` before it is printed,
 so a key cannot move the cursor, recolour or rewrite the terminal. ``rich``
 is imported only when writing to a terminal.
 """
@@ -42,7 +42,7 @@ CELL_WIDTH = 200
 
 
 def cell(text) -> str:
-    """``text`` as :func:`safe` makes it, shortened to about :data:`CELL_WIDTH` characters
+    """``text`` as `safe` makes it, shortened to about `CELL_WIDTH` characters
     (its start, then ``... (N characters)``): what tables and fields print of a key, so
     a key of a megabyte prints as one short line (``--json`` keeps it whole)."""
     return safe(shown(str(text), CELL_WIDTH, quote=False))
@@ -165,7 +165,7 @@ class Printer:
 
 @contextlib.contextmanager
 def progress(total_bytes, label):
-    """Yield ``advance(nbytes)``; shows a bar on stderr from :data:`PROGRESS_MIN_BYTES` on, on a terminal only."""
+    """Yield ``advance(nbytes)``; shows a bar on stderr from `PROGRESS_MIN_BYTES` on, on a terminal only."""
     if total_bytes < PROGRESS_MIN_BYTES or not isatty(sys.stderr):
         yield lambda n: None
         return

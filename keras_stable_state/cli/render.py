@@ -1,5 +1,5 @@
-"""Text rendering of what the commands found (the dataclasses of :mod:`~keras_stable_state.cli.results`
-and :mod:`~keras_stable_state.cli.diff`), through a :class:`~keras_stable_state.cli.output.Printer`.
+"""Text rendering of what the commands found (the dataclasses of `results`
+and `diff`), through a `Printer`.
 
 Nothing here reads a file: every value comes from the result passed in.
 """
@@ -185,13 +185,13 @@ def _stock(r, out: Printer):
 
 
 def render_inspection(r, out: Printer | None = None):
-    """Print a :class:`RecordInspection` or :class:`StockInspection` as tables."""
+    """Print a `RecordInspection` or `StockInspection` as tables."""
     out = out or Printer()
     (_record if r.kind == RECORD_KIND else _stock)(r, out)
 
 
 def render_verification(v, out: Printer | None = None):
-    """Print a :class:`Verification`: one ``OK`` or ``DAMAGED`` line, and the damaged keys."""
+    """Print a `Verification`: one ``OK`` or ``DAMAGED`` line, and the damaged keys."""
     out = out or Printer()
     if v.error is not None:  # (the command line prints this one line on stderr)
         out.line(f"DAMAGED {v.file}: {v.error}", style="bold red")
@@ -266,8 +266,8 @@ def _section(name, r, out: Printer, show_all):
 
 
 def render_diff(d, out: Printer | None = None, show_all=False, atol=0.0):
-    """Print a :class:`~keras_stable_state.cli.diff.Diff`, ending with whether the states
-    differ (``atol``: see :meth:`~keras_stable_state.cli.diff.Diff.differs`); ``show_all``
+    """Print a `Diff`, ending with whether the states
+    differ (``atol``: see `differs`); ``show_all``
     lists identical arrays too."""
     out = out or Printer()
     _diff_body(d, out, show_all)
@@ -330,7 +330,7 @@ def _when(seconds):
 
 
 def render_listing(listing, out: Printer | None = None):
-    """Print a :class:`~keras_stable_state.cli.listing.Listing`: one row per checkpoint, newest
+    """Print a `Listing`: one row per checkpoint, newest
     first, then which one ``fit`` resumes from and the best."""
     out = out or Printer()
     names = sorted({name for r in listing.checkpoints for name in r.metrics})

@@ -1,7 +1,7 @@
-"""The results of ``inspect`` and ``verify``, as dataclasses (see :mod:`keras_stable_state.cli.data`).
+"""The results of ``inspect`` and ``verify``, as dataclasses (see `keras_stable_state.cli.data`).
 
 Each top-level result has ``to_json()``, the document ``--json`` prints:
-:func:`to_json` of ``dataclasses.asdict``.
+`to_json` of ``dataclasses.asdict``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def to_json(value):
 
 class _Json:
     def to_json(self) -> dict:
-        """The ``--json`` document: :func:`to_json` of this dataclass."""
+        """The ``--json`` document: `to_json` of this dataclass."""
         return to_json(self)
 
 
@@ -127,17 +127,17 @@ class RecordInspection(_Json):
         metadata: The writer's metadata (``backend``, ``keras_version``, ``dtype_policy``, ...).
         counts: ``{section: number of arrays}`` for ``model``, ``optimizer``, ``state``.
         bytes: Bytes of array data.
-        variables: :class:`VariableInfo` per variable, slots grouped under it.
-        optimizer_globals: The optimizer's own variables (``optimizer#iteration``), as :class:`ArrayInfo`.
+        variables: `VariableInfo` per variable, slots grouped under it.
+        optimizer_globals: The optimizer's own variables (``optimizer#iteration``), as `ArrayInfo`.
         contract: ``[key, shape, dtype]`` lists, or ``None``.
         schedule: The saved learning-rate schedule config, or ``None``.
         callbacks: ``{callback key: its state}``.
         position: ``{epoch, step, global_step, epoch_rng_saved}`` as far as saved, or ``None``.
         providers: ``{provider name: state}``; ``position`` summarized as above.
         rng_saved: Whether the random state was saved.
-        arrays: The other state's arrays, as :class:`ArrayInfo`.
-        archive_members: :class:`Member` per archive member (``[]`` for ``.h5``).
-        problems: :class:`Problem` per problem found (archive members failing their CRC-32).
+        arrays: The other state's arrays, as `ArrayInfo`.
+        archive_members: `Member` per archive member (``[]`` for ``.h5``).
+        problems: `Problem` per problem found (archive members failing their CRC-32).
     """
 
     file: str
@@ -182,7 +182,7 @@ class StockOptimizerVariable:
 
     Attributes:
         key, path: Its HDF5 path (``"optimizer/vars/3"``).
-        shape, dtype, bytes: As in :class:`ArrayInfo`.
+        shape, dtype, bytes: As in `ArrayInfo`.
         index: Its position in ``optimizer.variables``.
         entry_key: The key a ``StableOptimizer`` stored beside it, or ``None``.
     """
@@ -216,10 +216,10 @@ class StockInspection(_Json):
         model_class: The model's class name from ``config.json``, or ``None``.
         counts: ``{"model": n, "optimizer": n}``.
         bytes: Bytes of array data.
-        model: :class:`StockWeight` per model weight, by HDF5 path.
-        optimizer: :class:`StockOptimizer`.
+        model: `StockWeight` per model weight, by HDF5 path.
+        optimizer: `StockOptimizer`.
         note: What restoring its optimizer state means (positional or keyed).
-        archive_members, problems: As in :class:`RecordInspection`.
+        archive_members, problems: As in `RecordInspection`.
     """
 
     file: str
@@ -261,7 +261,7 @@ class Verification(_Json):
         checksums: Whether the arrays carry checksums (training states do, stock files do not);
             ``None`` when refused.
         bytes: Bytes of array data read; ``None`` when refused.
-        damaged: :class:`Damage` per damaged array, member or (when refused) the whole file.
+        damaged: `Damage` per damaged array, member or (when refused) the whole file.
         error: Why the file was refused on opening (seal, truncation, structure), else ``None``.
         counts: ``{section: number of arrays}``; ``None`` when refused.
         checksum: The checksum the arrays carry (``"xxh3-64"``, ``"CRC-32"``), else ``None``.

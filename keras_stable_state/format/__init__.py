@@ -8,28 +8,28 @@ its xxh3-64 over key, dtype, shape and bytes in the index. Formats 1 and 2
 described once, in ``docs/concepts/file-format.md``; what a reader refuses, in
 ``docs/concepts/security.md``.
 
-* :func:`open_file` is the one reader: it opens a training state (``.h5``, or
+* `open_file` is the one reader: it opens a training state (``.h5``, or
   the member ``keras_stable_state.h5`` of a ``.keras`` archive) or a stock Keras
   ``.keras`` / ``.weights.h5`` file, with every check, and reads one array at a
-  time; :func:`read_file` and :func:`read_bytes` read a whole file through it.
-* :func:`fs_path` takes every path a user gives (``str``, ``bytes``, ``os.PathLike``);
-  :func:`open_regular` opens every file the library opens by path, regular files only
-  (:mod:`~keras_stable_state.format.files`).
-* :mod:`~keras_stable_state.format.remote` reads and writes object stores (``s3://``,
+  time; `read_file` and `read_bytes` read a whole file through it.
+* `fs_path` takes every path a user gives (``str``, ``bytes``, ``os.PathLike``);
+  `open_regular` opens every file the library opens by path, regular files only
+  (`files`).
+* `remote` reads and writes object stores (``s3://``,
   ``gs://``...) through fsspec; no other door takes a URL for a local path.
-* :func:`write_record` writes a :class:`StateRecord` atomically;
-  :func:`record_to_bytes` returns the bytes of a sealed ``.h5`` instead.
+* `write_record` writes a `StateRecord` atomically;
+  `record_to_bytes` returns the bytes of a sealed ``.h5`` instead.
 
-Modules: :mod:`~keras_stable_state.format.record` (names, limits, records),
-:mod:`~keras_stable_state.format.codec` (dtypes, array encoding),
-:mod:`~keras_stable_state.format.seal`, :mod:`~keras_stable_state.format.writer`,
-:mod:`~keras_stable_state.format.atomic`, :mod:`~keras_stable_state.format.files`,
-:mod:`~keras_stable_state.format.reader`
-(with :mod:`~keras_stable_state.format.source`,
-:mod:`~keras_stable_state.format.records`, :mod:`~keras_stable_state.format.index`,
-:mod:`~keras_stable_state.format.schema`, :mod:`~keras_stable_state.format.stock`),
-:mod:`~keras_stable_state.format.probe` and :mod:`~keras_stable_state.format.sandbox`
-(the separate probe process), :mod:`~keras_stable_state.format.keras_archive`
+Modules: `record` (names, limits, records),
+`codec` (dtypes, array encoding),
+`seal`, `writer`,
+`atomic`, `files`,
+`reader`
+(with `source`,
+`records`, `index`,
+`schema`, `stock`),
+`probe` and `sandbox`
+(the separate probe process), `keras_archive`
 (arrays shared with Keras' ``model.weights.h5``).
 
 This package imports no Keras and no backend: h5py, NumPy, ml_dtypes and xxhash only.

@@ -1,14 +1,14 @@
 """Atomic writes: a file appears whole at its path, or the previous one stays.
 
 A temporary file ``.kss-<random><suffix>`` in the same folder is created
-(:func:`create_temporary`: ``O_CREAT | O_EXCL | O_NOFOLLOW``, so never through a
+(`create_temporary`: ``O_CREAT | O_EXCL | O_NOFOLLOW``, so never through a
 link nor onto an existing file, with mode ``0o666``: the umask applies as for
 ``open``, and the process umask is never changed), written, checked to be still
 the file created (nothing replaced it meanwhile), ``fsync``-ed through its own
 descriptor and renamed onto the path (``os.replace``: a symbolic link at the
 path is replaced, never written through), then the folder is ``fsync``-ed. The page
 cache of the file being replaced is dropped before the new one is written
-(:func:`release_cached_pages`): the write then reuses those pages, as a write that
+(`release_cached_pages`): the write then reuses those pages, as a write that
 truncates the file in place does, instead of needing a second file's worth of fresh
 memory while both files are cached.
 
@@ -22,6 +22,7 @@ import errno
 import os
 import secrets
 import stat
+from types import TracebackType
 
 from keras_stable_state.errors import CheckpointFormatError, StateError
 from keras_stable_state.format.remote import refuse_url
@@ -154,7 +155,7 @@ def directory_error(path: str) -> CheckpointFormatError:
 
 class atomic_path:
     """Context manager yielding a temporary path beside ``filepath`` (a new file of
-    :func:`create_temporary`, ``0o666 & ~umask`` permissions); on success it is checked to
+    `create_temporary`, ``0o666 & ~umask`` permissions); on success it is checked to
     be still that file, fsynced and renamed onto ``filepath`` (``os.replace``), and the
     folder is fsynced; on error it is removed.
 
@@ -170,7 +171,7 @@ class atomic_path:
             the previous file at ``filepath`` is left as it was.
     """
 
-    def __init__(self, filepath, suffix=""):
+    def __init__(self, filepath, suffix="") -> None:
         self.filepath = os.fsdecode(os.fspath(filepath))
         refuse_url(self.filepath, "training-state path")  # never a local folder named 's3:'
         self.suffix = suffix
@@ -188,7 +189,7 @@ class atomic_path:
         release_cached_pages(self.filepath)
         return self.tmp
 
-    def _discard(self):
+    def _discard(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self.fd)
         with contextlib.suppress(FileNotFoundError):
@@ -209,7 +210,12 @@ class atomic_path:
                 key=self.tmp,
             )
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         if exc_type is not None:
             self._discard()
             if isinstance(exc, OSError) and not isinstance(exc, StateError):

@@ -5,7 +5,7 @@ natively (``bfloat16``, float8 from ``ml_dtypes``) are stored as unsigned
 integers of the same width, their dtype named in the index, so their bits are
 kept exactly. JSON records are UTF-8 bytes in ``uint8`` datasets. The digests
 (xxh3-64 of format 3, and the CRC-32 of formats 1-2, still read) live in
-:mod:`keras_stable_state.format.sandbox`, which the probe process runs
+`keras_stable_state.format.sandbox`, which the probe process runs
 without this package. See ``docs/concepts/file-format.md``.
 
 This module imports no Keras.
@@ -61,10 +61,10 @@ def stored_dtype(name: str) -> np.dtype:
 
 def encode_array(array) -> tuple[np.ndarray, str]:
     """``(stored, dtype name)``: ``array`` as it is stored, C-contiguous, of its shape
-    and of dtype :func:`stored_dtype` (a view, not a copy, where it can be).
+    and of dtype `stored_dtype` (a view, not a copy, where it can be).
 
     Raises:
-        CheckpointFormatError: for a dtype outside :data:`DTYPES` (``.received``: its name).
+        CheckpointFormatError: for a dtype outside `DTYPES` (``.received``: its name).
     """
     # C order without a copy when it already is (the value is written, then dropped).
     array = np.asarray(array, order="C")
@@ -82,12 +82,12 @@ def encode_array(array) -> tuple[np.ndarray, str]:
 
 
 def decode_array(stored: np.ndarray, name: str) -> np.ndarray:
-    """``stored`` viewed as dtype ``name`` when it is stored as its bits (:data:`EXOTIC`), else as is."""
+    """``stored`` viewed as dtype ``name`` when it is stored as its bits (`EXOTIC`), else as is."""
     return stored.view(np.dtype(EXOTIC[name])) if name in EXOTIC else stored
 
 
 def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of :data:`~keras_stable_state.format.ALIGN`."""
+    """``n`` rounded up to a multiple of `ALIGN`."""
     return n + (-n) % ALIGN
 
 

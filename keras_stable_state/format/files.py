@@ -1,10 +1,10 @@
 """Paths and files the library opens: only regular files, never blocked on.
 
 Every path a user gives (a training-state file, a ``StableCheckpoint`` directory)
-is taken by :func:`fs_path` (``str``, ``bytes`` decoded with ``os.fsdecode`` as
+is taken by `fs_path` (``str``, ``bytes`` decoded with ``os.fsdecode`` as
 ``os.path`` does, or ``os.PathLike``), which never takes a URL (``gs://...``) for a
-local path (:mod:`~keras_stable_state.format.remote`). Every file the library opens by a path
-goes through :func:`open_regular`: it is opened non-blocking (a FIFO cannot
+local path (`remote`). Every file the library opens by a path
+goes through `open_regular`: it is opened non-blocking (a FIFO cannot
 make ``open`` wait for a writer), and what was opened is checked with ``fstat``
 to be a regular file, so a FIFO, a device (``/dev/zero``, ``/dev/urandom``), a
 socket or a directory is refused by name before a byte is read, and every read
@@ -43,7 +43,7 @@ def fs_path(value, what: str = "path", *, urls: bool = False) -> str:
     A URL is never taken as a local path: a ``file://`` URL becomes the local path it
     names, and any other (``s3://``, ``gs://``, ``memory://``...) is refused, unless
     ``urls=True``, where it is returned as given for the caller to route to the object
-    store (:mod:`~keras_stable_state.format.remote`).
+    store (`remote`).
 
     Raises:
         TypeError: naming ``what`` for anything else (``None``, a number, a file object).
@@ -170,10 +170,10 @@ def _refusal(path: str, found: str, what: str, advice: str, error):
 
 
 def open_binary(path: str, *, what: str = "a training state"):
-    """:func:`open_regular` for reading, as a buffered binary file object (``"rb"``).
+    """`open_regular` for reading, as a buffered binary file object (``"rb"``).
 
     Raises:
-        The errors of :func:`open_regular`.
+        The errors of `open_regular`.
     """
     fd = open_regular(path, what=what)
     return os.fdopen(fd, "rb")
@@ -184,7 +184,7 @@ _FD_FOLDER = "/dev/fd/"
 
 def inherited_path(fh) -> str:
     """A path that names the open file ``fh`` in a child process given its descriptor
-    (``/dev/fd/<n>``, see :func:`inherited_fds`), so the child reads the very file that
+    (``/dev/fd/<n>``, see `inherited_fds`), so the child reads the very file that
     was checked, not what the path names a moment later; the path of ``fh`` where the
     system has no ``/dev/fd``."""
     if os.name == "posix" and os.path.isdir(_FD_FOLDER):

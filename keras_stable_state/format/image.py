@@ -1,19 +1,19 @@
 """A sealed HDF5 image read once into memory, its arrays taken as views of it.
 
-A whole-file read (:func:`~keras_stable_state.format.read_file`, every restore) of a
+A whole-file read (`read_file`, every restore) of a
 sealed record reads its bytes once, into one buffer starting at a multiple of
-:data:`~keras_stable_state.format.sandbox.READ_ALIGN` bytes, hashing each chunk as it
-arrives (:func:`read_sealed`); HDF5 then parses its metadata from that buffer
-(:class:`ImageFile`), and each array is a view of the buffer at its dataset's offset
-(:func:`dataset_view`): no second read and no copy. What HDF5 parses and what the
+`READ_ALIGN` bytes, hashing each chunk as it
+arrives (`read_sealed`); HDF5 then parses its metadata from that buffer
+(`ImageFile`), and each array is a view of the buffer at its dataset's offset
+(`dataset_view`): no second read and no copy. What HDF5 parses and what the
 restore uses are the bytes the seal covered, so a file changed on disk after the check
 cannot reach a variable.
 
 The arrays share the buffer: one of them kept alive keeps the whole image alive (the
 restore core copies instead where the variables would take less than half of it).
-:func:`read_hashed` reads a ``.keras`` archive's Keras weights member the same way, its
+`read_hashed` reads a ``.keras`` archive's Keras weights member the same way, its
 xxh3-128 checked against the sealed index, where the caller can use views at Keras'
-unaligned offsets (Torch); :func:`aligned_copy` is the 64-byte aligned copy the reader
+unaligned offsets (Torch); `aligned_copy` is the 64-byte aligned copy the reader
 and the restore core make where a view cannot be used.
 
 This module imports no Keras.
@@ -34,7 +34,7 @@ from keras_stable_state.format.record import USERBLOCK_SIZE
 
 def read_sealed(fh, user_block: bytes, size: int, where: str) -> tuple[int, str, bool, np.ndarray]:
     """Read the file ``fh`` (``size`` bytes, its first 512 bytes ``user_block``) whole into
-    one aligned buffer, hashing it for its seal as it is read (:func:`read_hashed`).
+    one aligned buffer, hashing it for its seal as it is read (`read_hashed`).
 
     Returns:
         ``(format version, hash name, whether the digest matches, the buffer)``.
@@ -55,15 +55,15 @@ def read_hashed(fh, size: int, h, where: str, *, skip: int = 0, key: str | None 
     """Read ``size`` bytes of the file ``fh`` from its start into one new buffer, feeding
     every byte past the first ``skip`` to the hasher ``h`` (``update``) as it is read.
 
-    The file is read in chunks of :data:`~keras_stable_state.format.seal.CHUNK` bytes;
-    past :data:`_OVERLAP_ABOVE` bytes another thread hashes each chunk while the next is
+    The file is read in chunks of `CHUNK` bytes;
+    past `_OVERLAP_ABOVE` bytes another thread hashes each chunk while the next is
     read (``readinto`` and ``xxhash`` both release the GIL), so the hash costs little
     more than the read; an error in that thread is raised here, and an error here stops
     it at once. ``fh`` is left at offset 0.
 
     Returns:
         A writable ``uint8`` array of ``size`` bytes whose data starts at a multiple of
-        :data:`~keras_stable_state.format.sandbox.READ_ALIGN` bytes.
+        `READ_ALIGN` bytes.
 
     Raises:
         CorruptCheckpointError: naming ``where`` (and ``key``) if the file ends before
@@ -148,7 +148,7 @@ class ImageFile(SizedReader):
 
 def aligned_copy(array: np.ndarray) -> np.ndarray:
     """A copy of ``array`` in new memory starting at a multiple of
-    :data:`~keras_stable_state.format.sandbox.READ_ALIGN` bytes."""
+    `READ_ALIGN` bytes."""
     out = sandbox.aligned_empty(array.shape, array.dtype)
     out[...] = array
     return out
@@ -156,7 +156,7 @@ def aligned_copy(array: np.ndarray) -> np.ndarray:
 
 def dataset_view(image: np.ndarray, offset: int, dsid) -> np.ndarray:
     """The data of the contiguous dataset ``dsid`` (an ``h5py.h5d.DatasetID`` that
-    :func:`~keras_stable_state.format.sandbox.check_dataset` passed, its data at byte
+    `check_dataset` passed, its data at byte
     ``offset`` of the image, inside it) as a view of ``image``: its stored dtype and
     shape, C order, writable."""
     return np.ndarray(dsid.shape, dtype=dsid.dtype, buffer=image, offset=offset)

@@ -3,15 +3,15 @@
 The index row of an array is ``[key, dtype, shape, blob, offset, xxh3-64 hex]``.
 Each section's blobs must hold exactly the listed arrays, in index order, at
 the offsets the writer gives them (packed from 0, each start aligned to
-:data:`~keras_stable_state.format.ALIGN`): no gap, overlap, stray byte or
+`ALIGN`): no gap, overlap, stray byte or
 unreferenced blob is accepted. In a ``.keras`` archive a model or optimizer row's
 blob may instead name a dataset of Keras' ``model.weights.h5``
 (``"model.weights.h5:/layers/..."``, ``"model.weights.h5:/optimizer/vars/1"``), whose
-member's length and xxh3-128 the index records (:mod:`keras_stable_state.format.keras_archive`);
+member's length and xxh3-128 the index records (`keras_stable_state.format.keras_archive`);
 the index field ``shared_sections`` lists the sections that do so when the optimizer is one
 of them (absent: the model alone). See ``docs/concepts/file-format.md``.
 
-The functions take the :class:`~keras_stable_state.format.records.RecordListing`
+The functions take the `RecordListing`
 being filled. This module imports no Keras.
 """
 
@@ -141,7 +141,7 @@ def list_index(rec, datasets: dict, index) -> None:
 
 def _sharing(rec, index: dict) -> tuple:
     """The sections whose rows may name datasets of Keras' weights member: those the field
-    :data:`SHARED_SECTIONS` lists (only with :data:`SHARED`), else the model alone."""
+    `SHARED_SECTIONS` lists (only with `SHARED`), else the model alone."""
     if SHARED_SECTIONS not in index:
         return ("model",)
     listed_ = index[SHARED_SECTIONS]

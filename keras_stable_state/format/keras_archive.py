@@ -5,7 +5,7 @@ A ``.keras`` training state is Keras' archive (``config.json``,
 member ``keras_stable_state.h5``. The model variables and the optimizer slots
 (``model.save`` writes the compiled optimizer's variables under
 ``optimizer/vars``) would be stored twice; instead, a model array, or an
-optimizer array larger than :data:`~keras_stable_state.format.PACK_LIMIT` bytes,
+optimizer array larger than `PACK_LIMIT` bytes,
 whose dtype, shape and bytes equal a dataset of Keras' weights file is not
 written again: its index row names that dataset
 (``"model.weights.h5:/layers/dense/vars/0"``, ``"model.weights.h5:/optimizer/vars/2"``)
@@ -17,8 +17,8 @@ The record's sealed index holds the xxh3-128 and length of the whole weights
 member, checked before HDF5 parses a byte of it, and each shared array's own
 xxh3-64 (over its key, dtype, shape and bytes), checked when it is read. The
 member must be stored uncompressed (Keras writes it so): it is read in place
-through :class:`Window`, never through zip's decompressing reader; a whole read on
-Torch (:mod:`~keras_stable_state.format.image`) reads it once into one buffer while
+through `Window`, never through zip's decompressing reader; a whole read on
+Torch (`image`) reads it once into one buffer while
 hashing it, otherwise it is hashed in chunks and its arrays are read one by one.
 
 This module imports no Keras.

@@ -1,11 +1,11 @@
-"""Running out of memory, told apart from damage: :func:`out_of_memory` recognises the
+"""Running out of memory, told apart from damage: `out_of_memory` recognises the
 allocation failures of Python, NumPy, h5py and the backends (by the error's class name and
-message: this module imports no Keras and no backend), and :func:`memory_refusal` is the
-:class:`~keras_stable_state.errors.StateError` a restore raises for one.
+message: this module imports no Keras and no backend), and `memory_refusal` is the
+[`StateError`][keras_stable_state.StateError] a restore raises for one.
 
 The reader lets these errors through unchanged (a file that could not be read for want
 of memory is not damaged, and must not be moved aside as unreadable); the restore core
-turns them into :func:`memory_refusal`, once nothing is changed.
+turns them into `memory_refusal`, once nothing is changed.
 
 This module imports no Keras.
 """
@@ -43,7 +43,7 @@ _MESSAGE_LIMIT = 240
 def out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` (or an error it was raised from) is a failed allocation.
 
-    A :class:`~keras_stable_state.errors.StateError` never is: it already says what
+    A [`StateError`][keras_stable_state.StateError] never is: it already says what
     happened.
     """
     seen = 0
@@ -71,7 +71,7 @@ def out_of_memory(err: BaseException) -> bool:
 
 
 def memory_refusal(where: str, err: BaseException) -> StateError:
-    """The :class:`~keras_stable_state.errors.StateError` of a restore of ``where`` that ran
+    """The [`StateError`][keras_stable_state.StateError] of a restore of ``where`` that ran
     out of memory (``err``), raised once nothing is changed."""
     said = " ".join(str(err).split())
     if len(said) > _MESSAGE_LIMIT:

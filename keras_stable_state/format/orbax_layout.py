@@ -1,12 +1,12 @@
 """The layout of a ``.orbax`` training-state directory, without Orbax, Keras or a backend.
 
-A path ending in ``.orbax`` is a directory holding ``state.h5`` (:data:`RECORD`, our
-sealed record; in ``metadata["orbax"]`` (:data:`INDEX`) the index of the arrays) and
-``arrays/`` (:data:`ARRAYS`, an Orbax PyTree checkpoint of every model and optimizer
+A path ending in ``.orbax`` is a directory holding ``state.h5`` (`RECORD`, our
+sealed record; in ``metadata["orbax"]`` (`INDEX`) the index of the arrays) and
+``arrays/`` (`ARRAYS`, an Orbax PyTree checkpoint of every model and optimizer
 array). The engine that writes and restores it is ``keras_stable_state._engines.orbax``;
 this module holds what a reader needs without Orbax: the names, the index
-(:func:`index_entries`), the hashes (:func:`region_hash`, and :func:`element_hash` of
-index version 1) and the TensorStore spec of a saved array (:func:`store_spec`), so
+(`index_entries`), the hashes (`region_hash`, and `element_hash` of
+index version 1) and the TensorStore spec of a saved array (`store_spec`), so
 that the command line inspects and verifies ``.orbax`` states with NumPy (and
 TensorStore, installed with the ``[orbax]`` extra, to read the arrays).
 
@@ -18,7 +18,7 @@ first index, and the array's hash is the sum of its blocks' hashes modulo 2**64.
 process holding any union of whole blocks (a shard, several, the whole array)
 hashes them at xxh3's speed without copying them (a block that is not contiguous in
 what is held is copied first), and the partial sums of several processes add up.
-Index version 1 hashed each element (:func:`element_hash`); it is still read.
+Index version 1 hashed each element (`element_hash`); it is still read.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def region_hash(region, start, shape, block, key: str, dtype: str) -> int:
     whole array when ``region`` is all of it.
 
     Args:
-        region: NumPy array; must be a union of whole blocks (:func:`aligned`).
+        region: NumPy array; must be a union of whole blocks (`aligned`).
         start: Tuple of ints, the region's first index in the whole array.
         shape, block: Tuples of ints, the whole array's shape and the grid's block shape
             (the shape itself for an array of no element).
@@ -181,7 +181,7 @@ def element_hash(block, start, shape, key: str, dtype: str) -> int:
 def index_entries(metadata, where: str) -> list:
     """The checked entries ``[section, key, name, shape, dtype, hash, block]`` of the Orbax
     array index in the writer ``metadata`` of a ``state.h5``; ``block`` is the hash's
-    grid (index version 2), or ``None`` for index version 1 (:func:`element_hash`).
+    grid (index version 2), or ``None`` for index version 1 (`element_hash`).
 
     Raises:
         NewerFormatError: naming ``where`` for an index version above the newest this

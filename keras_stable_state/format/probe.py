@@ -1,8 +1,8 @@
 """How the reader refuses a damaged file, and the probe process that names the damage.
 
-:func:`damaged` builds the :class:`~keras_stable_state.errors.CorruptCheckpointError`
+`damaged` builds the [`CorruptCheckpointError`][keras_stable_state.CorruptCheckpointError]
 every check raises. A file without a seal (stock Keras files, format-1 records)
-is first read in a separate process (:mod:`keras_stable_state.format.sandbox`,
+is first read in a separate process (`keras_stable_state.format.sandbox`,
 run as a script), so whatever HDF5 does with it (a crash, a hang) cannot kill
 the caller; a file that fails its seal is probed briefly to name the arrays
 whose own checksum fails. See ``docs/concepts/security.md``.
@@ -54,15 +54,15 @@ def probe(path: str, member: str | None = None, timeout: float = PROBE_TIMEOUT, 
 
     Args:
         path: The file (or the archive holding ``member``); a ``/dev/fd/<n>`` path
-            (:func:`~keras_stable_state.format.files.inherited_path`) is passed on with its
+            (`inherited_path`) is passed on with its
             descriptor.
         member: An archive member to read instead of the file itself, or ``None``.
         timeout: Seconds the process may run.
         expect: Optional ``[[key, dtype, shape, dataset path, xxh3-64 hex]]`` rows whose
-            datasets the probe also checks (:func:`keras_stable_state.format.sandbox.check_expected`).
+            datasets the probe also checks (`keras_stable_state.format.sandbox.check_expected`).
 
     Returns:
-        The probe's findings (see :func:`keras_stable_state.format.sandbox.probe`),
+        The probe's findings (see `keras_stable_state.format.sandbox.probe`),
         or ``{"crashed": reason}`` when the process died, hung or raised.
     """
     with tempfile.TemporaryDirectory(prefix="kss-probe-") as folder:

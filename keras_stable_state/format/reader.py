@@ -1,18 +1,18 @@
 """Reading a training-state file, or a stock Keras weights file, with every check.
 
-:func:`open_file` is the one door: it opens a ``.keras`` archive or an HDF5
+`open_file` is the one door: it opens a ``.keras`` archive or an HDF5
 file (``.h5``, ``.weights.h5``), or bytes held in memory
-(:meth:`CheckpointFile.from_bytes`), and lists every array from the HDF5
-metadata alone; :meth:`CheckpointFile.read` reads and checksums one array at a
+(`CheckpointFile.from_bytes`), and lists every array from the HDF5
+metadata alone; `CheckpointFile.read` reads and checksums one array at a
 time (format 3: xxh3-64; formats 1-2, still read: CRC-32; stock Keras files
-carry no checksum of their own); :func:`read_file` and :func:`read_bytes`
+carry no checksum of their own); `read_file` and `read_bytes`
 read a whole file through it. Opening composes a
-:class:`~keras_stable_state.format.source.Source` (lock, seal or probe
+`Source` (lock, seal or probe
 process, archive checks), then a
-:class:`~keras_stable_state.format.records.RecordListing` (records, index,
-schema) or a :class:`~keras_stable_state.format.stock.StockListing`. The
-command line (:mod:`keras_stable_state.cli`) inspects, verifies and compares
-files through :func:`open_file`. The format and the order of the checks are
+`RecordListing` (records, index,
+schema) or a `StockListing`. The
+command line (`keras_stable_state.cli`) inspects, verifies and compares
+files through `open_file`. The format and the order of the checks are
 described in ``docs/concepts/file-format.md`` and ``docs/concepts/security.md``.
 
 This module imports no Keras.
@@ -57,19 +57,19 @@ class CheckpointFile:
 
     Opening checks the whole-file seal (records: format 3 xxh3-128, format 2
     SHA-256), or reads the file once in a probe process (unsealed files: stock
-    Keras files, format-1 records), then lists every array (:attr:`entries`)
+    Keras files, format-1 records), then lists every array (`entries`)
     from the HDF5 metadata and checks the structure and the records' schema;
-    :meth:`read` reads one array and checks its checksum; :meth:`check` reads
+    `read` reads one array and checks its checksum; `check` reads
     everything. The file is held with a shared ``flock`` while open, so a
     writer holding it exclusively is detected. Use as a context manager (see
-    :func:`open_file`), or call :meth:`close`.
+    `open_file`), or call `close`.
 
     Args:
         path: A ``.keras`` archive or an HDF5 file (``.h5``, ``.weights.h5``).
-        data: The file's bytes, held in memory (:meth:`from_bytes`), or ``None``.
-        whole: For a reader that reads every array (:func:`read_file`): a sealed
+        data: The file's bytes, held in memory (`from_bytes`), or ``None``.
+        whole: For a reader that reads every array (`read_file`): a sealed
             record is read once, whole, into one buffer as its seal is checked
-            (:mod:`~keras_stable_state.format.image`), and :meth:`read` returns views
+            (`image`), and `read` returns views
             of that buffer (one kept alive keeps it all). Otherwise the seal is
             hashed in chunks and each array is read from the file when asked.
         unaligned_views: With ``whole``: whether the caller can use an array at any
@@ -81,7 +81,7 @@ class CheckpointFile:
             image is held while its views would be copied.
 
     Attributes:
-        path: The file's path (``"<bytes>"`` for :meth:`from_bytes`).
+        path: The file's path (``"<bytes>"`` for `from_bytes`).
         kind: ``"keras_stable_state"`` for training states, ``"stock"`` for stock Keras files.
         container: ``".keras archive"``, ``".h5 file"`` or ``".weights.h5 file"``.
         where: What error messages call it: the path, or ``"<path>:<member>"``.
@@ -91,15 +91,15 @@ class CheckpointFile:
         metadata: The writer's metadata (stock archives: Keras' ``metadata.json``).
         contract: ``[key, shape, dtype]`` lists, or ``None``.
         extra: Other state as JSON (schedule, callbacks, providers, RNG), or ``{}``.
-        entries: Every array, as :class:`Entry`, in file order (stock files: by
+        entries: Every array, as `Entry`, in file order (stock files: by
             HDF5 path, numbers in numeric order).
         optimizer_keys: For stock files saved with ``StableOptimizer``:
             ``{dataset path: entry key}`` (``{"optimizer/vars/0": "optimizer#iteration"}``); else ``{}``.
         members: ``(name, size in bytes)`` of every archive member; ``[]`` for HDF5 files.
-        member: The archive member holding the arrays (:data:`MEMBER` or
+        member: The archive member holding the arrays (`MEMBER` or
             ``"model.weights.h5"``), or ``None`` for HDF5 files.
         model_class: The model's class name from an archive's ``config.json``, or ``None``.
-        damaged_members: ``(member, reason)`` for archive members found damaged by :meth:`check`.
+        damaged_members: ``(member, reason)`` for archive members found damaged by `check`.
         problems: Always empty (kept for callers of version 0.1: problems now raise).
 
     Raises:
@@ -108,7 +108,7 @@ class CheckpointFile:
         PermissionError: if ``path`` cannot be opened for reading.
         CheckpointFormatError: if ``path`` is a directory or another file that is not a
             regular file (a FIFO, a device such as ``/dev/zero``, a socket; a symbolic
-            link is followed to a regular file), a URL (``s3://...``: :func:`open_file`
+            link is followed to a regular file), a URL (``s3://...``: `open_file`
             reads object stores), for a format version
             this version does not read, a legacy Keras HDF5 file, or a zip
             archive holding neither a training state nor Keras weights.
@@ -123,7 +123,9 @@ class CheckpointFile:
         MalformedKeyError: (a ``CorruptCheckpointError``) for a key restore could not parse.
     """
 
-    def __init__(self, path, *, data: bytes | None = None, whole: bool = False, unaligned_views: bool = True):
+    def __init__(
+        self, path, *, data: bytes | None = None, whole: bool = False, unaligned_views: bool = True
+    ) -> None:
         data = None if data is None else bytes(data)
         if data is not None and not isinstance(path, str):
             path = "<bytes>"
@@ -196,12 +198,12 @@ class CheckpointFile:
         cls, data: bytes, name: str = "<bytes>", *, whole: bool = False, unaligned_views: bool = True
     ) -> CheckpointFile:
         """Open a training state held in memory (e.g. fetched from an object store), with
-        the same checks as a file; :attr:`path` is ``name`` (``"<bytes>"``; the object's
+        the same checks as a file; `path` is ``name`` (``"<bytes>"``; the object's
         URL for one read from a store), which messages name.
 
         Raises:
             TypeError: if ``data`` is not ``bytes``, ``bytearray`` or ``memoryview``.
-            The errors of :class:`CheckpointFile`.
+            The errors of `CheckpointFile`.
         """
         if not isinstance(data, bytes | bytearray | memoryview):
             raise TypeError(f"A training state in memory must be bytes. Received: {type(data).__name__}")
@@ -209,8 +211,8 @@ class CheckpointFile:
 
     def _misaligned(self) -> bool:
         """Whether the record's image holds an array of
-        :data:`~keras_stable_state.format.record.DATA_ALIGN_ABOVE` bytes or more that does
-        not start at a multiple of :data:`~keras_stable_state.format.record.DATA_ALIGN`
+        `DATA_ALIGN_ABOVE` bytes or more that does
+        not start at a multiple of `DATA_ALIGN`
         bytes (a file written before the writer aligned them)."""
         if self._src.image is None:
             return False
@@ -230,7 +232,7 @@ class CheckpointFile:
         self._blob = (None, None)
         self._list()
 
-    def _sync_source(self):
+    def _sync_source(self) -> None:
         src = self._src
         self.container, self.where, self.sealed, self.seal_version = (
             src.container,
@@ -240,7 +242,7 @@ class CheckpointFile:
         )
         self.members, self.member, self.model_class = src.members, src.member, src.model_class
 
-    def _open(self):
+    def _open(self) -> None:
         self._src.open()
         self._sync_source()
         self._list()
@@ -274,7 +276,7 @@ class CheckpointFile:
         """Read one array and, in a keras_stable_state file, check its checksum.
 
         Args:
-            entry: One of :attr:`entries`.
+            entry: One of `entries`.
 
         Returns:
             The array, of shape ``entry.shape``; ``bfloat16`` and float8 arrays
@@ -326,7 +328,7 @@ class CheckpointFile:
 
     def _load(self, name: str, ds) -> np.ndarray:
         """The data of the dataset ``ds`` at ``name`` as stored: a view of the image read
-        whole (:mod:`~keras_stable_state.format.image`; the record's, or for a name in Keras'
+        whole (`image`; the record's, or for a name in Keras'
         weights member that member's), else read from the file into a new 64-byte aligned
         array."""
         src = self._src
@@ -347,7 +349,7 @@ class CheckpointFile:
         )
 
     def _read_packed(self, entry: Entry) -> np.ndarray:
-        """Format 3: the array's bytes from its blob (a blob up to :data:`_BLOB_CACHE_LIMIT`
+        """Format 3: the array's bytes from its blob (a blob up to `_BLOB_CACHE_LIMIT`
         bytes is kept for the next array in it), checked against its xxh3-64."""
         try:
             name, blob = self._blob
@@ -377,12 +379,12 @@ class CheckpointFile:
             raise self._failed_checksum(entry, f"{entry.xxh3:016x}", f"{computed:016x}")
         return decode_array(stored, entry.dtype)
 
-    def check_members(self, progress=None):
+    def check_members(self, progress=None) -> None:
         """Read every other archive member to the end, so that zip checks its CRC-32.
 
         A member a hash checked on opening covers whole (the sealed record member read
         in place, Keras' weights member whose xxh3-128 the sealed index records) is not
-        read again. Appends failures to :attr:`damaged_members`; does nothing for HDF5 files.
+        read again. Appends failures to `damaged_members`; does nothing for HDF5 files.
 
         Args:
             progress: Optional callable given the number of bytes read after each chunk.
@@ -436,8 +438,8 @@ class CheckpointFile:
         """Bytes of array data in the file."""
         return sum(e.nbytes for e in self.entries)
 
-    def close(self):
-        """Close the file and release its lock; :meth:`read` then raises ``ValueError``.
+    def close(self) -> None:
+        """Close the file and release its lock; `read` then raises ``ValueError``.
         Closing twice is harmless."""
         self._src.close()
         self._blob = (None, None)
@@ -447,7 +449,7 @@ class CheckpointFile:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> bool:
         self.close()
         return False
 
@@ -456,9 +458,9 @@ def open_file(filepath, *, storage_options=None) -> CheckpointFile:
     """Open a training-state file or stock Keras weights file for reading, lazily.
 
     The seal (or, for unsealed files, a probe process), the structure and the
-    records are checked; no array is read until :meth:`CheckpointFile.read`.
+    records are checked; no array is read until `CheckpointFile.read`.
     An object-store URL (``s3://bucket/run.h5``; see
-    :mod:`~keras_stable_state.format.remote`) is downloaded whole into memory first, then
+    `remote`) is downloaded whole into memory first, then
     opened with the same checks (messages name the URL); a ``file://`` URL is the local
     file it names.
 
@@ -471,12 +473,12 @@ def open_file(filepath, *, storage_options=None) -> CheckpointFile:
         ...     kernel = f.read(f.section("model")[0])
 
     Returns:
-        A :class:`CheckpointFile`, to use as a context manager.
+        A `CheckpointFile`, to use as a context manager.
 
     Raises:
         StorageBackendError: for a URL whose fsspec implementation is not installed.
         FileNotFoundError: naming the URL if there is no such object.
-        The errors of :class:`CheckpointFile`, and the store's (``PermissionError``...).
+        The errors of `CheckpointFile`, and the store's (``PermissionError``...).
     """
     return _open(filepath, storage_options, whole=False)
 
@@ -492,12 +494,12 @@ def _open(filepath, storage_options, *, whole: bool, unaligned_views: bool = Tru
 
 
 def read_bytes(data: bytes, name: str = "<bytes>", *, unaligned_views: bool = True):
-    """:func:`read_file` for a training state held in memory (``.h5`` or ``.keras`` bytes);
+    """`read_file` for a training state held in memory (``.h5`` or ``.keras`` bytes);
     messages name it ``name`` (the URL of an object read from a store).
 
     Raises:
         TypeError: if ``data`` is not bytes-like.
-        The errors of :func:`read_file`.
+        The errors of `read_file`.
     """
     return _read_whole(CheckpointFile.from_bytes(data, name, whole=True, unaligned_views=unaligned_views))
 
@@ -505,25 +507,25 @@ def read_bytes(data: bytes, name: str = "<bytes>", *, unaligned_views: bool = Tr
 def read_file(filepath, *, storage_options=None, unaligned_views: bool = True):
     """Read a training-state file, or a stock Keras weights file, whole, with every check.
 
-    A URL is read as :func:`open_file` reads it (``storage_options`` for its filesystem).
+    A URL is read as `open_file` reads it (``storage_options`` for its filesystem).
 
     Every array is read and (keras_stable_state files) checked against its
     checksum (format 3: xxh3-64; formats 1-2: CRC-32), and every archive member
     against its zip CRC-32, before anything is returned. Built on
-    :func:`open_file`; the command line's ``verify`` runs exactly these checks. A sealed
+    `open_file`; the command line's ``verify`` runs exactly these checks. A sealed
     record is read once, whole, and its arrays are views of that buffer
-    (:class:`CheckpointFile`'s ``whole``); ``unaligned_views=False`` is for a caller
-    that needs 64-byte aligned memory (see :class:`CheckpointFile`).
+    (`CheckpointFile`'s ``whole``); ``unaligned_views=False`` is for a caller
+    that needs 64-byte aligned memory (see `CheckpointFile`).
 
     Returns:
-        :class:`StateRecord` for files written by keras_stable_state,
-        :class:`StockWeights` for stock Keras ``.keras`` / ``.weights.h5`` files.
+        `StateRecord` for files written by keras_stable_state,
+        `StockWeights` for stock Keras ``.keras`` / ``.weights.h5`` files.
 
     Raises:
         FileNotFoundError: if the path does not exist.
         PermissionError: if the file cannot be opened for reading.
         CheckpointInUseError: if another process holds the file locked for writing.
-        CorruptCheckpointError: for every kind of damage :class:`CheckpointFile`
+        CorruptCheckpointError: for every kind of damage `CheckpointFile`
             lists, an array failing its checksum (naming its key), an archive
             member failing its zip CRC-32 (naming it), or positional optimizer
             variables or their ``StableOptimizer`` keys missing.

@@ -1,10 +1,10 @@
 """Listing the arrays of a keras_stable_state record from its HDF5 metadata alone.
 
-:class:`RecordListing` checks the root attributes and the format version,
+`RecordListing` checks the root attributes and the format version,
 reads and checksums the JSON records (format 3: an ``xxh3`` attribute, the
 xxh3-64 of the record's name and bytes), and lists every array as an
-:class:`~keras_stable_state.format.Entry`: format 3 from the index
-(:mod:`keras_stable_state.format.index`); formats 1-2, still read, from one
+`Entry`: format 3 from the index
+(`keras_stable_state.format.index`); formats 1-2, still read, from one
 dataset per array with ``key``/``dtype``/``crc32`` attributes. No array's data
 is read here. The layout is described in ``docs/concepts/file-format.md``.
 
@@ -31,7 +31,7 @@ class Listing:
     """What every listing of an opened file shares: the HDF5 walk, naming keys in errors.
 
     Attributes:
-        src: The opened :class:`~keras_stable_state.format.source.Source`.
+        src: The opened `Source`.
         where: The file as error messages name it.
         version: The record's format version once read, else ``None``.
         entries: The arrays listed so far, in file order.
@@ -47,11 +47,11 @@ class Listing:
         self.spans = {}
 
     def walk(self, strings=()) -> list:
-        """Every dataset as ``(path, dataset)`` (:func:`keras_stable_state.format.sandbox.walk`).
+        """Every dataset as ``(path, dataset)`` (`keras_stable_state.format.sandbox.walk`).
 
         Raises:
             CorruptCheckpointError: naming the key stored there (format 3: the keys
-                of the blob), for any object :func:`~keras_stable_state.format.sandbox.walk` refuses.
+                of the blob), for any object `walk` refuses.
         """
         spans = {}
         try:
@@ -81,7 +81,7 @@ class Listing:
 
 
 class RecordListing(Listing):
-    """The records and arrays of a keras_stable_state record (:meth:`list`).
+    """The records and arrays of a keras_stable_state record (`list`).
 
     Attributes:
         metadata, contract, extra: The JSON records, once read.

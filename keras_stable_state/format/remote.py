@@ -1,11 +1,11 @@
 """Object stores (``s3://``, ``gs://``, ``az://``, ``memory://``...) through fsspec.
 
 A path that starts with a URL scheme (``<letters>://``, also chained as fsspec chains
-them: ``simplecache::s3://...``) is never used as a local path: :func:`is_remote`
-tells the entry points to come here, and :func:`refuse_url` stops it at every door
-that only takes local paths (:func:`~keras_stable_state.format.files.fs_path`, the
+them: ``simplecache::s3://...``) is never used as a local path: `is_remote`
+tells the entry points to come here, and `refuse_url` stops it at every door
+that only takes local paths (`fs_path`, the
 atomic writer, the reader), so no local folder ``./gs:/bucket/...`` is ever made.
-``file://`` URLs are local paths written as URLs: :func:`resolve` turns them into
+``file://`` URLs are local paths written as URLs: `resolve` turns them into
 the path (``file:///data/run.h5`` -> ``/data/run.h5``), which then gets every local
 guarantee (atomic rename, the lock).
 
@@ -13,18 +13,17 @@ Everything else goes through fsspec (the ``[cloud]`` extra: fsspec, s3fs, gcsfs)
 fsspec's own configuration (``fsspec.config.conf``, ``FSSPEC_*`` variables) and the
 store's (``AWS_ENDPOINT_URL``, credentials files...) left as they are;
 ``storage_options`` (a ``dict``) is passed to the filesystem as given. A scheme whose
-implementation is not installed is refused with :class:`~keras_stable_state.errors.
-StorageBackendError`, naming the package to install.
+implementation is not installed is refused with [`StorageBackendError`][keras_stable_state.StorageBackendError], naming the package to install.
 
 What is assumed of the store: an object written whole by one upload (a ``PUT``, or a
 multipart / resumable upload that is completed last) becomes visible only once complete,
 and replaces the previous object at that name in one step. S3 and S3-compatible stores,
 Google Cloud Storage, Azure Blob Storage (block blobs) and fsspec's ``memory://`` keep
-it (:data:`WHOLE_OBJECT_PROTOCOLS`). For any other fsspec filesystem (``sftp://``,
+it (`WHOLE_OBJECT_PROTOCOLS`). For any other fsspec filesystem (``sftp://``,
 ``hdfs://``, ``ftp://``...) a file is written under a temporary name beside its
-final one and then moved (:meth:`RemotePath.put_file`), which is a rename there.
-:class:`RemotePath` is the small filesystem interface a checkpoint directory needs
-(list, exists, remove, read, put whole), and :func:`write_marker` / :func:`read_marker`
+final one and then moved (`RemotePath.put_file`), which is a rename there.
+`RemotePath` is the small filesystem interface a checkpoint directory needs
+(list, exists, remove, read, put whole), and `write_marker` / `read_marker`
 write and read a small JSON commit marker, for directories whose checkpoints must
 become visible only when complete (the marker is written after what it commits).
 
@@ -91,7 +90,7 @@ _STORES = {
 _IN_CLOUD_EXTRA = frozenset({"fsspec", "s3fs", "gcsfs"})
 
 MARKER_FORMAT = "keras_stable_state-marker"
-"""The ``format`` field of a commit marker (:func:`write_marker`)."""
+"""The ``format`` field of a commit marker (`write_marker`)."""
 _MARKER_VERSION = 1
 _MARKER_LIMIT = 1 << 20  # a marker larger than this is refused (it is a few hundred bytes)
 
@@ -256,7 +255,7 @@ class RemotePath:
         The errors of the fsspec filesystem for options it refuses.
     """
 
-    def __init__(self, url: str, storage_options=None, *, _fs=None, _path=None):
+    def __init__(self, url: str, storage_options=None, *, _fs=None, _path=None) -> None:
         self.url = url.rstrip("/") if not url.endswith("://") else url
         self.storage_options = _check_storage_options(storage_options)
         if _fs is None:
@@ -265,7 +264,7 @@ class RemotePath:
         self.path = _path
         self.protocol = scheme_of(self.url)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"RemotePath({self.url!r})"
 
     def child(self, name: str) -> RemotePath:
@@ -396,7 +395,7 @@ class RemotePath:
     def put_file(self, local_path: str) -> None:
         """Upload the local file ``local_path`` as this object, whole.
 
-        In a store of :data:`WHOLE_OBJECT_PROTOCOLS` the upload goes to the object's name
+        In a store of `WHOLE_OBJECT_PROTOCOLS` the upload goes to the object's name
         (visible only once complete); elsewhere to a temporary name beside it, then moved
         onto it. An interrupted upload leaves the previous object as it was.
 
@@ -423,7 +422,7 @@ class RemotePath:
             self.fs.invalidate_cache(self.path)
 
     def put_bytes(self, data: bytes) -> None:
-        """Write ``data`` as this object, whole (as :meth:`put_file`).
+        """Write ``data`` as this object, whole (as `put_file`).
 
         Raises:
             OSError: naming the URL when the upload fails.
@@ -465,11 +464,11 @@ def upload_written(url: str, write_local, storage_options=None, *, store: Remote
     Args:
         url: The object's URL.
         write_local: Called with the local path to write.
-        storage_options: As for :class:`RemotePath`.
-        store: The :class:`RemotePath` of ``url`` made already, if any.
+        storage_options: As for `RemotePath`.
+        store: The `RemotePath` of ``url`` made already, if any.
 
     Raises:
-        The errors of ``write_local`` and of :meth:`RemotePath.put_file`.
+        The errors of ``write_local`` and of `RemotePath.put_file`.
     """
     store = store or RemotePath(url, storage_options)
     name = url.rstrip("/").rsplit("/", 1)[-1] or "state"
@@ -487,7 +486,7 @@ def write_marker(folder: RemotePath, name: str, payload: dict) -> None:
     ``payload`` (a JSON-serializable ``dict``), written whole.
 
     Write it after every object it commits is complete; a reader that requires the
-    marker (:func:`read_marker`) then never takes an incomplete checkpoint.
+    marker (`read_marker`) then never takes an incomplete checkpoint.
 
     Raises:
         TypeError: if ``payload`` is not a ``dict`` or not JSON-serializable.
@@ -504,7 +503,7 @@ def read_marker(folder: RemotePath, name: str) -> dict | None:
 
     Raises:
         CorruptCheckpointError: naming the marker if it is not a commit marker
-            :func:`write_marker` wrote (not JSON, another format or version, too large).
+            `write_marker` wrote (not JSON, another format or version, too large).
     """
     marker = folder.child(name)
     try:

@@ -2,17 +2,17 @@
 
 Used in two ways:
 
-* imported by the reader (:mod:`keras_stable_state.format.records`,
-  :mod:`keras_stable_state.format.index`), which runs these checks on every
+* imported by the reader (`keras_stable_state.format.records`,
+  `keras_stable_state.format.index`), which runs these checks on every
   file before reading an array: no soft or external links, no external
   storage, no virtual, chunked or filtered datasets, plain little-endian
   numeric dtypes only, and each dataset's data inside the file (so a small
   file cannot make the reader allocate more than its own size); the writer
   and the reader also take the per-array digests from here (format 3:
-  :func:`digest_v3`, xxh3-64; formats 1-2, still read: :func:`crc_v1`,
-  :func:`crc_v2`, CRC-32);
+  `digest_v3`, xxh3-64; formats 1-2, still read: `crc_v1`,
+  `crc_v2`, CRC-32);
 * run as a script (``python -I sandbox.py FILE [MEMBER] [EXPECT.json]``, by
-  :mod:`keras_stable_state.format.probe`) in a separate process, to read a
+  `keras_stable_state.format.probe`) in a separate process, to read a
   file that has no seal (stock Keras files, format-1 records) or whose seal
   fails: whatever HDF5 does with a damaged file (a segmentation fault, an
   endless loop) happens in that process, never in the training process. The
@@ -143,12 +143,12 @@ def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None, st
 
     Only hard links are followed; soft links, external links, user-defined
     links, named datatypes and cycles are refused, as is nesting deeper than
-    :data:`MAX_DEPTH` or more than :data:`MAX_OBJECTS` objects. Datasets named
+    `MAX_DEPTH` or more than `MAX_OBJECTS` objects. Datasets named
     in ``strings`` (paths) may instead be scalar strings: format 1 kept its
     JSON records so. Objects are opened through h5py's low-level API (``h5l``,
     ``h5o``): about a third of what its high-level ``group[name]`` costs. With ``spans``
     (a dict), the data offset of every contiguous, non-empty dataset is put in it by path
-    (:func:`check_dataset`).
+    (`check_dataset`).
 
     Raises:
         StructureError: naming the object.
@@ -198,7 +198,7 @@ READ_ALIGN = 64
 
 def aligned_empty(shape, dtype) -> np.ndarray:
     """A new, writable, C-order array of ``shape`` and ``dtype`` whose data starts at a
-    multiple of :data:`READ_ALIGN` bytes (a view of a slightly larger ``uint8`` buffer)."""
+    multiple of `READ_ALIGN` bytes (a view of a slightly larger ``uint8`` buffer)."""
     dtype = np.dtype(dtype)
     shape = tuple(int(n) for n in shape)
     if dtype.hasobject or dtype.itemsize == 0:  # not a plain numeric dtype: NumPy's own
@@ -214,7 +214,7 @@ def aligned_empty(shape, dtype) -> np.ndarray:
 
 def read_dataset(ds) -> np.ndarray:
     """The dataset's data as stored (no dtype conversion), C order, in a new array whose
-    data starts at a multiple of :data:`READ_ALIGN` bytes (:func:`aligned_empty`)."""
+    data starts at a multiple of `READ_ALIGN` bytes (`aligned_empty`)."""
     dsid = ds.id
     out = aligned_empty(dsid.shape, dsid.dtype)
     if out.size:  # the whole dataset, through h5py's low-level read (no selection objects)

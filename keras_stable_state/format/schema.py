@@ -21,7 +21,7 @@ def is_int(value) -> bool:
 
 
 def check_json_depth(value, where: str) -> None:
-    """Refuse a JSON value nested deeper than :data:`~keras_stable_state.format.record.JSON_MAX_DEPTH`.
+    """Refuse a JSON value nested deeper than `JSON_MAX_DEPTH`.
 
     Raises:
         CorruptCheckpointError: naming ``where``.
@@ -72,7 +72,7 @@ def check_schema(where: str, metadata, contract, extra, entries: list) -> None:
     Args:
         where: The file, as error messages name it.
         metadata, contract, extra: The records as read.
-        entries: Every array of the file (:class:`~keras_stable_state.format.Entry`).
+        entries: Every array of the file (`Entry`).
 
     Raises:
         CorruptCheckpointError: naming the record (``.key``) and the field.
@@ -132,7 +132,7 @@ def check_schema(where: str, metadata, contract, extra, entries: list) -> None:
 
 def _check_mappers(mappers, entries, bad):
     """``extra["mappers"]``: ``{key: {mapper: {class_name, config}, dtype, shape, params}}``
-    for keys of the model and optimizer sections (see :mod:`keras_stable_state._core.mappers`)."""
+    for keys of the model and optimizer sections (see `keras_stable_state._core.mappers`)."""
     keys = {e.key for e in entries if e.section in ("model", "optimizer")}
     if not isinstance(mappers, dict):
         raise bad("extra", "'mappers' is not an object")

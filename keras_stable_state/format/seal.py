@@ -4,7 +4,7 @@ Format 3 writes ``KSS-SEAL 3 xxh3-128 <32 hex digits> <length>\\n``, zero padded
 to 512 bytes: the xxh3-128 (https://github.com/Cyan4973/xxHash, through the
 ``xxhash`` package) of every byte after the user block, and their count. The
 reader still reads format-2 seals (``KSS-SEAL 2 sha256 <64 hex digits> <length>``,
-SHA-256), and :func:`seal` keeps a format-2 seal on a format-2 image. HDF5 skips
+SHA-256), and `seal` keeps a format-2 seal on a format-2 image. HDF5 skips
 the user block, so h5py and Keras open a sealed file as usual; the reader checks
 the seal before HDF5 parses a byte. The seal detects damage, not forgery. See
 ``docs/concepts/file-format.md``.
@@ -55,7 +55,7 @@ def seal(data: bytes) -> bytes:
 
 def seal_file(path: str) -> None:
     """Write the format-3 seal into the user block of the HDF5 image at ``path`` (as
-    :func:`seal`), hashing the file in chunks of :data:`CHUNK` bytes."""
+    `seal`), hashing the file in chunks of `CHUNK` bytes."""
     h = _HASH[FORMAT_VERSION][1]()
     length = 0
     buf = bytearray(CHUNK)
@@ -72,7 +72,7 @@ def parse(user_block: bytes, where: str) -> tuple[int, bytes, int]:
     """``(format version, digest, length)`` of a seal.
 
     Raises:
-        NewerFormatError: for the seal of a format version above :data:`FORMAT_VERSION`.
+        NewerFormatError: for the seal of a format version above `FORMAT_VERSION`.
         CorruptCheckpointError: if the seal is malformed or followed by anything but zeros.
     """
     match = _SEAL_RE.match(user_block)

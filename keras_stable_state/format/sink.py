@@ -4,10 +4,10 @@ When a write of HDF5's own ``sec2`` driver fails (a full disk, ``RLIMIT_FSIZE``)
 HDF5 cannot close the file: it keeps the file and every object in it open, h5py
 raises ``Can't close file`` and, later, ``Can't decrement id ref count`` as those
 objects are collected, and collecting them can crash the process (SIGSEGV),
-from whatever thread runs the garbage collector. :class:`Sink` is the file
+from whatever thread runs the garbage collector. `Sink` is the file
 object h5py's ``fileobj`` driver writes through instead: a write that fails is
 remembered, not raised, and every later write is counted but dropped, so HDF5
-always closes the file cleanly. :meth:`Sink.check` then raises the first error,
+always closes the file cleanly. `Sink.check` then raises the first error,
 an ``OSError`` with its errno, naming how many bytes the whole file needed
 (HDF5 went on to its end, so that count is exact).
 
@@ -147,12 +147,12 @@ class Sink:
         """Raise the first error of a write, if any.
 
         Args:
-            exact: Whether HDF5 wrote the image to its end (then :attr:`size` is the
+            exact: Whether HDF5 wrote the image to its end (then `size` is the
                 length the file needs; otherwise a lower bound).
 
         Raises:
             OSError: the write's error (its errno and message), with ``needed_bytes``
-                (:attr:`size`) and ``needed_exact`` (``exact``) set.
+                (`size`) and ``needed_exact`` (``exact``) set.
         """
         if self.error is not None:
             code = self.error.errno
@@ -165,7 +165,7 @@ class Sink:
 class LimitedFile(io.FileIO):
     """``io.FileIO`` for files other code writes (Keras' own ``.keras`` archive): each
     write is whole (short writes are continued), a write past this process' file-size
-    limit raises ``EFBIG`` (:func:`room_for`) instead of drawing ``SIGXFSZ``, and a
+    limit raises ``EFBIG`` (`room_for`) instead of drawing ``SIGXFSZ``, and a
     failed write's ``OSError`` carries ``needed_bytes`` (at least its end) and
     ``needed_exact = False``."""
 

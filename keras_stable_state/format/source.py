@@ -1,12 +1,12 @@
 """Opening the bytes of a file to read: lock, seal or probe, archive, HDF5.
 
-:class:`Source` holds a file (or bytes in memory) open and locked, checks its
-seal before HDF5 parses a byte (:mod:`keras_stable_state.format.seal`) or
+`Source` holds a file (or bytes in memory) open and locked, checks its
+seal before HDF5 parses a byte (`keras_stable_state.format.seal`) or
 reads it first in a probe process when it has none
-(:mod:`keras_stable_state.format.probe`), checks a ``.keras`` archive's
+(`keras_stable_state.format.probe`), checks a ``.keras`` archive's
 members (safe names, plain compression, no decompression bomb, zip CRC-32 of
 the member read) and opens the HDF5 image it finds. What the image holds is
-listed by :class:`keras_stable_state.format.CheckpointFile`. See
+listed by `keras_stable_state.format.CheckpointFile`. See
 ``docs/concepts/security.md``.
 
 This module imports no Keras.
@@ -50,7 +50,7 @@ _ZIP_SIGNATURE = b"PK\x03\x04"
 
 
 class Source:
-    """The bytes of one file (or of ``data`` in memory), opened by :meth:`open`.
+    """The bytes of one file (or of ``data`` in memory), opened by `open`.
 
     Attributes:
         path: The file's path (``"<bytes>"`` for data in memory).
@@ -60,25 +60,25 @@ class Source:
         h5: The ``h5py.File`` of the record or weights image, once opened.
         shared_h5: The ``h5py.File`` of Keras' weights member a ``.keras`` record
             shares arrays with, or ``None``; closed with the rest.
-        shared_image: With :attr:`whole`, that member read once, whole, while its
-            xxh3-128 was checked (:attr:`shared_h5` parses it; arrays are views of it);
+        shared_image: With `whole`, that member read once, whole, while its
+            xxh3-128 was checked (`shared_h5` parses it; arrays are views of it);
             else ``None``.
         container, where, sealed, seal_version, members, member, model_class:
-            As :class:`keras_stable_state.format.CheckpointFile` documents them.
+            As `keras_stable_state.format.CheckpointFile` documents them.
         keras_metadata: Keras' ``metadata.json`` of an archive, or ``{}``.
         hashed_members: The archive members whose every byte a hash checked on opening
             covers (the sealed record member read in place, Keras' weights member the
             record shares arrays with): their zip CRC-32 is not read again.
-        whole: Read a sealed image whole into :attr:`image` while checking its seal
+        whole: Read a sealed image whole into `image` while checking its seal
             (for a reader that reads every array), rather than hash it in chunks and
             read each array from the file when asked.
-        unaligned_views: With :attr:`whole`: the caller can use arrays at any offset
+        unaligned_views: With `whole`: the caller can use arrays at any offset
             (Torch). ``False`` (TensorFlow and JAX need 64-byte aligned memory to use an
             array without a copy): Keras' weights member of a ``.keras`` archive, whose
             datasets Keras does not align, is hashed in chunks and read array by array
             into aligned arrays instead of whole.
-        image: The sealed record's image, read once (:func:`~keras_stable_state.format.image.read_sealed`),
-            which :attr:`h5` parses and arrays are views of; else ``None``.
+        image: The sealed record's image, read once (`read_sealed`),
+            which `h5` parses and arrays are views of; else ``None``.
     """
 
     def __init__(self, path: str, data: bytes | None, whole: bool = False, unaligned_views: bool = True):
@@ -115,7 +115,7 @@ class Source:
     @contextlib.contextmanager
     def on_disk(self):
         """A path holding the file's bytes, for a probe process: the open file itself
-        (:func:`~keras_stable_state.format.files.inherited_path`), or a private copy of
+        (`inherited_path`), or a private copy of
         bytes in memory."""
         if self.data is None:
             yield files.inherited_path(self.fh)
@@ -127,10 +127,10 @@ class Source:
             yield copy
 
     def open(self):
-        """Open, lock and check the bytes, and open their HDF5 image as :attr:`h5`.
+        """Open, lock and check the bytes, and open their HDF5 image as `h5`.
 
         Raises:
-            The errors of :class:`keras_stable_state.format.CheckpointFile` about the
+            The errors of `keras_stable_state.format.CheckpointFile` about the
             container: in use, failing its seal, an unsafe archive, neither zip nor HDF5.
             Other exceptions (``OSError``, ``zipfile.BadZipFile``...) are left to the caller.
         """
@@ -175,8 +175,8 @@ class Source:
             self.container = ".weights.h5 file"
 
     def _check_seal(self, fh, head: bytes, size: int, where: str) -> tuple[int, str, bool]:
-        """The seal check of :mod:`~keras_stable_state.format.seal`; with :attr:`whole`, the
-        bytes are kept in :attr:`image` as they are hashed."""
+        """The seal check of `seal`; with `whole`, the
+        bytes are kept in `image` as they are hashed."""
         if not self.whole:
             return _seal.check_stream(fh, head, size, where)
         version, name, ok, self.image = _image.read_sealed(fh, head, size, where)
@@ -185,9 +185,9 @@ class Source:
 
     def drop_image(self) -> None:
         """Parse the sealed image from the file (the same open, locked handle it was read
-        and hashed from) instead of :attr:`image`, and let the image go; Keras' weights
+        and hashed from) instead of `image`, and let the image go; Keras' weights
         member a record shares arrays with is closed too, for the listing to open again.
-        For a caller that would copy every view of the image (see :attr:`unaligned_views`)."""
+        For a caller that would copy every view of the image (see `unaligned_views`)."""
         for handle in (self.shared_h5, self.h5):
             if handle is not None:
                 with contextlib.suppress(OSError, ValueError, RuntimeError):
@@ -282,10 +282,10 @@ class Source:
 
     def _open_member_in_place(self) -> bool:
         """Open a sealed record member stored uncompressed where it lies in the archive
-        (:class:`~keras_stable_state.format.keras_archive.Window`), never through zip's
+        (`Window`), never through zip's
         decompressing reader: its seal (xxh3-128 over every byte after its user block, and
-        their count) is checked first, in chunks, or with :attr:`whole` while the member is
-        read once into :attr:`image`, and covers everything the zip CRC-32 would. ``False``
+        their count) is checked first, in chunks, or with `whole` while the member is
+        read once into `image`, and covers everything the zip CRC-32 would. ``False``
         (nothing opened) for another member, a compressed one or one without a seal:
         those are read whole, with the zip CRC-32 checked."""
         info = self.zip.getinfo(self.member)

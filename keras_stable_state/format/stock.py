@@ -47,7 +47,7 @@ def _natural(path: str):
 
 
 class StockListing(Listing):
-    """The arrays of a stock Keras weights image (:meth:`list`).
+    """The arrays of a stock Keras weights image (`list`).
 
     Attributes:
         metadata: Keras' ``metadata.json`` of an archive, or ``{}``.
@@ -55,7 +55,7 @@ class StockListing(Listing):
         key_groups: The groups (``"optimizer/vars/"``) holding such a ``keys`` dataset.
     """
 
-    def __init__(self, src):
+    def __init__(self, src) -> None:
         super().__init__(src)
         self.metadata = {}
         self.optimizer_keys = {}
@@ -115,12 +115,12 @@ class StockListing(Listing):
 
 
 def stock_weights(in_archive: bool, arrays: dict, optimizer_keys: dict, key_groups: set) -> StockWeights:
-    """The :class:`StockWeights` of a stock file's arrays, read whole.
+    """The `StockWeights` of a stock file's arrays, read whole.
 
     Args:
         in_archive: Whether the file is a ``.keras`` archive (else a ``.weights.h5`` file).
         arrays: ``{"model": {path: array}, "optimizer": {path: array}}``.
-        optimizer_keys, key_groups: As :class:`StockListing` found them.
+        optimizer_keys, key_groups: As `StockListing` found them.
 
     Raises:
         CorruptCheckpointError: if positional optimizer variables, or their

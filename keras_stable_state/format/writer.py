@@ -1,14 +1,14 @@
 """Writing a training-state record (format 3), sealed and atomically.
 
 The HDF5 image is written one array at a time (an array larger than
-:data:`~keras_stable_state.format.PACK_LIMIT` bytes in a blob of its own,
+`PACK_LIMIT` bytes in a blob of its own,
 smaller ones packed into shared blobs), each array's xxh3-64 in its index row
 and each JSON record's xxh3-64 in its ``xxh3`` attribute; then the xxh3-128
-seal is written into the user block (:mod:`keras_stable_state.format.seal`).
+seal is written into the user block (`keras_stable_state.format.seal`).
 Inside a ``.keras`` archive the model arrays and the optimizer arrays larger than
 ``PACK_LIMIT`` that Keras' ``model.weights.h5`` already holds are referred to, not
 written again
-(:mod:`keras_stable_state.format.keras_archive`). The layout is described in
+(`keras_stable_state.format.keras_archive`). The layout is described in
 ``docs/concepts/file-format.md``.
 
 This module imports no Keras.
@@ -59,7 +59,7 @@ class _SectionWriter:
     """Writes one section's arrays into numbered uint8 blobs (format 3), one array at a
     time, and builds the section's index rows."""
 
-    def __init__(self, group, shared=None, share_above=0):
+    def __init__(self, group, shared=None, share_above=0) -> None:
         self.group = group
         self.shared = shared
         self.share_above = share_above
@@ -68,7 +68,7 @@ class _SectionWriter:
         self.buf = bytearray()
         self.open = False  # a shared blob is being filled (it may hold zero-size arrays only)
 
-    def add(self, key, value):
+    def add(self, key, value) -> None:
         if callable(value):
             value = value()
         stored, name = encode_array(np.asarray(value))
@@ -95,7 +95,7 @@ class _SectionWriter:
         if len(self.buf) >= BLOB_TARGET:
             self.flush()
 
-    def flush(self):
+    def flush(self) -> None:
         if not self.open:
             return
         self.group.create_dataset(str(self.blobs), data=np.frombuffer(self.buf, dtype=np.uint8))
@@ -122,10 +122,10 @@ def _write_section(group, arrays, shared=None, share_above=0) -> list:
 def write_h5(target, record: StateRecord, shared: keras_archive.KerasWeights | None = None) -> None:
     """Write ``record``'s HDF5 image (format 3), user block left zero, to ``target`` (a
     path or a binary file object), one array at a time; model arrays, and optimizer
-    arrays larger than :data:`~keras_stable_state.format.PACK_LIMIT` bytes, found in
+    arrays larger than `PACK_LIMIT` bytes, found in
     ``shared`` (Keras' weights of the same archive) are referred to, not written.
 
-    A path is written through a :class:`~keras_stable_state.format.sink.Sink`, so a
+    A path is written through a `Sink`, so a
     failed write (a full disk, the file-size limit) never leaves HDF5 with a file it
     cannot close; the image is still built to its end, to count the bytes it needs.
 
@@ -185,7 +185,7 @@ def _write_image(target, record: StateRecord, shared) -> None:
 
 def record_to_bytes(record: StateRecord) -> bytes:
     """``record`` as the bytes of a sealed ``.h5`` training state (for object stores);
-    :func:`~keras_stable_state.format.read_bytes` reads them back.
+    `read_bytes` reads them back.
 
     Raises:
         CheckpointFormatError: for an array of a dtype a training state cannot hold.
@@ -227,7 +227,7 @@ def check_target(filepath) -> str:
     Raises:
         CheckpointFormatError: for an extension other than ``.keras`` / ``.h5``, a
             path that is a directory, or a URL (``s3://...``: see
-            :mod:`~keras_stable_state.format.remote`).
+            `remote`).
     """
     path = os.fsdecode(os.fspath(filepath))
     refuse_url(path, "training-state path")  # object stores: keras_stable_state.format.remote
@@ -283,7 +283,7 @@ _ZIP_OVERHEAD = 4096
 
 
 def _append_member(archive: str, member_path: str) -> None:
-    """Append the file at ``member_path`` to the zip ``archive`` as :data:`MEMBER`, stored,
+    """Append the file at ``member_path`` to the zip ``archive`` as `MEMBER`, stored,
     copied in chunks (as ``ZipFile.writestr`` would store it, without holding it in memory)."""
     size = os.path.getsize(member_path)
     room_for(os.path.getsize(archive) + size + _ZIP_OVERHEAD, size)
