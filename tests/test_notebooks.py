@@ -7,7 +7,8 @@ kernelspec on the machine is used) with ``KERAS_BACKEND`` set to this pytest pro
 
 The committed outputs come from the JAX backend. In the JAX pass, the text outputs of the fresh
 run (stdout and ``text/plain``; not images, not stderr, not cells tagged ``volatile-output``)
-must equal the committed ones.
+must equal the committed ones. On JAX and Torch the kernel must not import TensorFlow (no
+output carries its C++ start-up log lines), and every notebook of :data:`PLOTS` shows a plot.
 """
 
 import difflib
@@ -28,6 +29,20 @@ NOTEBOOKS = [
     "04_finetune_frozen_and_lora.ipynb",
     "05_custom_training_loop.ipynb",
 ]
+#: Notebooks that show at least one plot, on every backend and in their committed outputs.
+PLOTS = [
+    "02_resume_model_fit.ipynb",
+    "03_cross_backend_transfer.ipynb",
+    "04_finetune_frozen_and_lora.ipynb",
+    "05_custom_training_loop.ipynb",
+]
+#: TensorFlow's C++ log lines (process id and time in each), printed to stderr when TensorFlow
+#: is imported; TF_CPP_MIN_LOG_LEVEL does not silence the ones written before absl is initialised.
+TF_LOG_LINE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|[IWEF]\d{4} [\d:.]+ +\d+ \S+:\d+\] .*)",
+    re.M,
+)
 
 _spec = importlib.util.spec_from_file_location("_kss_notebook_runner", NOTEBOOKS_DIR / "_run.py")
 runner = importlib.util.module_from_spec(_spec)
@@ -36,6 +51,17 @@ _spec.loader.exec_module(runner)
 
 def _committed(name):
     return nbformat.read(NOTEBOOKS_DIR / name, as_version=4)
+
+
+def _tf_log_lines(nb):
+    """``(cell index, line)`` of every TensorFlow log line in any output of ``nb``."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            text = out.get("text", "") + out.get("data", {}).get("text/plain", "")
+            text += "\n".join(out.get("traceback", []))
+            found += [(i, m.group(0)) for m in TF_LOG_LINE.finditer(text)]
+    return found
 
 
 def test_notebook_list_is_complete():
@@ -59,6 +85,11 @@ def test_committed_notebook_is_executed_and_clean(name):
             assert not re.search(r"/tmp/|/var/folders/|\bat 0x[0-9a-f]+", text), (
                 f"{name} cell {i}: temporary path or object address in the output: {text[:300]!r}"
             )
+    assert not _tf_log_lines(nb), (
+        f"{name}: TensorFlow log lines in the committed outputs: {_tf_log_lines(nb)[:3]}"
+    )
+    if name in PLOTS:
+        assert _image_count(nb) >= 1, f"{name}: the committed notebook has no plot"
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -86,11 +117,15 @@ def _image_count(nb):
 def test_notebook_runs_on_this_backend(name, tmp_path):
     nb, probe = runner.execute(NOTEBOOKS_DIR / name, BACKEND, cwd=tmp_path, timeout=180)
     # the kernel is this interpreter, on this backend
-    assert probe == [sys.executable, BACKEND]
+    assert probe[:2] == [sys.executable, BACKEND]
     assert not [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
-    if name.startswith("02_"):
-        assert _image_count(nb) >= 1, "the loss plot is missing"
-        assert _image_count(_committed(name)) >= 1, "the committed notebook has no plot"
+    if name in PLOTS:
+        assert _image_count(nb) >= 1, f"{name}: the plot is missing on {BACKEND}"
+        assert _image_count(_committed(name)) >= 1, f"{name}: the committed notebook has no plot"
+    if BACKEND != "tensorflow":
+        # keras.utils.set_random_seed (and a .keras save) import TensorFlow wherever it is installed
+        assert not _tf_log_lines(nb), f"{name}: TensorFlow log lines on {BACKEND}: {_tf_log_lines(nb)[:3]}"
+        assert probe[2] == "False", f"{name}: the kernel imported TensorFlow on {BACKEND}"
     if BACKEND != runner.COMMITTED_BACKEND:
         return
     fresh, committed = _timeless(runner.text_outputs(nb)), _timeless(runner.text_outputs(_committed(name)))
