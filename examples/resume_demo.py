@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -217,6 +218,21 @@ def set_threads(n):
             pass
 
 
+def set_seed(seed):
+    """Seed Python, NumPy and the backend, as ``keras.utils.set_random_seed`` does, without
+    importing TensorFlow on the other backends (Keras' own seeds TensorFlow wherever it is
+    installed, which imports it and prints its start-up lines)."""
+    if keras.backend.backend() == "tensorflow":
+        keras.utils.set_random_seed(seed)
+        return
+    random.seed(seed)  # Keras draws its default seeds (initial weights, seed generators) from here
+    np.random.seed(seed)
+    if keras.backend.backend() == "torch":
+        import torch
+
+        torch.manual_seed(seed)
+
+
 def load_data(seed):
     """Digits 8x8 scaled to [0, 1], shape (N, 8, 8, 1); fixed stratified 80/20 split."""
     from sklearn.datasets import load_digits
@@ -232,12 +248,11 @@ def load_data(seed):
 def make_model(cls, args, x_sample, stable=True, seed=True):
     """Build and compile ``cls``; Adam, wrapped in ``StableOptimizer`` when ``stable``.
 
-    ``seed=False`` leaves the initial weights random: a resumed process must get
-    everything from the checkpoint. (``keras.utils.set_random_seed`` also imports
-    TensorFlow, which costs seconds under the other backends.)
+    ``seed=True`` seeds the initial weights with :func:`set_seed`; ``seed=False`` leaves
+    them random: a resumed process must get everything from the checkpoint.
     """
     if seed:
-        keras.utils.set_random_seed(args.seed)
+        set_seed(args.seed)
     model = cls()
     model(x_sample[:1])
     adam = keras.optimizers.Adam(learning_rate=args.lr)
