@@ -23,6 +23,7 @@ import stat
 import tempfile
 import zipfile
 import zlib
+from typing import Any
 
 import h5py
 
@@ -87,7 +88,10 @@ class Source:
         self.whole = whole
         self.unaligned_views = unaligned_views
         self.image = self.shared_image = self._sealed_fh = None
-        self.fh = self.zip = self.h5 = self.shared_h5 = None
+        self.fh = self.zip = None
+        # h5py.File (untyped: Any) once opened
+        self.h5: Any = None
+        self.shared_h5: Any = None
         self.container = ".h5 file"
         self.where = path
         self.sealed = False
@@ -95,7 +99,7 @@ class Source:
         self.members = []
         self.member = None
         self.model_class = None
-        self.keras_metadata = {}
+        self.keras_metadata: dict[str, Any] = {}
         self.hashed_members = set()
         self._member_size = None
 
