@@ -96,14 +96,14 @@ class RecordListing(Listing):
             (an array is read through it, not looked up again).
     """
 
-    def __init__(self, src):
+    def __init__(self, src: Source) -> None:
         super().__init__(src)
-        self.metadata = {}
-        self.contract = None
-        self.extra = {}
-        self.shared = {}
-        self.shared_spans = {}
-        self.datasets = {}
+        self.metadata: dict[str, Any] = {}
+        self.contract: list[list[Any]] | None = None
+        self.extra: dict[str, Any] = {}
+        self.shared: dict[str, Any] = {}
+        self.shared_spans: dict[str, int] = {}
+        self.datasets: dict[str, Any] = {}
 
     def list(self) -> None:
         """Read the records, list every array and check the records' schema.
@@ -162,7 +162,7 @@ class RecordListing(Listing):
             )
         self.version = version
 
-    def read_json(self, name: str):
+    def read_json(self, name: str) -> Any:
         """The JSON record ``name``, its checksum checked (format 3: xxh3-64; format 2:
         CRC-32; format 1, a scalar string, has none).
 

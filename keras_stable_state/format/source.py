@@ -130,7 +130,7 @@ class Source:
                 fh.write(self.data)
             yield copy
 
-    def open(self):
+    def open(self) -> None:
         """Open, lock and check the bytes, and open their HDF5 image as `h5`.
 
         Raises:
@@ -352,7 +352,7 @@ class Source:
             return self.image.nbytes  # what was hashed and is parsed, whatever the file is now
         return len(self.data) if self.data is not None else os.fstat(self.fh.fileno()).st_size
 
-    def close(self):
+    def close(self) -> None:
         """Close every handle and release the lock; closing twice is harmless."""
         for handle in (self.shared_h5, self.h5, self.zip, self.fh):
             if handle is not None:
