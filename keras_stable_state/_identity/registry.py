@@ -162,13 +162,13 @@ class VariableRegistry:
         return self._by_key.get(key)
 
     def bind(
-        self, saved: Iterable[tuple[VariableKey, tuple[int, ...], str]]
+        self, saved: Iterable[tuple[VariableKey, tuple[int, ...] | None, str | None]]
     ) -> tuple[dict[VariableKey, tuple[keras.Variable, str]], list[VariableKey]]:
         """Bind saved entries to live variables.
 
         Args:
             saved: iterable of ``(VariableKey, shape tuple, dtype str)`` as read
-                from a file.
+                from a file; shape ``None``: an ordered key's shape and dtype are not checked.
 
         Returns:
             ``(bound, unmatched)``: ``bound`` maps each saved key to
