@@ -7,13 +7,15 @@ the restore core (`keras_stable_state._core.apply`), the state providers
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import numpy as np
 
 from keras_stable_state import _processes as _multiprocess
 
 
-def to_numpy(variable):
+def to_numpy(variable: Any) -> np.ndarray:
     """A variable's value as a NumPy array (``bfloat16`` via ml_dtypes).
 
     On TensorFlow and Torch the value is converted with its own ``.numpy()``: Keras'
@@ -39,13 +41,13 @@ def to_numpy(variable):
     return keras.ops.convert_to_numpy(value)
 
 
-def numpy_copy(variable):
+def numpy_copy(variable: Any) -> np.ndarray:
     """`to_numpy`, as an array of its own: a copy where the conversion shares the
     variable's memory (Torch's ``.numpy()``), which a later assignment would change."""
     return private_copy(to_numpy(variable))
 
 
-def private_copy(array):
+def private_copy(array: np.ndarray) -> np.ndarray:
     """``array`` itself when nothing else can hold its memory (an array that owns it and is
     no view: JAX's and TensorFlow's conversions copy already), else a copy (Torch's
     ``.numpy()`` shares the tensor's memory, which an assignment changes)."""

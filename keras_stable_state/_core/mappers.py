@@ -105,7 +105,7 @@ class StateMapper:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement decode(key, array, dtype, params).")
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         """The constructor arguments, as JSON-ready values."""
         return {}
 
@@ -147,7 +147,7 @@ class CastMapper(StateMapper):
         self.dtype = dtype
 
     @property
-    def lossy(self) -> bool:
+    def lossy(self) -> bool:  # type: ignore[override]  # per instance (its dtype); StateMapper's is a class attribute
         return self.dtype != "float64"
 
     def encode(self, key: str, array: np.ndarray) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
@@ -170,7 +170,7 @@ class CastMapper(StateMapper):
     def decode(self, key: str, array: np.ndarray, dtype: str, params: dict[str, Any]) -> np.ndarray:
         return np.asarray(array).astype(storage.numpy_dtype(dtype))
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {"dtype": self.dtype}
 
 
@@ -235,14 +235,14 @@ class QuantizeMapper(StateMapper):
 @dataclasses.dataclass
 class _Rule:
     pattern: str
-    regex: re.Pattern
+    regex: re.Pattern[str]
     mapper: StateMapper
     name: str  # the registered name
 
 
-def _registered_name(mapper, pattern, verb) -> str:
+def _registered_name(mapper: StateMapper, pattern: str, verb: str) -> str:
     cls = type(mapper)
-    name = keras.saving.get_registered_name(cls)
+    name: str = keras.saving.get_registered_name(cls)
     if keras.saving.get_registered_object(name) is not cls:
         raise TypeError(
             f"`mappers[{pattern!r}]` of {verb} is a {cls.__name__}, which is not registered with "
@@ -252,7 +252,7 @@ def _registered_name(mapper, pattern, verb) -> str:
     return name
 
 
-def check_mappers(mappers, verb) -> list:
+def check_mappers(mappers: object, verb: str) -> list[_Rule]:
     """The ``mappers`` argument as ``[_Rule]``; ``[]`` for ``None``.
 
     Raises:
@@ -297,7 +297,7 @@ def check_mappers(mappers, verb) -> list:
     return rules
 
 
-def _encode_one(rule, key, array):
+def _encode_one(rule: _Rule, key: str, array: Any) -> tuple[np.ndarray, dict[str, Any]]:
     name = storage.dtype_name(array)
     if not _is_float(name):
         raise DtypeMismatchError(
@@ -325,7 +325,9 @@ def _encode_one(rule, key, array):
     return stored, params
 
 
-def encode_arrays(rules, model_arrays, opt_arrays):
+def encode_arrays(
+    rules: list[_Rule], model_arrays: dict[str, Any], opt_arrays: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Encode every array a rule matches.
 
     Returns:
@@ -339,10 +341,12 @@ def encode_arrays(rules, model_arrays, opt_arrays):
         DtypeMismatchError: naming the key, for a matched array that is not floating-point.
         StateError: naming the key, when the mapper refuses the values.
     """
-    section, found, used = {}, {}, set()
-    out = []
+    section: dict[str, Any] = {}
+    found: dict[str, Any] = {}
+    used: set[str] = set()
+    out: list[dict[str, Any]] = []
     for arrays in (model_arrays, opt_arrays):
-        mapped = {}
+        mapped: dict[str, Any] = {}
         for key, array in arrays.items():
             hits = [r for r in rules if r.regex.search(key)]
             if len(hits) > 1:
@@ -379,7 +383,7 @@ def encode_arrays(rules, model_arrays, opt_arrays):
 
 
 # -- restore -----------------------------------------------------------------------------
-def _mapper_of(key, spec, where) -> StateMapper:
+def _mapper_of(key: str, spec: dict[str, Any], where: str) -> StateMapper:
     name = spec["class_name"]
     cls = keras.saving.get_registered_object(name)
     if not (isinstance(cls, type) and issubclass(cls, StateMapper)):
@@ -403,7 +407,9 @@ def _mapper_of(key, spec, where) -> StateMapper:
         ) from err
 
 
-def decode_record(record, where):
+def decode_record(
+    record: storage.StateRecord | storage.StockWeights, where: str
+) -> tuple[storage.StateRecord | storage.StockWeights, dict[str, StateMapper]]:
     """``record`` with every mapped array decoded, and ``{key: mapper}`` of those.
 
     A record without mappers (or a stock Keras file) is returned as it is.
@@ -415,10 +421,10 @@ def decode_record(record, where):
         CorruptCheckpointError: naming the key, for a mapper record about no saved array.
     """
     specs = record.extra.get(SECTION) if isinstance(record, storage.StateRecord) else None
-    if not specs:
+    if not specs or not isinstance(record, storage.StateRecord):  # (specs: a StateRecord's)
         return record, {}
     sections = {"model": dict(record.model), "optimizer": dict(record.optimizer)}
-    mapped = {}
+    mapped: dict[str, StateMapper] = {}
     for key, spec in specs.items():
         arrays = next((a for a in sections.values() if key in a), None)
         if arrays is None:

@@ -63,10 +63,10 @@ class VariableRegistry:
         self.entries = list(entries)
         # Where stock Keras keeps each variable: computed from ``model`` on first use.
         self._model = model
-        self._keras_paths = None if model is not None else {}
-        self._keras_source = None
-        self._by_key = {}
-        self._by_id = {}
+        self._keras_paths: dict[int, str] | None = None if model is not None else {}
+        self._keras_source: VariableRegistry | None = None
+        self._by_key: dict[VariableKey, keras.Variable] = {}
+        self._by_id: dict[int, VariableKey] = {}
         dup = []
         for key, var in self.entries:
             if key in self._by_key:
@@ -98,7 +98,8 @@ class VariableRegistry:
             cache_key = ("registry", id(model), tuple(map(id, variables)))
             hit = cache.get(cache_key)
             if hit is not None and hit[0] is model:
-                return hit[1]
+                cached: VariableRegistry = hit[1]
+                return cached
         paths = stable_paths(model, variables) if model is not None else {}
         entries, seen = [], set()
         for i, v in enumerate(variables):
@@ -120,7 +121,7 @@ class VariableRegistry:
         return registry
 
     @property
-    def keras_paths(self) -> dict:
+    def keras_paths(self) -> dict[int, str]:
         """``id(variable) -> path`` where stock Keras ``.weights.h5`` files keep each
         variable the model's walk reaches (``"layers/dense/vars/0"``).
 
@@ -151,23 +152,23 @@ class VariableRegistry:
         """
         return self._by_id[id(variable)]
 
-    def __contains__(self, variable) -> bool:
+    def __contains__(self, variable: object) -> bool:
         return id(variable) in self._by_id
 
-    def keys(self) -> list:
+    def keys(self) -> list[VariableKey]:
         return [k for k, _ in self.entries]
 
     def variable_of(self, key: VariableKey) -> keras.Variable | None:
         return self._by_key.get(key)
 
     def bind(
-        self, saved: Iterable[tuple[VariableKey, tuple[int, ...], str]]
+        self, saved: Iterable[tuple[VariableKey, tuple[int, ...] | None, str | None]]
     ) -> tuple[dict[VariableKey, tuple[keras.Variable, str]], list[VariableKey]]:
         """Bind saved entries to live variables.
 
         Args:
             saved: iterable of ``(VariableKey, shape tuple, dtype str)`` as read
-                from a file.
+                from a file; shape ``None``: an ordered key's shape and dtype are not checked.
 
         Returns:
             ``(bound, unmatched)``: ``bound`` maps each saved key to

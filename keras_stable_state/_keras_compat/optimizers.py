@@ -9,6 +9,8 @@ wrapper, they raise a [`StateError`][keras_stable_state.StateError].
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 
 from keras_stable_state.errors import StateError
@@ -42,7 +44,7 @@ def iterations_variable(optimizer):
     return getattr(optimizer, "_iterations", None)
 
 
-def learning_rate_variable(optimizer):
+def learning_rate_variable(optimizer: Any) -> Any:
     """The learning-rate variable (``None`` for a schedule, or an optimizer without one)."""
     return getattr(optimizer, "_learning_rate", None)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from typing import Any
 
 from keras_stable_state._manager import directory as files
 
@@ -57,7 +58,7 @@ class CheckpointMetadata:
     step: int
     path: str
     epoch: int | None
-    metrics: types.MappingProxyType
+    metrics: types.MappingProxyType[str, float]
     wall_time: float | None
     size_bytes: int
     format: int | None
@@ -67,17 +68,17 @@ class CheckpointMetadata:
 class ManagerRecord:
     """The provider holding the manager's metadata of one save (never restored)."""
 
-    def __init__(self, value) -> None:
+    def __init__(self, value: dict[str, Any]) -> None:
         self.value = value
 
-    def get_state(self):
+    def get_state(self) -> dict[str, Any]:
         return self.value
 
-    def set_state(self, state) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         self.value = state
 
 
-def check_step(step) -> int:
+def check_step(step: object) -> int:
     """``step`` if it is an int a file name holds, else ``ValueError`` naming it."""
     if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= files.MAX_STEP):
         raise ValueError(
@@ -87,13 +88,13 @@ def check_step(step) -> int:
     return step
 
 
-def check_metrics(metrics) -> dict:
+def check_metrics(metrics: object) -> dict[str, float]:
     """``metrics`` as ``{name: float}``; ``TypeError`` / ``ValueError`` naming a bad entry."""
     if metrics is None:
         return {}
     if not isinstance(metrics, dict):
         raise TypeError(f"`metrics` must be a dict of {{name: float}}. Received: {type(metrics).__name__}")
-    out = {}
+    out: dict[str, float] = {}
     for name, value in metrics.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"`metrics` names must be non-empty str. Received: {name!r}")
@@ -107,7 +108,9 @@ def check_metrics(metrics) -> dict:
     return out
 
 
-def metadata_of(step, path, summary, size_bytes) -> CheckpointMetadata:
+def metadata_of(
+    step: int, path: str, summary: tuple[dict[str, Any], dict[str, Any], int | None], size_bytes: int
+) -> CheckpointMetadata:
     """The [`CheckpointMetadata`][keras_stable_state.CheckpointMetadata] of the checkpoint ``path`` of ``step`` from its
     ``summary``: ``(writer metadata, manager record, format version)``."""
     metadata, record, version = summary
@@ -125,7 +128,7 @@ def metadata_of(step, path, summary, size_bytes) -> CheckpointMetadata:
     )
 
 
-def saved_message(shown, where, size_bytes, secs, blocked_secs) -> str:
+def saved_message(shown: str, where: str, size_bytes: int, secs: float, blocked_secs: float | None) -> str:
     """The verbose line of a save of ``shown`` (a path or name) taken at ``where``."""
     timing = f"{secs * 1e3:.0f} ms"
     if blocked_secs is not None:
@@ -133,7 +136,7 @@ def saved_message(shown, where, size_bytes, secs, blocked_secs) -> str:
     return f"saved {shown} ({where}): {size_bytes / 1e6:.2f} MB in {timing}"
 
 
-def check_save_keywords(state: dict, epoch) -> dict:
+def check_save_keywords(state: dict[str, Any], epoch: object) -> dict[str, Any]:
     """Check the keywords of [`CheckpointManager.save`][keras_stable_state.CheckpointManager.save] besides its own; pop and return
     its ``state`` providers (``{}`` for none).
 

@@ -68,7 +68,7 @@ class GradientAccumulator:
         self.built = True
 
     @property
-    def variables(self) -> list:
+    def variables(self) -> list[keras.Variable]:
         """The accumulator's variables: the sums, then total weight and micro-step count."""
         if not self.built:
             self.build()
@@ -88,7 +88,9 @@ class GradientAccumulator:
         self.total_weight.assign_add(keras.ops.cast(weight, "float32"))
         self.micro_steps.assign_add(1)
 
-    def stateless_accumulate(self, values: Sequence[Any], grads: Sequence[Any], weight: float = 1.0) -> list:
+    def stateless_accumulate(
+        self, values: Sequence[Any], grads: Sequence[Any], weight: float = 1.0
+    ) -> list[Any]:
         """Pure version of [`accumulate`][keras_stable_state.GradientAccumulator.accumulate] on ``values`` (as ordered in [`variables`][keras_stable_state.GradientAccumulator.variables])."""
         n = len(self.sums)
         sums = [
@@ -97,7 +99,7 @@ class GradientAccumulator:
         ]
         return [*sums, values[n] + keras.ops.cast(weight, "float32"), values[n + 1] + 1]
 
-    def gradients(self, values: Sequence[Any] | None = None) -> list:
+    def gradients(self, values: Sequence[Any] | None = None) -> list[Any]:
         """The weighted mean gradient of the window (``values``: stateless state)."""
         values = values if values is not None else [v.value for v in self.variables]
         n = len(self.sums)
@@ -109,10 +111,10 @@ class GradientAccumulator:
             v.assign(keras.ops.zeros(v.shape, v.dtype))
 
     # -- state provider ------------------------------------------------------------
-    def _registry(self):
+    def _registry(self) -> VariableRegistry:
         return VariableRegistry.from_model(self.model, self.targets)
 
-    def get_state(self) -> dict:
+    def get_state(self) -> dict[str, Any]:
         """Sums by variable key, total weight and micro-step count.
 
         Raises:
@@ -141,7 +143,7 @@ class GradientAccumulator:
             "micro_steps": self.count,
         }
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict[str, Any]) -> None:
         """Put back a state from [`get_state`][keras_stable_state.GradientAccumulator.get_state] (all checked before any assignment).
 
         Raises:

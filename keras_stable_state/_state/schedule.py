@@ -7,6 +7,7 @@ The current learning rate value itself is an optimizer variable and is saved wit
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import keras
 
@@ -28,12 +29,12 @@ class ScheduleMismatchError(StateError, ValueError):
         (config.decay_steps: saved 10, now 20). ...
     """
 
-    def __init__(self, message: str, *, fields: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, *, fields: Sequence[tuple[str, Any, Any]] = ()) -> None:
         super().__init__(message)
         self.fields = list(fields)
 
 
-def _schedule(optimizer):
+def _schedule(optimizer: Any) -> Any:
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, keras.optimizers.Optimizer):
         return _schedule(inner)
@@ -41,22 +42,22 @@ def _schedule(optimizer):
     return lr if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else None
 
 
-def schedule_state(optimizer) -> dict:
+def schedule_state(optimizer: Any) -> dict[str, Any]:
     """``{"schedule": <Keras serialization of the schedule> | None}``."""
     sched = None if optimizer is None else _schedule(optimizer)
     return {"schedule": None if sched is None else keras.saving.serialize_keras_object(sched)}
 
 
-def _diff(saved, current, path=""):
+def _diff(saved: Any, current: Any, path: str = "") -> list[tuple[str, Any, Any]]:
     if isinstance(saved, dict) and isinstance(current, dict):
-        out = []
+        out: list[tuple[str, Any, Any]] = []
         for k in sorted(set(saved) | set(current)):
             out += _diff(saved.get(k), current.get(k), k if path == "schedule" else f"{path}.{k}")
         return out
     return [] if saved == current else [(path, saved, current)]
 
 
-def check_schedule(saved: dict, optimizer) -> None:
+def check_schedule(saved: dict[str, Any], optimizer: Any) -> None:
     """Raise if ``optimizer``'s learning-rate schedule differs from ``saved``.
 
     Raises:

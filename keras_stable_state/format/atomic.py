@@ -23,6 +23,7 @@ import os
 import secrets
 import stat
 from types import TracebackType
+from typing import Literal
 
 from keras_stable_state.errors import CheckpointFormatError, StateError
 from keras_stable_state.format.remote import refuse_url
@@ -171,12 +172,14 @@ class atomic_path:
             the previous file at ``filepath`` is left as it was.
     """
 
-    def __init__(self, filepath, suffix="") -> None:
+    def __init__(
+        self, filepath: str | bytes | os.PathLike[str] | os.PathLike[bytes], suffix: str = ""
+    ) -> None:
         self.filepath = os.fsdecode(os.fspath(filepath))
         refuse_url(self.filepath, "training-state path")  # never a local folder named 's3:'
         self.suffix = suffix
 
-    def __enter__(self):
+    def __enter__(self) -> str:
         if os.path.isdir(self.filepath):
             raise directory_error(self.filepath)
         folder = os.path.dirname(os.path.abspath(self.filepath))
@@ -195,7 +198,7 @@ class atomic_path:
         with contextlib.suppress(FileNotFoundError):
             os.remove(self.tmp)
 
-    def _check_in_place(self):
+    def _check_in_place(self) -> None:
         """Refuse to rename what is at the temporary path unless it is the file created."""
         try:
             same = os.path.samestat(os.fstat(self.fd), os.lstat(self.tmp))
@@ -215,7 +218,7 @@ class atomic_path:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> Literal[False]:
         if exc_type is not None:
             self._discard()
             if isinstance(exc, OSError) and not isinstance(exc, StateError):

@@ -14,6 +14,7 @@ This module imports no Keras.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -41,14 +42,16 @@ DTYPES = frozenset(
 )
 
 
-def numpy_dtype(name: str):
+def numpy_dtype(name: str) -> np.dtype[Any]:
     """The NumPy dtype for a Keras dtype name (ml_dtypes for ``bfloat16`` and float8)."""
-    return np.dtype(EXOTIC.get(name, name))
+    dtype: np.dtype[Any] = np.dtype(EXOTIC.get(name, name))
+    return dtype
 
 
-def dtype_name(array) -> str:
+def dtype_name(array: Any) -> str:
     """Standard name of an array's dtype (``"bfloat16"`` for ml_dtypes arrays)."""
-    return np.dtype(array.dtype).name
+    name: str = np.dtype(array.dtype).name
+    return name
 
 
 def stored_dtype(name: str) -> np.dtype:
@@ -59,7 +62,7 @@ def stored_dtype(name: str) -> np.dtype:
     return np.dtype(name).newbyteorder("<") if np.dtype(name).itemsize > 1 else np.dtype(name)
 
 
-def encode_array(array) -> tuple[np.ndarray, str]:
+def encode_array(array: Any) -> tuple[np.ndarray, str]:
     """``(stored, dtype name)``: ``array`` as it is stored, C-contiguous, of its shape
     and of dtype `stored_dtype` (a view, not a copy, where it can be).
 
@@ -91,6 +94,6 @@ def aligned(n: int) -> int:
     return n + (-n) % ALIGN
 
 
-def json_array(value) -> np.ndarray:
+def json_array(value: Any) -> np.ndarray:
     """``value`` as JSON in UTF-8, a 1-d ``uint8`` array (a JSON record's dataset)."""
     return np.frombuffer(json.dumps(value).encode("utf-8"), dtype=np.uint8)

@@ -21,10 +21,12 @@ This module imports no Keras.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
+from typing import IO
 
-from keras_stable_state.errors import CheckpointFormatError
+from keras_stable_state.errors import CheckpointFormatError, StateError
 from keras_stable_state.format import remote
 
 # Flags that do not exist on every platform (Windows has neither): 0 there.
@@ -36,7 +38,7 @@ _BINARY = getattr(os, "O_BINARY", 0)
 _LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
 
 
-def fs_path(value, what: str = "path", *, urls: bool = False) -> str:
+def fs_path(value: object, what: str = "path", *, urls: bool = False) -> str:
     """``value`` as a ``str`` path: a ``str``, a ``bytes`` path (decoded with
     ``os.fsdecode``, as ``os.path`` functions accept it) or an ``os.PathLike``.
 
@@ -97,7 +99,7 @@ def open_regular(
     single_link: bool = False,
     what: str = "a training state",
     advice: str = "Pass the path of a regular file.",
-    error=CheckpointFormatError,
+    error: type[StateError] = CheckpointFormatError,
 ) -> int:
     """Open ``path`` with ``flags`` only if it is (or, ``O_CREAT`` in ``flags``, becomes) a
     regular file; the open file descriptor, in blocking mode.
@@ -162,14 +164,14 @@ def open_regular(
     return fd
 
 
-def _refusal(path: str, found: str, what: str, advice: str, error):
+def _refusal(path: str, found: str, what: str, advice: str, error: type[StateError]) -> StateError:
     message = f"{path!r} is {found}; {what} must be a regular file. It was not opened. {advice}"
     if issubclass(error, CheckpointFormatError):
         return error(message, received=path)
     return error(message)
 
 
-def open_binary(path: str, *, what: str = "a training state"):
+def open_binary(path: str, *, what: str = "a training state") -> io.BufferedReader:
     """`open_regular` for reading, as a buffered binary file object (``"rb"``).
 
     Raises:
@@ -182,7 +184,7 @@ def open_binary(path: str, *, what: str = "a training state"):
 _FD_FOLDER = "/dev/fd/"
 
 
-def inherited_path(fh) -> str:
+def inherited_path(fh: IO[bytes]) -> str:
     """A path that names the open file ``fh`` in a child process given its descriptor
     (``/dev/fd/<n>``, see `inherited_fds`), so the child reads the very file that
     was checked, not what the path names a moment later; the path of ``fh`` where the
@@ -192,7 +194,7 @@ def inherited_path(fh) -> str:
     return fh.name
 
 
-def inherited_fds(path: str) -> tuple:
+def inherited_fds(path: str) -> tuple[int, ...]:
     """The descriptors a child process must inherit to open ``path`` (``()`` for a plain path)."""
     if path.startswith(_FD_FOLDER) and path[len(_FD_FOLDER) :].isdigit():
         return (int(path[len(_FD_FOLDER) :]),)

@@ -24,6 +24,8 @@ import errno
 import os
 import zipfile
 import zlib
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import numpy as np
 
@@ -124,7 +126,7 @@ class CheckpointFile:
     """
 
     def __init__(
-        self, path, *, data: bytes | None = None, whole: bool = False, unaligned_views: bool = True
+        self, path: object, *, data: bytes | None = None, whole: bool = False, unaligned_views: bool = True
     ) -> None:
         data = None if data is None else bytes(data)
         if data is not None and not isinstance(path, str):
@@ -139,21 +141,21 @@ class CheckpointFile:
         if data is None:
             refuse_url(self.path, "training-state path")  # object stores: format.remote
         self.kind = "stock"
-        self.version = None
-        self.metadata = {}
-        self.contract = None
-        self.extra = {}
-        self.entries = []
-        self.optimizer_keys = {}
-        self.damaged_members = []
-        self.problems = []
+        self.version: int | None = None
+        self.metadata: dict[str, Any] = {}
+        self.contract: list[list[Any]] | None = None
+        self.extra: dict[str, Any] = {}
+        self.entries: list[Entry] = []
+        self.optimizer_keys: dict[str, str] = {}
+        self.damaged_members: list[tuple[str, str]] = []
+        self.problems: list[str] = []
         self._src = Source(self.path, data, whole, unaligned_views)
-        self._spans = {}
-        self._handed = set()  # Keras' datasets an array was read from (views of Keras' member)
-        self._key_groups = set()
-        self._blob = (None, None)
-        self._shared = {}
-        self._datasets = {}
+        self._spans: dict[str, int] = {}
+        self._handed: set[str] = set()  # Keras' datasets an array was read from (views of Keras' member)
+        self._key_groups: set[str] = set()
+        self._blob: tuple[str, np.ndarray] | tuple[None, None] = (None, None)
+        self._shared: dict[str, Any] = {}
+        self._datasets: dict[str, Any] = {}
         self._sync_source()
         if data is None and not os.path.exists(self.path):
             link = f" (a symbolic link to {os.readlink(self.path)!r})" if os.path.islink(self.path) else ""
@@ -247,13 +249,14 @@ class CheckpointFile:
         self._sync_source()
         self._list()
 
-    def _list(self):
+    def _list(self) -> None:
         src = self._src
         is_record = src.h5.attrs.get("format") == FORMAT
         if self.sealed and not is_record:
             raise damaged(self.where, f"a sealed record whose format attribute is not {FORMAT!r}")
         if is_record:
             self.kind = FORMAT
+            listing: RecordListing | StockListing
             listing = RecordListing(src)
             listing.list()
             self.version = listing.version
@@ -326,7 +329,7 @@ class CheckpointFile:
             return stored.view(target)
         return stored
 
-    def _load(self, name: str, ds) -> np.ndarray:
+    def _load(self, name: str, ds: Any) -> np.ndarray:
         """The data of the dataset ``ds`` at ``name`` as stored: a view of the image read
         whole (`image`; the record's, or for a name in Keras'
         weights member that member's), else read from the file into a new 64-byte aligned
@@ -338,7 +341,7 @@ class CheckpointFile:
             return _image.dataset_view(image, offset, ds.id)
         return sandbox.read_dataset(ds)
 
-    def _failed_checksum(self, entry: Entry, expected, computed) -> CorruptCheckpointError:
+    def _failed_checksum(self, entry: Entry, expected: object, computed: object) -> CorruptCheckpointError:
         return damaged(
             self.where,
             f"array for key {entry.key!r} fails its {entry.checksum} checksum (expected {expected}, "
@@ -364,6 +367,7 @@ class CheckpointFile:
                 ds = self._datasets.get(entry.dataset)
                 blob = self._load(entry.dataset, self._src.h5[entry.dataset] if ds is None else ds)
                 self._blob = (entry.dataset, blob) if blob.nbytes <= _BLOB_CACHE_LIMIT else (None, None)
+            assert blob is not None  # else name == entry.dataset: the blob cached with it
             raw = blob[entry.offset : entry.offset + entry.nbytes]
             if raw.nbytes != entry.nbytes:
                 raise ValueError(f"{raw.nbytes} of its {entry.nbytes} bytes are in the blob")
@@ -379,7 +383,7 @@ class CheckpointFile:
             raise self._failed_checksum(entry, f"{entry.xxh3:016x}", f"{computed:016x}")
         return decode_array(stored, entry.dtype)
 
-    def check_members(self, progress=None) -> None:
+    def check_members(self, progress: Callable[[int], object] | None = None) -> None:
         """Read every other archive member to the end, so that zip checks its CRC-32.
 
         A member a hash checked on opening covers whole (the sealed record member read
@@ -405,7 +409,7 @@ class CheckpointFile:
             except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:
                 self.damaged_members.append((name, str(err)))
 
-    def check(self, progress=None) -> list:
+    def check(self, progress: Callable[[int], object] | None = None) -> list[tuple[str, str]]:
         """Read every array and every archive member and check them.
 
         Args:
@@ -429,7 +433,7 @@ class CheckpointFile:
         ]
         return damaged_
 
-    def section(self, name: str) -> list:
+    def section(self, name: str) -> list[Entry]:
         """The entries of one section (``"model"``, ``"optimizer"``, ``"state"``), in file order."""
         return [e for e in self.entries if e.section == name]
 
@@ -446,15 +450,15 @@ class CheckpointFile:
         self._shared = {}
         self._datasets = {}
 
-    def __enter__(self):
+    def __enter__(self) -> CheckpointFile:
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
 
-def open_file(filepath, *, storage_options=None) -> CheckpointFile:
+def open_file(filepath: object, *, storage_options: Mapping[str, Any] | None = None) -> CheckpointFile:
     """Open a training-state file or stock Keras weights file for reading, lazily.
 
     The seal (or, for unsealed files, a probe process), the structure and the
@@ -483,7 +487,9 @@ def open_file(filepath, *, storage_options=None) -> CheckpointFile:
     return _open(filepath, storage_options, whole=False)
 
 
-def _open(filepath, storage_options, *, whole: bool, unaligned_views: bool = True) -> CheckpointFile:
+def _open(
+    filepath: object, storage_options: Mapping[str, Any] | None, *, whole: bool, unaligned_views: bool = True
+) -> CheckpointFile:
     if isinstance(filepath, bytes | str | os.PathLike):
         path = os.fsdecode(os.fspath(filepath))
         if is_remote(path):
@@ -493,7 +499,9 @@ def _open(filepath, storage_options, *, whole: bool, unaligned_views: bool = Tru
     return CheckpointFile(filepath, whole=whole, unaligned_views=unaligned_views)
 
 
-def read_bytes(data: bytes, name: str = "<bytes>", *, unaligned_views: bool = True):
+def read_bytes(
+    data: bytes, name: str = "<bytes>", *, unaligned_views: bool = True
+) -> StateRecord | StockWeights:
     """`read_file` for a training state held in memory (``.h5`` or ``.keras`` bytes);
     messages name it ``name`` (the URL of an object read from a store).
 
@@ -504,7 +512,9 @@ def read_bytes(data: bytes, name: str = "<bytes>", *, unaligned_views: bool = Tr
     return _read_whole(CheckpointFile.from_bytes(data, name, whole=True, unaligned_views=unaligned_views))
 
 
-def read_file(filepath, *, storage_options=None, unaligned_views: bool = True):
+def read_file(
+    filepath: object, *, storage_options: Mapping[str, Any] | None = None, unaligned_views: bool = True
+) -> StateRecord | StockWeights:
     """Read a training-state file, or a stock Keras weights file, whole, with every check.
 
     A URL is read as `open_file` reads it (``storage_options`` for its filesystem).
@@ -540,7 +550,7 @@ def read_file(filepath, *, storage_options=None, unaligned_views: bool = True):
 
 def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:
     with f:
-        arrays = {section: {} for section in SECTIONS}
+        arrays: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
         for e in f.entries:
             arrays[e.section][e.key] = f.read(e)
         f.check_members()

@@ -7,6 +7,7 @@ This module imports no Keras.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 FORMAT = "keras_stable_state"
 FORMAT_VERSION = 3
@@ -72,12 +73,12 @@ class StateRecord:
     back always hold arrays.
     """
 
-    metadata: dict
-    contract: list | None
-    model: dict
-    optimizer: dict
-    extra: dict = dataclasses.field(default_factory=dict)
-    arrays: dict = dataclasses.field(default_factory=dict)
+    metadata: dict[str, Any]
+    contract: list[list[Any]] | None
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    arrays: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -106,7 +107,7 @@ class Entry:
     section: str
     key: str
     dataset: str
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
     nbytes: int
     crc32: int | None = None

@@ -14,6 +14,7 @@ This module imports no Keras.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
@@ -25,6 +26,9 @@ from keras_stable_state.format.codec import DTYPES, stored_dtype
 from keras_stable_state.format.probe import damaged, newer_format
 from keras_stable_state.format.record import FORMAT_VERSION, INDEX, READ_VERSIONS, RECORDS, SECTIONS, Entry
 from keras_stable_state.format.schema import check_json_depth, check_key, check_schema
+
+if TYPE_CHECKING:
+    from keras_stable_state.format.source import Source
 
 
 class Listing:
@@ -39,14 +43,14 @@ class Listing:
             data, by its path (``"/model/0"``), once walked.
     """
 
-    def __init__(self, src):
+    def __init__(self, src: Source) -> None:
         self.src = src
-        self.where = src.where
-        self.version = None
-        self.entries = []
-        self.spans = {}
+        self.where: str = src.where
+        self.version: int | None = None
+        self.entries: list[Entry] = []
+        self.spans: dict[str, int] = {}
 
-    def walk(self, strings=()) -> list:
+    def walk(self, strings: tuple[str, ...] = ()) -> list[tuple[str, Any]]:
         """Every dataset as ``(path, dataset)`` (`keras_stable_state.format.sandbox.walk`).
 
         Raises:
@@ -92,14 +96,14 @@ class RecordListing(Listing):
             (an array is read through it, not looked up again).
     """
 
-    def __init__(self, src):
+    def __init__(self, src: Source) -> None:
         super().__init__(src)
-        self.metadata = {}
-        self.contract = None
-        self.extra = {}
-        self.shared = {}
-        self.shared_spans = {}
-        self.datasets = {}
+        self.metadata: dict[str, Any] = {}
+        self.contract: list[list[Any]] | None = None
+        self.extra: dict[str, Any] = {}
+        self.shared: dict[str, Any] = {}
+        self.shared_spans: dict[str, int] = {}
+        self.datasets: dict[str, Any] = {}
 
     def list(self) -> None:
         """Read the records, list every array and check the records' schema.
@@ -158,7 +162,7 @@ class RecordListing(Listing):
             )
         self.version = version
 
-    def read_json(self, name: str):
+    def read_json(self, name: str) -> Any:
         """The JSON record ``name``, its checksum checked (format 3: xxh3-64; format 2:
         CRC-32; format 1, a scalar string, has none).
 

@@ -41,6 +41,8 @@ import secrets
 import tempfile
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Mapping
+from typing import Any, TypeGuard
 
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StorageBackendError
 
@@ -99,7 +101,7 @@ def _drive_letter(scheme: str) -> bool:
     return os.name == "nt" and len(scheme) == 1  # "C://data" is a drive on Windows
 
 
-def is_url(path) -> bool:
+def is_url(path: object) -> TypeGuard[str]:
     """Whether ``path`` (a ``str``; anything else is not a URL) starts with a URL scheme
     (``s3://``, ``gs://``, ``file://``, ``simplecache::s3://``...)."""
     if not isinstance(path, str):
@@ -114,12 +116,16 @@ def scheme_of(path: str) -> str | None:
     if not is_url(path):
         return None
     match = _URL.match(path)
+    if match is None:  # is_url matched it
+        return None
     chained = match.group(1)
     return (chained.split("::")[0] if chained else match.group(2)).lower()
 
 
 def _is_file_url(path: str) -> bool:
     match = _URL.match(path)
+    if match is None:  # called on URLs only
+        return False
     return not match.group(1) and match.group(2).lower() == "file"
 
 
@@ -144,12 +150,12 @@ def resolve(path: str, what: str = "path") -> str:
     return urllib.request.url2pathname(parts.path)
 
 
-def is_remote(path) -> bool:
+def is_remote(path: object) -> bool:
     """Whether ``path`` is read and written through fsspec: a URL that is not ``file://``."""
     return is_url(path) and not _is_file_url(path)
 
 
-def refuse_url(path, what: str = "path", advice: str = "") -> None:
+def refuse_url(path: object, what: str = "path", advice: str = "") -> None:
     """Refuse ``path`` if it is a URL, where only a local path can be used.
 
     Raises:
@@ -171,7 +177,7 @@ def refuse_url(path, what: str = "path", advice: str = "") -> None:
     )
 
 
-def _check_storage_options(storage_options) -> dict:
+def _check_storage_options(storage_options: object) -> dict[str, Any]:
     if storage_options is None:
         return {}
     if not isinstance(storage_options, dict) or not all(isinstance(k, str) for k in storage_options):
@@ -203,15 +209,16 @@ def _missing(url: str, scheme: str, package: str | None, err: BaseException) -> 
     )
 
 
-def _connect(url: str, storage_options: dict):
-    scheme = scheme_of(url)
+def _connect(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    scheme = scheme_of(url) or "file"  # fsspec takes a plain path as file://
     try:
         import fsspec
         import fsspec.core
     except ImportError as err:
         raise _missing(url, scheme, "fsspec", err) from err
     try:
-        return fsspec.core.url_to_fs(url, **storage_options)
+        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        return fs, path
     except ImportError as err:
         cause = err.__cause__ if isinstance(err.__cause__, ImportError) else err
         package = getattr(cause, "name", None) or _PACKAGES.get(scheme)
@@ -255,13 +262,21 @@ class RemotePath:
         The errors of the fsspec filesystem for options it refuses.
     """
 
-    def __init__(self, url: str, storage_options=None, *, _fs=None, _path=None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        _fs: Any = None,
+        _path: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/") if not url.endswith("://") else url
         self.storage_options = _check_storage_options(storage_options)
         if _fs is None:
             _fs, _path = _connect(self.url, self.storage_options)
-        self.fs = _fs
-        self.path = _path
+        self.fs = _fs  # an fsspec filesystem
+        assert _path is not None  # given with _fs, or from _connect
+        self.path: str = _path
         self.protocol = scheme_of(self.url)
 
     def __repr__(self) -> str:
@@ -275,7 +290,7 @@ class RemotePath:
             f"{self.url}/{name}", self.storage_options, _fs=self.fs, _path=f"{self.path.rstrip('/')}/{name}"
         )
 
-    def _not_found(self, err=None) -> FileNotFoundError:
+    def _not_found(self, err: BaseException | None = None) -> FileNotFoundError:
         return FileNotFoundError(errno.ENOENT, f"No object at {self.url!r}.", self.url)
 
     def exists(self) -> bool:
@@ -300,7 +315,7 @@ class RemotePath:
         except FileNotFoundError as err:
             raise self._not_found() from err
 
-    def list(self) -> list:
+    def list(self) -> list[str]:
         """The names of the objects directly in this folder, sorted (``[]`` for none: an
         object store has no empty folders); folders inside it are not listed."""
         self.fs.invalidate_cache(self.path)
@@ -370,7 +385,7 @@ class RemotePath:
             received=self.url,
         )
 
-    def open_read(self):
+    def open_read(self) -> Any:
         """The object opened for reading (``"rb"``), as a context manager.
 
         Raises:
@@ -453,7 +468,13 @@ class RemotePath:
         )
 
 
-def upload_written(url: str, write_local, storage_options=None, *, store: RemotePath | None = None) -> int:
+def upload_written(
+    url: str,
+    write_local: Callable[[str], object],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    store: RemotePath | None = None,
+) -> int:
     """Write a file locally with ``write_local(path)`` (in a private temporary folder: the
     library's own atomic, checked write), then upload it whole to ``url``; the size
     uploaded in bytes.
@@ -481,7 +502,7 @@ def upload_written(url: str, write_local, storage_options=None, *, store: Remote
     return size
 
 
-def write_marker(folder: RemotePath, name: str, payload: dict) -> None:
+def write_marker(folder: RemotePath, name: str, payload: dict[str, Any]) -> None:
     """Write the commit marker ``name`` in ``folder``: one small JSON object holding
     ``payload`` (a JSON-serializable ``dict``), written whole.
 
@@ -498,7 +519,7 @@ def write_marker(folder: RemotePath, name: str, payload: dict) -> None:
     folder.child(name).put_bytes(json.dumps(document, sort_keys=True, allow_nan=False).encode("utf-8"))
 
 
-def read_marker(folder: RemotePath, name: str) -> dict | None:
+def read_marker(folder: RemotePath, name: str) -> dict[str, Any] | None:
     """The payload of the commit marker ``name`` in ``folder``, or ``None`` if there is none.
 
     Raises:
@@ -532,4 +553,5 @@ def read_marker(folder: RemotePath, name: str) -> dict | None:
             "not taken; remove the marker (and its checkpoint) or write it again.",
             key=name,
         )
-    return document["payload"]
+    payload: dict[str, Any] = document["payload"]  # checked: a dict
+    return payload

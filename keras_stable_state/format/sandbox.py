@@ -31,9 +31,13 @@ import struct
 import sys
 import zipfile
 import zlib
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 import xxhash
 
 MAX_DEPTH = 64
@@ -57,7 +61,7 @@ class StructureError(Exception):
         self.reason = reason
 
 
-def crc_v2(key: str, dtype: str, shape, data: bytes) -> int:
+def crc_v2(key: str, dtype: str, shape: Iterable[int], data: bytes | np.ndarray) -> int:
     """CRC-32 (``zlib.crc32``) of a format-2 array: its key, dtype name and shape, then its bytes."""
     head = f"{key}\0{dtype}\0{','.join(str(int(n)) for n in shape)}\0".encode()
     return zlib.crc32(data, zlib.crc32(head)) & 0xFFFFFFFF
@@ -71,7 +75,7 @@ def digest_v3(key: str, dtype: str, shape, data) -> int:
     return h.intdigest()
 
 
-def crc_v1(data: bytes) -> int:
+def crc_v1(data: bytes | np.ndarray) -> int:
     """CRC-32 of a format-1 array: its bytes only."""
     return zlib.crc32(data) & 0xFFFFFFFF
 

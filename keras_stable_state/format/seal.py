@@ -15,10 +15,14 @@ This module imports no Keras.
 from __future__ import annotations
 
 import hashlib
+import io
 import re
+from collections.abc import Callable
+from typing import Protocol
 
 import xxhash
 
+from keras_stable_state.errors import CorruptCheckpointError
 from keras_stable_state.format.probe import damaged, newer_format
 from keras_stable_state.format.record import FORMAT_VERSION, USERBLOCK_SIZE
 
@@ -28,8 +32,21 @@ CHUNK = 1 << 22
 # The seal of a later format: "KSS-SEAL <version> " and whatever that format puts after it.
 _NEWER_RE = re.compile(rb"KSS-SEAL ([0-9]{1,9}) ")
 _SEAL_RE = re.compile(rb"KSS-SEAL (2 sha256 [0-9a-f]{64}|3 xxh3-128 [0-9a-f]{32}) ([0-9]{1,20})\n")
+
+
+class _Hasher(Protocol):
+    """What the seal needs of a hashlib-style hasher (hashlib's and xxhash's)."""
+
+    def update(self, data: bytes | bytearray | memoryview, /) -> None: ...
+    def digest(self) -> bytes: ...
+    def hexdigest(self) -> str: ...
+
+
 # The seal's hash by format version: (name in messages, hashlib-style constructor).
-_HASH = {2: ("SHA-256", hashlib.sha256), 3: ("xxh3-128", xxhash.xxh3_128)}
+_HASH: dict[int, tuple[str, Callable[..., _Hasher]]] = {
+    2: ("SHA-256", hashlib.sha256),
+    3: ("xxh3-128", xxhash.xxh3_128),
+}
 _NAME = {2: b"sha256", 3: b"xxh3-128"}
 
 
@@ -85,7 +102,7 @@ def parse(user_block: bytes, where: str) -> tuple[int, bytes, int]:
     return int(version), bytes.fromhex(digest), int(match.group(2))
 
 
-def start(user_block: bytes, size: int, where: str):
+def start(user_block: bytes, size: int, where: str) -> tuple[int, str, _Hasher, bytes]:
     """Parse the seal of a file of ``size`` bytes whose first 512 bytes are ``user_block``
     and check its length, before hashing it.
 
@@ -108,7 +125,7 @@ def start(user_block: bytes, size: int, where: str):
     return version, name, hasher(), digest
 
 
-def truncated(where: str, size: int, got: int, key: str | None = None):
+def truncated(where: str, size: int, got: int, key: str | None = None) -> CorruptCheckpointError:
     """The error for a file that ended after ``got`` of its ``size`` bytes while being read
     (``key``: the archive member concerned, if any)."""
     return damaged(
@@ -120,7 +137,7 @@ def truncated(where: str, size: int, got: int, key: str | None = None):
     )
 
 
-def check_stream(fh, user_block: bytes, size: int, where: str) -> tuple[int, str, bool]:
+def check_stream(fh: io.BufferedIOBase, user_block: bytes, size: int, where: str) -> tuple[int, str, bool]:
     """Check the seal of the file ``fh`` (``size`` bytes, its first 512 bytes
     ``user_block``), hashing it in chunks; ``fh`` is left at offset 0.
 

@@ -23,6 +23,7 @@ import stat
 import tempfile
 import zipfile
 import zlib
+from typing import Any
 
 import h5py
 
@@ -87,7 +88,10 @@ class Source:
         self.whole = whole
         self.unaligned_views = unaligned_views
         self.image = self.shared_image = self._sealed_fh = None
-        self.fh = self.zip = self.h5 = self.shared_h5 = None
+        self.fh = self.zip = None
+        # h5py.File (untyped: Any) once opened
+        self.h5: Any = None
+        self.shared_h5: Any = None
         self.container = ".h5 file"
         self.where = path
         self.sealed = False
@@ -95,7 +99,7 @@ class Source:
         self.members = []
         self.member = None
         self.model_class = None
-        self.keras_metadata = {}
+        self.keras_metadata: dict[str, Any] = {}
         self.hashed_members = set()
         self._member_size = None
 
@@ -126,7 +130,7 @@ class Source:
                 fh.write(self.data)
             yield copy
 
-    def open(self):
+    def open(self) -> None:
         """Open, lock and check the bytes, and open their HDF5 image as `h5`.
 
         Raises:
@@ -348,7 +352,7 @@ class Source:
             return self.image.nbytes  # what was hashed and is parsed, whatever the file is now
         return len(self.data) if self.data is not None else os.fstat(self.fh.fileno()).st_size
 
-    def close(self):
+    def close(self) -> None:
         """Close every handle and release the lock; closing twice is harmless."""
         for handle in (self.shared_h5, self.h5, self.zip, self.fh):
             if handle is not None:

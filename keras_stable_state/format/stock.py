@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from keras_stable_state.format import sandbox
 from keras_stable_state.format.probe import damaged
 from keras_stable_state.format.record import Entry
 from keras_stable_state.format.records import Listing
+
+if TYPE_CHECKING:
+    from keras_stable_state.format.source import Source
 
 _OPTIMIZER = "optimizer/vars/"
 
@@ -37,12 +41,12 @@ class StockWeights:
         source: What the file is (``".keras archive"`` / ``".weights.h5"``).
     """
 
-    arrays: dict
-    optimizer: list
+    arrays: dict[str, Any]
+    optimizer: list[Any] | dict[str, Any]
     source: str
 
 
-def _natural(path: str):
+def _natural(path: str) -> tuple[tuple[int, int, str], ...]:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.split("/"))
 
 
@@ -55,11 +59,11 @@ class StockListing(Listing):
         key_groups: The groups (``"optimizer/vars/"``) holding such a ``keys`` dataset.
     """
 
-    def __init__(self, src) -> None:
+    def __init__(self, src: Source) -> None:
         super().__init__(src)
-        self.metadata = {}
-        self.optimizer_keys = {}
-        self.key_groups = set()
+        self.metadata: dict[str, Any] = {}
+        self.optimizer_keys: dict[str, str] = {}
+        self.key_groups: set[str] = set()
 
     def list(self) -> None:
         """List every array, by HDF5 path.
@@ -101,7 +105,7 @@ class StockListing(Listing):
                 )
             )
 
-    def _read_keys(self, name: str, ds) -> None:
+    def _read_keys(self, name: str, ds: Any) -> None:
         # StableOptimizer.save_own_variables: the entry keys of datasets "0", "1", ...
         group = name[: -len("keys")]
         self.key_groups.add(group)
@@ -114,7 +118,9 @@ class StockListing(Listing):
         self.optimizer_keys.update({f"{group}{i}": k for i, k in enumerate(keys)})
 
 
-def stock_weights(in_archive: bool, arrays: dict, optimizer_keys: dict, key_groups: set) -> StockWeights:
+def stock_weights(
+    in_archive: bool, arrays: dict[str, dict[str, Any]], optimizer_keys: dict[str, str], key_groups: set[str]
+) -> StockWeights:
     """The `StockWeights` of a stock file's arrays, read whole.
 
     Args:
@@ -135,7 +141,7 @@ def stock_weights(in_archive: bool, arrays: dict, optimizer_keys: dict, key_grou
             "The file is damaged.",
             key=f"{_OPTIMIZER}{missing[0]}",
         )
-    optimizer = [opt[str(i)] for i in range(len(opt))]
+    optimizer: list[Any] | dict[str, Any] = [opt[str(i)] for i in range(len(opt))]
     if _OPTIMIZER in key_groups:
         # written by a StableOptimizer inside Keras' own weights file: keyed, not positional
         names = {p: k for p, k in optimizer_keys.items() if p[len(_OPTIMIZER) :].isdigit()}

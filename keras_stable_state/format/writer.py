@@ -22,6 +22,8 @@ import os
 import shutil
 import time
 import zipfile
+from collections.abc import Callable, Iterable
+from typing import Any, BinaryIO
 
 import h5py
 import numpy as np
@@ -59,16 +61,18 @@ class _SectionWriter:
     """Writes one section's arrays into numbered uint8 blobs (format 3), one array at a
     time, and builds the section's index rows."""
 
-    def __init__(self, group, shared=None, share_above=0) -> None:
-        self.group = group
+    def __init__(
+        self, group: Any, shared: keras_archive.KerasWeights | None = None, share_above: int = 0
+    ) -> None:
+        self.group = group  # an h5py.Group
         self.shared = shared
         self.share_above = share_above
-        self.rows = []
+        self.rows: list[list[Any]] = []
         self.blobs = 0
         self.buf = bytearray()
         self.open = False  # a shared blob is being filled (it may hold zero-size arrays only)
 
-    def add(self, key, value) -> None:
+    def add(self, key: str, value: Any) -> None:
         if callable(value):
             value = value()
         stored, name = encode_array(np.asarray(value))
@@ -104,7 +108,12 @@ class _SectionWriter:
         self.open = False
 
 
-def _write_section(group, arrays, shared=None, share_above=0) -> list:
+def _write_section(
+    group: Any,
+    arrays: dict[str, Any] | Iterable[tuple[str, Any]],
+    shared: keras_archive.KerasWeights | None = None,
+    share_above: int = 0,
+) -> list[list[Any]]:
     """Write ``arrays`` into ``group`` as blobs (format 3); return the section's index rows.
 
     ``arrays``: a dict ``{key: array or zero-argument callable returning one}``, or
@@ -119,7 +128,9 @@ def _write_section(group, arrays, shared=None, share_above=0) -> list:
     return writer.rows
 
 
-def write_h5(target, record: StateRecord, shared: keras_archive.KerasWeights | None = None) -> None:
+def write_h5(
+    target: str | BinaryIO, record: StateRecord, shared: keras_archive.KerasWeights | None = None
+) -> None:
     """Write ``record``'s HDF5 image (format 3), user block left zero, to ``target`` (a
     path or a binary file object), one array at a time; model arrays, and optimizer
     arrays larger than `PACK_LIMIT` bytes, found in
@@ -152,7 +163,9 @@ def write_h5(target, record: StateRecord, shared: keras_archive.KerasWeights | N
         os.close(fd)
 
 
-def _write_image(target, record: StateRecord, shared) -> None:
+def _write_image(
+    target: str | BinaryIO | Sink, record: StateRecord, shared: keras_archive.KerasWeights | None
+) -> None:
     with h5py.File(
         target,
         "w",
@@ -162,7 +175,7 @@ def _write_image(target, record: StateRecord, shared) -> None:
     ) as f:
         f.attrs["format"] = FORMAT
         f.attrs["format_version"] = FORMAT_VERSION
-        index = {
+        index: dict[str, Any] = {
             section: _write_section(
                 f.create_group(section),
                 arrays,
@@ -173,6 +186,7 @@ def _write_image(target, record: StateRecord, shared) -> None:
         }
         sharing = [s for s in SHARE_ABOVE if any(isinstance(row[3], str) for row in index[s])]
         if sharing:
+            assert shared is not None  # rows refer to shared arrays only when given them
             index[SHARED] = shared.spec
         if set(sharing) - {"model"}:  # absent, a reader lets the model alone share
             index[SHARED_SECTIONS] = sharing
@@ -195,13 +209,13 @@ def record_to_bytes(record: StateRecord) -> bytes:
     return seal(buf.getvalue())
 
 
-def _write_sealed(path: str, record: StateRecord, shared=None) -> None:
+def _write_sealed(path: str, record: StateRecord, shared: keras_archive.KerasWeights | None = None) -> None:
     """A sealed record file at ``path``: the HDF5 image written array by array, then sealed."""
     write_h5(path, record, shared)
     seal_file(path)
 
 
-def reseal(filepath) -> None:
+def reseal(filepath: str | os.PathLike[str]) -> None:
     """Recompute the seal of a record edited on purpose (tests, tools); ``.h5`` or ``.keras``.
 
     A format-3 record gets its xxh3-128 seal again, a format-2 record its SHA-256
@@ -221,7 +235,7 @@ def reseal(filepath) -> None:
         fh.write(seal(data))
 
 
-def check_target(filepath) -> str:
+def check_target(filepath: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> str:
     """``filepath`` as a ``str``, if a training state can be written there.
 
     Raises:
@@ -241,7 +255,11 @@ def check_target(filepath) -> str:
     return path
 
 
-def write_record(filepath, record: StateRecord, keras_archive_writer=None):
+def write_record(
+    filepath: str | bytes | os.PathLike[str] | os.PathLike[bytes],
+    record: StateRecord,
+    keras_archive_writer: Callable[[str], object] | None = None,
+) -> None:
     """Write ``record`` atomically to ``filepath``.
 
     Args:
@@ -259,6 +277,10 @@ def write_record(filepath, record: StateRecord, keras_archive_writer=None):
     path = check_target(filepath)
     if path.endswith(".keras"):
         with atomic_path(path, suffix=".keras") as tmp:
+            if keras_archive_writer is None:  # as calling None would: a TypeError, inside the write
+                raise TypeError(
+                    "write_record: a '.keras' path needs keras_archive_writer (it writes Keras' archive)."
+                )
             keras_archive_writer(tmp)
             fd, member = create_temporary(os.path.dirname(tmp), ".member.h5")  # never a name taken
             os.close(fd)
@@ -296,5 +318,5 @@ def _append_member(archive: str, member_path: str) -> None:
             with open(member_path, "rb") as src, zf.open(info, "w") as out:
                 shutil.copyfileobj(src, out, CHUNK)
     except OSError as err:
-        err.needed_bytes = size
+        err.needed_bytes = size  # type: ignore[attr-defined]  # an attribute added to OSError (sink.room_for's too)
         raise
