@@ -1,8 +1,9 @@
 # Two entry points for a new user (see README.md):
 #   make demo   set up .venv-$(BACKEND) (the wheel with one framework) and run the main job
 #               (interrupt, resume, compare)
-#   make test   set up .venv and run every test on all three backends, then check each
-#               framework installed alone from the wheel (make test-installs)
+#   make test   for each backend, a fresh .venv-<backend> with that framework alone (from the
+#               wheel): quick start, CLI, demo and its test suite; then, in .venv (every
+#               framework), the tests that need several
 #   make lab    open the example notebooks in JupyterLab (BACKEND=jax|tensorflow|torch)
 PYTHON ?= python3
 VENV := .venv
@@ -42,16 +43,19 @@ demo: .venv-$(BACKEND)/.installed
 	.venv-$(BACKEND)/bin/pip install -q -c constraints.txt "$$(ls .venv-$(BACKEND)/wheel/keras_stable_state-*.whl)[$(BACKEND),demo]"
 	.venv-$(BACKEND)/bin/python examples/resume_demo.py --backend $(BACKEND)
 
-# Each framework alone, as a user installs it (tests/install_check.py): fresh environments
-# from the wheel; in each, the README's quick start as written, the command line on its
-# files, the demo, then the quick tests of that backend. Fails if any step imports another
-# framework.
+# Each framework alone, as a user installs it (tests/install_check.py): a fresh .venv-<backend>
+# from the wheel; in it the README's quick start as written (twice), the command line on its
+# files, the demo, then that backend's test suite (TESTS=quick: its quick tier). A step that
+# imports another framework fails. Tests that need another framework are skipped there with
+# that reason and run in .venv's several-frameworks pass of make test.
+TESTS ?= all
 .PHONY: test-installs
-test-installs:
-	@for b in $(BACKENDS); do \
-		rm -rf .venv-$$b && $(MAKE) --no-print-directory .venv-$$b/.installed && \
-		$(PYTHON) tests/install_check.py --backend $$b --venv .venv-$$b --tests --jobs $(JOBS) || exit 1; \
-	done
+test-alone-%:
+	rm -rf .venv-$*
+	$(MAKE) --no-print-directory .venv-$*/.installed
+	$(PYTHON) tests/install_check.py --backend $* --venv .venv-$* --tests $(TESTS) --jobs $(JOBS)
+
+test-installs: $(addprefix test-alone-,$(BACKENDS))
 
 # ruff everywhere; mypy on the public API (its files and settings: [tool.mypy] in pyproject.toml)
 lint: setup
@@ -75,12 +79,17 @@ test-fast: setup
 	done
 
 # tests/test_docs_api.py reads the site just built (KSS_DOCS_SITE) instead of building one.
+# Each backend's suite in the user's install (that framework alone, from the wheel), then, in
+# .venv with every framework, only the tests that need another one beside the backend's.
 test: setup lint docs
 	@for b in $(BACKENDS); do \
-		echo "=== backend: $$b ==="; \
-		KSS_DOCS_SITE=build/site KERAS_BACKEND=$$b $(PYTEST) tests || exit 1; \
+		echo "=== backend: $$b, installed alone from the wheel ==="; \
+		$(MAKE) --no-print-directory test-alone-$$b TESTS=all || exit 1; \
 	done
-	$(MAKE) --no-print-directory test-installs
+	@for b in $(BACKENDS); do \
+		echo "=== backend: $$b, beside the other frameworks: the tests that need several ==="; \
+		KSS_TEST_PASS=several-frameworks KSS_DOCS_SITE=build/site KERAS_BACKEND=$$b $(PYTEST) tests || exit 1; \
+	done
 
 # Device placement (issue 17): a restore lands on each variable's device / JAX sharding. On
 # a GPU machine the variables live on the GPU; JAX also runs the sharded case on 4

@@ -5,6 +5,7 @@ pytest-xdist's two workers run them side by side)."""
 import keras
 import pytest
 import resume_matrix as rm
+from kit import frameworks_selected
 
 BACKEND = keras.backend.backend()
 SEED = 14
@@ -41,13 +42,18 @@ def half_tests(half):
     """The module fixture and the parametrized test of one half, for its file's namespace:
     ``results, test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned = half_tests(0)``."""
     cases = sample(half)
+    # A case on tf.data or resumed on another backend needs that framework too; the fixture
+    # runs the cases this pass selects (the others are skipped with the reason, or deselected).
+    runnable = [c for c in cases if frameworks_selected(rm.frameworks_needed(c))]
 
     @pytest.fixture(scope="module")
     def results(tmp_path_factory):
-        return rm.run_cases(cases, root=str(tmp_path_factory.mktemp("matrix")))
+        return rm.run_cases(runnable, root=str(tmp_path_factory.mktemp("matrix")))
+
+    params = [pytest.param(c, marks=pytest.mark.frameworks(*rm.frameworks_needed(c))) for c in cases]
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("case", cases, ids=[rm.case_id(c) for c in cases])
+    @pytest.mark.parametrize("case", params, ids=[rm.case_id(c) for c in cases])
     def test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned(results, case):
         check(results, case)
 

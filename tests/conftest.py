@@ -124,7 +124,34 @@ _LONGEST_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(items):
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "frameworks(*names): the frameworks the test needs installed (beside the backend's own); "
+        "skipped with the reason where one is missing (a one-framework environment), and the only "
+        "tests of the several-frameworks pass (KSS_TEST_PASS=several-frameworks)",
+    )
+
+
+def _frameworks(item):
+    return [name for mark in item.iter_markers("frameworks") for name in mark.args]
+
+
+def pytest_collection_modifyitems(config, items):
+    from kit import SEVERAL_FRAMEWORKS_PASS, frameworks_missing, frameworks_needed
+
+    if SEVERAL_FRAMEWORKS_PASS:  # only what the one-framework pass could not run
+        keep = [item for item in items if frameworks_needed(_frameworks(item))]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+    for item in items:
+        missing = frameworks_missing(_frameworks(item))
+        if missing:
+            reason = (
+                f"needs {' and '.join(missing)} installed beside {BACKEND}: make test runs it in the "
+                "environment with every framework (KSS_TEST_PASS=several-frameworks)"
+            )
+            item.add_marker(pytest.mark.skip(reason=reason))
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's order kept
 

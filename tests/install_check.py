@@ -10,9 +10,12 @@ one ``constraints.txt`` pins), this script runs, in order:
 2. the command line on what it wrote: ``keras-stable-state ls``, ``inspect``,
    ``verify`` and ``diff`` (and ``python -m keras_stable_state ls``);
 3. ``examples/resume_demo.py`` after ``pip install "<the wheel>[<backend>,demo]"``;
-4. with ``--tests``, the library's quick tests (``pytest -m "not slow"``) for that
-   backend, after installing what they need (``[<backend>,dev,demo,cloud]``, and
-   ``orbax`` on JAX): still no other framework.
+4. with ``--tests all`` (``make test``) the library's test suite for that backend, or with
+   ``--tests quick`` its quick tier (``pytest -m "not slow"``), after installing what the
+   tests need (``[<backend>,dev,demo,cloud]``, and ``orbax`` on JAX): still no other
+   framework. A test that needs another framework is skipped with that reason
+   (``@pytest.mark.frameworks``); ``make test`` runs those in the environment that has
+   every framework.
 
 Every Python step runs under ``tests/scripts/one_framework.py``, which fails the step if a
 framework other than the backend's is in ``sys.modules`` at its end. Output of each step
@@ -21,7 +24,7 @@ exits 1 at the first failure, naming the step and its log.
 
 Usage (the Makefile's ``test-installs`` and ``demo`` targets call it)::
 
-    python tests/install_check.py --backend jax --venv .venv-jax [--tests] [--jobs 2]
+    python tests/install_check.py --backend jax --venv .venv-jax [--tests all|quick] [--jobs 2]
 
 It needs only the standard library: it runs before any environment exists.
 """
@@ -119,7 +122,7 @@ class Steps:
         return eval(out)  # a list literal printed by the line above
 
 
-def check(backend: str, venv: Path, tests: bool, jobs: int) -> None:
+def check(backend: str, venv: Path, tests: str, jobs: int) -> None:
     steps = Steps(backend, venv, ROOT / "build" / "installs" / backend)
     frameworks = steps.installed_frameworks()
     if frameworks != [backend]:
@@ -154,16 +157,19 @@ def check(backend: str, venv: Path, tests: bool, jobs: int) -> None:
         steps.probe("cli-module", ["-m", "keras_stable_state", "ls", "ckpts"], cwd=work, env=env)
         steps.pip("install-demo", f"{wheel(steps.venv)}[{backend},demo]")
         steps.probe("demo", [str(ROOT / "examples" / "resume_demo.py"), "--backend", backend], cwd=ROOT)
-        if tests:
+        if tests != "none":
             steps.pip("install-tests", f"{wheel(steps.venv)}[{backend},{TEST_EXTRAS[backend]}]")
             if steps.installed_frameworks() != [backend]:
                 raise SystemExit(f"  {backend}: the test extras installed another framework")
             # -P: the checkout is not on sys.path, so the wheel's package is the one tested.
-            argv = [steps.python, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
-            argv += ["-n", str(jobs), "--dist", "loadfile", "-rs", "tests"]
-            steps.run(
-                "tests", argv, cwd=ROOT, env=steps.env(KERAS_BACKEND=backend, KSS_ONE_FRAMEWORK=backend)
-            )
+            argv = [steps.python, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10"]
+            argv += ["-m", "not slow"] if tests == "quick" else []
+            argv += ["-n", str(jobs), "--dist", "loadfile", "--no-loadscope-reorder", "-rs", "tests"]
+            env = steps.env(KERAS_BACKEND=backend)
+            site = ROOT / "build" / "site"
+            if site.is_dir():
+                env["KSS_DOCS_SITE"] = str(site)  # tests/test_docs_api.py reads the site make docs built
+            steps.run(f"tests-{tests}", argv, cwd=ROOT, env=env)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -172,7 +178,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", required=True, choices=FRAMEWORKS)
     parser.add_argument("--venv", required=True, type=Path, help="the environment built from the wheel")
-    parser.add_argument("--tests", action="store_true", help="also run the quick tests in it")
+    parser.add_argument(
+        "--tests", choices=("none", "quick", "all"), default="none", help="also run the tests in it"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="pytest-xdist processes")
     args = parser.parse_args(argv)
     print(f"=== {args.backend} alone, from the wheel ({args.venv}) ===", flush=True)

@@ -6,12 +6,40 @@ of two models' training state.
 ``tests/conftest.py`` re-exports :class:`StopAt` (``from conftest import StopAt`` keeps working).
 """
 
+import importlib.util
+import os
+
 import keras
 import numpy as np
 
 import keras_stable_state as kss
 
-__all__ = ["StopAt", "assert_same_state", "mlp"]
+__all__ = ["StopAt", "assert_same_state", "frameworks_selected", "mlp"]
+
+# make test runs each backend's suite in an environment with that framework alone (the
+# user's install, tests/install_check.py), then, in the environment with all three, only the
+# tests that need another framework beside the backend's (KSS_TEST_PASS=several-frameworks).
+SEVERAL_FRAMEWORKS_PASS = os.environ.get("KSS_TEST_PASS") == "several-frameworks"
+
+
+def frameworks_needed(names):
+    """The frameworks of ``names`` other than this process's backend, sorted."""
+    return sorted(set(names) - {keras.backend.backend()})
+
+
+def frameworks_missing(names):
+    """The frameworks of ``names`` (other than the backend's) that are not installed here."""
+    return [name for name in frameworks_needed(names) if importlib.util.find_spec(name) is None]
+
+
+def frameworks_selected(names):
+    """Whether a test (or a case) needing ``names`` runs in this pass: in a one-framework
+    environment only if it needs no other framework; in the several-frameworks pass only
+    if it does (the one-framework pass ran the others)."""
+    needed = frameworks_needed(names)
+    if SEVERAL_FRAMEWORKS_PASS:
+        return bool(needed) and not frameworks_missing(names)
+    return not frameworks_missing(names)
 
 
 def mlp(

@@ -217,6 +217,15 @@ def case_id(c):
     return f"{c['backend']}-s{c['seed']}-i{c['index']}"
 
 
+def frameworks_needed(c):
+    """The frameworks case ``c`` runs on: its backend, TensorFlow for a ``tf.data`` input
+    (every backend builds it with TensorFlow), and the backend it resumes on."""
+    needed = {c["backend"], c.get("resume_backend", c["backend"])}
+    if c["input"].startswith("tfdata"):
+        needed.add("tensorflow")
+    return tuple(sorted(needed))
+
+
 def describe(c):
     """One line naming the drawn configuration (for test ids and failure messages)."""
     keys = (

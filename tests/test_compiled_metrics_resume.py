@@ -129,6 +129,7 @@ WRITER = {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[keras.back
 
 
 @pytest.mark.slow
+@pytest.mark.frameworks(WRITER)
 def test_fault1_cross_backend_resume_warns_when_per_output_losses_were_counted_otherwise(tmp_path):
     code = (
         f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"

@@ -184,6 +184,7 @@ def other_backend(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.frameworks(_writer_backend())
 def test_a_shuffled_checkpoint_written_on_another_backend_resumes_on_the_same_samples(other_backend):
     ref = np.load(other_backend / "ref.npz")
     with warnings.catch_warnings():
@@ -193,6 +194,7 @@ def test_a_shuffled_checkpoint_written_on_another_backend_resumes_on_the_same_sa
 
 
 @pytest.mark.slow
+@pytest.mark.frameworks(_writer_backend())
 def test_a_cross_backend_resume_of_a_model_with_dropout_warns_naming_the_layer(other_backend):
     writer = _writer_backend()
     m = _model(dropout=True)
@@ -231,6 +233,7 @@ def _stream_fit(directory, *, stop=None, seed=0, save_freq=2, repeat=True, steps
     ids=["mid-epoch", "epoch-boundary", "last-batch", "late"],
 )
 @pytest.mark.slow
+@pytest.mark.frameworks("tensorflow")  # a tf.data input
 def test_repeat_with_steps_per_epoch_resumes_at_the_place_in_the_stream(tmp_path, stop, save_freq):
     ref = _stream_fit(tmp_path / "ref", save_freq=save_freq)
     keras.backend.clear_session()
@@ -240,6 +243,7 @@ def test_repeat_with_steps_per_epoch_resumes_at_the_place_in_the_stream(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.frameworks("tensorflow")  # a tf.data input
 def test_a_finite_stream_longer_than_steps_per_epoch_resumes_at_its_place(tmp_path):
     # 6 batches read 3 per epoch: epoch 1 reads batches 3-5, then Keras starts the stream over.
     kw = dict(repeat=False, save_freq=1, steps_per_epoch=3)

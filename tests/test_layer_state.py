@@ -19,6 +19,10 @@ from conftest import BACKEND, slots_by_key, to_np
 import keras_stable_state as kss
 from keras_stable_state._identity.registry import VariableRegistry
 
+# Keras' lookup layers (StringLookup, IntegerLookup, TextVectorization) and Discretization's
+# adapt run on TensorFlow whatever the backend ("Layer IntegerLookup requires TensorFlow").
+NEEDS_TF_LAYERS = pytest.mark.frameworks("tensorflow")
+
 
 def _keys(model):
     return [str(k) for k in VariableRegistry.from_model(model).keys()]
@@ -232,6 +236,7 @@ _KINDS = {
 
 
 @pytest.mark.parametrize("kind", sorted(_KINDS))
+@NEEDS_TF_LAYERS
 def test_vocabulary_restored_into_a_model_readapted_on_other_data(tmp_path, kind):
     make, data, other = _KINDS[kind]
     src = _tokens(make(), data)
@@ -246,6 +251,7 @@ def test_vocabulary_restored_into_a_model_readapted_on_other_data(tmp_path, kind
     np.testing.assert_array_equal(to_np(dst(dst.lookup(probe))), to_np(src(src.lookup(probe))))
 
 
+@NEEDS_TF_LAYERS
 def test_tf_idf_weights_restored(tmp_path):
     def make():
         return keras.layers.StringLookup(output_mode="tf_idf", max_tokens=6, pad_to_max_tokens=True)
@@ -282,6 +288,7 @@ def _held(layer):
     return model
 
 
+@NEEDS_TF_LAYERS
 def test_discretization_bin_boundaries_restored(tmp_path):
     data = np.linspace(0, 10, 50, dtype="float32").reshape(-1, 1)
     src = keras.layers.Discretization(num_bins=4)
@@ -294,6 +301,7 @@ def test_discretization_bin_boundaries_restored(tmp_path):
     np.testing.assert_array_equal(to_np(dst(data)), to_np(src(data)))
 
 
+@NEEDS_TF_LAYERS
 def test_vocabulary_from_a_file_is_saved_by_content(tmp_path):
     vocab_file = tmp_path / "vocab.txt"
     vocab_file.write_text("x\ny\nz\n")
@@ -306,6 +314,7 @@ def test_vocabulary_from_a_file_is_saved_by_content(tmp_path):
     assert lookup.get_vocabulary() == ["[UNK]", "x", "y", "z"]
 
 
+@NEEDS_TF_LAYERS
 def test_other_lookup_options_refused_before_anything_is_assigned(tmp_path):
     make, data, other = _KINDS["string"]
     src = _tokens(make(), data)
@@ -318,6 +327,7 @@ def test_other_lookup_options_refused_before_anything_is_assigned(tmp_path):
     np.testing.assert_array_equal(to_np(dst.embed.embeddings), rows)
 
 
+@NEEDS_TF_LAYERS
 def test_lookup_without_saved_vocabulary_refused_under_strict(tmp_path):
     class _Plain(keras.Model):
         def __init__(self, **kwargs):
@@ -339,6 +349,7 @@ def test_lookup_without_saved_vocabulary_refused_under_strict(tmp_path):
     assert "layer:lookup" in report.left_fresh
 
 
+@NEEDS_TF_LAYERS
 def test_failure_after_the_vocabulary_was_set_puts_the_old_vocabulary_back(tmp_path):
     make, data, other = _KINDS["string"]
 
@@ -364,6 +375,7 @@ def test_failure_after_the_vocabulary_was_set_puts_the_old_vocabulary_back(tmp_p
     np.testing.assert_array_equal(to_np(dst.lookup(other)), ids)
 
 
+@NEEDS_TF_LAYERS
 def test_non_utf8_token_refused_at_save_naming_the_layer(tmp_path):
     lookup = keras.layers.StringLookup()
     lookup.adapt(np.array([b"\xff\xfe", b"ok"], dtype=object))
@@ -390,6 +402,7 @@ def test_functional_model_with_string_input(tmp_path):
     np.testing.assert_array_equal(to_np(dst(data)), to_np(src(data)))
 
 
+@NEEDS_TF_LAYERS
 def test_vocabulary_follows_the_prefix_into_a_wrapping_model(tmp_path):
     make, data, other = _KINDS["string"]
     src = _tokens(make(), data)

@@ -111,7 +111,7 @@ def test_the_library_imports_no_framework_the_backend_does_not_need(tmp_path):
     assert "Restored" in proc.stdout  # the report was printed: the run went through the restores
 
 
-def test_the_hook_sees_an_import_the_library_makes():
+def test_the_hook_sees_an_import_the_library_makes(tmp_path):
     """The hook above is not blind: a framework import from inside the package is caught."""
     refused = sorted(set(FRAMEWORKS) - ALLOWED[BACKEND])
     hook = HOOK.format(package=str(PACKAGE), refused=refused)
@@ -124,8 +124,9 @@ def test_the_hook_sees_an_import_the_library_makes():
         )
         code += "print('ATTEMPTS', attempts)\n"
         env = dict(os.environ, KERAS_BACKEND=BACKEND)
+        # from tmp_path: the package imported is the one PACKAGE names, not a checkout in the cwd
         proc = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
         )
     finally:
         probe.unlink()

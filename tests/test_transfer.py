@@ -18,9 +18,13 @@ BACKENDS = ("tensorflow", "jax", "torch")
 DRIVER = os.environ.get("KSS_TRANSFER_BACKEND", "jax")
 CASES = ("dense", "mixed", "embedding", "wide")
 
-pytestmark = pytest.mark.skipif(
-    BACKEND != DRIVER, reason=f"the matrix drives all backends in subprocesses; it runs in the {DRIVER} pass"
-)
+pytestmark = [
+    pytest.mark.frameworks(*BACKENDS),  # one writer and one reader process per backend
+    pytest.mark.skipif(
+        BACKEND != DRIVER,
+        reason=f"the matrix drives all backends in subprocesses; it runs in the {DRIVER} pass",
+    ),
+]
 
 
 def _spawn(backend, *args):
