@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import keras
 
@@ -74,23 +75,23 @@ class RestoreReport:
         >>> print(report)
     """
 
-    matched: dict = dataclasses.field(default_factory=dict)
-    left_fresh: list = dataclasses.field(default_factory=list)
-    dropped: list = dataclasses.field(default_factory=list)
-    dropped_reasons: dict = dataclasses.field(default_factory=dict)
-    renamed: list = dataclasses.field(default_factory=list)
-    learning_rates: list = dataclasses.field(default_factory=list)
-    casts: list = dataclasses.field(default_factory=list)
-    mapped: dict = dataclasses.field(default_factory=dict)
-    lossy: list = dataclasses.field(default_factory=list)
-    restored_state: list = dataclasses.field(default_factory=list)
+    matched: dict[str, str] = dataclasses.field(default_factory=dict)
+    left_fresh: list[str] = dataclasses.field(default_factory=list)
+    dropped: list[str] = dataclasses.field(default_factory=list)
+    dropped_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
+    renamed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    learning_rates: list[tuple[str, float, float, str]] = dataclasses.field(default_factory=list)
+    casts: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    mapped: dict[str, str] = dataclasses.field(default_factory=dict)
+    lossy: list[str] = dataclasses.field(default_factory=list)
+    restored_state: list[str] = dataclasses.field(default_factory=list)
     built_optimizer: bool = False
-    order_keys: list = dataclasses.field(default_factory=list)
+    order_keys: list[str] = dataclasses.field(default_factory=list)
     transfer_note: bool = False
     transfer: bool = False
-    counters_near_limit: list = dataclasses.field(default_factory=list)
+    counters_near_limit: list[tuple[str, int, int, str]] = dataclasses.field(default_factory=list)
     source: str = storage.FORMAT
-    writer: dict = dataclasses.field(default_factory=dict)
+    writer: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def drop(self, key: str, reason: str) -> None:
         """List ``key`` in ``dropped`` with its ``reason``."""
@@ -98,15 +99,15 @@ class RestoreReport:
         self.dropped_reasons[key] = reason
 
     @property
-    def by_name(self) -> list:
+    def by_name(self) -> list[str]:
         return [k for k, how in self.matched.items() if how == "name"]
 
     @property
-    def by_order(self) -> list:
+    def by_order(self) -> list[str]:
         return [k for k, how in self.matched.items() if how == "order"]
 
     @property
-    def writer_differs(self) -> list:
+    def writer_differs(self) -> list[tuple[str, Any, Any]]:
         """``(field, writer's value, reader's value)`` where the writing backend,
         Keras version or dtype policy differs from this process's."""
         reader = writer_metadata(None)
@@ -153,7 +154,7 @@ class RestoreReport:
         if self.renamed:
             old, new = self.renamed[0]
             lines.append(f"  renamed {len(self.renamed)} saved keys (e.g. {old} -> {new})")
-        by_reason = {}
+        by_reason: dict[str, list[str]] = {}
         for key in self.dropped:
             by_reason.setdefault(self.dropped_reasons.get(key, "not restored"), []).append(key)
         for reason, keys in by_reason.items():
@@ -176,7 +177,7 @@ class RestoreReport:
             )
         for key, src, dst in self.casts:
             lines.append(f"  cast {key}: {src} -> {dst}")
-        by_mapper = {}
+        by_mapper: dict[str, list[str]] = {}
         for key, mapper in self.mapped.items():
             by_mapper.setdefault(mapper, []).append(key)
         for mapper, keys in by_mapper.items():
@@ -189,7 +190,7 @@ class RestoreReport:
         return "\n".join(lines)
 
 
-def writer_metadata(model) -> dict:
+def writer_metadata(model: Any) -> dict[str, Any]:
     return {
         "backend": keras.backend.backend(),
         "keras_version": keras.__version__,

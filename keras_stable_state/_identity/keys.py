@@ -29,6 +29,8 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -116,16 +118,16 @@ class VariableKey:
         """
         memo = _PARSED.get()
         if memo is not None and isinstance(text, str):
-            key = memo.get(text)
-            if key is not None:
-                return key
+            known = memo.get(text)
+            if known is not None:
+                return known
         key = cls._parse(text)
         if memo is not None:
             memo[text] = key
         return key
 
     @classmethod
-    def _parse(cls, text) -> VariableKey:
+    def _parse(cls, text: str) -> VariableKey:
         match = _KEY_RE.match(text) if isinstance(text, str) else None
         if match is None or (match.group(2) is not None and _bad_path(match.group(2))):
             raise KeyFormatError(
@@ -143,11 +145,13 @@ class VariableKey:
         return cls(ORDERED, match.group(4))
 
 
-_PARSED: contextvars.ContextVar = contextvars.ContextVar("keras_stable_state_parsed_keys", default=None)
+_PARSED: contextvars.ContextVar[dict[str, VariableKey] | None] = contextvars.ContextVar(
+    "keras_stable_state_parsed_keys", default=None
+)
 
 
 @contextlib.contextmanager
-def parsing_once():
+def parsing_once() -> Iterator[None]:
     """Within this context [`VariableKey.parse`][keras_stable_state.VariableKey.parse] parses each text once and returns the
     same (immutable) key for it again: a restore parses every key of a file when it is
     listed and again when it is bound (about 1.2 us each). Nested contexts share the
@@ -167,7 +171,7 @@ def _bad_path(path: str) -> bool:
 
 
 # -- optimizer entry keys ------------------------------------------------------------------
-def slot_key(owner, slot: str) -> str:
+def slot_key(owner: VariableKey | str, slot: str) -> str:
     """``"<variable key>#<slot>"``: the key of a slot of the variable keyed ``owner``."""
     return f"{owner}#{slot}"
 
@@ -177,14 +181,14 @@ def global_key(name: str) -> str:
     return f"{GLOBAL}#{name}"
 
 
-def split_entry_key(text: str):
+def split_entry_key(text: str) -> tuple[str | None, str]:
     """``(owner, slot)`` of an entry key as text: ``owner`` is the part before the last
     ``#`` (a variable key, or ``"optimizer"``), ``None`` when there is no ``#``."""
     owner, sep, slot = text.rpartition("#")
     return (owner if sep else None), slot
 
 
-def parse_entry_key(text: str):
+def parse_entry_key(text: str) -> tuple[VariableKey | None, str]:
     """Split an optimizer entry key into ``(VariableKey | None, slot name)``.
 
     Raises:
@@ -203,7 +207,7 @@ def parse_entry_key(text: str):
     return VariableKey.parse(owner), slot
 
 
-def check_name(name, what="optimizer name"):
+def check_name(name: object, what: str = "optimizer name") -> None:
     """Refuse a name that cannot be part of a key (``/``, ``#``, ``@``, whitespace)."""
     if not isinstance(name, str) or not name or any(c in name for c in "/#@ \n\r\t"):
         raise ValueError(
@@ -212,14 +216,14 @@ def check_name(name, what="optimizer name"):
         )
 
 
-def entry_prefix(name) -> str:
+def entry_prefix(name: str | None) -> str:
     """The slot-part prefix of entry keys of the optimizer named ``name``: ``""`` for
     ``"optimizer"`` (``model.optimizer``), else ``"@<name>/"``
     (``"path:generator/dense/kernel#@g_optimizer/momentums"``)."""
     return "" if name in (None, MAIN) else f"@{name}/"
 
 
-def split_entry_name(slot: str):
+def split_entry_name(slot: str) -> tuple[str, str]:
     """``(optimizer name, slot part without the prefix)`` of an entry key's slot part."""
     if slot.startswith("@") and "/" in slot:
         name, _, rest = slot[1:].partition("/")
@@ -228,23 +232,25 @@ def split_entry_name(slot: str):
 
 
 # -- codecs ------------------------------------------------------------------------------
-def encode_key_list(keys) -> np.ndarray:
+def encode_key_list(keys: Iterable[str]) -> np.ndarray:
     """A list of keys as UTF-8 JSON bytes in a ``uint8`` array (the ``"keys"`` dataset)."""
-    return np.frombuffer(json.dumps(list(keys)).encode(), dtype=np.uint8).copy()
+    encoded: np.ndarray = np.frombuffer(json.dumps(list(keys)).encode(), dtype=np.uint8).copy()
+    return encoded
 
 
-def decode_key_list(array) -> list:
+def decode_key_list(array: Any) -> list[str]:
     """The inverse of `encode_key_list`."""
-    return json.loads(np.asarray(array, dtype=np.uint8).tobytes().decode())
+    decoded: list[str] = json.loads(np.asarray(array, dtype=np.uint8).tobytes().decode())
+    return decoded
 
 
 # -- keys read from a file ------------------------------------------------------------------
-def file_label(filepath) -> str:
+def file_label(filepath: str | os.PathLike[str] | None) -> str:
     """``filepath`` as messages name it (``"the file"`` when unknown)."""
     return repr(os.fsdecode(filepath)) if filepath is not None else "the file"
 
 
-def malformed_key(where, section, key, err) -> MalformedKeyError:
+def malformed_key(where: str, section: str, key: str | None, err: BaseException) -> MalformedKeyError:
     """The [`MalformedKeyError`][keras_stable_state.MalformedKeyError] for ``key`` of ``section`` in the file ``where``."""
     reason = str(err).split(". ")[0]
     return MalformedKeyError(
@@ -259,7 +265,7 @@ def malformed_key(where, section, key, err) -> MalformedKeyError:
     )
 
 
-def parse_model_key(key, where):
+def parse_model_key(key: str, where: str) -> VariableKey:
     """[`VariableKey.parse`][keras_stable_state.VariableKey.parse], a failure raised as [`MalformedKeyError`][keras_stable_state.MalformedKeyError]."""
     try:
         return VariableKey.parse(key)
@@ -267,7 +273,7 @@ def parse_model_key(key, where):
         raise malformed_key(where, "model variable", key, err) from err
 
 
-def parse_optimizer_key(key, where):
+def parse_optimizer_key(key: str, where: str) -> tuple[VariableKey | None, str]:
     """`parse_entry_key`, a failure raised as [`MalformedKeyError`][keras_stable_state.MalformedKeyError]."""
     try:
         return parse_entry_key(key) if isinstance(key, str) else parse_entry_key(str(key))

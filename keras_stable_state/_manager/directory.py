@@ -18,6 +18,7 @@ import errno
 import os
 import re
 import warnings
+from typing import Any
 
 from keras_stable_state import format as storage
 from keras_stable_state._manager import lock, orbax_steps
@@ -106,7 +107,7 @@ def size_of(path) -> int:
     return os.path.getsize(path)
 
 
-def read_summary(path):
+def read_summary(path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]:
     """The small part of a checkpoint's records, read without its arrays: ``(metadata,
     extra, format version)`` (see `CheckpointFile`; its seal
     is checked, its arrays are neither read nor decoded).

@@ -5,6 +5,7 @@ and the kept set (the latest ``max_to_keep`` and the best ``keep_best`` by the m
 from __future__ import annotations
 
 import math
+from typing import Any
 
 MODES = ("auto", "min", "max")
 
@@ -65,7 +66,7 @@ def direction_of(monitor: str) -> str:
     )
 
 
-def score(metrics, monitor, direction):
+def score(metrics: dict[str, Any] | None, monitor: str, direction: str) -> float | None:
     """The value ranking a checkpoint (lower is better), or ``None`` if ``metrics`` has no
     finite ``monitor`` (such a checkpoint is never the best)."""
     value = (metrics or {}).get(monitor)
@@ -74,7 +75,7 @@ def score(metrics, monitor, direction):
     return value if direction == "min" else -value
 
 
-def best_steps(scores: dict, count: int) -> list:
+def best_steps(scores: dict[int, float | None], count: int) -> list[int]:
     """The ``count`` best steps of ``{step: score or None}``, best first (ties: the earlier step)."""
     ranked = sorted((s, step) for step, s in scores.items() if s is not None)
     return [step for _, step in ranked[:count]]

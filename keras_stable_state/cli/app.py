@@ -12,8 +12,17 @@ import argparse
 import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from keras_stable_state.errors import NewerFormatError, StateError
+
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    class _Result(Protocol):
+        def to_json(self) -> dict[str, Any]: ...
+
 
 __all__ = [
     "EXIT_CODES",
@@ -56,13 +65,13 @@ EXIT_CODES = (
 class Refusal(Exception):
     """A command could not use ``file``: ``error`` says why (raised by `refusing`)."""
 
-    def __init__(self, file, error) -> None:
+    def __init__(self, file: str | None, error: BaseException) -> None:
         super().__init__(str(error))
         self.file, self.error = file, error
 
 
 @contextlib.contextmanager
-def refusing(file):
+def refusing(file: object) -> Iterator[None]:
     """Turn the errors of reading ``file`` into a `Refusal` naming it."""
     try:
         yield
@@ -72,7 +81,7 @@ def refusing(file):
         ) from err
 
 
-def error_kind(err) -> str:
+def error_kind(err: BaseException) -> str:
     """What a refusal is, for ``--json``: ``"newer_format"``, ``"damaged"``, ``"in_use"``,
     ``"missing_extra"``, ``"not_found"``, ``"unreadable"`` (the path is not a checkpoint
     file, or cannot be read), ``"backend"`` or ``"internal"``."""
@@ -93,13 +102,13 @@ def error_kind(err) -> str:
     return "backend" if backend_failure(err) is not None else "internal"
 
 
-def _safe(text) -> str:
+def _safe(text: object) -> str:
     from keras_stable_state.cli.output import safe
 
     return safe(text)
 
 
-def _print(args, result, render) -> None:
+def _print(args: argparse.Namespace, result: _Result, render: Callable[[Any], object]) -> None:
     from keras_stable_state.cli import output
 
     if args.json:
@@ -108,13 +117,13 @@ def _print(args, result, render) -> None:
         render(result)
 
 
-def _is_listing(path) -> bool:
+def _is_listing(path: object) -> bool:
     from keras_stable_state.format import orbax_layout
 
     return isinstance(path, str) and os.path.isdir(path) and not orbax_layout.is_orbax_path(path)
 
 
-def _cmd_inspect(args) -> int:
+def _cmd_inspect(args: argparse.Namespace) -> int:
     from keras_stable_state.cli import data, render
 
     if _is_listing(args.file):  # `inspect DIR` is `ls DIR`
@@ -126,7 +135,7 @@ def _cmd_inspect(args) -> int:
     return EXIT_OK
 
 
-def _cmd_verify(args) -> int:
+def _cmd_verify(args: argparse.Namespace) -> int:
     from keras_stable_state.cli import data, output, render
 
     with refusing(args.file):
@@ -147,7 +156,7 @@ def _cmd_verify(args) -> int:
     return EXIT_OK if result.ok else EXIT_DAMAGED
 
 
-def _cmd_diff(args) -> int:
+def _cmd_diff(args: argparse.Namespace) -> int:
     from keras_stable_state.cli import data, diff, output, render
 
     files = []
@@ -168,7 +177,7 @@ def _cmd_diff(args) -> int:
     return EXIT_DIFFERENT if result.differs(args.atol) else EXIT_OK
 
 
-def _cmd_ls(args) -> int:
+def _cmd_ls(args: argparse.Namespace) -> int:
     from keras_stable_state.cli import listing, render
 
     with refusing(args.file):
@@ -177,7 +186,7 @@ def _cmd_ls(args) -> int:
     return EXIT_OK
 
 
-def _atol(text) -> float:
+def _atol(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -304,7 +313,7 @@ def backend_failure(err: BaseException) -> str | None:
     return f"Keras cannot load its backend ({named}): {_safe(err)}. To fix it, {fix}."
 
 
-def _refused(args, file, err) -> int:
+def _refused(args: argparse.Namespace, file: str | None, err: BaseException) -> int:
     """Print one refusal once (stderr, or the ``--json`` error object on stdout); its exit code."""
     from keras_stable_state.errors import CorruptCheckpointError
 
@@ -336,7 +345,7 @@ def _refused(args, file, err) -> int:
     return code
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the command line.
 
     Args:
@@ -365,7 +374,8 @@ def main(argv=None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0) if not isinstance(exit_.code, str) else EXIT_ERROR
     try:
-        return args.run(args)
+        run: Callable[[argparse.Namespace], int] = args.run  # set_defaults(run=_cmd_...)
+        return run(args)
     except BrokenPipeError:
         # The reader went away (`| head`); say nothing more.
         with contextlib.suppress(OSError, ValueError, AttributeError):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +39,9 @@ from keras_stable_state.cli.results import (
 from keras_stable_state.errors import CorruptCheckpointError
 from keras_stable_state.format import CheckpointFile
 
+if TYPE_CHECKING:
+    from keras_stable_state.cli.diff import DamagedArray
+
 __all__ = [
     "Verification",
     "bytes_to_verify",
@@ -54,7 +59,7 @@ __all__ = [
 _POSITION_FIELDS = ("epoch", "step", "global_step")
 
 
-def open_checkpoint(path) -> CheckpointFile | OrbaxState:
+def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointFile | OrbaxState:
     """`keras_stable_state.format.open_file`, refusing a missing path or a folder first;
     a ``.orbax`` training-state folder opens as an `OrbaxState`.
 
@@ -86,7 +91,7 @@ def open_checkpoint(path) -> CheckpointFile | OrbaxState:
     return storage.open_file(path)
 
 
-def open_checkpoint_or_damage(path):
+def open_checkpoint_or_damage(path: str | os.PathLike[str]) -> CheckpointFile | OrbaxState | Verification:
     """`open_checkpoint`, or the `Verification` of a file refused on opening as
     damaged (a ``CorruptCheckpointError``: truncated, failing its seal or structure checks).
 
@@ -100,22 +105,22 @@ def open_checkpoint_or_damage(path):
         return refused(path, err)
 
 
-def damaged_array(found) -> CorruptCheckpointError:
+def damaged_array(found: DamagedArray) -> CorruptCheckpointError:
     """The error of an array ``diff`` could not read (a `DamagedArray`)."""
     return CorruptCheckpointError(found.reason, key=found.key)
 
 
-def _members(f):
+def _members(f: CheckpointFile | OrbaxState) -> list[Member]:
     return [Member(n, s) for n, s in f.members]
 
 
-def _problems(f):
+def _problems(f: CheckpointFile | OrbaxState) -> list[Problem]:
     return [Problem(w, p) for w, p in f.problems] + [
         Problem(m, f"zip CRC-32 fails ({r})") for m, r in f.damaged_members
     ]
 
 
-def position(extra: dict) -> dict | None:
+def position(extra: dict[str, Any]) -> dict[str, Any] | None:
     """The saved training position of a record's other state, or ``None``.
 
     Returns:
@@ -131,20 +136,20 @@ def position(extra: dict) -> dict | None:
     return out
 
 
-def _variables(f: CheckpointFile):
+def _variables(f: CheckpointFile | OrbaxState) -> tuple[list[VariableInfo], list[ArrayInfo]]:
     """Group a record's arrays by variable: ``([VariableInfo], [ArrayInfo of optimizer globals])``."""
     contract = {k: (tuple(s), d) for k, s, d in (f.contract or [])}
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for e in f.section("model"):
         rows[e.key] = {"entry": e, "slots": {}}
-    globals_ = []
+    globals_: list[ArrayInfo] = []
     for e in f.section("optimizer"):
         owner, slot = split_entry_key(e.key)
         if not owner or owner == GLOBAL or owner.startswith(f"{GLOBAL}/"):
             globals_.append(ArrayInfo.of(e))
             continue
         rows.setdefault(owner, {"entry": None, "slots": {}})["slots"][slot] = ArrayInfo.of(e)
-    variables = []
+    variables: list[VariableInfo] = []
     for key, row in rows.items():
         entry, slots = row["entry"], row["slots"]
         if entry is not None:
@@ -168,7 +173,7 @@ def _variables(f: CheckpointFile):
     return variables, globals_
 
 
-def _inspect_record(f: CheckpointFile) -> RecordInspection:
+def _inspect_record(f: CheckpointFile | OrbaxState) -> RecordInspection:
     variables, globals_ = _variables(f)
     return RecordInspection(
         file=f.path,
@@ -215,7 +220,7 @@ def positional_note(keyed: bool, count: int) -> str:
     )
 
 
-def _inspect_stock(f: CheckpointFile) -> StockInspection:
+def _inspect_stock(f: CheckpointFile | OrbaxState) -> StockInspection:
     model, opt = f.section("model"), f.section("optimizer")
     keys = f.optimizer_keys
     return StockInspection(
@@ -241,7 +246,9 @@ def _inspect_stock(f: CheckpointFile) -> StockInspection:
     )
 
 
-def inspect_file(file) -> RecordInspection | StockInspection:
+def inspect_file(
+    file: str | os.PathLike[str] | CheckpointFile | OrbaxState,
+) -> RecordInspection | StockInspection:
     """List what a file holds without reading its array data.
 
     Args:
@@ -261,12 +268,12 @@ def inspect_file(file) -> RecordInspection | StockInspection:
     return _inspect_record(file) if file.kind == storage.FORMAT else _inspect_stock(file)
 
 
-def bytes_to_verify(f: CheckpointFile) -> int:
+def bytes_to_verify(f: CheckpointFile | OrbaxState) -> int:
     """Bytes `verify_file` reads from an open file: its arrays and the other archive members."""
     return f.total_bytes + sum(size for name, size in f.members if name != f.member)
 
 
-def refused(path, err) -> Verification:
+def refused(path: str | os.PathLike[str], err: BaseException) -> Verification:
     """The `Verification` of a file refused on opening as damaged with ``err`` (a
     ``CorruptCheckpointError``: seal, truncation, structure)."""
     path = storage.fs_path(path, "path", urls=True)
@@ -283,7 +290,10 @@ def refused(path, err) -> Verification:
     )
 
 
-def verify_file(file, progress=None) -> Verification:
+def verify_file(
+    file: str | os.PathLike[str] | CheckpointFile | OrbaxState,
+    progress: Callable[[int], object] | None = None,
+) -> Verification:
     """Read every array of a file (and every archive member) and check it.
 
     Args:
@@ -315,6 +325,7 @@ def verify_file(file, progress=None) -> Verification:
             return verify_file(f, progress)
     f = file
     damaged = f.check(progress)
+    checksum: str | None
     if isinstance(f, OrbaxState):
         checksum = "Orbax index hashes and xxh3-64"
     else:
@@ -333,7 +344,7 @@ def verify_file(file, progress=None) -> Verification:
     )
 
 
-def max_abs_difference(a, b):
+def max_abs_difference(a: Any, b: Any) -> float | None:
     """Largest ``|a - b|`` over all elements, computed in float64 (``bfloat16`` via ml_dtypes).
 
     Equal values (also equal infinities, and NaN against NaN) count as 0.

@@ -9,6 +9,9 @@ paired array once to compute the largest absolute difference in float64.
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from keras_stable_state import format as storage
 from keras_stable_state._manager.records import RECORD as SAVE_RECORD
@@ -17,6 +20,12 @@ from keras_stable_state.cli.orbax import OrbaxState
 from keras_stable_state.cli.results import describe, to_json
 from keras_stable_state.errors import CorruptCheckpointError
 from keras_stable_state.format import CheckpointFile
+
+if TYPE_CHECKING:
+    from keras_stable_state.format import Entry
+
+    _File = CheckpointFile | OrbaxState
+    _Paired = tuple[str, list[tuple[Entry, Entry]], list[Entry], list[Entry]]
 
 __all__ = [
     "ABSENT",
@@ -67,11 +76,11 @@ class ContractDiff:
         size: ``(len(A's contract), len(B's contract))``.
     """
 
-    only_in_a: list
-    only_in_b: list
-    shape: list
-    dtype: list
-    size: tuple
+    only_in_a: list[str]
+    only_in_b: list[str]
+    shape: list[Difference]
+    dtype: list[Difference]
+    size: tuple[int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +98,13 @@ class SectionDiff:
     """
 
     compared_by: str
-    only_in_a: list
-    only_in_b: list
-    shape: list
-    dtype: list
+    only_in_a: list[str]
+    only_in_b: list[str]
+    shape: list[Difference]
+    dtype: list[Difference]
     shared: int
-    max_abs_diff: dict
-    pairs: dict | None
+    max_abs_diff: dict[str, float | None]
+    pairs: dict[str, str] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +132,12 @@ class Diff:
 
     a: FileSummary
     b: FileSummary
-    notes: list
-    metadata: list
+    notes: list[str]
+    metadata: list[Difference]
     contract: ContractDiff | None
-    sections: dict
-    state: list
-    damaged: list
+    sections: dict[str, SectionDiff]
+    state: list[Difference]
+    damaged: list[DamagedArray]
 
     def differs(self, atol: float = 0.0) -> bool:
         """Whether the states differ: a key in one file only, a shape or dtype that differs, a
@@ -149,13 +158,13 @@ class Diff:
                 return True
         return False
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The ``--json`` document: `to_json` of this
         dataclass, each `Difference`'s ``what`` named ``field`` (metadata), ``path``
         (other state) or ``key`` (contract and sections)."""
-        doc = to_json(self)
+        doc: dict[str, Any] = to_json(self)
 
-        def rename(items, name):
+        def rename(items: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
             return [{name: d["what"], "a": d["a"], "b": d["b"]} for d in items]
 
         doc["metadata"] = rename(doc["metadata"], "field")
@@ -167,14 +176,14 @@ class Diff:
         return doc
 
 
-def equal_within(value, atol: float) -> bool:
+def equal_within(value: float | None, atol: float) -> bool:
     """Whether a largest difference ``value`` (a float, or ``None``: not numeric, different) is within ``atol``."""
     return value is not None and value == value and value <= atol
 
 
-def _layer_groups(entries, stock):
+def _layer_groups(entries: list[Entry], stock: bool) -> dict[str | None, list[Entry]]:
     """``{layer path: [entries in variable order]}``; entries without one go under ``None``."""
-    groups = {}
+    groups: dict[str | None, list[Entry]] = {}
     for e in entries:
         if stock:
             head, sep, index = e.key.rpartition("/vars/")
@@ -186,7 +195,9 @@ def _layer_groups(entries, stock):
     return groups
 
 
-def _match_layers(ours, theirs):
+def _match_layers(
+    ours: list[Entry], theirs: list[Entry]
+) -> tuple[list[tuple[Entry, Entry]], list[Entry], list[Entry]]:
     """Pair our model entries with a stock file's by layer structure.
 
     A layer of ours pairs with a stock layer of the same HDF5 path, else with
@@ -197,14 +208,15 @@ def _match_layers(ours, theirs):
     a, b = _layer_groups(ours, stock=False), _layer_groups(theirs, stock=True)
     unmatched_a, unmatched_b = a.pop(None, []), b.pop(None, [])
 
-    def sig(group):
+    def sig(group: list[Entry]) -> tuple[tuple[tuple[int, ...], str], ...]:
         return tuple((e.shape, e.dtype) for e in group)
 
-    pairs = []
+    pairs: list[tuple[Entry, Entry]] = []
     for layer in [k for k in a if k in b]:
         if sig(a[layer]) == sig(b[layer]):
             pairs += list(zip(a.pop(layer), b.pop(layer), strict=True))
-    by_sig_a, by_sig_b = {}, {}
+    by_sig_a: dict[tuple[tuple[tuple[int, ...], str], ...], list[str | None]] = {}
+    by_sig_b: dict[tuple[tuple[tuple[int, ...], str], ...], list[str | None]] = {}
     for layer, group in a.items():
         by_sig_a.setdefault(sig(group), []).append(layer)
     for layer, group in b.items():
@@ -217,9 +229,10 @@ def _match_layers(ours, theirs):
     return pairs, unmatched_a, unmatched_b
 
 
-def _pair_sections(fa: CheckpointFile, fb: CheckpointFile):
+def _pair_sections(fa: _File, fb: _File) -> tuple[dict[str, _Paired], list[str]]:
     """``{section: (how, pairs, only in A, only in B)}`` and notes on how files were compared."""
-    notes, out = [], {}
+    notes: list[str] = []
+    out: dict[str, _Paired] = {}
     if fa.kind == fb.kind:
         for section in storage.SECTIONS:
             ea, eb = fa.section(section), fb.section(section)
@@ -244,7 +257,9 @@ def _pair_sections(fa: CheckpointFile, fb: CheckpointFile):
         "key where the stock file has StableOptimizer keys, else by position. Check the pairs listed."
     )
 
-    def orient(how, pairs, only_ours, only_stock):
+    def orient(
+        how: str, pairs: list[tuple[Entry, Entry]], only_ours: list[Entry], only_stock: list[Entry]
+    ) -> _Paired:
         if flip:
             return how, [(b, a) for a, b in pairs], only_stock, only_ours
         return how, pairs, only_ours, only_stock
@@ -280,9 +295,9 @@ def _pair_sections(fa: CheckpointFile, fb: CheckpointFile):
     return out, notes
 
 
-def _flatten(value, prefix=""):
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(value, dict) and set(value) != {"__array__"}:
-        out = {}
+        out: dict[str, Any] = {}
         for k, v in value.items():
             out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
         return out
@@ -294,7 +309,9 @@ def _flatten(value, prefix=""):
     return {prefix: value}
 
 
-def _differing(da: dict, db: dict, missing, skip=lambda name: False) -> list:
+def _differing(
+    da: dict[str, Any], db: dict[str, Any], missing: object, skip: Callable[[str], bool] = lambda name: False
+) -> list[Difference]:
     """`Difference` per name whose values differ, sorted; ``missing`` stands for an absent one."""
     names = sorted(set(da) | set(db))
     return [
@@ -304,9 +321,9 @@ def _differing(da: dict, db: dict, missing, skip=lambda name: False) -> list:
     ]
 
 
-def _contract_diff(fa, fb) -> ContractDiff:
-    ca = {k: (list(s), d) for k, s, d in fa.contract}
-    cb = {k: (list(s), d) for k, s, d in fb.contract}
+def _contract_diff(contract_a: list[list[Any]], contract_b: list[list[Any]]) -> ContractDiff:
+    ca = {k: (list(s), d) for k, s, d in contract_a}
+    cb = {k: (list(s), d) for k, s, d in contract_b}
     both = [k for k in ca if k in cb]
     return ContractDiff(
         only_in_a=[k for k in ca if k not in cb],
@@ -317,8 +334,19 @@ def _contract_diff(fa, fb) -> ContractDiff:
     )
 
 
-def _section_diff(fa, fb, how, pairs, only_a, only_b, damaged, progress) -> SectionDiff:
-    shape, dtype, values = [], [], {}
+def _section_diff(
+    fa: _File,
+    fb: _File,
+    how: str,
+    pairs: list[tuple[Entry, Entry]],
+    only_a: list[Entry],
+    only_b: list[Entry],
+    damaged: list[DamagedArray],
+    progress: Callable[[int], object] | None,
+) -> SectionDiff:
+    shape: list[Difference] = []
+    dtype: list[Difference] = []
+    values: dict[str, float | None] = {}
     for ea, eb in pairs:
         if ea.shape != eb.shape:
             shape.append(Difference(ea.key, list(ea.shape), list(eb.shape)))
@@ -347,11 +375,15 @@ def _section_diff(fa, fb, how, pairs, only_a, only_b, damaged, progress) -> Sect
     )
 
 
-def _summary(f: CheckpointFile) -> FileSummary:
+def _summary(f: _File) -> FileSummary:
     return FileSummary(f.path, f.kind, f.container, describe(f.kind, f.container, f.metadata))
 
 
-def diff_files(file_a, file_b, progress=None) -> Diff:
+def diff_files(
+    file_a: str | os.PathLike[str] | _File,
+    file_b: str | os.PathLike[str] | _File,
+    progress: Callable[[int], object] | None = None,
+) -> Diff:
     """Compare two files: keys, shapes, dtypes, contracts, other state and values.
 
     Args:
@@ -366,29 +398,34 @@ def diff_files(file_a, file_b, progress=None) -> Diff:
     Raises:
         The errors of `open_checkpoint` for a path.
     """
-    files, opened = [], []
+    files: list[_File] = []
+    opened: list[_File] = []
     try:
         for f in (file_a, file_b):
             if not isinstance(f, CheckpointFile | OrbaxState):
                 f = open_checkpoint(f)
                 opened.append(f)
             files.append(f)
-        return _diff(*files, progress)
+        fa, fb = files
+        return _diff(fa, fb, progress)
     finally:
         for f in opened:
             f.close()
 
 
-def _diff(fa: CheckpointFile, fb: CheckpointFile, progress) -> Diff:
+def _diff(fa: _File, fb: _File, progress: Callable[[int], object] | None) -> Diff:
     sections, notes = _pair_sections(fa, fb)
-    metadata, state, contract, damaged = [], [], None, []
+    metadata: list[Difference] = []
+    state: list[Difference] = []
+    contract: ContractDiff | None = None
+    damaged: list[DamagedArray] = []
     if fa.kind == fb.kind == storage.FORMAT:
         metadata = _differing(fa.metadata, fb.metadata, None)
         state = _differing(
             _flatten(fa.extra), _flatten(fb.extra), ABSENT, skip=lambda p: p == "rng" or p.startswith("rng.")
         )
     if fa.contract is not None and fb.contract is not None:
-        contract = _contract_diff(fa, fb)
+        contract = _contract_diff(fa.contract, fb.contract)
     elif fa.contract is not None or fb.contract is not None:
         notes.append(
             f"Only {'A' if fa.contract is not None else 'B'} has a contract (stock Keras files carry none)."

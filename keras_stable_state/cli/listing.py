@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from keras_stable_state import format as storage
 from keras_stable_state._manager import directory as files
@@ -65,7 +66,7 @@ class CheckpointRow:
     reason: str | None
     size_bytes: int | None
     epoch: int | None
-    metrics: dict
+    metrics: dict[str, Any]
     wall_time: float | None
     backend: str | None
     format_version: int | None
@@ -92,20 +93,21 @@ class Listing:
     """
 
     directory: str
-    checkpoints: list
+    checkpoints: list[CheckpointRow]
     resume_step: int | None
     resume: str
     monitor: str | None
     mode: str | None
     best_step: int | None
-    notes: list
+    notes: list[str]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The ``--json`` document: `to_json` of this dataclass."""
-        return to_json(self)
+        doc: dict[str, Any] = to_json(self)
+        return doc
 
 
-def _status(err) -> str:
+def _status(err: BaseException) -> str:
     if isinstance(err, NewerFormatError):
         return "newer_format"
     if isinstance(err, CheckpointInUseError):
@@ -115,7 +117,10 @@ def _status(err) -> str:
     return "unreadable"
 
 
-def _summary(path, full: bool):
+_Summary = tuple[dict[str, Any], dict[str, Any], int | None]
+
+
+def _summary(path: str, full: bool) -> tuple[str, str | None, _Summary | None] | None:
     """``(status, reason, summary or None)`` of ``path``; ``None`` if it was removed meanwhile."""
     try:
         summary = files.read_summary(path)
@@ -132,7 +137,15 @@ def _summary(path, full: bool):
     return "ok", None, summary
 
 
-def _row(step, path, status, reason, summary, verified, size=None):
+def _row(
+    step: int | None,
+    path: str,
+    status: str,
+    reason: str | None,
+    summary: _Summary | None,
+    verified: bool,
+    size: int | None = None,
+) -> dict[str, Any]:
     metadata, extra, version = summary if summary is not None else ({}, {}, None)
     record = (extra.get("providers") or {}).get(RECORD)
     record = record if isinstance(record, dict) else {}
@@ -160,9 +173,9 @@ def _row(step, path, status, reason, summary, verified, size=None):
     }
 
 
-def _resume(rows):
+def _resume(rows: list[dict[str, Any]]) -> tuple[int | None, str]:
     """``(resume step or None, sentence)``: the manager's rule over ``rows`` (newest first)."""
-    skipped = []
+    skipped: list[int] = []
     for row in rows:
         if row["step"] is None:
             continue
@@ -184,7 +197,7 @@ def _resume(rows):
     return None, "fit starts fresh: the directory holds no checkpoint."
 
 
-def _direction(monitor, mode, notes):
+def _direction(monitor: str | None, mode: str | None, notes: list[str]) -> str | None:
     if monitor is None:
         return None
     if mode in ("min", "max"):
@@ -196,7 +209,13 @@ def _direction(monitor, mode, notes):
         return None
 
 
-def list_directory(directory, *, verify=False, monitor=None, mode=None) -> Listing:
+def list_directory(
+    directory: str | os.PathLike[str],
+    *,
+    verify: bool = False,
+    monitor: str | None = None,
+    mode: str | None = None,
+) -> Listing:
     """List the checkpoints of a ``StableCheckpoint`` / ``CheckpointManager`` directory.
 
     Args:
@@ -222,7 +241,8 @@ def list_directory(directory, *, verify=False, monitor=None, mode=None) -> Listi
         raise NotADirectoryError(
             20, f"{path} is a file, not a checkpoint directory; `inspect` and `verify` read one file.", path
         )
-    rows, decided = [], False
+    rows: list[dict[str, Any]] = []
+    decided = False
     for ckpt in files.checkpoints(path):
         found = _summary(ckpt, full=verify)
         if found is None:
@@ -252,13 +272,13 @@ def list_directory(directory, *, verify=False, monitor=None, mode=None) -> Listi
             )
         )
     resume_step, resume = _resume(rows)
-    notes = []
+    notes: list[str] = []
     recorded = next((r for r in rows if r["status"] == "ok" and r["monitor"]), None)
     if monitor is None and recorded is not None:
         monitor, mode = recorded["monitor"], mode or recorded["mode"]
     direction = _direction(monitor, mode, notes)
     best_step = None
-    if direction is not None:
+    if direction is not None and monitor is not None:  # a direction implies a monitor
         scores = {
             r["step"]: policy.score(r["metrics"], monitor, direction) for r in rows if r["status"] == "ok"
         }

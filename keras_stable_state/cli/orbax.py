@@ -59,6 +59,14 @@ class OrbaxState:
         The other errors of `keras_stable_state.format.open_file` for ``state.h5``.
     """
 
+    # set by _open, as CheckpointFile has them
+    members: list[tuple[str, int]]
+    member: str | None
+    damaged_members: list[tuple[str, str]]
+    problems: list[tuple[str, str]]
+    optimizer_keys: dict[str, str]
+    model_class: str | None
+
     def __init__(self, path: str):
         self.path = path
         record = os.path.join(path, layout.RECORD)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from typing import Any
 
 from keras_stable_state.errors import shown
 
@@ -78,7 +79,7 @@ def number(value) -> str:
     return "0" if value == 0 else f"{value:.6g}"
 
 
-def print_json(doc):
+def print_json(doc: Any) -> None:
     """Print a JSON-ready document (a result's ``to_json()``) on stdout, indented."""
     print(json.dumps(doc, indent=2), file=sys.stdout)
 

@@ -7,10 +7,14 @@ Each top-level result has ``to_json()``, the document ``--json`` prints:
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from keras_stable_state import format as storage
+
+if TYPE_CHECKING:
+    from keras_stable_state.format import Entry
 
 __all__ = [
     "ArrayInfo",
@@ -31,7 +35,7 @@ __all__ = [
 RECORD_KIND = storage.FORMAT  # CheckpointFile.kind of a training state: "keras_stable_state"
 
 
-def to_json(value):
+def to_json(value: Any) -> Any:
     """``value`` (a dataclass, or dicts/lists/tuples of them) as a ``json.dumps``-ready tree.
 
     Tuples become lists, NumPy scalars Python numbers, non-finite floats their
@@ -51,9 +55,10 @@ def to_json(value):
 
 
 class _Json:
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """The ``--json`` document: `to_json` of this dataclass."""
-        return to_json(self)
+        doc: dict[str, Any] = to_json(self)
+        return doc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +73,12 @@ class ArrayInfo:
     """
 
     key: str
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
     bytes: int
 
     @classmethod
-    def of(cls, entry) -> ArrayInfo:
+    def of(cls, entry: Entry) -> ArrayInfo:
         return cls(entry.key, tuple(entry.shape), entry.dtype, entry.nbytes)
 
 
@@ -92,12 +97,12 @@ class VariableInfo:
     """
 
     key: str
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
     stored: bool
     bytes: int
     trainable: bool | None
-    slots: dict
+    slots: dict[str, ArrayInfo]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,20 +149,20 @@ class RecordInspection(_Json):
     kind: str
     container: str
     format_version: int
-    metadata: dict
-    counts: dict
+    metadata: dict[str, Any]
+    counts: dict[str, int]
     bytes: int
-    variables: list
-    optimizer_globals: list
-    contract: list | None
-    schedule: dict | None
-    callbacks: dict
-    position: dict | None
-    providers: dict
+    variables: list[VariableInfo]
+    optimizer_globals: list[ArrayInfo]
+    contract: list[list[Any]] | None
+    schedule: dict[str, Any] | None
+    callbacks: dict[str, Any]
+    position: dict[str, Any] | None
+    providers: dict[str, Any]
     rng_saved: bool
-    arrays: list
-    archive_members: list
-    problems: list
+    arrays: list[ArrayInfo]
+    archive_members: list[Member]
+    problems: list[Problem]
 
     @property
     def describe(self) -> str:
@@ -170,7 +175,7 @@ class StockWeight:
     """A model weight of a stock Keras file; ``key`` and ``path`` are its HDF5 path."""
 
     key: str
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
     bytes: int
     path: str
@@ -188,7 +193,7 @@ class StockOptimizerVariable:
     """
 
     key: str
-    shape: tuple
+    shape: tuple[int, ...]
     dtype: str
     bytes: int
     index: int
@@ -202,7 +207,7 @@ class StockOptimizer:
 
     count: int
     positional: bool
-    variables: list
+    variables: list[StockOptimizerVariable]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,15 +230,15 @@ class StockInspection(_Json):
     file: str
     kind: str
     container: str
-    keras_metadata: dict | None
+    keras_metadata: dict[str, Any] | None
     model_class: str | None
-    counts: dict
+    counts: dict[str, int]
     bytes: int
-    model: list
+    model: list[StockWeight]
     optimizer: StockOptimizer
     note: str
-    archive_members: list
-    problems: list
+    archive_members: list[Member]
+    problems: list[Problem]
 
     @property
     def describe(self) -> str:
@@ -274,14 +279,14 @@ class Verification(_Json):
     arrays_checked: int
     checksums: bool | None
     bytes: int | None
-    damaged: list
+    damaged: list[Damage]
     error: str | None = None
-    counts: dict | None = None
+    counts: dict[str, int] | None = None
     checksum: str | None = None
     archive_members: int | None = None
 
 
-def describe(kind: str, container: str, metadata: dict) -> str:
+def describe(kind: str, container: str, metadata: dict[str, Any]) -> str:
     """One line: what a file is and who wrote it (``"stock Keras .keras archive, Keras 3.15.1"``)."""
     if kind == RECORD_KIND:
         return (

@@ -148,7 +148,7 @@ class CheckpointFile:
         self.entries: list[Entry] = []
         self.optimizer_keys: dict[str, str] = {}
         self.damaged_members: list[tuple[str, str]] = []
-        self.problems: list[str] = []
+        self.problems: list[tuple[str, str]] = []
         self._src = Source(self.path, data, whole, unaligned_views)
         self._spans: dict[str, int] = {}
         self._handed: set[str] = set()  # Keras' datasets an array was read from (views of Keras' member)
