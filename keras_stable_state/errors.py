@@ -91,7 +91,7 @@ class StateError(Exception):
         expected: What the library expected (shape, dtype, count...), or ``None``.
         received: What it found instead, or ``None``.
 
-    Example:
+    Examples:
         >>> try:
         ...     kss.restore_training_state("run.h5", model)
         ... except kss.StateError as err:
@@ -110,7 +110,7 @@ class StateError(Exception):
 class KeyFormatError(StateError, ValueError):
     """A key read from a file is malformed (not ``path:<path>`` or ``order:<int>``).
 
-    Example:
+    Examples:
         >>> kss.VariableKey.parse("layers/dense/kernel")   # raises KeyFormatError
     """
 
@@ -122,7 +122,7 @@ class BindingError(StateError, ValueError):
     variable of another shape or dtype, when an order bind would claim a
     variable that a named key owns, or when counts differ in a positional file.
 
-    Example:
+    Examples:
         >>> kss.restore_training_state("stock.weights.h5", model_with_other_optimizer)
         BindingError: The file holds 10 optimizer variables in positional order, but SGD has 6; ...
     """
@@ -137,7 +137,7 @@ class ContractError(StateError, ValueError):
         reshaped: ``(key, saved_shape, current_shape)`` triples.
         retyped: ``(key, saved_dtype, current_dtype)`` triples.
 
-    Example:
+    Examples:
         >>> model.get_layer("hidden").trainable = False
         >>> kss.restore_training_state("run.h5", model)
         ContractError: ... missing (saved as trainable, not trained now: frozen or removed): [...]
@@ -165,7 +165,7 @@ class DtypeMismatchError(StateError, TypeError):
     """A saved array's dtype differs from its variable's and no cast was allowed,
     or an integer value does not fit the target integer dtype.
 
-    Example:
+    Examples:
         >>> kss.restore_training_state("half.h5", model)          # float16 array, float32 variable
         DtypeMismatchError: Saved array for path:layers/hidden/kernel is float16, but its variable is float32 ...
         >>> kss.restore_training_state("half.h5", model, allow_cast=True).casts
@@ -176,7 +176,7 @@ class DtypeMismatchError(StateError, TypeError):
 class CheckpointFormatError(StateError, ValueError):
     """The file is not a training-state file this version can read.
 
-    Example:
+    Examples:
         >>> kss.save_training_state("run.ckpt", model)   # raises: use a '.keras' or '.h5' extension
     """
 
@@ -198,7 +198,7 @@ class NewerFormatError(CheckpointFormatError):
         unknown: The names this version does not know (records, attributes,
             fields), at most a few, or ``[]`` for a newer format version.
 
-    Example:
+    Examples:
         >>> kss.restore_training_state("from-the-future.h5", model)
         NewerFormatError: from-the-future.h5: written by a newer keras_stable_state (format 4); upgrade to read it ...
     """
@@ -221,7 +221,7 @@ class NewerFormatError(CheckpointFormatError):
 class CorruptCheckpointError(StateError, OSError):
     """An array in the file fails its checksum or cannot be read (truncation).
 
-    Example:
+    Examples:
         >>> kss.restore_training_state("damaged.h5", model)
         CorruptCheckpointError: damaged.h5: array for key 'path:layers/hidden/kernel' fails its CRC-32 checksum ...
     """
@@ -233,7 +233,7 @@ class MalformedKeyError(CorruptCheckpointError, KeyFormatError):
     [`CorruptCheckpointError`][keras_stable_state.CorruptCheckpointError] and a
     [`KeyFormatError`][keras_stable_state.KeyFormatError].
 
-    Example:
+    Examples:
         >>> kss.restore_training_state("damaged.h5", model)
         MalformedKeyError: damaged.h5: model variable key 'layers/hidden/kernel' is malformed ...
     """
@@ -253,7 +253,7 @@ class CheckpointInUseError(StateError, BlockingIOError):
         path: The file or directory that is in use.
         holder: What is known of the other process (``"pid 1234 on host x"``), or ``None``.
 
-    Example:
+    Examples:
         >>> kss.restore_training_state("run.h5", model)   # another process has it open for writing
         CheckpointInUseError: 'run.h5' is in use by another process (locked for writing) ...
     """
@@ -276,7 +276,7 @@ class StorageBackendError(StateError, ImportError):
         scheme: Its scheme (``"gs"``).
         package: The package that implements it (``"gcsfs"``), or ``None`` if unknown.
 
-    Example:
+    Examples:
         >>> kss.save_training_state("gs://bucket/run.h5", model)   # gcsfs not installed
         StorageBackendError: 'gs://bucket/run.h5' is in Google Cloud Storage (gs://), read and written through gcsfs, which is not installed ...
     """
@@ -299,7 +299,7 @@ class UnreadableCheckpointWarning(UserWarning):
     The message names each unreadable file, why it is unreadable and where it
     was moved (``<directory>/unreadable/``).
 
-    Example:
+    Examples:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     model.fit(x, y, callbacks=[kss.StableCheckpoint("ckpts")])
@@ -319,7 +319,7 @@ class InexactResumeWarning(UserWarning):
     writer's of a model with random layers, and a callback whose state the library
     cannot see (no ``get_state()``/``set_state()``) on a resume.
 
-    Example:
+    Examples:
         >>> import warnings
         >>> warnings.simplefilter("error", kss.InexactResumeWarning)  # refuse such inputs
     """

@@ -94,3 +94,14 @@ def test_public_docstrings_are_short() -> None:
     assert long == {}, (
         f"public docstrings over {MAX_DOC_LINES} lines (move the detail to docs/how-to): {long}"
     )
+
+
+def test_every_example_renders_as_code(reference_html: str) -> None:
+    """``>>>`` lines render inside code blocks (an ``Example:`` section, unlike ``Examples:``,
+    turned them into nested Markdown quotes)."""
+    quoted = [
+        q for q in re.findall(r"<blockquote>(.*?)</blockquote>", reference_html, re.S) if "&gt;&gt;&gt;" in q
+    ]
+    assert quoted == [], f"examples rendered as quotes, not code: {quoted[:2]}"
+    code = [p for p in re.findall(r"<pre>(.*?)</pre>", reference_html, re.S) if "&gt;&gt;&gt;" in p]
+    assert len(code) >= 20, f"only {len(code)} examples render as code"

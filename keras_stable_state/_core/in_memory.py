@@ -56,7 +56,7 @@ def training_state_to_bytes(
             (its subclasses, ``TypeError`` and ``ValueError`` for invalid arguments);
             from another thread during ``fit`` it waits or is refused as that one does.
 
-    Example:
+    Examples:
         >>> data = kss.training_state_to_bytes(model)
         >>> bucket.put_object(Key="run/step-100.h5", Body=data)
     """
@@ -105,7 +105,7 @@ def restore_training_state_from_bytes(
         StateError: every other error of ``restore_training_state`` (its subclasses
             ``ContractError``, ``BindingError``, ``DtypeMismatchError``...).
 
-    Example:
+    Examples:
         >>> data = bucket.get_object(Key="run/step-100.h5")["Body"].read()
         >>> report = kss.restore_training_state_from_bytes(data, model)
     """

@@ -63,7 +63,7 @@ class StateMapper:
         lossy: ``True`` when ``decode(encode(x))`` may differ from ``x``; the
             restore report then lists the keys as not restored bit-exactly.
 
-    Example:
+    Examples:
         >>> @keras.saving.register_keras_serializable(package="my_project")
         ... class Float16(kss.StateMapper):
         ...     lossy = True
@@ -136,7 +136,7 @@ class CastMapper(StateMapper):
         StateError: at save, naming the key, when a finite value overflows
             ``dtype`` (e.g. 1e5 to float16): it would be stored as infinity.
 
-    Example:
+    Examples:
         >>> kss.save_training_state("run.h5", model, mappers={r"^path:": kss.CastMapper("bfloat16")})
         >>> kss.restore_training_state("run.h5", model).lossy   # every model variable's key
     """
@@ -194,7 +194,7 @@ class QuantizeMapper(StateMapper):
     Raises:
         StateError: at save, naming the key, for an array holding NaN or infinity.
 
-    Example:
+    Examples:
         >>> kss.save_training_state("run.h5", model, mappers={r"^path:.*#": kss.QuantizeMapper()})
         >>> err_bound = kss.QuantizeMapper.bound(momentum_array)   # |restored - saved| <= err_bound
     """

@@ -68,7 +68,7 @@ class RestoreReport:
         writer: Metadata of the writer (backend, Keras version, format version);
             empty for stock files.
 
-    Example:
+    Examples:
         >>> report = kss.restore_training_state("run.keras", model)
         >>> report.by_order           # [] when every array was matched by name
         >>> report.casts              # [("optimizer#iteration", "int64", "int32")] from TensorFlow to JAX

@@ -100,7 +100,7 @@ def restore_training_state(
     optimizers and the other state as they were. In full (every option and error):
     [in detail](how-to/custom-loops.md#restore_training_state-in-detail).
 
-    Example:
+    Examples:
         >>> report = restore_training_state("run.keras", model)
         >>> print(report)
 
@@ -265,7 +265,7 @@ class PendingRestore(keras.callbacks.Callback):
         filepath: The file the state was read from.
         report: The [`RestoreReport`][keras_stable_state.RestoreReport] once restored, else ``None``.
 
-    Example:
+    Examples:
         >>> model = build_model()                      # not built: no input shape yet
         >>> model.compile(optimizer="adam", loss="mse")
         >>> pending = kss.restore_training_state("run.h5", model, defer=True)

@@ -90,7 +90,7 @@ def save_training_state(
     in that ``fit``; without one it is refused). In full:
     [in detail](how-to/custom-loops.md#save_training_state-in-detail).
 
-    Example:
+    Examples:
         >>> save_training_state("run.keras", model)
         >>> handle = save_training_state("run.h5", model, blocking=False)
         >>> handle.wait()

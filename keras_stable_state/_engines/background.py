@@ -82,7 +82,7 @@ class SaveHandle:
         nbytes: Size of the written file in bytes (``int``), or ``None`` while it
             runs or if it failed.
 
-    Example:
+    Examples:
         >>> handle = kss.save_training_state("run.h5", model, blocking=False)
         >>> ...                                    # keep training
         >>> handle.wait()                          # raises what the write raised

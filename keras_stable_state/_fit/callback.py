@@ -45,7 +45,7 @@ class StableCheckpoint(keras.callbacks.Callback):
     callbacks, locks, ``*.orbax`` directories): [in detail](how-to/resume-fit.md#stablecheckpoint-in-detail),
     [Preemption](how-to/preemption.md).
 
-    Example:
+    Examples:
         >>> ckpt = StableCheckpoint("ckpts", save_freq="epoch", max_to_keep=3)
         >>> history = model.fit(x, y, epochs=2, callbacks=[ckpt], verbose=0)  # resumes from ckpts/ if it holds a checkpoint
 

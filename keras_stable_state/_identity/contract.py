@@ -28,7 +28,7 @@ class TrainableContract:
         entries: Tuple of ``(key: str, shape: tuple[int, ...], dtype: str)``,
             in the model's ``trainable_variables`` order.
 
-    Example:
+    Examples:
         >>> contract = TrainableContract.capture(model)
         >>> contract.validate(model)   # raises ContractError on any difference
     """

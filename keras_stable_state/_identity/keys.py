@@ -77,7 +77,7 @@ class VariableKey:
             named, ``save_training_state(..., variables={"log_alpha": v})``).
         value: The stable path, the decimal registration index, or the caller's name.
 
-    Example:
+    Examples:
         >>> key = VariableKey.parse("path:layers/dense/kernel")
         >>> key.named, str(key)
         (True, 'path:layers/dense/kernel')

@@ -347,7 +347,7 @@ def stable_layer_paths(model) -> dict:
     Returns:
         ``dict`` from ``id(layer)`` to ``(path, layer)``, in walk order.
 
-    Example:
+    Examples:
         >>> [path for path, _ in stable_layer_paths(model).values()]
         ['', 'layers/lookup', 'layers/embedding']
     """

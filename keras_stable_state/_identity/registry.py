@@ -49,7 +49,7 @@ class VariableRegistry:
     Raises:
         BindingError: if two entries share a key (the duplicates are listed).
 
-    Example:
+    Examples:
         >>> registry = VariableRegistry.from_model(model)
         >>> str(registry.keys()[0])
         'path:layers/dense/kernel'

@@ -56,7 +56,7 @@ class CheckpointManager(DirectoryHolder):
     processes and preemption in full:
     [in detail](how-to/custom-loops-manager.md#checkpointmanager-in-detail).
 
-    Example:
+    Examples:
         >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
         ...     start = 0 if mgr.restore(model) is None else mgr.restored_step
         ...     for step in range(start, 5):

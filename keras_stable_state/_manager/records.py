@@ -46,7 +46,7 @@ class CheckpointMetadata:
         format: Its file format version.
         backend: The Keras backend that wrote it (``"jax"``, ``"tensorflow"``, ``"torch"``).
 
-    Example:
+    Examples:
         >>> mgr = CheckpointManager("ckpts")
         >>> _ = mgr.save(1, model, metrics={"loss": 0.5}, epoch=0)
         >>> info = mgr.metadata(1)

@@ -39,7 +39,7 @@ class GradientAccumulator:
         variables: Variables to accumulate for; default
             ``model.trainable_variables`` when built.
 
-    Example:
+    Examples:
         >>> acc = GradientAccumulator(model)
         >>> acc.accumulate(grads, weight=len(x_batch))
         >>> if acc.count == 4:

@@ -138,7 +138,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
             ``DtypeMismatchError``) when a loaded file does not match; never a
             warn-and-skip.
 
-    Example:
+    Examples:
         >>> opt = StableOptimizer(keras.optimizers.Adam(1e-3), model=model)
         >>> model.compile(optimizer=opt, loss="mse"); model.fit(x, y)
         >>> opt.entries()[2].key

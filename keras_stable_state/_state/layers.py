@@ -192,7 +192,7 @@ def collect_layer_state(model) -> dict:
         StateError: naming the layer, if a vocabulary holds a token that cannot
             be saved (bytes that are not UTF-8, a token neither text nor integer).
 
-    Example:
+    Examples:
         >>> collect_layer_state(model)["layers/lookup"]["vocabulary"]
         ['[UNK]', 'the', 'a']
     """

@@ -23,7 +23,7 @@ class ScheduleMismatchError(StateError, ValueError):
     Attributes:
         fields: ``(field, saved value, current value)`` for each difference.
 
-    Example:
+    Examples:
         >>> kss.restore_training_state("run.h5", model_with_decay_steps_20)
         ScheduleMismatchError: The learning-rate schedule differs from the one saved
         (config.decay_steps: saved 10, now 20). ...

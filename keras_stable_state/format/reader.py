@@ -472,7 +472,7 @@ def open_file(filepath: object, *, storage_options: Mapping[str, Any] | None = N
         filepath: A path (``str``, ``bytes``, ``os.PathLike``) or a URL.
         storage_options: For a URL: ``dict`` passed to the fsspec filesystem, or ``None``.
 
-    Example:
+    Examples:
         >>> with storage.open_file("run.keras") as f:
         ...     kernel = f.read(f.section("model")[0])
 
