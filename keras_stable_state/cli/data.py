@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from keras_stable_state.cli.orbax import OrbaxState, is_orbax_state
 from keras_stable_state.cli.results import (
     ArrayInfo,
     Damage,
+    DamagedArray,
     Member,
     Problem,
     RecordInspection,
@@ -38,9 +39,6 @@ from keras_stable_state.cli.results import (
 )
 from keras_stable_state.errors import CorruptCheckpointError
 from keras_stable_state.format import CheckpointFile
-
-if TYPE_CHECKING:
-    from keras_stable_state.cli.diff import DamagedArray
 
 __all__ = [
     "Verification",

@@ -17,7 +17,7 @@ from keras_stable_state import format as storage
 from keras_stable_state._manager.records import RECORD as SAVE_RECORD
 from keras_stable_state.cli.data import max_abs_difference, open_checkpoint
 from keras_stable_state.cli.orbax import OrbaxState
-from keras_stable_state.cli.results import describe, to_json
+from keras_stable_state.cli.results import DamagedArray, describe, to_json
 from keras_stable_state.errors import CorruptCheckpointError
 from keras_stable_state.format import CheckpointFile
 
@@ -105,15 +105,6 @@ class SectionDiff:
     shared: int
     max_abs_diff: dict[str, float | None]
     pairs: dict[str, str] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class DamagedArray:
-    """An array that could not be read: ``file``, ``key`` and ``reason``."""
-
-    file: str
-    key: str
-    reason: str
 
 
 @dataclasses.dataclass(frozen=True)

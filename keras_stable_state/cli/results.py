@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from keras_stable_state.format import Entry
 
 __all__ = [
+    "DamagedArray",
     "ArrayInfo",
     "Damage",
     "Member",
@@ -59,6 +60,15 @@ class _Json:
         """The ``--json`` document: `to_json` of this dataclass."""
         doc: dict[str, Any] = to_json(self)
         return doc
+
+
+@dataclasses.dataclass(frozen=True)
+class DamagedArray:
+    """An array that could not be read: ``file``, ``key`` and ``reason``."""
+
+    file: str
+    key: str
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
