@@ -20,7 +20,9 @@ __all__ = ["object_store_target", "write_to"]
 _ORBAX = ".orbax"
 
 
-def object_store_target(filepath: str, storage_options, verb: str, *, write: bool = True):
+def object_store_target(
+    filepath: str, storage_options: object, verb: str, *, write: bool = True
+) -> tuple[str, storage.remote.RemotePath | None]:
     """``(filepath, store)``: ``filepath`` (a ``file://`` URL as the local path it names)
     and, for an object-store URL, its `RemotePath`
     (``None`` for a local path).
