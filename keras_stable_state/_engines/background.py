@@ -24,6 +24,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -176,7 +178,7 @@ def _jax_array_type():
     return None if jax is None else jax.Array
 
 
-def live_value(variable, to_numpy):
+def live_value(variable: Any, to_numpy: Callable[[Any], Any]) -> Any:
     """What a background save takes of ``variable`` in the calling thread: its JAX array
     as it is (no copy yet: `host_record` copies it on its devices or views it on
     CPU); on TensorFlow, a read of a plain resource variable (``compat.tf_read``, the
