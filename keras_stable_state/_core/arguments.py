@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 import keras
 import numpy as np
@@ -22,7 +23,7 @@ def received(name, value) -> str:
     return f"Received: {name}={text} (of type {type(value).__name__})"
 
 
-def check_filepath(filepath, verb):
+def check_filepath(filepath: object, verb: str) -> str:
     if isinstance(filepath, bytes):
         return os.fsdecode(filepath)
     if not isinstance(filepath, (str, os.PathLike)):
@@ -33,7 +34,7 @@ def check_filepath(filepath, verb):
     return os.fsdecode(os.fspath(filepath))
 
 
-def check_model(model, verb):
+def check_model(model: object, verb: str) -> None:
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"`model` of {verb} must be a keras.Model (built: called on a batch, or `model.build(...)`). "
@@ -99,7 +100,7 @@ def check_callbacks(callbacks, verb) -> dict:
     return {state_mod.callback_key(callbacks, cb): cb for cb in callbacks}
 
 
-def check_providers(state, verb):
+def check_providers(state: object, verb: str) -> dict[str, Any]:
     if state is None:
         return {}
     if not isinstance(state, dict):
@@ -124,7 +125,7 @@ def check_providers(state, verb):
     return dict(state)
 
 
-def check_flags(verb, **flags):
+def check_flags(verb: str, **flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"`{name}` of {verb} must be True or False. " + received(name, value))
@@ -170,7 +171,7 @@ def check_variables(variables, verb, model) -> dict:
     return dict(variables)
 
 
-def check_rename(prefix, rename, verb):
+def check_rename(prefix: object, rename: object, verb: str) -> list[tuple[re.Pattern[str], str]] | None:
     """The key rename rules: ``[(compiled pattern, replacement)]``, or ``None``."""
     if prefix is not None and rename is not None:
         raise ValueError(

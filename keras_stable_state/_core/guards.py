@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import keras
 
@@ -42,7 +44,11 @@ def cyclic_gc_paused():
         gc.enable()
 
 
-def walking_once(fn):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def walking_once(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run ``fn`` inside `one_walk` (every registry it
     builds reuses one walk of the model), with the cyclic garbage collector paused."""
 
@@ -54,7 +60,7 @@ def walking_once(fn):
     return wrapper
 
 
-def builds_undone_on_refusal(restore):
+def builds_undone_on_refusal(restore: Callable[_P, _R]) -> Callable[_P, _R]:
     """Whatever ``restore(filepath, model, options, ...)`` refuses, or fails at, after
     building an unbuilt optimizer (a slot that cannot be assigned, a provider without
     saved state, a failed assignment), the optimizer is put back unbuilt: a refused
@@ -83,7 +89,7 @@ def builds_undone_on_refusal(restore):
     return guarded
 
 
-def memory_refused(restore):
+def memory_refused(restore: Callable[_P, _R]) -> Callable[_P, _R]:
     """Running out of memory anywhere in ``restore(filepath, model, ...)`` (reading,
     checking, converting, or assigning, once every assigned value is put back) is a
     [`StateError`][keras_stable_state.StateError] naming the file and saying so

@@ -12,6 +12,8 @@ folder, uploaded whole). Reading goes through
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointFormatError
 
@@ -20,7 +22,9 @@ __all__ = ["object_store_target", "write_to"]
 _ORBAX = ".orbax"
 
 
-def object_store_target(filepath: str, storage_options, verb: str, *, write: bool = True):
+def object_store_target(
+    filepath: str, storage_options: object, verb: str, *, write: bool = True
+) -> tuple[str, storage.remote.RemotePath | None]:
     """``(filepath, store)``: ``filepath`` (a ``file://`` URL as the local path it names)
     and, for an object-store URL, its `RemotePath`
     (``None`` for a local path).
@@ -64,7 +68,12 @@ def object_store_target(filepath: str, storage_options, verb: str, *, write: boo
     return filepath, storage.remote.RemotePath(filepath, storage_options)
 
 
-def write_to(filepath: str, store, record, keras_archive_writer=None):
+def write_to(
+    filepath: str,
+    store: storage.remote.RemotePath | None,
+    record: storage.StateRecord,
+    keras_archive_writer: Callable[[str], object] | None = None,
+) -> int | None:
     """Write ``record`` to ``filepath`` (`write_record`),
     or, with a ``store``, to a local temporary file uploaded whole to it; the size written
     in bytes for an upload, else ``None``.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import keras
 
@@ -37,6 +37,7 @@ from keras_stable_state._engines import background
 from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.keys import file_label
 from keras_stable_state.errors import StateError
+from keras_stable_state.format import orbax_layout
 
 __all__ = ["RestoreOptions", "PendingRestore", "restore_training_state", "restore_with"]
 
@@ -60,7 +61,7 @@ class RestoreOptions:
     storage_options: object = None
 
     @classmethod
-    def from_keywords(cls, verb, /, **kwargs) -> RestoreOptions:
+    def from_keywords(cls, verb: str, /, **kwargs: object) -> RestoreOptions:
         """The options from keyword arguments named as [`restore_training_state`][keras_stable_state.restore_training_state]'s.
 
         Raises:
@@ -165,12 +166,12 @@ def restore_training_state(
 @builds_undone_on_refusal
 @walking_once
 def restore_with(
-    filepath: str,
+    filepath: str | os.PathLike[str],
     model: keras.Model,
     options: RestoreOptions,
     *,
     defer: bool = False,
-    record: storage.StateRecord | None = None,
+    record: storage.StateRecord | storage.StockWeights | None = None,
     take: bool = False,
 ) -> RestoreReport | PendingRestore:
     """[`restore_training_state`][keras_stable_state.restore_training_state] with its options grouped.
@@ -217,9 +218,12 @@ def restore_with(
         background.wait_for_folder(background.folder_of(filepath))
         record = (
             orbax_engine.read(filepath)
-            if orbax_engine.is_orbax_path(filepath)
+            if orbax_layout.is_orbax_path(filepath)
             else storage.read_file(
-                filepath, storage_options=options.storage_options, unaligned_views=takes_unaligned()
+                filepath,
+                # object_store_target refused anything but a dict (or None for a local path)
+                storage_options=cast("Mapping[str, Any] | None", options.storage_options),
+                unaligned_views=takes_unaligned(),
             )
         )
     if defer:
@@ -238,17 +242,18 @@ def restore_with(
         providers=providers,
         extras=extras,
         rules=rules,
-        strict=options.strict,
-        allow_cast=options.allow_cast,
-        include_rng=options.include_rng,
-        check_schedule=options.check_schedule,
-        keep_learning_rate=options.keep_learning_rate,
+        # check_flags refused anything but True or False (a bool or NumPy bool)
+        strict=cast(bool, options.strict),
+        allow_cast=cast(bool, options.allow_cast),
+        include_rng=cast(bool, options.include_rng),
+        check_schedule=cast(bool, options.check_schedule),
+        keep_learning_rate=cast(bool, options.keep_learning_rate),
         owned=owned,
     )
     return restore_record(record, request)
 
 
-class PendingRestore(keras.callbacks.Callback):
+class PendingRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped (Any)
     """A restore waiting for the model's variables: ``restore_training_state(..., defer=True)``.
 
     The file was read and every array checksummed when it was made; nothing is
@@ -276,8 +281,8 @@ class PendingRestore(keras.callbacks.Callback):
     def __init__(
         self,
         filepath: str,
-        record: storage.StateRecord,
-        target: str,
+        record: storage.StateRecord | storage.StockWeights,
+        target: keras.Model,
         options: RestoreOptions,
         *,
         take: bool = False,
@@ -288,8 +293,8 @@ class PendingRestore(keras.callbacks.Callback):
         super().__init__()
         self._take = take
         self.filepath = filepath
-        self.report = None
-        self._record = record
+        self.report: RestoreReport | None = None
+        self._record: storage.StateRecord | storage.StockWeights | None = record
         self._target = target
         self._options = options
 
@@ -313,8 +318,9 @@ class PendingRestore(keras.callbacks.Callback):
                 f"The state of {file_label(self.filepath)} was already restored into {self._target.name!r} "
                 "by this PendingRestore; call restore_training_state again to restore it twice."
             )
-        report = restore_with(
-            self.filepath, self._target, self._options, record=self._record, take=self._take
+        report = cast(  # without defer, restore_with restores now: a RestoreReport
+            RestoreReport,
+            restore_with(self.filepath, self._target, self._options, record=self._record, take=self._take),
         )
         self.report, self._record = report, None
         return report

@@ -46,6 +46,7 @@ from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_classes, save_optimizers
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
+from keras_stable_state.format import orbax_layout
 from keras_stable_state.format.sink import LimitedFile
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 __all__ = ["save_training_state", "training_state_record"]
 
 
-def _host_array(variable):
+def _host_array(variable: Any) -> Any:
     """``variable``'s value as a NumPy array (`to_numpy`);
     on TensorFlow, a plain variable through one ``ReadVariableOp`` of its resource
     (``compat.tf_read``): 30 us per variable instead of 140."""
@@ -151,21 +152,21 @@ def save_training_state(
 
 @walking_once
 def _save(
-    filepath,
-    model,
-    optimizer,
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None,
     *,
-    model_state,
-    callbacks,
-    state,
-    include_rng,
-    allow_order_keys,
-    variables,
-    mappers,
-    blocking,
-    storage_options,
-    started,
-):
+    model_state: str,
+    callbacks: Sequence[keras.callbacks.Callback],
+    state: Mapping[str, Any] | None,
+    include_rng: bool,
+    allow_order_keys: bool,
+    variables: Mapping[str, keras.Variable] | None,
+    mappers: Mapping[str, StateMapper] | None,
+    blocking: bool,
+    storage_options: Mapping[str, Any] | None,
+    started: float,
+) -> str | Callable[[], background.SaveHandle]:
     """[`save_training_state`][keras_stable_state.save_training_state], returning for ``blocking=False`` the zero-argument callable
     that submits the background write (and returns its [`SaveHandle`][keras_stable_state.SaveHandle])."""
     verb = "save_training_state"
@@ -173,7 +174,7 @@ def _save(
     filepath, store = object_store_target(filepath, storage_options, verb)
     check_flags(verb, blocking=blocking)
     _check_processes(filepath)
-    orbax = orbax_engine.is_orbax_path(filepath)
+    orbax = orbax_layout.is_orbax_path(filepath)
     if orbax:
         orbax_engine.check_installed()
         if not blocking:
@@ -193,7 +194,9 @@ def _save(
     # with blocking=True the variables are read as the file is written, so all of it is inside.
     with boundary.saving(model, verb):
 
-        def convert(variable):  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
+        def convert(
+            variable: Any,
+        ) -> Any:  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
             if orbax:
                 return orbax_engine.live_value(variable, to_numpy)
             # in the background: JAX arrays and TensorFlow reads, copied or converted as
@@ -232,7 +235,7 @@ def _save(
         return filepath
 
 
-def _wait_before_copy(filepath, store=None) -> None:
+def _wait_before_copy(filepath: str, store: storage.remote.RemotePath | None = None) -> None:
     """Before a background save copies anything: the target is writable, and the previous
     write into its folder has ended (at most one host copy waiting)."""
     if store is None:
@@ -266,8 +269,8 @@ def training_state_record(
         )
     optimizers = check_optimizers(optimizer, verb, model)
     optimizer = optimizers.get(MAIN)
-    callbacks = check_callbacks(callbacks, verb)
-    state = check_providers(state, verb)
+    callbacks_by_key = check_callbacks(callbacks, verb)
+    providers = check_providers(state, verb)
     check_flags(verb, include_rng=include_rng, allow_order_keys=allow_order_keys)
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
@@ -285,7 +288,7 @@ def training_state_record(
         if extra_saved(v, model_state)
     )
     opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras, convert=convert)
-    extra, arrays = _collect_state(model, optimizer, callbacks, state, include_rng)
+    extra, arrays = _collect_state(model, optimizer, callbacks_by_key, providers, include_rng)
     extra[layer_state.SECTION], found = state_mod.split_arrays(
         layer_state.collect_layer_state(model), layer_state.SECTION
     )
@@ -310,7 +313,7 @@ def training_state_record(
     )
 
 
-def _check_processes(filepath):
+def _check_processes(filepath: str) -> None:
     """Refuse a ``.keras`` archive with several JAX processes: Keras' own ``model.save`` cannot
     read arrays whose shards live on other processes."""
     if filepath.endswith(".keras") and multiprocess.process_count() > 1:
@@ -325,7 +328,13 @@ def _check_processes(filepath):
         )
 
 
-def _save_in_background(filepath, model, record, started, store=None):
+def _save_in_background(
+    filepath: str,
+    model: keras.Model,
+    record: storage.StateRecord,
+    started: float,
+    store: storage.remote.RemotePath | None = None,
+) -> Callable[[], background.SaveHandle]:
     """Copy what is still shared with live objects; return the callable that submits the
     write to a background thread."""
     record = background.host_record(record)
@@ -336,7 +345,7 @@ def _save_in_background(filepath, model, record, started, store=None):
         archive = buffer.getvalue()
         del buffer
 
-        def archive_writer(tmp) -> None:
+        def archive_writer(tmp: str) -> None:
             with LimitedFile(tmp, "wb") as fh:
                 fh.write(archive)
 
@@ -348,7 +357,7 @@ def _save_in_background(filepath, model, record, started, store=None):
     )
 
 
-def _save_keras_archive(model, tmp, filepath):
+def _save_keras_archive(model: keras.Model, tmp: str | io.IOBase, filepath: str) -> None:
     try:
         if isinstance(tmp, io.IOBase):
             compat.save_keras_archive_to(model, tmp)
@@ -371,12 +380,23 @@ def _save_keras_archive(model, tmp, filepath):
         ) from err
 
 
-def _collect_state(model, optimizer, callbacks, state, include_rng):
+def _collect_state(
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None,
+    callbacks: dict[str, keras.callbacks.Callback],
+    state: dict[str, Any],
+    include_rng: bool,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The JSON part and the arrays of everything that is not a variable."""
-    extra = {"schedule": state_mod.schedule_state(optimizer), "callbacks": {}, "providers": {}, "rng": None}
-    arrays = {}
+    extra: dict[str, Any] = {
+        "schedule": state_mod.schedule_state(optimizer),
+        "callbacks": {},
+        "providers": {},
+        "rng": None,
+    }
+    arrays: dict[str, Any] = {}
 
-    def put(section, name, value) -> None:
+    def put(section: str, name: str, value: Any) -> None:
         json_value, found = state_mod.split_arrays(value, f"{section}/{name}")
         extra[section][name] = json_value
         arrays.update(found)

@@ -24,11 +24,16 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import format as storage
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
 
 __all__ = [
     "SaveHandle",
@@ -42,8 +47,8 @@ __all__ = [
 
 _WORKERS = 4
 _GUARD = threading.Lock()
-_EXECUTOR = None
-_LATEST = {}  # real path of a folder -> the SaveHandle submitted last into it
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+_LATEST: dict[str, SaveHandle] = {}  # real path of a folder -> the SaveHandle submitted last into it
 
 
 def _forget_in_child() -> None:
@@ -92,8 +97,8 @@ class SaveHandle:
     def __init__(self, path: str, future: concurrent.futures.Future[None], blocked_secs: float) -> None:
         self.path = path
         self.blocked_secs = blocked_secs
-        self.write_secs = None
-        self.nbytes = None
+        self.write_secs: float | None = None
+        self.nbytes: int | None = None
         self._future = future
 
     def done(self) -> bool:
@@ -133,7 +138,7 @@ class SaveHandle:
         return f"<SaveHandle {self.path!r} {status}>"
 
 
-def folder_of(path) -> str:
+def folder_of(path: str) -> str:
     """The real path of the folder ``path`` is written into (the key that orders writes);
     for an object-store URL, the URL of its folder."""
     if storage.remote.is_url(path):
@@ -141,12 +146,12 @@ def folder_of(path) -> str:
     return os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
 
 
-def _latest(folder):
+def _latest(folder: str) -> SaveHandle | None:
     with _GUARD:
         return _LATEST.get(folder)
 
 
-def wait_for_folder(folder, timeout=None) -> None:
+def wait_for_folder(folder: str, timeout: float | None = None) -> None:
     """Wait until the last write submitted into ``folder`` (see `folder_of`) has finished.
 
     Its error, if any, is not raised here: it belongs to its [`SaveHandle`][keras_stable_state.SaveHandle].
@@ -161,22 +166,22 @@ def wait_for_folder(folder, timeout=None) -> None:
             raise TimeoutError(f"The background save of {handle.path!r} has not finished within {timeout} s.")
 
 
-def _owned(array, always):
+def _owned(array: Any, always: bool) -> NDArray[Any]:
     if callable(array):  # converted lazily by save_training_state (storage.StateRecord)
         array = array()
-    array = np.asarray(array)
+    host: NDArray[Any] = np.asarray(array)
     # Torch's .numpy() shares the tensor's memory, which the next step updates in place.
-    if always or not array.flags.owndata or array.base is not None:
-        return np.array(array, copy=True)
-    return array
+    if always or not host.flags.owndata or host.base is not None:
+        return np.array(host, copy=True)
+    return host
 
 
-def _jax_array_type():
+def _jax_array_type() -> Any:  # jax.Array, or None
     jax = sys.modules.get("jax")  # (no JAX imported: no JAX array to copy)
     return None if jax is None else jax.Array
 
 
-def live_value(variable, to_numpy):
+def live_value(variable: Any, to_numpy: Callable[[Any], Any]) -> Any:
     """What a background save takes of ``variable`` in the calling thread: its JAX array
     as it is (no copy yet: `host_record` copies it on its devices or views it on
     CPU); on TensorFlow, a read of a plain resource variable (``compat.tf_read``, the
@@ -201,14 +206,14 @@ class _TensorRead:
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor) -> None:
+    def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
 
-    def __call__(self):
+    def __call__(self) -> Any:
         return self.tensor.numpy()
 
 
-def device_copies(arrays: list) -> list:
+def device_copies(arrays: list[Any]) -> list[Any]:
     """A copy of each JAX array on its own devices, with its sharding (one batched
     ``jax.device_put(..., may_alias=False)``; ``Array.copy()`` each on a JAX without
     ``may_alias``). Dispatched asynchronously: the caller waits for the dispatch, not for
@@ -225,11 +230,11 @@ def device_copies(arrays: list) -> list:
         return [a.copy() for a in arrays]
 
 
-def _on_cpu(array) -> bool:
+def _on_cpu(array: Any) -> bool:
     return all(device.platform == "cpu" for device in array.devices())
 
 
-def _host_value(copy):
+def _host_value(copy: Any) -> NDArray[Any]:
     """A JAX copy made by `device_copies`, on the host (in the background thread): a
     view of its buffer on CPU, the device-to-host transfer elsewhere; nothing else holds
     the copy, so it cannot change or be donated."""
@@ -239,7 +244,7 @@ def _host_value(copy):
 _PLAIN = frozenset({str, int, float, bool, type(None)})
 
 
-def _json_copy(value):
+def _json_copy(value: Any) -> Any:
     """``copy.deepcopy`` of JSON-like data, faster: dicts, lists and tuples are rebuilt,
     plain scalars kept, anything else deep-copied."""
     kind = type(value)
@@ -278,6 +283,8 @@ def host_record(record: storage.StateRecord) -> storage.StateRecord:
     except RecursionError:  # a self-referencing state: as deepcopy has it (the write refuses it)
         extra = copy.deepcopy(record.extra)
     kind = _jax_array_type()
+    sections: dict[str, dict[str, Any]]
+    live: list[tuple[dict[str, Any], str, Any]]
     sections, live = {}, []
     for name in ("model", "optimizer"):
         out = sections[name] = {}
@@ -307,7 +314,7 @@ def host_record(record: storage.StateRecord) -> storage.StateRecord:
     )
 
 
-def _executor():
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _EXECUTOR
     if _EXECUTOR is None:
         _EXECUTOR = concurrent.futures.ThreadPoolExecutor(
@@ -316,13 +323,13 @@ def _executor():
     return _EXECUTOR
 
 
-def _name_path(err, path) -> None:
+def _name_path(err: BaseException, path: str) -> None:
     """Add ``path`` to an error that does not name it (OSErrors of the writer do)."""
     if path not in str(err) and hasattr(err, "add_note"):
         err.add_note(f"(raised by the background save of {path!r})")
 
 
-def submit(path, write, started) -> SaveHandle:
+def submit(path: str, write: Callable[[], object], started: float) -> SaveHandle:
     """Run ``write()`` (which writes ``path``) in the background, after the writes
     submitted earlier into the same folder.
 
@@ -336,9 +343,9 @@ def submit(path, write, started) -> SaveHandle:
         The [`SaveHandle`][keras_stable_state.SaveHandle].
     """
     folder = folder_of(path)
-    box = {}
+    box: dict[str, Any] = {}  # the previous handle (or None) into the folder, and this one
 
-    def run():
+    def run() -> None:
         earlier = box["previous"]
         if earlier is not None:
             concurrent.futures.wait([earlier._future])
@@ -356,7 +363,8 @@ def submit(path, write, started) -> SaveHandle:
         for done in [f for f, h in _LATEST.items() if h.done()]:
             del _LATEST[done]
         box["previous"] = _LATEST.get(folder)
-        handle = SaveHandle(path, None, None)
+        # its future and blocked_secs are set below, before the handle is returned
+        handle = SaveHandle(path, cast("concurrent.futures.Future[None]", None), cast(float, None))
         box["handle"] = handle
         handle._future = _executor().submit(run)
         _LATEST[folder] = handle

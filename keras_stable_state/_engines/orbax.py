@@ -39,6 +39,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -192,7 +194,7 @@ def _digests(parts: list) -> list:
 
 
 # -- saving ------------------------------------------------------------------------------
-def live_value(variable, to_numpy):
+def live_value(variable: Any, to_numpy: Callable[[Any], Any]) -> Any:
     """What the engine saves for ``variable``: its JAX array as it is (no gather, no copy:
     JAX arrays are immutable, and a blocking save reads them at a step boundary), else NumPy."""
     value = getattr(variable, "value", variable)

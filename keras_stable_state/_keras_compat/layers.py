@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 
 __all__ = [
@@ -67,7 +69,7 @@ def tf_plain_resource(variable):
     return None if resource._in_graph_mode else resource
 
 
-def tf_read(variable):
+def tf_read(variable: Any) -> Any:
     """On TensorFlow, one ``ReadVariableOp`` of a plain variable's resource
     (`tf_plain_resource`): a tensor sharing the variable's buffer (TensorFlow
     copies on write), read without the 40-100 us of Python of ``variable.value``; else

@@ -5,9 +5,18 @@ it, and the context manager."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from types import ModuleType, TracebackType
+from typing import TYPE_CHECKING, Any
 
 from keras_stable_state import _processes as processes
 from keras_stable_state._manager import shared
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from keras_stable_state._manager.lock import DirectoryLock
+    from keras_stable_state._manager.remote_directory import RemoteDirectory, RemoteLock
 
 
 class DirectoryHolder:
@@ -17,7 +26,17 @@ class DirectoryHolder:
     ``removed_temporary_files``, ``_token``, ``_lock``, ``_finalizer``, ``_say`` and ``wait``.
     """
 
-    def lock(self, *, reclaimable=False) -> list:
+    directory: str
+    files: ModuleType | RemoteDirectory
+    name: str
+    removed_temporary_files: list[str]
+    _token: int
+    _lock: DirectoryLock | RemoteLock | shared.Follower | None
+    _finalizer: weakref.finalize[..., Any] | None
+    _say: Callable[[str], None]
+    wait: Callable[[], None]
+
+    def lock(self, *, reclaimable: bool = False) -> list[str]:
         """Create the directory, take its lock, remove the ``.kss-*`` temporary files a killed
         save left; their paths. ``reclaimable=True`` (``StableCheckpoint``'s) lets a
         ``StableCheckpoint`` of the same thread take the lock over (its ``fit`` raised).
@@ -33,11 +52,13 @@ class DirectoryHolder:
             OSError: if the directory or its lock file (object) cannot be created or locked (read-only
                 file system: ``errno.EROFS``; permissions; no bucket, refused credentials), naming it.
         """
-        removed = processes.share_from_primary(self.directory, lambda: self._lock_here(reclaimable))
+        removed: list[str] = processes.share_from_primary(
+            self.directory, lambda: self._lock_here(reclaimable)
+        )
         self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed  # JAX
         return removed
 
-    def _lock_here(self, reclaimable):
+    def _lock_here(self, reclaimable: bool) -> list[str]:
         self.files.prepare(self.directory, self.name)
         self._lock = self.files.acquire_lock(
             self.directory, self._token, writer=self.name, reclaimable=reclaimable
@@ -58,7 +79,7 @@ class DirectoryHolder:
         lock = self._lock
         return lock is not None and lock.fd is not None and lock.token == self._token
 
-    def _ensure_locked(self):
+    def _ensure_locked(self) -> None:
         if not self.locked:
             self.lock()
 
@@ -75,11 +96,13 @@ class DirectoryHolder:
         finally:
             self.release()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         self._ensure_locked()
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc is None:
             self.close()
             return

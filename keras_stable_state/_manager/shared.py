@@ -5,6 +5,8 @@ and take its answers. Every function here is a collective (see
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from keras_stable_state import _processes as processes
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
@@ -23,7 +25,10 @@ class Follower:
             self.fd = None
 
 
-def held(lock, token):
+_Lock = TypeVar("_Lock")
+
+
+def held(lock: _Lock, token: int) -> _Lock | Follower:
     """The lock a manager holds once `share_from_primary`
     ran its locking on process 0: ``lock`` there (and with one process), a `Follower`
     of ``token`` on the others."""

@@ -9,6 +9,8 @@ it belongs to, an optimizer's own variable by its name.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from typing import Any
 
 import keras
 
@@ -65,7 +67,7 @@ def unwrap(optimizer):
     return optimizer
 
 
-def optimizer_tree(optimizer, prefix=""):
+def optimizer_tree(optimizer: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Yield ``(prefix, optimizer)`` for the optimizer and every optimizer it wraps
     (a ``StableOptimizer`` itself is skipped, see `unwrap`)."""
     if unwrap(optimizer) is not optimizer:
@@ -82,8 +84,12 @@ def optimizer_tree(optimizer, prefix=""):
 
 
 def optimizer_entries(
-    optimizer, registry: VariableRegistry | None = None, *, name=None, allow_order_keys=False
-):
+    optimizer: Any,
+    registry: VariableRegistry | None = None,
+    *,
+    name: str | None = None,
+    allow_order_keys: bool = False,
+) -> list[OptimizerEntry]:
     """Key every variable of a built optimizer.
 
     Slots are attributed to their model variable whatever container the

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
+from typing import Any
 
 import keras
 
@@ -94,7 +96,13 @@ def build_for(name, opt, model, meta, report, where, extras=None):
         report.built_optimizer = True
 
 
-def save_optimizers(optimizers, model, allow_order_keys, extras=None, convert=to_numpy):
+def save_optimizers(
+    optimizers: dict[str, Any],
+    model: Any,
+    allow_order_keys: bool,
+    extras: dict[str, Any] | None = None,
+    convert: Callable[[Any], Any] = to_numpy,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The keyed arrays of every optimizer (each variable passed through ``convert``), and per
     optimizer: classes, variables, groups, windows."""
     arrays, meta = {}, {}

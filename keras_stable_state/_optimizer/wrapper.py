@@ -8,8 +8,8 @@ inside ``.keras`` files.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -20,6 +20,11 @@ from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import numpy_copy
 from keras_stable_state._optimizer.entries import optimizer_entries, optimizer_tree, unbound_message
 from keras_stable_state.errors import BindingError
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+    from keras_stable_state._optimizer.entries import OptimizerEntry
 
 __all__ = ["StableOptimizer", "bind_unchecked", "register_keyed_restore"]
 
@@ -36,7 +41,7 @@ _BASE_DEFAULTS = {
 }
 
 
-def _hand_over(wrapper) -> None:
+def _hand_over(wrapper: StableOptimizer) -> None:
     """Hand the save/load of every optimizer inside the wrapper (the inner optimizer, a
     LossScaleOptimizer's inner one, a MultiOptimizer's groups) to the wrapper's keyed store:
     Keras' saving walk visits them too and would save and load them by position. Used on
@@ -47,10 +52,10 @@ def _hand_over(wrapper) -> None:
 # The keyed restore StableOptimizer.load_own_variables uses: slot_restore.restore_optimizer_arrays,
 # registered by keras_stable_state._core.slot_restore (imported with keras_stable_state._core), so that this
 # module does not import the modules that match slots (they import this one).
-_keyed_restore = None
+_keyed_restore: Callable[..., object] | None = None
 
 
-def register_keyed_restore(restore) -> None:
+def register_keyed_restore(restore: Callable[..., object]) -> None:
     """Set the function ``restore(optimizer, model, arrays, *, keyed, strict)`` that
     [`StableOptimizer.load_own_variables`][keras_stable_state.StableOptimizer.load_own_variables] restores with (``slot_restore`` registers
     ``restore_optimizer_arrays``)."""
@@ -58,7 +63,7 @@ def register_keyed_restore(restore) -> None:
     _keyed_restore = restore
 
 
-def bind_unchecked(optimizer, model) -> None:
+def bind_unchecked(optimizer: StableOptimizer, model: keras.Model) -> None:
     """Key the slots of ``optimizer`` (a [`StableOptimizer`][keras_stable_state.StableOptimizer]) by ``model``'s paths,
     without the checks of [`StableOptimizer.bind`][keras_stable_state.StableOptimizer.bind] and without restoring state a
     load left pending: ``save_training_state`` and ``restore_training_state`` bind the
@@ -67,7 +72,7 @@ def bind_unchecked(optimizer, model) -> None:
     optimizer._model_ref = weakref.ref(model)
 
 
-def _check_bindable(optimizer, model, variables):
+def _check_bindable(optimizer: StableOptimizer, model: object, variables: Sequence[Any]) -> None:
     """Refuse binding ``model`` to an optimizer built on variables the model does not hold."""
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -88,7 +93,7 @@ def _check_bindable(optimizer, model, variables):
 
 
 @keras.saving.register_keras_serializable(package="keras_stable_state")
-class StableOptimizer(keras.optimizers.Optimizer):
+class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Keras is untyped (Any)
     """Wraps any Keras optimizer and saves its slots by variable key.
 
     Used exactly like the optimizer it wraps, bound to the model whose
@@ -183,8 +188,8 @@ class StableOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer = inner
         _hand_over(self)
         self.allow_order_keys = allow_order_keys
-        self._model_ref = None
-        self._pending_store = None
+        self._model_ref: weakref.ref[keras.Model] | None = None
+        self._pending_store: dict[str, NDArray[Any]] | None = None
         if model is not None:
             self.bind(model)
 
@@ -199,7 +204,8 @@ class StableOptimizer(keras.optimizers.Optimizer):
         """
         if getattr(self, "_pending_store", None) is not None:
             self._check_pending()
-        return self.inner_optimizer.variables
+        variables: list[keras.Variable] = self.inner_optimizer.variables
+        return variables
 
     @property
     def iterations(self) -> keras.Variable:
@@ -232,7 +238,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         self.built = True
         self._load_pending()
 
-    def _check_pending(self):
+    def _check_pending(self) -> None:
         if self._pending_store is not None:
             raise BindingError(
                 f"StableOptimizer {self.name!r} holds loaded state (from keras.saving.load_model or "
@@ -270,7 +276,10 @@ class StableOptimizer(keras.optimizers.Optimizer):
         """
         if self._pending_store is not None:
             self._check_pending()
-        return self.inner_optimizer.stateless_apply(optimizer_variables, grads, trainable_variables)
+        applied: tuple[list[Any], list[Any]] = self.inner_optimizer.stateless_apply(
+            optimizer_variables, grads, trainable_variables
+        )
+        return applied
 
     def scale_loss(self, loss: Any) -> Any:
         return self.inner_optimizer.scale_loss(loss)
@@ -316,7 +325,9 @@ class StableOptimizer(keras.optimizers.Optimizer):
         """The model whose paths key the slots (see [`bind`][keras_stable_state.StableOptimizer.bind]), or ``None``."""
         return None if self._model_ref is None else self._model_ref()
 
-    def entries(self, registry: VariableRegistry = None, *, name: str = None) -> list:
+    def entries(
+        self, registry: VariableRegistry | None = None, *, name: str | None = None
+    ) -> list[OptimizerEntry]:
         """`optimizer_entries` keyed by the bound model (see [`bind`][keras_stable_state.StableOptimizer.bind]).
 
         Raises:
@@ -365,7 +376,7 @@ class StableOptimizer(keras.optimizers.Optimizer):
         self._pending_store = {k: np.array(store[k]) for k in store.keys()}
         self._load_pending()
 
-    def _load_pending(self):
+    def _load_pending(self) -> None:
         if self._pending_store is None or not self.built:
             return
         if self.bound_model() is None and not self.allow_order_keys:
@@ -377,15 +388,18 @@ class StableOptimizer(keras.optimizers.Optimizer):
             self._pending_store = pending  # still not applied: training refuses to start fresh
             raise
 
-    def _load_keyed(self, store) -> None:
+    def _load_keyed(self, store: dict[str, NDArray[Any]]) -> None:
         names = list(store.keys())
+        arrays: dict[str, NDArray[Any]] | list[NDArray[Any]]
         if "keys" in names:
             arrays = {k: np.asarray(store[str(i)]) for i, k in enumerate(keys.decode_key_list(store["keys"]))}
             keyed = True
         else:
-            arrays = {int(k): np.asarray(store[k]) for k in names}
-            arrays = [arrays[i] for i in sorted(arrays)]
+            by_position = {int(k): np.asarray(store[k]) for k in names}
+            arrays = [by_position[i] for i in sorted(by_position)]
             keyed = False
+        # registered by keras_stable_state._core.slot_restore, which keras_stable_state imports
+        assert _keyed_restore is not None
         _keyed_restore(self, self.bound_model(), arrays, keyed=keyed, strict=True)
 
     # -- config ---------------------------------------------------------------

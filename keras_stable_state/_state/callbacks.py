@@ -17,6 +17,8 @@ would not take; it is called before anything is set.
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import numpy as np
 
@@ -311,7 +313,7 @@ def callback_key(callbacks, cb) -> str:
     return f"{type(cb).__name__}/{next(i for i, c in enumerate(same) if c is cb)}"
 
 
-def callback_state(cb):
+def callback_state(cb: Any) -> Any:
     """The state of a stateful callback, or ``None`` for a callback that keeps none we know of."""
     handler = _handler(cb)
     return None if handler is None else handler[0](cb)

@@ -23,6 +23,10 @@ from __future__ import annotations
 import errno
 import io
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 try:
     import resource
@@ -169,7 +173,7 @@ class LimitedFile(io.FileIO):
     failed write's ``OSError`` carries ``needed_bytes`` (at least its end) and
     ``needed_exact = False``."""
 
-    def write(self, data):
+    def write(self, data: ReadableBuffer) -> int:
         view = memoryview(data).cast("B")
         end = self.tell() + len(view)
         done = 0
