@@ -87,9 +87,9 @@ class StateError(Exception):
     """Base class of every error raised by keras_stable_state.
 
     Attributes:
-        key: The variable or slot key the error is about, or ``None``.
-        expected: What the library expected (shape, dtype, count...), or ``None``.
-        received: What it found instead, or ``None``.
+        key (str | None): The variable or slot key the error is about, or ``None``.
+        expected (Any): What the library expected (shape, dtype, count...), or ``None``.
+        received (Any): What it found instead, or ``None``.
 
     Examples:
         >>> try:
@@ -132,10 +132,10 @@ class ContractError(StateError, ValueError):
     """The model's trainable variables differ from the saved contract.
 
     Attributes:
-        missing: Keys in the contract that the model does not train.
-        unexpected: Keys the model trains that the contract does not list.
-        reshaped: ``(key, saved_shape, current_shape)`` triples.
-        retyped: ``(key, saved_dtype, current_dtype)`` triples.
+        missing (list[str]): Keys in the contract that the model does not train.
+        unexpected (list[str]): Keys the model trains that the contract does not list.
+        reshaped (list[tuple[str, Any, Any]]): ``(key, saved_shape, current_shape)`` triples.
+        retyped (list[tuple[str, Any, Any]]): ``(key, saved_dtype, current_dtype)`` triples.
 
     Examples:
         >>> model.get_layer("hidden").trainable = False
@@ -193,9 +193,9 @@ class NewerFormatError(CheckpointFormatError):
     keras_stable_state to read it.
 
     Attributes:
-        path: The file (``"<archive>:<member>"`` inside a ``.keras`` archive).
-        version: The format version it was written in (``int``).
-        unknown: The names this version does not know (records, attributes,
+        path (str | None): The file (``"<archive>:<member>"`` inside a ``.keras`` archive).
+        version (int | None): The format version it was written in (``int``).
+        unknown (list[str]): The names this version does not know (records, attributes,
             fields), at most a few, or ``[]`` for a newer format version.
 
     Examples:
@@ -250,8 +250,8 @@ class CheckpointInUseError(StateError, BlockingIOError):
     never falls back to an older checkpoint for this error.
 
     Attributes:
-        path: The file or directory that is in use.
-        holder: What is known of the other process (``"pid 1234 on host x"``), or ``None``.
+        path (str | None): The file or directory that is in use.
+        holder (str | None): What is known of the other process (``"pid 1234 on host x"``), or ``None``.
 
     Examples:
         >>> kss.restore_training_state("run.h5", model)   # another process has it open for writing
@@ -272,9 +272,9 @@ class StorageBackendError(StateError, ImportError):
     written, and no local folder named after the scheme was made.
 
     Attributes:
-        path: The URL.
-        scheme: Its scheme (``"gs"``).
-        package: The package that implements it (``"gcsfs"``), or ``None`` if unknown.
+        path (str | None): The URL.
+        scheme (str | None): Its scheme (``"gs"``).
+        package (str | None): The package that implements it (``"gcsfs"``), or ``None`` if unknown.
 
     Examples:
         >>> kss.save_training_state("gs://bucket/run.h5", model)   # gcsfs not installed

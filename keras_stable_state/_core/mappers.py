@@ -60,7 +60,7 @@ class StateMapper:
     imported, in the restoring process too).
 
     Attributes:
-        lossy: ``True`` when ``decode(encode(x))`` may differ from ``x``; the
+        lossy (bool): ``True`` when ``decode(encode(x))`` may differ from ``x``; the
             restore report then lists the keys as not restored bit-exactly.
 
     Examples:

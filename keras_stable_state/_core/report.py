@@ -42,8 +42,8 @@ class RestoreReport:
             learning rate (``keep_learning_rate=True``) is an option; ``False`` for
             a resume (``StableCheckpoint``'s restores among them).
         counters_near_limit: ``(key, value, dtype maximum, dtype)`` for every
-            optimizer ``iterations`` counter restored within 1%
-            (``slot_restore.COUNTER_MARGIN``) of its integer dtype's maximum. Keras keeps
+            optimizer ``iterations`` counter restored within 1% of its integer
+            dtype's maximum. Keras keeps
             it as ``int32`` on JAX and Torch (``int64`` on TensorFlow); past
             2**31 - 1 it wraps to negative, the learning rate of a schedule or
             Adam's bias correction becomes ``inf`` and the weights ``NaN``.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import keras
 
@@ -72,6 +72,69 @@ class RestoreOptions:
             if name not in names:
                 raise TypeError(f"{verb}() got an unexpected keyword argument {name!r}")
         return cls(**kwargs)
+
+
+@overload
+def restore_training_state(
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = ...,
+    strict: bool = ...,
+    allow_cast: bool = ...,
+    *,
+    callbacks: Sequence[keras.callbacks.Callback] = ...,
+    state: Mapping[str, Any] | None = ...,
+    include_rng: bool = ...,
+    check_schedule: bool = ...,
+    variables: Mapping[str, keras.Variable] | None = ...,
+    prefix: str | None = ...,
+    rename: Sequence[tuple[str, str]] | None = ...,
+    keep_learning_rate: bool = ...,
+    defer: Literal[True],
+    storage_options: Mapping[str, Any] | None = ...,
+) -> PendingRestore: ...
+
+
+@overload
+def restore_training_state(
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = ...,
+    strict: bool = ...,
+    allow_cast: bool = ...,
+    *,
+    callbacks: Sequence[keras.callbacks.Callback] = ...,
+    state: Mapping[str, Any] | None = ...,
+    include_rng: bool = ...,
+    check_schedule: bool = ...,
+    variables: Mapping[str, keras.Variable] | None = ...,
+    prefix: str | None = ...,
+    rename: Sequence[tuple[str, str]] | None = ...,
+    keep_learning_rate: bool = ...,
+    defer: Literal[False] = ...,
+    storage_options: Mapping[str, Any] | None = ...,
+) -> RestoreReport: ...
+
+
+@overload
+def restore_training_state(
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = ...,
+    strict: bool = ...,
+    allow_cast: bool = ...,
+    *,
+    callbacks: Sequence[keras.callbacks.Callback] = ...,
+    state: Mapping[str, Any] | None = ...,
+    include_rng: bool = ...,
+    check_schedule: bool = ...,
+    variables: Mapping[str, keras.Variable] | None = ...,
+    prefix: str | None = ...,
+    rename: Sequence[tuple[str, str]] | None = ...,
+    keep_learning_rate: bool = ...,
+    defer: bool = ...,
+    storage_options: Mapping[str, Any] | None = ...,
+) -> RestoreReport | PendingRestore: ...
 
 
 def restore_training_state(
@@ -267,7 +330,7 @@ class PendingRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras i
     raises a ``StateError`` saying so rather than train unrestored).
 
     Attributes:
-        filepath: The file the state was read from.
+        filepath (str): The file the state was read from.
         report: The [`RestoreReport`][keras_stable_state.RestoreReport] once restored, else ``None``.
 
     Examples:

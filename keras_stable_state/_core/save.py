@@ -15,7 +15,7 @@ import io
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as multiprocess
@@ -64,6 +64,60 @@ def _host_array(variable: Any) -> Any:
     (``compat.tf_read``): 30 us per variable instead of 140."""
     read = compat.tf_read(variable)
     return to_numpy(variable) if read is None else read.numpy()
+
+
+@overload
+def save_training_state(
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = ...,
+    *,
+    model_state: str = ...,
+    callbacks: Sequence[keras.callbacks.Callback] = ...,
+    state: Mapping[str, Any] | None = ...,
+    include_rng: bool = ...,
+    allow_order_keys: bool = ...,
+    variables: Mapping[str, keras.Variable] | None = ...,
+    mappers: Mapping[str, StateMapper] | None = ...,
+    blocking: Literal[True] = ...,
+    storage_options: Mapping[str, Any] | None = ...,
+) -> str: ...
+
+
+@overload
+def save_training_state(
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = ...,
+    *,
+    model_state: str = ...,
+    callbacks: Sequence[keras.callbacks.Callback] = ...,
+    state: Mapping[str, Any] | None = ...,
+    include_rng: bool = ...,
+    allow_order_keys: bool = ...,
+    variables: Mapping[str, keras.Variable] | None = ...,
+    mappers: Mapping[str, StateMapper] | None = ...,
+    blocking: Literal[False],
+    storage_options: Mapping[str, Any] | None = ...,
+) -> background.SaveHandle: ...
+
+
+@overload
+def save_training_state(
+    filepath: str | os.PathLike[str],
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer | None = ...,
+    *,
+    model_state: str = ...,
+    callbacks: Sequence[keras.callbacks.Callback] = ...,
+    state: Mapping[str, Any] | None = ...,
+    include_rng: bool = ...,
+    allow_order_keys: bool = ...,
+    variables: Mapping[str, keras.Variable] | None = ...,
+    mappers: Mapping[str, StateMapper] | None = ...,
+    blocking: bool = ...,
+    storage_options: Mapping[str, Any] | None = ...,
+) -> str | background.SaveHandle: ...
 
 
 def save_training_state(

@@ -78,8 +78,8 @@ class SaveHandle:
     meanwhile leaves only a ``.kss-*`` temporary file beside it.
 
     Attributes:
-        path: The file being written (``str``).
-        blocked_secs: Seconds the calling thread spent in ``save_training_state``
+        path (str): The file being written (``str``).
+        blocked_secs (float): Seconds the calling thread spent in ``save_training_state``
             (``float``): waiting for the previous write into the same folder, and
             copying and collecting the state.
         write_secs: Seconds the background write took, from its start to the

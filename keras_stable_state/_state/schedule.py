@@ -21,7 +21,7 @@ class ScheduleMismatchError(StateError, ValueError):
     """The learning-rate schedule differs from the one saved.
 
     Attributes:
-        fields: ``(field, saved value, current value)`` for each difference.
+        fields (list[tuple[str, Any, Any]]): ``(field, saved value, current value)`` for each difference.
 
     Examples:
         >>> kss.restore_training_state("run.h5", model_with_decay_steps_20)
