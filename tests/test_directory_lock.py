@@ -77,9 +77,8 @@ def _record(directory):
 def test_the_forced_implementation_is_used(tmp_path, directory_lock):
     held, token = _acquire(tmp_path)
     try:
-        assert (held.marker is not None) == (directory_lock == "portable")
-        expected = [LOCK, MARKER] if directory_lock == "portable" else [LOCK]
-        assert _names(tmp_path) == expected
+        assert held.marker is not None  # both kinds take the marker
+        assert _names(tmp_path) == [LOCK, MARKER]
         assert _record(tmp_path)["pid"] == os.getpid()
     finally:
         held.release(token)
@@ -113,8 +112,7 @@ def test_a_lock_left_by_a_process_that_ended_is_taken_over(tmp_path, directory_l
         os.kill(child.pid, signal.SIGKILL)
     child.communicate(timeout=60)  # reaped: a zombie still runs, as far as a pid check can tell
     assert child.returncode == (-signal.SIGKILL if end == "kill" else 0)
-    left = [LOCK, MARKER] if directory_lock == "portable" else [LOCK]
-    assert _names(tmp_path) == left and _record(tmp_path)["pid"] == child.pid
+    assert _names(tmp_path) == [LOCK, MARKER] and _record(tmp_path)["pid"] == child.pid
     held, token = _acquire(tmp_path)
     try:
         assert _record(tmp_path)["pid"] == os.getpid()
@@ -215,7 +213,7 @@ def test_a_forked_child_never_releases_the_parents_lock(tmp_path, directory_lock
     assert done.returncode == 0, done.stderr[-3000:]
     code, left, ours, still = json.loads(done.stdout.strip().splitlines()[-1])
     assert code == 0
-    assert left == ([LOCK, MARKER] if directory_lock == "portable" else [LOCK])  # the child removed nothing
+    assert left == [LOCK, MARKER]  # the child removed nothing
     assert ours and still
     assert _names(tmp_path) == []  # the parent's release removed them
 
@@ -224,8 +222,6 @@ def test_a_forked_child_never_releases_the_parents_lock(tmp_path, directory_lock
 @pytest.mark.parametrize("name", [LOCK, MARKER])
 @pytest.mark.parametrize("case", ["symlink", "hardlink", "fifo", "directory"])
 def test_a_lock_file_or_marker_that_is_no_regular_file_is_refused(tmp_path, directory_lock, name, case):
-    if name == MARKER and directory_lock == "flock":
-        pytest.skip("flock has no marker")
     d = tmp_path / "ckpts"
     d.mkdir()
     victim = tmp_path / "victim"

@@ -3,13 +3,22 @@
 holds, recording who holds it (writer kind, pid, host, since) as JSON, and the one holder per
 directory in this process (`DirectoryLock`).
 
-Two implementations, chosen in one place (`lock_kind`), once per acquire:
+Two implementations, chosen in one place (`lock_kind`), once per acquire. Both take the marker
+file ``<lock file>.owner``, created exclusively (`portable_lock`, through ``filelock``): a
+marker of a process of this host that no longer runs is taken over; one of another host is
+refused. They differ in how they use ``flock``:
 
-* ``"flock"``, where the ``fcntl`` module exists (Linux, macOS: POSIX): an exclusive ``flock``
-  on the lock file. The operating system releases it when its process ends.
-* ``"portable"``, where it does not (Windows): the marker file ``<lock file>.owner``, created
-  exclusively (`portable_lock`, through ``filelock``). A marker of a process of this
-  host that no longer runs is taken over; one of another host is refused.
+* ``"flock"``, the default where the ``fcntl`` module exists (Linux, macOS: POSIX): an exclusive
+  ``flock`` on the lock file, then the marker. The operating system releases the ``flock``
+  when its process ends, and the marker it leaves is taken over by the next writer of its host.
+* ``"portable"``, the default where ``fcntl`` does not exist (Windows): the marker, then, where
+  ``fcntl`` exists, a non-blocking exclusive ``flock`` on the lock file. A ``flock`` held by
+  another process is a refusal; a ``flock`` that fails otherwise (a file system without it) is
+  ignored, since that is what this lock is chosen for.
+
+So a writer of each kind on one directory exclude each other: a ``flock`` writer is refused by
+a portable writer's marker, a portable writer by a ``flock`` writer's marker (or its ``flock``:
+a writer of an older version takes no marker).
 
 The environment variable ``KSS_DIRECTORY_LOCK`` (``flock`` or ``portable``) forces one: the
 portable lock on a file system where ``flock`` fails (some network file systems), or in tests.
@@ -179,15 +188,15 @@ def refuse_other_owner(held, token, directory) -> None:
 
 
 class DirectoryLock:
-    """The lock of ``<directory>/.stable-checkpoint.lock`` (``flock``, or the portable marker:
-    see the module docstring), held by one writer (a `CheckpointManager`, or the one a
+    """The lock of ``<directory>/.stable-checkpoint.lock`` (its marker, with ``flock`` or the
+    portable lock: see the module docstring), held by one writer (a `CheckpointManager`, or the one a
     `StableCheckpoint` runs over) of this process at a time.
 
     The lock file holds the writer's kind, pid, host and start as JSON so that a refused writer
     can name it. It is removed on release (while still locked; acquirers check that the file
-    they locked is still the one at the path), and the portable lock's marker with it. A lock
-    of a dead process is released by the operating system (``flock``) or taken over by the next
-    writer on its host (the portable lock). Within one process, a ``StableCheckpoint`` whose
+    they locked is still the one at the path), and the marker with it. A lock of a dead
+    process is released by the operating system (its ``flock``) and taken over by the next
+    writer on its host (its marker). Within one process, a ``StableCheckpoint`` whose
     ``fit`` raised (Keras then skips ``on_train_end``) keeps the lock until it is garbage
     collected, the process exits, or another ``StableCheckpoint`` on the same directory begins
     training in the same thread and takes the lock over (a lock taken with
@@ -200,7 +209,7 @@ class DirectoryLock:
         self.directory = directory
         self.path = path
         self.fd = fd
-        self.marker = marker  # the portable lock's held filelock.SoftFileLock; None with flock
+        self.marker = marker  # the held filelock.SoftFileLock (both kinds); None once released
         self.pid = os.getpid()
         self.token = None
         self.thread = None
@@ -219,7 +228,7 @@ class DirectoryLock:
 
         Raises:
             CheckpointInUseError: if another writer holds it.
-            StateError: if the lock file (or the portable lock's marker) is not a regular file of
+            StateError: if the lock file (or its marker) is not a regular file of
                 one name (see `_open_lock`), or ``KSS_DIRECTORY_LOCK`` is not valid here.
             OSError: if the lock file cannot be created or locked (read-only file system,
                 permissions, a file system without ``flock``).
@@ -252,22 +261,32 @@ class DirectoryLock:
             return False
 
     def _close(self, *, unlink=False):
-        """Close the lock file (removing it first if ``unlink``) and release the marker."""
+        """Release the lock: remove the lock file if ``unlink``, release the marker, close the
+        lock file (releasing its ``flock``). The file is removed while both are still held, so no
+        writer comes in between (acquirers check that the file they locked is still the one at
+        the path); on Windows (no ``flock``) after closing it, since Windows removes no file that
+        is open, and before releasing the marker."""
         fd, self.fd = self.fd, None
         marker, self.marker = self.marker, None
         if _HELD.get(self.key) is self:
             del _HELD[self.key]
         try:
-            os.close(fd)  # before the unlink: Windows removes no file that is open
-            if unlink:  # the portable lock: the marker is still held, so no writer comes in between
+            if os.name == "nt":
+                os.close(fd)
+                fd = None
+            if unlink:
                 try:
                     os.unlink(self.path)
                 except PermissionError:
                     if os.name != "nt":
                         raise  # Windows: a refused writer has it open for a moment; the next holder reuses it
         finally:
-            if marker is not None:
-                portable_lock.release(marker)
+            try:
+                if marker is not None:
+                    portable_lock.release(marker)
+            finally:
+                if fd is not None:
+                    os.close(fd)
 
     def release(self, token):
         """Unlock and remove the lock file (and the marker) if ``token`` owns the lock (else do
@@ -275,13 +294,7 @@ class DirectoryLock:
         with _HELD_GUARD:
             if self.fd is None or self.token != token:
                 return
-            remove = self.pid == os.getpid() and self._still_in_place()
-            while_locked = remove and self.marker is None  # flock: acquirers check the file is in place
-            try:
-                if while_locked:
-                    os.unlink(self.path)
-            finally:
-                self._close(unlink=remove and not while_locked)
+            self._close(unlink=self.pid == os.getpid() and self._still_in_place())
 
 
 def _refused(directory, path, fd, how, *, pid=None, reason=""):
@@ -301,15 +314,18 @@ def _refused(directory, path, fd, how, *, pid=None, reason=""):
     )
 
 
+_FLOCK_HOW = "The lock is {path!r}, held with flock; the operating system releases it when that process ends."
+
+
 def _flock(directory, path):
-    """Lock the lock file ``path`` with an exclusive ``flock``: ``(path, fd, None)``."""
+    """Lock the lock file ``path`` with an exclusive ``flock``, then take its marker (as the
+    portable lock does, so that each excludes the other): ``(path, fd, marker)``."""
     for _ in range(20):
         fd = _open_lock(directory, path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            how = f"The lock is {path!r}, held with flock; the operating system releases it when that process ends."
-            err = _refused(directory, path, fd, how)
+            err = _refused(directory, path, fd, _FLOCK_HOW.format(path=path))
             os.close(fd)
             raise err from None
         except OSError as err:
@@ -323,7 +339,11 @@ def _flock(directory, path):
                 path,
             ) from err
         if _same_file(fd, path):
-            return path, fd, None
+            try:
+                return path, fd, _take_marker(directory, path, fd)
+            except BaseException:
+                os.close(fd)  # releases the flock
+                raise
         os.close(fd)  # the holder removed the file after we opened it: lock the new one
     raise CheckpointInUseError(
         f"Checkpoint directory {directory!r}: its lock file {path!r} keeps being replaced; another "
@@ -332,33 +352,50 @@ def _flock(directory, path):
     )
 
 
-def _portable(directory, path):
-    """Lock the lock file ``path`` with the portable lock (`portable_lock`):
-    ``(path, fd, marker)``."""
-    fd = _open_lock(directory, path)  # first: a linked or unwritable lock file is refused as with flock
+def _take_marker(directory, path, fd):
+    """Take the marker of the lock file ``path`` (`portable_lock.take`), refusing a live holder
+    with the `CheckpointInUseError` that names it (``fd``: the lock file, for its record)."""
     try:
-        marker = portable_lock.take(directory, path)
+        return portable_lock.take(directory, path)
     except portable_lock.Busy as busy:
         mark = portable_lock.marker_path(path)
         how = (
-            f"The lock is the marker {mark!r}, of the portable lock; the next writer of this host takes "
-            "it over once that process has ended. A marker of another host is never taken over: once "
-            f"that process is known to have ended, remove {mark!r}."
+            f"The lock is the marker {mark!r}, which every writer holds (with flock or the portable lock); "
+            "the next writer of this host takes it over once that process has ended. A marker of another "
+            f"host is never taken over: once that process is known to have ended, remove {mark!r}."
         )
-        err = _refused(
-            directory, path, fd, how, pid=busy.pid, reason=busy.reason + " " if busy.reason else ""
-        )
-        os.close(fd)
-        raise err from None
+        reason = busy.reason + " " if busy.reason else ""
+        raise _refused(directory, path, fd, how, pid=busy.pid, reason=reason) from None
+
+
+def _portable(directory, path):
+    """Lock the lock file ``path`` with the portable lock (`portable_lock`), then, where there is
+    ``fcntl``, with a non-blocking ``flock`` if the file system has one: ``(path, fd, marker)``."""
+    fd = _open_lock(directory, path)  # first: a linked or unwritable lock file is refused as with flock
+    try:
+        marker = _take_marker(directory, path, fd)
     except BaseException:
         os.close(fd)
         raise
     try:
         if not _same_file(fd, path):  # the holder removed it after we opened it; nobody does now
             os.close(fd)
+            fd = None
             fd = _open_lock(directory, path)
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a flock writer without the marker (an older version)
+                how = _FLOCK_HOW.format(path=path) + f" (That writer does not use {LOCK_ENV}=portable.)"
+                raise _refused(directory, path, fd, how) from None
+            except OSError:
+                pass  # no flock on this file system: why the portable lock was chosen
     except BaseException:
-        portable_lock.release(marker)
+        try:
+            if fd is not None:
+                os.close(fd)
+        finally:
+            portable_lock.release(marker)
         raise
     return path, fd, marker
 
