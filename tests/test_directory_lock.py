@@ -11,7 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
+import keras
 import numpy as np
 import pytest
 from kit import mlp
@@ -27,13 +29,21 @@ MARKER = LOCK + portable_lock.MARKER_SUFFIX
 
 # A process that takes the lock of argv[1] and then, by argv[2]: "hold" (until stdin closes,
 # then releases it), "exit" (ends at once without releasing it: os._exit runs no clean-up),
-# "elsewhere" (as "exit", its host name changed first: a holder on another host).
+# "elsewhere" (as "exit", its host name changed first: a holder on another host). argv[3]:
+# "noflock" (flock fails as on a file system without it: the portable lock holds the marker
+# alone), "nomarker" (takes no marker: a flock writer of an older version), or "".
 HOLDER = """
-import os, socket, sys
-directory, how = sys.argv[1:3]
+import errno, os, socket, sys
+directory, how, variant = sys.argv[1:4]
 if how == "elsewhere":
     socket.gethostname = lambda: "another-host.example"
 from keras_stable_state._manager import lock
+if variant == "noflock":
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+    lock.fcntl.flock = flock
+if variant == "nomarker":
+    lock._take_marker = lambda directory, path, fd: None
 held = lock.acquire_lock(directory, lock.new_token(), writer="CheckpointManager", reclaimable=False)
 print("locked", flush=True)
 if how == "hold":
@@ -44,10 +54,13 @@ os._exit(0)
 """
 
 
-def _holder(directory, how):
+def _holder(directory, how, kind=None, variant=""):
+    """The `HOLDER` process, with the lock ``kind`` (``KSS_DIRECTORY_LOCK``) if given."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    if kind is not None:
+        env["KSS_DIRECTORY_LOCK"] = kind
     child = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(directory), how],
+        [sys.executable, "-c", HOLDER, str(directory), how, variant],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -138,6 +151,149 @@ def test_a_portable_lock_of_another_host_is_refused_naming_its_marker(tmp_path, 
     held, token = _acquire(tmp_path)
     held.release(token)
     assert _names(tmp_path) == []
+
+
+KINDS = [("flock", "portable"), ("portable", "flock")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "second"), KINDS)
+def test_a_writer_of_the_other_kind_is_refused_naming_the_first(tmp_path, monkeypatch, first, second):
+    child = _holder(tmp_path, "hold", kind=first)
+    try:
+        monkeypatch.setenv("KSS_DIRECTORY_LOCK", second)
+        holder = f"pid {child.pid} on host {socket.gethostname()}"
+        for _ in range(2):  # refused each time, and the refusal leaves the holder's files alone
+            with pytest.raises(
+                kss.CheckpointInUseError,
+                match=re.escape(f"another CheckpointManager writer ({holder}, since "),
+            ) as info:
+                _acquire(tmp_path)
+            assert info.value.holder.startswith(holder)
+            assert _names(tmp_path) == [LOCK, MARKER] and _record(tmp_path)["pid"] == child.pid
+        assert os.path.realpath(tmp_path) not in locks._HELD
+    finally:
+        child.communicate(b"", timeout=60)
+    assert child.returncode == 0 and _names(tmp_path) == []
+    held, token = _acquire(tmp_path)  # the refused writer released its marker (or flock) too
+    held.release(token)
+    assert _names(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_flock_writer_is_refused_by_a_portable_marker_where_flock_fails(tmp_path, monkeypatch):
+    child = _holder(tmp_path, "hold", kind="portable", variant="noflock")  # as on NFS without locking
+    try:
+        monkeypatch.setenv("KSS_DIRECTORY_LOCK", "flock")
+        with pytest.raises(kss.CheckpointInUseError, match=re.escape(f"(pid {child.pid} on host ")) as info:
+            _acquire(tmp_path)
+        assert f"The lock is the marker {str(tmp_path / MARKER)!r}" in str(info.value)
+    finally:
+        child.communicate(b"", timeout=60)
+    assert child.returncode == 0 and _names(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_portable_writer_is_refused_by_a_flock_writer_without_a_marker(tmp_path, monkeypatch):
+    child = _holder(tmp_path, "hold", kind="flock", variant="nomarker")  # an older version
+    try:
+        monkeypatch.setenv("KSS_DIRECTORY_LOCK", "portable")
+        with pytest.raises(kss.CheckpointInUseError, match=re.escape(f"(pid {child.pid} on host ")) as info:
+            _acquire(tmp_path)
+        assert f"The lock is {str(tmp_path / LOCK)!r}, held with flock" in str(info.value)
+        assert _names(tmp_path) == [LOCK]  # the refused writer's marker is released
+    finally:
+        child.communicate(b"", timeout=60)
+    assert child.returncode == 0 and _names(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["exit", "kill"])
+def test_a_killed_flock_writers_marker_blocks_no_writer_of_either_kind(tmp_path, directory_lock, end):
+    child = _holder(tmp_path, "hold" if end == "kill" else "exit", kind="flock")
+    if end == "kill":
+        os.kill(child.pid, signal.SIGKILL)
+    child.communicate(timeout=60)
+    assert _names(tmp_path) == [LOCK, MARKER]  # the flock is gone with its process; the marker is left
+    held, token = _acquire(tmp_path)  # with the kind directory_lock forces
+    try:
+        assert _record(tmp_path)["pid"] == os.getpid()
+    finally:
+        held.release(token)
+    assert _names(tmp_path) == []
+
+
+# Trains in argv[1], saving every step (12 in all), and at step 3 leaves a temporary file as a
+# save in progress does, creates argv[2] and waits for argv[3]; fails if its temporary file was
+# removed meanwhile.
+TRAINER = """
+import os, sys, time
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import keras
+import numpy as np
+import keras_stable_state as kss
+from kit import mlp
+
+directory, ready, go = sys.argv[1:4]
+in_flight = os.path.join(directory, ".kss-in-flight.h5")
+
+
+class Pause(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if int(self.model.optimizer.iterations) == 3 and not os.path.exists(ready):
+            with open(in_flight, "wb") as f:
+                f.write(b"partial")
+            open(ready, "w").close()
+            deadline = time.monotonic() + 240
+            while not os.path.exists(go) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not os.path.exists(in_flight):
+                sys.exit("the temporary file of the save in progress was removed")
+            os.remove(in_flight)
+
+
+x = np.ones((48, 4), "float32")
+ckpt = kss.StableCheckpoint(directory, save_freq=1, max_to_keep=100)
+mlp(seed=0).fit(x, x[:, :1], epochs=2, batch_size=8, verbose=0, callbacks=[ckpt, Pause()])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "second"), KINDS)
+def test_a_fit_of_the_other_kind_is_refused_and_the_first_trains_on(tmp_path, monkeypatch, first, second):
+    d, ready, go = tmp_path / "ckpts", tmp_path / "ready", tmp_path / "go"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), KSS_DIRECTORY_LOCK=first)
+    env["KERAS_BACKEND"] = keras.backend.backend()
+    child = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(d), str(ready), str(go)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), child.communicate(timeout=60)[0].decode()[-3000:]
+        monkeypatch.setenv("KSS_DIRECTORY_LOCK", second)
+        x = np.ones((48, 4), "float32")
+        with pytest.raises(
+            kss.CheckpointInUseError, match=re.escape(f"StableCheckpoint writer (pid {child.pid} on host ")
+        ):
+            mlp(seed=1).fit(
+                x, x[:, :1], epochs=2, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(d)]
+            )
+        assert (d / ".kss-in-flight.h5").exists()  # refused before its clean-up of temporary files
+    finally:
+        go.touch()
+        out = child.communicate(timeout=300)[0].decode()
+    assert child.returncode == 0, out[-3000:]
+    steps = [f"ckpt-{n:010d}.h5" for n in range(1, 13)]
+    assert _names(d) == steps  # every checkpoint of the first writer; its lock files removed
+    resumed = kss.StableCheckpoint(d)
+    model = mlp(seed=1)
+    model.fit(x, x[:, :1], epochs=2, batch_size=8, verbose=0, callbacks=[resumed])  # the second kind now
+    assert resumed.restore_report is not None and int(model.optimizer.iterations) == 12
 
 
 def test_release_then_acquire_again(tmp_path, directory_lock):
