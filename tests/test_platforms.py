@@ -10,12 +10,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SENTENCE = (
-    "Platforms: on Linux and macOS (POSIX) the directory lock is an exclusive `flock`; where there is "
-    "no `fcntl` (Windows) it is the portable lock, a marker file `.stable-checkpoint.lock.owner` created "
-    "exclusively (through `filelock`), and `KSS_DIRECTORY_LOCK=portable` chooses that one on any platform "
-    "(for file systems where `flock` fails, such as some network file systems). CI tests on Linux only, "
-    "with both locks; Windows and macOS are not tested in CI. The package metadata claims Linux only "
-    "(`Operating System :: POSIX :: Linux`)."
+    "Platforms: on Linux and macOS (POSIX) the directory lock is an exclusive `flock` and a marker "
+    "file `.stable-checkpoint.lock.owner` created exclusively (through `filelock`); where there is "
+    "no `fcntl` (Windows) it is the portable lock, that marker file alone, and "
+    "`KSS_DIRECTORY_LOCK=portable` chooses that one on any platform (for file systems where `flock` "
+    "fails, such as some network file systems; where `flock` works it is taken too, so writers of "
+    "the two locks on one directory exclude each other). CI tests on Linux only, with both locks; "
+    "Windows and macOS are not tested in CI. The package metadata claims Linux only (`Operating "
+    "System :: POSIX :: Linux`)."
 )
 
 

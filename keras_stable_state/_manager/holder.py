@@ -46,7 +46,7 @@ class DirectoryHolder:
                 ``StableCheckpoint``, in this process or another) holds the directory,
                 naming its pid and host.
             NotADirectoryError: if ``directory`` is a file.
-            StateError: if the lock file (or the portable lock's marker) is a symbolic link, a hard link
+            StateError: if the lock file (or its marker) is a symbolic link, a hard link
                 of another file or not a regular file, if ``KSS_DIRECTORY_LOCK`` is not valid here, or in a
                 store without exclusive writes.
             OSError: if the directory or its lock file (object) cannot be created or locked (read-only

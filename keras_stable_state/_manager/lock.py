@@ -299,7 +299,7 @@ class DirectoryLock:
 
 def _refused(directory, path, fd, how, *, pid=None, reason=""):
     """The `CheckpointInUseError` of a lock another writer holds, naming it from the lock
-    file's JSON (``fd``); ``pid``: the holder's pid as the portable lock's marker records it,
+    file's JSON (``fd``); ``pid``: the holder's pid as the marker records it,
     which wins over a JSON record of another pid (a record a dead holder left)."""
     info = _read_record(fd)
     holder, kind = holder_text(info), writer_of(info)

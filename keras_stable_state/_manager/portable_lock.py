@@ -1,13 +1,14 @@
-"""The portable lock of a local checkpoint directory, for platforms without ``flock`` (Windows)
-and file systems where ``flock`` fails: the marker file ``<lock file>.owner``, created
-exclusively by `filelock.SoftFileLock`, which records the holder's pid, host and
-process start time in it.
+"""The marker of a local checkpoint directory's lock: the marker file ``<lock file>.owner``,
+created exclusively by `filelock.SoftFileLock`, which records the holder's pid, host and
+process start time in it. It is the whole portable lock (platforms without ``flock``, Windows,
+and file systems where ``flock`` fails), and the ``flock`` lock takes it too, so that a writer
+of each lock on one directory exclude each other.
 
 A marker of a process of this host that no longer runs (killed, crashed) is taken over by
 the next writer (filelock's stale detection: the pid is gone, or now belongs to a process
 started at another time). A marker of another host is never taken over: that process cannot
-be proven dead from here. `lock` chooses this lock or ``flock`` and keeps the JSON
-holder record in the lock file itself, for both.
+be proven dead from here. `lock` chooses the lock (and takes ``flock`` where it applies) and
+keeps the JSON holder record in the lock file itself, for both.
 """
 
 from __future__ import annotations
