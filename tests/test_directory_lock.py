@@ -108,7 +108,7 @@ def test_a_second_process_is_refused_naming_the_first(tmp_path, directory_lock):
         ) as info:
             _acquire(tmp_path)
         assert info.value.path == str(tmp_path) and info.value.holder.startswith(holder)
-        assert str(tmp_path / (MARKER if directory_lock == "portable" else LOCK)) in str(info.value)
+        assert str(tmp_path / LOCK) in str(info.value)  # both kinds take the flock first, where it works
     finally:
         child.communicate(b"", timeout=60)
     assert child.returncode == 0
@@ -181,10 +181,9 @@ def test_a_writer_of_the_other_kind_is_refused_naming_the_first(tmp_path, monkey
 
 
 @pytest.mark.slow
-def test_a_flock_writer_is_refused_by_a_portable_marker_where_flock_fails(tmp_path, monkeypatch):
+def test_a_writer_is_refused_by_a_portable_marker_where_flock_fails(tmp_path, directory_lock):
     child = _holder(tmp_path, "hold", kind="portable", variant="noflock")  # as on NFS without locking
     try:
-        monkeypatch.setenv("KSS_DIRECTORY_LOCK", "flock")
         with pytest.raises(kss.CheckpointInUseError, match=re.escape(f"(pid {child.pid} on host ")) as info:
             _acquire(tmp_path)
         assert f"The lock is the marker {str(tmp_path / MARKER)!r}" in str(info.value)

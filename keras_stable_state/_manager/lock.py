@@ -11,14 +11,15 @@ refused. They differ in how they use ``flock``:
 * ``"flock"``, the default where the ``fcntl`` module exists (Linux, macOS: POSIX): an exclusive
   ``flock`` on the lock file, then the marker. The operating system releases the ``flock``
   when its process ends, and the marker it leaves is taken over by the next writer of its host.
-* ``"portable"``, the default where ``fcntl`` does not exist (Windows): the marker, then, where
-  ``fcntl`` exists, a non-blocking exclusive ``flock`` on the lock file. A ``flock`` held by
+* ``"portable"``, the default where ``fcntl`` does not exist (Windows): where ``fcntl`` exists,
+  a non-blocking exclusive ``flock`` on the lock file, then the marker. A ``flock`` held by
   another process is a refusal; a ``flock`` that fails otherwise (a file system without it) is
   ignored, since that is what this lock is chosen for.
 
-So a writer of each kind on one directory exclude each other: a ``flock`` writer is refused by
-a portable writer's marker, a portable writer by a ``flock`` writer's marker (or its ``flock``:
-a writer of an older version takes no marker).
+So writers of the two kinds on one directory exclude each other: a ``flock`` writer is refused by
+a portable writer's marker (or its ``flock``), a portable writer by a ``flock`` writer's
+``flock`` (or its marker, where the file system has no ``flock``). Both take the ``flock``
+first, so of two writers starting at once one gets in (and never both are refused).
 
 The environment variable ``KSS_DIRECTORY_LOCK`` (``flock`` or ``portable``) forces one: the
 portable lock on a file system where ``flock`` fails (some network file systems), or in tests.
@@ -314,42 +315,86 @@ def _refused(directory, path, fd, how, *, pid=None, reason=""):
     )
 
 
-_FLOCK_HOW = "The lock is {path!r}, held with flock; the operating system releases it when that process ends."
-
-
 def _flock(directory, path):
     """Lock the lock file ``path`` with an exclusive ``flock``, then take its marker (as the
     portable lock does, so that each excludes the other): ``(path, fd, marker)``."""
+    return _lock(directory, path, portable=False)
+
+
+def _portable(directory, path):
+    """Lock the lock file ``path`` with the portable lock (`portable_lock`'s marker), taking a
+    non-blocking ``flock`` first where there is ``fcntl`` and the file system has it:
+    ``(path, fd, marker)``."""
+    return _lock(directory, path, portable=True)
+
+
+def _lock(directory, path, *, portable):
+    """Both kinds, in one order (so that two writers starting at once never refuse each other):
+    the ``flock`` (for the portable lock only if the file system has one), then the marker."""
     for _ in range(20):
-        fd = _open_lock(directory, path)
+        fd = _open_lock(directory, path)  # first: a linked or unwritable lock file is refused
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            err = _refused(directory, path, fd, _FLOCK_HOW.format(path=path))
+            flocked = _try_flock(directory, path, fd, portable=portable)
+        except BaseException:
             os.close(fd)
-            raise err from None
-        except OSError as err:
-            os.close(fd)
-            raise OSError(
-                err.errno,
-                f"Cannot lock the checkpoint directory {directory!r}: flock on {path!r} failed "
-                f"({err.strerror}); expected a file system with flock. Use a directory on a local file "
-                f"system, or set {LOCK_ENV}=portable for the portable lock (a marker file, for file systems "
-                "without flock, such as some network file systems).",
-                path,
-            ) from err
-        if _same_file(fd, path):
+            raise
+        if flocked and not _same_file(fd, path):
+            os.close(fd)  # the holder removed the file after we opened it: lock the new one
+            continue
+        try:
+            marker = _take_marker(directory, path, fd)
+        except BaseException:
+            os.close(fd)  # releases the flock
+            raise
+        try:
+            if not _same_file(fd, path):  # without flock: the holder removed it; nobody does now
+                os.close(fd)
+                fd = None
+                fd = _open_lock(directory, path)
+        except BaseException:
             try:
-                return path, fd, _take_marker(directory, path, fd)
-            except BaseException:
-                os.close(fd)  # releases the flock
-                raise
-        os.close(fd)  # the holder removed the file after we opened it: lock the new one
+                if fd is not None:
+                    os.close(fd)
+            finally:
+                portable_lock.release(marker)
+            raise
+        return path, fd, marker
     raise CheckpointInUseError(
         f"Checkpoint directory {directory!r}: its lock file {path!r} keeps being replaced; another "
         "process is creating and removing it. Use another directory.",
         path=directory,
     )
+
+
+def _try_flock(directory, path, fd, *, portable) -> bool:
+    """Take an exclusive non-blocking ``flock`` on ``fd``; whether it was taken (the portable
+    lock: ``False`` without ``fcntl`` or where the file system has no ``flock``).
+
+    Raises:
+        CheckpointInUseError: naming the holder if another process holds it.
+        OSError: for the ``flock`` lock, if ``flock`` fails otherwise, saying to use the portable lock.
+    """
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        how = (
+            f"The lock is {path!r}, held with flock; the operating system releases it when that process ends."
+        )
+        raise _refused(directory, path, fd, how) from None
+    except OSError as err:
+        if portable:
+            return False  # no flock on this file system: why the portable lock was chosen
+        raise OSError(
+            err.errno,
+            f"Cannot lock the checkpoint directory {directory!r}: flock on {path!r} failed "
+            f"({err.strerror}); expected a file system with flock. Use a directory on a local file "
+            f"system, or set {LOCK_ENV}=portable for the portable lock (a marker file, for file systems "
+            "without flock, such as some network file systems).",
+            path,
+        ) from err
+    return True
 
 
 def _take_marker(directory, path, fd):
@@ -366,38 +411,6 @@ def _take_marker(directory, path, fd):
         )
         reason = busy.reason + " " if busy.reason else ""
         raise _refused(directory, path, fd, how, pid=busy.pid, reason=reason) from None
-
-
-def _portable(directory, path):
-    """Lock the lock file ``path`` with the portable lock (`portable_lock`), then, where there is
-    ``fcntl``, with a non-blocking ``flock`` if the file system has one: ``(path, fd, marker)``."""
-    fd = _open_lock(directory, path)  # first: a linked or unwritable lock file is refused as with flock
-    try:
-        marker = _take_marker(directory, path, fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    try:
-        if not _same_file(fd, path):  # the holder removed it after we opened it; nobody does now
-            os.close(fd)
-            fd = None
-            fd = _open_lock(directory, path)
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # a flock writer without the marker (an older version)
-                how = _FLOCK_HOW.format(path=path) + f" (That writer does not use {LOCK_ENV}=portable.)"
-                raise _refused(directory, path, fd, how) from None
-            except OSError:
-                pass  # no flock on this file system: why the portable lock was chosen
-    except BaseException:
-        try:
-            if fd is not None:
-                os.close(fd)
-        finally:
-            portable_lock.release(marker)
-        raise
-    return path, fd, marker
 
 
 def _same_file(fd, path) -> bool:
