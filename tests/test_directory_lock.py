@@ -43,7 +43,7 @@ if variant == "noflock":
         raise OSError(errno.ENOLCK, "No locks available")
     lock.fcntl.flock = flock
 if variant == "nomarker":
-    lock._take_marker = lambda directory, path, fd: None
+    lock._take_marker = lambda directory, path, fd, **kw: None
 held = lock.acquire_lock(directory, lock.new_token(), writer="CheckpointManager", reclaimable=False)
 print("locked", flush=True)
 if how == "hold":
@@ -138,7 +138,7 @@ def test_a_lock_left_by_a_process_that_ended_is_taken_over(tmp_path, directory_l
 @pytest.mark.slow
 def test_a_portable_lock_of_another_host_is_refused_naming_its_marker(tmp_path, monkeypatch):
     monkeypatch.setenv("KSS_DIRECTORY_LOCK", "portable")
-    child = _holder(tmp_path, "elsewhere")
+    child = _holder(tmp_path, "elsewhere", variant="noflock")  # its marker alone held the lock
     child.communicate(timeout=60)  # ended, but no process of this host can tell
     for _ in range(2):  # never taken over
         with pytest.raises(kss.CheckpointInUseError) as info:
@@ -151,6 +151,33 @@ def test_a_portable_lock_of_another_host_is_refused_naming_its_marker(tmp_path, 
     held, token = _acquire(tmp_path)
     held.release(token)
     assert _names(tmp_path) == []
+
+
+@pytest.mark.parametrize("holder_kind", ["flock", "portable"])
+def test_a_marker_of_another_host_whose_writer_held_flock_is_taken_over(
+    tmp_path, directory_lock, holder_kind
+):
+    """A job killed on one node and requeued on another (a shared file system whose flock spans
+    hosts): the ended writer's flock is free, and its record says it held it, so its marker is
+    taken over by a writer of either kind; the new record names this host."""
+    child = _holder(tmp_path, "elsewhere", kind=holder_kind)
+    child.communicate(timeout=60)
+    assert _record(tmp_path)["flock"] is True and _record(tmp_path)["host"] == "another-host.example"
+    assert os.path.exists(tmp_path / MARKER)
+    held, token = _acquire(tmp_path)
+    assert _record(tmp_path)["host"] == socket.gethostname() and _record(tmp_path)["pid"] == os.getpid()
+    held.release(token)
+    assert _names(tmp_path) == []
+
+
+def test_a_live_writer_of_another_host_holding_flock_is_refused(tmp_path, directory_lock):
+    """The take-over needs the flock free: while that writer holds it, it is refused by the flock."""
+    child = _holder(tmp_path, "hold", kind="flock")
+    try:
+        with pytest.raises(kss.CheckpointInUseError, match=re.escape(f"(pid {child.pid} on host ")):
+            _acquire(tmp_path)
+    finally:
+        child.communicate(b"", timeout=60)
 
 
 KINDS = [("flock", "portable"), ("portable", "flock")]

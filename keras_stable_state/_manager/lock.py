@@ -112,10 +112,13 @@ def _read_record(fd):
         return None
 
 
-def _write_record(fd, writer) -> None:
-    """Replace the lock file's content with this writer's JSON record: kind, pid, host, since."""
+def _write_record(fd, writer, *, flocked) -> None:
+    """Replace the lock file's content with this writer's JSON record: kind, pid, host, since,
+    and whether it holds the ``flock`` too (``"flock"``: what lets a writer of another host take
+    its marker over once that ``flock`` is free, see `_take_marker`)."""
     info = {
         "writer": writer,
+        "flock": bool(flocked),
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -244,9 +247,10 @@ class DirectoryLock:
                 refuse_other_owner(held, token, directory)
             else:
                 lock = _flock if lock_kind() == "flock" else _portable
-                held = cls(key, directory, *lock(directory, os.path.join(directory, LOCK_NAME)))
+                path, fd, marker, flocked = lock(directory, os.path.join(directory, LOCK_NAME))
+                held = cls(key, directory, path, fd, marker)
                 try:
-                    _write_record(held.fd, writer)
+                    _write_record(held.fd, writer, flocked=flocked)
                 except BaseException:
                     held._close()
                     raise
@@ -317,14 +321,14 @@ def _refused(directory, path, fd, how, *, pid=None, reason=""):
 
 def _flock(directory, path):
     """Lock the lock file ``path`` with an exclusive ``flock``, then take its marker (as the
-    portable lock does, so that each excludes the other): ``(path, fd, marker)``."""
+    portable lock does, so that each excludes the other): ``(path, fd, marker, flocked)``."""
     return _lock(directory, path, portable=False)
 
 
 def _portable(directory, path):
     """Lock the lock file ``path`` with the portable lock (`portable_lock`'s marker), taking a
     non-blocking ``flock`` first where there is ``fcntl`` and the file system has it:
-    ``(path, fd, marker)``."""
+    ``(path, fd, marker, flocked)``."""
     return _lock(directory, path, portable=True)
 
 
@@ -342,7 +346,7 @@ def _lock(directory, path, *, portable):
             os.close(fd)  # the holder removed the file after we opened it: lock the new one
             continue
         try:
-            marker = _take_marker(directory, path, fd)
+            marker = _take_marker(directory, path, fd, flocked=flocked)
         except BaseException:
             os.close(fd)  # releases the flock
             raise
@@ -358,7 +362,7 @@ def _lock(directory, path, *, portable):
             finally:
                 portable_lock.release(marker)
             raise
-        return path, fd, marker
+        return path, fd, marker, flocked
     raise CheckpointInUseError(
         f"Checkpoint directory {directory!r}: its lock file {path!r} keeps being replaced; another "
         "process is creating and removing it. Use another directory.",
@@ -397,12 +401,26 @@ def _try_flock(directory, path, fd, *, portable) -> bool:
     return True
 
 
-def _take_marker(directory, path, fd):
+def _take_marker(directory, path, fd, *, flocked):
     """Take the marker of the lock file ``path`` (`portable_lock.take`), refusing a live holder
-    with the `CheckpointInUseError` that names it (``fd``: the lock file, for its record)."""
+    with the `CheckpointInUseError` that names it (``fd``: the lock file, for its record).
+
+    A marker of another host cannot be proven dead from here, except when its writer held the
+    ``flock`` too (its record says so) and this writer now holds that ``flock`` (``flocked``):
+    the ``flock`` is free, so that writer has ended (a job killed on one node and requeued on
+    another, over a shared file system whose ``flock`` spans hosts, as NFS's does); its marker
+    is taken over. A marker of a portable writer of another host is still refused."""
     try:
         return portable_lock.take(directory, path)
     except portable_lock.Busy as busy:
+        info = _read_record(fd) if flocked and busy.other_host else None
+        if (
+            isinstance(info, dict)
+            and info.get("flock") is True
+            and info.get("host") not in (None, socket.gethostname())
+            and (busy.pid is None or info.get("pid") == busy.pid)
+        ):
+            return portable_lock.take_over(directory, path)
         mark = portable_lock.marker_path(path)
         how = (
             f"The lock is the marker {mark!r}, which every writer holds (with flock or the portable lock); "

@@ -6,8 +6,9 @@ of each lock on one directory exclude each other.
 
 A marker of a process of this host that no longer runs (killed, crashed) is taken over by
 the next writer (filelock's stale detection: the pid is gone, or now belongs to a process
-started at another time). A marker of another host is never taken over: that process cannot
-be proven dead from here. `lock` chooses the lock (and takes ``flock`` where it applies) and
+started at another time). A marker of another host is not taken over (that process cannot be
+proven dead from here) unless its writer held the ``flock`` that the next writer now holds
+(see `lock._take_marker`). `lock` chooses the lock (and takes ``flock`` where it applies) and
 keeps the JSON holder record in the lock file itself, for both.
 """
 
@@ -31,11 +32,13 @@ def marker_path(lock_path) -> str:
 
 class Busy(Exception):
     """Another process holds the marker: ``pid`` is the pid it records (``None`` if it cannot
-    be read), ``reason`` filelock's own account (it names a holder of another host)."""
+    be read), ``reason`` filelock's own account (it names a holder of another host, then
+    ``other_host`` is true)."""
 
     def __init__(self, pid, reason):
         super().__init__(reason)
         self.pid, self.reason = pid, reason
+        self.other_host = bool(reason)
 
 
 def _refuse_odd_marker(directory, path) -> None:
@@ -85,6 +88,16 @@ def take(directory, lock_path) -> SoftFileLock:
             path,
         ) from err
     return marker
+
+
+def take_over(directory, lock_path) -> SoftFileLock:
+    """Remove the marker of ``lock_path`` left by a writer known to have ended, then `take` it
+    (a writer starting meanwhile takes it first, and this one is refused as by `take`)."""
+    try:
+        os.unlink(marker_path(lock_path))
+    except FileNotFoundError:
+        pass
+    return take(directory, lock_path)
 
 
 def release(marker) -> None:
