@@ -9,6 +9,7 @@ import builtins
 import os
 import shutil
 
+import keras
 import numpy as np
 import pytest
 from conftest import to_np
@@ -128,3 +129,54 @@ def test_missing_orbax_is_refused_naming_the_extra(tmp_path, monkeypatch):
     with pytest.raises(kss.StateError, match=r"keras-stable-state\[orbax\]"):
         kss.StableCheckpoint(tmp_path / "run.orbax")
     assert not (tmp_path / "run.orbax").exists()
+
+
+_JAX_ONLY = pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="Orbax writes JAX arrays: the relative-path case runs on JAX"
+)
+
+
+@_JAX_ONLY
+def test_relative_orbax_directory_resumes_and_nothing_is_moved_aside(tmp_path, data, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    reference = mlp(seed=3)
+    _fit(reference, data)
+
+    first = mlp(seed=3)
+    with pytest.raises(RuntimeError, match="preempted"):
+        _fit(first, data, kss.StableCheckpoint("run.orbax", save_freq=2, max_to_keep=2), StopAt(1, 2))
+    assert _steps(tmp_path / "run.orbax") == ["ckpt-0000000004.orbax", "ckpt-0000000006.orbax"]
+    saved = [to_np(v) for v in first.weights]  # stopped as batch 2 of epoch 1 began: global step 6
+
+    # The step directory by its relative path: every array comes back as saved.
+    other = mlp(seed=4)
+    report = kss.restore_training_state("run.orbax/ckpt-0000000006.orbax", other)
+    assert not report.left_fresh
+    for a, b in zip(saved, other.weights, strict=True):
+        np.testing.assert_array_equal(to_np(b), a)
+
+    resumed = mlp(seed=4)  # other initial weights: everything must come from the checkpoint
+    ckpt = kss.StableCheckpoint("run.orbax", save_freq=2, max_to_keep=2)
+    _fit(resumed, data, ckpt)
+    assert ckpt.moved_checkpoints == [] and ckpt.skipped_checkpoints == []
+    assert not (tmp_path / "run.orbax" / "unreadable").exists()
+    assert ckpt.restore_report is not None and not ckpt.restore_report.left_fresh
+    assert_same_state(resumed, reference)
+
+
+@_JAX_ONLY
+def test_orbax_refusing_a_path_is_not_taken_for_damage(tmp_path, monkeypatch):
+    from keras_stable_state._engines import orbax as engine
+
+    model = mlp(seed=3)
+    path = tmp_path / "run.orbax"
+    kss.save_training_state(path, model)
+
+    def refuse(self, wanted):
+        raise ValueError(f"Checkpoint path should be absolute. Got {self.directory}")
+
+    monkeypatch.setattr(engine._Source, "_restore", refuse)
+    with pytest.raises(kss.StateError, match=r"refused the path.*not damaged") as caught:
+        kss.restore_training_state(path, mlp(seed=4))
+    assert not isinstance(caught.value, kss.CorruptCheckpointError)
+    assert sorted(os.listdir(path)) == ["arrays", "state.h5"]

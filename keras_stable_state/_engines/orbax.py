@@ -318,9 +318,19 @@ class OrbaxArray:
         return float(np.asarray(self))
 
 
+def _path_refusal(err: BaseException) -> bool:
+    """Whether Orbax's ``err`` refuses the path it was given (e.g. "Checkpoint path should be
+    absolute") rather than reporting what it read: not damage, so no file is blamed for it."""
+    text = str(err).lower()
+    return isinstance(err, ValueError) and "path" in text and "absolute" in text
+
+
 class _Source:
+    """Where the arrays of a ``.orbax`` state are read from: ``directory``, made absolute
+    here (Orbax refuses a relative path), and ``where``, the path as messages name it."""
+
     def __init__(self, directory, where):
-        self.directory, self.where = directory, where
+        self.directory, self.where = os.path.abspath(directory), where
 
     def _restore(self, wanted):
         ocp = _ocp()
@@ -346,17 +356,29 @@ class _Source:
             CorruptCheckpointError: naming the first damaged key (``.key``; the message
                 names every one found) if Orbax cannot read an array, an array has another
                 shape or dtype than the sealed index says, or fails its hash.
+            StateError: if Orbax refuses the path itself (`_path_refusal`): the folder
+                is not damaged, so nothing is moved aside for it.
         """
         try:
             values = self._restore(wanted)
         except (OSError, ValueError, KeyError) as err:
+            if _path_refusal(err):  # the engine refused the path: the folder is not damaged
+                raise StateError(
+                    f"{self.where}: Orbax refused the path {os.path.join(self.directory, ARRAYS)!r} "
+                    f"({type(err).__name__}: {err}). The checkpoint is not damaged and was left in place; "
+                    "nothing was restored. Pass the directory as an absolute path.",
+                    key=None,
+                    expected="a path Orbax accepts (absolute)",
+                    received=os.path.join(self.directory, ARRAYS),
+                ) from err
             unreadable = []
             if len(wanted) > 1:  # which arrays: each read alone (only when a read failed)
                 for one in wanted:
                     try:
                         self._restore([one])
-                    except (OSError, ValueError, KeyError):
-                        unreadable.append(one[0].key)
+                    except (OSError, ValueError, KeyError) as one_err:
+                        if not _path_refusal(one_err):
+                            unreadable.append(one[0].key)
             keys = unreadable or [w.key for w, _ in wanted]
             raise CorruptCheckpointError(
                 f"{self.where}: Orbax could not read the arrays {keys} ({type(err).__name__}: {err}); the "
@@ -411,6 +433,9 @@ def read(path: str) -> storage.StateRecord:
             its records' and arrays' xxh3-64) or its index is malformed.
         NewerFormatError: if its index version is above the newest this version reads.
         StateError: if orbax-checkpoint is not installed.
+
+    A relative ``path`` is read from the current directory: its arrays are read through
+    its absolute path (Orbax refuses a relative one); messages name ``path`` as given.
     """
     _ocp()
     where = repr(path)
