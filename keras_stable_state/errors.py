@@ -316,8 +316,10 @@ class InexactResumeWarning(UserWarning):
     keeps its order without ``get_state()`` / ``set_state()``, a ``tf.data`` pipeline
     with ``shuffle(..., reshuffle_each_iteration=True)``, shuffled arrays whose order
     [`StableCheckpoint`][keras_stable_state.StableCheckpoint] cannot take over, or a resume on another backend than the
-    writer's of a model with random layers, and a callback whose state the library
-    cannot see (no ``get_state()``/``set_state()``) on a resume.
+    writer's of a model with random layers, a callback whose state the library
+    cannot see (no ``get_state()``/``set_state()``) on a resume, and a ``fit`` whose
+    planned batches would take an optimizer's ``iterations`` counter past its dtype's
+    maximum (``int32`` on JAX and Torch), naming the global step where it would wrap.
 
     Examples:
         >>> import warnings

@@ -46,7 +46,10 @@ def coerce(key, array, variable, allow_cast, report):
     """Return ``array`` ready to assign to ``variable``, checking shape and dtype.
 
     An array not read yet (``.orbax``) of the variable's dtype is checked from its
-    shape and dtype and returned unread; one to cast is read first.
+    shape and dtype and returned unread; one to cast is read first. Integers are cast
+    within range; floating-point arrays (``bfloat16``, ``float16``, ``float32``,
+    ``float64``, any direction) with ``allow_cast``, each listed in ``report.casts`` and,
+    unless the cast keeps every value (`_EXACT_CASTS`), in ``report.lossy``.
     """
     lazy = hasattr(array, "leaf") and hasattr(array, "digest") and not isinstance(array, np.ndarray)
     if lazy and storage.dtype_name(array) == _dtype(variable) and tuple(array.shape) == tuple(variable.shape):
@@ -94,13 +97,29 @@ def coerce(key, array, variable, allow_cast, report):
         raise DtypeMismatchError(
             f"Saved array for {key} is {src}, but its variable is {dst}. Casting could lose "
             "precision, so it is refused; pass allow_cast=True to cast and have each cast listed "
-            "in the report.",
+            "in report.casts (and those that lose precision in report.lossy), or build the variable "
+            f"as {src}.",
             key=key,
             expected=dst,
             received=src,
         )
     report.casts.append((key, src, dst))
+    if (src, dst) not in _EXACT_CASTS and key not in report.lossy:
+        report.lossy.append(key)
     return array.astype(storage.numpy_dtype(dst))
+
+
+# Float casts that keep every value exactly (a wider mantissa and exponent range); any
+# other float cast may round or overflow, and its key is listed in ``report.lossy``.
+_EXACT_CASTS = frozenset(
+    {
+        ("float16", "float32"),
+        ("float16", "float64"),
+        ("bfloat16", "float32"),
+        ("bfloat16", "float64"),
+        ("float32", "float64"),
+    }
+)
 
 
 # -- assigning: all or nothing ----------------------------------------------------------

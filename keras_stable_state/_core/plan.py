@@ -34,7 +34,7 @@ from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._core.scope import check_scope, renamed_record
 from keras_stable_state._core.slot_restore import drop_reason, plan_optimizers
 from keras_stable_state._engines import orbax as orbax_engine
-from keras_stable_state._identity.contract import TrainableContract
+from keras_stable_state._identity.contract import TrainableContract, float_cast
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._state import layers as layer_state
@@ -138,11 +138,13 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     if isinstance(record, storage.StateRecord) and record.contract is not None:
         contract = TrainableContract.from_json(record.contract)
         if strict:
-            contract.validate(model)
+            contract.validate(model, allow_cast=request.allow_cast)
         else:
             missing, _, reshaped, retyped = contract.diff(model)
-            if reshaped or retyped:
-                contract.validate(model)
+            if request.allow_cast:  # a float variable re-typed since is cast (coerce lists it)
+                retyped = [t for t in retyped if not float_cast(t[1], t[2])]
+            if reshaped or retyped:  # neither can be dropped nor left fresh: refused, listed in full
+                contract.validate(model, allow_cast=request.allow_cast)
             dropped_keys = missing
     optimizer = request.optimizer
     if isinstance(record, storage.StateRecord) and optimizer is not None:

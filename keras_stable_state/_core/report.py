@@ -51,8 +51,10 @@ class RestoreReport:
         mapped: ``{key: mapper}`` (the mapper's repr, e.g.
             ``"CastMapper(dtype='bfloat16')"``) for every array stored through
             a mapper (``save_training_state(..., mappers=...)``) and decoded.
-        lossy: The keys of ``mapped`` whose mapper is lossy: they hold the
-            decoded stored values, not bit-exactly the values saved.
+        lossy: The keys not restored bit-exactly: those of ``mapped`` whose mapper
+            is lossy (they hold the decoded stored values), and those of ``casts``
+            whose cast can round or overflow (to a narrower float: ``float32`` to
+            ``bfloat16`` or ``float16``, between ``float16`` and ``bfloat16``).
         restored_state: Other state put back (``"callback:EarlyStopping/0"``,
             ``"state:<provider>"``, ``"rng"``). With ``"rng"``, ``str(report)`` says
             that a ``model.fit(shuffle=True)`` started after the restore does not draw
@@ -184,8 +186,8 @@ class RestoreReport:
             lines.append(f"  stored through {mapper}, decoded: {keys}")
         if self.lossy:
             lines.append(
-                f"  not restored bit-exactly (lossy mappers: the values are the decoded stored ones, "
-                f"not the values saved): {self.lossy}"
+                f"  not restored bit-exactly (lossy mappers or casts to a narrower dtype: the values "
+                f"are the decoded or cast ones, not the values saved): {self.lossy}"
             )
         return "\n".join(lines)
 

@@ -229,6 +229,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         try:
             self._take_directory()
             self._restore_newest()
+            inexact.warn_counter_limit(model, self._position, self.params)
             guard = _fit_checks.check_resume(self, self._position, self.restore_report, self._read_only)
             self._epoch_guard = guard
             self.preemption.begin(compat.fit_frame(), self._say)

@@ -1,7 +1,8 @@
 """The [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning] checks of a
 [`StableCheckpoint`][keras_stable_state.StableCheckpoint] at train begin: inputs whose order a resume
 cannot replay, checkpoints of an older version or another backend, per-output loss means
-counted in other units, and callbacks whose state is not saved.
+counted in other units, callbacks whose state is not saved, and planned steps that would
+wrap an optimizer's iteration counter.
 
 The functions are called from the callback's hooks at the depth its methods were, so
 each ``stacklevel`` attributes its warning to the same frame as before the split.
@@ -12,9 +13,12 @@ from __future__ import annotations
 import warnings
 
 import keras
+import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
+from keras_stable_state._numpy import to_numpy
+from keras_stable_state._optimizer import optimizer_tree, tracked_optimizers
 from keras_stable_state.errors import InexactResumeWarning
 
 
@@ -211,3 +215,42 @@ def warn_unsaved_callbacks(ckpt, callbacks):
             InexactResumeWarning,
             stacklevel=3,
         )
+
+
+def warn_counter_limit(model, position, params):
+    """Warn, at train begin, when the batches this ``fit`` plans (``params``: its
+    ``epochs`` and ``steps``, from ``position`` on) would take an optimizer's
+    ``iterations`` counter past its integer dtype's maximum: Keras keeps it as ``int32`` on
+    JAX and Torch, where it wraps to -2**31 (schedules and Adam's bias correction break,
+    and a save after it is refused). The step named is the global step of the batch
+    that wraps it. Nothing is said when the number of steps is not known."""
+    epochs, steps = (params or {}).get("epochs"), (params or {}).get("steps")
+    if not epochs or not steps:
+        return
+    planned = (epochs - position.epoch) * steps - position.step
+    for name, opt in tracked_optimizers(model).items():
+        for prefix, sub in optimizer_tree(opt):
+            counter = compat.iterations_variable(sub)
+            if counter is None:
+                continue
+            dtype = np.dtype(keras.backend.standardize_dtype(counter.dtype))
+            if dtype.kind not in "iu":
+                continue
+            limit, count = int(np.iinfo(dtype).max), int(to_numpy(counter))
+            if count < 0 or count + planned <= limit:
+                continue
+            left = limit - count  # batches before the counter holds its maximum
+            offset = position.epoch * steps + position.step + left  # the wrapping batch, from fit's start
+            label = f"{name}{'/' + prefix.rstrip('/') if prefix else ''}"
+            warnings.warn(
+                f"StableCheckpoint: the optimizer {label!r} ({type(sub).__name__}) has counted {count} "
+                f"steps in its {dtype.name} iteration counter, whose maximum is {limit}; this fit plans "
+                f"{planned} more batches, and the counter wraps to {int(np.iinfo(dtype).min)} at global "
+                f"step {position.global_step + left + 1} (epoch {offset // steps}, batch "
+                f"{offset % steps}): from there learning-rate schedules and Adam's bias correction "
+                "break, and the next checkpoint is refused. Train at most "
+                f"{left} more batches in this run (fewer epochs), or continue on TensorFlow, whose "
+                "counter is int64.",
+                InexactResumeWarning,
+                stacklevel=3,
+            )

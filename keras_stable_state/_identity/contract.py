@@ -13,7 +13,15 @@ if TYPE_CHECKING:
     import keras
 
 
-__all__ = ["TrainableContract"]
+__all__ = ["TrainableContract", "float_cast"]
+
+_FLOATS = frozenset({"bfloat16", "float16", "float32", "float64"})
+
+
+def float_cast(saved: str, current: str) -> bool:
+    """Whether ``saved`` and ``current`` are two different floating-point dtypes (a change
+    ``allow_cast=True`` casts)."""
+    return saved != current and str(saved) in _FLOATS and str(current) in _FLOATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +88,24 @@ class TrainableContract:
         ]
         return missing, unexpected, reshaped, retyped
 
-    def validate(self, model: keras.Model) -> None:
+    def validate(self, model: keras.Model, *, allow_cast: bool = False) -> None:
         """Check that ``model`` trains exactly the variables of this contract.
+
+        Args:
+            model: The model to check.
+            allow_cast: Accept a variable re-typed between floating-point dtypes
+                (``bfloat16``, ``float16``, ``float32``, ``float64``, either way): its
+                saved values are cast when restored (``restore_training_state(...,
+                allow_cast=True)``).
 
         Raises:
             ContractError: listing every missing, unexpected, reshaped and
-                re-typed key (not only the first).
+                re-typed key (not only the first); a re-typed float variable
+                names ``allow_cast=True`` as its fix.
         """
         missing, unexpected, reshaped, retyped = self.diff(model)
+        if allow_cast:
+            retyped = [t for t in retyped if not float_cast(t[1], t[2])]
         if not (missing or unexpected or reshaped or retyped):
             return
         lines = ["The model's trainable variables do not match the saved contract:"]
@@ -104,10 +122,25 @@ class TrainableContract:
                 lines.append(f"  {what}: {shown(k, quote=False)} saved {s}, now {c}")
             if len(changed) > NAMES_SHOWN:
                 lines.append(f"  {what}: ... and {len(changed) - NAMES_SHOWN:,} more")
-        lines.append(
-            "Restore into a model with the same trainable layers (freeze/unfreeze as when saved), "
-            "or pass strict=False to drop the slots of variables that are no longer trained."
-        )
+        if missing or unexpected:
+            lines.append(
+                "Restore into a model with the same trainable layers (freeze/unfreeze as when saved), "
+                "or pass strict=False to drop the slots of variables that are no longer trained."
+            )
+        if reshaped:
+            lines.append("A reshaped variable cannot be restored: build the layers with the saved shapes.")
+        floats = [k for k, s, c in retyped if float_cast(s, c)]
+        if floats:
+            lines.append(
+                f"The re-typed variables {listed(floats)} changed between floating-point dtypes: pass "
+                "allow_cast=True to cast their saved values (each cast is listed in report.casts, "
+                "those that lose precision in report.lossy), or build them with the saved dtype."
+            )
+        if len(floats) < len(retyped):
+            lines.append(
+                "A variable re-typed between kinds (integer, boolean, float) is never cast: build it "
+                "with the saved dtype."
+            )
         raise ContractError(
             "\n".join(lines),
             missing=missing,

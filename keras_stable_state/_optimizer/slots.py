@@ -32,7 +32,14 @@ from keras_stable_state._optimizer.tracking import stable_optimizer_in
 from keras_stable_state._optimizer.wrapper import bind_unchecked
 from keras_stable_state.errors import BindingError, StateError
 
-__all__ = ["build_for", "check_inside", "check_not_nested", "ensure_built", "save_optimizers"]
+__all__ = [
+    "build_for",
+    "check_counter",
+    "check_inside",
+    "check_not_nested",
+    "ensure_built",
+    "save_optimizers",
+]
 
 
 def check_inside(optimizer, model, extras, verb):
@@ -117,7 +124,12 @@ def save_optimizers(
         if not allow:
             check_inside(opt, model, extras or {}, "save_training_state")
         registry = optimizer_registry(opt, model, extras)
+        counters = {
+            id(c): c for _, o in optimizer_tree(opt) if (c := compat.iterations_variable(o)) is not None
+        }
         for entry in optimizer_entries(opt, registry, name=name, allow_order_keys=allow):
+            if id(entry.variable) in counters:
+                check_counter(entry.key, entry.variable, opt)
             # Converted when written, one at a time (storage.StateRecord takes callables).
             arrays[entry.key] = functools.partial(convert, entry.variable)
         meta[name] = {
@@ -129,6 +141,28 @@ def save_optimizers(
             "accumulation": accumulation(opt),
         }
     return arrays, meta
+
+
+def check_counter(key, counter, optimizer) -> None:
+    """Refuse to save the ``iterations`` counter ``counter`` (saved as ``key``) of
+    ``optimizer`` once it is negative: Keras keeps it as ``int32`` on JAX and Torch, and
+    past 2**31 - 1 steps it wraps to -2**31 without a word."""
+    count = int(to_numpy(counter))
+    if count >= 0:
+        return
+    dtype = keras.backend.standardize_dtype(counter.dtype)
+    raise StateError(
+        f"Cannot save the training state: the iteration counter {key} of optimizer {optimizer.name!r} "
+        f"({type(optimizer).__name__}) is {count}, negative: it is a {dtype} on the "
+        f"{keras.backend.backend()} backend and wrapped around past its maximum, so learning-rate "
+        "schedules and Adam's bias correction are already broken and a resume would continue from "
+        "the wrapped count. Resume from the last checkpoint saved before it wrapped and stop before "
+        "the counter's maximum (StableCheckpoint warns at train begin), or train on TensorFlow, "
+        "whose counter is int64.",
+        key=key,
+        expected="an iteration count >= 0",
+        received=count,
+    )
 
 
 def ensure_built(optimizer, model, report=None, extras=None):
