@@ -37,7 +37,9 @@ from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.contract import TrainableContract, float_cast
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
 from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._numpy import to_numpy
 from keras_stable_state._state import layers as layer_state
+from keras_stable_state._state import metrics as metrics_state
 from keras_stable_state.errors import NAMES_SHOWN, BindingError, StateError, listed, shown
 
 __all__ = ["RestoreRequest", "restore_record", "plan_callbacks"]
@@ -60,8 +62,8 @@ class RestoreRequest:
         providers: ``{name: provider}``.
         extras: ``{name: keras.Variable}``: the variables outside the model.
         rules: The rename rules, or ``None``.
-        strict, allow_cast, include_rng, check_schedule, keep_learning_rate: The flags
-            of [`restore_training_state`][keras_stable_state.restore_training_state].
+        strict, allow_cast, include_rng, check_schedule, keep_learning_rate, include_metrics:
+            The flags of [`restore_training_state`][keras_stable_state.restore_training_state].
         owned: The record's arrays are this restore's alone (it read them, and nothing
             else reads them afterwards): a variable may keep an array's memory as its
             own instead of a copy (`variable_step`).
@@ -80,6 +82,7 @@ class RestoreRequest:
     check_schedule: bool
     keep_learning_rate: bool
     owned: bool = False
+    include_metrics: bool = True
 
     @property
     def where(self) -> str:
@@ -414,6 +417,8 @@ def _plan_state(record, request, report):
         value = state_mod.check_provider_state(provider, value, record_name, where)
         steps.append(state_step(record_name, provider.get_state, provider.set_state, value))
         report.restored_state.append(f"state:{name}")
+    if request.include_metrics and metrics_state.NAME not in providers:
+        steps += _metrics_steps(record, request.model, report, where)
     steps += _callback_steps(record, request.callbacks, report, where)
     if extra.get("rng") is not None:
         # Checked even with include_rng=False: a malformed record means a damaged file.
@@ -422,3 +427,34 @@ def _plan_state(record, request, report):
             steps.append(rng_step(parsed))
             report.restored_state.append("rng")
     return steps
+
+
+def _metrics_steps(record, model, report, where):
+    """The step putting back the model's metric variables saved by ``save_training_state``
+    (`metrics_state.plan_metrics`: by path); each live one without a saved value is listed
+    in ``report.left_fresh`` as ``metric:<path>``, each saved one not restored in
+    ``report.dropped``. A file without them (written before they were saved, or by an
+    older ``StableCheckpoint``, whose record names no paths) leaves them all fresh."""
+    saved = record.extra.get("providers", {}).get(metrics_state.NAME)
+    live = model.metrics_variables
+    if saved is None or not metrics_state.keyed(saved):
+        report.left_fresh.extend(f"metric:{v.path}" for v in live)
+        return []
+    value = state_mod.join_arrays(saved, record.arrays, where)
+    pairs, fresh, dropped = metrics_state.plan_metrics(model, value, where)
+    report.left_fresh.extend(f"metric:{p}" for p in fresh)
+    for path, reason in dropped:
+        report.drop(f"metric:{path}", reason)
+    if not pairs:
+        return []
+    variables = [v for v, _ in pairs]
+    arrays = [np.array(a, copy=True) for _, a in pairs]
+
+    def put(values):
+        for v, a in zip(variables, values, strict=True):
+            v.assign(a)
+
+    report.restored_state.append("metrics")
+    return [
+        state_step(f"providers/{metrics_state.NAME}", lambda: [to_numpy(v) for v in variables], put, arrays)
+    ]

@@ -53,6 +53,7 @@ class RestoreOptions:
     callbacks: object = ()
     state: object = None
     include_rng: object = True
+    include_metrics: object = True
     check_schedule: object = True
     variables: object = None
     prefix: object = None
@@ -85,6 +86,7 @@ def restore_training_state(
     callbacks: Sequence[keras.callbacks.Callback] = ...,
     state: Mapping[str, Any] | None = ...,
     include_rng: bool = ...,
+    include_metrics: bool = ...,
     check_schedule: bool = ...,
     variables: Mapping[str, keras.Variable] | None = ...,
     prefix: str | None = ...,
@@ -106,6 +108,7 @@ def restore_training_state(
     callbacks: Sequence[keras.callbacks.Callback] = ...,
     state: Mapping[str, Any] | None = ...,
     include_rng: bool = ...,
+    include_metrics: bool = ...,
     check_schedule: bool = ...,
     variables: Mapping[str, keras.Variable] | None = ...,
     prefix: str | None = ...,
@@ -127,6 +130,7 @@ def restore_training_state(
     callbacks: Sequence[keras.callbacks.Callback] = ...,
     state: Mapping[str, Any] | None = ...,
     include_rng: bool = ...,
+    include_metrics: bool = ...,
     check_schedule: bool = ...,
     variables: Mapping[str, keras.Variable] | None = ...,
     prefix: str | None = ...,
@@ -147,6 +151,7 @@ def restore_training_state(
     callbacks: Sequence[keras.callbacks.Callback] = (),
     state: Mapping[str, Any] | None = None,
     include_rng: bool = True,
+    include_metrics: bool = True,
     check_schedule: bool = True,
     variables: Mapping[str, keras.Variable] | None = None,
     prefix: str | None = None,
@@ -180,6 +185,9 @@ def restore_training_state(
         callbacks: Callbacks to put back in their saved state (by class name and index).
         state: ``{name: provider}`` to put back (``set_state``).
         include_rng: Put back NumPy's, Python's and Keras' global random state.
+        include_metrics: Put back the model's metric variables (compiled metrics, the loss
+            tracker, its own ``keras.metrics.Metric`` trackers), matched by path; those
+            without a saved value are listed in ``report.left_fresh`` as ``metric:<path>``.
         check_schedule: Refuse a learning-rate schedule whose config differs.
         variables: ``{name: keras.Variable}`` outside the model, saved by name.
         prefix: The stable path of the saved model now nested in ``model`` (``"layers/base"``).
@@ -215,6 +223,7 @@ def restore_training_state(
         callbacks=callbacks,
         state=state,
         include_rng=include_rng,
+        include_metrics=include_metrics,
         check_schedule=check_schedule,
         variables=variables,
         prefix=prefix,
@@ -268,6 +277,7 @@ def restore_with(
         strict=options.strict,
         allow_cast=options.allow_cast,
         include_rng=options.include_rng,
+        include_metrics=options.include_metrics,
         check_schedule=options.check_schedule,
         keep_learning_rate=options.keep_learning_rate,
     )
@@ -309,6 +319,7 @@ def restore_with(
         strict=cast(bool, options.strict),
         allow_cast=cast(bool, options.allow_cast),
         include_rng=cast(bool, options.include_rng),
+        include_metrics=cast(bool, options.include_metrics),
         check_schedule=cast(bool, options.check_schedule),
         keep_learning_rate=cast(bool, options.keep_learning_rate),
         owned=owned,

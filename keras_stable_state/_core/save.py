@@ -45,6 +45,7 @@ from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_classes, save_optimizers
 from keras_stable_state._state import layers as layer_state
+from keras_stable_state._state import metrics as metrics_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
 from keras_stable_state.format import orbax_layout
 from keras_stable_state.format.sink import LimitedFile
@@ -137,10 +138,12 @@ def save_training_state(
 ) -> str | background.SaveHandle:
     """Save the whole training state by key: variables, optimizer, contract and the rest.
 
-    The file holds the model's variables (per ``model_state``), every optimizer variable
+    The file holds the model's variables (per ``model_state``; with ``"all"`` also the
+    buffers of wrapped Torch modules, e.g. BatchNorm statistics), every optimizer variable
     (slots, iteration count, learning rate), the trainable-variable contract, the
-    learning-rate schedule's config, the state of ``callbacks`` and ``state`` providers
-    and the global random state. From another thread while ``model.fit`` runs, the save
+    learning-rate schedule's config, the model's metric variables (compiled metrics and
+    its own ``keras.metrics.Metric`` trackers), the state of ``callbacks`` and ``state``
+    providers and the global random state. From another thread while ``model.fit`` runs, the save
     waits for the step boundary (with a [`StableCheckpoint`][keras_stable_state.StableCheckpoint]
     in that ``fit``; without one it is refused). In full:
     [in detail](how-to/custom-loops.md#save_training_state-in-detail).
@@ -325,6 +328,9 @@ def training_state_record(
     optimizer = optimizers.get(MAIN)
     callbacks_by_key = check_callbacks(callbacks, verb)
     providers = check_providers(state, verb)
+    if metrics_state.NAME not in providers and model.metrics_variables:
+        # the model's metric variables (its own trackers too), as StableCheckpoint saves them
+        providers = {**providers, metrics_state.NAME: metrics_state.Metrics(model)}
     check_flags(verb, include_rng=include_rng, allow_order_keys=allow_order_keys)
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
@@ -344,7 +350,7 @@ def training_state_record(
     opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras, convert=convert)
     extra, arrays = _collect_state(model, optimizer, callbacks_by_key, providers, include_rng)
     extra[layer_state.SECTION], found = state_mod.split_arrays(
-        layer_state.collect_layer_state(model), layer_state.SECTION
+        layer_state.collect_layer_state(model, buffers=model_state == "all"), layer_state.SECTION
     )
     arrays.update(found)
     if mapper_rules:

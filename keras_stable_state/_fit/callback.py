@@ -272,7 +272,9 @@ class StableCheckpoint(keras.callbacks.Callback):
         # Variables, optimizer, schedule check and position now; callbacks, metrics and
         # the epoch-start random state once every callback has run on_train_begin. All of
         # it from ``record``, the one read (and check) of the file: never read twice.
-        options = checkpoint.RestoreOptions(state={"position": self._position}, include_rng=False)
+        options = checkpoint.RestoreOptions(
+            state={"position": self._position}, include_rng=False, include_metrics=False
+        )
         # take: only its state records are read after this; the variables may keep its arrays
         self.restore_report = checkpoint.restore_with(path, self.model, options, record=record, take=True)
         pos = self._position

@@ -1,11 +1,12 @@
 """Where a ``fit`` stands, as the state providers a checkpoint saves: the position
 (epoch, step within the epoch, global step, the epoch-start random state and the data
-facts) and the model's metric variables (for a mid-epoch resume)."""
+facts) and the model's metric variables (for a mid-epoch resume: `Metrics`, defined in
+``keras_stable_state._state.metrics``, which ``save_training_state`` saves too)."""
 
 from __future__ import annotations
 
 from keras_stable_state import _state as state
-from keras_stable_state._numpy import numpy_copy
+from keras_stable_state._state.metrics import Metrics  # noqa: F401 (the provider StableCheckpoint saves)
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 
 
@@ -73,56 +74,6 @@ class Position:
         self.epoch, self.step, self.global_step = value["epoch"], value["step"], value["global_step"]
         self.epoch_rng = value["epoch_rng"]
         self.saved_data = value.get("data")
-
-
-class Metrics:
-    """The model's metric variables (running loss mean...) for a mid-epoch resume."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def get_state(self):
-        return {"values": [numpy_copy(v) for v in self.model.metrics_variables]}
-
-    def validate_state(self, value):
-        """Refuse metric values whose count or shapes differ from the model's metric variables."""
-        variables = self.model.metrics_variables
-        values = value.get("values") if isinstance(value, dict) else None
-        if not isinstance(values, list):
-            raise CorruptCheckpointError(
-                "The checkpoint's metrics record holds no list of values. The file is damaged; restore "
-                "from an earlier checkpoint.",
-                key="providers/metrics",
-            )
-        if len(variables) != len(values):
-            raise StateError(
-                f"The checkpoint holds {len(values)} metric variables, the model has "
-                f"{len(variables)}: it was compiled with other metrics. Compile it as when saved.",
-                expected=len(variables),
-                received=len(values),
-            )
-        for v, a in zip(variables, values, strict=True):
-            if tuple(getattr(a, "shape", ())) != tuple(v.shape):
-                raise StateError(
-                    f"The checkpoint's metric variable {v.path!r} has shape {tuple(getattr(a, 'shape', ()))}, "
-                    f"the model's has {tuple(v.shape)}: it was compiled with other metrics. Compile it as "
-                    "when saved.",
-                    key=v.path,
-                    expected=tuple(v.shape),
-                    received=tuple(getattr(a, "shape", ())),
-                )
-
-    def set_state(self, value):
-        variables = self.model.metrics_variables
-        if len(variables) != len(value["values"]):
-            raise StateError(
-                f"The checkpoint holds {len(value['values'])} metric variables, the model has "
-                f"{len(variables)}: it was compiled with other metrics. Compile it as when saved.",
-                expected=len(variables),
-                received=len(value["values"]),
-            )
-        for v, a in zip(variables, value["values"], strict=True):
-            v.assign(a)
 
 
 def numeric_logs(logs) -> dict:

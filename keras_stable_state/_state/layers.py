@@ -41,6 +41,7 @@ SECTION = "layer_state"
 
 VOCABULARY = "vocabulary"
 BIN_BOUNDARIES = "bin_boundaries"
+BUFFERS = "buffers"
 
 # Options of a lookup layer that decide what a saved vocabulary means.
 _LOOKUP_OPTIONS = (
@@ -81,7 +82,21 @@ def _kind(layer):
         return VOCABULARY
     if isinstance(layer, keras.layers.Discretization):
         return BIN_BOUNDARIES
+    if _torch_buffers(layer):
+        return BUFFERS
     return None
+
+
+def _torch_buffers(layer) -> dict:
+    """``{name: tensor}`` of every registered buffer of the module a
+    ``keras.layers.TorchModuleWrapper`` wraps (BatchNorm's ``running_mean``,
+    ``running_var``, ``num_batches_tracked``...; persistent or not), named as
+    ``module.named_buffers()`` names them; ``{}`` for any other layer, and on
+    another backend than Torch (nothing imports torch there)."""
+    if keras.backend.backend() != "torch" or not isinstance(layer, keras.layers.TorchModuleWrapper):
+        return {}
+    module = getattr(layer, "module", None)
+    return dict(module.named_buffers()) if module is not None else {}
 
 
 def layer_key(path: str) -> str:
@@ -89,13 +104,14 @@ def layer_key(path: str) -> str:
     return path or "(model)"
 
 
-def _stateful_layers(model) -> list:
+def _stateful_layers(model, buffers=True) -> list:
     """``(key, layer, kind)`` for every layer with non-variable state, in walk order
-    (a ``TextVectorization`` stands for the lookup layer inside it)."""
+    (a ``TextVectorization`` stands for the lookup layer inside it); ``buffers=False``
+    leaves out the wrapped Torch modules' buffers."""
     found, inner = [], set()
     for path, layer in stable_layer_paths(model).values():
         kind = _kind(layer)
-        if kind is not None:
+        if kind is not None and (buffers or kind != BUFFERS):
             found.append((layer_key(path), layer, kind))
             if _lookup(layer) is not layer:
                 inner.add(id(_lookup(layer)))
@@ -173,19 +189,33 @@ def _bins_state(layer) -> dict:
     }
 
 
+def _buffers_state(layer) -> dict:
+    from keras_stable_state._numpy import to_numpy
+
+    return {
+        "kind": BUFFERS,
+        "class": type(layer).__name__,
+        "buffers": {name: np.array(to_numpy(t), copy=True) for name, t in _torch_buffers(layer).items()},
+    }
+
+
 def _layer_state(layer, key, kind) -> dict:
+    if kind == BUFFERS:
+        return _buffers_state(layer)
     return _lookup_state(layer, key) if kind == VOCABULARY else _bins_state(layer)
 
 
-def collect_layer_state(model) -> dict:
+def collect_layer_state(model, *, buffers: bool = True) -> dict:
     """The non-variable state of every layer that has some, by layer key.
 
     Args:
         model: A ``keras.Model``.
+        buffers: Include the buffers of the modules ``keras.layers.TorchModuleWrapper``
+            layers wrap (Torch backend; BatchNorm statistics and any registered buffer).
 
     Returns:
         ``{layer key: state}``; a state is a JSON-ready ``dict`` whose arrays
-        (IDF weights, bin boundaries) are NumPy arrays (split them with
+        (IDF weights, bin boundaries, buffers) are NumPy arrays (split them with
         `keras_stable_state._state.tree.split_arrays`).
 
     Raises:
@@ -196,7 +226,7 @@ def collect_layer_state(model) -> dict:
         >>> collect_layer_state(model)["layers/lookup"]["vocabulary"]
         ['[UNK]', 'the', 'a']
     """
-    return {key: _layer_state(layer, key, kind) for key, layer, kind in _stateful_layers(model)}
+    return {key: _layer_state(layer, key, kind) for key, layer, kind in _stateful_layers(model, buffers)}
 
 
 # -- restoring ----------------------------------------------------------------------
@@ -213,7 +243,7 @@ def _check_saved(saved, layer, key, kind, where) -> dict:
             class, other lookup options, a size the layer's output cannot take).
     """
     name = _record(key)
-    if not isinstance(saved, dict) or saved.get("kind") not in (VOCABULARY, BIN_BOUNDARIES):
+    if not isinstance(saved, dict) or saved.get("kind") not in (VOCABULARY, BIN_BOUNDARIES, BUFFERS):
         raise malformed(name, "it is not a layer state record", where)
     if saved["kind"] != kind or saved.get("class") != type(layer).__name__:
         raise BindingError(
@@ -224,6 +254,11 @@ def _check_saved(saved, layer, key, kind, where) -> dict:
             expected=saved.get("class"),
             received=type(layer).__name__,
         )
+    if kind == BUFFERS:
+        found = saved.get("buffers")
+        if not isinstance(found, dict) or not all(isinstance(a, np.ndarray) for a in found.values()):
+            raise malformed(name, "its buffers are not a mapping of names to arrays", where)
+        return saved
     if kind == BIN_BOUNDARIES:
         bins = saved.get("bin_boundaries")
         if bins is not None and not (
@@ -425,7 +460,9 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
         saved = _renamed(saved, rules, strict, report, where)
     live = _stateful_layers(model)
     live_keys = {key for key, _, _ in live}
-    missing = [key for key, _, _ in live if key not in saved]
+    # A file without a module's buffers (written before they were saved, or with
+    # model_state other than "all") restores: they are left fresh, each one listed.
+    missing = [key for key, _, kind in live if key not in saved and kind != BUFFERS]
     unexpected = sorted(set(saved) - live_keys)
     if strict and (missing or unexpected):
         why = (
@@ -449,8 +486,17 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
         )
     steps = []
     for key, layer, kind in live:
+        if key not in saved and kind == BUFFERS:
+            report.left_fresh.extend(f"buffer:{key}/{n}" for n in _torch_buffers(layer))
+            continue
         if key not in saved:
             report.left_fresh.append(f"layer:{key}")
+            continue
+        if kind == BUFFERS:
+            value = _check_saved(
+                join_arrays(saved[key], getattr(record, "arrays", {}), where), layer, key, kind, where
+            )
+            steps += _buffer_steps(value["buffers"], layer, key, strict=strict, report=report, where=where)
             continue
         value = _check_saved(
             join_arrays(saved[key], getattr(record, "arrays", {}), where), layer, key, kind, where
@@ -466,6 +512,75 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
     for key in unexpected:
         report.drop(f"layer:{key}", "no such layer in the model")
     return steps
+
+
+def _buffer_steps(saved, layer, key, *, strict, report, where) -> list:
+    """The steps copying the saved ``{name: array}`` into the buffers of ``layer``'s module,
+    each checked first (shape and dtype); a live buffer without a saved value is listed in
+    ``report.left_fresh`` (``buffer:<key>/<name>``), a saved one without a live buffer is
+    refused under ``strict`` (else listed in ``report.dropped``).
+
+    Raises:
+        BindingError: naming the buffer, for another shape or dtype, or (``strict``) a
+            saved buffer the module does not have.
+    """
+    live = _torch_buffers(layer)
+    unexpected = sorted(set(saved) - set(live))
+    if unexpected and strict:
+        raise BindingError(
+            f"{where} holds buffers {listed(unexpected)} of the module wrapped by layer {key!r}, which "
+            f"the live module ({type(layer.module).__name__}) does not have (it has {listed(sorted(live))}). "
+            "Build the module as it was saved, or pass strict=False to leave them out (listed in "
+            "report.dropped).",
+            key=f"buffer:{key}/{unexpected[0]}",
+            expected=sorted(saved),
+            received=sorted(live),
+        )
+    for name in unexpected:
+        report.drop(f"buffer:{key}/{name}", "no such buffer in the wrapped module")
+    steps = []
+    for name, tensor in live.items():
+        label = f"buffer:{key}/{name}"
+        if name not in saved:
+            report.left_fresh.append(label)
+            continue
+        array = saved[name]
+        dtype = str(tensor.dtype).replace("torch.", "")
+        if tuple(array.shape) != tuple(tensor.shape) or array.dtype.name != dtype:
+            raise BindingError(
+                f"{where}: buffer {name!r} of the module wrapped by layer {key!r} was saved as "
+                f"{array.dtype.name} of shape {tuple(array.shape)}, but the live one is {dtype} of shape "
+                f"{tuple(tensor.shape)}. Build the module as it was saved.",
+                key=label,
+                expected=(tuple(array.shape), array.dtype.name),
+                received=(tuple(tensor.shape), dtype),
+            )
+        steps.append(_tensor_step(label, tensor, array))
+        report.restored_state.append(label)
+    return steps
+
+
+def _tensor_step(name, tensor, array) -> LayerStep:
+    """A step copying ``array`` into the Torch ``tensor`` in place (the module keeps its
+    buffer object); its undo copies the old values back."""
+    import torch
+
+    value = torch.from_numpy(np.array(array, copy=True))
+
+    def apply():
+        with torch.no_grad():
+            tensor.copy_(value)
+
+    def snapshot():
+        old = tensor.detach().clone()
+
+        def undo():
+            with torch.no_grad():
+                tensor.copy_(old)
+
+        return undo, (lambda: not torch.equal(tensor, old))
+
+    return LayerStep(name, apply, snapshot)
 
 
 def finalize_steps(model) -> list:
