@@ -432,7 +432,7 @@ def _plan_state(record, request, report):
 def _metrics_steps(record, model, report, where):
     """The step putting back the model's metric variables saved by ``save_training_state``
     (`metrics_state.plan_metrics`: by path); each live one without a saved value is listed
-    in ``report.left_fresh`` as ``metric:<path>``, each saved one not restored in
+    in ``report.left_fresh`` as ``metric:<path>``, each saved one of another shape in
     ``report.dropped``. A file without them (written before they were saved, or by an
     older ``StableCheckpoint``, whose record names no paths) leaves them all fresh."""
     saved = record.extra.get("providers", {}).get(metrics_state.NAME)

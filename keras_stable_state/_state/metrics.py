@@ -85,12 +85,14 @@ def plan_metrics(model, value, where=None):
     """Match the saved metrics state ``value`` (with ``paths``) to ``model``'s metric variables.
 
     By path when the paths are unique on both sides, else by position when the counts
-    agree. A saved array whose shape differs from its variable's is not restored.
+    agree. A saved array whose shape differs from its variable's is not restored. A
+    saved value the model has no variable for (a metric not built yet: Keras builds
+    compiled metrics at the first train step) is not reported.
 
     Returns:
         ``(pairs, fresh, dropped)``: ``[(variable, array)]`` to assign, the paths of live
         metric variables left as they are, and ``(saved path, reason)`` of saved values
-        not restored.
+        of another shape than their variable's.
 
     Raises:
         CorruptCheckpointError: if ``value`` is not ``{"values": [...], "paths": [...]}``
@@ -110,14 +112,11 @@ def plan_metrics(model, value, where=None):
     if len(set(paths)) == len(paths) and len(set(live_paths)) == len(live_paths):
         saved = dict(zip(paths, values, strict=True))
         candidates = [(v, p, saved[p]) for v, p in zip(live, live_paths, strict=True) if p in saved]
-        absent = set(live_paths)
-        dropped = [(p, "no such metric variable in the model") for p in paths if p not in absent]
     elif len(paths) == len(live):
         candidates = [(v, p, a) for v, p, a in zip(live, paths, values, strict=True)]
-        dropped = []
-    else:
+    else:  # repeated names and other counts: nothing matched, every live one left fresh
         candidates = []
-        dropped = [(p, "the model's metric variables differ (repeated names)") for p in paths]
+    dropped = []
     pairs, taken = [], set()
     for variable, path, array in candidates:
         if tuple(np.shape(array)) != tuple(variable.shape):
