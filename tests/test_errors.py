@@ -121,7 +121,8 @@ def test_fresh_stateful_callbacks_save_without_training(tmp_path, data):
         for cb in callbacks
     ]
     report = kss.restore_training_state(tmp_path / "s.h5", _model(), callbacks=fresh)
-    assert len(report.restored_state) == len(callbacks) + 1  # + rng
+    assert len(report.restored_state) == len(callbacks) + 2  # + rng, the metric variables
+    assert "metrics" in report.restored_state
     assert fresh[0].best_epoch == 0 and fresh[0].best_weights is None
 
 

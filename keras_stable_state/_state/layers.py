@@ -31,6 +31,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state._identity.paths import stable_layer_paths
+from keras_stable_state._state.buffers import BUFFERS, buffer_steps, buffers_state, torch_buffers
 from keras_stable_state._state.tree import join_arrays, malformed, same_state
 from keras_stable_state.errors import BindingError, StateError, listed
 
@@ -41,7 +42,6 @@ SECTION = "layer_state"
 
 VOCABULARY = "vocabulary"
 BIN_BOUNDARIES = "bin_boundaries"
-BUFFERS = "buffers"
 
 # Options of a lookup layer that decide what a saved vocabulary means.
 _LOOKUP_OPTIONS = (
@@ -82,21 +82,9 @@ def _kind(layer):
         return VOCABULARY
     if isinstance(layer, keras.layers.Discretization):
         return BIN_BOUNDARIES
-    if _torch_buffers(layer):
+    if torch_buffers(layer):
         return BUFFERS
     return None
-
-
-def _torch_buffers(layer) -> dict:
-    """``{name: tensor}`` of every registered buffer of the module a
-    ``keras.layers.TorchModuleWrapper`` wraps (BatchNorm's ``running_mean``,
-    ``running_var``, ``num_batches_tracked``...; persistent or not), named as
-    ``module.named_buffers()`` names them; ``{}`` for any other layer, and on
-    another backend than Torch (nothing imports torch there)."""
-    if keras.backend.backend() != "torch" or not isinstance(layer, keras.layers.TorchModuleWrapper):
-        return {}
-    module = getattr(layer, "module", None)
-    return dict(module.named_buffers()) if module is not None else {}
 
 
 def layer_key(path: str) -> str:
@@ -189,19 +177,9 @@ def _bins_state(layer) -> dict:
     }
 
 
-def _buffers_state(layer) -> dict:
-    from keras_stable_state._numpy import to_numpy
-
-    return {
-        "kind": BUFFERS,
-        "class": type(layer).__name__,
-        "buffers": {name: np.array(to_numpy(t), copy=True) for name, t in _torch_buffers(layer).items()},
-    }
-
-
 def _layer_state(layer, key, kind) -> dict:
     if kind == BUFFERS:
-        return _buffers_state(layer)
+        return buffers_state(layer)
     return _lookup_state(layer, key) if kind == VOCABULARY else _bins_state(layer)
 
 
@@ -487,7 +465,7 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
     steps = []
     for key, layer, kind in live:
         if key not in saved and kind == BUFFERS:
-            report.left_fresh.extend(f"buffer:{key}/{n}" for n in _torch_buffers(layer))
+            report.left_fresh.extend(f"buffer:{key}/{n}" for n in torch_buffers(layer))
             continue
         if key not in saved:
             report.left_fresh.append(f"layer:{key}")
@@ -496,7 +474,7 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
             value = _check_saved(
                 join_arrays(saved[key], getattr(record, "arrays", {}), where), layer, key, kind, where
             )
-            steps += _buffer_steps(value["buffers"], layer, key, strict=strict, report=report, where=where)
+            steps += buffer_steps(value["buffers"], layer, key, strict=strict, report=report, where=where)
             continue
         value = _check_saved(
             join_arrays(saved[key], getattr(record, "arrays", {}), where), layer, key, kind, where
@@ -512,75 +490,6 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
     for key in unexpected:
         report.drop(f"layer:{key}", "no such layer in the model")
     return steps
-
-
-def _buffer_steps(saved, layer, key, *, strict, report, where) -> list:
-    """The steps copying the saved ``{name: array}`` into the buffers of ``layer``'s module,
-    each checked first (shape and dtype); a live buffer without a saved value is listed in
-    ``report.left_fresh`` (``buffer:<key>/<name>``), a saved one without a live buffer is
-    refused under ``strict`` (else listed in ``report.dropped``).
-
-    Raises:
-        BindingError: naming the buffer, for another shape or dtype, or (``strict``) a
-            saved buffer the module does not have.
-    """
-    live = _torch_buffers(layer)
-    unexpected = sorted(set(saved) - set(live))
-    if unexpected and strict:
-        raise BindingError(
-            f"{where} holds buffers {listed(unexpected)} of the module wrapped by layer {key!r}, which "
-            f"the live module ({type(layer.module).__name__}) does not have (it has {listed(sorted(live))}). "
-            "Build the module as it was saved, or pass strict=False to leave them out (listed in "
-            "report.dropped).",
-            key=f"buffer:{key}/{unexpected[0]}",
-            expected=sorted(saved),
-            received=sorted(live),
-        )
-    for name in unexpected:
-        report.drop(f"buffer:{key}/{name}", "no such buffer in the wrapped module")
-    steps = []
-    for name, tensor in live.items():
-        label = f"buffer:{key}/{name}"
-        if name not in saved:
-            report.left_fresh.append(label)
-            continue
-        array = saved[name]
-        dtype = str(tensor.dtype).replace("torch.", "")
-        if tuple(array.shape) != tuple(tensor.shape) or array.dtype.name != dtype:
-            raise BindingError(
-                f"{where}: buffer {name!r} of the module wrapped by layer {key!r} was saved as "
-                f"{array.dtype.name} of shape {tuple(array.shape)}, but the live one is {dtype} of shape "
-                f"{tuple(tensor.shape)}. Build the module as it was saved.",
-                key=label,
-                expected=(tuple(array.shape), array.dtype.name),
-                received=(tuple(tensor.shape), dtype),
-            )
-        steps.append(_tensor_step(label, tensor, array))
-        report.restored_state.append(label)
-    return steps
-
-
-def _tensor_step(name, tensor, array) -> LayerStep:
-    """A step copying ``array`` into the Torch ``tensor`` in place (the module keeps its
-    buffer object); its undo copies the old values back."""
-    import torch
-
-    value = torch.from_numpy(np.array(array, copy=True))
-
-    def apply():
-        with torch.no_grad():
-            tensor.copy_(value)
-
-    def snapshot():
-        old = tensor.detach().clone()
-
-        def undo():
-            with torch.no_grad():
-                tensor.copy_(old)
-
-        return undo, (lambda: not torch.equal(tensor, old))
-
-    return LayerStep(name, apply, snapshot)
 
 
 def finalize_steps(model) -> list:
