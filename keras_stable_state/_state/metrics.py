@@ -12,6 +12,8 @@ restores.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from keras_stable_state._numpy import numpy_copy
@@ -27,7 +29,7 @@ NAME = "metrics"
 class Metrics:
     """The model's metric variables (running loss mean...) as a state provider."""
 
-    def __init__(self, model):
+    def __init__(self, model: Any) -> None:
         self.model = model
 
     def get_state(self):
