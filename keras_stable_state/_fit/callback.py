@@ -66,6 +66,11 @@ class StableCheckpoint(keras.callbacks.Callback):
         monitor: The ``fit`` log key (e.g. ``"val_loss"``) that ranks ``keep_best``, or ``None``.
         mode: ``"min"``, ``"max"`` or ``"auto"`` for ``monitor``.
         keep_best: How many best checkpoints by ``monitor`` to keep beside the newest.
+        resume_stopped: ``True`` trains on a run its callbacks stopped (``EarlyStopping``,
+            ``model.stop_training``), to this ``fit``'s ``epochs``. By default such a run
+            counts as finished: a ``fit`` of no more ``epochs`` than the stopped one trains
+            nothing and returns the restored ``History``, saying so once. A preemption's
+            stop is never one: its run resumes.
         save_on_preemption: Save and stop on a preemption signal (default ``True``).
         preemption_signals: The signals meaning preemption (default ``(signal.SIGTERM,)``).
         keep: Deprecated alias of ``max_to_keep``.
@@ -73,7 +78,9 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     Attributes:
         manager: The [`CheckpointManager`][keras_stable_state.CheckpointManager] of ``directory``.
-        run_complete: ``True`` if the restored checkpoint is at or past ``fit``'s ``epochs``.
+        run_complete: ``True`` if the restored checkpoint is at or past ``fit``'s ``epochs``,
+            or its run was stopped by a callback (see ``resume_stopped``): ``fit`` trains nothing.
+        run_stopped: ``True`` if ``run_complete`` because the run was stopped by a callback.
         restore_report: The train-begin [`RestoreReport`][keras_stable_state.RestoreReport], or ``None``.
         skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint skipped.
         moved_checkpoints: ``(path, new path)`` of each, moved into ``unreadable/``.
@@ -115,6 +122,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         save_on_preemption: bool = True,
         preemption_signals: Sequence[int] = preemption.DEFAULT_SIGNALS,
         storage_options: Mapping[str, Any] | None = None,
+        resume_stopped: bool = False,
         keep: Any = _fit_checks.UNSET,
         async_save: Any = _fit_checks.UNSET,
     ) -> None:
@@ -125,6 +133,9 @@ class StableCheckpoint(keras.callbacks.Callback):
         save_on_background = _fit_checks.resolve_alias("save_on_background", save_on_background, False, "async_save", async_save, 2)  # fmt: skip
         _fit_checks.check_arguments(save_freq, max_to_keep, verbose, save_on_background, directory)
         self.preemption = preemption.FitPreemption(save_on_preemption, preemption_signals)
+        if not isinstance(resume_stopped, bool):
+            raise TypeError(f"`resume_stopped` must be a bool. Received: resume_stopped={resume_stopped!r}")
+        self.resume_stopped = resume_stopped
         opts = {"keep_best": keep_best, "monitor": monitor, "mode": mode, "verbose": verbose}
         opts.update(save_on_background=save_on_background, storage_options=storage_options)
         self.manager = CheckpointManager(directory, max_to_keep, **opts)
@@ -140,6 +151,7 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.verbose = int(verbose)
         self.save_on_background, self.storage_options = save_on_background, self.manager.storage_options
         self.run_complete = False
+        self.run_stopped = False
         self._metrics = {}  # the numeric logs of the last batch or epoch end: the next save's metrics
         self._where = {}  # step -> where in the fit its save was taken (for the verbose line)
         self._gated = None  # the model whose step boundaries this fit opens (_core.boundary)
@@ -259,9 +271,11 @@ class StableCheckpoint(keras.callbacks.Callback):
         )
         self.skipped_checkpoints = list(self.manager.skipped_checkpoints)
         self.moved_checkpoints = list(self.manager.moved_checkpoints)
-        self.run_complete = resume.report_newest(
-            self, restored, self._position, (self.params or {}).get("epochs"), self._say
-        )
+        epochs = (self.params or {}).get("epochs")
+        self.run_complete = resume.report_newest(self, restored, self._position, epochs, self._say)
+        self.run_stopped = self.run_complete and self._position.stopped is not None
+        if self.run_stopped:  # fit trains no epoch: range(epochs, epochs)
+            compat.set_initial_epoch(self.model, max(epochs, self._position.epoch))
 
     def _unreadable(self, path, err) -> None:
         self._position = Position(self._spe)
@@ -357,6 +371,11 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         try:
+            if self._stopped_by_callbacks():
+                pos = self._position
+                epochs = (self.params or {}).get("epochs")
+                pos.stopped = {"epoch": pos.epoch, "epochs": epochs, "global_step": pos.global_step}
+                self._save_requested = True  # this position, recorded as stopped (replacing its save, if any)
             if self._save_requested:
                 self._save()
             self.manager.wait()  # the last background save: waited for, and its failure raised
@@ -370,6 +389,18 @@ class StableCheckpoint(keras.callbacks.Callback):
             compat.set_initial_epoch(self.model, None)
             self.manager.release()
             self.preemption.end()
+
+    def _stopped_by_callbacks(self) -> bool:
+        """Whether this ``fit`` trained and was stopped before its ``epochs`` by a callback
+        (``model.stop_training``), not by a preemption signal (whose run resumes)."""
+        epochs = (self.params or {}).get("epochs")
+        return (
+            self._pending_restore is None  # an epoch ran
+            and bool(getattr(self._gated, "stop_training", False))
+            and self.preemption.step is None
+            and isinstance(epochs, int)
+            and self._position.epoch < epochs
+        )
 
     def _preempt(self, pos) -> None:
         """A signal came (to any process): save this step, wait until it is written, stop."""

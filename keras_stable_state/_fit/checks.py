@@ -23,7 +23,7 @@ from keras_stable_state.errors import InexactResumeWarning, StateError
 ON_DATA_CHANGE = ("raise", "restart_epoch")
 # StableCheckpoint.get_config's keys: its constructor arguments but ``callbacks`` and the aliases.
 CONFIG_NAMES = ("directory", "save_freq", "max_to_keep", "verbose", "save_on_background", "on_data_change")
-CONFIG_NAMES += ("monitor", "mode", "keep_best", "storage_options")
+CONFIG_NAMES += ("monitor", "mode", "keep_best", "storage_options", "resume_stopped")
 
 REPEATABLE_ATTR = "repeatable_epoch_begin"
 """A callback (class or instance) with this attribute ``True`` declares that its

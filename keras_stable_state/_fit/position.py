@@ -21,6 +21,9 @@ class Position:
         self.steps_per_execution = steps_per_execution
         self.data = None  # this fit's batch_size, num_samples, steps (see checks.live_data)
         self.saved_data = None  # the checkpoint's, or None (saved before they were recorded)
+        # A run its callbacks stopped (EarlyStopping, model.stop_training): {"epoch", "epochs",
+        # "global_step"} of the stop (the fit's epochs then), else None; never a preemption's.
+        self.stopped = None
 
     def get_state(self):
         out = {
@@ -31,6 +34,8 @@ class Position:
         }
         if self.data is not None:  # absent while restoring: older checkpoints have no "data"
             out["data"] = self.data
+        if self.stopped is not None:
+            out["stopped"] = self.stopped
         return out
 
     def end_execution(self, begin, batch, steps):
@@ -68,12 +73,26 @@ class Position:
             )
         if value.get("epoch_rng") is not None:
             state.parse_rng_state(value["epoch_rng"])
+        stopped = value.get("stopped")
+        if stopped is not None and not (
+            isinstance(stopped, dict)
+            and all(
+                isinstance(stopped.get(k), int) and not isinstance(stopped.get(k), bool)
+                for k in ("epoch", "epochs")
+            )
+        ):
+            raise CorruptCheckpointError(
+                f"The checkpoint's position record has stopped={stopped!r}, not the epoch and epochs of a "
+                "stopped run. The file is damaged; restore from an earlier checkpoint.",
+                key="providers/position/stopped",
+            )
 
     def set_state(self, value):
         self.validate_state(value)
         self.epoch, self.step, self.global_step = value["epoch"], value["step"], value["global_step"]
         self.epoch_rng = value["epoch_rng"]
         self.saved_data = value.get("data")
+        self.stopped = value.get("stopped")
 
 
 def numeric_logs(logs) -> dict:

@@ -7,6 +7,7 @@ restored at train begin (by the [`CheckpointManager`][keras_stable_state.Checkpo
 from __future__ import annotations
 
 from keras_stable_state import _core as checkpoint
+from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
 from keras_stable_state._fit.position import Metrics
 from keras_stable_state._manager import directory as checkpoint_dir
@@ -18,7 +19,7 @@ def report_newest(ckpt, restored, pos, epochs, say) -> bool:
     (``say``: its verbose printer): the [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning] for the checkpoints it moved
     aside, or (verbose) that it starts fresh, or that the run is complete. Whether the run
     is complete: the checkpoint ``restored`` (a path, or ``None``) is at or past ``epochs``
-    (``pos``: its position)."""
+    (``pos``: its position), or its run was stopped by a callback (`stopped_run`)."""
     if ckpt.skipped_checkpoints:
         where = f"epoch {pos.epoch}, step {pos.step} of the epoch, global step {pos.global_step}"
         checkpoint_dir.warn_unreadable(
@@ -27,6 +28,9 @@ def report_newest(ckpt, restored, pos, epochs, say) -> bool:
     elif restored is None:
         say(f"no checkpoint in {ckpt.directory}; starting fresh")
     complete = restored is not None and epochs is not None and pos.epoch >= epochs
+    if restored is not None and not complete and stopped_run(ckpt, pos, epochs):
+        return True
+    pos.stopped = None  # trained on: the next checkpoints are of a running run
     if complete:
         say(
             f"the run in {ckpt.directory} is complete (epoch {pos.epoch} of {epochs}, global step "
@@ -34,6 +38,24 @@ def report_newest(ckpt, restored, pos, epochs, say) -> bool:
             "larger `epochs` to train on"
         )
     return complete
+
+
+def stopped_run(ckpt, pos, epochs) -> bool:
+    """Whether the restored run (position ``pos``) was stopped by a callback and this ``fit``
+    (of ``epochs``) trains nothing, as for a run that finished its epochs: unless ``ckpt``
+    has ``resume_stopped=True`` or ``epochs`` is more than the stopped fit's. Says so once,
+    printed whatever ``verbose`` (a run that trains nothing is never silent)."""
+    stopped = pos.stopped
+    if stopped is None or ckpt.resume_stopped or epochs is None or epochs > stopped["epochs"]:
+        return False
+    compat.print_msg(
+        f"StableCheckpoint: the run in {ckpt.directory} was stopped by a callback (EarlyStopping, or "
+        f"model.stop_training set) at epoch {stopped['epoch']} of {stopped['epochs']} (global step "
+        f"{pos.global_step}): it counts as finished, so fit trains no epoch and returns the restored "
+        f"History. To train on, pass a larger `epochs` (more than {stopped['epochs']}), or "
+        "StableCheckpoint(..., resume_stopped=True) to continue it to this fit's epochs."
+    )
+    return True
 
 
 def apply_pending(record, report, callbacks, model, position, order, fit_input, skip_batches):

@@ -37,7 +37,11 @@ MAX_STEP = 10**10 - 1
 TEMP_PREFIX = ".kss-"
 """Prefix of the temporary files of atomic writes (``storage.atomic_path``)."""
 UNREADABLE_DIR = "unreadable"
-"""Subfolder of the checkpoint directory that unreadable checkpoints are moved into."""
+"""Subfolder of the checkpoint directory that unreadable checkpoints are moved into (damaged
+ones, and those whose sealed record names another step than their file name)."""
+ABANDONED_DIR = "abandoned"
+"""Subfolder of the checkpoint directory that the checkpoints of an abandoned timeline are
+moved into (the later ones, when a save follows a rollback; see ``CheckpointManager.save``)."""
 LOCK_NAME = lock.LOCK_NAME
 
 # The lock functions of a local directory (`.lock`), as RemoteDirectory has its own.
@@ -180,9 +184,10 @@ def remove(paths) -> None:
             continue  # removed by someone else since it was listed
 
 
-def move_aside(directory, path, writer="StableCheckpoint"):
+def move_aside(directory, path, writer="StableCheckpoint", folder=UNREADABLE_DIR):
     """Move an unreadable checkpoint into ``<directory>/unreadable/`` (``<name>.<n>`` if
-    the name is taken); its new path, or ``None`` if it was removed meanwhile.
+    the name is taken); its new path, or ``None`` if it was removed meanwhile. With
+    ``folder=ABANDONED_DIR``: a checkpoint of an abandoned timeline, into ``abandoned/``.
 
     What is at ``path`` is renamed, never opened: a symbolic link is moved as the link. The
     folder ``unreadable/`` must be a folder of its own, not a symbolic link (a checkpoint
@@ -192,7 +197,8 @@ def move_aside(directory, path, writer="StableCheckpoint"):
         StateError: if it cannot be moved (it would count in ``keep`` and be found again),
             or ``unreadable/`` is a symbolic link or not a folder.
     """
-    folder = os.path.join(directory, UNREADABLE_DIR)
+    kind = "unreadable" if folder == UNREADABLE_DIR else "of an abandoned timeline"
+    folder = os.path.join(directory, folder)
     name = os.path.basename(path)
     target = os.path.join(folder, name)
     try:
@@ -213,7 +219,7 @@ def move_aside(directory, path, writer="StableCheckpoint"):
         raise
     except (OSError, StateError) as err:
         raise StateError(
-            f"Checkpoint {path!r} is unreadable and could not be moved aside to {target!r} ({err}). "
+            f"Checkpoint {path!r} is {kind} and could not be moved aside to {target!r} ({err}). "
             f"Move or delete it yourself: {writer} does not restore it, and left in place it "
             "would count as one of the `max_to_keep` newest checkpoints.",
         ) from err
@@ -229,9 +235,9 @@ def _open_folder(folder) -> int:
         if os.path.islink(folder) or not os.path.isdir(folder):
             found = "a symbolic link" if os.path.islink(folder) else "not a folder"
             raise StateError(
-                f"{folder!r} is {found}; unreadable checkpoints are moved into a folder of the "
+                f"{folder!r} is {found}; checkpoints are moved aside into a folder of the "
                 "checkpoint directory itself, never through a link. Remove it.",
-                key=UNREADABLE_DIR,
+                key=os.path.basename(folder),
             ) from err
         raise
 

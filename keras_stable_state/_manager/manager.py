@@ -21,13 +21,15 @@ from keras_stable_state._manager.records import (
     CheckpointMetadata,
     ManagerRecord,
     check_metrics,
+    check_named_step,
     check_save_keywords,
     check_step,
     metadata_of,
+    record_of,
     saved_message,
 )
 from keras_stable_state._manager.remote_directory import open_directory
-from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
 if TYPE_CHECKING:
     import keras
@@ -78,6 +80,8 @@ class CheckpointManager(DirectoryHolder):
 
     Attributes:
         restored_step: The step the last ``restore`` restored, or ``None``.
+        abandoned_checkpoints: ``(path, new path)`` of each checkpoint of an abandoned
+            timeline, moved into ``abandoned/`` by a save (see ``save``).
         skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint skipped.
         moved_checkpoints: ``(path, new path)`` of each, moved into ``unreadable/``.
         removed_temporary_files: Stale ``.kss-*`` files removed when the lock was taken.
@@ -136,6 +140,9 @@ class CheckpointManager(DirectoryHolder):
         self._summaries = {}  # path -> (file identity, (metadata, record, version))
         self._guard = None  # the PreemptionGuard of preemption_guard(), once made
         self._read = shared.agreed(orbax_io.read if self.files is files else self.files.read)
+        self.abandoned_checkpoints = []
+        self._timeline_from = None  # the step restored, until the save after it (see save)
+        self._last_saved = None  # the step this manager saved last
 
     def get_config(self) -> dict:
         """The constructor arguments: ``{"directory", "max_to_keep", "keep_best", "monitor",
@@ -161,8 +168,24 @@ class CheckpointManager(DirectoryHolder):
         return self.files.checkpoints(self.directory)
 
     def all_steps(self) -> list:
-        """The steps of the checkpoints in the directory, oldest first (unreadable ones too)."""
-        return sorted(files.step_of(p) for p in self.checkpoints())
+        """The steps of the checkpoints in the directory, oldest first: each from its sealed
+        record (a file whose record names another step than its name is left out: it is
+        moved aside at the next restore); a damaged one by its name (it is one until a
+        restore moves it aside). Each record is read once per written file."""
+        return sorted(self._steps_by_path().values())
+
+    def _steps_by_path(self) -> dict:
+        """``{path: step}`` of `all_steps`."""
+        steps = {}
+        for path in self.checkpoints():
+            try:
+                steps[path] = check_named_step(path, self._summary(path)[1])
+            except CheckpointFormatError as err:
+                if err.key != f"providers/{RECORD}/step":
+                    steps[path] = files.step_of(path)  # damaged, unreadable: by its name
+            except (CorruptCheckpointError, OSError):
+                steps[path] = files.step_of(path)  # damaged, unreadable: by its name
+        return steps
 
     def latest_step(self) -> int | None:
         """The newest step in the directory, or ``None`` if it holds no checkpoint."""
@@ -176,16 +199,16 @@ class CheckpointManager(DirectoryHolder):
         if cached is not None and key is not None and cached[0] == key:
             return cached[1]
         metadata, extra, version = self.files.read_summary(path)
-        record = (extra.get("providers") or {}).get(RECORD)
-        summary = (metadata, record if isinstance(record, dict) else {}, version)
+        summary = (metadata, record_of(extra), version)
         self._summaries[path] = (key, summary)
         return summary
 
     def _score(self, path):
         try:
             _, record, _ = self._summary(path)
-        except (CorruptCheckpointError, CheckpointFormatError, FileNotFoundError):
-            return None  # unreadable or gone: never the best
+            check_named_step(path, record)
+        except (CorruptCheckpointError, CheckpointFormatError, OSError):
+            return None  # unreadable, misnamed or gone: never the best
         return policy.score(record.get("metrics"), self.monitor, self._direction)
 
     def _best_steps(self, paths, count):
@@ -205,18 +228,22 @@ class CheckpointManager(DirectoryHolder):
                 "monitor= (and metrics= to each save)."
             )
         best = self._best_steps(self.checkpoints(), 1)
-        return best[0] if best else None
+        return best[0] if best else None  # a step whose record names it (see _score)
 
     def metadata(self, step: int) -> CheckpointMetadata:
-        """The [`CheckpointMetadata`][keras_stable_state.CheckpointMetadata] of the checkpoint of ``step``.
+        """The [`CheckpointMetadata`][keras_stable_state.CheckpointMetadata] of the checkpoint of ``step``,
+        read from its sealed record.
 
         Raises:
             FileNotFoundError: if there is no checkpoint of ``step``, naming the steps present.
             CorruptCheckpointError, CheckpointFormatError: if it is unreadable (see
-                `keras_stable_state.format.open_file`).
+                `keras_stable_state.format.open_file`), or its record names another step than
+                its file name (copied or renamed), naming both.
         """
         path = self._path(check_step(step))
-        return metadata_of(step, path, self._summary(path), self.files.size_of(path))
+        summary = self._summary(path)
+        check_named_step(path, summary[1])
+        return metadata_of(step, path, summary, self.files.size_of(path))
 
     def _path(self, step):
         path = files.path_of(self.directory, step)
@@ -237,18 +264,32 @@ class CheckpointManager(DirectoryHolder):
         optimizer: keras.optimizers.Optimizer | None = None,
         metrics: Mapping[str, float] | None = None,
         epoch: int | None = None,
+        new_timeline: bool = False,
         **state: Any,
     ) -> str | SaveHandle:
         """Save the training state of ``model`` as the checkpoint of ``step``, then prune.
 
+        A save at a step at or below the newest in the directory is never silent:
+
+        * after a [`restore`][keras_stable_state.CheckpointManager.restore] (of an earlier
+          step: a rollback), the first save starts a new timeline: the checkpoints after
+          the step restored (and any at or after ``step``) belong to the abandoned one and
+          are moved into ``<directory>/abandoned/`` (kept, never deleted; a line says
+          which), so that ``latest`` is the newest of the live timeline;
+        * a manager that did not restore from the directory is refused (``StateError``,
+          naming the steps present and the choices), unless ``new_timeline=True``: the
+          checkpoints at or after ``step`` are then moved into ``abandoned/``;
+        * saving again the step this manager saved last replaces it (atomically).
+
         Args:
-            step: An int (``0`` to ``10**10 - 1``): the file ``ckpt-<step:010d>.h5``. A
-                checkpoint of the same step is replaced (atomically).
+            step: An int (``0`` to ``10**10 - 1``): the file ``ckpt-<step:010d>.h5``.
             model: A built ``keras.Model``.
             optimizer: As for [`save_training_state`][keras_stable_state.save_training_state].
             metrics: ``{name: number}`` recorded in the checkpoint's metadata (the values
                 ``monitor`` ranks by), or ``None``.
             epoch: An int recorded in the metadata, or ``None``.
+            new_timeline: ``True`` starts a new timeline at ``step`` in a directory whose
+                newest checkpoint is at or after it (see above).
             **state: The other keywords of [`save_training_state`][keras_stable_state.save_training_state]:
                 ``model_state``, ``callbacks``, ``state``, ``include_rng``,
                 ``allow_order_keys``, ``variables``, ``mappers``.
@@ -262,14 +303,20 @@ class CheckpointManager(DirectoryHolder):
                 metrics that are not numbers, or an ``epoch`` that is not an int.
             ValueError: for an invalid ``step``, or a ``state`` provider named ``"checkpoint"``
                 (the manager's own record).
+            StateError: for a ``step`` at or below the newest in the directory, from a
+                manager that did not restore from it, without ``new_timeline=True``; or a
+                checkpoint of the abandoned timeline that cannot be moved aside.
             Exception: every error of [`save_training_state`][keras_stable_state.save_training_state] and of
                 [`lock`][keras_stable_state.CheckpointManager.lock]; the error of the previous background save.
         """
         step = check_step(step)
         metrics = check_metrics(metrics)
         providers = check_save_keywords(state, epoch)
+        if not isinstance(new_timeline, bool):
+            raise TypeError(f"`new_timeline` must be a bool. Received: new_timeline={new_timeline!r}")
         self._ensure_locked()
         self._collect(wait=True)
+        self._timeline(step, new_timeline)
         path = files.path_of(self.directory, step)
         info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
         if self.monitor is not None:  # read by `keras-stable-state ls` to name the best
@@ -291,6 +338,56 @@ class CheckpointManager(DirectoryHolder):
             return result
         self._saved(step, path, info, time.perf_counter() - started, None)
         return path
+
+    def _timeline(self, step, new_timeline) -> None:
+        """Before the save of ``step``: start a new timeline, or refuse (see `save`)."""
+        start, last = self._timeline_from, self._last_saved
+
+        def plan():  # JAX: on process 0, which alone moves files; its answer goes to all
+            steps = self._steps_by_path()
+            latest = max(steps.values(), default=None)
+            if latest is None or step > latest or (step == latest == last and start is None):
+                return {"moved": []}
+            if start is None and not new_timeline:
+                return {"refuse": sorted(steps.values())}
+            cut = step if new_timeline else min(start + 1, step)
+            moved = []
+            for path, found in sorted(steps.items(), key=lambda item: item[1]):
+                if found >= cut:
+                    target = self.files.move_aside(
+                        self.directory, path, self.name, folder=files.ABANDONED_DIR
+                    )
+                    self._summaries.pop(path, None)
+                    moved.append([path, target, found])
+            return {"moved": moved}
+
+        found = processes.share_from_primary(self.directory, plan)
+        if "refuse" in found:
+            present = found["refuse"]
+            raise StateError(
+                f"{self.name}({self.directory!r}) refuses to save step {step}: the directory already holds "
+                f"steps {present} (the newest {present[-1]}), and this manager did not restore from it (they "
+                f"are another run's, or an earlier part of this one). Saved among them, step {step} would not "
+                f"be the latest, and the next resume would load step {present[-1]}. Do one of: restore first "
+                "(mgr.restore(model), or restore(model, step=N) to roll back to step N) and save on from "
+                "there; save into another directory; or pass save(..., new_timeline=True) to start a new "
+                f"timeline at step {step}: the checkpoints at or after it are moved into "
+                f"{files.ABANDONED_DIR}/ (kept, never deleted).",
+                key=None,
+                expected=f"a step after {present[-1]}",
+                received=step,
+            )
+        self._timeline_from = None
+        moved = found["moved"]
+        if moved:
+            self.abandoned_checkpoints.extend((path, target) for path, target, _ in moved)
+            why = "new_timeline=True" if new_timeline else f"step {start} was restored"
+            compat.print_msg(
+                f"{self.name}: step {step} starts a new timeline in {self.directory} ({why}): the "
+                f"checkpoints of the abandoned one, steps {[s for _, _, s in moved]}, were moved into "
+                f"{files.ABANDONED_DIR}/ (kept: {[t for _, t, _ in moved]}). Move them back (and these away) "
+                "to go on with that timeline."
+            )
 
     def check_for_errors(self) -> None:
         """If the background save in flight has ended: raise its error, or prune."""
@@ -318,6 +415,7 @@ class CheckpointManager(DirectoryHolder):
 
     def _saved(self, step, path, info, secs, blocked_secs) -> None:
         self.files.commit(path, step, info)
+        self._last_saved = step
         self._summaries.pop(path, None)
         processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # JAX: process 0
         if self.on_saved is not None:
@@ -328,13 +426,16 @@ class CheckpointManager(DirectoryHolder):
     def prune(self, newest: str | None = None) -> list:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
         them) and the best ``keep_best``; the paths removed."""
-        paths = self.checkpoints()
         if self.max_to_keep is None:
             return []
+        # by the step of each record; a file whose record names another step is neither
+        # counted nor removed (the next restore moves it aside)
+        steps = self._steps_by_path()
+        paths = sorted(steps, key=steps.get, reverse=True)
         newest_step = None if newest is None else files.step_of(newest)
         best = self._best_steps(paths, self.keep_best) if self.keep_best else []
-        kept = policy.kept_steps([files.step_of(p) for p in paths], newest_step, self.max_to_keep, best)
-        removed = [p for p in paths if files.step_of(p) not in kept]
+        kept = policy.kept_steps([steps[p] for p in paths], newest_step, self.max_to_keep, best)
+        removed = [p for p in paths if steps[p] not in kept]
         self.files.remove(removed)
         for path in removed:
             self._summaries.pop(path, None)
@@ -369,9 +470,15 @@ class CheckpointManager(DirectoryHolder):
                 newest checkpoint is locked by another process (it is not damaged: no
                 fallback).
             StateError: if an unreadable checkpoint cannot be moved aside.
+            CheckpointFormatError: for ``"best"`` and int steps, a checkpoint whose sealed
+                record names another step than its file name (copied or renamed onto it),
+                naming both; it is moved into ``unreadable/`` (never restored as that step).
             Exception: every other error of ``restore_training_state`` (a checkpoint that
                 does not fit the model: nothing is moved aside); for ``"best"`` and int
                 steps, an unreadable checkpoint's error (no fallback).
+
+        The save after a restore continues its timeline: see `save` (a rollback moves the
+        abandoned checkpoints into ``abandoned/``).
         """
         restore_options.setdefault("storage_options", self.files.STORAGE_OPTIONS)
         options = checkpoint.RestoreOptions.from_keywords("CheckpointManager.restore", **restore_options)
@@ -410,8 +517,10 @@ class CheckpointManager(DirectoryHolder):
                         self.directory,
                     )
             path = self._path(step)
-            report = checkpoint.restore_with(path, model, options)
+            record = self._read_named(path)
+            report = checkpoint.restore_with(path, model, options, record=record, take=True)
         self.restored_step = files.step_of(path)
+        self._timeline_from, self._last_saved = self.restored_step, None
         self._say(f"restored {path} (step {self.restored_step})")
         return report
 
@@ -455,9 +564,38 @@ class CheckpointManager(DirectoryHolder):
 
         # JAX: the checkpoints process 0 lists, each read by every process alike
         paths = shared.checkpoints(self.files, self.directory)
-        return self.files.restore_newest(
-            paths, self.directory, restore, moved, self.name, read_with=self._read
+        path = self.files.restore_newest(
+            paths, self.directory, restore, moved, self.name, read_with=self._read_checked
         )
+        # the save after it continues its timeline (see save)
+        self._timeline_from = None if path is None else files.step_of(path)
+        self._last_saved = None
+        return path
+
+    def _read_checked(self, path):
+        """The record of ``path``, once its name and record agree on its step (else the
+        ``CheckpointFormatError`` of `check_named_step`: the fallback moves it aside)."""
+        record = self._read(path)
+        check_named_step(path, record_of(record.extra))
+        return record
+
+    def _read_named(self, path):
+        """`_read_checked`, moving a misnamed checkpoint into ``unreadable/`` before its error."""
+        try:
+            return self._read_checked(path)
+        except CheckpointFormatError as err:
+            if err.key != f"providers/{RECORD}/step":
+                raise
+            target = shared.move_aside(self.files, self.directory, path, self.name)
+            self._summaries.pop(path, None)
+            self.moved_checkpoints = [(path, target)]
+            self.skipped_checkpoints = [(path, str(err))]
+            raise CheckpointFormatError(
+                f"{err} {self.name} moved it to {target!r}.",
+                key=err.key,
+                expected=err.expected,
+                received=err.received,
+            ) from None
 
 
 def wait_for_earlier_saves(directory) -> None:

@@ -5,10 +5,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 from typing import Any
 
 from keras_stable_state._manager import directory as files
+from keras_stable_state.errors import CheckpointFormatError
 
 RECORD = "checkpoint"
 """The provider name (record ``providers/checkpoint``) of the manager's metadata in each
@@ -34,7 +36,8 @@ class CheckpointMetadata:
     records alone (its seal is checked, its arrays are not read).
 
     Attributes:
-        step: The step it was saved at (its file name, ``ckpt-<step:010d>.h5``).
+        step: The step it was saved at, from its sealed record (a file whose name names
+            another step is refused: see `check_named_step`).
         path: Its path.
         epoch: The epoch given to [`CheckpointManager.save`][keras_stable_state.CheckpointManager.save] (a ``StableCheckpoint``
             gives the epoch of its position), or ``None``.
@@ -160,3 +163,43 @@ def check_save_keywords(state: dict[str, Any], epoch: object) -> dict[str, Any]:
             "epoch, metrics). Give your provider another name."
         )
     return providers
+
+
+def recorded_step(record: dict[str, Any]) -> int | None:
+    """The step the manager's record (``providers/checkpoint``) of a checkpoint names, or
+    ``None`` if it names none (a file not saved by a manager)."""
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def record_of(extra: dict[str, Any]) -> dict[str, Any]:
+    """The manager's record in a checkpoint's ``extra`` records (``{}`` if it has none)."""
+    record = (extra.get("providers") or {}).get(RECORD) if isinstance(extra, dict) else None
+    return record if isinstance(record, dict) else {}
+
+
+def check_named_step(path: str, record: dict[str, Any]) -> int:
+    """The step of the checkpoint ``path``, once its file name and its sealed record
+    (the manager's ``record``) agree on it.
+
+    Raises:
+        CheckpointFormatError: if the record names another step than the file name (a
+            checkpoint copied or renamed onto another step's name) or none (a file not
+            written by a manager), naming both; the manager moves such a file into
+            ``unreadable/`` as it does a damaged one, and never restores it.
+    """
+    named = files.step_of(path)
+    found = recorded_step(record)
+    if found is not None and found == named:
+        return found
+    what = f"step {found}" if found is not None else "no step (it was not saved by a CheckpointManager)"
+    raise CheckpointFormatError(
+        f"Checkpoint {path!r} is named for step {named}, but its sealed record says {what}: it was "
+        "copied or renamed onto another step's name, and is never restored as that step. The "
+        "directory's manager moves it into 'unreadable/'. To resume from it, rename it to "
+        + (f"ckpt-{found:010d}{os.path.splitext(path)[1]}" if found is not None else "to the step it holds")
+        + ", or restore it with restore_training_state(path, model).",
+        key=f"providers/{RECORD}/step",
+        expected=named,
+        received=found,
+    )

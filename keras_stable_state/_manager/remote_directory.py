@@ -16,7 +16,10 @@ by a commit marker instead, and the one-writer rule by a lock object:
   an object whose upload was interrupted, nor one replaced behind the marker's back.
   Saving a step that is already there removes its marker first. Pruning removes the
   marker first, then the object, so a half-removed checkpoint is never listed.
-  ``metadata()``, ``best_step()`` and pruning read the markers, never the objects.
+  The step, epoch and metrics of ``metadata()``, ``best_step()``, ``all_steps()`` and
+  pruning come from each object's sealed record, read once per ``(size, ETag)`` its
+  marker names (the marker's copy of the record is never taken for it: an edited marker
+  changes nothing).
 * **Left-overs.** When the lock is taken (so no other writer can be saving), objects a
   killed writer left are cleaned up: a checkpoint object without a marker (its upload
   or its marker was interrupted) and a ``.kss-*`` temporary object are removed; a marker
@@ -58,7 +61,6 @@ from keras_stable_state import format as storage
 from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._manager import directory as local
 from keras_stable_state._manager import lock
-from keras_stable_state._manager.records import RECORD
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CheckpointInUseError,
@@ -85,15 +87,6 @@ def _encode(info: dict) -> dict:
     """The manager's record as JSON (a non-finite metric as ``"nan"``, ``"inf"``, ``"-inf"``)."""
     metrics = {k: _float_out(v) for k, v in (info.get("metrics") or {}).items()}
     return {**info, "metrics": metrics}
-
-
-def _decode(record) -> dict:
-    if not isinstance(record, dict):
-        return {}
-    metrics = record.get("metrics")
-    if isinstance(metrics, dict):
-        record = {**record, "metrics": {k: float(v) if isinstance(v, str) else v for k, v in metrics.items()}}
-    return record
 
 
 def _alive(pid: int) -> bool:
@@ -278,16 +271,19 @@ class RemoteDirectory:
         return (payload.get("size"), payload.get("etag"))
 
     def read_summary(self, path):
-        """``(metadata, extra, format version)`` as `read_summary` returns them, from the marker of ``path`` (the object is
-        not read).
+        """``(metadata, extra, format version)`` as `read_summary` returns them, from the sealed
+        record of the object ``path`` (its seal checked; its arrays not decoded). The
+        marker only says that the object is committed, and names the ``(size, ETag)`` that
+        the manager caches this summary by (`identity`); what it records of the
+        checkpoint is never taken for the object's own record.
 
         Raises:
             FileNotFoundError: if ``path`` is not committed.
+            Every error of `keras_stable_state.format.open_file`.
         """
-        payload = self._payload(path)
-        metadata = {"backend": payload.get("backend")}
-        extra = {"providers": {RECORD: _decode(payload.get("record"))}}
-        return metadata, extra, payload.get("format_version")
+        self._payload(path)
+        with storage.open_file(path, storage_options=self.STORAGE_OPTIONS) as f:
+            return dict(f.metadata), dict(f.extra), f.version
 
     def size_of(self, path) -> int:
         """Size in bytes of the object at ``path`` (``FileNotFoundError`` naming it if gone)."""
@@ -467,17 +463,20 @@ class RemoteDirectory:
             self.folder.child(name).remove()
             self._forget(path)
 
-    def move_aside(self, directory, path, writer="StableCheckpoint"):
+    def move_aside(self, directory, path, writer="StableCheckpoint", folder=local.UNREADABLE_DIR):
         """Copy the checkpoint ``path`` into ``<directory>/unreadable/`` (``<name>.<n>`` if
         taken), then remove its marker and object; the copy's URL, or ``None`` if the
-        object was removed meanwhile.
+        object was removed meanwhile. ``folder=ABANDONED_DIR``: into ``abandoned/`` (a
+        checkpoint of an abandoned timeline).
 
         Raises:
             StateError: if it cannot be copied or removed.
         """
         name = self._name(path)
         fs = self.folder.fs
-        aside = storage.remote.RemotePath(f"{self.url}/{local.UNREADABLE_DIR}", _fs=fs, _path=f"{self.folder.path}/{local.UNREADABLE_DIR}")  # fmt: skip
+        aside = storage.remote.RemotePath(
+            f"{self.url}/{folder}", _fs=fs, _path=f"{self.folder.path}/{folder}"
+        )
         taken = set(aside.list())
         target, n = name, 1
         while target in taken:
@@ -490,7 +489,7 @@ class RemoteDirectory:
             return None
         except OSError as err:
             raise StateError(
-                f"Checkpoint {path!r} is unreadable and could not be copied aside to {copy.url!r} ({err}). "
+                f"Checkpoint {path!r} could not be copied aside to {copy.url!r} ({err}). "
                 f"Move or delete it (and its marker {name + MARKER_SUFFIX!r}) yourself: {writer} does not "
                 "restore it, and left in place it would count as one of the `max_to_keep` newest.",
             ) from err
