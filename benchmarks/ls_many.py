@@ -56,7 +56,9 @@ def main() -> None:
     done = subprocess.run(command, capture_output=True, text=True)
     secs = time.perf_counter() - started
     lines = done.stdout.count("\n")
-    print(f"ls of {args.count} checkpoints: {secs:.2f} s (a fresh process, rc {done.returncode}, {lines} lines)")
+    print(
+        f"ls of {args.count} checkpoints: {secs:.2f} s (a fresh process, rc {done.returncode}, {lines} lines)"
+    )
     from keras_stable_state.cli.listing import list_directory
 
     for attempt in (1, 2):

@@ -20,7 +20,6 @@ import re
 import warnings
 from typing import Any
 
-from keras_stable_state import format as storage
 from keras_stable_state._manager import lock, orbax_steps
 from keras_stable_state.errors import (
     CheckpointFormatError,
@@ -30,6 +29,7 @@ from keras_stable_state.errors import (
     StateError,
     UnreadableCheckpointWarning,
 )
+from keras_stable_state.format import summary
 
 _NAME = re.compile(r"^ckpt-(\d{10})\.h5$")
 MAX_STEP = 10**10 - 1
@@ -113,16 +113,15 @@ def size_of(path) -> int:
 
 def read_summary(path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]:
     """The small part of a checkpoint's records, read without its arrays: ``(metadata,
-    extra, format version)`` (see `CheckpointFile`; its seal
-    is checked, its arrays are neither read nor decoded).
+    extra, format version)`` (see `keras_stable_state.format.summary`: its seal
+    is checked, its records' checksums too, its arrays are neither read nor decoded).
 
     Raises:
         Every error of `keras_stable_state.format.open_file`.
     """
     if orbax_steps.is_step(path):
         return orbax_steps.read_summary(path)
-    with storage.open_file(path) as f:
-        return dict(f.metadata), dict(f.extra), f.version
+    return summary.read_summary(path)
 
 
 def prepare(directory, writer="StableCheckpoint") -> None:

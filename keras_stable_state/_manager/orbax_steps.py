@@ -19,9 +19,8 @@ import os
 import re
 import shutil
 
-from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointFormatError
-from keras_stable_state.format import orbax_layout
+from keras_stable_state.format import orbax_layout, summary
 
 NAME = re.compile(r"^ckpt-(\d{10})\.orbax$")
 SUFFIX = orbax_layout.SUFFIX
@@ -54,8 +53,7 @@ def checkpoints(directory) -> list:
 def read_summary(path):
     """``(metadata, extra, format version)`` of the step directory ``path`` (its ``state.h5``)."""
     refuse_link(path)
-    with storage.open_file(os.path.join(path, orbax_layout.RECORD)) as f:
-        return dict(f.metadata), dict(f.extra), f.version
+    return summary.read_summary(os.path.join(path, orbax_layout.RECORD))
 
 
 def identity(path):

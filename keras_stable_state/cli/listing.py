@@ -19,7 +19,7 @@ from typing import Any
 
 from keras_stable_state import format as storage
 from keras_stable_state._manager import directory as files
-from keras_stable_state._manager import policy
+from keras_stable_state._manager import orbax_steps, policy, records
 from keras_stable_state._manager.records import RECORD
 from keras_stable_state.cli.results import to_json
 from keras_stable_state.errors import (
@@ -28,16 +28,19 @@ from keras_stable_state.errors import (
     CorruptCheckpointError,
     NewerFormatError,
 )
+from keras_stable_state.format.reader import read_summary_whole
 
 __all__ = ["STATUSES", "CheckpointRow", "Listing", "list_directory"]
 
-STATUSES = ("ok", "damaged", "unreadable", "newer_format", "in_use", "incomplete")
+STATUSES = ("ok", "damaged", "unreadable", "misnamed", "newer_format", "in_use", "incomplete")
 """A checkpoint's ``status``: ``ok`` (reads with every check), ``damaged`` (bytes wrong: a
 seal, checksum or structure fails, truncated), ``unreadable`` (not a checkpoint file: a
-FIFO, a link to nothing, a file of another kind, permission denied), ``newer_format``
+FIFO, a link to nothing, a file of another kind, permission denied), ``misnamed`` (its sealed
+record names another step than its file name: copied or renamed; the manager moves it aside
+and never restores it as the step of its name), ``newer_format``
 (written by a newer keras_stable_state), ``in_use`` (locked by another process),
 ``incomplete`` (a ``.kss-*`` temporary file of a save that did not finish)."""
-_SKIPPED = ("damaged", "unreadable")  # fit moves these aside and tries the one before
+_SKIPPED = ("damaged", "unreadable", "misnamed")  # fit moves these aside and tries the one before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,9 @@ class CheckpointRow:
     """One checkpoint of a directory.
 
     Attributes:
-        step: Its step (from its name ``ckpt-<step>.h5``); ``None`` for an incomplete save.
+        step: Its step, from its sealed record (for a ``misnamed`` one, the step its record
+            names, ``None`` if none); from its name ``ckpt-<step>.h5`` where the record
+            cannot be read; ``None`` for an incomplete save.
         file: Its path.
         status: One of `STATUSES`.
         reason: Why it is not ``ok`` (the error's message), else ``None``.
@@ -123,9 +128,13 @@ _Summary = tuple[dict[str, Any], dict[str, Any], int | None]
 def _summary(path: str, full: bool) -> tuple[str, str | None, _Summary | None] | None:
     """``(status, reason, summary or None)`` of ``path``; ``None`` if it was removed meanwhile."""
     try:
-        summary = files.read_summary(path)
-        if full:
-            storage.read_file(path)  # what the manager's restore reads: every array, every check
+        if full:  # what the manager's restore reads: every array, every check (one open)
+            summary = read_summary_whole(path) if not orbax_steps.is_step(path) else None
+            if summary is None:
+                storage.read_file(path)
+                summary = files.read_summary(path)
+        else:
+            summary = files.read_summary(path)
     except FileNotFoundError as err:
         if os.path.islink(path):
             return "unreadable", str(err), None  # a link to nothing: the manager moves it aside
@@ -173,28 +182,34 @@ def _row(
     }
 
 
-def _resume(rows: list[dict[str, Any]]) -> tuple[int | None, str]:
-    """``(resume step or None, sentence)``: the manager's rule over ``rows`` (newest first)."""
-    skipped: list[int] = []
+def _resume(rows: list[dict[str, Any]]) -> tuple[str | None, int | None, str]:
+    """``(resume file or None, its step, sentence)``: the manager's rule over ``rows`` (newest
+    first)."""
+    skipped: list[int | None] = []
     for row in rows:
-        if row["step"] is None:
+        if row["status"] == "incomplete":
             continue
         if row["status"] == "ok":
             after = f" (after skipping {len(skipped)} unreadable: {skipped})" if skipped else ""
-            return row["step"], f"fit resumes from step {row['step']} ({row['file']}){after}."
+            return row["file"], row["step"], f"fit resumes from step {row['step']} ({row['file']}){after}."
         if row["status"] in _SKIPPED:
-            skipped.append(row["step"])
+            skipped.append(files.step_of(row["file"]))  # by name: what the user sees in the folder
             continue
-        return None, (
-            f"fit stops at step {row['step']} ({row['file']}, {row['status'].replace('_', ' ')}): it does not "
-            f"fall back past it. {row['reason']}"
+        return (
+            None,
+            None,
+            (
+                f"fit stops at step {row['step']} ({row['file']}, {row['status'].replace('_', ' ')}): it does not "
+                f"fall back past it. {row['reason']}"
+            ),
         )
     if skipped:
         return (
             None,
+            None,
             f"fit starts fresh: no readable checkpoint (unreadable: {skipped}; fit moves them aside).",
         )
-    return None, "fit starts fresh: the directory holds no checkpoint."
+    return None, None, "fit starts fresh: the directory holds no checkpoint."
 
 
 def _direction(monitor: str | None, mode: str | None, notes: list[str]) -> str | None:
@@ -244,20 +259,24 @@ def list_directory(
     rows: list[dict[str, Any]] = []
     decided = False
     for ckpt in files.checkpoints(path):
-        found = _summary(ckpt, full=verify)
+        # until the one fit would resume is found, each is read whole, as the manager does
+        # (one open); the others' records only (seal and records checked)
+        verified = verify or not decided
+        found = _summary(ckpt, full=verified)
         if found is None:
             continue  # removed since it was listed
         status, reason, summary = found
-        verified = verify
-        if status == "ok" and not decided and not verify:
-            full = _summary(ckpt, full=True)  # the one fit would resume: read whole, as the manager does
-            if full is None:
-                continue
-            status, reason, summary = full[0], full[1], summary if full[0] == "ok" else None
-            verified = True
+        step = files.step_of(ckpt)
+        if summary is not None:
+            record = records.record_of(summary[1])
+            step = records.recorded_step(record)
+            try:
+                records.check_named_step(ckpt, record)
+            except CheckpointFormatError as err:
+                status, reason = "misnamed", str(err)
         if status not in _SKIPPED:
             decided = True
-        rows.append(_row(files.step_of(ckpt), ckpt, status, reason, summary, verified))
+        rows.append(_row(step, ckpt, status, reason, summary, verified))
     with os.scandir(path) as entries:
         temporary = sorted(e.path for e in entries if e.name.startswith(files.TEMP_PREFIX))
     for tmp in temporary:
@@ -271,7 +290,7 @@ def list_directory(
                 False,
             )
         )
-    resume_step, resume = _resume(rows)
+    resume_file, resume_step, resume = _resume(rows)
     notes: list[str] = []
     recorded = next((r for r in rows if r["status"] == "ok" and r["monitor"]), None)
     if monitor is None and recorded is not None:
@@ -296,8 +315,8 @@ def list_directory(
     checkpoints = [
         CheckpointRow(
             **{k: v for k, v in r.items() if k not in ("monitor", "mode")},
-            resume=r["step"] is not None and r["step"] == resume_step,
-            best=r["step"] is not None and r["step"] == best_step,
+            resume=r["file"] == resume_file,
+            best=r["status"] == "ok" and r["step"] is not None and r["step"] == best_step,
         )
         for r in rows
     ]

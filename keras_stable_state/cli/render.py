@@ -315,6 +315,7 @@ _STATUS_TEXT = {
     "ok": "OK",
     "damaged": "damaged",
     "unreadable": "unreadable",
+    "misnamed": "misnamed",
     "newer_format": "newer format",
     "in_use": "in use",
     "incomplete": "incomplete",

@@ -548,6 +548,18 @@ def read_file(
     return _read_whole(_open(filepath, storage_options, whole=True, unaligned_views=unaligned_views))
 
 
+def read_summary_whole(filepath: object) -> tuple[dict[str, Any], dict[str, Any], int | None]:
+    """``(metadata, extra, format version)`` of a file `read_file` reads whole, with every
+    check (every array read and checked): one open for both.
+
+    Raises:
+        Every error of `read_file`.
+    """
+    f = _open(filepath, None, whole=True)
+    _read_whole(f)
+    return dict(f.metadata), dict(f.extra), f.version
+
+
 def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:
     with f:
         arrays: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
