@@ -284,6 +284,12 @@ class _StopAfter(keras.callbacks.Callback):
         super().__init__()
         self.epoch = epoch
 
+    def get_state(self):
+        return {}  # stateless: the stop is where it was given
+
+    def set_state(self, state):
+        pass
+
     def on_epoch_end(self, epoch, logs=None):
         if epoch == self.epoch:
             self.model.stop_training = True
@@ -292,7 +298,8 @@ class _StopAfter(keras.callbacks.Callback):
 def _fit(folder, data, epochs, callbacks=(), seed=0, **options):
     x, y = data
     model = mlp(seed=seed)
-    ckpt = kss.StableCheckpoint(folder, **options)
+    stateful = {f"c{i}": cb for i, cb in enumerate(callbacks) if isinstance(cb, keras.callbacks.EarlyStopping)}
+    ckpt = kss.StableCheckpoint(folder, callbacks=stateful, **options)
     history = model.fit(
         x, y, epochs=epochs, batch_size=8, callbacks=[ckpt, *callbacks], verbose=0, shuffle=False
     )
@@ -393,7 +400,7 @@ def test_s3_copied_swapped_and_edited_markers_never_change_a_step(s3_url):
     import json
 
     payload = json.loads(fs.cat_file(marker))
-    payload["record"]["metrics"]["loss"] = -1.0
+    payload["payload"]["record"]["metrics"]["loss"] = -1.0
     fs.pipe_file(marker, json.dumps(payload).encode())
     fs.invalidate_cache()
     fresh = _model(seed=4)
