@@ -20,6 +20,7 @@ import re
 import warnings
 from typing import Any
 
+from keras_stable_state import format as storage  # noqa: F401 - `directory.storage`: the format package (tests patch through it)
 from keras_stable_state._manager import lock, orbax_steps
 from keras_stable_state.errors import (
     CheckpointFormatError,
@@ -43,6 +44,8 @@ ABANDONED_DIR = "abandoned"
 """Subfolder of the checkpoint directory that the checkpoints of an abandoned timeline are
 moved into (the later ones, when a save follows a rollback; see ``CheckpointManager.save``)."""
 LOCK_NAME = lock.LOCK_NAME
+MANAGER_RECORD = "checkpoint"
+"""The provider of the manager's record (``records.RECORD``, whose module imports this one)."""
 
 # The lock functions of a local directory (`.lock`), as RemoteDirectory has its own.
 new_token, acquire_lock, release_token = lock.new_token, lock.acquire_lock, lock.release_token
@@ -114,14 +117,15 @@ def size_of(path) -> int:
 def read_summary(path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]:
     """The small part of a checkpoint's records, read without its arrays: ``(metadata,
     extra, format version)`` (see `keras_stable_state.format.summary`: its seal
-    is checked, its records' checksums too, its arrays are neither read nor decoded).
+    is checked, its records' checksums too, its arrays are neither read nor decoded; of
+    ``extra`` only the manager's record ``providers/checkpoint`` is kept).
 
     Raises:
         Every error of `keras_stable_state.format.open_file`.
     """
     if orbax_steps.is_step(path):
         return orbax_steps.read_summary(path)
-    return summary.read_summary(path)
+    return summary.read_summary(path, MANAGER_RECORD)
 
 
 def prepare(directory, writer="StableCheckpoint") -> None:

@@ -53,7 +53,7 @@ def checkpoints(directory) -> list:
 def read_summary(path):
     """``(metadata, extra, format version)`` of the step directory ``path`` (its ``state.h5``)."""
     refuse_link(path)
-    return summary.read_summary(os.path.join(path, orbax_layout.RECORD))
+    return summary.read_summary(os.path.join(path, orbax_layout.RECORD), "checkpoint")  # records.RECORD
 
 
 def identity(path):

@@ -38,21 +38,31 @@ _LEAN_VERSION = 3
 Summary = tuple[dict[str, Any], dict[str, Any], int | None]
 
 
-def read_summary(path: str) -> Summary:
+def read_summary(path: str, provider: str) -> Summary:
     """``(metadata, extra, format version)`` of the training state at ``path``: its seal
-    checked, its arrays not read (see the module docstring).
+    checked, its arrays not read (see the module docstring). Of ``extra`` only the record
+    of the state provider ``provider`` is kept (``{"providers": {provider: ...}}``, or
+    ``{}`` if it has none): the rest (random states, callbacks) is what a listing never
+    shows.
 
     Raises:
         Every error of `keras_stable_state.format.open_file`.
     """
-    found = _lean(path)
+    found = _lean(path, provider)
     if found is not None:
         return found
     with open_file(path) as f:
-        return dict(f.metadata), dict(f.extra), f.version
+        return dict(f.metadata), _only(f.extra, provider), f.version
 
 
-def _lean(path: str) -> Summary | None:
+def _only(extra: Any, provider: str) -> dict[str, Any]:
+    providers = extra.get("providers") if isinstance(extra, dict) else None
+    if not isinstance(providers, dict) or provider not in providers:
+        return {}
+    return {"providers": {provider: providers[provider]}}
+
+
+def _lean(path: str, provider: str) -> Summary | None:
     """The summary of a sealed format-3 record from one read of its bytes, or ``None``
     where `open_file` is to read it (and raise what is wrong)."""
     try:
@@ -75,12 +85,12 @@ def _lean(path: str) -> Summary | None:
     if not ok or version != _LEAN_VERSION:
         return None
     try:
-        return _records(data, path)
+        return _records(data, path, provider)
     except Exception:  # noqa: BLE001 - anything not as written: open_file says what
         return None
 
 
-def _records(data: bytes, where: str) -> Summary | None:
+def _records(data: bytes, where: str, provider: str) -> Summary | None:
     fid = h5py.h5f.open_file_image(data)
     try:
         root = h5py.h5g.open(fid, b"/")
@@ -103,6 +113,9 @@ def _records(data: bytes, where: str) -> Summary | None:
         fid.close()
     if not isinstance(metadata, dict) or not isinstance(extra, dict):
         return None
+    check_json_depth(metadata, where)
+    extra = _only(extra, provider)
+    check_json_depth(extra, where)  # what is kept: the rest is never looked at
     return metadata, extra, _LEAN_VERSION
 
 
@@ -131,6 +144,4 @@ def _json(fid, name: str, where: str) -> Any:
     ds.read(h5py.h5s.ALL, h5py.h5s.ALL, raw)
     if int(stored) != sandbox.digest_v3(name, "json", raw.shape, raw):
         raise ValueError(name)
-    value = json.loads(raw.tobytes().decode("utf-8"))
-    check_json_depth(value, where)
-    return value
+    return json.loads(raw.tobytes().decode("utf-8"))  # too deep: RecursionError, the full path
