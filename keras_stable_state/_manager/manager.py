@@ -8,9 +8,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import keras
+
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as processes
+from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import orbax_io, policy, shared
@@ -32,8 +35,6 @@ from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
 if TYPE_CHECKING:
-    import keras
-
     from keras_stable_state._core.report import RestoreReport
     from keras_stable_state._engines.background import SaveHandle
 
@@ -416,7 +417,10 @@ class CheckpointManager(DirectoryHolder):
     def _saved(self, step, path, info, secs, blocked_secs) -> None:
         self.files.commit(path, step, info)
         self._last_saved = step
-        self._summaries.pop(path, None)
+        # What this manager just sealed into the file, known without reading it back; kept
+        # while the file is the one written (its identity), read from the file otherwise.
+        summary = ({"backend": keras.backend.backend()}, dict(info), storage.FORMAT_VERSION)
+        self._summaries[path] = (self.files.identity(path), summary)
         processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # JAX: process 0
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)

@@ -2,9 +2,9 @@
 records and its format version, for listing a directory of many checkpoints
 (``keras-stable-state ls``, ``CheckpointManager.metadata``, ``best_step``, ``all_steps``).
 
-A sealed format-3 file is read whole once (one ``read``), its seal checked over those
-bytes, and its two records read from that image, each against its own xxh3-64: what is
-shown is what was sealed. The index, the arrays and the schema of the records are not
+A sealed format-3 file (of up to `LEAN_MAX_BYTES`) is read whole once (one ``read``), its
+seal checked over those bytes, and its two records read from that image, each against its
+own xxh3-64: what is shown is what was sealed. The index, the arrays and the schema of the records are not
 read or checked (`open_file` does that; a restore reads every array). Anything else (an
 older format, a stock Keras file, an archive, anything not as written: a bad seal, an
 unexpected root object or attribute) goes through `open_file`, which says what is wrong
@@ -16,6 +16,7 @@ This module imports no Keras.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import h5py
@@ -34,6 +35,9 @@ except ImportError:  # pragma: no cover - Windows
 
 _ROOT = {*RECORDS, *SECTIONS, INDEX}
 _LEAN_VERSION = 3
+LEAN_MAX_BYTES = 64 << 20
+"""The largest file read whole into memory here; a larger one goes through `open_file`
+(which hashes it in chunks): a listing never holds a large checkpoint in memory."""
 
 Summary = tuple[dict[str, Any], dict[str, Any], int | None]
 
@@ -75,8 +79,10 @@ def _lean(path: str, provider: str) -> Summary | None:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
             except OSError:
                 return None
-        data = fh.read()
-    if not data.startswith(MAGIC):
+        if os.fstat(fh.fileno()).st_size > LEAN_MAX_BYTES:
+            return None
+        data = fh.read(LEAN_MAX_BYTES + 1)
+    if len(data) > LEAN_MAX_BYTES or not data.startswith(MAGIC):
         return None
     try:
         version, _, ok = check_bytes(data, path)
