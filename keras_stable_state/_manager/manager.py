@@ -16,7 +16,7 @@ from keras_stable_state import _processes as processes
 from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
-from keras_stable_state._manager import orbax_io, policy, shared
+from keras_stable_state._manager import orbax_io, policy, shared, timeline
 from keras_stable_state._manager.holder import DirectoryHolder
 from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard, entered_guard
 from keras_stable_state._manager.records import (
@@ -32,7 +32,6 @@ from keras_stable_state._manager.records import (
     saved_message,
 )
 from keras_stable_state._manager.remote_directory import open_directory
-from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
 if TYPE_CHECKING:
     from keras_stable_state._core.report import RestoreReport
@@ -169,24 +168,9 @@ class CheckpointManager(DirectoryHolder):
         return self.files.checkpoints(self.directory)
 
     def all_steps(self) -> list:
-        """The steps of the checkpoints in the directory, oldest first: each from its sealed
-        record (a file whose record names another step than its name is left out: it is
-        moved aside at the next restore); a damaged one by its name (it is one until a
-        restore moves it aside). Each record is read once per written file."""
-        return sorted(self._steps_by_path().values())
-
-    def _steps_by_path(self) -> dict:
-        """``{path: step}`` of `all_steps`."""
-        steps = {}
-        for path in self.checkpoints():
-            try:
-                steps[path] = check_named_step(path, self._summary(path)[1])
-            except CheckpointFormatError as err:
-                if err.key != f"providers/{RECORD}/step":
-                    steps[path] = files.step_of(path)  # damaged, unreadable: by its name
-            except (CorruptCheckpointError, OSError):
-                steps[path] = files.step_of(path)  # damaged, unreadable: by its name
-        return steps
+        """The steps of the checkpoints in the directory, oldest first, from their sealed records
+        (a misnamed file left out, a damaged one by its name: see ``timeline.steps_by_path``)."""
+        return sorted(timeline.steps_by_path(self).values())
 
     def latest_step(self) -> int | None:
         """The newest step in the directory, or ``None`` if it holds no checkpoint."""
@@ -204,18 +188,6 @@ class CheckpointManager(DirectoryHolder):
         self._summaries[path] = (key, summary)
         return summary
 
-    def _score(self, path):
-        try:
-            _, record, _ = self._summary(path)
-            check_named_step(path, record)
-        except (CorruptCheckpointError, CheckpointFormatError, OSError):
-            return None  # unreadable, misnamed or gone: never the best
-        return policy.score(record.get("metrics"), self.monitor, self._direction)
-
-    def _best_steps(self, paths, count):
-        scores = {files.step_of(p): self._score(p) for p in paths}
-        return policy.best_steps(scores, count)
-
     def best_step(self) -> int | None:
         """The step of the best checkpoint by ``monitor``, or ``None`` if no checkpoint has a
         finite value of it (each checkpoint's metadata record is read once per file).
@@ -228,8 +200,8 @@ class CheckpointManager(DirectoryHolder):
                 f"{self.name}({self.directory!r}) has no `monitor`: there is no best checkpoint. Pass "
                 "monitor= (and metrics= to each save)."
             )
-        best = self._best_steps(self.checkpoints(), 1)
-        return best[0] if best else None  # a step whose record names it (see _score)
+        best = timeline.best_steps(self, self.checkpoints(), 1)
+        return best[0] if best else None  # a step whose record names it
 
     def metadata(self, step: int) -> CheckpointMetadata:
         """The [`CheckpointMetadata`][keras_stable_state.CheckpointMetadata] of the checkpoint of ``step``,
@@ -270,17 +242,12 @@ class CheckpointManager(DirectoryHolder):
     ) -> str | SaveHandle:
         """Save the training state of ``model`` as the checkpoint of ``step``, then prune.
 
-        A save at a step at or below the newest in the directory is never silent:
-
-        * after a [`restore`][keras_stable_state.CheckpointManager.restore] (of an earlier
-          step: a rollback), the first save starts a new timeline: the checkpoints after
-          the step restored (and any at or after ``step``) belong to the abandoned one and
-          are moved into ``<directory>/abandoned/`` (kept, never deleted; a line says
-          which), so that ``latest`` is the newest of the live timeline;
-        * a manager that did not restore from the directory is refused (``StateError``,
-          naming the steps present and the choices), unless ``new_timeline=True``: the
-          checkpoints at or after ``step`` are then moved into ``abandoned/``;
-        * saving again the step this manager saved last replaces it (atomically).
+        A save at or below the newest step is never silent: after a ``restore``, the first
+        save starts a new timeline (the checkpoints after the step restored, and any at or
+        after ``step``, moved into ``abandoned/``, kept; a line says which); a manager that
+        did not restore is refused, unless ``new_timeline=True`` (those at or after
+        ``step`` moved aside); the step this manager saved last may be saved again
+        (replaced). [Timelines](how-to/custom-loops-manager.md#steps-come-from-the-records-timelines).
 
         Args:
             step: An int (``0`` to ``10**10 - 1``): the file ``ckpt-<step:010d>.h5``.
@@ -317,7 +284,7 @@ class CheckpointManager(DirectoryHolder):
             raise TypeError(f"`new_timeline` must be a bool. Received: new_timeline={new_timeline!r}")
         self._ensure_locked()
         self._collect(wait=True)
-        self._timeline(step, new_timeline)
+        timeline.before_save(self, step, new_timeline)
         path = files.path_of(self.directory, step)
         info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
         if self.monitor is not None:  # read by `keras-stable-state ls` to name the best
@@ -339,56 +306,6 @@ class CheckpointManager(DirectoryHolder):
             return result
         self._saved(step, path, info, time.perf_counter() - started, None)
         return path
-
-    def _timeline(self, step, new_timeline) -> None:
-        """Before the save of ``step``: start a new timeline, or refuse (see `save`)."""
-        start, last = self._timeline_from, self._last_saved
-
-        def plan():  # JAX: on process 0, which alone moves files; its answer goes to all
-            steps = self._steps_by_path()
-            latest = max(steps.values(), default=None)
-            if latest is None or step > latest or (step == latest == last and start is None):
-                return {"moved": []}
-            if start is None and not new_timeline:
-                return {"refuse": sorted(steps.values())}
-            cut = step if new_timeline else min(start + 1, step)
-            moved = []
-            for path, found in sorted(steps.items(), key=lambda item: item[1]):
-                if found >= cut:
-                    target = self.files.move_aside(
-                        self.directory, path, self.name, folder=files.ABANDONED_DIR
-                    )
-                    self._summaries.pop(path, None)
-                    moved.append([path, target, found])
-            return {"moved": moved}
-
-        found = processes.share_from_primary(self.directory, plan)
-        if "refuse" in found:
-            present = found["refuse"]
-            raise StateError(
-                f"{self.name}({self.directory!r}) refuses to save step {step}: the directory already holds "
-                f"steps {present} (the newest {present[-1]}), and this manager did not restore from it (they "
-                f"are another run's, or an earlier part of this one). Saved among them, step {step} would not "
-                f"be the latest, and the next resume would load step {present[-1]}. Do one of: restore first "
-                "(mgr.restore(model), or restore(model, step=N) to roll back to step N) and save on from "
-                "there; save into another directory; or pass save(..., new_timeline=True) to start a new "
-                f"timeline at step {step}: the checkpoints at or after it are moved into "
-                f"{files.ABANDONED_DIR}/ (kept, never deleted).",
-                key=None,
-                expected=f"a step after {present[-1]}",
-                received=step,
-            )
-        self._timeline_from = None
-        moved = found["moved"]
-        if moved:
-            self.abandoned_checkpoints.extend((path, target) for path, target, _ in moved)
-            why = "new_timeline=True" if new_timeline else f"step {start} was restored"
-            compat.print_msg(
-                f"{self.name}: step {step} starts a new timeline in {self.directory} ({why}): the "
-                f"checkpoints of the abandoned one, steps {[s for _, _, s in moved]}, were moved into "
-                f"{files.ABANDONED_DIR}/ (kept: {[t for _, t, _ in moved]}). Move them back (and these away) "
-                "to go on with that timeline."
-            )
 
     def check_for_errors(self) -> None:
         """If the background save in flight has ended: raise its error, or prune."""
@@ -434,10 +351,10 @@ class CheckpointManager(DirectoryHolder):
             return []
         # by the step of each record; a file whose record names another step is neither
         # counted nor removed (the next restore moves it aside)
-        steps = self._steps_by_path()
+        steps = timeline.steps_by_path(self)
         paths = sorted(steps, key=steps.get, reverse=True)
         newest_step = None if newest is None else files.step_of(newest)
-        best = self._best_steps(paths, self.keep_best) if self.keep_best else []
+        best = timeline.best_steps(self, paths, self.keep_best) if self.keep_best else []
         kept = policy.kept_steps([steps[p] for p in paths], newest_step, self.max_to_keep, best)
         removed = [p for p in paths if steps[p] not in kept]
         self.files.remove(removed)
@@ -474,15 +391,11 @@ class CheckpointManager(DirectoryHolder):
                 newest checkpoint is locked by another process (it is not damaged: no
                 fallback).
             StateError: if an unreadable checkpoint cannot be moved aside.
-            CheckpointFormatError: for ``"best"`` and int steps, a checkpoint whose sealed
-                record names another step than its file name (copied or renamed onto it),
-                naming both; it is moved into ``unreadable/`` (never restored as that step).
+            CheckpointFormatError: for ``"best"`` and int steps, a file whose record names
+                another step (copied, renamed), naming both; moved into ``unreadable/``.
             Exception: every other error of ``restore_training_state`` (a checkpoint that
                 does not fit the model: nothing is moved aside); for ``"best"`` and int
                 steps, an unreadable checkpoint's error (no fallback).
-
-        The save after a restore continues its timeline: see `save` (a rollback moves the
-        abandoned checkpoints into ``abandoned/``).
         """
         restore_options.setdefault("storage_options", self.files.STORAGE_OPTIONS)
         options = checkpoint.RestoreOptions.from_keywords("CheckpointManager.restore", **restore_options)
@@ -521,7 +434,7 @@ class CheckpointManager(DirectoryHolder):
                         self.directory,
                     )
             path = self._path(step)
-            record = self._read_named(path)
+            record = timeline.read_named(self, path)
             report = checkpoint.restore_with(path, model, options, record=record, take=True)
         self.restored_step = files.step_of(path)
         self._timeline_from, self._last_saved = self.restored_step, None
@@ -569,37 +482,17 @@ class CheckpointManager(DirectoryHolder):
         # JAX: the checkpoints process 0 lists, each read by every process alike
         paths = shared.checkpoints(self.files, self.directory)
         path = self.files.restore_newest(
-            paths, self.directory, restore, moved, self.name, read_with=self._read_checked
+            paths,
+            self.directory,
+            restore,
+            moved,
+            self.name,
+            read_with=lambda path: timeline.read_checked(self, path),
         )
         # the save after it continues its timeline (see save)
         self._timeline_from = None if path is None else files.step_of(path)
         self._last_saved = None
         return path
-
-    def _read_checked(self, path):
-        """The record of ``path``, once its name and record agree on its step (else the
-        ``CheckpointFormatError`` of `check_named_step`: the fallback moves it aside)."""
-        record = self._read(path)
-        check_named_step(path, record_of(record.extra))
-        return record
-
-    def _read_named(self, path):
-        """`_read_checked`, moving a misnamed checkpoint into ``unreadable/`` before its error."""
-        try:
-            return self._read_checked(path)
-        except CheckpointFormatError as err:
-            if err.key != f"providers/{RECORD}/step":
-                raise
-            target = shared.move_aside(self.files, self.directory, path, self.name)
-            self._summaries.pop(path, None)
-            self.moved_checkpoints = [(path, target)]
-            self.skipped_checkpoints = [(path, str(err))]
-            raise CheckpointFormatError(
-                f"{err} {self.name} moved it to {target!r}.",
-                key=err.key,
-                expected=err.expected,
-                received=err.received,
-            ) from None
 
 
 def wait_for_earlier_saves(directory) -> None:

@@ -1,0 +1,137 @@
+"""The run a [`CheckpointManager`][keras_stable_state.CheckpointManager] directory holds: each
+checkpoint's step from its sealed record (a file whose name names another step is no
+checkpoint of that step), and its timeline: the save after a rollback moves the abandoned
+checkpoints into `ABANDONED_DIR`; a save at or below the newest step by a manager that did
+not restore from the directory is refused (see ``CheckpointManager.save``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _processes as processes
+from keras_stable_state._manager import directory as files
+from keras_stable_state._manager import policy, shared
+from keras_stable_state._manager.records import RECORD, check_named_step, record_of
+from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+
+if TYPE_CHECKING:
+    from keras_stable_state._manager.manager import CheckpointManager
+
+ABANDONED_DIR = files.ABANDONED_DIR
+MISNAMED_KEY = f"providers/{RECORD}/step"
+"""The ``key`` of the ``CheckpointFormatError`` of a misnamed checkpoint (`check_named_step`)."""
+
+
+def steps_by_path(mgr: CheckpointManager) -> dict[str, int]:
+    """``{path: step}`` of the checkpoints of ``mgr``'s directory: each from its sealed
+    record; a damaged one by its name; a misnamed one (its record names another step)
+    left out."""
+    steps = {}
+    for path in mgr.checkpoints():
+        try:
+            steps[path] = check_named_step(path, mgr._summary(path)[1])
+        except CheckpointFormatError as err:
+            if err.key != MISNAMED_KEY:
+                steps[path] = files.step_of(path)  # damaged, unreadable: by its name
+        except (CorruptCheckpointError, OSError):
+            steps[path] = files.step_of(path)  # damaged, unreadable: by its name
+    return steps
+
+
+def best_steps(mgr: CheckpointManager, paths: list[str], count: int) -> list[int]:
+    """The ``count`` best steps of ``paths`` by ``mgr``'s monitor, from their sealed records
+    (an unreadable, misnamed or removed one is never the best)."""
+    scores = {}
+    for path in paths:
+        try:
+            _, record, _ = mgr._summary(path)
+            scores[check_named_step(path, record)] = policy.score(
+                record.get("metrics"), mgr.monitor, mgr._direction
+            )
+        except (CorruptCheckpointError, CheckpointFormatError, OSError):
+            continue
+    return policy.best_steps(scores, count)
+
+
+def before_save(mgr: CheckpointManager, step: int, new_timeline: bool) -> None:
+    """Before ``mgr`` saves ``step``: start a new timeline (the abandoned checkpoints moved
+    into ``abandoned/``, said in a line), or refuse (see ``CheckpointManager.save``).
+
+    Raises:
+        StateError: for a step at or below the newest, from a manager that did not restore,
+            without ``new_timeline``; naming the steps present and the choices.
+    """
+    start, last = mgr._timeline_from, mgr._last_saved
+
+    def plan() -> dict[str, Any]:  # JAX: on process 0, which alone moves files; its answer goes to all
+        steps = steps_by_path(mgr)
+        latest = max(steps.values(), default=None)
+        if latest is None or step > latest or (step == latest == last and start is None):
+            return {"moved": []}
+        if start is None and not new_timeline:
+            return {"refuse": sorted(steps.values())}
+        cut = step if new_timeline else min(start + 1, step)
+        moved = []
+        for path, found in sorted(steps.items(), key=lambda item: item[1]):
+            if found >= cut:
+                target = mgr.files.move_aside(mgr.directory, path, mgr.name, folder=ABANDONED_DIR)
+                mgr._summaries.pop(path, None)
+                moved.append([path, target, found])
+        return {"moved": moved}
+
+    found = processes.share_from_primary(mgr.directory, plan)
+    if "refuse" in found:
+        present = found["refuse"]
+        raise StateError(
+            f"{mgr.name}({mgr.directory!r}) refuses to save step {step}: the directory already holds "
+            f"steps {present} (the newest {present[-1]}), and this manager did not restore from it (they "
+            f"are another run's, or an earlier part of this one). Saved among them, step {step} would not "
+            f"be the latest, and the next resume would load step {present[-1]}. Do one of: restore first "
+            "(mgr.restore(model), or restore(model, step=N) to roll back to step N) and save on from "
+            "there; save into another directory; or pass save(..., new_timeline=True) to start a new "
+            f"timeline at step {step}: the checkpoints at or after it are moved into "
+            f"{ABANDONED_DIR}/ (kept, never deleted).",
+            key=None,
+            expected=f"a step after {present[-1]}",
+            received=step,
+        )
+    mgr._timeline_from = None
+    moved = found["moved"]
+    if moved:
+        mgr.abandoned_checkpoints.extend((path, target) for path, target, _ in moved)
+        why = "new_timeline=True" if new_timeline else f"step {start} was restored"
+        compat.print_msg(
+            f"{mgr.name}: step {step} starts a new timeline in {mgr.directory} ({why}): the "
+            f"checkpoints of the abandoned one, steps {[s for _, _, s in moved]}, were moved into "
+            f"{ABANDONED_DIR}/ (kept: {[t for _, t, _ in moved]}). Move them back (and these away) "
+            "to go on with that timeline."
+        )
+
+
+def read_checked(mgr: CheckpointManager, path: str) -> Any:
+    """The record of ``path``, once its name and record agree on its step (else the
+    ``CheckpointFormatError`` of `check_named_step`: the fallback moves it aside)."""
+    record = mgr._read(path)
+    check_named_step(path, record_of(record.extra))
+    return record
+
+
+def read_named(mgr: CheckpointManager, path: str) -> Any:
+    """`read_checked`, moving a misnamed checkpoint into ``unreadable/`` before its error
+    (a restore of an int step or ``"best"``: no fallback)."""
+    try:
+        return read_checked(mgr, path)
+    except CheckpointFormatError as err:
+        if err.key != MISNAMED_KEY:
+            raise
+        target = shared.move_aside(mgr.files, mgr.directory, path, mgr.name)
+        mgr._summaries.pop(path, None)
+        mgr.moved_checkpoints = [(path, target)]
+        mgr.skipped_checkpoints = [(path, str(err))]
+        raise CheckpointFormatError(
+            f"{err} {mgr.name} moved it to {target!r}.",
+            key=err.key,
+            expected=err.expected,
+            received=err.received,
+        ) from None
