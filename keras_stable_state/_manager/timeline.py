@@ -6,7 +6,7 @@ not restore from the directory is refused (see ``CheckpointManager.save``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as processes
@@ -15,9 +15,8 @@ from keras_stable_state._manager import policy, shared
 from keras_stable_state._manager.records import RECORD, check_named_step, record_of
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
-if TYPE_CHECKING:
-    from keras_stable_state._manager.manager import CheckpointManager
-
+# ``mgr`` below is a CheckpointManager (not imported: manager imports this module).
+CheckpointManager = Any
 ABANDONED_DIR = files.ABANDONED_DIR
 MISNAMED_KEY = f"providers/{RECORD}/step"
 """The ``key`` of the ``CheckpointFormatError`` of a misnamed checkpoint (`check_named_step`)."""
