@@ -9,6 +9,7 @@ Values are compared by position with values the test set itself before each save
 import os
 import secrets
 import shutil
+import signal
 
 import keras
 import numpy as np
@@ -298,7 +299,9 @@ class _StopAfter(keras.callbacks.Callback):
 def _fit(folder, data, epochs, callbacks=(), seed=0, **options):
     x, y = data
     model = mlp(seed=seed)
-    stateful = {f"c{i}": cb for i, cb in enumerate(callbacks) if isinstance(cb, keras.callbacks.EarlyStopping)}
+    stateful = {
+        f"c{i}": cb for i, cb in enumerate(callbacks) if isinstance(cb, keras.callbacks.EarlyStopping)
+    }
     ckpt = kss.StableCheckpoint(folder, callbacks=stateful, **options)
     history = model.fit(
         x, y, epochs=epochs, batch_size=8, callbacks=[ckpt, *callbacks], verbose=0, shuffle=False
@@ -345,6 +348,36 @@ def test_a_fit_stopped_then_given_more_epochs_trains_on_like_an_uninterrupted_on
     assert ckpt.run_stopped and len(history.history["loss"]) == 2
     resumed, ckpt, history = _fit(tmp_path / "b", data, 4, seed=7, resume_stopped=True)
     assert not ckpt.run_stopped
+    assert history.history["loss"] == full.history["loss"]
+    for i, (got, want) in enumerate(zip(_state(resumed), _state(straight), strict=True)):
+        np.testing.assert_array_equal(got, want, err_msg=f"variable {i}")
+
+
+class _SignalAt(keras.callbacks.Callback):
+    """Sends this process SIGTERM (a preemption) at the end of global step ``at``."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.step = at, 0
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        pass
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        if self.step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_preempted_fit_is_not_a_stopped_one_and_resumes_to_the_end(tmp_path, data):
+    straight, _, full = _fit(tmp_path / "a", data, 3)
+    _, ckpt, history = _fit(tmp_path / "b", data, 3, [_SignalAt(6)])  # mid-epoch 1
+    assert ckpt.reached_preemption and len(history.history["loss"]) == 2
+    resumed, ckpt, history = _fit(tmp_path / "b", data, 3, seed=7)
+    assert not ckpt.run_complete and not ckpt.run_stopped
     assert history.history["loss"] == full.history["loss"]
     for i, (got, want) in enumerate(zip(_state(resumed), _state(straight), strict=True)):
         np.testing.assert_array_equal(got, want, err_msg=f"variable {i}")
