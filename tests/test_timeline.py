@@ -99,7 +99,7 @@ def _apply(ops, folder, content):
 
 @given(ops=st.lists(_OP, min_size=1, max_size=4))
 @settings(
-    max_examples=hypothesis_examples(12),
+    max_examples=hypothesis_examples(25),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
@@ -486,3 +486,73 @@ def test_s3_reused_directory_is_refused(s3_url):
             _save(mgr, other, step)
     with kss.CheckpointManager(s3_url) as mgr, pytest.raises(kss.StateError, match=r"steps \[100, 200\]"):
         _save(mgr, _model(), 10)
+
+
+def _apply_s3(fs, ops, path, content):
+    """`_apply` in the store: each checkpoint object moves with its commit marker."""
+
+    def copy(a, b):
+        for suffix in ("", ".commit"):
+            fs.copy(f"{path}/{a}{suffix}", f"{path}/{b}{suffix}")
+
+    def remove(a):
+        fs.rm([f"{path}/{a}", f"{path}/{a}.commit"])
+
+    for op, a, b in ops:
+        if a == b or a not in content:
+            continue
+        if op == "copy":
+            copy(_name(a), _name(b))
+            content[b] = content[a]
+        elif op == "rename" or b not in content:
+            copy(_name(a), _name(b))
+            remove(_name(a))
+            content[b] = content.pop(a)
+        else:
+            copy(_name(a), "swap")
+            copy(_name(b), _name(a))
+            copy("swap", _name(b))
+            remove("swap")
+            content[a], content[b] = content[b], content[a]
+    fs.invalidate_cache()
+
+
+@given(ops=st.lists(_OP, min_size=1, max_size=3))
+@settings(
+    max_examples=hypothesis_examples(6),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+def test_s3_renamed_copied_swapped_checkpoints_restore_only_as_their_records_step(bucket, ops):
+    fs = _fs()
+    template = f"{bucket}/template"
+    if not fs.exists(f"{template}/{_name(SAVED[-1])}.commit"):
+        model = _model()
+        with kss.CheckpointManager(f"s3://{template}", max_to_keep=None) as mgr:
+            values = {step: _save(mgr, model, step) for step in SAVED}
+        _S3_VALUES.update(values)
+    path = f"{bucket}/run-{secrets.token_hex(4)}"
+    for step in SAVED:
+        for suffix in ("", ".commit"):
+            fs.copy(f"{template}/{_name(step)}{suffix}", f"{path}/{_name(step)}{suffix}")
+    content = {step: step for step in SAVED}
+    _apply_s3(fs, ops, path, content)
+    good = sorted(n for n, c in content.items() if n == c)
+    bad = sorted(n for n, c in content.items() if n != c)
+    above = [n for n in bad if not good or n > good[-1]]
+    model = _model(seed=5)
+    with kss.CheckpointManager(f"s3://{path}", max_to_keep=None) as mgr:
+        assert mgr.all_steps() == good
+        if above:
+            with pytest.warns(kss.UnreadableCheckpointWarning, match="named for step"):
+                mgr.restore(model)
+        else:
+            mgr.restore(model)
+        assert mgr.restored_step == (good[-1] if good else None)
+        if good:
+            _assert_values(model, _S3_VALUES[good[-1]], f"restored step {good[-1]}")
+    aside = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{path}/unreadable")) if above else []
+    assert aside == [_name(n) for n in above]
+
+
+_S3_VALUES = {}
