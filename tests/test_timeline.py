@@ -556,3 +556,33 @@ def test_s3_renamed_copied_swapped_checkpoints_restore_only_as_their_records_ste
 
 
 _S3_VALUES = {}
+
+
+# -- ls: the lean summary is the sealed record ---------------------------------------------------
+def test_ls_reads_each_sealed_record_and_a_changed_record_byte_is_damage(template, tmp_path):
+    import h5py
+
+    from keras_stable_state.format import open_file
+    from keras_stable_state.format.summary import read_summary
+
+    source, _ = template
+    folder = tmp_path / "ck"
+    shutil.copytree(source, folder)
+    path = str(folder / _name(2))
+    with open_file(path) as f:
+        full = f.extra["providers"]["checkpoint"], f.metadata["backend"], f.version
+    metadata, extra, version = read_summary(path, "checkpoint")
+    assert (extra["providers"]["checkpoint"], metadata["backend"], version) == full
+    assert full[0]["step"] == 2 and full[0]["epoch"] == 2
+    with h5py.File(path, "r") as f:  # where the manager's record lies in the file
+        offset = f["extra"].id.get_offset()
+    with open(path, "r+b") as fh:
+        text = fh.read()
+        at = text.index(b'"step": 2', offset) + len(b'"step": ')
+        fh.seek(at)
+        fh.write(b"7")  # the record now says step 7: the seal no longer holds
+    with pytest.raises(kss.CorruptCheckpointError):
+        read_summary(path, "checkpoint")
+    rows = {row.file: row for row in list_directory(folder).checkpoints}
+    assert rows[path].status == "damaged"
+    assert [(r.step, r.status) for r in rows.values() if r.file != path] == [(4, "ok"), (3, "ok"), (1, "ok")]

@@ -3,8 +3,8 @@ records and its format version, for listing a directory of many checkpoints
 (``keras-stable-state ls``, ``CheckpointManager.metadata``, ``best_step``, ``all_steps``).
 
 A sealed format-3 file (of up to `LEAN_MAX_BYTES`) is read whole once (one ``read``), its
-seal checked over those bytes, and its two records read from that image, each against its
-own xxh3-64: what is shown is what was sealed. The index, the arrays and the schema of the records are not
+seal checked over those bytes (every byte after the user block: the records among them),
+and its two records read from that image: what is shown is what was sealed. The index, the arrays and the schema of the records are not
 read or checked (`open_file` does that; a restore reads every array). Anything else (an
 older format, a stock Keras file, an archive, anything not as written: a bad seal, an
 unexpected root object or attribute) goes through `open_file`, which says what is wrong
@@ -20,11 +20,10 @@ import os
 from typing import Any
 
 import h5py
-import numpy as np
 
-from keras_stable_state.format import files, sandbox
+from keras_stable_state.format import files
 from keras_stable_state.format.reader import open_file
-from keras_stable_state.format.record import FORMAT, INDEX, RECORDS, SECTIONS
+from keras_stable_state.format.record import INDEX, RECORDS, SECTIONS
 from keras_stable_state.format.schema import check_json_depth
 from keras_stable_state.format.seal import MAGIC, check_bytes
 
@@ -47,7 +46,8 @@ def read_summary(path: str, provider: str) -> Summary:
     checked, its arrays not read (see the module docstring). Of ``extra`` only the record
     of the state provider ``provider`` is kept (``{"providers": {provider: ...}}``, or
     ``{}`` if it has none): the rest (random states, callbacks) is what a listing never
-    shows.
+    shows. Of ``metadata``, a sealed format-3 file keeps its plain values (``backend``,
+    the versions), the others all of it.
 
     Raises:
         Every error of `keras_stable_state.format.open_file`.
@@ -97,57 +97,32 @@ def _lean(path: str, provider: str) -> Summary | None:
 
 
 def _records(data: bytes, where: str, provider: str) -> Summary | None:
+    """The two records of a sealed format-3 image ``data``, read from their places in
+    ``data``: the seal, checked over every byte after the user block, covers them (their
+    own xxh3-64 is checked by `open_file`); ``None`` for an image not as this version writes
+    it (other root objects or attributes, a record not stored whole)."""
     fid = h5py.h5f.open_file_image(data)
     try:
         root = h5py.h5g.open(fid, b"/")
-        names = {root.get_objname_by_idx(i).decode("utf-8") for i in range(root.get_num_objs())}
-        if names != _ROOT:
-            return None
-        attrs = {
-            h5py.h5a.open(root, index=i).get_name().decode("utf-8")
-            for i in range(h5py.h5a.get_num_attrs(root))
-        }
-        if attrs != {"format", "format_version"}:
-            return None
-        if _attr(root, b"format") not in (FORMAT, FORMAT.encode()):
-            return None
-        version = _attr(root, b"format_version")
-        if not isinstance(version, np.integer) or int(version) != _LEAN_VERSION:
-            return None
-        metadata, extra = (_json(fid, name, where) for name in ("metadata", "extra"))
+        if root.get_num_objs() != len(_ROOT) or h5py.h5a.get_num_attrs(root) != 2:
+            return None  # a newer writer's objects or attributes: open_file says so
+        metadata, extra = (_json(fid, data, name) for name in (b"metadata", b"extra"))
     finally:
         fid.close()
     if not isinstance(metadata, dict) or not isinstance(extra, dict):
         return None
-    check_json_depth(metadata, where)
+    # what is kept: the provider's record and the writer's plain facts (backend, versions);
+    # the rest is never looked at
     extra = _only(extra, provider)
-    check_json_depth(extra, where)  # what is kept: the rest is never looked at
+    check_json_depth(extra, where)
+    metadata = {k: v for k, v in metadata.items() if isinstance(v, str | int | float | bool) or v is None}
     return metadata, extra, _LEAN_VERSION
 
 
-def _attr(obj, name: bytes):
-    attr = h5py.h5a.open(obj, name)
-    if attr.get_space().get_simple_extent_ndims() != 0 or attr.dtype.kind not in "iuSO":
-        return None
-    value = np.empty((), dtype=attr.dtype)
-    attr.read(value)
-    return value[()]
-
-
-def _json(fid, name: str, where: str) -> Any:
-    ds = h5py.h5d.open(fid, name.encode())
-    if ds.dtype != np.uint8 or ds.get_space().get_simple_extent_ndims() != 1:
-        raise ValueError(name)
-    if h5py.h5a.get_num_attrs(ds) != 1:
-        raise ValueError(name)
-    stored = np.empty((), dtype=np.uint64)
-    attr = h5py.h5a.open(ds, b"xxh3")
-    if attr.dtype != np.uint64:
-        raise ValueError(name)
-    attr.read(stored)
-    (size,) = ds.get_space().get_simple_extent_dims()
-    raw = np.empty((size,), dtype=np.uint8)
-    ds.read(h5py.h5s.ALL, h5py.h5s.ALL, raw)
-    if int(stored) != sandbox.digest_v3(name, "json", raw.shape, raw):
-        raise ValueError(name)
-    return json.loads(raw.tobytes().decode("utf-8"))  # too deep: RecursionError, the full path
+def _json(fid: Any, data: bytes, name: bytes) -> Any:
+    """The JSON record ``name``: its bytes where HDF5 stored them whole in ``data``."""
+    ds = h5py.h5d.open(fid, name)
+    offset, size = ds.get_offset(), ds.get_storage_size()
+    if offset is None or offset + size > len(data):
+        raise ValueError(name)  # not stored whole: open_file reads it
+    return json.loads(data[offset : offset + size].decode("utf-8"))  # too deep: RecursionError, open_file
