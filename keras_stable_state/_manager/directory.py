@@ -117,7 +117,7 @@ def size_of(path) -> int:
 def read_summary(path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]:
     """The small part of a checkpoint's records, read without its arrays: ``(metadata,
     extra, format version)`` (see `keras_stable_state.format.summary`: its seal
-    is checked, its records' checksums too, its arrays are neither read nor decoded; of
+    is checked (it covers the records), its arrays are neither read nor decoded; of
     ``extra`` only the manager's record ``providers/checkpoint`` is kept).
 
     Raises:
