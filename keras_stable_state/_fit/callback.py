@@ -6,7 +6,7 @@ import errno
 import os
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import keras
 
@@ -17,7 +17,8 @@ from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import inexact, resume
 from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._fit.position import Metrics, Position, numeric_logs
-from keras_stable_state._manager import CheckpointManager, preemption, wait_for_earlier_saves
+from keras_stable_state._manager import preemption
+from keras_stable_state._manager.manager import CheckpointManager, wait_for_earlier_saves
 from keras_stable_state._manager.records import saved_message
 from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state._optimizer import stable_optimizer_in, tracked_optimizers
@@ -27,13 +28,15 @@ from keras_stable_state.errors import (
 )
 
 if TYPE_CHECKING:
+    from keras_stable_state._core.report import RestoreReport
     from keras_stable_state._engines.background import SaveHandle
+    from keras_stable_state._fit.checks import EpochBeginGuard
 
 
 __all__ = ["StableCheckpoint", "UnreadableCheckpointWarning", "InexactResumeWarning"]
 
 
-class StableCheckpoint(keras.callbacks.Callback):
+class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped (Any)
     """Checkpoints the whole training state during ``model.fit`` and resumes it exactly.
 
     On train begin it restores the newest readable checkpoint in ``directory`` and ``fit``
@@ -136,12 +139,18 @@ class StableCheckpoint(keras.callbacks.Callback):
         if not isinstance(resume_stopped, bool):
             raise TypeError(f"`resume_stopped` must be a bool. Received: resume_stopped={resume_stopped!r}")
         self.resume_stopped = resume_stopped
-        opts = {"keep_best": keep_best, "monitor": monitor, "mode": mode, "verbose": verbose}
+        opts: dict[str, Any] = {"keep_best": keep_best, "monitor": monitor, "mode": mode, "verbose": verbose}
         opts.update(save_on_background=save_on_background, storage_options=storage_options)
         self.manager = CheckpointManager(directory, max_to_keep, **opts)
         self.manager.name = "StableCheckpoint"
         ref = weakref.ref(self)  # the manager holds no reference to the callback: no cycle
-        self.manager.on_saved = lambda *args: ref()._saved(*args)
+
+        def on_saved(step: int, path: str, secs: float, blocked_secs: float | None) -> None:
+            ckpt = ref()
+            if ckpt is not None:
+                ckpt._saved(step, path, secs, blocked_secs)
+
+        self.manager.on_saved = on_saved
         self.directory = directory
         self.save_freq = save_freq
         self.max_to_keep = max_to_keep
@@ -152,16 +161,20 @@ class StableCheckpoint(keras.callbacks.Callback):
         self.save_on_background, self.storage_options = save_on_background, self.manager.storage_options
         self.run_complete = False
         self.run_stopped = False
-        self._metrics = {}  # the numeric logs of the last batch or epoch end: the next save's metrics
-        self._where = {}  # step -> where in the fit its save was taken (for the verbose line)
-        self._gated = None  # the model whose step boundaries this fit opens (_core.boundary)
+        self._metrics: dict[
+            str, float
+        ] = {}  # the numeric logs of the last batch or epoch end: the next save's metrics
+        self._where: dict[int, str] = {}  # step -> where in the fit its save was taken (for the verbose line)
+        self._gated: keras.Model | None = (
+            None  # the model whose step boundaries this fit opens (_core.boundary)
+        )
         self._given_callbacks = checkpoint.check_callbacks(callbacks, "StableCheckpoint")
         self._reset(1)
-        self._epoch_guard = None
-        self._input = None
+        self._epoch_guard: EpochBeginGuard | None = None
+        self._input: Any = None  # the fit's PyDataset whose own state is saved, or None
         self._order = _fit_input.EpochOrder()
-        self.removed_temporary_files = []
-        self._read_only = None
+        self.removed_temporary_files: list[str] = []
+        self._read_only: OSError | None = None
 
     @property
     def reached_preemption(self) -> bool:
@@ -191,26 +204,30 @@ class StableCheckpoint(keras.callbacks.Callback):
 
     # -- discovery ------------------------------------------------------------------
     @property
-    def _callbacks(self):
+    def _callbacks(self) -> dict[str, Any]:
         """The callbacks given, and the ``History`` of the ``fit`` call (see ``checks.with_history``)."""
         return _fit_checks.with_history(self._given_callbacks, self.model)
 
-    def _say(self, message) -> None:
+    def _say(self, message: str) -> None:
         if self.verbose:
             compat.print_msg(f"StableCheckpoint: {message}")
 
     # -- files ------------------------------------------------------------------------
-    def checkpoints(self) -> list:
+    def checkpoints(self) -> list[str]:
         """Paths of the checkpoints in ``directory``, newest first."""
         return self.manager.checkpoints()
 
-    def _providers(self):
-        found = {"position": self._position, "metrics": Metrics(self.model), "data": self._order}
+    def _providers(self) -> dict[str, Any]:
+        found: dict[str, Any] = {
+            "position": self._position,
+            "metrics": Metrics(self.model),
+            "data": self._order,
+        }
         if self._input is not None:
             found["input"] = self._input
         return found
 
-    def _take_directory(self):
+    def _take_directory(self) -> None:
         """Create, lock, clean ``directory``; a read-only one is read unlocked (``_read_only``)."""
         self._read_only = None
         try:  # reclaimable: by another StableCheckpoint of this thread (this one's fit may have raised)
@@ -253,16 +270,17 @@ class StableCheckpoint(keras.callbacks.Callback):
         self._gated = model  # held as is: ``self.model`` would sync JAX's state at every step
         checkpoint.training_begins(model)
 
-    def _reset(self, spe) -> None:
+    def _reset(self, spe: int) -> None:
         """The state of a fit before its restore (``spe``: its ``steps_per_execution``);
         a background save in flight is dropped (its error belonged to an earlier fit)."""
         self._spe = spe
         self._position = Position(spe)
-        self._pending_restore, self._rng_after_skip = None, None
+        self._pending_restore: Any = None  # the record restored, until its epoch begins
+        self._rng_after_skip: Any = None
         self._save_requested, self._skip_until, self._execution_begin = False, 0, 0
-        self.restore_report = None
-        self.skipped_checkpoints = []
-        self.moved_checkpoints = []
+        self.restore_report: RestoreReport | None = None
+        self.skipped_checkpoints: list[tuple[str, str]] = []
+        self.moved_checkpoints: list[tuple[str, str | None]] = []
         self.manager.drop_in_flight()
 
     def _restore_newest(self) -> None:
@@ -274,15 +292,15 @@ class StableCheckpoint(keras.callbacks.Callback):
         epochs = (self.params or {}).get("epochs")
         self.run_complete = resume.report_newest(self, restored, self._position, epochs, self._say)
         self.run_stopped = self.run_complete and self._position.stopped is not None
-        if self.run_stopped:  # fit trains no epoch: range(epochs, epochs)
+        if self.run_stopped and isinstance(epochs, int):  # fit trains no epoch: range(epochs, epochs)
             compat.set_initial_epoch(self.model, max(epochs, self._position.epoch))
 
-    def _unreadable(self, path, err) -> None:
+    def _unreadable(self, path: str, err: BaseException) -> None:
         self._position = Position(self._spe)
         self._pending_restore = None
         self.restore_report = None
 
-    def _restore(self, path, record) -> None:
+    def _restore(self, path: str, record: Any) -> None:
         # Variables, optimizer, schedule check and position now; callbacks, metrics and
         # the epoch-start random state once every callback has run on_train_begin. All of
         # it from ``record``, the one read (and check) of the file: never read twice.
@@ -290,10 +308,13 @@ class StableCheckpoint(keras.callbacks.Callback):
             state={"position": self._position}, include_rng=False, include_metrics=False
         )
         # take: only its state records are read after this; the variables may keep its arrays
-        self.restore_report = checkpoint.restore_with(path, self.model, options, record=record, take=True)
+        report = cast(  # without defer, restore_with restores now: a RestoreReport
+            "RestoreReport", checkpoint.restore_with(path, self.model, options, record=record, take=True)
+        )
+        self.restore_report = report
         pos = self._position
         self._pending_restore = record
-        writer = (self.restore_report.writer or {}).get("backend")
+        writer = (report.writer or {}).get("backend")
         inexact.warn_inexact_resume(self, record, pos, self._order.shuffle, writer)
         compat.set_initial_epoch(self.model, pos.epoch)
         self._say(
@@ -317,7 +338,7 @@ class StableCheckpoint(keras.callbacks.Callback):
             self._position.epoch_rng = state.rng_state()
             self._order.begin_epoch(saved_data)
 
-    def _skip_batches(self, count) -> None:
+    def _skip_batches(self, count: int) -> None:
         """Draw ``count`` batches (whole executions of ``steps_per_execution`` batches) from
         the data without training on them."""
         self._skip_until = count
@@ -352,7 +373,8 @@ class StableCheckpoint(keras.callbacks.Callback):
         pos = self._position
         before = pos.global_step
         pos.end_execution(self._execution_begin, batch, (self.params or {}).get("steps"))
-        if self.save_freq != "epoch" and pos.global_step // self.save_freq > before // self.save_freq:
+        freq = self.save_freq  # "epoch" or an int (checks.check_arguments)
+        if isinstance(freq, int) and pos.global_step // freq > before // freq:
             self._save_requested = True
         if self.preemption.reached(pos.global_step):
             self._preempt(pos)
@@ -402,10 +424,12 @@ class StableCheckpoint(keras.callbacks.Callback):
             and self._position.epoch < epochs
         )
 
-    def _preempt(self, pos) -> None:
+    def _preempt(self, pos: Position) -> None:
         """A signal came (to any process): save this step, wait until it is written, stop."""
-        steps = (self.params or {}).get("steps")
-        last_batch = bool(steps) and pos.step >= steps  # then the epoch-end checkpoint, at train end
+        steps: int | None = (self.params or {}).get("steps")
+        last_batch = (
+            steps is not None and 0 < steps <= pos.step
+        )  # then the epoch-end checkpoint, at train end
         received = self.preemption.stop(pos.global_step, last_batch)
         if not last_batch:
             self._save()
@@ -421,10 +445,10 @@ class StableCheckpoint(keras.callbacks.Callback):
             pos.epoch_rng = state.rng_state()
             self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
         self._where[pos.global_step] = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"
-        found = {"callbacks": self._callbacks, "state": self._providers()}
+        found: dict[str, Any] = {"callbacks": self._callbacks, "state": self._providers()}
         self.manager.save(pos.global_step, self.model, metrics=self._metrics, epoch=pos.epoch, **found)
 
-    def _saved(self, step, path, secs, blocked_secs) -> None:
+    def _saved(self, step: int, path: str, secs: float, blocked_secs: float | None) -> None:
         where = self._where.pop(step, f"global step {step}")
         if self.verbose:  # the size is read only for the line
             size = self.manager.files.size_of(path)

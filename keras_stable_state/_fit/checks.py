@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import warnings
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import keras
 
@@ -19,6 +20,12 @@ from keras_stable_state import _keras_compat as compat
 from keras_stable_state._manager import orbax_io
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import InexactResumeWarning, StateError
+
+if TYPE_CHECKING:
+    from keras_stable_state._core.report import RestoreReport
+    from keras_stable_state._fit.position import Position
+
+_T = TypeVar("_T")
 
 ON_DATA_CHANGE = ("raise", "restart_epoch")
 # StableCheckpoint.get_config's keys: its constructor arguments but ``callbacks`` and the aliases.
@@ -73,7 +80,9 @@ UNSET = object()
 """The default of a deprecated alias argument: not passed."""
 
 
-def resolve_alias(new_name, new_value, default, old_name, old_value, stacklevel):
+def resolve_alias(
+    new_name: str, new_value: _T, default: object, old_name: str, old_value: Any, stacklevel: int
+) -> _T:
     """The value of the argument ``new_name``, given as ``new_value`` or through its deprecated
     alias ``old_name`` (``old_value``, `UNSET` when not passed), with a
     ``DeprecationWarning`` attributed to the ``stacklevel``-th caller for the alias.
@@ -222,7 +231,7 @@ class EpochBeginGuard:
         self.learning_rate = learning_rate
 
     @classmethod
-    def start(cls, ckpt, position):
+    def start(cls, ckpt: Any, position: Position) -> EpochBeginGuard | None:
         """The guard for a resume inside epoch ``position.epoch`` (``None`` when the
         checkpoint was saved at an epoch boundary or none was restored); issues an
         [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning] per callback of the fit whose
@@ -241,7 +250,7 @@ class EpochBeginGuard:
             _warn(cb, position.epoch, position.step)
         return cls(ckpt.model, _learning_rate(ckpt.model))
 
-    def after_epoch_begin(self):
+    def after_epoch_begin(self) -> None:
         if self.learning_rate is None:
             return
         now = _learning_rate(self.model)
@@ -291,7 +300,9 @@ def _warn_listed_before(ckpt, callbacks, epoch):
 _DATA_FIELDS = ("batch_size", "num_samples", "steps")
 
 
-def check_resume(ckpt, pos, report, read_only):
+def check_resume(
+    ckpt: Any, pos: Position, report: RestoreReport | None, read_only: OSError | None
+) -> EpochBeginGuard | None:
     """The train-begin checks of ``ckpt`` after its restore (``report``: the restore's, or
     ``None``): the data size (``pos.step = 0`` for ``on_data_change="restart_epoch"``) and a
     read-only directory (``read_only``: its error, or ``None``); the guard of the

@@ -11,6 +11,7 @@ each ``stacklevel`` attributes its warning to the same frame as before the split
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -20,6 +21,9 @@ from keras_stable_state import _state as state
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_tree, tracked_optimizers
 from keras_stable_state.errors import InexactResumeWarning
+
+if TYPE_CHECKING:
+    from keras_stable_state._fit.position import Position
 
 
 def opaque(cb) -> bool:
@@ -31,7 +35,7 @@ def opaque(cb) -> bool:
     return not type(cb).__module__.startswith(("keras.", "keras_stable_state."))
 
 
-def inspect_input():
+def inspect_input() -> Any:
     """The ``fit`` input whose own state is saved (a ``PyDataset`` with ``get_state``
     and ``set_state``), or ``None``; warns for inputs a resume cannot replay."""
     adapter = compat.fit_data_adapter()
@@ -89,7 +93,10 @@ def inspect_input():
     return None
 
 
-def warn_inexact_resume(ckpt, record, position, shuffle, writer):
+# ``ckpt`` below is the StableCheckpoint (Any: callback imports this module).
+def warn_inexact_resume(
+    ckpt: Any, record: Any, position: Position, shuffle: bool | str, writer: str | None
+) -> None:
     """Warn, at train begin, for a resume whose data or random draws cannot be those
     of an uninterrupted run: a mid-epoch checkpoint of shuffled arrays written before
     the epoch's order was saved, and a resume on another backend than the writer's of a
@@ -193,7 +200,7 @@ def warn_unknown_callbacks(ckpt):
         )
 
 
-def warn_unsaved_callbacks(ckpt, callbacks):
+def warn_unsaved_callbacks(ckpt: Any, callbacks: dict[str, Any]) -> None:
     """Warn for each stateful callback of this ``fit`` (but ``ckpt``) not among
     ``callbacks`` (``{name: callback}``, those ``ckpt`` saves): a resume restarts it
     fresh (e.g. EarlyStopping's ``wait`` and ``best``)."""
@@ -217,7 +224,7 @@ def warn_unsaved_callbacks(ckpt, callbacks):
         )
 
 
-def warn_counter_limit(model, position, params):
+def warn_counter_limit(model: keras.Model, position: Position, params: dict[str, Any] | None) -> None:
     """Warn, at train begin, when the batches this ``fit`` plans (``params``: its
     ``epochs`` and ``steps``, from ``position`` on) would take an optimizer's
     ``iterations`` counter past its integer dtype's maximum: Keras keeps it as ``int32`` on

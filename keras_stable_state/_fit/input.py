@@ -22,6 +22,8 @@ kept by Keras:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
@@ -47,7 +49,7 @@ class EpochOrder:
             current epoch began (``0`` when each epoch starts a fresh iterator).
     """
 
-    def __init__(self, epoch_iterator=None):
+    def __init__(self, epoch_iterator: Any = None) -> None:
         self.epoch_iterator = epoch_iterator
         self._arrays = None
         self.shuffle = False

@@ -5,25 +5,32 @@ facts) and the model's metric variables (for a mid-epoch resume: `Metrics`, defi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from keras_stable_state import _state as state
-from keras_stable_state._state.metrics import Metrics  # noqa: F401 (the provider StableCheckpoint saves)
+from keras_stable_state._state.metrics import Metrics as Metrics  # the provider StableCheckpoint saves
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 
 
 class Position:
     """Epoch, step within the epoch and global step, as a state provider."""
 
-    def __init__(self, steps_per_execution=1):
+    def __init__(self, steps_per_execution: int = 1) -> None:
         self.epoch = 0
         self.step = 0
         self.global_step = 0
-        self.epoch_rng = None
+        self.epoch_rng: Any = None
         self.steps_per_execution = steps_per_execution
-        self.data = None  # this fit's batch_size, num_samples, steps (see checks.live_data)
-        self.saved_data = None  # the checkpoint's, or None (saved before they were recorded)
+        self.data: dict[str, Any] | None = (
+            None  # this fit's batch_size, num_samples, steps (see checks.live_data)
+        )
+        self.saved_data: dict[str, Any] | None = (
+            None  # the checkpoint's, or None (saved before they were recorded)
+        )
         # A run its callbacks stopped (EarlyStopping, model.stop_training): {"epoch", "epochs",
         # "global_step"} of the stop (the fit's epochs then), else None; never a preemption's.
-        self.stopped = None
+        self.stopped: dict[str, Any] | None = None
 
     def get_state(self):
         out = {
@@ -38,7 +45,7 @@ class Position:
             out["stopped"] = self.stopped
         return out
 
-    def end_execution(self, begin, batch, steps):
+    def end_execution(self, begin: int, batch: int, steps: int | None) -> None:
         """Count an execution of the batches ``begin`` to ``batch`` (the indices Keras gives
         its first and last batch) in ``step`` and ``global_step``; with ``steps`` (batches
         per epoch, or ``None``), the epoch's last execution may hold fewer batches."""
@@ -95,7 +102,7 @@ class Position:
         self.stopped = value.get("stopped")
 
 
-def numeric_logs(logs) -> dict:
+def numeric_logs(logs: Mapping[str, Any] | None) -> dict[str, float]:
     """The values of ``logs`` (of a batch or epoch end) that are numbers: the metrics the
     next save records."""
     out = {}

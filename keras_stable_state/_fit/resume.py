@@ -6,12 +6,22 @@ restored at train begin (by the [`CheckpointManager`][keras_stable_state.Checkpo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
 from keras_stable_state._fit.position import Metrics
 from keras_stable_state._manager import directory as checkpoint_dir
 from keras_stable_state.errors import StateError
+
+if TYPE_CHECKING:
+    import keras
+
+    from keras_stable_state._core.report import RestoreReport
+    from keras_stable_state._fit.input import EpochOrder
+    from keras_stable_state._fit.position import Position
 
 
 def report_newest(ckpt, restored, pos, epochs, say) -> bool:
@@ -58,7 +68,16 @@ def stopped_run(ckpt, pos, epochs) -> bool:
     return True
 
 
-def apply_pending(record, report, callbacks, model, position, order, fit_input, skip_batches):
+def apply_pending(
+    record: Any,
+    report: RestoreReport | None,
+    callbacks: dict[str, Any],
+    model: keras.Model,
+    position: Position,
+    order: EpochOrder,
+    fit_input: Any,
+    skip_batches: Callable[[int], None],
+) -> tuple[Any, Any]:
     """Put back what the restore at train begin left for the first epoch begin.
 
     Everything is checked first (callback states, both random states, metric values,
@@ -116,7 +135,7 @@ def apply_pending(record, report, callbacks, model, position, order, fit_input, 
     return saved_data, None
 
 
-def apply_callback_states(record, report, callbacks):
+def apply_callback_states(record: Any, report: RestoreReport | None, callbacks: dict[str, Any]) -> None:
     """Put back the saved states of ``callbacks`` (``{name: callback}``) from ``record``, all
     checked before any is set: a resumed ``fit`` with no epoch left to train (its run was
     complete) runs no epoch begin, so `apply_pending` never runs; its ``History``

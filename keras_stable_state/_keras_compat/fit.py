@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 import threading
+from types import FrameType
+from typing import Any
 
 import keras
 
@@ -58,7 +60,7 @@ def skip_batches(model, count: int, per_call: int = 1) -> None:
     model.train_function = skip
 
 
-def fit_epoch_iterator():
+def fit_epoch_iterator() -> Any:
     """The ``EpochIterator`` of the ``fit`` call running in this thread, or ``None``.
 
     Keras gives a callback no handle on ``fit``'s inputs: this looks up the call stack
@@ -77,7 +79,7 @@ def fit_epoch_iterator():
     return None
 
 
-def fit_frame():
+def fit_frame() -> FrameType | None:
     """The frame of the ``fit`` call running in this thread (found as `fit_epoch_iterator`
     finds its iterator), or ``None``: a caller learns later whether that ``fit`` still runs
     by looking for the frame on the stack."""

@@ -253,7 +253,15 @@ def _lexists(name, folder_fd) -> bool:
     return True
 
 
-def warn_unreadable(directory, skipped, moved, restored, where, writer="StableCheckpoint", stacklevel=2):
+def warn_unreadable(
+    directory: str,
+    skipped: list[tuple[str, str]],
+    moved: list[tuple[str, str | None]],
+    restored: str | None,
+    where: str,
+    writer: str = "StableCheckpoint",
+    stacklevel: int = 2,
+) -> None:
     """Issue the [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning] naming each
     unreadable checkpoint moved aside (``skipped``: ``(path, reason)``, ``moved``:
     ``(path, new path or None)``) and the one ``restored`` (``where`` describes its

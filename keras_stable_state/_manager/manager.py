@@ -6,7 +6,7 @@ import errno
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import keras
 
@@ -38,8 +38,11 @@ if TYPE_CHECKING:
     from keras_stable_state._engines.background import SaveHandle
 
 
-_CONFIG_NAMES = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background", "verbose")
-_CONFIG_NAMES += ("storage_options",)
+_REPR_NAMES = ("directory", "max_to_keep", "keep_best", "monitor", "mode", "save_on_background")
+_CONFIG_NAMES = (*_REPR_NAMES, "verbose", "storage_options")
+_Info = dict[str, Any]  # the manager's record of a save: step, epoch, metrics, wall time...
+# A checkpoint's (metadata, manager record, format version), read once per written file.
+_Summary = tuple[dict[str, Any], _Info, "int | None"]
 
 
 class CheckpointManager(DirectoryHolder):
@@ -127,29 +130,33 @@ class CheckpointManager(DirectoryHolder):
         self.save_on_background = save_on_background
         self.verbose = int(verbose)
         self.name = "CheckpointManager"
-        self.restored_step = None
-        self.skipped_checkpoints = []
-        self.moved_checkpoints = []
+        self.restored_step: int | None = None
+        self.skipped_checkpoints: list[tuple[str, str]] = []
+        self.moved_checkpoints: list[tuple[str, str | None]] = []
         self.removed_temporary_files = []
-        self.last_save = None
-        self.on_saved = None
+        self.last_save: SaveHandle | None = None
+        self.on_saved: Callable[[int, str, float, float | None], None] | None = None
         self._token = files.new_token()
         self._lock = None
         self._finalizer = None
-        self._in_flight = None  # (handle, step, info) of the background save not yet collected
-        self._summaries = {}  # path -> (file identity, (metadata, record, version))
-        self._guard = None  # the PreemptionGuard of preemption_guard(), once made
+        self._in_flight: tuple[SaveHandle, int, _Info] | None = None  # the save not yet collected
+        self._summaries: dict[str, tuple[Any, _Summary]] = {}  # path -> (file identity, summary)
+        self._guard: PreemptionGuard | None = None  # the PreemptionGuard of preemption_guard(), once made
         self._read = shared.agreed(orbax_io.read if self.files is files else self.files.read)
-        self.abandoned_checkpoints = []
-        self._timeline_from = None  # the step restored, until the save after it (see save)
-        self._last_saved = None  # the step this manager saved last
+        self.abandoned_checkpoints: list[tuple[str, str]] = []
+        self._timeline_from: int | None = None  # the step restored, until the save after it (see save)
+        self._last_saved: int | None = None  # the step this manager saved last
 
-    def get_config(self) -> dict:
+    def __repr__(self) -> str:
+        options = ", ".join(f"{name}={getattr(self, name)!r}" for name in _REPR_NAMES)
+        return f"<{type(self).__name__} {options}>"
+
+    def get_config(self) -> dict[str, Any]:
         """The constructor arguments: ``{"directory", "max_to_keep", "keep_best", "monitor",
         "mode", "save_on_background", "verbose", "storage_options"}``."""
         return {name: getattr(self, name) for name in _CONFIG_NAMES}
 
-    def _say(self, message) -> None:
+    def _say(self, message: str) -> None:
         if self.verbose:
             compat.print_msg(f"{self.name}: {message}")
 
@@ -163,11 +170,13 @@ class CheckpointManager(DirectoryHolder):
         return entered_guard(self._guard, f"{self.name}({self.directory!r})", step).reached_preemption(step)
 
     # -- listing ----------------------------------------------------------------------------
-    def checkpoints(self) -> list:
+    def checkpoints(self) -> list[str]:
         """Paths of the checkpoints in the directory (``ckpt-<10 digits>.h5``), newest first."""
-        return self.files.checkpoints(self.directory)
+        return cast(
+            "list[str]", self.files.checkpoints(self.directory)
+        )  # files: a module, or RemoteDirectory
 
-    def all_steps(self) -> list:
+    def all_steps(self) -> list[int]:
         """The steps of the checkpoints in the directory, oldest first, from their sealed records
         (a misnamed file left out, a damaged one by its name: see ``timeline.steps_by_path``)."""
         return sorted(timeline.steps_by_path(self).values())
@@ -177,14 +186,14 @@ class CheckpointManager(DirectoryHolder):
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def _summary(self, path):
+    def _summary(self, path: str) -> _Summary:
         """``(metadata, record, version)`` of ``path``, read once per written file."""
         key = self.files.identity(path)
         cached = self._summaries.get(path)
         if cached is not None and key is not None and cached[0] == key:
             return cached[1]
         metadata, extra, version = self.files.read_summary(path)
-        summary = (metadata, record_of(extra), version)
+        summary: _Summary = (metadata, record_of(extra), version)
         self._summaries[path] = (key, summary)
         return summary
 
@@ -218,7 +227,7 @@ class CheckpointManager(DirectoryHolder):
         check_named_step(path, summary[1])
         return metadata_of(step, path, summary, self.files.size_of(path))
 
-    def _path(self, step):
+    def _path(self, step: int) -> str:
         path = files.path_of(self.directory, step)
         if not self.files.exists(path):
             raise FileNotFoundError(
@@ -286,7 +295,7 @@ class CheckpointManager(DirectoryHolder):
         self._collect(wait=True)
         timeline.before_save(self, step, new_timeline)
         path = files.path_of(self.directory, step)
-        info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
+        info: _Info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
         if self.monitor is not None:  # read by `keras-stable-state ls` to name the best
             info.update(monitor=self.monitor, mode=self._direction)
         started = time.perf_counter()
@@ -300,7 +309,7 @@ class CheckpointManager(DirectoryHolder):
             storage_options=self.files.STORAGE_OPTIONS,
             **state,
         )
-        if self.save_on_background:
+        if not isinstance(result, str):  # save_on_background: the handle of the write
             self.last_save = result
             self._in_flight = (result, step, info)
             return result
@@ -320,7 +329,7 @@ class CheckpointManager(DirectoryHolder):
         (a ``StableCheckpoint`` starting a new ``fit``: the error belonged to the earlier one)."""
         self._in_flight = None
 
-    def _collect(self, wait) -> None:
+    def _collect(self, wait: bool) -> None:
         in_flight = self._in_flight
         if in_flight is None:
             return
@@ -329,14 +338,16 @@ class CheckpointManager(DirectoryHolder):
             return
         self._in_flight = None
         handle.wait()
-        self._saved(step, handle.path, info, handle.write_secs, handle.blocked_secs)
+        secs = handle.write_secs
+        assert secs is not None  # set once the write succeeded (wait raised otherwise)
+        self._saved(step, handle.path, info, secs, handle.blocked_secs)
 
-    def _saved(self, step, path, info, secs, blocked_secs) -> None:
+    def _saved(self, step: int, path: str, info: _Info, secs: float, blocked_secs: float | None) -> None:
         self.files.commit(path, step, info)
         self._last_saved = step
         # What this manager just sealed into the file, known without reading it back; kept
         # while the file is the one written (its identity), read from the file otherwise.
-        summary = ({"backend": keras.backend.backend()}, dict(info), storage.FORMAT_VERSION)
+        summary: _Summary = ({"backend": keras.backend.backend()}, dict(info), storage.FORMAT_VERSION)
         self._summaries[path] = (self.files.identity(path), summary)
         processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # JAX: process 0
         if self.on_saved is not None:
@@ -344,7 +355,7 @@ class CheckpointManager(DirectoryHolder):
         elif self.verbose:
             self._say(saved_message(path, f"step {step}", self.files.size_of(path), secs, blocked_secs))
 
-    def prune(self, newest: str | None = None) -> list:
+    def prune(self, newest: str | None = None) -> list[str]:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
         them) and the best ``keep_best``; the paths removed."""
         if self.max_to_keep is None:
@@ -352,7 +363,7 @@ class CheckpointManager(DirectoryHolder):
         # by the step of each record; a file whose record names another step is neither
         # counted nor removed (the next restore moves it aside)
         steps = timeline.steps_by_path(self)
-        paths = sorted(steps, key=steps.get, reverse=True)
+        paths = sorted(steps, key=lambda path: steps[path], reverse=True)
         newest_step = None if newest is None else files.step_of(newest)
         best = timeline.best_steps(self, paths, self.keep_best) if self.keep_best else []
         kept = policy.kept_steps([steps[p] for p in paths], newest_step, self.max_to_keep, best)
@@ -407,11 +418,11 @@ class CheckpointManager(DirectoryHolder):
         self._collect(wait=True)
         self.restored_step = None
         if step == "latest":
-            restored = {}
+            restored: dict[str, RestoreReport] = {}
 
-            def restore(path, record) -> None:
+            def restore(path: str, record: Any) -> None:
                 # the record was read for this restore alone: its arrays may become the variables'
-                restored["report"] = checkpoint.restore_with(path, model, options, record=record, take=True)
+                restored["report"] = _restore_now(path, model, options, record)
 
             path = self.restore_newest_with(restore)
             if self.skipped_checkpoints:
@@ -424,18 +435,11 @@ class CheckpointManager(DirectoryHolder):
                 return None
             report = restored["report"]
         else:
-            if step == "best":
-                step = self.best_step()
-                if step is None:
-                    raise FileNotFoundError(
-                        errno.ENOENT,
-                        f"No checkpoint in {self.directory!r} has a finite {self.monitor!r} metric (its "
-                        f"steps are {self.all_steps()}): there is no best to restore.",
-                        self.directory,
-                    )
-            path = self._path(step)
-            record = timeline.read_named(self, path)
-            report = checkpoint.restore_with(path, model, options, record=record, take=True)
+            number = step if isinstance(step, int) else self.best_step()  # an int, or "best"
+            if number is None:
+                raise _no_best(self)
+            path = self._path(number)
+            report = _restore_now(path, model, options, timeline.read_named(self, path))
         self.restored_step = files.step_of(path)
         self._timeline_from, self._last_saved = self.restored_step, None
         self._say(f"restored {path} (step {self.restored_step})")
@@ -470,7 +474,7 @@ class CheckpointManager(DirectoryHolder):
         self._collect(wait=True)
         self.skipped_checkpoints, self.moved_checkpoints = [], []
 
-        def moved(path, err) -> None:
+        def moved(path: str, err: BaseException) -> None:
             if unreadable is not None:
                 unreadable(path, err)
             self.skipped_checkpoints.append((path, str(err)))
@@ -481,7 +485,7 @@ class CheckpointManager(DirectoryHolder):
 
         # JAX: the checkpoints process 0 lists, each read by every process alike
         paths = shared.checkpoints(self.files, self.directory)
-        path = self.files.restore_newest(
+        path: str | None = self.files.restore_newest(
             paths,
             self.directory,
             restore,
@@ -495,7 +499,27 @@ class CheckpointManager(DirectoryHolder):
         return path
 
 
-def wait_for_earlier_saves(directory) -> None:
+def _restore_now(
+    path: str, model: keras.Model, options: checkpoint.RestoreOptions, record: Any
+) -> RestoreReport:
+    """Restore ``record`` (read from ``path`` for this restore alone: its arrays may become the
+    variables') into ``model``."""
+    return cast(  # without defer, restore_with restores now: a RestoreReport
+        "RestoreReport", checkpoint.restore_with(path, model, options, record=record, take=True)
+    )
+
+
+def _no_best(mgr: CheckpointManager) -> FileNotFoundError:
+    """The error of ``restore(step="best")`` where no checkpoint has a finite ``monitor`` value."""
+    return FileNotFoundError(
+        errno.ENOENT,
+        f"No checkpoint in {mgr.directory!r} has a finite {mgr.monitor!r} metric (its "
+        f"steps are {mgr.all_steps()}): there is no best to restore.",
+        mgr.directory,
+    )
+
+
+def wait_for_earlier_saves(directory: str) -> None:
     """Wait for a background save into ``directory`` begun by an earlier manager (its error
     belonged to that manager)."""
     background.wait_for_folder(background.folder_of(files.path_of(directory, 0)))

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
 
 from keras_stable_state import _processes
 from keras_stable_state.errors import StateError
@@ -78,9 +81,15 @@ class PreemptionGuard:
             entered (a ``signal.Signals``), or ``None``.
     """
 
-    def __init__(self, signals=DEFAULT_SIGNALS, *, owner="CheckpointManager", fit_frame=None):
+    def __init__(
+        self,
+        signals: Sequence[int] = DEFAULT_SIGNALS,
+        *,
+        owner: str = "CheckpointManager",
+        fit_frame: FrameType | None = None,
+    ) -> None:
         self.signals = check_signals(signals)
-        self.signal_received = None
+        self.signal_received: signal.Signals | None = None
         self._owner = owner
         self._fit_frame = fit_frame  # StableCheckpoint's: the fit that ends without on_train_end
         self._previous = None
@@ -174,7 +183,7 @@ class PreemptionGuard:
         )
 
 
-def entered_guard(guard, owner, step) -> PreemptionGuard:
+def entered_guard(guard: PreemptionGuard | None, owner: str, step: int) -> PreemptionGuard:
     """``guard`` if it is entered.
 
     Raises:
@@ -205,21 +214,21 @@ class FitPreemption:
     """The preemption state of a ``StableCheckpoint``: its options, the guard of the ``fit``
     running, and what the last ``fit`` saw (see the callback's docstring)."""
 
-    def __init__(self, enabled, signals):
+    def __init__(self, enabled: bool, signals: Sequence[int]) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"`save_on_preemption` must be a bool. Received: save_on_preemption={enabled!r}")
         self.enabled = enabled
         self.signals = tuple(int(s) for s in check_signals(signals, "preemption_signals"))
-        self.guard = None
+        self.guard: PreemptionGuard | None = None
         self.handled = False  # whether the fit running (or the last one) had the handlers
-        self.step = None  # the global step saved for a preemption, or None
+        self.step: int | None = None  # the global step saved for a preemption, or None
         self.at_epoch_end = False  # the signal came at an epoch's last batch: the epoch-end save
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         """``{"save_on_preemption", "preemption_signals"}`` (the signals as ints)."""
         return {"save_on_preemption": self.enabled, "preemption_signals": self.signals}
 
-    def begin(self, fit_frame, say) -> None:
+    def begin(self, fit_frame: FrameType | None, say: Callable[[str], None]) -> None:
         """A ``fit`` begins: enter a guard (off the main thread none: ``say`` tells so)."""
         self.end()  # the handlers of an earlier fit of this callback that raised
         self.step, self.at_epoch_end = None, False
@@ -235,12 +244,12 @@ class FitPreemption:
         if guard is not None:
             guard.uninstall()
 
-    def reached(self, global_step) -> bool:
+    def reached(self, global_step: int) -> bool:
         """Whether to save at ``global_step`` and stop, once per ``fit`` (a collective with
         several JAX processes: every process calls it at every batch end)."""
         return self.guard is not None and self.step is None and self.guard.reached_preemption(global_step)
 
-    def stop(self, global_step, last_batch) -> str:
+    def stop(self, global_step: int, last_batch: bool) -> str:
         """Note the stop at ``global_step`` (``last_batch``: the epoch's last); the signal's name."""
         self.step, self.at_epoch_end = global_step, last_batch
         received = self.guard.signal_received

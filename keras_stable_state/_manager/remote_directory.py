@@ -54,6 +54,9 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
 
 import keras
 
@@ -533,7 +536,9 @@ def refuse_options(storage_options, directory, writer) -> None:
         )
 
 
-def open_directory(directory, storage_options, writer):
+def open_directory(
+    directory: str | bytes | os.PathLike[str], storage_options: Mapping[str, Any] | None, writer: str
+) -> tuple[str, ModuleType | RemoteDirectory]:
     """``(directory, files)`` of a manager: ``directory`` as a ``str`` (a ``file://`` URL
     as the local path it names) and what reads and writes it: the module
     `directory` for a local folder, a

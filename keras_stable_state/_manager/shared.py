@@ -5,7 +5,8 @@ and take its answers. Every function here is a collective (see
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from keras_stable_state import _processes as processes
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
@@ -50,12 +51,12 @@ def move_aside(files, directory, path, writer) -> str | None:
     return processes.share_from_primary(path, lambda: files.move_aside(directory, path, writer))
 
 
-def agreed(read):
+def agreed(read: Callable[[str], Any]) -> Callable[[str], Any]:
     """``read`` (path -> record, e.g. `.directory.read`) made a collective: see `read_agreed`."""
     return lambda path: read_agreed(path, read)
 
 
-def read_agreed(path, read):
+def read_agreed(path: str, read: Callable[[str], Any]) -> Any:
     """The record of ``path`` (``read(path)``); with several JAX processes, once every
     process read it alike, so that all take the same branch of
     `.directory.restore_newest` (restore, move aside, skip or raise).

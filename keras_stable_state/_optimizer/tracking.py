@@ -54,7 +54,7 @@ def tracked_optimizers(model) -> dict:
     return found
 
 
-def stable_optimizer_in(optimizer):
+def stable_optimizer_in(optimizer: object) -> StableOptimizer | None:
     """The [`StableOptimizer`][keras_stable_state.StableOptimizer] an optimizer is or wraps (Keras' mixed-precision
     ``LossScaleOptimizer`` wraps the compiled one), or ``None``."""
     seen = set()
