@@ -80,6 +80,31 @@ def test_every_parameter_has_a_type(reference_html: str) -> None:
     assert untyped == [], f"parameters without a type on the API page: {untyped}"
 
 
+def _attribute_rows(html: str) -> list[tuple[str, str]]:
+    """``(name, type text)`` of each row of every Attributes table (the tables with a Name
+    and a Type column and no Default column; Returns and Raises tables have no Name)."""
+    rows = []
+    for table in re.findall(r"<table>.*?</table>", html, re.S):
+        heads = re.findall(r"<th>(.*?)</th>", table)
+        if heads != ["Name", "Type", "Description"]:
+            continue
+        for row in re.findall(r'<tr class="doc-section-item">(.*?)</tr>', table, re.S):
+            cells = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
+            name, kind = (re.sub(r"<[^>]+>|\s+", " ", cell).strip() for cell in cells[:2])
+            rows.append((name, kind))
+    return rows
+
+
+def test_every_attribute_has_a_type(reference_html: str) -> None:
+    rows = _attribute_rows(reference_html)
+    names = {name for name, _ in rows}
+    assert {"run_stopped", "restored_step", "on_saved"} <= names, (
+        "no Attributes tables found: layout changed?"
+    )
+    untyped = sorted({name for name, kind in rows if not kind})
+    assert untyped == [], f"attributes without a type on the API page (write `name (type): ...`): {untyped}"
+
+
 def test_public_docstrings_are_short() -> None:
     long = {}
     for name in kss.__all__:

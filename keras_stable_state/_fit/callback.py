@@ -80,16 +80,16 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         async_save: Deprecated alias of ``save_on_background``.
 
     Attributes:
-        manager: The [`CheckpointManager`][keras_stable_state.CheckpointManager] of ``directory``.
-        run_complete: ``True`` if the restored checkpoint is at or past ``fit``'s ``epochs``,
+        manager (CheckpointManager): The [`CheckpointManager`][keras_stable_state.CheckpointManager] of ``directory``.
+        run_complete (bool): ``True`` if the restored checkpoint is at or past ``fit``'s ``epochs``,
             or its run was stopped by a callback (see ``resume_stopped``): ``fit`` trains nothing.
-        run_stopped: ``True`` if ``run_complete`` because the run was stopped by a callback.
-        restore_report: The train-begin [`RestoreReport`][keras_stable_state.RestoreReport], or ``None``.
-        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint skipped.
-        moved_checkpoints: ``(path, new path)`` of each, moved into ``unreadable/``.
-        removed_temporary_files: Stale ``.kss-*`` files removed on train begin.
-        reached_preemption: ``True`` once the last ``fit`` saved and stopped for a signal.
-        last_save: The newest background save's [`SaveHandle`][keras_stable_state.SaveHandle], or ``None``.
+        run_stopped (bool): ``True`` if ``run_complete`` because the run was stopped by a callback.
+        restore_report (RestoreReport | None): The train-begin [`RestoreReport`][keras_stable_state.RestoreReport], or ``None``.
+        skipped_checkpoints (list[tuple[str, str]]): ``(path, reason)`` of each unreadable checkpoint skipped.
+        moved_checkpoints (list[tuple[str, str | None]]): ``(path, new path or None)`` of each, moved into ``unreadable/``.
+        removed_temporary_files (list[str]): Stale ``.kss-*`` files removed on train begin.
+        reached_preemption (bool): ``True`` once the last ``fit`` saved and stopped for a signal.
+        last_save (SaveHandle | None): The newest background save's [`SaveHandle`][keras_stable_state.SaveHandle], or ``None``.
 
     Every argument, attribute and error in full: [in detail](how-to/resume-fit.md#arguments-of-stablecheckpoint-in-full).
 
@@ -190,9 +190,9 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         """The constructor arguments but ``callbacks`` (live objects: pass them again).
 
         Returns:
-            ``{"directory", "save_freq", "max_to_keep", "verbose", "save_on_background",
-            "on_data_change", "monitor", "mode", "keep_best", "storage_options",
-            "save_on_preemption", "preemption_signals"}`` (the signals as ints).
+            The dict ``{"directory", "save_freq", "max_to_keep", "verbose", "save_on_background",
+                "on_data_change", "monitor", "mode", "keep_best", "storage_options",
+                "save_on_preemption", "preemption_signals"}`` (the signals as ints).
         """
         config = {name: getattr(self, name) for name in _fit_checks.CONFIG_NAMES}
         return {**config, **self.preemption.config()}

@@ -82,15 +82,19 @@ class CheckpointManager(DirectoryHolder):
         storage_options: fsspec options for an object-store URL, or ``None``.
 
     Attributes:
-        restored_step: The step the last ``restore`` restored, or ``None``.
-        abandoned_checkpoints: ``(path, new path)`` of each checkpoint of an abandoned
-            timeline, moved into ``abandoned/`` by a save (see ``save``).
-        skipped_checkpoints: ``(path, reason)`` of each unreadable checkpoint skipped.
-        moved_checkpoints: ``(path, new path)`` of each, moved into ``unreadable/``.
-        removed_temporary_files: Stale ``.kss-*`` files removed when the lock was taken.
-        last_save: The newest background save's [`SaveHandle`][keras_stable_state.SaveHandle], or ``None``.
-        on_saved: ``None``, or ``(step, path, write_secs, blocked_secs)`` called per save.
-        files, storage_options, name: The directory's reader, its options, the writer's name.
+        restored_step (int | None): The step the last ``restore`` restored, or ``None``.
+        abandoned_checkpoints (list[tuple[str, str]]): ``(path, new path)`` of each checkpoint of
+            an abandoned timeline, moved into ``abandoned/`` by a save (see ``save``).
+        skipped_checkpoints (list[tuple[str, str]]): ``(path, reason)`` of each unreadable checkpoint skipped.
+        moved_checkpoints (list[tuple[str, str | None]]): ``(path, new path)`` of each, moved into
+            ``unreadable/`` (``None`` where it could not be moved).
+        removed_temporary_files (list[str]): Stale ``.kss-*`` files removed when the lock was taken.
+        last_save (SaveHandle | None): The newest background save's [`SaveHandle`][keras_stable_state.SaveHandle], or ``None``.
+        on_saved (Callable[[int, str, float, float | None], None] | None): ``None``, or
+            ``(step, path, write_secs, blocked_secs)`` called per save.
+        files (ModuleType | RemoteDirectory): What reads and writes the directory.
+        storage_options (dict | None): The fsspec options of an object-store directory.
+        name (str): The writer's name in messages and lock files.
 
     Raises:
         ValueError: On construction, for an invalid argument (named in the message).
