@@ -340,6 +340,7 @@ def test_config_round_trips_with_async_save(tmp_path):
         "storage_options": None,
         "save_on_preemption": True,
         "preemption_signals": (int(signal.SIGTERM),),
+        "resume_stopped": False,
     }
     assert kss.StableCheckpoint.from_config(config).get_config() == config
     with pytest.raises(TypeError, match="save_on_background"):
