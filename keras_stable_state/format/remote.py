@@ -174,11 +174,12 @@ def refuse_url(path: object, what: str = "path", advice: str = "") -> None:
     if not is_url(path):
         return
     advice = advice or (
-        "Pass a local path; save_training_state, restore_training_state and the command line "
-        "take object-store URLs."
+        "Pass a local path here. (save_training_state, restore_training_state, CheckpointManager, "
+        "StableCheckpoint and keras-stable-state ls, inspect, verify and diff take object-store URLs "
+        "of .h5 and .keras objects and of checkpoint directories.)"
     )
     raise CheckpointFormatError(
-        f"The {what} {path!r} is a URL ({scheme_of(path)}://), not a local path, and this call "
+        f"The {what} {path!r} is a URL ({scheme_of(path)}://), not a local path, and this step "
         f"reads and writes local files only; it was not used as one (no local folder named after "
         f"the scheme was made). {advice}",
         expected="a local path",
