@@ -90,7 +90,7 @@ def hooked(environ, start_response):
                 f"{rule['status']} Injected",
                 [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
             )
-            return [body]
+            return [b"" if environ.get("REQUEST_METHOD") == "HEAD" else body]  # HEAD: headers only
     return app(environ, start_response)
 
 
