@@ -309,8 +309,8 @@ def test_a_failed_lock_release_is_retried_and_never_locks_out_this_process(bucke
     assert json.loads(remote.RemotePath(lock_url, options).read_bytes())["pid"] == os.getpid()
     # ... in a `with` block that raised, the note says what failed (no background save ran)
     with pytest.raises(ZeroDivisionError) as raised:
-        with kss.CheckpointManager(url, storage_options=options) as mgr:
-            mgr.save(2, model)
+        with kss.CheckpointManager(url, storage_options=options) as mgr:  # takes its own lock object over
+            assert mgr.locked
             1 / 0  # noqa: B018
     notes = " ".join(getattr(raised.value, "__notes__", []))
     assert "releasing the directory's lock failed as well" in notes and "background save" not in notes
