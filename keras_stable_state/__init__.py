@@ -50,6 +50,8 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
         NewerFormatError,
         StateError,
         StorageBackendError,
+        StorageError,
+        StoragePermissionError,
         UnreadableCheckpointWarning,
     )
 
@@ -79,6 +81,8 @@ __all__ = [
     "StateError",
     "StateMapper",
     "StorageBackendError",
+    "StorageError",
+    "StoragePermissionError",
     "TrainableContract",
     "UnreadableCheckpointWarning",
     "InexactResumeWarning",
@@ -123,6 +127,8 @@ _SOURCES = {
     "MalformedKeyError": "errors",
     "NewerFormatError": "errors",
     "StorageBackendError": "errors",
+    "StorageError": "errors",
+    "StoragePermissionError": "errors",
     "StateError": "errors",
 }
 

@@ -24,6 +24,8 @@ __all__ = [
     "MalformedKeyError",
     "CheckpointInUseError",
     "StorageBackendError",
+    "StorageError",
+    "StoragePermissionError",
     "UnreadableCheckpointWarning",
     "InexactResumeWarning",
 ]
@@ -288,6 +290,44 @@ class StorageBackendError(StateError, ImportError):
         self.path = path
         self.scheme = scheme
         self.package = package
+
+
+class StorageError(StateError, OSError):
+    """An object store (``s3://``, ``gs://``, ``az://``...) failed an operation: saving,
+    listing, reading, removing (pruning), taking or releasing the lock of a checkpoint
+    directory. The store did not answer (the server gone, a timeout), answered with an
+    error (an HTTP 5xx), or its library raised (botocore's ``EndpointConnectionError``...);
+    that exception is kept as ``__cause__``. An ``OSError``, whatever the store library
+    raised, so ``except OSError`` catches every failure of a store.
+
+    What was in the store before is as it was, unless the message says otherwise (an
+    object appears only once its upload completes): save again once the store is back.
+
+    Attributes:
+        url: The object's or folder's URL.
+        operation: What was being done (``"upload"``, ``"list"``, ``"read"``,
+            ``"remove"``, ``"lock"``, ``"release the lock"``...).
+
+    Example:
+        >>> mgr.save(7, model)   # the S3 endpoint stopped answering
+        StorageError: Could not upload 's3://bucket/run/ckpt-0000000007.h5' (upload): the store did not answer (EndpointConnectionError: ...) ...
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, operation: str | None = None) -> None:
+        super().__init__(message, received=url)
+        self.url = url
+        self.operation = operation
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """An object store refused the credentials (or had none) for an operation on a URL: a
+    [`StorageError`][keras_stable_state.StorageError] and a ``PermissionError``. The message
+    names the URL and where the store's library takes its credentials from.
+
+    Example:
+        >>> kss.restore_training_state("s3://bucket/run.h5", model)   # a wrong secret key
+        StoragePermissionError: The store refused the credentials to read 's3://bucket/run.h5' (Forbidden) ...
+    """
 
 
 # -- warnings (StableCheckpoint, on train begin) --------------------------------------------

@@ -29,6 +29,8 @@ PUBLIC = [
     "StateError",
     "StateMapper",
     "StorageBackendError",
+    "StorageError",
+    "StoragePermissionError",
     "TrainableContract",
     "UnreadableCheckpointWarning",
     "InexactResumeWarning",
@@ -62,6 +64,9 @@ def test_all_is_pinned():
         (kss.MalformedKeyError, ValueError),
         (kss.ScheduleMismatchError, ValueError),
         (kss.StorageBackendError, ImportError),
+        (kss.StorageError, OSError),
+        (kss.StoragePermissionError, PermissionError),
+        (kss.StoragePermissionError, kss.StorageError),
     ],
 )
 def test_errors_share_one_base_and_a_builtin(cls, builtin):

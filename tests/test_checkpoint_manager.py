@@ -348,3 +348,35 @@ def test_a_finished_run_run_again_returns_the_restored_history_and_says_it_is_co
     for key, values in history.history.items():
         np.testing.assert_allclose(rerun.history[key], values, rtol=1e-6)
     assert "is complete (epoch 2 of 2" in capsys.readouterr().out
+
+
+_EXIT_CHILD = """
+import sys, keras, numpy as np, keras_stable_state as kss
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+mgr = kss.CheckpointManager(sys.argv[1], max_to_keep=2, save_on_background=True)
+for step in (1, 2, 3):
+    for v in model.weights:
+        v.assign(np.full(v.shape, step, "float32"))
+    mgr.save(step, model, include_rng=False)
+print("SAVED", flush=True)  # no close(), no wait(): a normal exit
+"""
+
+
+def test_a_background_save_pending_at_exit_is_completed_and_pruned(tmp_path):
+    """``save_on_background=True, max_to_keep=2`` and no ``close()``: at a normal exit the
+    pending save completes and the retention policy applies (two checkpoints, not three),
+    and the lock is released."""
+    folder = tmp_path / "ck"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "KERAS_BACKEND": keras.backend.backend()}
+    done = subprocess.run([sys.executable, "-c", _EXIT_CHILD, str(folder)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "SAVED" in done.stdout, done.stderr[-3000:]
+    assert "pending at exit failed" not in done.stderr
+    assert sorted(os.listdir(folder)) == ["ckpt-0000000002.h5", "ckpt-0000000003.h5"]
+    mgr = kss.CheckpointManager(folder, max_to_keep=2)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    mgr.restore(model, include_rng=False)
+    assert mgr.restored_step == 3
+    np.testing.assert_array_equal(np.array(model.weights[0]), np.full((4, 3), 3, "float32"))
+    mgr.close()

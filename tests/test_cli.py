@@ -571,18 +571,30 @@ def test_ls_lists_steps_metrics_status_the_resume_and_the_best(capsys, files, tm
     raw[-200] ^= 0xFF
     newest.write_bytes(bytes(raw))
     os.mkfifo(folder / "ckpt-0000000004.h5")
+    import socket
+
+    sock, cwd = socket.socket(socket.AF_UNIX), os.getcwd()
+    os.chdir(folder)  # a relative name: a socket's path is at most ~100 characters
+    try:
+        sock.bind("ckpt-0000000005.h5")
+    finally:
+        os.chdir(cwd)
     (folder / ".kss-0123abcd.h5").write_bytes(b"partial")
     code, out, err = _run(capsys, "ls", folder, "--json")
     doc = json.loads(out)
     assert code == 0 and err == ""
     assert [(r["step"], r["status"]) for r in doc["checkpoints"]] == [
+        (5, "unreadable"),
         (4, "unreadable"),
         (3, "damaged"),
         (2, "ok"),
         (1, "ok"),
         (None, "incomplete"),
     ]
-    assert "FIFO" in doc["checkpoints"][0]["reason"] and "seal" in doc["checkpoints"][1]["reason"]
+    assert (
+        "is a socket" in doc["checkpoints"][0]["reason"] and "damaged" not in doc["checkpoints"][0]["reason"]
+    )
+    assert "FIFO" in doc["checkpoints"][1]["reason"] and "seal" in doc["checkpoints"][2]["reason"]
     assert doc["resume_step"] == 2 and doc["best_step"] == 2
     assert doc["resume"].startswith("fit resumes from step 2")
     code, out, _ = _run(capsys, "ls", folder)  # text; `inspect DIR` is the same listing
@@ -597,6 +609,7 @@ def test_ls_lists_steps_metrics_status_the_resume_and_the_best(capsys, files, tm
         with kss.CheckpointManager(folder, max_to_keep=None, monitor="loss") as mgr:
             mgr.restore(model)
             assert mgr.restored_step == 2
+    sock.close()
     # a file, and a missing path, are refused once
     code, out, err = _run(capsys, "ls", newest.with_name("ckpt-0000000002.h5"), "--json")
     assert code == 2 and err == "" and json.loads(out)["error"]["kind"] == "unreadable"

@@ -38,6 +38,8 @@ NEEDS = {
     "kss.MalformedKeyError": "needs a damaged file",
     "kss.NewerFormatError": "needs a file written by a newer keras_stable_state",
     "kss.StorageBackendError": "needs gcsfs not installed (with it, the sketch would reach the real gs:// store)",
+    "kss.StorageError": "needs an object store that stops answering (`mgr`)",
+    "kss.StoragePermissionError": "needs an object store that refuses the credentials",
     "kss.PendingRestore": "needs the reader's `build_model()`",
     "kss.QuantizeMapper": "needs the reader's `momentum_array`",
     "kss.ScheduleMismatchError": "needs a model whose schedule differs from the saved one",

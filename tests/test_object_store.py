@@ -737,3 +737,54 @@ def test_a_step_saved_again_replaces_its_checkpoint_in_a_store_without_etags():
     _assert_state(target, expected)
     mgr.close()
     assert remote.RemotePath(url).list() == [*_marked(1), *_marked(2)]
+
+
+def test_cli_lists_inspects_and_refuses_to_verify_an_s3_directory(bucket, capsys):
+    """``ls`` and ``inspect`` take the URL of a checkpoint directory as they take a local
+    folder (committed checkpoints by their markers, the newest read whole, an object without
+    its marker as incomplete); ``verify`` refuses it as it refuses a folder, naming ``ls``."""
+    from keras_stable_state.cli import main
+
+    url = f"s3://{bucket}/run"
+    model, rng = _trained(), np.random.default_rng(5)
+    with kss.CheckpointManager(url, max_to_keep=None, monitor="loss") as mgr:
+        for step, loss in ((1, 0.5), (2, 0.2), (3, 0.4)):
+            _step(model, rng)
+            mgr.save(step, model, metrics={"loss": loss})
+    folder = remote.RemotePath(url)
+    folder.child("ckpt-0000000004.h5").put_bytes(folder.child("ckpt-0000000003.h5").read_bytes())  # no marker
+    capsys.readouterr()
+    for command in ("ls", "inspect"):
+        assert main([command, "--json", url]) == 0
+        listing = json.loads(capsys.readouterr().out)
+        rows = [(r["step"], r["status"], r["resume"], r["best"]) for r in listing["checkpoints"]]
+        assert rows == [(3, "ok", True, False), (2, "ok", False, True), (1, "ok", False, False),
+                        (None, "incomplete", False, False)], rows  # fmt: skip
+        assert listing["directory"] == url and listing["resume_step"] == 3 and listing["best_step"] == 2
+        assert (
+            listing["checkpoints"][0]["verified"]
+            and listing["checkpoints"][0]["file"] == f"{url}/ckpt-0000000003.h5"
+        )
+        assert listing["checkpoints"][0]["size_bytes"] == folder.child("ckpt-0000000003.h5").size()
+        assert listing["checkpoints"][-1]["file"] == f"{url}/ckpt-0000000004.h5"
+    assert main(["ls", url]) == 0
+    assert "fit resumes from step 3" in capsys.readouterr().out
+    assert main(["verify", url]) == 2
+    err = capsys.readouterr().err
+    assert url in err and "is a folder of objects" in err and "keras-stable-state ls" in err
+    assert main(["ls", f"s3://{bucket}/none"]) == 2
+    err = capsys.readouterr().err
+    assert f"s3://{bucket}/none" in err and "no objects under this URL" in err
+    assert main(["ls", f"{url}/ckpt-0000000003.h5"]) == 2
+    assert "is an object, not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_the_command_line_lists_a_store_without_keras():
+    """The object-store directory reader the command line uses imports no Keras."""
+    code = (
+        "import sys, keras_stable_state.cli.listing, keras_stable_state._manager.remote_directory\n"
+        "assert 'keras' not in sys.modules, sorted(m for m in sys.modules if m.startswith('keras'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr

@@ -106,10 +106,13 @@ class DirectoryHolder:
         if exc is None:
             self.close()
             return
-        try:
-            self.close()
-        except Exception as err:  # the block's own error is the one raised; this one is told in it
-            if hasattr(exc, "add_note"):  # Python >= 3.11
-                exc.add_note(f"{self.name}: the background save failed as well: {err!r}")
-            else:
-                raise exc from err
+        # the block's own error is the one raised; an error of closing is told in it
+        for failed, step in (("the background save failed as well", self.wait),
+                             ("releasing the directory's lock failed as well", self.release)):  # fmt: skip
+            try:
+                step()
+            except Exception as err:
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(f"{self.name}: {failed}: {err!r}")
+                elif exc.__cause__ is None:
+                    exc.__cause__ = err

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
+import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -44,6 +47,29 @@ _Info = dict[str, Any]  # the manager's record of a save: step, epoch, metrics, 
 # A checkpoint's (metadata, manager record, format version), read once per written file.
 _Summary = tuple[dict[str, Any], _Info, "int | None"]
 
+_PENDING: weakref.WeakSet = weakref.WeakSet()  # managers with a background save not yet collected
+_AT_EXIT = []  # [True] once `_finish_at_exit` is registered
+
+
+def _finish_at_exit() -> None:
+    """At a normal interpreter exit: complete every pending background save (its commit and
+    the retention policy), as ``wait()`` does; an error is printed, naming the directory."""
+    for manager in list(_PENDING):
+        try:
+            manager.wait()
+        except Exception as err:  # noqa: BLE001 (no caller at exit: told on stderr)
+            print(
+                f"{manager.name}({manager.directory!r}): the background save pending at exit failed: {err!r}",
+                file=sys.stderr,
+            )
+
+
+def _pending(manager) -> None:
+    _PENDING.add(manager)
+    if not _AT_EXIT:  # registered after the lock's finalizer: it runs first (atexit is LIFO)
+        atexit.register(_finish_at_exit)
+        _AT_EXIT.append(True)
+
 
 class CheckpointManager(DirectoryHolder):
     """A directory of checkpoints for any training loop: steps, latest and best, pruning,
@@ -77,7 +103,9 @@ class CheckpointManager(DirectoryHolder):
         keep_best: How many best checkpoints by ``monitor`` to keep beside the latest.
         monitor: The key of the ``metrics`` given to ``save`` that ranks checkpoints.
         mode: ``"min"``, ``"max"`` or ``"auto"`` (from the name of ``monitor``).
-        save_on_background: ``True`` writes each checkpoint in a background thread.
+        save_on_background: ``True`` writes each checkpoint in a background thread. A
+            background save still pending at a normal interpreter exit is completed
+            then (committed, and the retention policy applied), as ``close()`` would.
         verbose: ``1`` prints one line per save and restore.
         storage_options: fsspec options for an object-store URL, or ``None``.
 
@@ -316,6 +344,7 @@ class CheckpointManager(DirectoryHolder):
         if not isinstance(result, str):  # save_on_background: the handle of the write
             self.last_save = result
             self._in_flight = (result, step, info)
+            _pending(self)
             return result
         self._saved(step, path, info, time.perf_counter() - started, None)
         return path
@@ -341,6 +370,7 @@ class CheckpointManager(DirectoryHolder):
         if not wait and not handle.done():
             return
         self._in_flight = None
+        _PENDING.discard(self)
         handle.wait()
         secs = handle.write_secs
         assert secs is not None  # set once the write succeeded (wait raised otherwise)

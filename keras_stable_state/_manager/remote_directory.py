@@ -58,10 +58,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-import keras
-
 from keras_stable_state import format as storage
-from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._manager import directory as local
 from keras_stable_state._manager import lock
 from keras_stable_state.errors import (
@@ -69,6 +66,7 @@ from keras_stable_state.errors import (
     CheckpointInUseError,
     CorruptCheckpointError,
     StateError,
+    StorageError,
 )
 
 __all__ = ["MARKER_SUFFIX", "RemoteDirectory", "RemoteLock"]
@@ -80,6 +78,8 @@ _MARKER = re.compile(r"^(ckpt-\d{10}\.h5)\.commit$")
 _HELD = {}  # lock object URL -> RemoteLock held by this process
 _HELD_GUARD = threading.Lock()
 _GONE = object()  # the lock object was removed while it was being read
+_LEFT = {}  # lock object URL -> nonce of a lock of this process whose release failed (left in the store)
+_RELEASE_TRIES = (0.2, 1.0, None)  # the pause after each failed try to remove a lock object
 
 
 def _float_out(value):
@@ -128,8 +128,15 @@ class RemoteLock:
     def release(self, token) -> None:
         """Remove the lock object if ``token`` owns the lock and it is still this writer's.
 
+        The lock is released in this process whatever the store does: a removal the store
+        fails is tried again (three times in all); if it still fails, the lock object is
+        left in the store, remembered as this process's own, and taken over by the next
+        lock of this directory in this process (no writer of this process is locked out by
+        it). Another process is refused by it until it is removed.
+
         Raises:
-            OSError: the store's errors when reading or removing it.
+            StorageError: naming the lock object, when the store failed every try (the lock
+                is released in this process all the same).
         """
         with _HELD_GUARD:
             if self.fd is None or self.token != token:
@@ -139,12 +146,35 @@ class RemoteLock:
                 del _HELD[self.url]
             if self.pid != os.getpid():
                 return  # a forked child never removes its parent's lock
-            try:
-                info = json.loads(self.store.read_bytes().decode("utf-8"))
-            except (FileNotFoundError, ValueError):
-                return  # removed, or replaced by something not ours: not ours to remove
-            if isinstance(info, dict) and info.get("nonce") == self.nonce:
-                self.store.remove()
+            _LEFT[self.url] = self.nonce  # until it is removed: this process's own, to take over
+            for pause in _RELEASE_TRIES:
+                try:
+                    self._remove_if_ours()
+                    _LEFT.pop(self.url, None)
+                    return
+                except StorageError as err:
+                    if pause is None:
+                        cause = err.__cause__ or err
+                        advice = (
+                            f"The checkpoint directory {self.directory!r} is released in this process all "
+                            f"the same (tried {len(_RELEASE_TRIES)} times); its lock object is left in the "
+                            "store: the next lock of this directory in this process takes it over, and "
+                            "another process is refused by it until it is removed. Once the store answers, "
+                            "remove that object unless a writer of this process locks the directory again."
+                        )
+                        raise (
+                            storage.remote.store_failure(cause, self.url, "release the lock object", advice)
+                            or err
+                        ) from cause
+                    time.sleep(pause)
+
+    def _remove_if_ours(self) -> None:
+        try:
+            info = json.loads(self.store.read_bytes().decode("utf-8"))
+        except (FileNotFoundError, ValueError):
+            return  # removed, or replaced by something not ours: not ours to remove
+        if isinstance(info, dict) and info.get("nonce") == self.nonce:
+            self.store.remove()
 
 
 def _forget_locks_in_child():
@@ -153,6 +183,7 @@ def _forget_locks_in_child():
     for held in list(_HELD.values()):
         held.fd = None
     _HELD.clear()
+    _LEFT.clear()  # the parent's
 
 
 if hasattr(os, "register_at_fork"):
@@ -183,15 +214,13 @@ class RemoteDirectory:
 
     # -- listing ------------------------------------------------------------------------
     def _entries(self) -> dict:
-        """``{name: (size, etag)}`` of the objects directly in the folder, listed now."""
-        fs = self.folder.fs
-        fs.invalidate_cache(self.folder.path)
-        try:
-            entries = fs.ls(self.folder.path, detail=True)
-        except FileNotFoundError:
-            return {}
+        """``{name: (size, etag)}`` of the objects directly in the folder, listed now.
+
+        Raises:
+            StorageError: naming the directory when the store fails.
+        """
         found = {}
-        for entry in entries:
+        for entry in self.folder.entries():
             name = str(entry.get("name", "")).rstrip("/").rsplit("/", 1)[-1]
             if entry.get("type") == "file" and name:
                 found[name] = (int(entry.get("size") or 0), entry.get("ETag") or entry.get("etag"))
@@ -316,8 +345,9 @@ class RemoteDirectory:
             CheckpointInUseError: if another writer holds it (in this process: as for a
                 local directory; elsewhere: naming its pid and host and the lock object).
             StateError: if the filesystem has no exclusive write (no lock is pretended).
-            OSError: naming the lock object if it cannot be written (a missing bucket,
-                refused credentials).
+            StorageError: naming the lock object if the store fails to write or read it (a
+                missing bucket, refused credentials, no answer). A lock object of this process
+                that no writer of it holds (a release the store failed) is taken over.
         """
         store = self.folder.child(local.LOCK_NAME)
         with _HELD_GUARD:
@@ -344,7 +374,14 @@ class RemoteDirectory:
         holder = None
         for _ in range(3):
             try:
-                store.fs.pipe_file(store.path, data, mode="create")
+                with storage.remote.talking_to(
+                    store.url,
+                    "write the lock object",
+                    f"The checkpoint directory {self.url!r} is not locked and nothing was saved. Check the "
+                    "store (its endpoint, the network, the bucket), then run again.",
+                    keep=(FileExistsError, TypeError, NotImplementedError, ValueError),
+                ):
+                    store.fs.pipe_file(store.path, data, mode="create")
                 return nonce
             except FileExistsError:
                 holder = self._holder(store)
@@ -356,17 +393,16 @@ class RemoteDirectory:
                     "or save single objects with keras_stable_state.save_training_state.",
                     key=local.LOCK_NAME,
                 ) from err
-            except OSError as err:
-                raise OSError(
-                    err.errno,
-                    f"Cannot write the lock object {store.url!r} of the checkpoint directory {self.url!r} "
-                    f"({err}). Check the bucket, the URL and the credentials.",
-                    store.url,
-                ) from err
             finally:
                 store.fs.invalidate_cache(store.path)
             if holder is _GONE:
                 continue  # released since the write was refused: try again
+            if holder is not None and self._own_left_over(store, holder):
+                # this process's own, held by none of its writers (a release the store failed, a
+                # lost answer): no other writer takes it, so it is rewritten as this writer's
+                store.put_bytes(data)
+                _LEFT.pop(store.url, None)
+                return nonce
             if holder is None or holder.get("host") != socket.gethostname() or _alive(holder["pid"]):
                 break
             store.remove()  # its holder ran on this host and is dead: the lock is stale
@@ -381,6 +417,17 @@ class RemoteDirectory:
             path=self.url,
             holder=text,
         )
+
+    @staticmethod
+    def _own_left_over(store, holder) -> bool:
+        """Whether the lock object ``holder`` (its JSON) is this process's and no writer of it
+        holds it: a release whose removal the store failed (`_LEFT`), or a create whose answer
+        was lost (the store wrote it, the client saw an error). Called under ``_HELD_GUARD``."""
+        if store.url in _HELD:
+            return False
+        if _LEFT.get(store.url) is not None and holder.get("nonce") == _LEFT[store.url]:
+            return True
+        return holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()
 
     def _holder(self, store):
         try:
@@ -435,13 +482,18 @@ class RemoteDirectory:
 
         Raises:
             FileNotFoundError: if the object is not there.
-            OSError: naming the marker when it cannot be written.
+            StorageError: naming the object or the marker when the store fails.
         """
+        import keras
+
         name = self._name(path)
         obj = self.folder.child(name)
         obj.fs.invalidate_cache(obj.path)
         try:
-            found = obj.fs.info(obj.path)
+            with storage.remote.talking_to(
+                obj.url, "look up the checkpoint just uploaded", keep=(FileNotFoundError,)
+            ):
+                found = obj.fs.info(obj.path)
         except FileNotFoundError as err:
             raise FileNotFoundError(
                 errno.ENOENT, f"The checkpoint {path!r} just saved is not in the store.", path
@@ -459,7 +511,12 @@ class RemoteDirectory:
         storage.remote.write_marker(self.folder, name + MARKER_SUFFIX, payload)
 
     def remove(self, paths) -> None:
-        """Remove the checkpoints ``paths``: each marker first, then its object."""
+        """Remove the checkpoints ``paths``: each marker first, then its object.
+
+        Raises:
+            StorageError: naming the object when the store fails (the checkpoints removed
+                before it are gone; one whose marker is gone is no longer listed).
+        """
         for path in paths:
             name = self._name(path)
             self.folder.child(name + MARKER_SUFFIX).remove()
@@ -473,7 +530,7 @@ class RemoteDirectory:
         checkpoint of an abandoned timeline).
 
         Raises:
-            StateError: if it cannot be copied or removed.
+            StorageError: if the store fails to copy or remove it (a `StateError`).
         """
         name = self._name(path)
         fs = self.folder.fs
@@ -485,17 +542,16 @@ class RemoteDirectory:
         while target in taken:
             target, n = f"{name}.{n}", n + 1
         copy = aside.child(target)
+        advice = (
+            f"Move or delete it (and its marker {name + MARKER_SUFFIX!r}) yourself: {writer} does not "
+            "restore it, and left in place it would count as one of the `max_to_keep` newest."
+        )
         try:
-            fs.copy(self.folder.child(name).path, copy.path)
+            with storage.remote.talking_to(path, f"copy aside to {copy.url!r} the checkpoint", advice, keep=(FileNotFoundError,)):  # fmt: skip
+                fs.copy(self.folder.child(name).path, copy.path)
         except FileNotFoundError:
             self.folder.child(name + MARKER_SUFFIX).remove()
             return None
-        except OSError as err:
-            raise StateError(
-                f"Checkpoint {path!r} could not be copied aside to {copy.url!r} ({err}). "
-                f"Move or delete it (and its marker {name + MARKER_SUFFIX!r}) yourself: {writer} does not "
-                "restore it, and left in place it would count as one of the `max_to_keep` newest.",
-            ) from err
         fs.invalidate_cache(aside.path)
         self.remove([path])
         return copy.url
@@ -506,6 +562,8 @@ class RemoteDirectory:
         Raises:
             Every error of `keras_stable_state.format.read_file`.
         """
+        from keras_stable_state._core.apply import takes_unaligned
+
         return storage.read_file(
             path, storage_options=self.STORAGE_OPTIONS, unaligned_views=takes_unaligned()
         )

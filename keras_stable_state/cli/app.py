@@ -118,9 +118,20 @@ def _print(args: argparse.Namespace, result: _Result, render: Callable[[Any], ob
 
 
 def _is_listing(path: object) -> bool:
-    from keras_stable_state.format import orbax_layout
+    """Whether ``path`` is a checkpoint directory: a local folder (not ``.orbax``), or an
+    object-store URL under which objects are but none at the URL itself."""
+    from keras_stable_state.format import orbax_layout, remote
 
-    return isinstance(path, str) and os.path.isdir(path) and not orbax_layout.is_orbax_path(path)
+    if not isinstance(path, str):
+        return False
+    if remote.is_remote(path):
+        if path.rstrip("/").endswith((".h5", ".keras", ".orbax")):
+            return False
+        with refusing(path):
+            folder = remote.RemotePath(path)
+            return not folder.is_object() and folder.exists()
+    path = remote.resolve(path, "path") if remote.is_url(path) else path
+    return os.path.isdir(path) and not orbax_layout.is_orbax_path(path)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

@@ -125,10 +125,15 @@ def _status(err: BaseException) -> str:
 _Summary = tuple[dict[str, Any], dict[str, Any], int | None]
 
 
-def _summary(path: str, full: bool) -> tuple[str, str | None, _Summary | None] | None:
-    """``(status, reason, summary or None)`` of ``path``; ``None`` if it was removed meanwhile."""
+def _summary(path: str, full: bool, reader: Any = files) -> tuple[str, str | None, _Summary | None] | None:
+    """``(status, reason, summary or None)`` of ``path``; ``None`` if it was removed meanwhile.
+    ``reader``: the directory's (``files``, or a ``RemoteDirectory`` for an object store)."""
     try:
-        if full:  # what the manager's restore reads: every array, every check (one open)
+        if reader is not files:  # an object store: the marker's summary; the object read whole
+            summary = reader.read_summary(path)
+            if full:
+                storage.read_file(path, storage_options=reader.STORAGE_OPTIONS)
+        elif full:  # what the manager's restore reads: every array, every check (one open)
             summary = read_summary_whole(path) if not orbax_steps.is_step(path) else None
             if summary is None:
                 storage.read_file(path)
@@ -136,6 +141,8 @@ def _summary(path: str, full: bool) -> tuple[str, str | None, _Summary | None] |
         else:
             summary = files.read_summary(path)
     except FileNotFoundError as err:
+        if storage.remote.is_remote(path):
+            return None
         if os.path.islink(path):
             return "unreadable", str(err), None  # a link to nothing: the manager moves it aside
         if os.path.lexists(path):
@@ -154,6 +161,7 @@ def _row(
     summary: _Summary | None,
     verified: bool,
     size: int | None = None,
+    reader: Any = files,
 ) -> dict[str, Any]:
     metadata, extra, version = summary if summary is not None else ({}, {}, None)
     record = (extra.get("providers") or {}).get(RECORD)
@@ -162,7 +170,7 @@ def _row(
     wall = record.get("wall_time")
     if size is None:
         try:
-            size = files.size_of(path)
+            size = reader.size_of(path)
         except OSError:
             size = None
     return {
@@ -245,24 +253,37 @@ def list_directory(
         A `Listing`.
 
     Raises:
-        FileNotFoundError: if ``directory`` does not exist.
-        NotADirectoryError: if it is not a folder.
-        CheckpointFormatError: for an object-store URL (``ls`` lists local folders).
+        FileNotFoundError: if ``directory`` does not exist (no object under the URL).
+        NotADirectoryError: if it is not a folder (an object).
+        StorageError: if the object store fails, naming the URL.
+        StorageBackendError: for a URL whose fsspec implementation is not installed.
     """
-    path = storage.fs_path(directory, "directory")
+    path = storage.remote.resolve(storage.fs_path(directory, "directory", urls=True), "directory")
+    if storage.remote.is_remote(path):
+        return _list_remote(path, verify, monitor, mode)
+    path = storage.fs_path(path, "directory")
     if not os.path.exists(path):
         raise FileNotFoundError(2, f"{path}: no such directory. Check the path.", path)
     if not os.path.isdir(path):
         raise NotADirectoryError(
             20, f"{path} is a file, not a checkpoint directory; `inspect` and `verify` read one file.", path
         )
+    rows = _rows(files.checkpoints(path), verify, files)
+    with os.scandir(path) as entries:
+        temporary = sorted(e.path for e in entries if e.name.startswith(files.TEMP_PREFIX))
+    moved = os.path.join(path, files.UNREADABLE_DIR)
+    aside = sorted(os.listdir(moved)) if os.path.isdir(moved) and not os.path.islink(moved) else []
+    return _listing(path, rows, temporary, moved, aside, monitor, mode)
+
+
+def _rows(ckpts: list[str], verify: bool, reader: Any) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     decided = False
-    for ckpt in files.checkpoints(path):
+    for ckpt in ckpts:
         # until the one fit would resume is found, each is read whole, as the manager does
         # (one open); the others' records only (seal and records checked)
         verified = verify or not decided
-        found = _summary(ckpt, full=verified)
+        found = _summary(ckpt, full=verified, reader=reader)
         if found is None:
             continue  # removed since it was listed
         status, reason, summary = found
@@ -276,9 +297,51 @@ def list_directory(
                 status, reason = "misnamed", str(err)
         if status not in _SKIPPED:
             decided = True
-        rows.append(_row(step, ckpt, status, reason, summary, verified))
-    with os.scandir(path) as entries:
-        temporary = sorted(e.path for e in entries if e.name.startswith(files.TEMP_PREFIX))
+        rows.append(_row(step, ckpt, status, reason, summary, verified, reader=reader))
+    return rows
+
+
+def _list_remote(url: str, verify: bool, monitor: str | None, mode: str | None) -> Listing:
+    """`list_directory` of a directory in an object store: its committed checkpoints (those
+    whose commit marker names them), read as the manager reads them; objects without a
+    marker (an interrupted save) as incomplete, checkpoints whose marker does not match as
+    damaged."""
+    from keras_stable_state._manager.remote_directory import RemoteDirectory
+
+    reader = RemoteDirectory(url)
+    if reader.folder.path and reader.folder.is_object():
+        raise NotADirectoryError(
+            20,
+            f"{url} is an object, not a checkpoint directory; `inspect` and `verify` read one object.",
+            url,
+        )
+    entries = reader._entries()
+    committed, bare, bad, _, temporary = reader._sort(entries)
+    reader._committed = {reader._url(n): p for n, p in committed.items()}
+    if not entries:
+        raise FileNotFoundError(2, f"{url}: no objects under this URL. Check the URL.", url)
+    rows = _rows(sorted(reader._committed, reverse=True), verify, reader)
+    for name, reason in sorted(bad, reverse=True):
+        size = entries[name][0]
+        rows.append(
+            _row(files.step_of(name), reader._url(name), "damaged", reason, None, False, size, reader)
+        )
+    rows.sort(key=lambda r: -(r["step"] or 0))
+    incomplete = sorted(reader._url(n) for n in [*temporary, *bare])
+    aside = reader.folder.child(files.UNREADABLE_DIR)
+    return _listing(url, rows, incomplete, aside.url, aside.list(), monitor, mode, sizes=entries)
+
+
+def _listing(
+    path: str,
+    rows: list[dict[str, Any]],
+    temporary: list[str],
+    moved: str,
+    aside: list[str],
+    monitor: str | None,
+    mode: str | None,
+    sizes: dict[str, tuple[int, Any]] | None = None,
+) -> Listing:
     for tmp in temporary:
         rows.append(
             _row(
@@ -288,6 +351,7 @@ def list_directory(
                 "a save that did not finish (removed by the next writer)",
                 None,
                 False,
+                size=None if sizes is None else sizes[tmp.rsplit("/", 1)[-1]][0],
             )
         )
     resume_file, resume_step, resume = _resume(rows)
@@ -307,11 +371,8 @@ def list_directory(
             notes.append(f"No checkpoint has a finite {monitor!r} metric: there is no best.")
     elif monitor is None:
         notes.append("No monitor recorded: pass --monitor NAME (e.g. val_loss) to name the best.")
-    moved = os.path.join(path, files.UNREADABLE_DIR)
-    if os.path.isdir(moved) and not os.path.islink(moved):
-        names = sorted(os.listdir(moved))
-        if names:
-            notes.append(f"{len(names)} unreadable checkpoint(s) moved aside earlier in {moved}: {names}")
+    if aside:
+        notes.append(f"{len(aside)} unreadable checkpoint(s) moved aside earlier in {moved}: {aside}")
     checkpoints = [
         CheckpointRow(
             **{k: v for k, v in r.items() if k not in ("monitor", "mode")},

@@ -145,6 +145,12 @@ def open_regular(
             raise _refusal(path, found, what, advice, error) from err
         if err.errno == errno.EISDIR:
             raise _refusal(path, f"a directory{_through_link(path)}", what, advice, error) from err
+        try:  # a UNIX socket cannot be opened at all (ENXIO): say what it is
+            found = os.stat(path).st_mode
+        except OSError:
+            found = None
+        if found is not None and not stat.S_ISREG(found):
+            raise _refusal(path, kind(found) + _through_link(path), what, advice, error) from err
         raise
     try:
         st = os.fstat(fd)

@@ -44,7 +44,14 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
-from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StorageBackendError
+from keras_stable_state.errors import (
+    CheckpointFormatError,
+    CorruptCheckpointError,
+    StateError,
+    StorageBackendError,
+    StorageError,
+    StoragePermissionError,
+)
 
 __all__ = [
     "MARKER_FORMAT",
@@ -56,6 +63,8 @@ __all__ = [
     "refuse_url",
     "resolve",
     "scheme_of",
+    "store_failure",
+    "talking_to",
     "upload_written",
     "write_marker",
 ]
@@ -165,11 +174,12 @@ def refuse_url(path: object, what: str = "path", advice: str = "") -> None:
     if not is_url(path):
         return
     advice = advice or (
-        "Pass a local path; save_training_state, restore_training_state and the command line "
-        "take object-store URLs."
+        "Pass a local path here. (save_training_state, restore_training_state, CheckpointManager, "
+        "StableCheckpoint and keras-stable-state ls, inspect, verify and diff take object-store URLs "
+        "of .h5 and .keras objects and of checkpoint directories.)"
     )
     raise CheckpointFormatError(
-        f"The {what} {path!r} is a URL ({scheme_of(path)}://), not a local path, and this call "
+        f"The {what} {path!r} is a URL ({scheme_of(path)}://), not a local path, and this step "
         f"reads and writes local files only; it was not used as one (no local folder named after "
         f"the scheme was made). {advice}",
         expected="a local path",
@@ -235,10 +245,103 @@ def _connect(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
         ) from err
 
 
-def _name_url(err: BaseException, url: str, doing: str) -> None:
-    """Name ``url`` on an error of the store that does not (botocore's ``NoCredentialsError``)."""
-    if url not in str(err) and hasattr(err, "add_note"):
-        err.add_note(f"(raised while {doing} {url!r})")
+# The libraries an object store is reached through: their exceptions are the store's failures.
+_STORE_LIBRARIES = frozenset(
+    {"fsspec", "s3fs", "botocore", "aiobotocore", "aiohttp", "urllib3", "gcsfs", "google", "adlfs", "azure"}
+)
+# The exceptions of those libraries that mean "no credentials, or refused ones".
+_NO_CREDENTIALS = frozenset(
+    {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "NoAuthTokenError",
+     "UnauthorizedSSOTokenError", "DefaultCredentialsError", "RefreshError", "ClientAuthenticationError"}
+)  # fmt: skip
+_CREDENTIALS = {
+    "s3": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), AWS_PROFILE, "
+    "~/.aws/credentials, or storage_options={'key': ..., 'secret': ...}",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default login`, or "
+    "storage_options={'token': ...}",
+    "az": "AZURE_STORAGE_ACCOUNT_NAME / AZURE_STORAGE_ACCOUNT_KEY (or a SAS token), or "
+    "storage_options={'account_name': ..., 'account_key': ...}",
+}
+_CREDENTIALS.update(s3a=_CREDENTIALS["s3"], gcs=_CREDENTIALS["gs"], abfs=_CREDENTIALS["az"])
+_CREDENTIALS.update(abfss=_CREDENTIALS["az"])
+
+
+def _is_store_failure(err: BaseException) -> bool:
+    if isinstance(err, StateError):
+        return False  # ours, already in our words
+    if isinstance(err, OSError | TimeoutError):  # s3fs's translations, connections, timeouts
+        return True
+    import asyncio
+
+    if isinstance(err, asyncio.TimeoutError):  # not an OSError before Python 3.11
+        return True
+    return any(
+        (getattr(kind, "__module__", "") or "").split(".")[0] in _STORE_LIBRARIES
+        for kind in type(err).__mro__[:-2]
+    )
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip()
+    if isinstance(err, OSError) and err.strerror:
+        text = str(err.strerror)
+    text = " ".join(text.split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _refused_credentials(err: BaseException) -> bool:
+    if isinstance(err, PermissionError):
+        return True
+    return any(kind.__name__ in _NO_CREDENTIALS for kind in type(err).__mro__)
+
+
+def store_failure(err: BaseException, url: str, operation: str, advice: str = "") -> StorageError | None:
+    """``err`` (an exception of the store or of its library) as our
+    [`StorageError`][keras_stable_state.StorageError] naming ``url`` and ``operation``
+    (a [`StoragePermissionError`][keras_stable_state.StoragePermissionError] for refused or
+    missing credentials, naming what to check), or ``None`` if ``err`` is not a failure of
+    the store (one of ours, or a bug). ``advice``: what to do, in the caller's words
+    (default: check the store, then try again). Raise it ``from err``.
+    """
+    if not _is_store_failure(err):
+        return None
+    if _refused_credentials(err):
+        scheme = scheme_of(url) or ""
+        where = _CREDENTIALS.get(scheme, "the credentials of the fsspec filesystem (storage_options)")
+        return StoragePermissionError(
+            f"The store refused the credentials to {operation} {url!r}, or found none ({_reason(err)}). "
+            f"Check the credentials this process passes to {scheme or 'the'}:// store: {where}; that they "
+            "are current, and that they allow this operation on this bucket and prefix. "
+            + (advice or "Nothing was changed by this call; run it again once the credentials are right."),
+            url=url,
+            operation=operation,
+        )
+    return StorageError(
+        f"Could not {operation} {url!r}: the store failed ({_reason(err)}). "
+        + (
+            advice
+            or "Check that the store is reachable (its endpoint, the network) and answering, then run it again."
+        ),
+        url=url,
+        operation=operation,
+    )
+
+
+@contextlib.contextmanager
+def talking_to(url: str, operation: str, advice: str = "", keep: tuple[type[BaseException], ...] = ()) -> Any:
+    """Raise every failure of the store inside the block as `store_failure` (from it); the
+    exceptions of ``keep`` (``FileNotFoundError``...) and every other one as raised."""
+    try:
+        yield
+    except keep:
+        raise
+    except Exception as err:
+        failure = store_failure(err, url, operation, advice)
+        if failure is None:
+            raise
+        raise failure from err
 
 
 class RemotePath:
@@ -294,37 +397,61 @@ class RemotePath:
         return FileNotFoundError(errno.ENOENT, f"No object at {self.url!r}.", self.url)
 
     def exists(self) -> bool:
-        """Whether an object (or a folder holding objects) is at this URL now (not a cached listing)."""
+        """Whether an object (or a folder holding objects) is at this URL now (not a cached listing).
+
+        Raises:
+            StorageError: naming the URL when the store fails.
+        """
         self.fs.invalidate_cache(self.path)
-        return bool(self.fs.exists(self.path))
+        with talking_to(self.url, "look up"):
+            return bool(self.fs.exists(self.path))
 
     def is_object(self) -> bool:
-        """Whether an object (not a folder) is at this URL now."""
+        """Whether an object (not a folder) is at this URL now.
+
+        Raises:
+            StorageError: naming the URL when the store fails.
+        """
         self.fs.invalidate_cache(self.path)
-        return bool(self.fs.isfile(self.path))
+        with talking_to(self.url, "look up"):
+            return bool(self.fs.isfile(self.path))
 
     def size(self) -> int:
         """The object's size in bytes.
 
         Raises:
             FileNotFoundError: naming the URL if there is no object.
+            StorageError: naming the URL when the store fails.
         """
         self.fs.invalidate_cache(self.path)
         try:
-            return int(self.fs.size(self.path))
+            with talking_to(self.url, "look up the size of", keep=(FileNotFoundError,)):
+                return int(self.fs.size(self.path))
         except FileNotFoundError as err:
             raise self._not_found() from err
 
-    def list(self) -> list[str]:
-        """The names of the objects directly in this folder, sorted (``[]`` for none: an
-        object store has no empty folders); folders inside it are not listed."""
+    def entries(self) -> list[dict[str, Any]]:
+        """fsspec's detailed listing of this folder (``[]`` for none), listed now.
+
+        Raises:
+            StorageError: naming the URL when the store fails.
+        """
         self.fs.invalidate_cache(self.path)
         try:
-            entries = self.fs.ls(self.path, detail=True)
+            with talking_to(self.url, "list", keep=(FileNotFoundError,)):
+                return list(self.fs.ls(self.path, detail=True))
         except FileNotFoundError:
             return []
+
+    def list(self) -> list[str]:
+        """The names of the objects directly in this folder, sorted (``[]`` for none: an
+        object store has no empty folders); folders inside it are not listed.
+
+        Raises:
+            StorageError: naming the URL when the store fails.
+        """
         names = []
-        for entry in entries:
+        for entry in self.entries():
             if entry.get("type") != "file":
                 continue
             name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
@@ -338,15 +465,18 @@ class RemotePath:
         Raises:
             FileNotFoundError: naming the URL, if there is none and not ``missing_ok``
                 (S3 itself deletes a missing key without an error: it is looked up first).
+            StorageError: naming the URL when the store fails.
         """
         if not missing_ok and not self.is_object():
             raise self._not_found()
         try:
-            self.fs.rm_file(self.path)
+            with talking_to(self.url, "remove", keep=(FileNotFoundError,)):
+                self.fs.rm_file(self.path)
         except FileNotFoundError as err:
             if not missing_ok:
                 raise self._not_found() from err
-        self.fs.invalidate_cache(self.path)
+        finally:
+            self.fs.invalidate_cache(self.path)
 
     def read_bytes(self) -> bytes:
         """The whole object, read once.
@@ -354,8 +484,9 @@ class RemotePath:
         Raises:
             FileNotFoundError: naming the URL if there is no object.
             CheckpointFormatError: if the URL is a folder of objects, not one object.
-            OSError: the store's errors (``PermissionError`` for refused credentials...).
-            Exception: other errors of the store's library as raised, with a note naming the URL.
+            StorageError: naming the URL when the store fails (a
+                `StoragePermissionError` for refused credentials), the store library's
+                exception as its ``__cause__``.
         """
         self.fs.invalidate_cache(self.path)
         try:
@@ -366,22 +497,24 @@ class RemotePath:
             raise FileNotFoundError(
                 errno.ENOENT, f"No training-state object at {self.url!r}.", self.url
             ) from err
-        except Exception as err:  # the store's own errors (refused credentials...), kept as raised
+        except Exception as err:  # the store's own errors (refused credentials...)
             if self._is_folder():  # s3fs refuses to read a bucket's root (ParamValidationError)
                 raise self._folder_error() from err
-            _name_url(err, self.url, "reading")
-            raise
+            failure = store_failure(err, self.url, "read")
+            if failure is None:
+                raise
+            raise failure from err
 
     def _is_folder(self) -> bool:
         try:
             return bool(self.fs.isdir(self.path))
-        except OSError:
+        except Exception:  # the store failing again: the caller reports the first failure
             return False
 
     def _folder_error(self) -> CheckpointFormatError:
         return CheckpointFormatError(
             f"{self.url!r} is a folder of objects, not one training state. Pass the URL of one "
-            ".keras or .h5 object.",
+            ".keras or .h5 object (`keras-stable-state ls` lists a checkpoint directory).",
             received=self.url,
         )
 
@@ -390,21 +523,19 @@ class RemotePath:
 
         Raises:
             FileNotFoundError: naming the URL if there is no object.
+            StorageError: naming the URL when the store fails.
         """
         self.fs.invalidate_cache(self.path)
         try:
-            return self.fs.open(self.path, "rb")
+            with talking_to(self.url, "open", keep=(FileNotFoundError,)):
+                return self.fs.open(self.path, "rb")
         except FileNotFoundError as err:
             raise self._not_found() from err
 
-    def _upload_error(self, err: OSError) -> OSError:
-        reason = err.strerror or str(err) or type(err).__name__
-        return OSError(
-            err.errno,
-            f"Could not upload the training state to {self.url!r}: {reason}. The object that was "
-            "there, if any, is unchanged (an object appears only once its upload completes). Check "
-            "the URL, the credentials and the store, then save again.",
-            self.url,
+    def _upload_advice(self) -> str:
+        return (
+            "The object that was there, if any, is unchanged (an object appears only once its upload "
+            "completes). Check the store (its endpoint, the network, the bucket), then save again."
         )
 
     def put_file(self, local_path: str) -> None:
@@ -415,23 +546,20 @@ class RemotePath:
         onto it. An interrupted upload leaves the previous object as it was.
 
         Raises:
-            OSError: naming the URL when the upload fails (the store's errors: refused
-                credentials, a missing bucket, no connection...).
-            Exception: other errors of the store's library as raised (botocore's
-                ``NoCredentialsError``), with a note naming the URL.
+            StorageError: naming the URL when the upload fails (no connection, a timeout, an
+                HTTP 5xx, a missing bucket...; a `StoragePermissionError` for refused or
+                missing credentials), the store library's exception as its ``__cause__``.
         """
         target = self.path if self.protocol in WHOLE_OBJECT_PROTOCOLS else self._temporary_path()
         try:
-            self.fs.put_file(local_path, target)
+            with talking_to(self.url, "upload the training state to", self._upload_advice()):
+                self.fs.put_file(local_path, target)
+                if target != self.path:
+                    self.fs.mv(target, self.path)
+        except StorageError:
             if target != self.path:
-                self.fs.mv(target, self.path)
-        except OSError as err:
-            if target != self.path:
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(Exception):
                     self.fs.rm_file(target)
-            raise self._upload_error(err) from err
-        except Exception as err:  # the store's own errors (botocore's NoCredentialsError...)
-            _name_url(err, self.url, "uploading the training state to")
             raise
         finally:
             self.fs.invalidate_cache(self.path)
@@ -440,16 +568,12 @@ class RemotePath:
         """Write ``data`` as this object, whole (as `put_file`).
 
         Raises:
-            OSError: naming the URL when the upload fails.
+            StorageError: naming the URL when the upload fails.
         """
         if self.protocol in WHOLE_OBJECT_PROTOCOLS:
             try:
-                self.fs.pipe_file(self.path, bytes(data))
-            except OSError as err:
-                raise self._upload_error(err) from err
-            except Exception as err:  # the store's own errors, kept as raised
-                _name_url(err, self.url, "uploading to")
-                raise
+                with talking_to(self.url, "upload", self._upload_advice()):
+                    self.fs.pipe_file(self.path, bytes(data))
             finally:
                 self.fs.invalidate_cache(self.path)
             return
@@ -511,7 +635,7 @@ def write_marker(folder: RemotePath, name: str, payload: dict[str, Any]) -> None
 
     Raises:
         TypeError: if ``payload`` is not a ``dict`` or not JSON-serializable.
-        OSError: naming the marker's URL when the write fails.
+        StorageError: naming the marker's URL when the write fails.
     """
     if not isinstance(payload, dict):
         raise TypeError(f"A commit marker's payload must be a dict. Received: {type(payload).__name__}")
@@ -525,6 +649,7 @@ def read_marker(folder: RemotePath, name: str) -> dict[str, Any] | None:
     Raises:
         CorruptCheckpointError: naming the marker if it is not a commit marker
             `write_marker` wrote (not JSON, another format or version, too large).
+        StorageError: naming the marker's URL when the store fails.
     """
     marker = folder.child(name)
     try:
