@@ -19,8 +19,8 @@ from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._fit.position import Metrics, Position, numeric_logs
 from keras_stable_state._manager import preemption
 from keras_stable_state._manager.manager import CheckpointManager, wait_for_earlier_saves
+from keras_stable_state._manager.opening import open_directory
 from keras_stable_state._manager.records import saved_message
-from keras_stable_state._manager.remote_directory import open_directory
 from keras_stable_state._optimizer import stable_optimizer_in, tracked_optimizers
 from keras_stable_state.errors import (
     InexactResumeWarning,

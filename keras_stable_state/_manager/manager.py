@@ -21,6 +21,7 @@ from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import orbax_io, policy, shared, timeline
 from keras_stable_state._manager.holder import DirectoryHolder
+from keras_stable_state._manager.opening import open_directory
 from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard, entered_guard
 from keras_stable_state._manager.records import (
     RECORD,
@@ -34,7 +35,6 @@ from keras_stable_state._manager.records import (
     record_of,
     saved_message,
 )
-from keras_stable_state._manager.remote_directory import open_directory
 
 if TYPE_CHECKING:
     from keras_stable_state._core.report import RestoreReport
@@ -47,8 +47,10 @@ _Info = dict[str, Any]  # the manager's record of a save: step, epoch, metrics, 
 # A checkpoint's (metadata, manager record, format version), read once per written file.
 _Summary = tuple[dict[str, Any], _Info, "int | None"]
 
-_PENDING: weakref.WeakSet = weakref.WeakSet()  # managers with a background save not yet collected
-_AT_EXIT = []  # [True] once `_finish_at_exit` is registered
+_PENDING: weakref.WeakSet[CheckpointManager] = (
+    weakref.WeakSet()
+)  # managers with a background save not yet collected
+_AT_EXIT: list[bool] = []  # [True] once `_finish_at_exit` is registered
 
 
 def _finish_at_exit() -> None:
@@ -64,7 +66,7 @@ def _finish_at_exit() -> None:
             )
 
 
-def _pending(manager) -> None:
+def _pending(manager: CheckpointManager) -> None:
     _PENDING.add(manager)
     if not _AT_EXIT:  # registered after the lock's finalizer: it runs first (atexit is LIFO)
         atexit.register(_finish_at_exit)

@@ -52,17 +52,15 @@ import os
 import re
 import secrets
 import socket
+import sys
 import threading
 import time
-from collections.abc import Mapping
-from types import ModuleType
 from typing import Any
 
 from keras_stable_state import format as storage
 from keras_stable_state._manager import directory as local
 from keras_stable_state._manager import lock
 from keras_stable_state.errors import (
-    CheckpointFormatError,
     CheckpointInUseError,
     CorruptCheckpointError,
     StateError,
@@ -190,6 +188,19 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
+def _keras_backend() -> str | None:
+    """Keras' backend, if Keras is imported (a manager's process: it has), without importing
+    it: this module is read by the command line too, which runs without Keras."""
+    keras = sys.modules.get("keras")
+    return None if keras is None else str(keras.backend.backend())
+
+
+def _torch_backend() -> bool:
+    """Whether Keras runs on Torch, whose variables can use a file image's memory at any
+    offset (``_core.apply.takes_unaligned``; this module does not import the core)."""
+    return _keras_backend() == "torch"
+
+
 class RemoteDirectory:
     """The directory of a manager in an object store: the functions of
     `keras_stable_state._manager.directory` as methods (see the module docstring
@@ -240,10 +251,15 @@ class RemoteDirectory:
         self._markers[name] = (key, payload)
         return payload
 
-    def _sort(self, entries):
+    def _sort(
+        self, entries: dict[str, tuple[int, str | None]]
+    ) -> tuple[dict[str, Any], list[str], list[tuple[str, str]], list[str], list[str]]:
         """``(committed {name: payload}, no marker [names], bad marker [(name, reason)],
         orphan markers [names], temporary [names])``."""
-        committed, bare, bad, orphans = {}, [], [], []
+        committed: dict[str, Any] = {}
+        bare: list[str] = []
+        bad: list[tuple[str, str]] = []
+        orphans: list[str] = []
         for name, (size, etag) in entries.items():
             if local.step_of(name) is None:
                 continue
@@ -274,7 +290,7 @@ class RemoteDirectory:
         self._committed = {self._url(n): p for n, p in committed.items()}
         return sorted(self._committed, reverse=True)
 
-    def _url(self, name):
+    def _url(self, name: str) -> str:
         return f"{self.url}/{name}"
 
     def _name(self, path):
@@ -484,8 +500,6 @@ class RemoteDirectory:
             FileNotFoundError: if the object is not there.
             StorageError: naming the object or the marker when the store fails.
         """
-        import keras
-
         name = self._name(path)
         obj = self.folder.child(name)
         obj.fs.invalidate_cache(obj.path)
@@ -504,7 +518,7 @@ class RemoteDirectory:
             "size": int(found.get("size") or 0),
             "etag": found.get("ETag") or found.get("etag"),
             "record": _encode(info),
-            "backend": keras.backend.backend(),
+            "backend": _keras_backend(),
             "format_version": storage.FORMAT_VERSION,
         }
         self._forget(path)
@@ -562,11 +576,7 @@ class RemoteDirectory:
         Raises:
             Every error of `keras_stable_state.format.read_file`.
         """
-        from keras_stable_state._core.apply import takes_unaligned
-
-        return storage.read_file(
-            path, storage_options=self.STORAGE_OPTIONS, unaligned_views=takes_unaligned()
-        )
+        return storage.read_file(path, storage_options=self.STORAGE_OPTIONS, unaligned_views=_torch_backend())
 
     def restore_newest(
         self, paths, directory, restore, unreadable, writer="StableCheckpoint", read_with=None
@@ -576,42 +586,3 @@ class RemoteDirectory:
         return local.restore_newest(
             paths, self.url, restore, unreadable, writer, read_with=read_with or self.read
         )
-
-
-def refuse_options(storage_options, directory, writer) -> None:
-    """Refuse ``storage_options`` given with a local ``directory``.
-
-    Raises:
-        CheckpointFormatError: naming the directory.
-    """
-    if storage_options is not None:
-        raise CheckpointFormatError(
-            f"`storage_options` of {writer} are options of an object store's fsspec filesystem, but "
-            f"{directory!r} is a local path. Leave `storage_options` out, or pass the directory's URL "
-            "(s3://bucket/run, gs://...).",
-            expected="an object-store URL",
-            received=directory,
-        )
-
-
-def open_directory(
-    directory: str | bytes | os.PathLike[str], storage_options: Mapping[str, Any] | None, writer: str
-) -> tuple[str, ModuleType | RemoteDirectory]:
-    """``(directory, files)`` of a manager: ``directory`` as a ``str`` (a ``file://`` URL
-    as the local path it names) and what reads and writes it: the module
-    `directory` for a local folder, a
-    `RemoteDirectory` for an object-store URL.
-
-    Raises:
-        TypeError: if ``directory`` is not a ``str``, ``bytes`` or ``os.PathLike``, or
-            ``storage_options`` not a ``dict`` (or ``None``).
-        CheckpointFormatError: for ``storage_options`` with a local directory, or a
-            ``file://`` URL on another host.
-        StorageBackendError: if fsspec or the scheme's implementation is not installed.
-    """
-    directory = storage.remote.resolve(storage.fs_path(directory, "directory", urls=True), "directory")
-    if storage.remote.is_remote(directory):
-        files = RemoteDirectory(directory, storage_options)
-        return files.url, files
-    refuse_options(storage_options, directory, writer)
-    return storage.fs_path(directory, "directory"), local

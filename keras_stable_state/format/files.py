@@ -146,11 +146,11 @@ def open_regular(
         if err.errno == errno.EISDIR:
             raise _refusal(path, f"a directory{_through_link(path)}", what, advice, error) from err
         try:  # a UNIX socket cannot be opened at all (ENXIO): say what it is
-            found = os.stat(path).st_mode
+            st_mode: int | None = os.stat(path).st_mode
         except OSError:
-            found = None
-        if found is not None and not stat.S_ISREG(found):
-            raise _refusal(path, kind(found) + _through_link(path), what, advice, error) from err
+            st_mode = None
+        if st_mode is not None and not stat.S_ISREG(st_mode):
+            raise _refusal(path, kind(st_mode) + _through_link(path), what, advice, error) from err
         raise
     try:
         st = os.fstat(fd)
