@@ -28,7 +28,7 @@ from typing import Any
 import h5py
 
 from keras_stable_state.errors import CheckpointFormatError, CheckpointInUseError, CorruptCheckpointError
-from keras_stable_state.format import files, keras_archive, sandbox
+from keras_stable_state.format import files, json_scan, keras_archive, sandbox
 from keras_stable_state.format import image as _image
 from keras_stable_state.format import seal as _seal
 from keras_stable_state.format.probe import damaged, diagnose, probe_or_refuse
@@ -313,21 +313,24 @@ class Source:
         return True
 
     def _read_keras_json(self, present: set) -> None:
-        """Keras' ``metadata.json`` and the model class of ``config.json``, when present."""
+        """Keras' ``metadata.json`` and the model class of ``config.json``, when present. The
+        config is streamed through, never held (`json_scan`: memory bounded by one chunk
+        whatever its size; the zip's CRC-32 is checked at its end)."""
         for name in ("metadata.json", "config.json"):
             if name not in present:
                 continue
             try:
+                if name == "config.json":
+                    with self.zip.open(name) as member:
+                        self.model_class = json_scan.top_level_class_name(member)
+                    continue
                 value = json.loads(self.zip.read(name))
                 check_json_depth(value, f"{self.path}:{name}")
             except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, RecursionError) as err:
                 raise damaged(
                     f"{self.path}:{name}", f"the archive member is unreadable ({err})", key=name
                 ) from err
-            if isinstance(value, dict) and name == "config.json":
-                cls = value.get("class_name")
-                self.model_class = cls if isinstance(cls, str) else None
-            elif isinstance(value, dict):
+            if isinstance(value, dict):
                 self.keras_metadata = value
 
     def _diagnose_member(self, what: str) -> CorruptCheckpointError:
