@@ -16,13 +16,14 @@ CHUNK = 1 << 20
 _STRING_LIMIT = 4096  # a class name longer than this is not one: stop keeping its characters
 
 
-def top_level_class_name(stream: IO[bytes]) -> str | None:
+def top_level_class_name(stream: IO[bytes], max_depth: int) -> str | None:
     """The value of the top-level object's ``"class_name"`` key if it is a string, else
     ``None``, reading ``stream`` (UTF-8 JSON) to its end in `CHUNK`-byte pieces.
 
     Raises:
-        ValueError: if the bytes are not UTF-8, or a string literal of the key or its value
-            is not valid JSON (an escape sequence JSON does not have).
+        ValueError: if the bytes are not UTF-8, a string literal of the key or its value
+            is not valid JSON (an escape sequence JSON does not have), or the document is
+            nested deeper than ``max_depth`` (as the records' own JSON is refused).
         OSError, zipfile.BadZipFile, zlib.error, EOFError: the stream's own errors (a zip
             member failing its CRC-32 raises at its end).
     """
@@ -62,6 +63,8 @@ def top_level_class_name(stream: IO[bytes]) -> str | None:
             expecting_value = False
             if ch in "{[":
                 depth += 1
+                if depth > max_depth:
+                    raise ValueError(f"the JSON is nested deeper than {max_depth} levels")
             elif ch in "}]":
                 depth -= 1
             elif ch == ":" and depth == 1:

@@ -39,7 +39,7 @@ from keras_stable_state.format.record import (
     UNPACK_SLACK,
     USERBLOCK_SIZE,
 )
-from keras_stable_state.format.schema import check_json_depth
+from keras_stable_state.format.schema import JSON_MAX_DEPTH, check_json_depth
 
 try:
     import fcntl
@@ -322,7 +322,7 @@ class Source:
             try:
                 if name == "config.json":
                     with self.zip.open(name) as member:
-                        self.model_class = json_scan.top_level_class_name(member)
+                        self.model_class = json_scan.top_level_class_name(member, JSON_MAX_DEPTH)
                     continue
                 value = json.loads(self.zip.read(name))
                 check_json_depth(value, f"{self.path}:{name}")
