@@ -304,8 +304,8 @@ class StorageError(StateError, OSError):
     object appears only once its upload completes): save again once the store is back.
 
     Attributes:
-        url: The object's or folder's URL.
-        operation: What was being done (``"upload"``, ``"list"``, ``"read"``,
+        url (str): The object's or folder's URL.
+        operation (str): What was being done (``"upload"``, ``"list"``, ``"read"``,
             ``"remove"``, ``"lock"``, ``"release the lock"``...).
 
     Example:
