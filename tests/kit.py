@@ -14,7 +14,7 @@ import numpy as np
 
 import keras_stable_state as kss
 
-__all__ = ["StopAt", "assert_same_state", "frameworks_selected", "mlp"]
+__all__ = ["StopAt", "assert_same_state", "frameworks_selected", "grads", "mlp"]
 
 # make test runs each backend's suite in an environment with that framework alone (the
 # user's install, tests/install_check.py), then, in the environment with all three, only the
@@ -152,3 +152,26 @@ def assert_same_state(model_a, model_b, *, all_variables=False, rtol=0.0, atol=0
                 np.testing.assert_allclose(to_np(va), to_np(vb), rtol=rtol, atol=atol, err_msg=va.path)
             else:
                 np.testing.assert_array_equal(to_np(va), to_np(vb), err_msg=va.path)
+
+
+def grads(loss_fn, variables):
+    """Gradients of ``loss_fn()`` (built from keras.ops on ``variables``) on any backend."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn()
+        return tape.gradient(loss, variables)
+    if backend == "torch":
+        for v in variables:
+            v.value.grad = None
+        loss_fn().backward()
+        return [v.value.grad.detach().clone() for v in variables]
+    import jax
+
+    def pure(values):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True))):
+            return loss_fn()
+
+    return jax.grad(pure)([v.value for v in variables])

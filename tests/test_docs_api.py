@@ -60,17 +60,22 @@ def test_no_sphinx_role_is_printed(reference_html: str) -> None:
     assert found == [], f"Sphinx roles printed literally on the API page: {found}"
 
 
-def _parameter_rows(html: str) -> list[tuple[str, str]]:
-    """``(name, type text)`` of each row of every parameter table (the tables with a Default column)."""
+def _rows(html: str, keep) -> list[tuple[str, str]]:
+    """``(name, type text)`` of each row of every table whose header cells ``keep`` accepts."""
     rows = []
     for table in re.findall(r"<table>.*?</table>", html, re.S):
-        if "<th>Default</th>" not in table:
+        if not keep(re.findall(r"<th>(.*?)</th>", table)):
             continue
         for row in re.findall(r'<tr class="doc-section-item">(.*?)</tr>', table, re.S):
             cells = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
             name, kind = (re.sub(r"<[^>]+>|\s+", " ", cell).strip() for cell in cells[:2])
             rows.append((name, kind))
     return rows
+
+
+def _parameter_rows(html: str) -> list[tuple[str, str]]:
+    """Rows of every parameter table (the tables with a Default column)."""
+    return _rows(html, lambda heads: "Default" in heads)
 
 
 def test_every_parameter_has_a_type(reference_html: str) -> None:
@@ -81,18 +86,8 @@ def test_every_parameter_has_a_type(reference_html: str) -> None:
 
 
 def _attribute_rows(html: str) -> list[tuple[str, str]]:
-    """``(name, type text)`` of each row of every Attributes table (the tables with a Name
-    and a Type column and no Default column; Returns and Raises tables have no Name)."""
-    rows = []
-    for table in re.findall(r"<table>.*?</table>", html, re.S):
-        heads = re.findall(r"<th>(.*?)</th>", table)
-        if heads != ["Name", "Type", "Description"]:
-            continue
-        for row in re.findall(r'<tr class="doc-section-item">(.*?)</tr>', table, re.S):
-            cells = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
-            name, kind = (re.sub(r"<[^>]+>|\s+", " ", cell).strip() for cell in cells[:2])
-            rows.append((name, kind))
-    return rows
+    """Rows of every Attributes table (Name, Type, Description; Returns and Raises have no Name)."""
+    return _rows(html, lambda heads: heads == ["Name", "Type", "Description"])
 
 
 def test_every_attribute_has_a_type(reference_html: str) -> None:

@@ -16,34 +16,13 @@ import numpy as np
 import pytest
 from conftest import BACKEND, to_np
 from keras import layers
+from kit import grads
 
 import keras_stable_state as kss
 
 RNG = np.random.default_rng(11)
 REAL = RNG.normal(size=(8, 8, 4)).astype("float32")  # 8 steps of 8 samples
 NOISE = RNG.normal(size=(8, 8, 2)).astype("float32")
-
-
-def _grads(loss_fn, variables):
-    """Gradients of ``loss_fn()`` (built from keras.ops on ``variables``) on any backend."""
-    if BACKEND == "tensorflow":
-        import tensorflow as tf
-
-        with tf.GradientTape() as tape:
-            loss = loss_fn()
-        return tape.gradient(loss, variables)
-    if BACKEND == "torch":
-        for v in variables:
-            v.value.grad = None
-        loss_fn().backward()
-        return [v.value.grad.detach().clone() for v in variables]
-    import jax
-
-    def pure(values):
-        with keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True))):
-            return loss_fn()
-
-    return jax.grad(pure)([v.value for v in variables])
 
 
 class GAN(keras.Model):
@@ -88,9 +67,9 @@ def _step(gan, i):
         return ops.mean(ops.softplus(-disc(gen(z))))
 
     d_value = float(to_np(ops.stop_gradient(d_loss())))
-    gan.d_optimizer.apply(_grads(d_loss, disc.trainable_variables), disc.trainable_variables)
+    gan.d_optimizer.apply(grads(d_loss, disc.trainable_variables), disc.trainable_variables)
     g_value = float(to_np(ops.stop_gradient(g_loss())))
-    gan.g_optimizer.apply(_grads(g_loss, gen.trainable_variables), gen.trainable_variables)
+    gan.g_optimizer.apply(grads(g_loss, gen.trainable_variables), gen.trainable_variables)
     gan.d_loss_tracker.update_state(d_value)
     gan.g_loss_tracker.update_state(g_value)
     return float(to_np(gan.d_loss_tracker.result())), float(to_np(gan.g_loss_tracker.result()))

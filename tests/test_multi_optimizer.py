@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import to_np
 from keras import layers
+from kit import grads
 
 import keras_stable_state as kss
 from keras_stable_state._optimizer import optimizer_entries
@@ -21,29 +22,6 @@ RNG = np.random.default_rng(5)
 Z = RNG.normal(size=(8, 4)).astype("float32")
 T = RNG.normal(size=(8, 4)).astype("float32")
 L = RNG.normal(size=(8, 1)).astype("float32")
-
-
-def _grads(loss_fn, variables):
-    """Gradients of ``loss_fn()`` (built from keras.ops on ``variables``) on any backend."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        with tf.GradientTape() as tape:
-            loss = loss_fn()
-        return tape.gradient(loss, variables)
-    if backend == "torch":
-        for v in variables:
-            v.value.grad = None
-        loss_fn().backward()
-        return [v.value.grad.detach().clone() for v in variables]
-    import jax
-
-    def pure(values):
-        with keras.StatelessScope(state_mapping=list(zip(variables, values, strict=True))):
-            return loss_fn()
-
-    return jax.grad(pure)([v.value for v in variables])
 
 
 def _apply(opt, grads, variables):
@@ -71,7 +49,7 @@ class Gan(keras.Model):
     def step(self):
         """One discriminator step, then one generator step (a custom ``train_step``)."""
         d_vars = self.discriminator.trainable_variables
-        d_grads = _grads(
+        d_grads = grads(
             lambda: (
                 keras.ops.mean(keras.ops.subtract(self.discriminator(T), L) ** 2)
                 + keras.ops.mean(self.discriminator(self.generator(Z)) ** 2)
@@ -80,7 +58,7 @@ class Gan(keras.Model):
         )
         _apply(self.d_optimizer, d_grads, d_vars)
         g_vars = self.generator.trainable_variables
-        g_grads = _grads(lambda: keras.ops.mean((self.discriminator(self.generator(Z)) - 1.0) ** 2), g_vars)
+        g_grads = grads(lambda: keras.ops.mean((self.discriminator(self.generator(Z)) - 1.0) ** 2), g_vars)
         _apply(self.g_optimizer, g_grads, g_vars)
 
 
@@ -177,9 +155,7 @@ def _tower():
 def _train(model, opt, n):
     variables = model.trainable_variables
     for _ in range(n):
-        _apply(
-            opt, _grads(lambda: keras.ops.mean(keras.ops.subtract(model(Z), L) ** 2), variables), variables
-        )
+        _apply(opt, grads(lambda: keras.ops.mean(keras.ops.subtract(model(Z), L) ** 2), variables), variables)
 
 
 def _groups(model, opt):
