@@ -315,7 +315,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         pos = self._position
         self._pending_restore = record
         writer = (report.writer or {}).get("backend")
-        inexact.warn_inexact_resume(self, record, pos, self._order.shuffle, writer)
+        inexact.warn_inexact_resume(self, record, pos, self._order, writer)
         compat.set_initial_epoch(self.model, pos.epoch)
         self._say(
             f"restored {os.path.basename(path)}: epoch {pos.epoch}, step {pos.step} of the epoch, "
@@ -336,7 +336,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self._position.step == 0:
             # The random state before this epoch's data order is drawn, then the order.
             self._position.epoch_rng = state.rng_state()
-            self._order.begin_epoch(saved_data)
+            self._order.begin_epoch(saved_data, epoch_rng=self._position.epoch_rng)
 
     def _skip_batches(self, count: int) -> None:
         """Draw ``count`` batches (whole executions of ``steps_per_execution`` batches) from
@@ -443,6 +443,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         pos = self._position
         if pos.step == 0:
             pos.epoch_rng = state.rng_state()
+            self._order.end_epoch()
             self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
         self._where[pos.global_step] = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"
         found: dict[str, Any] = {"callbacks": self._callbacks, "state": self._providers()}

@@ -23,6 +23,7 @@ from keras_stable_state._optimizer import optimizer_tree, tracked_optimizers
 from keras_stable_state.errors import InexactResumeWarning
 
 if TYPE_CHECKING:
+    from keras_stable_state._fit.input import EpochOrder
     from keras_stable_state._fit.position import Position
 
 
@@ -95,7 +96,7 @@ def inspect_input() -> Any:
 
 # ``ckpt`` below is the StableCheckpoint (Any: callback imports this module).
 def warn_inexact_resume(
-    ckpt: Any, record: Any, position: Position, shuffle: bool | str, writer: str | None
+    ckpt: Any, record: Any, position: Position, order: EpochOrder, writer: str | None
 ) -> None:
     """Warn, at train begin, for a resume whose data or random draws cannot be those
     of an uninterrupted run: a mid-epoch checkpoint of shuffled arrays written before
@@ -106,11 +107,12 @@ def warn_inexact_resume(
         ckpt: The restoring ``StableCheckpoint`` (its ``model``; skipped among the callbacks).
         record: The checkpoint's record (``extra``, ``arrays``).
         position: The restored `Position`.
-        shuffle: Whether the fit's NumPy array order is taken over (``EpochOrder.shuffle``).
+        order: The fit's `EpochOrder` (its ``shuffle`` and ``source``).
         writer: The backend that wrote the checkpoint, or ``None`` if not recorded.
     """
     pos = position
     saved = record.extra.get("providers", {})
+    shuffle = order.shuffle
     if pos.step > 0 and shuffle and "data" not in saved:
         warnings.warn(
             f"StableCheckpoint: the checkpoint (epoch {pos.epoch}, step {pos.step}) was written by "
@@ -122,6 +124,17 @@ def warn_inexact_resume(
         )
     warn_unknown_callbacks(ckpt)
     live = keras.backend.backend()
+    source = saved.get("data", {}).get("source", "numpy") if isinstance(saved.get("data"), dict) else "numpy"
+    if shuffle and source not in ("numpy", order.source):
+        warnings.warn(
+            f"StableCheckpoint: the checkpoint's shuffled NumPy input was ordered by {source}'s fit "
+            f"(its own generator) and training resumes on {live}, whose fit draws its orders from "
+            f"another generator: the rest of the interrupted epoch is the saved order, every later "
+            f"epoch is drawn by {live}, so the run trains on other batches than on {source} from the "
+            f"next epoch on. Resume on {source} for an exact continuation.",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
     if pos.step > 0:
         warn_loss_weighting(ckpt.model, record, position, writer, live)
     if writer and writer != live:

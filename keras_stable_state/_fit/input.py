@@ -6,12 +6,14 @@ kept by Keras:
 * **The order of NumPy array inputs with ``shuffle=True``** (or ``"batch"``). Keras
   draws it with each backend's own generator (NumPy on JAX, Torch's global generator
   in a ``RandomSampler``, ``tf.random.shuffle`` inside a ``tf.data`` pipeline on
-  TensorFlow, whose state no API exposes). `EpochOrder` takes the shuffle
-  over: it switches the data adapter's own shuffling off and, at each epoch begin,
-  draws the epoch's permutation with NumPy's global generator (whose state is in
-  every checkpoint) and hands the adapter the arrays in that order. The permutation
-  of the current epoch travels in the checkpoint (record ``providers/data``), so the
-  rest of an interrupted epoch is the same samples on any backend.
+  TensorFlow, which with a global seed draws the same order each epoch).
+  `EpochOrder` leaves that draw to ``fit`` (a run with a checkpoint draws the orders
+  of the same run without one) and computes the same order by Keras' own code from
+  the epoch's starting random state when a save inside the epoch needs it; the
+  permutation travels in the checkpoint (record ``providers/data``, with who drew it
+  and TensorFlow's seed), and a resumed run is served it for the rest of the
+  interrupted epoch, on any backend. On TensorFlow without a global seed, whose draw
+  nothing can replay, `EpochOrder` draws each order with NumPy and serves it.
 * **The place in a stream that outlives an epoch.** With ``steps_per_epoch``, Keras
   keeps one iterator across epochs (``keras/src/trainers/epoch_iterator.py``) until the
   input runs out, so a ``tf.data`` pipeline with ``repeat()`` continues where the last
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
@@ -34,19 +37,50 @@ RECORD = "providers/data"
 """Record of the input's place in a checkpoint (the epoch's permutation and stream offset)."""
 
 
+SOURCES = ("numpy", "torch", "tensorflow")
+"""Who draws each epoch's order of shuffled NumPy arrays: ``"numpy"``,
+``np.random.permutation`` at epoch begin (JAX's ``fit``, and `EpochOrder` itself on
+TensorFlow without a global seed); ``"torch"``, Keras' ``RandomSampler`` over Torch's global
+generator; ``"tensorflow"``, Keras' ``tf.data`` pipeline traced under a global seed."""
+
+
+def _live_source(tf_seed) -> tuple[str, bool]:
+    """``(source, own)`` of this backend: the order ``fit`` draws, and whether ``fit`` draws it
+    itself (``False``: `EpochOrder` draws it with NumPy and serves it)."""
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return "torch", True
+    if backend == "tensorflow":
+        return ("tensorflow", True) if tf_seed is not None else ("numpy", False)
+    return "numpy", True
+
+
 class EpochOrder:
     """The order and stream place of one ``fit`` input, as a state provider.
+
+    Where ``fit`` draws the order of shuffled NumPy arrays from a state a checkpoint keeps
+    (JAX and Torch always, TensorFlow under a global seed), ``fit`` keeps drawing it and
+    this object only computes the same order, by Keras' own code from the epoch's
+    starting random state, at the first save inside the epoch: a run with
+    [`StableCheckpoint`][keras_stable_state.StableCheckpoint] draws exactly the orders of
+    the same run without it. A resumed run is served the saved order for the rest of the
+    interrupted epoch, then ``fit`` draws its own again. On TensorFlow without a global
+    seed (an order nothing can replay) this object draws it with NumPy and serves it.
 
     Args:
         epoch_iterator: The ``EpochIterator`` of the running ``fit`` (or ``None``).
 
     Attributes:
-        shuffle: The ``shuffle`` of ``fit`` that this object took over (``True`` or
-            ``"batch"``), or ``False`` when Keras' own adapter orders the input.
+        shuffle: The ``shuffle`` of ``fit`` over NumPy arrays whose order this object
+            knows (``True`` or ``"batch"``), or ``False`` for any other input.
+        source: Who draws each epoch's order, one of `SOURCES`.
         permutation: int64 array of shape ``(num_samples,)``: the current epoch's
-            sample order (empty when the input is not taken over).
+            sample order (empty until a save inside the epoch needs it, and for other
+            inputs).
         stream_offset: Batches drawn from an iterator that outlives epochs before the
             current epoch began (``0`` when each epoch starts a fresh iterator).
+        tf_seed: TensorFlow's global seed that Keras' ``tf.data`` pipeline of the run is
+            traced under (its order depends on it alone), or ``None``.
     """
 
     def __init__(self, epoch_iterator: Any = None) -> None:
@@ -55,14 +89,29 @@ class EpochOrder:
         self.shuffle = False
         self.permutation = np.zeros((0,), dtype="int64")
         self.stream_offset = 0
+        self.tf_seed = compat.fit_trace_seed()
+        self.source, self._own = _live_source(self.tf_seed)
+        self._epoch_rng: Any = None  # the random state at this epoch's begin, until its order is computed
+        self._serving_saved = False  # the adapter serves a saved order (the rest of an interrupted epoch)
         arrays = compat.shufflable_arrays(epoch_iterator)
         if arrays is not None:
             self._arrays, self.shuffle, self._batch_size = arrays
             self._num_samples = compat.num_samples(self._arrays)
-            compat.set_array_order(epoch_iterator, None)  # Keras' own shuffle off
+            if not self._own:
+                compat.set_array_order(epoch_iterator, None)  # Keras' own shuffle off
 
     def get_state(self) -> dict:
-        return {"permutation": self.permutation, "stream_offset": int(self.stream_offset)}
+        """``{"permutation", "stream_offset", "source"}`` and ``"tf_seed"`` where there is
+        one; the epoch's order is computed here, at the first save that needs it."""
+        self.draw_pending()
+        out = {
+            "permutation": self.permutation,
+            "stream_offset": int(self.stream_offset),
+            "source": self.source,
+        }
+        if self.tf_seed is not None:
+            out["tf_seed"] = int(self.tf_seed)
+        return out
 
     def set_state(self, value) -> None:
         """Take a saved state's fields as they are; [`StableCheckpoint`][keras_stable_state.StableCheckpoint] applies them
@@ -70,15 +119,38 @@ class EpochOrder:
         self.permutation = np.asarray(value["permutation"], dtype="int64")
         self.stream_offset = int(value["stream_offset"])
 
-    def begin_epoch(self, resumed=None, mid_epoch=False) -> None:
-        """Draw the epoch's order and note where the stream stands, at an epoch begin.
+    def draw_pending(self) -> None:
+        """Compute the current epoch's order where ``fit`` draws it: Keras' own code run
+        from the random state of the epoch's begin, every global random state put back
+        after (`compat.keras_array_order`)."""
+        if self._epoch_rng is None:
+            return
+        epoch_rng, self._epoch_rng = self._epoch_rng, None
+        put_back = state.rng_snapshot()
+        try:
+            state.set_rng_state(epoch_rng)
+            self.permutation = compat.keras_array_order(
+                self._num_samples, self._batch_size, self.shuffle, self.tf_seed
+            )
+        finally:
+            put_back()
+
+    def end_epoch(self) -> None:
+        """The epoch is over (a save at its end): its order is needed no more."""
+        self._epoch_rng = None
+        self.permutation = np.zeros((0,), dtype="int64")
+
+    def begin_epoch(self, resumed=None, mid_epoch=False, epoch_rng=None) -> None:
+        """Note where the stream stands and the epoch's order, at an epoch begin.
 
         Args:
             resumed: The checked saved state (`check`) of the checkpoint being
                 resumed, or ``None``: its stream offset is reached by drawing that many
                 batches from a fresh iterator, and with ``mid_epoch`` its permutation is
-                the order of the rest of the interrupted epoch (else a new one is drawn).
+                served for the rest of the interrupted epoch.
             mid_epoch: ``True`` when resuming inside the epoch.
+            epoch_rng: The random state at this epoch's begin (`state.rng_state`), from
+                which ``fit`` draws the order; ``None``: the state now.
         """
         if resumed is not None:
             self.stream_offset = resumed["stream_offset"]
@@ -90,11 +162,31 @@ class EpochOrder:
                 state.set_rng_state(before)
         else:
             self.stream_offset = compat.stream_position(self.epoch_iterator)
+        self._epoch_rng = None
         if self._arrays is None:
             return
+        if resumed is not None:
+            self._adopt(resumed)
         if mid_epoch and resumed is not None and resumed["permutation"].size:
             self.permutation = resumed["permutation"]
-        elif self.shuffle == "batch":
+            if self._replays(resumed, epoch_rng):
+                # fit draws the saved order again from the epoch's restored random state,
+                # lazy draws included (shuffle="batch" draws per batch on JAX and Torch)
+                compat.serve_keras_order(self.epoch_iterator, self._arrays, self.shuffle, self.tf_seed)
+                return
+            self.permutation = resumed["permutation"]
+            compat.set_array_order(self.epoch_iterator, self._arrays, self.permutation)
+            self._serving_saved = True
+            return
+        if self._own:
+            if self._serving_saved or resumed is not None:
+                # fit's own order again; TensorFlow's pipeline traced under the run's seed
+                compat.serve_keras_order(self.epoch_iterator, self._arrays, self.shuffle, self.tf_seed)
+                self._serving_saved = False
+            self.permutation = np.zeros((0,), dtype="int64")
+            self._epoch_rng = epoch_rng if epoch_rng is not None else state.rng_state()
+            return
+        if self.shuffle == "batch":
             n, size = self._num_samples, self._batch_size
             self.permutation = np.concatenate(
                 [np.random.permutation(min(size, n - s)) + s for s in range(0, n, size)]
@@ -102,6 +194,27 @@ class EpochOrder:
         else:
             self.permutation = np.random.permutation(self._num_samples).astype("int64")
         compat.set_array_order(self.epoch_iterator, self._arrays, self.permutation)
+
+    def _replays(self, resumed, epoch_rng) -> bool:
+        """Whether ``fit`` itself draws the saved permutation of ``resumed`` again from the
+        epoch's random state ``epoch_rng`` (``None``: the state now): the same source, and
+        Keras' order computed from it equal to the saved one."""
+        if not self._own or resumed.get("source", "numpy") != self.source:
+            return False
+        self._epoch_rng = epoch_rng if epoch_rng is not None else state.rng_state()
+        self.draw_pending()
+        return bool(np.array_equal(self.permutation, resumed["permutation"]))
+
+    def _adopt(self, resumed) -> None:
+        """Continue the resumed run's order where this backend draws it: the same source
+        (and TensorFlow seed), or ``"numpy"``, which any backend draws (served here);
+        another backend's own order cannot be drawn here (`inexact` warns)."""
+        source = resumed.get("source", "numpy")
+        if source == self.source:
+            if resumed.get("tf_seed") is not None:
+                self.tf_seed = resumed["tf_seed"]
+        elif source == "numpy":
+            self.source, self._own = "numpy", False
 
     def check(self, value, mid_epoch, where=None) -> dict:
         """The saved state of the interrupted epoch, checked against this input.
@@ -127,7 +240,19 @@ class EpochOrder:
                 f"({where or 'the checkpoint'}). The file is damaged; restore from an earlier checkpoint.",
                 key=RECORD,
             )
+        source = value.get("source", "numpy")
+        tf_seed = value.get("tf_seed")
+        if source not in SOURCES or not (
+            tf_seed is None or (isinstance(tf_seed, int) and not isinstance(tf_seed, bool))
+        ):
+            raise CorruptCheckpointError(
+                f"The checkpoint's {RECORD} record names the order's source {source!r} and TensorFlow "
+                f"seed {tf_seed!r}, not one of {list(SOURCES)} and an int ({where or 'the checkpoint'}). "
+                "The file is damaged; restore from an earlier checkpoint.",
+                key=f"{RECORD}/source",
+            )
         perm = perm.astype("int64")
+        facts = {"source": source, "tf_seed": tf_seed}
         if perm.size and not np.array_equal(np.sort(perm), np.arange(perm.size)):
             raise CorruptCheckpointError(
                 f"The checkpoint's {RECORD}/permutation is not a permutation of 0..{perm.size - 1} "
@@ -136,7 +261,7 @@ class EpochOrder:
             )
         live = self._num_samples if self._arrays is not None else None
         if not mid_epoch:  # a new epoch draws a new order: only the stream offset is used
-            return {"permutation": perm, "stream_offset": offset}
+            return {"permutation": perm, "stream_offset": offset, **facts}
         if perm.size and live is None:
             raise StateError(
                 f"The checkpoint was saved mid-epoch from NumPy arrays that fit shuffled ({perm.size} "
@@ -164,4 +289,4 @@ class EpochOrder:
                 expected=f"a permutation of {live} samples",
                 received="none",
             )
-        return {"permutation": perm, "stream_offset": offset}
+        return {"permutation": perm, "stream_offset": offset, **facts}

@@ -4,16 +4,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 
 import keras
+import numpy as np
 
 __all__ = [
     "advance_stream",
     "discard_prefetched",
+    "fit_trace_seed",
+    "keras_array_order",
     "num_samples",
     "py_dataset_of",
     "reshuffling_ops",
+    "serve_keras_order",
     "set_array_order",
     "shufflable_arrays",
     "shuffled_unowned_arrays",
@@ -82,12 +87,7 @@ def set_array_order(epoch_iterator, inputs, permutation=None) -> None:
         return
     adapter._inputs = tree.map_structure(lambda a: None if a is None else a[permutation], inputs)
     if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        dataset = adapter.get_tf_dataset()
-        if not isinstance(dataset, tf.distribute.DistributedDataset):
-            dataset = epoch_iterator._distribute_strategy.experimental_distribute_dataset(dataset)
-        epoch_iterator._distributed_dataset = dataset
+        _rebuild_tf_dataset(epoch_iterator)
 
 
 def stream_persists(epoch_iterator) -> bool:
@@ -165,3 +165,86 @@ def reshuffling_ops(dataset) -> list:
         if callable(inputs):
             todo.extend(inputs())
     return found
+
+
+def fit_trace_seed() -> int | None:
+    """TensorFlow's global seed (``tf.random.set_seed``, which ``keras.utils.set_random_seed``
+    calls), from which a ``tf.data`` pipeline takes the seeds of its random ops when it is
+    traced; ``None`` without one, or off the TensorFlow backend.
+
+    Keras' TensorFlow ``ArrayDataAdapter`` shuffles with ``tf.random.shuffle`` inside a
+    ``tf.data`` ``map``: with a global seed, each epoch's fresh iterator draws the same
+    order, a function of that seed alone; without one, an order nothing can replay."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    from tensorflow.python.eager import context
+
+    seed = context.global_seed()
+    return None if seed is None else int(seed)
+
+
+@contextlib.contextmanager
+def _traced_with_seed(seed: int | None):
+    """Trace ``tf.data`` functions inside as under the global seed ``seed`` (the eager
+    context's ``_seed``, which ``FuncGraph`` copies), leaving the eager op-seed sequence
+    and kernel caches (which ``tf.random.set_seed`` resets) untouched."""
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    before = ctx._seed
+    ctx._seed = seed
+    try:
+        yield
+    finally:
+        ctx._seed = before
+
+
+def keras_array_order(num_samples: int, batch_size: int, shuffle, tf_seed: int | None = None) -> np.ndarray:
+    """The sample order Keras' own ``ArrayDataAdapter`` serves in an epoch of
+    ``num_samples`` samples in batches of ``batch_size`` with ``shuffle`` (``True`` or
+    ``"batch"``), as ``fit`` would draw it if it began the epoch now: int64 array of shape
+    ``(num_samples,)``.
+
+    It is Keras' own code run over the sample indices: the iterator each backend's ``fit``
+    makes (``get_numpy_iterator``'s ``np.random.permutation`` on JAX, the ``DataLoader``
+    with a ``RandomSampler`` drawing from Torch's global generator, the ``tf.data``
+    pipeline traced under ``tf_seed`` on TensorFlow), so it draws from the global random
+    states exactly as ``fit``'s iterator will: the caller takes a snapshot of them before
+    and puts it back after, and ``fit`` then draws this order itself. On TensorFlow it is
+    ``fit``'s order only with a global seed (`fit_trace_seed`). Draws Keras makes lazily
+    per batch (``shuffle="batch"`` on JAX and Torch) match ``fit``'s unless a train step
+    draws from the same global generator between batches."""
+    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+
+    probe = ArrayDataAdapter(np.arange(num_samples, dtype="int64"), batch_size=batch_size, shuffle=shuffle)
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        with _traced_with_seed(tf_seed):
+            dataset = probe.get_tf_dataset()
+        batches = [b.numpy() for b in dataset]
+    elif backend == "torch":
+        batches = [b.numpy() for b in probe.get_torch_dataloader()]
+    else:
+        batches = [np.asarray(b) for b in probe.get_numpy_iterator()]
+    return np.concatenate([np.reshape(b, (-1,)) for b in batches]).astype("int64")
+
+
+def serve_keras_order(epoch_iterator, inputs, shuffle, tf_seed: int | None = None) -> None:
+    """Give the ``ArrayDataAdapter`` back its own ``inputs`` and ``shuffle`` (after
+    `set_array_order` served another order), so ``fit`` draws its own order again; on
+    TensorFlow the iterator's ``tf.data`` pipeline is built anew, traced under the global
+    seed ``tf_seed`` (the seed the interrupted run's pipeline was traced under)."""
+    adapter = epoch_iterator.data_adapter
+    adapter._inputs, adapter._shuffle = inputs, shuffle
+    if keras.backend.backend() == "tensorflow":
+        with _traced_with_seed(tf_seed):
+            _rebuild_tf_dataset(epoch_iterator)
+
+
+def _rebuild_tf_dataset(epoch_iterator) -> None:
+    import tensorflow as tf
+
+    dataset = epoch_iterator.data_adapter.get_tf_dataset()
+    if not isinstance(dataset, tf.distribute.DistributedDataset):
+        dataset = epoch_iterator._distribute_strategy.experimental_distribute_dataset(dataset)
+    epoch_iterator._distributed_dataset = dataset
