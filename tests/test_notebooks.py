@@ -7,7 +7,8 @@ kernelspec on the machine is used) with ``KERAS_BACKEND`` set to this pytest pro
 
 The committed outputs come from the JAX backend. In the JAX pass, the text outputs of the fresh
 run (stdout and ``text/plain``; not images, not stderr, not cells tagged ``volatile-output``)
-must equal the committed ones. On JAX and Torch the kernel must not import TensorFlow (no
+must equal the committed ones; on every backend, each printed line that ends in ``True`` or
+``False`` (a notebook's checked result) must equal the committed one. On JAX and Torch the kernel must not import TensorFlow (no
 output carries its C++ start-up log lines), and every notebook of :data:`PLOTS` shows a plot.
 """
 
@@ -108,6 +109,16 @@ def _timeless(outputs):
     return [(i, re.sub(r"\b\d+(?:\.\d+)? ms\b", "N ms", text)) for i, text in outputs]
 
 
+def _claims(nb):
+    """The printed lines of ``nb`` that end in ``True`` or ``False``, in order."""
+    return [
+        line.strip()
+        for _, text in runner.text_outputs(nb)
+        for line in text.splitlines()
+        if re.search(r"\b(True|False)\s*$", line)
+    ]
+
+
 def _image_count(nb):
     return sum("image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", []))
 
@@ -133,6 +144,9 @@ def test_notebook_runs_on_this_backend(name, tmp_path):
         # keras.utils.set_random_seed (and a .keras save) import TensorFlow wherever it is installed
         assert not _tf_log_lines(nb), f"{name}: TensorFlow log lines on {BACKEND}: {_tf_log_lines(nb)[:3]}"
         assert probe[2] == "False", f"{name}: the kernel imported TensorFlow on {BACKEND}"
+    # Every printed claim ("...: True" / "...: False", e.g. notebook 02's "every loss equal to
+    # the reference: True") holds on every backend as in the committed (JAX) outputs.
+    assert _claims(nb) == _claims(_committed(name)), f"{name}: printed results differ on {BACKEND}"
     if BACKEND != runner.COMMITTED_BACKEND:
         return
     fresh, committed = _timeless(runner.text_outputs(nb)), _timeless(runner.text_outputs(_committed(name)))
