@@ -44,6 +44,10 @@ def fit_arrays(directory, *, stop=None, seed=0, shuffle=True, x=X, save_freq=2, 
     elif seed is not None:
         np.random.seed(seed)
         random.seed(seed)
+        if keras.backend.backend() == "torch":
+            import torch
+
+            torch.manual_seed(seed)
     m = _model()
     callbacks = [kss.StableCheckpoint(directory, save_freq=save_freq)] + ([StopAt(*stop)] if stop else [])
     try:
@@ -94,6 +98,19 @@ def test_shuffled_numpy_resume_is_exact_whatever_the_resuming_process_is_seeded_
     fit_arrays(tmp_path, stop=stop)
     keras.backend.clear_session()
     weights, history = fit_arrays(tmp_path, seed=resume_seed)
+    _assert_same(ref_weights, weights)
+    assert history == ref_history
+
+
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_without_a_tensorflow_seed_the_numpy_drawn_order_resumes_exactly(tmp_path, tmp_path_factory, shuffle):
+    """NumPy and Python seeded, TensorFlow's global seed unset: on TensorFlow the callback draws
+    the order with NumPy (fit's own is not replayable); elsewhere fit's own draw. Resumed in a
+    process seeded otherwise, with TensorFlow's seed set this time."""
+    ref_weights, ref_history = _reference(tmp_path_factory, tf_seed=False, shuffle=shuffle)
+    fit_arrays(tmp_path, stop=(1, 3), tf_seed=False, shuffle=shuffle)
+    keras.backend.clear_session()
+    weights, history = fit_arrays(tmp_path, seed=31, shuffle=shuffle)
     _assert_same(ref_weights, weights)
     assert history == ref_history
 
