@@ -125,3 +125,40 @@ def test_a_run_with_stable_checkpoint_equals_the_run_without_it(kind, save_freq,
         np.testing.assert_array_equal(b, a, err_msg=f"variable {i} ({kind}, save_freq={save_freq})")
     assert history == ref_history
     assert any(p.suffix == ".h5" for p in tmp_path.iterdir())  # it did save
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"fit": {"validation_split": 0.25}},
+        {"fit": {"validation_data": (X[:10], Y[:10])}, "ckpt": {"monitor": "val_loss", "keep_best": 1}},
+        pytest.param(
+            {"compile": {"steps_per_execution": 2}},
+            marks=pytest.mark.skipif(
+                BACKEND == "torch", reason="Keras allows steps_per_execution=1 only on Torch"
+            ),
+        ),
+        {"ckpt": {"save_on_background": True}},
+    ],
+    ids=["validation-split", "validation-data-keep-best", "steps-per-execution-2", "background-saves"],
+)
+def test_the_same_holds_with_validation_executions_and_background_saves(options, tmp_path):
+    def run(directory):
+        keras.utils.set_random_seed(17)
+        model = mlp(5, 8, activation="relu", dropout=0.25, optimizer="plain", **options.get("compile", {}))
+        callbacks = (
+            [kss.StableCheckpoint(directory, save_freq=2, **options.get("ckpt", {}))] if directory else []
+        )
+        history = model.fit(
+            X, Y, batch_size=8, epochs=3, verbose=0, callbacks=callbacks, **options.get("fit", {})
+        )
+        return [
+            keras.ops.convert_to_numpy(v) for v in model.weights + model.optimizer.variables
+        ], history.history
+
+    reference, ref_history = run(None)
+    keras.backend.clear_session()
+    watched, history = run(tmp_path)
+    for i, (a, b) in enumerate(zip(reference, watched, strict=True)):
+        np.testing.assert_array_equal(b, a, err_msg=f"variable {i}")
+    assert history == ref_history
