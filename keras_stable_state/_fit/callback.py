@@ -172,6 +172,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._reset(1)
         self._epoch_guard: EpochBeginGuard | None = None
         self._input: Any = None  # the fit's PyDataset whose own state is saved, or None
+        self._loader: Any = None  # the LoaderState of the fit's torch DataLoader, or None
         self._order = _fit_input.EpochOrder()
         self.removed_temporary_files: list[str] = []
         self._read_only: OSError | None = None
@@ -225,6 +226,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         }
         if self._input is not None:
             found["input"] = self._input
+        if self._loader:
+            found["loader"] = self._loader
         return found
 
     def _take_directory(self) -> None:
@@ -253,6 +256,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         # directory is read; its error belonged to that fit.
         wait_for_earlier_saves(self.directory)
         self._input = inexact.inspect_input()
+        self._loader = inexact.inspect_loader()
         self._order = _fit_input.EpochOrder(compat.fit_epoch_iterator())
         inexact.warn_unsaved_callbacks(self, self._callbacks)
         try:
@@ -328,7 +332,9 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         saved_data = None
         if record is not None:
             args = (record, self.restore_report, self._callbacks, self.model, self._position, self._order)
-            saved_data, self._rng_after_skip = resume.apply_pending(*args, self._input, self._skip_batches)
+            saved_data, self._rng_after_skip = resume.apply_pending(
+                *args, self._input, self._skip_batches, self._loader
+            )
         elif self._save_requested:
             self._position.step = 0
             self._save()
@@ -336,6 +342,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self._position.step == 0:
             # The random state before this epoch's data order is drawn, then the order.
             self._position.epoch_rng = state.rng_state()
+            if self._loader:
+                self._loader.begin_epoch()
             self._order.begin_epoch(saved_data, epoch_rng=self._position.epoch_rng)
 
     def _skip_batches(self, count: int) -> None:
@@ -358,6 +366,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self._rng_after_skip is not None:
             state.set_rng_state(self._rng_after_skip)
             self._rng_after_skip = None
+            if self._loader:
+                self._loader.after_skip()
         self._position.step = batch
         if self._save_requested:
             self._save()
@@ -443,6 +453,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         pos = self._position
         if pos.step == 0:
             pos.epoch_rng = state.rng_state()
+            if self._loader:
+                self._loader.begin_epoch()
             self._order.end_epoch()
             self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
         self._where[pos.global_step] = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"

@@ -94,6 +94,46 @@ def inspect_input() -> Any:
     return None
 
 
+def inspect_loader() -> Any:
+    """The `LoaderState` of the ``fit``'s ``torch.utils.data.DataLoader`` input when it holds
+    generators or stateful samplers, else ``None``; warns for what a resume cannot replay:
+    persistent worker processes (their random state runs on across epochs) and samplers
+    of the user's without ``state_dict()``/``load_state_dict()``."""
+    adapter = compat.fit_data_adapter()
+    loader = None if adapter is None else compat.torch_loader_of(adapter)
+    if loader is None:
+        return None
+    from keras_stable_state._fit import loader as _loader
+
+    name = type(loader).__name__
+    if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0:
+        warnings.warn(
+            f"StableCheckpoint: the input {name} keeps its {loader.num_workers} worker processes across "
+            "epochs (persistent_workers=True): the random numbers they draw (in the dataset's "
+            "__getitem__, the collate_fn or the worker_init_fn: random augmentation) run on from epoch to "
+            "epoch and are not saved, and a resumed run's workers start from other seeds, so if the "
+            "dataset draws any, the resumed run reads other samples than an uninterrupted one. To resume "
+            "exactly, use persistent_workers=False (each epoch's workers are then seeded from the saved "
+            "generators); a dataset that draws no random numbers resumes exactly as it is.",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
+    for hidden in _loader.hidden_samplers(loader):
+        warnings.warn(
+            f"StableCheckpoint: the input {name}'s {hidden} is a sampler of yours without "
+            "state_dict()/load_state_dict(): any state it keeps in its attributes (an epoch counter, "
+            "an order drawn in advance) is not saved, so a resumed run may draw another order from the "
+            "resumed epoch on. Give it state_dict() (a dict of JSON values and NumPy arrays, its state "
+            "between two passes; {} if it keeps none) and load_state_dict(state): StableCheckpoint "
+            "saves it at each epoch begin and loads it on resume. torch.Generator attributes of it are "
+            "saved already.",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
+    found = _loader.LoaderState(loader)
+    return found if found else None
+
+
 # ``ckpt`` below is the StableCheckpoint (Any: callback imports this module).
 def warn_inexact_resume(
     ckpt: Any, record: Any, position: Position, order: EpochOrder, writer: str | None
@@ -119,6 +159,16 @@ def warn_inexact_resume(
             "a version that did not save the epoch's sample order; fit shuffles NumPy arrays, so "
             "the rest of the interrupted epoch is drawn in another order. Let the epoch finish "
             "before an interruption, or accept the difference.",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
+    if ckpt._loader and "loader" not in saved:
+        warnings.warn(
+            f"StableCheckpoint: the checkpoint (epoch {pos.epoch}, step {pos.step}) was written by a "
+            "version that did not save the generator states of a torch DataLoader input; this fit's "
+            "DataLoader draws its order from generators it holds, so the resumed epochs read "
+            "another order than an uninterrupted run. Resume from a checkpoint of this version, or "
+            "accept the difference.",
             InexactResumeWarning,
             stacklevel=3,
         )

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from keras_stable_state._core.report import RestoreReport
     from keras_stable_state._fit.input import EpochOrder
+    from keras_stable_state._fit.loader import LoaderState
     from keras_stable_state._fit.position import Position
 
 
@@ -77,6 +78,7 @@ def apply_pending(
     order: EpochOrder,
     fit_input: Any,
     skip_batches: Callable[[int], None],
+    fit_loader: LoaderState | None = None,
 ) -> tuple[Any, Any]:
     """Put back what the restore at train begin left for the first epoch begin.
 
@@ -93,6 +95,9 @@ def apply_pending(
         order: The fit's `EpochOrder`.
         fit_input: The ``PyDataset`` whose own state is saved, or ``None``.
         skip_batches: Called with the number of batches to draw and skip (mid-epoch).
+        fit_loader: The `LoaderState` of a ``DataLoader`` input, or ``None``: its
+            generators are set to the epoch begin's (mid-epoch, those at the save wait
+            for ``fit_loader.after_skip()``).
 
     Returns:
         ``(data, rng)``: the checked ``providers/data`` record of an epoch-boundary
@@ -109,6 +114,7 @@ def apply_pending(
     parsed_saved = state.parse_rng_state(saved_rng)
     metrics, values = Metrics(model), None
     saved_input = input_state(fit_input, extra, arrays)
+    saved_loader = loader_state(fit_loader, extra, arrays, record)
     saved_data = extra.get("providers", {}).get("data")
     if saved_data is not None:
         saved_data = order.check(state.join_arrays(saved_data, arrays), mid_epoch=pos.step > 0)
@@ -122,6 +128,10 @@ def apply_pending(
         # Before the epoch's iterator exists, so before any worker prefetches a batch.
         fit_input.set_state(saved_input)
         report.restored_state.append("state:input")
+    if saved_loader is not None:
+        # Before Keras makes the epoch's iterator, which draws the order and worker seeds.
+        fit_loader.resume(saved_loader, mid_epoch=pos.step > 0)
+        report.restored_state.append("state:loader")
     if pos.step > 0:
         # Replay the epoch's data order from the random state it was drawn with, skip
         # the batches already applied, then continue from the random state at the save
@@ -146,6 +156,30 @@ def apply_callback_states(record: Any, report: RestoreReport | None, callbacks: 
     """
     for setter in checkpoint.plan_callbacks(record, callbacks, report):
         setter()
+
+
+def loader_state(fit_loader, extra, arrays, record):
+    """The checked saved state of a ``DataLoader`` input (record ``providers/loader``),
+    or ``None``: none saved, or none to set. A checkpoint written without it (by an
+    older version) was warned about at train begin (``inexact.warn_inexact_resume``).
+
+    Raises:
+        StateError: if the checkpoint holds a ``DataLoader``'s generator states and this
+            fit's input has none (another kind of input, or a loader without generators),
+            or other ones (`LoaderState.check`).
+        CorruptCheckpointError: if the saved state is malformed.
+    """
+    saved = extra.get("providers", {}).get("loader")
+    if saved is None:
+        return None
+    if not fit_loader:
+        raise StateError(
+            "The checkpoint holds the generator states of its fit input (a torch DataLoader with a "
+            "generator= or a sampler holding one), but this fit's input has none: its order cannot be "
+            "put back. Pass the same kind of input, made the same way, as when it was saved.",
+            key="providers/loader",
+        )
+    return fit_loader.check(state.join_arrays(saved, arrays), getattr(record, "path", None))
 
 
 def input_state(fit_input, extra, arrays):

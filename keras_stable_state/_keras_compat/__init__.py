@@ -51,6 +51,7 @@ from keras_stable_state._keras_compat.data import (
     stream_persists,
     stream_position,
     tf_dataset_of,
+    torch_loader_of,
 )
 from keras_stable_state._keras_compat.fit import (
     build_compile_state,
@@ -168,6 +169,7 @@ __all__ = [
     "sub_optimizers",
     "text_vectorization_lookup",
     "tf_dataset_of",
+    "torch_loader_of",
     "to_snake_case",
     "total_loss_count_index",
     "var_key",

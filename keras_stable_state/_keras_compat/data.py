@@ -1,5 +1,5 @@
 """The order and stream place of ``fit``'s input: its data adapters (arrays, ``PyDataset``,
-``tf.data``) and its epoch iterator's stream.
+``tf.data``, a Torch ``DataLoader``) and its epoch iterator's stream.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ __all__ = [
     "stream_persists",
     "stream_position",
     "tf_dataset_of",
+    "torch_loader_of",
 ]
 
 
@@ -141,6 +142,15 @@ def discard_prefetched(adapter) -> int:
         except queue.Empty:
             return count
         count += 1
+
+
+def torch_loader_of(adapter):
+    """The ``torch.utils.data.DataLoader`` a data adapter reads (on any backend:
+    ``keras/src/trainers/data_adapters/torch_data_loader_adapter.py``), or ``None``.
+    Imports no Torch: that adapter's module imports it only when one is made."""
+    from keras.src.trainers.data_adapters.torch_data_loader_adapter import TorchDataLoaderAdapter
+
+    return adapter._dataloader if isinstance(adapter, TorchDataLoaderAdapter) else None
 
 
 def tf_dataset_of(adapter):

@@ -1,7 +1,9 @@
 """The random state that decides the run: `rng_state` and `set_rng_state`.
 
-NumPy's, Python's and (on the Torch backend) Torch's global generators (data
-shuffling) and Keras' global seed generator; per-layer seed generators are model
+NumPy's, Python's and Torch's global generators (data shuffling; Torch's wherever
+``torch`` is loaded: the Torch backend, or a ``torch.utils.data.DataLoader`` input on
+JAX or TensorFlow, whose ``RandomSampler`` and worker seeds draw from it) and Keras'
+global seed generator; per-layer seed generators are model
 variables and saved with them. A saved state is checked in full before anything
 is set (`parse_rng_state`); a malformed one raises
 [`CorruptCheckpointError`][keras_stable_state.CorruptCheckpointError] naming its record
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
 
 import keras
 import numpy as np
@@ -25,7 +28,8 @@ __all__ = ["rng_state", "ParsedRng", "parse_rng_state", "rng_snapshot", "apply_r
 
 
 def rng_state() -> dict:
-    """NumPy's, Python's and Torch's (Torch backend) global generator states and Keras' global seed generator."""
+    """NumPy's, Python's and Torch's (where ``torch`` is loaded, `torch_loaded`) global
+    generator states and Keras' global seed generator."""
 
     name, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
@@ -42,11 +46,18 @@ def rng_state() -> dict:
         "keras_global_seed": None if gen is None else numpy_copy(gen.state),
         "torch": None,
     }
-    if keras.backend.backend() == "torch":
-        import torch  # the data loader's RandomSampler draws from torch's global generator
+    if torch_loaded():
+        import torch  # a DataLoader's RandomSampler and base seed draw from torch's global generator
 
         out["torch"] = torch.get_rng_state().numpy()
     return out
+
+
+def torch_loaded() -> bool:
+    """Whether Torch's global generator is part of the random state: the Torch backend, or
+    ``torch`` already imported (by the user: a ``DataLoader`` input on JAX or TensorFlow).
+    Torch is never imported here otherwise: a JAX- or TensorFlow-only install has none."""
+    return keras.backend.backend() == "torch" or "torch" in sys.modules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +70,8 @@ class ParsedRng:
         keras_global_seed: Keras' global seed generator state in this backend's
             seed dtype, or ``None``: the saving process had no global seed generator
             (`apply_rng_state` then removes this process's).
-        torch: ``uint8`` array for ``torch.set_rng_state``, or ``None`` (always
-            ``None`` off the Torch backend).
+        torch: ``uint8`` array for ``torch.set_rng_state``, or ``None`` (none saved, or
+            ``torch`` not loaded in this process: nothing here draws from it).
     """
 
     numpy: tuple
@@ -185,7 +196,7 @@ def parse_rng_state(state, where: str | None = None) -> ParsedRng:
         ):
             raise malformed("rng/torch", f"expected a 1-D uint8 array, found {show(torch_state)}", where)
         torch_state = np.array(torch_state, copy=True)
-        if keras.backend.backend() == "torch":
+        if torch_loaded():
             import torch
 
             try:
@@ -204,7 +215,7 @@ def rng_snapshot():
     gen = compat.global_seed_generator()
     gen_value = None if gen is None else numpy_copy(gen.state)
     torch_state = None
-    if keras.backend.backend() == "torch":
+    if torch_loaded():
         import torch
 
         torch_state = torch.get_rng_state().clone()
