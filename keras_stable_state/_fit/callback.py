@@ -363,11 +363,11 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._execution_begin = batch
         if batch < self._skip_until:
             return
+        if self._loader:
+            self._loader.note_draw(batch)
         if self._rng_after_skip is not None:
             state.set_rng_state(self._rng_after_skip)
             self._rng_after_skip = None
-            if self._loader:
-                self._loader.after_skip()
         self._position.step = batch
         if self._save_requested:
             self._save()
@@ -378,7 +378,11 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self._gated is not None:
             checkpoint.step_boundary(self._gated, lambda: self.model)
         if batch < self._skip_until:  # a batch applied before the checkpoint, drawn and skipped
+            if self._loader:
+                self._loader.replay_draw(batch + 1)
             return
+        if self._loader:
+            self._loader.note_step(batch)
         self._metrics = numeric_logs(logs)
         pos = self._position
         before = pos.global_step

@@ -103,33 +103,71 @@ class LoaderState:
             (``"loader.generator"``, ``"sampler.generator"``, ...).
         samplers: ``{path: sampler}`` of the user samplers with ``state_dict()``.
         epoch: The snapshot taken at the current epoch's begin (`snapshot`).
+        draws: ``{batch: uint8 array}``, on the Torch backend: Torch's global generator
+            state before the batch's data was drawn, for each batch of the current epoch
+            whose drawing took numbers from it (a dataset's random augmentation without
+            workers, a sampler without a generator). The model's unseeded random layers
+            draw from the same generator there (Torch's ``dropout``), and a skipped batch
+            is not trained, so the replay of an interrupted epoch sets each of these states
+            before drawing that batch (`replay_draw`). ``{}`` elsewhere (nothing but the
+            data pipeline draws from it) and for a pipeline that draws nothing from it.
     """
 
     def __init__(self, loader: Any) -> None:
+        import keras
+
         self.loader = loader
         found = _samplers(loader)
         self.generators = _generators(loader, found)
         self.samplers = stateful_samplers(found)
         self.epoch = self.snapshot()
-        self._after_skip: dict | None = None
+        self.track = keras.backend.backend() == "torch"
+        self.draws: dict[int, np.ndarray] = {}
+        self._after_step: tuple[int, Any] | None = None
 
     def __bool__(self) -> bool:
-        """Whether there is anything to save (a loader with neither reads only the global generators)."""
-        return bool(self.generators or self.samplers)
+        """Whether there is anything to save: generators or samplers of the loader's, or
+        (Torch backend) draws of the global generator to replay."""
+        return bool(self.generators or self.samplers or self.track)
 
-    def snapshot(self, samplers: bool = True) -> dict:
-        """``{"generators": {path: uint8 array}, "samplers": {path: state_dict()}}`` now
-        (``samplers=False``: the generators only, ``"samplers"`` empty)."""
+    def snapshot(self) -> dict:
+        """``{"generators": {path: uint8 array}, "samplers": {path: state_dict()}}`` now."""
         gens = {path: g.get_state().numpy().copy() for path, g in self.generators.items()}
-        states = {path: s.state_dict() for path, s in self.samplers.items()} if samplers else {}
-        return {"generators": gens, "samplers": states}
+        return {"generators": gens, "samplers": {path: s.state_dict() for path, s in self.samplers.items()}}
 
     def begin_epoch(self) -> None:
         """Note the states the epoch's iterator will draw from (before Keras makes it)."""
         self.epoch = self.snapshot()
+        self.draws, self._after_step = {}, None
+
+    def note_step(self, batch: int) -> None:
+        """At a trained batch's end: Torch's global state before the next batch is drawn."""
+        if self.track:
+            import torch
+
+            self._after_step = (batch, torch.get_rng_state())
+
+    def note_draw(self, batch: int) -> None:
+        """At a trained batch's begin (its data drawn): keep the state before the draw if
+        the draw took numbers from Torch's global generator."""
+        after, self._after_step = self._after_step, None
+        if after is None or after[0] != batch - 1:
+            return
+        import torch
+
+        if not torch.equal(after[1], torch.get_rng_state()):
+            self.draws[batch] = after[1].numpy().copy()
+
+    def replay_draw(self, batch: int) -> None:
+        """Before ``batch`` is drawn in the replay of an interrupted epoch (at the end of the
+        skipped batch before it): Torch's global state it was drawn from, if kept."""
+        if batch in self.draws:
+            import torch
+
+            torch.set_rng_state(torch.from_numpy(self.draws[batch].copy()))
 
     def get_state(self) -> dict:
-        return {"epoch": self.epoch, "now": self.snapshot(samplers=False)}
+        return {"epoch": self.epoch, "draws": {str(b): a for b, a in sorted(self.draws.items())}}
 
     def set_state(self, value: dict) -> None:
         """Put the epoch-begin states back (an epoch-boundary save's are the save's)."""
@@ -146,7 +184,7 @@ class LoaderState:
         import torch
 
         value = state.check_provider_state(self, value, RECORD, where)
-        for part in ("epoch", "now"):
+        for part in ("epoch",):
             gens = value[part].get("generators") if isinstance(value[part], dict) else None
             if not isinstance(gens, dict):
                 raise malformed(f"{RECORD}/{part}", "expected an object with 'generators'", where)
@@ -168,6 +206,19 @@ class LoaderState:
                     torch.Generator(device=self.generators[path].device).set_state(torch.from_numpy(array.copy()))
                 except (RuntimeError, ValueError, TypeError) as err:
                     raise malformed(record, f"Torch refuses it ({err})", where) from err
+        draws = value.get("draws")
+        if not isinstance(draws, dict):
+            raise malformed(f"{RECORD}/draws", f"expected an object, found {show(draws)}", where)
+        for key, array in draws.items():
+            record = f"{RECORD}/draws/{key}"
+            if not (isinstance(key, str) and key.isdigit()):
+                raise malformed(record, "expected a batch index as the key", where)
+            if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
+                raise malformed(record, f"expected a 1-D uint8 array, found {show(array)}", where)
+            try:
+                torch.Generator().set_state(torch.from_numpy(array.copy()))
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise malformed(record, f"Torch refuses it ({err})", where) from err
         saved = value["epoch"].get("samplers")
         if not isinstance(saved, dict) or sorted(saved) != sorted(self.samplers):
             raise StateError(
@@ -189,16 +240,12 @@ class LoaderState:
         for path, value in snap.get("samplers", {}).items():
             self.samplers[path].load_state_dict(value)
 
-    def resume(self, value: dict, mid_epoch: bool) -> None:
+    def resume(self, value: dict) -> None:
         """Put a checked saved state back at the resumed epoch's begin: the epoch-begin
-        states; mid-epoch, the states at the save wait for `after_skip`."""
+        states. Mid-epoch, the skipped batches then draw from them as the interrupted run
+        did (only the loader draws from its generators), so they stand where they stood at
+        the save once those batches are drawn."""
         self.apply(value["epoch"])
         self.epoch = value["epoch"]  # this epoch's begin, for the resumed run's next saves
-        self._after_skip = value["now"] if mid_epoch else None
-
-    def after_skip(self) -> None:
-        """Once the batches trained before the save are drawn again: the generator states
-        at the save (the same, when the replay drew as the interrupted run did)."""
-        snap, self._after_skip = self._after_skip, None
-        if snap is not None:
-            self.apply(snap)
+        self.draws = {int(b): np.asarray(a) for b, a in value["draws"].items()} if self.track else {}
+        self._after_step = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import keras
+
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
@@ -17,8 +19,6 @@ from keras_stable_state._manager import directory as checkpoint_dir
 from keras_stable_state.errors import StateError
 
 if TYPE_CHECKING:
-    import keras
-
     from keras_stable_state._core.report import RestoreReport
     from keras_stable_state._fit.input import EpochOrder
     from keras_stable_state._fit.loader import LoaderState
@@ -96,8 +96,7 @@ def apply_pending(
         fit_input: The ``PyDataset`` whose own state is saved, or ``None``.
         skip_batches: Called with the number of batches to draw and skip (mid-epoch).
         fit_loader: The `LoaderState` of a ``DataLoader`` input, or ``None``: its
-            generators are set to the epoch begin's (mid-epoch, those at the save wait
-            for ``fit_loader.after_skip()``).
+            generators are set to the epoch begin's.
 
     Returns:
         ``(data, rng)``: the checked ``providers/data`` record of an epoch-boundary
@@ -130,7 +129,7 @@ def apply_pending(
         report.restored_state.append("state:input")
     if saved_loader is not None:
         # Before Keras makes the epoch's iterator, which draws the order and worker seeds.
-        fit_loader.resume(saved_loader, mid_epoch=pos.step > 0)
+        fit_loader.resume(saved_loader)
         report.restored_state.append("state:loader")
     if pos.step > 0:
         # Replay the epoch's data order from the random state it was drawn with, skip
@@ -140,6 +139,12 @@ def apply_pending(
         metrics.set_state(values)
         order.begin_epoch(saved_data, mid_epoch=True)
         skip_batches(pos.step)
+        if saved_rng.get("torch") is not None and keras.backend.backend() != "torch":
+            # Off the Torch backend only the data pipeline draws from Torch's generator (a
+            # DataLoader's sampler, its dataset), which the skipped batches replay; its state
+            # at the save is not set after them: TensorFlow's from_generator may have drawn
+            # batches ahead of the step saved, a timing-dependent state.
+            saved_rng = {**saved_rng, "torch": None}
         return None, saved_rng
     state.apply_rng_state(parsed_saved)
     return saved_data, None
@@ -172,6 +177,9 @@ def loader_state(fit_loader, extra, arrays, record):
     saved = extra.get("providers", {}).get("loader")
     if saved is None:
         return None
+    gens = saved.get("epoch", {}).get("generators") if isinstance(saved.get("epoch"), dict) else None
+    if not fit_loader and not gens and not saved.get("epoch", {}).get("samplers"):
+        return None  # (Torch backend) a loader of the global generator only: nothing of its own to set
     if not fit_loader:
         raise StateError(
             "The checkpoint holds the generator states of its fit input (a torch DataLoader with a "
