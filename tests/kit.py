@@ -8,13 +8,22 @@ of two models' training state.
 
 import importlib.util
 import os
+import sys
 
 import keras
 import numpy as np
 
 import keras_stable_state as kss
 
-__all__ = ["StopAt", "assert_same_state", "frameworks_selected", "grads", "mlp"]
+__all__ = [
+    "StopAt",
+    "assert_resumes_exactly",
+    "assert_same_state",
+    "fit_input",
+    "frameworks_selected",
+    "grads",
+    "mlp",
+]
 
 # make test runs each backend's suite in an environment with that framework alone (the
 # user's install, tests/install_check.py), then, in the environment with all three, only the
@@ -175,3 +184,40 @@ def grads(loss_fn, variables):
             return loss_fn()
 
     return jax.grad(pure)([v.value for v in variables])
+
+
+def fit_input(directory, make_input, seed, stop=None, *, epochs, save_freq=2, **fit_kwargs):
+    """``model.fit(make_input(seed), epochs=epochs, **fit_kwargs)`` of a fresh ``mlp`` (a ReLU
+    layer of 8 and Dropout, initial weights from ``seed``) with a ``StableCheckpoint(directory,
+    save_freq=save_freq)``; ``stop=(epoch, batch)`` preempts it there (a ``StopAt`` after the
+    checkpoint). Returns ``(model, checkpoint)``."""
+    keras.utils.set_random_seed(seed)
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed)  # set_random_seed seeds Torch on the Torch backend only
+    model = mlp(hidden=8, activation="relu", dropout=0.2)
+    ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, max_to_keep=2)
+    callbacks = [ckpt, *([StopAt(*stop)] if stop else [])]
+    try:
+        model.fit(make_input(seed), epochs=epochs, verbose=0, callbacks=callbacks, **fit_kwargs)
+    except RuntimeError as err:
+        assert stop is not None and str(err) == "preempted", err
+    return model, ckpt
+
+
+def assert_resumes_exactly(directory, reference, make_input, stops, **kw):
+    """`fit_input` preempted at each ``((epoch, batch), saved_at)`` of ``stops`` in turn (each
+    run but the first resumes, with a fresh model and another seed, from the newest
+    checkpoint, at global step ``saved_at``), then resumed to the end with seed 99: its
+    weights, optimizer variables and History equal the uninterrupted ``reference`` model's,
+    bit for bit, by position. Returns the last run's ``StableCheckpoint``."""
+    for i, (stop, saved_at) in enumerate(stops):
+        _, stopped = fit_input(directory, make_input, 0 if i == 0 else 10 + i, stop, **kw)
+        assert stopped.checkpoints()[0].endswith(f"ckpt-{saved_at:010d}.h5")
+    resumed, ckpt = fit_input(directory, make_input, 99, **kw)
+    assert ckpt.restore_report is not None  # resumed, not restarted
+    assert_same_state(reference, resumed)
+    expected, found = reference.history.history, resumed.history.history
+    assert sorted(found) == sorted(expected)
+    for key, values in expected.items():
+        np.testing.assert_array_equal(values, found[key], err_msg=key)
+    return ckpt

@@ -6,10 +6,9 @@ checkpoint holds. Each case: an uninterrupted fit, then fits preempted once or t
 loader whose generator is seeded otherwise; weights, optimizer variables and History
 equal the uninterrupted run's bit for bit. What cannot be replayed is warned about."""
 
-import keras
 import numpy as np
 import pytest
-from kit import StopAt, assert_same_state, mlp
+from kit import assert_resumes_exactly, assert_same_state, fit_input
 
 import keras_stable_state as kss
 
@@ -75,7 +74,9 @@ LOADERS = {
     "global-generator": lambda s: data.DataLoader(_tensors(), batch_size=BATCH, shuffle=True),
     "generator": lambda s: data.DataLoader(_tensors(), batch_size=BATCH, shuffle=True, generator=_gen(s)),
     "drop-last": lambda s: data.DataLoader(
-        data.TensorDataset(torch.from_numpy(np.concatenate([X, X[:3]])), torch.from_numpy(np.concatenate([Y, Y[:3]]))),
+        data.TensorDataset(
+            torch.from_numpy(np.concatenate([X, X[:3]])), torch.from_numpy(np.concatenate([Y, Y[:3]]))
+        ),
         batch_size=BATCH,
         shuffle=True,
         drop_last=True,
@@ -87,13 +88,16 @@ LOADERS = {
     ),
     "workers-global": lambda s: data.DataLoader(_Noisy(), batch_size=BATCH, shuffle=True, num_workers=2),
     "sampler-replacement": lambda s: data.DataLoader(
-        _tensors(), batch_size=BATCH, sampler=data.RandomSampler(range(N), replacement=True, generator=_gen(s))
+        _tensors(),
+        batch_size=BATCH,
+        sampler=data.RandomSampler(range(N), replacement=True, generator=_gen(s)),
     ),
     "weighted-sampler": lambda s: data.DataLoader(
         _tensors(), batch_size=BATCH, sampler=data.WeightedRandomSampler(np.linspace(1, 2, N), N)
     ),
     "batch-sampler": lambda s: data.DataLoader(
-        _tensors(), batch_sampler=data.BatchSampler(data.RandomSampler(range(N), generator=_gen(s)), BATCH, False)
+        _tensors(),
+        batch_sampler=data.BatchSampler(data.RandomSampler(range(N), generator=_gen(s)), BATCH, False),
     ),
     "user-sampler-with-state": lambda s: data.DataLoader(_tensors(), batch_size=BATCH, sampler=_Rotating(N)),
 }
@@ -106,15 +110,7 @@ STOPS = {
 
 
 def _fit(directory, make_loader, seed, stop=None):
-    keras.utils.set_random_seed(seed)
-    torch.manual_seed(seed)  # set_random_seed seeds Torch on the Torch backend only
-    model = mlp(hidden=8, activation="relu", dropout=0.2)
-    ckpt = kss.StableCheckpoint(directory, save_freq=2, max_to_keep=2)
-    try:
-        model.fit(make_loader(seed), epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[ckpt, *([StopAt(*stop)] if stop else [])])
-    except RuntimeError as err:
-        assert stop is not None and str(err) == "preempted", err
-    return model, ckpt
+    return fit_input(directory, make_loader, seed, stop, epochs=EPOCHS, shuffle=False)
 
 
 _REFERENCES = {}
@@ -129,21 +125,20 @@ def _reference(tmp_path_factory, name):
 
 
 def _assert_resumes_exactly(tmp_path, reference, make_loader, stops):
-    for i, (stop, saved_at) in enumerate(stops):
-        _, stopped = _fit(tmp_path, make_loader, seed=0 if i == 0 else 10 + i, stop=stop)
-        assert stopped.checkpoints()[0].endswith(f"ckpt-{saved_at:010d}.h5")
-    resumed, ckpt = _fit(tmp_path, make_loader, seed=99)
-    assert ckpt.restore_report is not None  # resumed, not restarted
-    assert_same_state(reference, resumed)
-    assert sorted(resumed.history.history) == sorted(reference.history.history)
-    for key, values in reference.history.history.items():
-        np.testing.assert_array_equal(values, resumed.history.history[key], err_msg=key)
-    return ckpt
+    return assert_resumes_exactly(tmp_path, reference, make_loader, stops, epochs=EPOCHS, shuffle=False)
 
 
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX's, for the workers
 @pytest.mark.parametrize("stops", sorted(STOPS))
-@pytest.mark.parametrize("name", sorted(LOADERS))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name, marks=[pytest.mark.slow] if name.startswith("workers") else []
+        )  # processes per epoch
+        for name in sorted(LOADERS)
+    ],
+)
 def test_dataloader_resumes_exactly(tmp_path, tmp_path_factory, name, stops):
     reference = _reference(tmp_path_factory, name)
     _assert_resumes_exactly(tmp_path, reference, LOADERS[name], STOPS[stops])
@@ -160,7 +155,9 @@ def test_the_uninterrupted_run_repeats_itself_and_differs_with_another_generator
 
 
 def test_the_generator_states_are_in_the_checkpoint(tmp_path, tmp_path_factory):
-    ckpt = _assert_resumes_exactly(tmp_path, _reference(tmp_path_factory, "generator"), LOADERS["generator"], STOPS["mid-epoch"])
+    ckpt = _assert_resumes_exactly(
+        tmp_path, _reference(tmp_path_factory, "generator"), LOADERS["generator"], STOPS["mid-epoch"]
+    )
     assert "state:loader" in ckpt.restore_report.restored_state
 
 
@@ -177,7 +174,9 @@ def test_torchdata_stateful_dataloader_resumes_exactly(tmp_path, tmp_path_factor
 
 def test_a_sampler_without_state_dict_is_warned_about_naming_it(tmp_path):
     loader = lambda s: data.DataLoader(_tensors(), batch_size=BATCH, sampler=_RotatingNoState(N))  # noqa: E731
-    with pytest.warns(kss.InexactResumeWarning, match=r"sampler \(_RotatingNoState\).*state_dict\(\)/load_state_dict\(\)"):
+    with pytest.warns(
+        kss.InexactResumeWarning, match=r"sampler \(_RotatingNoState\).*state_dict\(\)/load_state_dict\(\)"
+    ):
         _fit(tmp_path, loader, seed=0, stop=(0, 0))
 
 
@@ -186,7 +185,9 @@ def test_persistent_workers_are_warned_about(tmp_path):
     def loader(s):
         return data.DataLoader(_Noisy(), batch_size=BATCH, num_workers=1, persistent_workers=True)
 
-    with pytest.warns(kss.InexactResumeWarning, match=r"DataLoader keeps its 1 worker processes.*persistent_workers=False"):
+    with pytest.warns(
+        kss.InexactResumeWarning, match=r"DataLoader keeps its 1 worker processes.*persistent_workers=False"
+    ):
         _fit(tmp_path, loader, seed=0, stop=(0, 0))
 
 

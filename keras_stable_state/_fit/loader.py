@@ -46,7 +46,10 @@ def _samplers(loader: Any) -> dict[str, Any]:
     ``batch_sampler`` and the ``sampler`` each wraps), each object once."""
     found: dict[str, Any] = {}
     seen = set()
-    todo = [("sampler", getattr(loader, "sampler", None)), ("batch_sampler", getattr(loader, "batch_sampler", None))]
+    todo = [
+        ("sampler", getattr(loader, "sampler", None)),
+        ("batch_sampler", getattr(loader, "batch_sampler", None)),
+    ]
     while todo:
         path, obj = todo.pop(0)
         if obj is None or id(obj) in seen:
@@ -89,7 +92,11 @@ def hidden_samplers(loader: Any) -> list[str]:
     user's own classes without ``state_dict()``/``load_state_dict()``."""
     samplers = _samplers(loader)
     keep = stateful_samplers(samplers)
-    return [f"{path} ({type(s).__name__})" for path, s in samplers.items() if _is_user_class(s) and path not in keep]
+    return [
+        f"{path} ({type(s).__name__})"
+        for path, s in samplers.items()
+        if _is_user_class(s) and path not in keep
+    ]
 
 
 class LoaderState:
@@ -203,7 +210,9 @@ class LoaderState:
                 if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
                     raise malformed(record, f"expected a 1-D uint8 array, found {show(array)}", where)
                 try:
-                    torch.Generator(device=self.generators[path].device).set_state(torch.from_numpy(array.copy()))
+                    torch.Generator(device=self.generators[path].device).set_state(
+                        torch.from_numpy(array.copy())
+                    )
                 except (RuntimeError, ValueError, TypeError) as err:
                     raise malformed(record, f"Torch refuses it ({err})", where) from err
         draws = value.get("draws")

@@ -1,0 +1,102 @@
+"""grain inputs of ``fit`` (``MapDataset``, ``IterDataset``, ``grain.DataLoader``) resume
+exactly with ``StableCheckpoint`` on every backend. grain draws every order and random
+map from seeds given in the pipeline (it refuses a ``shuffle`` or ``random_map``
+without one), and Keras' grain adapter iterates the dataset from its start each epoch
+(``keras/src/trainers/data_adapters/grain_dataset_adapter.py``), so the replay of an
+interrupted epoch (its batches drawn again and skipped) reads the same batches; with
+``steps_per_epoch`` over a repeated dataset, the stream's place is reached the same way.
+Each case: an uninterrupted fit, then fits preempted once or twice and resumed with a
+fresh model and another seed, compared bit for bit (weights, optimizer variables, History)."""
+
+import numpy as np
+import pytest
+from kit import assert_resumes_exactly, assert_same_state, fit_input
+
+# Keras' own, at the end of each epoch of an input of unknown length (grain's, to Keras).
+pytestmark = pytest.mark.filterwarnings("ignore:Your input ran out of data:UserWarning")
+grain = pytest.importorskip("grain", reason="grain inputs need grain installed (the [grain] extra)")
+
+N, BATCH, EPOCHS = 48, 8, 3  # 6 batches per epoch
+rng = np.random.default_rng(5)
+X = rng.normal(size=(N, 4)).astype("float32")
+Y = (X @ rng.normal(size=(4, 1))).astype("float32")
+
+
+class _Source:
+    """A random-access data source (``__len__``, ``__getitem__``) of ``(x, y)`` samples."""
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return X[i], Y[i]
+
+
+def _noisy(sample, rng):
+    x, y = sample
+    return (x + 0.01 * rng.normal(size=4)).astype("float32"), y
+
+
+def _map_dataset():
+    return grain.MapDataset.source(_Source()).shuffle(seed=7).random_map(_noisy, seed=3).batch(BATCH)
+
+
+def _iter_dataset():
+    options = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+    return grain.MapDataset.source(_Source()).shuffle(seed=7).to_iter_dataset(options).batch(BATCH)
+
+
+def _data_loader():
+    sampler = grain.samplers.IndexSampler(
+        N, shuffle=True, seed=5, num_epochs=1, shard_options=grain.sharding.NoSharding()
+    )
+    return grain.DataLoader(
+        data_source=_Source(), sampler=sampler, operations=[grain.transforms.Batch(BATCH)], worker_count=0
+    )
+
+
+def _repeated():
+    return grain.MapDataset.source(_Source()).shuffle(seed=7).repeat().batch(BATCH)
+
+
+# name -> (make the input, fit's other arguments)
+INPUTS = {
+    "map-dataset": (_map_dataset, {}),
+    "iter-dataset": (_iter_dataset, {}),
+    "data-loader": (_data_loader, {}),
+    "steps-per-epoch-over-repeat": (_repeated, {"steps_per_epoch": N // BATCH}),
+}
+# (preempted at (epoch, batch), the global step of the newest checkpoint then); save_freq=2.
+STOPS = {
+    "mid-epoch": [((1, 3), 8)],
+    "boundary-then-mid-epoch": [((1, 0), 6), ((2, 5), 16)],
+}
+_REFERENCES = {}
+
+
+def _reference(tmp_path_factory, name):
+    make, kw = INPUTS[name]
+    if name not in _REFERENCES:
+        model, _ = fit_input(
+            tmp_path_factory.mktemp("ref"), lambda s: make(), 0, epochs=EPOCHS, shuffle=False, **kw
+        )
+        assert int(model.optimizer.iterations) == EPOCHS * N // BATCH
+        _REFERENCES[name] = model
+    return _REFERENCES[name]
+
+
+@pytest.mark.parametrize("stops", sorted(STOPS))
+@pytest.mark.parametrize("name", sorted(INPUTS))
+def test_grain_input_resumes_exactly(tmp_path, tmp_path_factory, name, stops):
+    make, kw = INPUTS[name]
+    reference = _reference(tmp_path_factory, name)
+    assert_resumes_exactly(
+        tmp_path, reference, lambda s: make(), STOPS[stops], epochs=EPOCHS, shuffle=False, **kw
+    )
+
+
+def test_the_grain_references_repeat_themselves(tmp_path, tmp_path_factory):
+    """Each epoch of a grain input is the same pass (Keras iterates it from its start) and two
+    runs are equal: a resume compared with the reference compares like with like."""
+    again, _ = fit_input(tmp_path, lambda s: _map_dataset(), 0, epochs=EPOCHS, shuffle=False)
+    assert_same_state(_reference(tmp_path_factory, "map-dataset"), again)
