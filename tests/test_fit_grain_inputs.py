@@ -86,7 +86,10 @@ def _reference(tmp_path_factory, name):
 
 
 @pytest.mark.parametrize("stops", sorted(STOPS))
-@pytest.mark.parametrize("name", sorted(INPUTS))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[pytest.mark.slow] if n.startswith("steps") else []) for n in sorted(INPUTS)],
+)
 def test_grain_input_resumes_exactly(tmp_path, tmp_path_factory, name, stops):
     make, kw = INPUTS[name]
     reference = _reference(tmp_path_factory, name)

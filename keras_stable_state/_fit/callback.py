@@ -282,6 +282,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._pending_restore: Any = None  # the record restored, until its epoch begins
         self._rng_after_skip: Any = None
         self._save_requested, self._skip_until, self._execution_begin = False, 0, 0
+        self._last_mid_save: tuple[int, int] | None = None  # (epoch, global step) of the last mid-epoch save
         self.restore_report: RestoreReport | None = None
         self.skipped_checkpoints: list[tuple[str, str]] = []
         self.moved_checkpoints: list[tuple[str, str | None]] = []
@@ -399,9 +400,17 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             return  # stopped mid-epoch: the checkpoint, taken at that batch end, is the position
         self._metrics = numeric_logs(logs)
         self._skip_until = 0
-        self._position.epoch = epoch + 1
-        self._position.step = 0
-        if self.save_freq == "epoch" or stop:  # a preemption's: written at train end, after every callback
+        pos = self._position
+        # An input of unknown length (a generator, grain, tf.data of unknown cardinality) makes
+        # Keras begin one more batch before it finds the epoch's end: a save requested by the
+        # epoch's last batch was taken there, mid-epoch, before the History and other
+        # callbacks saw the epoch end. It is taken again at the boundary (the same step, replaced).
+        redo = self._last_mid_save == (epoch, pos.global_step)
+        pos.epoch = epoch + 1
+        pos.step = 0
+        if (
+            self.save_freq == "epoch" or stop or redo
+        ):  # a preemption's: written at train end, after every callback
             self._save_requested = True
         self.model.stop_training = self.model.stop_training or stop
 
@@ -461,6 +470,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
                 self._loader.begin_epoch()
             self._order.end_epoch()
             self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
+        self._last_mid_save = (pos.epoch, pos.global_step) if pos.step else None
         self._where[pos.global_step] = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"
         found: dict[str, Any] = {"callbacks": self._callbacks, "state": self._providers()}
         self.manager.save(pos.global_step, self.model, metrics=self._metrics, epoch=pos.epoch, **found)
