@@ -12,7 +12,7 @@ one ``constraints.txt`` pins), this script runs, in order:
 3. ``examples/resume_demo.py`` after ``pip install "<the wheel>[<backend>,demo]"``;
 4. with ``--tests all`` (``make test``) the library's test suite for that backend, or with
    ``--tests quick`` its quick tier (``pytest -m "not slow"``), after installing what the
-   tests need (``[<backend>,dev,demo,cloud]``, and ``orbax`` on JAX): still no other
+   tests need (``[<backend>,dev,demo,cloud,grain]``, and ``orbax`` on JAX, ``torchdata`` on Torch): still no other
    framework. A test that needs another framework is skipped with that reason
    (``@pytest.mark.frameworks``); ``make test`` runs those in the environment that has
    every framework.
@@ -46,8 +46,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PROBE = ROOT / "tests" / "scripts" / "one_framework.py"
 FRAMEWORKS = ("tensorflow", "jax", "torch")
 # What the test suite needs beside the backend (pytest, hypothesis, moto's S3 server, the
-# notebook runner); Orbax is JAX's own extra.
-TEST_EXTRAS = {"jax": "dev,demo,cloud,orbax", "torch": "dev,demo,cloud", "tensorflow": "dev,demo,cloud"}
+# notebook runner, grain inputs); Orbax is JAX's own extra, torchdata (StatefulDataLoader)
+# Torch's.
+TEST_EXTRAS = {
+    "jax": "dev,demo,cloud,grain,orbax",
+    "torch": "dev,demo,cloud,grain,torchdata",
+    "tensorflow": "dev,demo,cloud,grain",
+}
 
 
 def quick_start() -> str:
