@@ -162,13 +162,14 @@ def warn_inexact_resume(
             InexactResumeWarning,
             stacklevel=3,
         )
-    if ckpt._loader and "loader" not in saved:
+    loader = ckpt._loader
+    if loader and (loader.generators or loader.samplers) and "loader" not in saved:
         warnings.warn(
-            f"StableCheckpoint: the checkpoint (epoch {pos.epoch}, step {pos.step}) was written by a "
-            "version that did not save the generator states of a torch DataLoader input; this fit's "
-            "DataLoader draws its order from generators it holds, so the resumed epochs read "
-            "another order than an uninterrupted run. Resume from a checkpoint of this version, or "
-            "accept the difference.",
+            f"StableCheckpoint: the checkpoint (epoch {pos.epoch}, step {pos.step}) holds no generator "
+            "states of a torch DataLoader input (written by an older version, or from another input); "
+            "this fit's DataLoader draws its order from generators it holds, so the resumed epochs "
+            "read another order than an uninterrupted run. Resume from a checkpoint this version "
+            "wrote with the same DataLoader, or accept the difference.",
             InexactResumeWarning,
             stacklevel=3,
         )
