@@ -216,7 +216,7 @@ def test_callbacks_are_keyed_by_the_callers_names(tmp_path):
         kss.save_training_state(tmp_path / "s.h5", model, callbacks={"a#b": es})
 
 
-def test_stable_checkpoint_saves_only_the_callbacks_it_is_given(tmp_path):
+def test_stable_checkpoint_saves_the_fit_callbacks_named_or_not(tmp_path):
     def fit(directory, named, epochs):
         model = _model()
         model.compile(optimizer=kss.StableOptimizer(keras.optimizers.SGD(1e-2)), loss="mse")
@@ -228,15 +228,14 @@ def test_stable_checkpoint_saves_only_the_callbacks_it_is_given(tmp_path):
     fit(tmp_path / "named", True, 1)
     resumed = fit(tmp_path / "named", True, 2)
     assert "callback:es" in resumed.restore_report.restored_state
-    # An unnamed stateful sibling is not saved, and train begin says so (it is never guessed).
-    with pytest.warns(kss.InexactResumeWarning, match=r"EarlyStopping of this fit keeps state \(.*wait"):
-        fit(tmp_path / "none", False, 1)
-    with pytest.warns(kss.InexactResumeWarning, match="callbacks="):
-        resumed = fit(tmp_path / "none", False, 2)
+    # An unnamed stateful sibling is saved too (issue 33), keyed by class and position among
+    # the fit's callbacks of that class, with the fit call's History; nothing is warned.
+    fit(tmp_path / "none", False, 1)
+    resumed = fit(tmp_path / "none", False, 2)
     assert resumed.restore_report is not None
-    # Only the fit call's History (model.history, public), never a guessed sibling.
-    assert [s for s in resumed.restore_report.restored_state if s.startswith("callback:")] == [
-        "callback:History/0"
+    assert sorted(s for s in resumed.restore_report.restored_state if s.startswith("callback:")) == [
+        "callback:EarlyStopping/0",
+        "callback:History/0",
     ]
 
 

@@ -159,23 +159,22 @@ def test_shuffled_arrays_with_steps_per_epoch_warn_at_train_begin(tmp_path):
 
 
 def test_train_begin_warnings_point_out_of_the_package(tmp_path):
-    """The warnings of the input and of unsaved callbacks at train begin keep their stacklevel
+    """The warnings of the input and of the callbacks at train begin keep their stacklevel
     (StableCheckpoint split by job, issue 15): they point at the caller of the callback hook,
     outside keras_stable_state, as before the split."""
     package = os.path.dirname(kss.__file__) + os.sep
     m = _model()
     es = keras.callbacks.EarlyStopping(monitor="loss", patience=9)
+
+    def fit(epochs, named):
+        callbacks = [kss.StableCheckpoint(tmp_path, callbacks=named), es]
+        m.fit(X, Y, batch_size=8, epochs=epochs, steps_per_epoch=2, verbose=0, callbacks=callbacks)
+
+    with pytest.warns(kss.InexactResumeWarning, match="with steps_per_epoch"):
+        fit(1, {"gone": es})  # a checkpoint with the state of a callback named "gone"
     with pytest.warns(kss.InexactResumeWarning) as caught:
-        m.fit(
-            X,
-            Y,
-            batch_size=8,
-            epochs=1,
-            steps_per_epoch=2,
-            verbose=0,
-            callbacks=[kss.StableCheckpoint(tmp_path), es],
-        )
-    found = {"with steps_per_epoch": [], "EarlyStopping of this fit keeps state": []}
+        fit(2, None)
+    found = {"with steps_per_epoch": [], "holds the state of the callbacks ['gone']": []}
     for w in caught:
         for part, files in found.items():
             if part in str(w.message):

@@ -338,6 +338,8 @@ def test_a_fit_stopped_by_a_callback_trains_nothing_when_run_again(tmp_path, dat
     # extending is explicit: more epochs than the stopped fit's, or resume_stopped=True
     more, ckpt, history = _fit(folder, data, 3, seed=7, resume_stopped=True)
     assert not ckpt.run_complete and len(history.history["loss"]) == 3
+    if stopper == "early_stopping":  # removed to train on: not warned about, listed as dropped
+        assert ckpt.restore_report.dropped_reasons["callback:c0"] == "no callback of this fit takes it"
     assert int(to_np(more.optimizer.iterations)) == iterations + iterations // 2
 
 

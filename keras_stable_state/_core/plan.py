@@ -351,7 +351,9 @@ def plan_callbacks(record, callbacks, report, where=None):
     Callbacks are matched by key: the names of a dict (``{"es": cb}``), or for a
     list the class name and index among callbacks of that class; every saved state is checked before anything is set, and the returned call
     sets all of them or (if one refuses) none. A stateful callback without a
-    saved state is listed in ``report.left_fresh``.
+    saved state is listed in ``report.left_fresh``; a saved state (but ``{}``) that no
+    callback takes, in ``report.dropped`` (``"callback:<key>"``, reason ``"no callback of this fit
+    takes it"``).
 
     Args:
         record: A `StateRecord`.
@@ -368,6 +370,9 @@ def plan_callbacks(record, callbacks, report, where=None):
     """
     callbacks = check_callbacks(callbacks, "StableCheckpoint")
     steps = _callback_steps(record, callbacks, report, None if where is None else file_label(where))
+    for key, value in record.extra.get("callbacks", {}).items():
+        if key not in callbacks and value not in ({}, [], None):  # {}: a stateless one
+            report.drop(f"callback:{key}", "no callback of this fit takes it")
     return [lambda: apply_steps(steps, where)] if steps else []
 
 

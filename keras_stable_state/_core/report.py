@@ -28,7 +28,8 @@ class RestoreReport:
             the live optimizer"``, ``"extra variable not passed in `variables=`"``,
             ``"no rename rule matches"``, ``"no optimizer to restore into
             (compile the model or pass optimizer=)"``, ``"kept the compiled
-            learning rate (keep_learning_rate=True)"``.
+            learning rate (keep_learning_rate=True)"``; for ``"callback:<key>"`` (a
+            ``StableCheckpoint`` resume) ``"no callback of this fit takes it"``.
         renamed: ``(saved key, key restored as)`` for every key a ``prefix`` or
             ``rename`` rule changed.
         learning_rates: ``(key, compiled value, saved value, "replaced" | "kept")``

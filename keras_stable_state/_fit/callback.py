@@ -41,9 +41,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
 
     On train begin it restores the newest readable checkpoint in ``directory`` and ``fit``
     continues at the next unseen batch; during ``fit`` it saves a ``ckpt-<global step>.h5``
-    file every ``save_freq``, keeps the newest ``max_to_keep`` (and ``keep_best`` by
-    ``monitor``), moves unreadable ones aside with an
-    [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning], locks
+    file every ``save_freq``, keeps the newest ``max_to_keep`` (and ``keep_best`` by ``monitor``),
+    moves unreadable ones aside with an [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning], locks
     the directory, and saves and stops on a preemption signal. In full (data order,
     callbacks, locks, ``*.orbax`` directories): [in detail](how-to/resume-fit.md#stablecheckpoint-in-detail),
     [Preemption](how-to/preemption.md).
@@ -60,8 +59,9 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             the model's ``steps_per_execution``).
         max_to_keep: How many newest checkpoints to keep (``>= 1``; ``None``: all).
         verbose: ``1`` prints a line per restore and per save (file, size in MB, time in ms).
-        callbacks: The callbacks whose state to save: ``{name: callback}`` or a list
-            (keyed by class name and index). The ``fit``'s ``History`` always is.
+        callbacks: Callbacks to name, or outside the ``fit``: ``{name: callback}`` or a list (keyed
+            ``"<ClassName>/<i>"``). Every other callback of the ``fit`` whose state is known (Keras'
+            own) or that has ``get_state()``/``set_state()`` is saved too, keyed by class and position.
         save_on_background: ``True`` writes each checkpoint in a background thread; a
             failed write raises at the next batch, save or train end.
         on_data_change: ``"raise"`` (default) or ``"restart_epoch"``: what a mid-epoch
@@ -169,6 +169,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             None  # the model whose step boundaries this fit opens (_core.boundary)
         )
         self._given_callbacks = checkpoint.check_callbacks(callbacks, "StableCheckpoint")
+        self._keyed: dict[str, Any] | None = None  # the callbacks saved, from train begin to end
         self._reset(1)
         self._epoch_guard: EpochBeginGuard | None = None
         self._input: Any = None  # the fit's PyDataset whose own state is saved, or None
@@ -206,7 +207,11 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     # -- discovery ------------------------------------------------------------------
     @property
     def _callbacks(self) -> dict[str, Any]:
-        """The callbacks given, and the ``History`` of the ``fit`` call (see ``checks.with_history``)."""
+        """``{key: callback}`` whose state is saved: during a ``fit``, the callbacks given and
+        every callback of the ``fit`` whose state is known (``checks.fit_keyed``, found at
+        train begin); else the callbacks given and ``model.history`` (``checks.with_history``)."""
+        if self._keyed is not None:
+            return self._keyed
         return _fit_checks.with_history(self._given_callbacks, self.model)
 
     def _say(self, message: str) -> None:
@@ -258,7 +263,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._input = inexact.inspect_input()
         self._loader = inexact.inspect_loader()
         self._order = _fit_input.EpochOrder(compat.fit_epoch_iterator())
-        inexact.warn_unsaved_callbacks(self, self._callbacks)
+        self._keyed = _fit_checks.fit_keyed(self._given_callbacks, compat.fit_callbacks(), self, model)
         try:
             self._take_directory()
             self._restore_newest()
@@ -269,6 +274,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         except BaseException:
             self.manager.release()  # fit stops here; Keras will not call on_train_end
             self.preemption.end()
+            self._keyed = None
             raise
         # From here, saves from other threads wait for a step boundary (on_train_batch_end).
         self._gated = model  # held as is: ``self.model`` would sync JAX's state at every step
@@ -294,6 +300,12 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         )
         self.skipped_checkpoints = list(self.manager.skipped_checkpoints)
         self.moved_checkpoints = list(self.manager.moved_checkpoints)
+        if (
+            restored is not None and self._pending_restore is not None
+        ):  # before report_newest's reset of pos.stopped
+            inexact.warn_resumed_callbacks(
+                self, self._pending_restore, os.path.basename(restored), self._position
+            )
         epochs = (self.params or {}).get("epochs")
         self.run_complete = resume.report_newest(self, restored, self._position, epochs, self._say)
         self.run_stopped = self.run_complete and self._position.stopped is not None
@@ -434,6 +446,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             compat.set_initial_epoch(self.model, None)
             self.manager.release()
             self.preemption.end()
+            self._keyed = None  # the fit's callbacks are not held past it
 
     def _stopped_by_callbacks(self) -> bool:
         """Whether this ``fit`` trained and was stopped before its ``epochs`` by a callback

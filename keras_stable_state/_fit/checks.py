@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import keras
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _state as state
 from keras_stable_state._manager import orbax_io
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import InexactResumeWarning, StateError
@@ -65,6 +66,31 @@ def with_history(given: dict, model) -> dict:
     if isinstance(history, keras.callbacks.History) and not listed:
         found.setdefault("History/0", history)
     return found
+
+
+def fit_keyed(given: dict, fit_callbacks: list, ckpt: Any, model) -> dict:
+    """The callbacks whose state ``ckpt`` saves and restores, ``{key: callback}``: those
+    ``given`` (``{name: callback}``, keyed by their names), then every other callback of
+    ``fit_callbacks`` (the ``fit``'s, in its order) whose state is known or self-described
+    (``state.has_known_state``), keyed ``"<ClassName>/<i>"`` with ``i`` its position among
+    those callbacks of its class name (0 for the first; the next free index where a given
+    name takes that key), as a list given to ``StableCheckpoint(callbacks=[...])`` keys
+    them; and the ``fit``'s ``History`` (`with_history`). ``ckpt`` itself is never one.
+    A callback given and also in the ``fit`` is keyed once, by its given name."""
+    found = dict(given)
+    named = {id(cb) for cb in given.values()}
+    counts: dict[str, int] = {}
+    for cb in fit_callbacks:
+        if cb is ckpt or id(cb) in named or not state.has_known_state(cb):
+            continue
+        named.add(id(cb))  # a callback listed twice in the fit is keyed once
+        name = type(cb).__name__
+        i = counts.get(name, 0)
+        while f"{name}/{i}" in found:
+            i += 1
+        counts[name] = i + 1
+        found[f"{name}/{i}"] = cb
+    return with_history(found, model)
 
 
 def check_on_data_change(value) -> str:

@@ -1,7 +1,8 @@
 """The [`InexactResumeWarning`][keras_stable_state.InexactResumeWarning] checks of a
 [`StableCheckpoint`][keras_stable_state.StableCheckpoint] at train begin: inputs whose order a resume
 cannot replay, checkpoints of an older version or another backend, per-output loss means
-counted in other units, callbacks whose state is not saved, and planned steps that would
+counted in other units, callbacks whose state is unknown or not in the checkpoint (or saved
+states no callback of the ``fit`` takes), and planned steps that would
 wrap an optimizer's iteration counter.
 
 The functions are called from the callback's hooks at the depth its methods were, so
@@ -173,7 +174,6 @@ def warn_inexact_resume(
             InexactResumeWarning,
             stacklevel=3,
         )
-    warn_unknown_callbacks(ckpt)
     live = keras.backend.backend()
     source = saved.get("data", {}).get("source", "numpy") if isinstance(saved.get("data"), dict) else "numpy"
     if shuffle and source not in ("numpy", order.source):
@@ -241,6 +241,18 @@ def warn_loss_weighting(model, record, position, writer, live):
     )
 
 
+def warn_resumed_callbacks(ckpt: Any, record: Any, where: str, position: Position) -> None:
+    """The warnings of a resume (``ckpt`` restored ``record``, from the file ``where``, at
+    ``position``) about the callbacks of its ``fit``: `warn_unknown_callbacks` and
+    `warn_changed_callbacks` (called from ``StableCheckpoint._restore_newest`` in
+    ``on_train_begin``: they point at its caller). Saved states that no callback takes are
+    not warned about when the restored run was stopped by a callback (``position.stopped``):
+    continuing it (``resume_stopped=True``, more ``epochs``) usually means removing or
+    changing the callback that stopped it; ``report.dropped`` lists them."""
+    warn_unknown_callbacks(ckpt)
+    warn_changed_callbacks(record, ckpt._callbacks, where, lost=position.stopped is None)
+
+
 def warn_unknown_callbacks(ckpt):
     """Warn, on a resume, for each callback of this ``fit`` (but ``ckpt``) whose state the library
     cannot see: one of the user's own (or a ``LambdaCallback``) without
@@ -257,34 +269,64 @@ def warn_unknown_callbacks(ckpt):
             "so any state it keeps in its attributes is not in the checkpoint and starts fresh in "
             "the resumed run; if that state changes training (a counter, a best value), the run "
             "does not end like an uninterrupted one. Give it get_state() (a dict of JSON values "
-            "and NumPy arrays) and set_state(state) and pass it in StableCheckpoint(callbacks=...); "
-            "a get_state() that returns {} declares it stateless.",
+            "and NumPy arrays) and set_state(state): StableCheckpoint then saves and restores it "
+            "without configuration; a get_state() that returns {} declares it stateless.",
             InexactResumeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
-def warn_unsaved_callbacks(ckpt: Any, callbacks: dict[str, Any]) -> None:
-    """Warn for each stateful callback of this ``fit`` (but ``ckpt``) not among
-    ``callbacks`` (``{name: callback}``, those ``ckpt`` saves): a resume restarts it
-    fresh (e.g. EarlyStopping's ``wait`` and ``best``)."""
-    given = [id(cb) for cb in callbacks.values()]
-    for cb in compat.fit_callbacks():
-        if cb is ckpt or id(cb) in given or isinstance(cb, keras.callbacks.History):
-            continue
-        saved = state.callback_state(cb)
-        if not saved:  # no state we know of, or none to keep (LearningRateScheduler)
-            continue
-        name = type(cb).__name__
-        fields = ", ".join(sorted(map(str, saved))) if isinstance(saved, dict) else "its get_state()"
+def _holds_state(value: Any) -> bool:
+    """Whether a callback state (saved, or live) holds anything: ``{}`` (or an empty
+    list) is a callback that declares itself stateless."""
+    return value is not None and not (isinstance(value, (dict, list, tuple)) and not value)
+
+
+def warn_changed_callbacks(record: Any, callbacks: dict[str, Any], where: str, lost: bool = True) -> None:
+    """Warn, on a resume, when this ``fit``'s callbacks (``callbacks``: ``{key: callback}``,
+    those saved, see ``checks.fit_keyed``) differ from those whose state the checkpoint
+    ``where`` holds (``record``): a saved non-empty state no callback of this ``fit`` takes
+    (the callback was removed, or is keyed otherwise now), and a stateful callback (but a
+    ``History``) that has no saved state and starts fresh (added, or written by a version
+    that saved only the callbacks named in ``StableCheckpoint(callbacks=...)``); the former
+    only with ``lost``."""
+    saved = record.extra.get("callbacks", {})
+    unused = sorted(k for k, v in saved.items() if k not in callbacks and _holds_state(v))
+    if unused and lost:
         warnings.warn(
-            f"StableCheckpoint: the callback {name} of this fit keeps state "
-            f"({fields}) that is not saved, because it is not given in "
-            f"StableCheckpoint(callbacks=...): a resumed run restarts it fresh, so it may act "
-            "(stop, change the learning rate, save) at another step than an uninterrupted run. "
-            f'Pass it by name, e.g. StableCheckpoint(directory, callbacks={{"{name.lower()}": cb}}).',
+            f"StableCheckpoint: the checkpoint {where} holds the state of the callbacks {unused}, "
+            "which no callback of this fit takes (keys: the names given in "
+            "StableCheckpoint(callbacks=...), else the class name and the position among the fit's "
+            "callbacks of that class): the resumed run goes on without that state, and does not "
+            "end like an uninterrupted one (e.g. it stops, or changes the learning rate, at "
+            "another epoch). Pass the callbacks of the run that saved it, in the same order and "
+            "with the same names; if another callback of the same class was removed, the ones "
+            "left took the saved states by position: name each in StableCheckpoint(callbacks="
+            "{name: callback}) to key it by name. If you removed them on purpose, nothing else "
+            "is affected.",
             InexactResumeWarning,
-            stacklevel=3,
+            stacklevel=5,
+        )
+    fresh = []
+    for key, cb in callbacks.items():
+        if key in saved or isinstance(cb, keras.callbacks.History):
+            continue
+        value = state.callback_state(cb)
+        if _holds_state(value):
+            fields = f" ({', '.join(sorted(map(str, value)))})" if isinstance(value, dict) else ""
+            fresh.append(f"{key}{fields}")
+    if fresh:
+        warnings.warn(
+            f"StableCheckpoint: the checkpoint {where} holds no state for the callbacks "
+            f"{fresh} of this fit, so they start fresh: they may act (stop, change the learning "
+            "rate, save) at another epoch than in an uninterrupted run. They are new in this fit, "
+            "or keyed otherwise than when it was saved (keys: the names given in "
+            "StableCheckpoint(callbacks=...), else the class name and the position among the "
+            "fit's callbacks of that class), or the checkpoint was written by a version that "
+            "saved only the callbacks named there. Pass the callbacks as the run that saved it "
+            "did; a callback added on purpose starts fresh, as intended.",
+            InexactResumeWarning,
+            stacklevel=5,
         )
 
 

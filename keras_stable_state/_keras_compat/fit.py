@@ -206,9 +206,10 @@ def total_loss_count_index(model):
 def fit_callbacks() -> list:
     """The callbacks of the ``fit`` call running in this thread (its ``CallbackList``), or ``[]``.
 
-    Used only to warn about stateful callbacks that were not given to ``StableCheckpoint``
-    (never to key or save them): the same look-up as `fit_data_adapter`, for the
-    ``callbacks`` local that TensorFlow, JAX and Torch trainers' ``fit`` build."""
+    ``StableCheckpoint`` saves the state of those it can read (keyed by class and position,
+    ``_fit.checks.fit_keyed``) and warns about the others; Keras gives a callback no handle on
+    its siblings, so this is the same look-up as `fit_data_adapter`, for the ``callbacks``
+    local that TensorFlow, JAX and Torch trainers' ``fit`` build."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "fit" and "callbacks" in frame.f_code.co_varnames:

@@ -29,6 +29,7 @@ from keras_stable_state.errors import StateError, listed
 __all__ = [
     "callback_key",
     "callback_state",
+    "has_known_state",
     "set_callback_state",
     "parse_callback_state",
     "check_provider_state",
@@ -311,6 +312,12 @@ def callback_key(callbacks, cb) -> str:
     """``"<ClassName>/<i>"``: the class name and the index among callbacks of that class."""
     same = [c for c in callbacks if type(c) is type(cb)]
     return f"{type(cb).__name__}/{next(i for i, c in enumerate(same) if c is cb)}"
+
+
+def has_known_state(cb: Any) -> bool:
+    """Whether `callback_state` can read ``cb``'s state (a Keras callback of a kind listed
+    above, or one defining ``get_state()``/``set_state()``), without reading it."""
+    return _handler(cb) is not None
 
 
 def callback_state(cb: Any) -> Any:
