@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import keras
@@ -330,6 +331,25 @@ def test_release_then_acquire_again(tmp_path, directory_lock):
         assert held.fd is None and held.marker is None
         assert _names(tmp_path) == []
         held.release(token)  # a second release does nothing
+
+
+def test_an_owner_collected_while_the_guard_is_taken_never_hangs(tmp_path, directory_lock):
+    """The finalizer of a collected owner (``release_token``) may run inside a garbage
+    collection in a section of this thread that holds the guard (a ``fit`` taking the lock
+    while the checkpoint of an earlier ``fit`` is collected: it hung there on Torch). It
+    waits for nothing; the next acquire releases the collected owner's lock."""
+    held, token = _acquire(tmp_path, reclaimable=False)
+    done = threading.Event()
+    with locks._HELD_GUARD:  # as the collection inside DirectoryLock.acquire holds it
+        worker = threading.Thread(target=lambda: (locks.release_token(token), done.set()))
+        worker.start()
+        assert done.wait(10), "release_token waited for the guard"
+    worker.join()
+    assert held.fd is not None  # not released yet: the guard was taken
+    other, other_token = _acquire(tmp_path, reclaimable=False)  # not refused: released first
+    assert held.fd is None and other is not held
+    other.release(other_token)
+    assert _names(tmp_path) == []
 
 
 def test_a_second_writer_of_this_process_is_refused(tmp_path, directory_lock):

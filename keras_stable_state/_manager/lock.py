@@ -79,6 +79,10 @@ def lock_kind() -> str:
 # -- the directory lock -------------------------------------------------------------------
 _HELD = {}  # realpath of a directory -> DirectoryLock held by this process
 _HELD_GUARD = threading.Lock()
+# Tokens of owners collected (``weakref.finalize``: `release_token`) while _HELD_GUARD was
+# taken, released by the next call that takes it: a collection can run inside a guarded
+# section of this very thread, where waiting for the guard would hang for ever.
+_PENDING: list[int] = []
 _TOKENS = itertools.count(1)
 
 
@@ -239,6 +243,7 @@ class DirectoryLock:
         """
         key = os.path.realpath(directory)
         with _HELD_GUARD:
+            _release_pending()
             held = _HELD.get(key)
             if held is not None and not held._still_in_place():
                 held._close()  # the directory or lock file was removed meanwhile: lock afresh
@@ -257,6 +262,7 @@ class DirectoryLock:
                 _HELD[key] = held
             held.token, held.thread = token, threading.get_ident()
             held.reclaimable, held.writer = reclaimable, writer
+            _release_pending()  # tokens collected meanwhile (never this one: it is alive)
             return held
 
     def _still_in_place(self):
@@ -297,9 +303,14 @@ class DirectoryLock:
         """Unlock and remove the lock file (and the marker) if ``token`` owns the lock (else do
         nothing). A forked child (another pid) never removes its parent's."""
         with _HELD_GUARD:
-            if self.fd is None or self.token != token:
-                return
-            self._close(unlink=self.pid == os.getpid() and self._still_in_place())
+            self._release(token)
+            _release_pending()
+
+    def _release(self, token):
+        """`release`, with ``_HELD_GUARD`` taken."""
+        if self.fd is None or self.token != token:
+            return
+        self._close(unlink=self.pid == os.getpid() and self._still_in_place())
 
 
 def _refused(directory, path, fd, how, *, pid=None, reason=""):
@@ -440,14 +451,31 @@ def _same_file(fd, path) -> bool:
 
 
 def release_token(token):
-    for held in list(_HELD.values()):
-        held.release(token)
+    """Release the lock the owner of ``token`` holds, if any: called by the finalizer of a
+    collected owner, so it never waits for ``_HELD_GUARD`` (a garbage collection may run
+    inside a section of this thread that holds it): if the guard is taken, the token is
+    released by the next `DirectoryLock.acquire` or `DirectoryLock.release`."""
+    _PENDING.append(token)
+    if _HELD_GUARD.acquire(blocking=False):
+        try:
+            _release_pending()
+        finally:
+            _HELD_GUARD.release()
+
+
+def _release_pending():
+    """Release the locks of the tokens in `_PENDING` (``_HELD_GUARD`` taken)."""
+    while _PENDING:
+        token = _PENDING.pop()
+        for held in list(_HELD.values()):
+            held._release(token)
 
 
 def _forget_locks_in_child():
     # A forked child shares the parent's lock; it must neither use nor remove it.
     global _HELD_GUARD
     _HELD_GUARD = threading.Lock()
+    _PENDING.clear()  # the parent's owners: never released from the child
     for held in list(_HELD.values()):
         if held.fd is not None:
             try:
