@@ -92,7 +92,6 @@ def _fit(directory, callbacks, *, stop=None, seed=0, save_freq="epoch", named=No
     return model, ckpt, history
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("where", ["epoch", "mid-epoch"])
 def test_unnamed_callbacks_resume_like_an_uninterrupted_fit(tmp_path, where):
     ref_cbs = _callbacks()
@@ -116,7 +115,6 @@ def test_unnamed_callbacks_resume_like_an_uninterrupted_fit(tmp_path, where):
     assert restored == [f"callback:{k}" for k in sorted(keys)]
 
 
-@pytest.mark.slow
 def test_a_callback_named_and_in_the_fit_is_saved_once_under_its_name(tmp_path):
     """Named callbacks keep their names; one outside the fit call is saved too; the unnamed
     ones of the same class are keyed by position among the unnamed ones."""
@@ -143,7 +141,6 @@ def test_a_callback_named_and_in_the_fit_is_saved_once_under_its_name(tmp_path):
     assert first.stopped_epoch == 3 and history.epoch == [0, 1, 2, 3]
 
 
-@pytest.mark.slow
 def test_callbacks_that_differ_from_the_checkpoint_are_warned_about_by_key(tmp_path):
     _fit(tmp_path / "a", _callbacks(), stop=StopAt(epoch=2))
     # One EarlyStopping fewer: the saved state of the second one is taken by nothing.
@@ -173,7 +170,6 @@ def test_callbacks_that_differ_from_the_checkpoint_are_warned_about_by_key(tmp_p
     assert es.stopped_epoch == 3 and history.epoch == [0, 1, 2, 3]
 
 
-@pytest.mark.slow
 def test_a_user_callback_without_state_still_warns_and_the_warning_points_out_of_the_package(tmp_path):
     _fit(tmp_path, [Tally()], stop=StopAt(epoch=1))
     with pytest.warns(kss.InexactResumeWarning, match=r"Tally of this fit has no get_state") as caught:
