@@ -175,3 +175,20 @@ def test_a_user_callback_without_state_still_warns_and_the_warning_points_out_of
     with pytest.warns(kss.InexactResumeWarning, match=r"Tally of this fit has no get_state") as caught:
         _fit(tmp_path, [Tally()])
     assert [w.filename for w in caught if w.filename.startswith(PACKAGE)] == []
+
+
+class _Unsavable(keras.callbacks.Callback):
+    def get_state(self):
+        return {"seen": 1, "log": open}  # a function: no JSON value
+
+    def set_state(self, state):
+        pass
+
+
+def test_a_self_described_state_json_cannot_hold_is_refused_naming_its_record(tmp_path):
+    """Saved without being named, a callback whose get_state() holds a value that is neither
+    JSON nor an array is refused at the first save, naming its record and the field."""
+    with pytest.raises(
+        TypeError, match=r"'callbacks/_Unsavable/0' holds a builtin_function_or_method at '/log'"
+    ):
+        _fit(tmp_path, [_Unsavable()])

@@ -174,7 +174,8 @@ def save_training_state(
         [`SaveHandle`][keras_stable_state.SaveHandle] with ``blocking=False``.
 
     Raises:
-        TypeError: For an argument of the wrong type, naming it.
+        TypeError: For an argument of the wrong type, naming it; for a callback's or
+            provider's ``get_state()`` holding a value that is neither JSON nor an array.
         ValueError: For an unknown ``model_state``, an invalid name or ``mappers`` pattern.
         DtypeMismatchError: For a ``mappers`` pattern matching a non-float array.
         BindingError: If the optimizer trains a variable outside ``model`` and ``variables``.
@@ -440,6 +441,27 @@ def _save_keras_archive(model: keras.Model, tmp: str | io.IOBase, filepath: str)
         ) from err
 
 
+def _check_json(value: Any, record: str, path: str) -> None:
+    """Refuse a state value (arrays split out) that JSON cannot hold, naming the record
+    (``"callbacks/MyCallback/0"``) and the place in it."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_json(v, record, f"{path}/{k}")
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, record, f"{path}/{i}")
+        return
+    raise TypeError(
+        f"The state saved as {record!r} holds a {type(value).__name__} at {path or '/'!r}, which is "
+        "neither a JSON value nor a NumPy array. get_state() must return a dict of JSON values (str, "
+        "int, float, bool, None, lists, dicts) and NumPy arrays; convert it there, or return {} for a "
+        "callback whose state need not be saved."
+    )
+
+
 def _collect_state(
     model: keras.Model,
     optimizer: keras.optimizers.Optimizer | None,
@@ -458,6 +480,7 @@ def _collect_state(
 
     def put(section: str, name: str, value: Any) -> None:
         json_value, found = state_mod.split_arrays(value, f"{section}/{name}")
+        _check_json(json_value, f"{section}/{name}", "")
         extra[section][name] = json_value
         arrays.update(found)
 
