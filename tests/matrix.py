@@ -1,16 +1,20 @@
 """The resume-conformance matrix, long run (``make matrix``; issue 14).
 
-usage: python tests/matrix.py --seed S --cases N [--backends tensorflow,jax,torch]
+usage: python tests/matrix.py --seed S [S ...] --cases N [--backends tensorflow,jax,torch]
                               [--jobs J] [--out results.json] [--render-docs]
        python tests/matrix.py --results results.json --render-docs
        python tests/matrix.py --seed S --replay BACKEND:INDEX   (one case, verbose)
 
-Draws N cases per backend (tests/resume_matrix.py), runs each one's uninterrupted and
+Draws N cases per backend and seed (tests/resume_matrix.py), runs each one's uninterrupted
+fits (with StableCheckpoint, and without the library: the invariance check) and its
 killed/resumed fits in child processes, prints per backend the count of each outcome
-(EXACT, WARNED, REFUSED, SILENT, FALSE_REFUSAL, CRASH, HARNESS_ERROR) and the SILENT
-ones per configuration feature, writes every result to ``--out``, and with
-``--render-docs`` writes the table of docs/how-to/resume-fit.md between its markers.
-Exit status 1 if any result is SILENT, CRASH or HARNESS_ERROR.
+(EXACT, WARNED, REFUSED, SILENT, FALSE_REFUSAL, CRASH, HARNESS_ERROR, SKIPPED), the
+invariance failures, the share of exact results among the kill scenarios that saved
+something and have no accepted cause (tests/matrix_causes.py), the failing ones per
+configuration feature and the named causes of non-exact results per input kind; writes
+every result to ``--out``, and with ``--render-docs`` writes the table of
+docs/how-to/resume-fit.md between its markers. Exit status 1 if any result is SILENT,
+CRASH or HARNESS_ERROR or any case is an invariance failure or error.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import matrix_causes as mc  # noqa: E402
+import matrix_inputs as mi  # noqa: E402
 import resume_matrix as rm  # noqa: E402
 
 OUTCOMES = (
@@ -38,14 +44,18 @@ OUTCOMES = (
     "FALSE_REFUSAL",
     "CRASH",
     "HARNESS_ERROR",
+    "SKIPPED",
 )
 FAILING = ("SILENT", "CRASH", "HARNESS_ERROR")
+#: Invariance outcomes of a case (``resume_matrix.invariance``); the failing ones.
+INVARIANCE = ("SAME", "DIFFERENT", "ERROR", "NOT_RUN")
+INVARIANCE_FAILING = ("DIFFERENT", "ERROR")
 DOC = os.path.join(rm.ROOT, "docs", "how-to", "resume-fit.md")
 BEGIN, END = "<!-- resume-matrix:begin -->", "<!-- resume-matrix:end -->"
 
 
-def run(seed, cases, backends, jobs, log):
-    drawn = [rm.draw_case(seed, i, b) for b in backends for i in range(cases)]
+def run(seeds, cases, backends, jobs, log):
+    drawn = [rm.draw_case(seed, i, b) for seed in seeds for b in backends for i in range(cases)]
     root = tempfile.mkdtemp(prefix="kss-matrix-")
     chunks = [drawn[j::jobs] for j in range(jobs)]
     results = {}
@@ -53,54 +63,159 @@ def run(seed, cases, backends, jobs, log):
         for part in pool.map(lambda cs: rm.run_cases(cs, root=root, log=log), [c for c in chunks if c]):
             results.update(part)
     rm.false_refusals(results, drawn)
-    return {"seed": seed, "cases": {rm.case_id(c): c for c in drawn}, "results": results}
+    return {"seed": list(seeds), "cases": {rm.case_id(c): c for c in drawn}, "results": results}
+
+
+def case_invariance(data):
+    """``{case_id: invariance outcome}`` (the same on every scenario result of a case)."""
+    return {
+        cid: (rs[0].get("invariance", "NOT_RUN") if rs else "NOT_RUN") for cid, rs in data["results"].items()
+    }
+
+
+def named_causes(r):
+    """``[(name, acceptance class)]`` of result ``r``'s causes (``matrix_causes``)."""
+    return [mc.classify_cause(cause) for cause in r["causes"]]
+
+
+def counted(r):
+    """Whether result ``r`` counts for the exact share: it saved something, ran, and its
+    resume has no accepted cause (``matrix_causes.ACCEPTED``) and was not drawn with
+    other data (``batch_changed``)."""
+    if r["outcome"] in ("NOTHING_SAVED", "SKIPPED", "HARNESS_ERROR"):
+        return False
+    return not any(accepted for _, accepted in named_causes(r))
+
+
+def totals(data):
+    """``(per backend: Counter of outcomes and invariance outcomes, counted, exact-counted)``."""
+    inv = case_invariance(data)
+    by = collections.defaultdict(collections.Counter)
+    for cid, rs in data["results"].items():
+        b = data["cases"][cid]["backend"]
+        by[b]["cases"] += 1
+        by[b]["inv:" + inv[cid]] += 1
+        for r in rs:
+            by[b][r["outcome"]] += 1
+            by[b]["scenarios"] += 1
+            if counted(r):
+                by[b]["counted"] += 1
+                by[b]["counted_exact"] += r["outcome"] == "EXACT"
+    return by
+
+
+def _share(n):
+    return (
+        f"{100 * n['counted_exact'] / n['counted']:.1f}% ({n['counted_exact']} of {n['counted']})"
+        if n["counted"]
+        else "- (none)"
+    )
+
+
+def first_line(data):
+    """The table's first line: the counts of every category, the invariance failures and the
+    share of exact results among the counted ones, per backend."""
+    by = totals(data)
+    seeds = data["seed"] if isinstance(data["seed"], list) else [data["seed"]]
+    parts = []
+    for b, n in sorted(by.items()):
+        parts.append(
+            f"**{b}**: {n['scenarios']} kill scenarios of {n['cases']} cases: {n['EXACT']} exact, "
+            f"{n['WARNED']} warned, {n['REFUSED']} refused, {n['SILENT'] + n['CRASH']} silent "
+            f"(of which {n['CRASH']} crashed), {n['FALSE_REFUSAL']} false refusals, "
+            f"{n['NOTHING_SAVED']} nothing saved, {n['SKIPPED']} skipped (a package not installed), "
+            f"{n['HARNESS_ERROR']} harness errors; {n['inv:DIFFERENT']} invariance failures "
+            f"(cases whose fit with StableCheckpoint differs from the fit without the library) and "
+            f"{n['inv:ERROR']} invariance errors; exact: {_share(n)} of the kill scenarios that saved "
+            "something and have no accepted cause"
+        )
+    return (
+        f"Seeds {', '.join(map(str, sorted(set(seeds))))}, {len(data['cases'])} cases. "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def summary(data):
-    lines = []
-    by_backend = collections.defaultdict(collections.Counter)
+    """The console report: counts per backend, the failing results per feature, and the
+    causes of non-exact results per input kind."""
+    lines = [first_line(data).replace("**", "")]
     silent = collections.defaultdict(collections.Counter)
     for cid, rs in data["results"].items():
         c = data["cases"][cid]
         for r in rs:
-            by_backend[c["backend"]][r["outcome"]] += 1
             if r["outcome"] in FAILING:
                 for key, values in rm.kinds(c).items():
                     for v in values:
                         silent[(c["backend"], r["outcome"])][f"{key}={v}"] += 1
                 silent[(c["backend"], r["outcome"])][f"kill={r['kill_kind']}"] += 1
-    for b, counts in sorted(by_backend.items()):
-        lines.append(f"{b}: " + ", ".join(f"{o} {counts[o]}" for o in OUTCOMES))
     for (b, o), counts in sorted(silent.items()):
         top = ", ".join(f"{k} {n}" for k, n in counts.most_common(25))
         lines.append(f"  {b} {o} by feature: {top}")
-    return "\n".join(lines), any(by_backend[b][o] for b in by_backend for o in FAILING)
+    lines += ["", "Non-exact results by input kind:"] + by_input_kind(data)
+    inv = case_invariance(data)
+    failed = any(r["outcome"] in FAILING for rs in data["results"].values() for r in rs) or any(
+        v in INVARIANCE_FAILING for v in inv.values()
+    )
+    return "\n".join(lines), failed
 
 
-def _short(cause):
-    cause = re.sub(r"<[^<>]*(<[^<>]*>[^<>]*)*>", "<...>", cause)
-    cause = re.sub(r"'[^']*/[^']*'", "'...'", cause)
-    first = re.split(r"(?<=[.:])\s", cause, maxsplit=2)
-    text = " ".join(first[:2])
-    return text[:220] + ("..." if len(text) > 220 else "")
+def _problem_kind(problem):
+    """A short name of a comparison problem: what differed (``model.weights``, ``History``...)."""
+    return re.split(r"[\[(:]", problem, maxsplit=1)[0].strip()
+
+
+def by_input_kind(data, top=4):
+    """Lines: per input kind (``matrix_inputs.FAMILIES``) and backend, the count of each
+    non-exact category and its most frequent causes."""
+    inv = case_invariance(data)
+    rows = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
+    for cid, rs in data["results"].items():
+        c = data["cases"][cid]
+        key = (mi.family(c["input"]), c["backend"])
+        if inv[cid] in INVARIANCE_FAILING:
+            probs = rs[0].get("invariance_problems") or ["?"]
+            rows[key]["INVARIANCE " + inv[cid]][f"{c['input']}: {_problem_kind(probs[0])}"] += 1
+        for r in rs:
+            o = r["outcome"]
+            if o in ("EXACT", "NOTHING_SAVED"):
+                continue
+            if o in ("WARNED", "REFUSED", "FALSE_REFUSAL"):
+                for name, accepted in dict.fromkeys(named_causes(r)):
+                    rows[key][o][f"{name}{' [accepted: ' + accepted + ']' if accepted else ''}"] += 1
+            else:
+                what = ", ".join(sorted({_problem_kind(p) for p in r["problems"]})) or "?"
+                rows[key][o][f"{c['input']}: {what[:200]}"] += 1
+    out = []
+    for (fam, b), cats in sorted(rows.items()):
+        out.append(f"* {fam} on {b}:")
+        for o, causes in sorted(cats.items()):
+            shown = "; ".join(f"{k} ({n})" for k, n in causes.most_common(top))
+            out.append(f"  * {o} {sum(causes.values())} (results with this cause): {shown}")
+    return out
 
 
 def render(data):
-    """The markdown table of ``data`` (results of :func:`run`), per feature value and backend."""
+    """The markdown of ``data`` (results of :func:`run`): the first line of counts, the table
+    per feature value and backend, the named causes and the non-exact results per input kind."""
     backends = sorted({c["backend"] for c in data["cases"].values()})
+    inv = case_invariance(data)
     rows = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
     causes = collections.defaultdict(collections.Counter)
     inexact = collections.Counter()
     for cid, rs in data["results"].items():
         c = data["cases"][cid]
+        feats = rm.kinds(c)
+        for key, values in feats.items():
+            for v in values:
+                rows[(rm.FEATURES[key], v)][c["backend"]]["inv:" + inv[cid]] += 1
         for r in rs:
-            feats = rm.kinds(c)
             feats["kill"] = [r["kill_kind"]]
             for key, values in feats.items():
                 for v in values:
                     rows[(rm.FEATURES[key], v)][c["backend"]][r["outcome"]] += 1
-            for cause in r["causes"]:
-                causes[(r["outcome"], _short(cause))][c["backend"]] += 1
+            for name, accepted in dict.fromkeys(named_causes(r)):
+                causes[(r["outcome"], name, accepted)][c["backend"]] += 1
             if r["outcome"] in ("SILENT", "CRASH"):
                 inexact[
                     (
@@ -109,14 +224,20 @@ def render(data):
                         f"resume {c['resume']}, kill {r['kill_kind']}",
                     )
                 ] += 1
-    seeds = data["seed"] if isinstance(data["seed"], list) else [data["seed"]]
     out = [
+        first_line(data),
+        "",
         f"Generated by `python tests/matrix.py --render-docs` (`make matrix`) from its own results "
-        f"(seed {', '.join(map(str, sorted(set(seeds))))}, {len(data['cases'])} cases, "
-        f"{sum(len(rs) for rs in data['results'].values())} kill scenarios); "
+        f"(seeds {', '.join(map(str, sorted(set(data['seed'] if isinstance(data['seed'], list) else [data['seed']]))))}, "
+        f"{len(data['cases'])} cases, {sum(len(rs) for rs in data['results'].values())} kill scenarios); "
         "do not edit by hand. Each cell: exact / warned / refused / silent (a resumed run that differs "
         "from the uninterrupted one without a warning or refusal) / nothing saved (killed before the "
-        "first checkpoint: the rerun starts afresh), over the drawn kill scenarios.",
+        "first checkpoint: the rerun starts afresh), over the drawn kill scenarios, then / invariance "
+        "failures over the drawn cases (the uninterrupted fit with StableCheckpoint differs from the "
+        "same fit without the library, bit for bit), and the scenarios skipped because a package is "
+        "not installed. The accepted causes (the exact share leaves out the scenarios that have one): "
+        + "; ".join(f"{k}: {v}" for k, v in mc.ACCEPTED.items())
+        + ".",
         "",
         "| feature | value | " + " | ".join(backends) + " |",
         "|---|---|" + "---|" * len(backends),
@@ -125,17 +246,22 @@ def render(data):
         cells = []
         for b in backends:
             n = per[b]
+            skipped = f" ({n['SKIPPED']} skipped)" if n["SKIPPED"] else ""
             cells.append(
                 f"{n['EXACT']} / {n['WARNED']} / {n['REFUSED'] + n['FALSE_REFUSAL']} / "
-                f"{n['SILENT'] + n['CRASH']} / {n['NOTHING_SAVED']}"
+                f"{n['SILENT'] + n['CRASH']} / {n['NOTHING_SAVED']} / {n['inv:DIFFERENT'] + n['inv:ERROR']}"
+                f"{skipped}"
                 if sum(n.values())
                 else "-"
             )
         out.append(f"| {feature} | `{value}` | " + " | ".join(cells) + " |")
     out += ["", "Causes named at train begin (warned or refused), with counts per backend:", ""]
-    for (outcome, cause), per in sorted(causes.items()):
+    for (outcome, name, accepted), per in sorted(causes.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         counts = ", ".join(f"{b} {n}" for b, n in sorted(per.items()))
-        out.append(f"* {outcome.lower()}: {cause} ({counts})")
+        tag = f" [accepted: {mc.ACCEPTED[accepted]}]" if accepted else ""
+        out.append(f"* {outcome.lower()}: {name}{tag} ({counts})")
+    out += ["", "Results other than exact, per input kind (count, then the most frequent causes):", ""]
+    out += by_input_kind(data)
     if inexact:
         out += [
             "",
@@ -161,7 +287,7 @@ def render_docs(data, path=DOC):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, nargs="+", default=[0], help="one or more seeds")
     p.add_argument("--cases", type=int, default=500, help="cases per backend")
     p.add_argument("--backends", default=",".join(rm.BACKENDS))
     p.add_argument("--jobs", type=int, default=2, help="child processes at a time")
@@ -175,7 +301,7 @@ def main(argv=None):
     log = (lambda s: print(s, flush=True)) if args.replay else None
     if args.replay:
         backend, index = args.replay.split(":")
-        c = rm.draw_case(args.seed, int(index), backend)
+        c = rm.draw_case(args.seed[0], int(index), backend)
         print(json.dumps(c, indent=1))
         res = rm.run_cases([c], log=log)
         print(json.dumps(res, indent=1))
@@ -185,7 +311,7 @@ def main(argv=None):
         for path in args.results:  # e.g. one file per backend or per seed
             with open(path) as f:
                 part = json.load(f)
-            data["seed"].append(part["seed"])
+            data["seed"] += part["seed"] if isinstance(part["seed"], list) else [part["seed"]]
             data["cases"].update(part["cases"])
             data["results"].update(part["results"])
             data["wall_s"] += part.get("wall_s", 0.0)
@@ -193,7 +319,11 @@ def main(argv=None):
         t0 = time.time()
         data = run(args.seed, args.cases, args.backends.split(","), args.jobs, log)
         data["wall_s"] = round(time.time() - t0, 1)
-        print(f"{args.cases} cases per backend in {data['wall_s']} s")
+        n = len(data["cases"])
+        print(
+            f"{args.cases} cases per backend and seed ({n} in all) in {data['wall_s']} s with "
+            f"{args.jobs} jobs: {data['wall_s'] * args.jobs / max(n, 1):.1f} s of one job per case"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)

@@ -22,7 +22,14 @@ of a resume), ``REFUSED`` (``StateError`` at train begin of a resume), ``SILENT`
 ``HARNESS_ERROR`` (the reference or a fresh run failed, a child died unexpectedly),
 ``NOTHING_SAVED`` (killed before the first checkpoint was written: the rerun started
 afresh under another seed or after a decoy model, and differs for that reason alone);
-``FALSE_REFUSAL`` is found across cases by :func:`false_refusals`.
+``FALSE_REFUSAL`` is found across cases by :func:`false_refusals`; ``SKIPPED``: the case
+needs a package that is not installed here (grain, torchdata, another framework), named in
+its ``problems``, and was not run (never counted as passed).
+
+Every case also runs its uninterrupted fit without the library (``plain``: no
+``StableCheckpoint``, the bare optimizer) beside the reference; each scenario result
+carries the case's ``invariance`` (:func:`invariance`): ``SAME`` (bit for bit),
+``DIFFERENT`` (an invariance failure), ``ERROR`` or ``NOT_RUN``, apart from its outcome.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import tempfile
 import time
 import zlib
 
+import matrix_inputs as mi
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,6 +67,10 @@ INPUTS = (
     "pydataset_shuffle_nostate",
     "generator",
 )
+#: The weights of :data:`INPUTS` (those of the generator before issue 33, kept).
+INPUT_WEIGHTS = (3, 3, 2, 1, 1, 1.5, 1, 1.5, 1, 0.3, 1, 1, 1)
+#: Every input kind drawn: the above, then issue 33's (``matrix_inputs.NEW_INPUTS``).
+ALL_INPUTS = INPUTS + tuple(mi.NEW_INPUTS)
 OPTIMIZERS = ("adam", "sgd_schedule", "loss_scale", "accumulation", "ema", "multi")
 CALLBACKS = (
     "lr_scheduler",
@@ -84,6 +96,9 @@ FEATURES = {
     "save_freq": "save_freq",
     "validation": "validation",
     "weights": "weights",
+    "loader_workers": "DataLoader num_workers",
+    "drop_last": "drop_last",
+    "loader_augment": "random __getitem__",
     "kill": "kill point",
 }
 
@@ -105,15 +120,36 @@ def draw_case(seed, index, backend, scenarios=None):
     """The case ``index`` of ``seed`` on ``backend``: a JSON-serializable dict. Only
     configurations Keras supports on that backend are drawn (``steps_per_execution > 1``
     and ``jit_compile=True`` not on Torch). ``scenarios`` fixes how many kill scenarios
-    share the reference (default: 1 to 3, drawn)."""
-    rng = _rng(seed, index, backend)
+    share the reference (default: 1 to 3, drawn).
+
+    A second stream (its own seed from the same three) decides whether the case takes one
+    of issue 33's input kinds (``matrix_inputs.NEW_INPUTS``) and draws that input's options:
+    a case that keeps one of :data:`INPUTS` is the one earlier versions drew, field for field,
+    and those kinds keep their relative weights."""
+    second = np.random.default_rng([int(seed), int(index), zlib.crc32(backend.encode()), 33])
+    new = sum(mi.NEW_INPUTS.values())
+    if second.random() >= new / (sum(INPUT_WEIGHTS) + new):
+        return _draw(_rng(seed, index, backend), seed, index, backend, scenarios)
+    kind = _pick(second, tuple(mi.NEW_INPUTS), p=list(mi.NEW_INPUTS.values()))
+    c = _draw(_rng(seed, index, backend), seed, index, backend, scenarios, kind)
+    mi.draw_options(second, c)
+    if c.get("drop_last"):  # fewer batches: the kill points drawn again
+        n = len(c["scenarios"])
+        c["scenarios"] = [_draw_kills(second, c) for _ in range(n)]
+    return c
+
+
+def _draw(rng, seed, index, backend, scenarios, kind=None):
+    """:func:`draw_case` from the stream ``rng``; ``kind`` replaces the drawn input."""
     c = {"seed": int(seed), "index": int(index), "backend": backend}
     c["run_seed"] = int(rng.integers(0, 2**16))
     c["features"] = int(rng.integers(4, 9))
     c["samples"] = int(rng.choice([32, 48, 64, 80, 96]))
     c["batch_size"] = int(rng.choice([8, 12, 16]))
     c["epochs"] = int(rng.integers(2, 5))
-    c["input"] = _pick(rng, INPUTS, p=[3, 3, 2, 1, 1, 1.5, 1, 1.5, 1, 0.3, 1, 1, 1])
+    c["input"] = _pick(rng, INPUTS, p=INPUT_WEIGHTS)
+    if kind is not None:
+        c["input"] = kind
     c["task"] = _pick(rng, ("regression", "classification"), p=[3, 1])
     c["outputs"] = (
         "single"
@@ -151,7 +187,7 @@ def draw_case(seed, index, backend, scenarios=None):
         c["take"] = max(1, math.ceil(c["samples"] / c["batch_size"]) - 2)
     resumes = list(RESUMES)
     if c["input"] in ("tfdata_repeat_steps", "tfdata_take", "generator") or c["input"].startswith(
-        "pydataset"
+        ("pydataset", "grain_iter")
     ):
         resumes.remove("batch_changed")
     c["resume"] = _pick(rng, tuple(resumes))
@@ -182,7 +218,7 @@ def steps_per_epoch(c):
     n = c["samples"]
     if c["validation"] == "validation_split":
         n = int(n * (1 - 0.25))
-    return math.ceil(n / c["batch_size"])
+    return mi.batches(c, n, c["batch_size"])
 
 
 def execution_ends(c):
@@ -221,9 +257,16 @@ def frameworks_needed(c):
     """The frameworks case ``c`` runs on: its backend, TensorFlow for a ``tf.data`` input
     (every backend builds it with TensorFlow), and the backend it resumes on."""
     needed = {c["backend"], c.get("resume_backend", c["backend"])}
-    if c["input"].startswith("tfdata"):
-        needed.add("tensorflow")
+    needed.update(mi.frameworks(c["input"]))
     return tuple(sorted(needed))
+
+
+def frameworks_missing(c):
+    """The packages case ``c`` needs that are not installed here (it is then not run:
+    counted ``SKIPPED``)."""
+    import importlib.util
+
+    return [name for name in frameworks_needed(c) if importlib.util.find_spec(name) is None]
 
 
 def describe(c):
@@ -257,7 +300,11 @@ def _phases_of(c, workdir):
     resume_seed = {"other_seed": c["other_seed"], "unseeded": None}.get(c["resume"], c["run_seed"])
     base = {"case": case_id(c), "workdir": workdir}
     procs = []
-    current = [dict(base, kind="ref", name="ref", seed=c["run_seed"], kill_at=None)]
+    # The reference, then the same fit without the library (the invariance check).
+    current = [
+        dict(base, kind="ref", name="ref", seed=c["run_seed"], kill_at=None),
+        dict(base, kind="plain", name="plain", seed=c["run_seed"], kill_at=None),
+    ]
     for s, scen in enumerate(c["scenarios"]):
         ck = os.path.join(workdir, f"ckpt{s}")
         fresh = dict(
@@ -308,8 +355,11 @@ def _env(backend):
 
 
 def run_cases(cases, root=None, timeout=600, log=None):
-    """Run every case's phases in child processes; ``{case_id: [scenario result]}``."""
+    """Run every case's phases in child processes; ``{case_id: [scenario result]}``
+    (``SKIPPED`` for a case whose packages are not all installed)."""
     root = root or tempfile.mkdtemp(prefix="kss-matrix-")
+    skipped = {case_id(c): skip(c) for c in cases if frameworks_missing(c)}
+    cases = [c for c in cases if case_id(c) not in skipped]
     by_id = {case_id(c): c for c in cases}
     for c in cases:
         os.makedirs(os.path.join(root, case_id(c)), exist_ok=True)
@@ -357,7 +407,30 @@ def run_cases(cases, root=None, timeout=600, log=None):
                         for s in range(len(by_id[ph["case"]]["scenarios"])):
                             child_errors[(ph["case"], s)] = child_errors[(ph["case"], None)]
                     break
-    return {cid: classify(c, os.path.join(root, cid), unkilled, child_errors) for cid, c in by_id.items()}
+    results = {cid: classify(c, os.path.join(root, cid), unkilled, child_errors) for cid, c in by_id.items()}
+    return {**results, **skipped}
+
+
+def skip(c):
+    """The ``SKIPPED`` results of case ``c``, naming the packages it lacks."""
+    why = f"needs {', '.join(frameworks_missing(c))}, not installed"
+    return [
+        {
+            "case": case_id(c),
+            "seed": c["seed"],
+            "index": c["index"],
+            "backend": c["backend"],
+            "scenario": s,
+            "kills": scen["steps"],
+            "kill_kind": scen["kind"],
+            "causes": [],
+            "problems": [why],
+            "outcome": "SKIPPED",
+            "invariance": "NOT_RUN",
+            "invariance_problems": [why],
+        }
+        for s, scen in enumerate(c["scenarios"])
+    ]
 
 
 def read_record(phase):
@@ -390,7 +463,7 @@ def _close(a, b, tol):
     if a.size == 0:
         return True, 0.0
     diff = float(np.max(np.abs(a - b)))
-    return bool(np.allclose(a, b, rtol=tol, atol=tol)), diff
+    return bool(np.allclose(a, b, rtol=tol, atol=tol, equal_nan=True)), diff
 
 
 def compare(ref, out, tol):
@@ -450,14 +523,39 @@ def _causes(rec):
     return [f"{w['category']}: {w['message']}" for w in rec["warnings"] if w["at_begin"]]
 
 
+def invariance(workdir):
+    """``(outcome, problems)`` of the invariance check of a case: its uninterrupted fit with
+    ``StableCheckpoint`` (``ref``) against the same fit without the library (``plain``),
+    every variable by position, History and learning rate equal bit for bit. Outcomes:
+    ``SAME``, ``DIFFERENT`` (an invariance failure), ``ERROR`` (the plain fit raised,
+    or the reference did and the plain one did not) and ``NOT_RUN`` (neither completed,
+    or the plain run is missing: the child died first)."""
+    try:
+        ref, plain = _load(workdir, "ref"), _load(workdir, "plain")
+    except (OSError, ValueError) as e:
+        return "NOT_RUN", [f"no reference or plain run: {e}"]
+    done = (ref["status"] == "completed", plain["status"] == "completed")
+    if done == (True, True):
+        problems = compare(ref, plain, 0.0)
+        return ("DIFFERENT" if problems else "SAME"), problems
+    if done == (False, False):
+        return "NOT_RUN", [f"neither run completed: {ref.get('error')}"]
+    bad = plain if done[0] else ref
+    which = "without" if done[0] else "with"
+    return "ERROR", [f"only the fit {which} the library raised: {(bad.get('error') or {}).get('message')}"]
+
+
 def classify(c, workdir, unkilled=(), child_errors=None):
-    """One result per scenario of case ``c`` (its phase files are in ``workdir``)."""
+    """One result per scenario of case ``c`` (its phase files are in ``workdir``); each
+    carries the case's invariance outcome (:func:`invariance`), never folded into its own."""
     child_errors = child_errors or {}
     cid = case_id(c)
+    inv, inv_problems = invariance(workdir)
     results = []
     for s, scen in enumerate(c["scenarios"]):
         res = {"case": cid, "seed": c["seed"], "index": c["index"], "backend": c["backend"], "scenario": s}
         res.update(kills=scen["steps"], kill_kind=scen["kind"], causes=[], problems=[])
+        res.update(invariance=inv, invariance_problems=inv_problems)
         results.append(res)
         err = child_errors.get((cid, s)) or child_errors.get((cid, None))
         try:
@@ -529,9 +627,9 @@ def kinds(c):
     """The feature values of a case (for the summary of SILENT results per kind)."""
     out = {}
     for key in FEATURES:
-        if key == "kill":
+        if key == "kill" or key not in c:  # the options of one input kind only on its cases
             continue
-        v = c.get(key, False)
+        v = c[key]
         if key == "resume" and v == "cross_backend":
             v = f"cross_backend->{c['resume_backend']}"
         if key == "callbacks":
@@ -603,7 +701,9 @@ def build_optimizer(c):
     return keras.optimizers.Adam(0.01)
 
 
-def compile_model(model, c):
+def compile_model(model, c, stable=True):
+    """Compile ``model`` for case ``c``, its optimizer in a ``StableOptimizer`` unless
+    ``stable`` is false (the run without the library)."""
     import keras_stable_state as kss
 
     n_out = 1 if c["outputs"] == "single" else 2
@@ -616,7 +716,7 @@ def compile_model(model, c):
     if c["metrics"] in ("weighted_metrics", "both"):
         kw["weighted_metrics"] = per("mse" if c["task"] == "regression" else "accuracy")
     model.compile(
-        optimizer=kss.StableOptimizer(build_optimizer(c), model=model),
+        optimizer=kss.StableOptimizer(build_optimizer(c), model=model) if stable else build_optimizer(c),
         loss=loss if n_out == 1 else [loss] * n_out,
         jit_compile=c["jit_compile"],
         steps_per_execution=c["steps_per_execution"],
@@ -713,7 +813,7 @@ def build_fit_inputs(c, batch_size):
             ds = ds.shuffle(len(x), seed=7, reshuffle_each_iteration=False)
         elif kind == "tfdata_reshuffle":
             ds = ds.shuffle(len(x), seed=7, reshuffle_each_iteration=True)
-        ds = ds.batch(b)
+        ds = mi.tfdata_extra(c, ds).batch(b)
         if kind == "tfdata_repeat_steps":
             ds = ds.repeat()
             kw["steps_per_epoch"] = c["steps_per_epoch"]
@@ -726,6 +826,10 @@ def build_fit_inputs(c, batch_size):
     elif kind == "generator":
         kw["x"] = _generator(x, ys, b)
         kw["steps_per_epoch"] = math.ceil(len(x) / b)
+    elif mi.is_loader(kind):
+        kw["x"] = mi.torch_loader(c, x, ys, b)
+    elif mi.is_grain(kind):
+        kw["x"] = mi.grain_input(c, x, ys, b)
     if c["validation"] == "validation_data":
         kw["validation_data"] = (xv, _targets(c, yvs))
     if c["validation"] != "none":

@@ -4,7 +4,8 @@ usage: matrix_child.py PLAN_JSON
 
 Each phase starts with ``keras.backend.clear_session()`` and (unless the phase is
 unseeded) ``keras.utils.set_random_seed``, builds model, optimizer, callbacks and input
-anew and runs ``model.fit`` with a ``StableCheckpoint`` (``ref`` phases without one).
+anew and runs ``model.fit`` with a ``StableCheckpoint`` (``plain`` phases without one and
+with the bare optimizer: the run without the library, for the invariance check).
 A phase with ``kill_at`` SIGKILLs this process when the global step reaches it. Each
 phase writes ``<workdir>/<name>.json`` (status, warnings, error, History, per-epoch
 learning rate, variable names) and, when it completes, ``<name>.npz`` (``w:<i>`` for
@@ -104,6 +105,10 @@ def run_phase(c, phase):
     keras.backend.clear_session()
     if phase.get("seed") is not None:
         keras.utils.set_random_seed(phase["seed"])
+        if "torch" in rm.mi.frameworks(c["input"]):  # a DataLoader's script seeds Torch too
+            import torch
+
+            torch.manual_seed(phase["seed"])
     if phase.get("decoy"):
         decoy()
     record = {
@@ -117,21 +122,26 @@ def run_phase(c, phase):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
+            plain = phase["kind"] == "plain"  # the same fit without the library
             model = rm.build_model(c)
-            rm.compile_model(model, c)
-            user = rm.build_callbacks(c, phase.get("ckpt", workdir))
+            rm.compile_model(model, c, stable=not plain)
+            folder = phase.get("ckpt") or (os.path.join(workdir, "plain") if plain else workdir)
+            os.makedirs(folder, exist_ok=True)
+            user = rm.build_callbacks(c, folder)
             callbacks = list(user.values())
-            # The reference has a StableCheckpoint too (its own folder): the uninterrupted run
-            # of the same callbacks (it drops a PyDataset's prefetched batches, for one).
-            passed = {k: v for k, v in user.items() if k in rm.STATEFUL and c["callbacks_passed"]}
-            folder = phase.get("ckpt") or os.path.join(workdir, "ckpt-ref")
-            ckpt = kss.StableCheckpoint(folder, save_freq=c["save_freq"], max_to_keep=2, callbacks=passed)
-            callbacks.insert(0, ckpt)
-            # Whether the killed run left anything to resume (a kill before the first save
-            # leaves nothing: the "resume" is a fresh start, under the resume's seed).
-            record["checkpoints_before"] = sorted(
-                n for n in (os.listdir(folder) if os.path.isdir(folder) else []) if n.startswith("ckpt-")
-            )
+            ckpt = None
+            if not plain:
+                # The reference has a StableCheckpoint too (its own folder): the uninterrupted
+                # run of the same callbacks, compared with the plain run for invariance.
+                passed = {k: v for k, v in user.items() if k in rm.STATEFUL and c["callbacks_passed"]}
+                folder = phase.get("ckpt") or os.path.join(workdir, "ckpt-ref")
+                ckpt = kss.StableCheckpoint(folder, save_freq=c["save_freq"], max_to_keep=2, callbacks=passed)
+                callbacks.insert(0, ckpt)
+                # Whether the killed run left anything to resume (a kill before the first save
+                # leaves nothing: the "resume" is a fresh start, under the resume's seed).
+                record["checkpoints_before"] = sorted(
+                    n for n in (os.listdir(folder) if os.path.isdir(folder) else []) if n.startswith("ckpt-")
+                )
             batch = phase.get("batch_size", c["batch_size"])
             kw = rm.build_fit_inputs(c, batch)
             spe = rm.steps_per_epoch(dict(c, batch_size=batch))
@@ -149,7 +159,7 @@ def run_phase(c, phase):
             write(phase, record, caught)
             return
         record["status"] = "completed"
-        record["restored"] = ckpt.restore_report is not None
+        record["restored"] = ckpt is not None and ckpt.restore_report is not None
         record["output_names"] = list(getattr(model, "output_names", None) or [])
         record["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
         record["epoch"] = [int(e) for e in history.epoch]
