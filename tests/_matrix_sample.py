@@ -25,8 +25,13 @@ def check(results, case):
         for cause in r["causes"]:
             print(f"  cause: {cause[:300]}")
     bad = [r for r in rs if r["outcome"] in ("SILENT", "CRASH", "HARNESS_ERROR")]
-    if bad:
-        lines = [f"{r['outcome']} (kills {r['kills']}): " + "; ".join(r["problems"][:6]) for r in bad]
+    lines = [f"{r['outcome']} (kills {r['kills']}): " + "; ".join(r["problems"][:6]) for r in bad]
+    if rs and rs[0]["invariance"] in ("DIFFERENT", "ERROR"):  # the checkpoint changed the run
+        lines.append(
+            f"invariance {rs[0]['invariance']}: the uninterrupted fit with StableCheckpoint vs the same "
+            "fit without the library: " + "; ".join(rs[0]["invariance_problems"][:6])
+        )
+    if lines:
         pytest.fail(
             f"resume matrix seed {SEED} case {case['index']} on {BACKEND} ({rm.describe(case)}):\n"
             + "\n".join(lines)

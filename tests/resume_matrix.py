@@ -254,8 +254,9 @@ def case_id(c):
 
 
 def frameworks_needed(c):
-    """The frameworks case ``c`` runs on: its backend, TensorFlow for a ``tf.data`` input
-    (every backend builds it with TensorFlow), and the backend it resumes on."""
+    """The packages case ``c`` runs on: its backend, the backend it resumes on, and its
+    input's (``matrix_inputs.frameworks``: TensorFlow for ``tf.data`` on every backend,
+    Torch for a ``DataLoader``, torchdata, grain)."""
     needed = {c["backend"], c.get("resume_backend", c["backend"])}
     needed.update(mi.frameworks(c["input"]))
     return tuple(sorted(needed))
@@ -284,6 +285,7 @@ def describe(c):
         "weights",
     )
     parts = [f"{k}={c[k]}" for k in keys]
+    parts += [f"{k}={c[k]}" for k in ("loader_workers", "drop_last", "loader_augment") if k in c]
     parts.append(
         f"spe={c['steps_per_execution']} jit={c['jit_compile']} kills={[s['steps'] for s in c['scenarios']]}"
     )
