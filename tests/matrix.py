@@ -73,18 +73,27 @@ def case_invariance(data):
     }
 
 
-def named_causes(r):
-    """``[(name, acceptance class)]`` of result ``r``'s causes (``matrix_causes``)."""
-    return [mc.classify_cause(cause) for cause in r["causes"]]
+def named_causes(r, c):
+    """``[(name, acceptance class)]`` of result ``r``'s causes (``matrix_causes``) in case
+    ``c``: other data is accepted only where the case's resume changed them on purpose
+    (``batch_changed``), random layers on another backend only on a cross-backend resume."""
+    out = []
+    for cause in r["causes"]:
+        name, accepted = mc.classify_cause(cause)
+        if (accepted == "data" and c["resume"] != "batch_changed") or (
+            accepted == "cross_backend" and c["resume"] != "cross_backend"
+        ):
+            accepted = None
+        out.append((name, accepted))
+    return out
 
 
-def counted(r):
-    """Whether result ``r`` counts for the exact share: it saved something, ran, and its
-    resume has no accepted cause (``matrix_causes.ACCEPTED``) and was not drawn with
-    other data (``batch_changed``)."""
+def counted(r, c):
+    """Whether result ``r`` of case ``c`` counts for the exact share: it saved something,
+    ran, and its resume has no accepted cause (``matrix_causes.ACCEPTED``)."""
     if r["outcome"] in ("NOTHING_SAVED", "SKIPPED", "HARNESS_ERROR"):
         return False
-    return not any(accepted for _, accepted in named_causes(r))
+    return not any(accepted for _, accepted in named_causes(r, c))
 
 
 def totals(data):
@@ -98,7 +107,7 @@ def totals(data):
         for r in rs:
             by[b][r["outcome"]] += 1
             by[b]["scenarios"] += 1
-            if counted(r):
+            if counted(r, data["cases"][cid]):
                 by[b]["counted"] += 1
                 by[b]["counted_exact"] += r["outcome"] == "EXACT"
     return by
@@ -166,33 +175,48 @@ def _problem_kind(problem):
 
 
 def by_input_kind(data, top=4):
-    """Lines: per input kind (``matrix_inputs.FAMILIES``) and backend, the count of each
-    non-exact category and its most frequent causes."""
+    """Lines: per input kind (``matrix_inputs.FAMILIES``) and backend, the number of results
+    of each category other than exact (invariance: cases) and their most frequent causes
+    (a warned result may have several); SILENT and CRASH name the input and what differed."""
     inv = case_invariance(data)
     rows = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
+    counts = collections.defaultdict(collections.Counter)
     for cid, rs in data["results"].items():
         c = data["cases"][cid]
         key = (mi.family(c["input"]), c["backend"])
         if inv[cid] in INVARIANCE_FAILING:
             probs = rs[0].get("invariance_problems") or ["?"]
-            rows[key]["INVARIANCE " + inv[cid]][f"{c['input']}: {_problem_kind(probs[0])}"] += 1
+            counts[key]["INVARIANCE " + inv[cid]] += 1
+            rows[key]["INVARIANCE " + inv[cid]][f"{c['input']}{_options(c)}: {_problem_kind(probs[0])}"] += 1
         for r in rs:
             o = r["outcome"]
             if o in ("EXACT", "NOTHING_SAVED"):
                 continue
+            counts[key][o] += 1
             if o in ("WARNED", "REFUSED", "FALSE_REFUSAL"):
-                for name, accepted in dict.fromkeys(named_causes(r)):
-                    rows[key][o][f"{name}{' [accepted: ' + accepted + ']' if accepted else ''}"] += 1
+                for name, accepted in dict.fromkeys(named_causes(r, c)):
+                    rows[key][o][f"{name}{' [accepted]' if accepted else ''}"] += 1
             else:
                 what = ", ".join(sorted({_problem_kind(p) for p in r["problems"]})) or "?"
-                rows[key][o][f"{c['input']}: {what[:200]}"] += 1
+                rows[key][o][f"{c['input']}{_options(c)}: {what[:200]}"] += 1
     out = []
     for (fam, b), cats in sorted(rows.items()):
         out.append(f"* {fam} on {b}:")
         for o, causes in sorted(cats.items()):
             shown = "; ".join(f"{k} ({n})" for k, n in causes.most_common(top))
-            out.append(f"  * {o} {sum(causes.values())} (results with this cause): {shown}")
+            out.append(f"  * {o} {counts[(fam, b)][o]}: {shown}")
     return out
+
+
+def _options(c):
+    """The drawn options of a DataLoader or grain input, as `` (workers 1, drop_last)``."""
+    opts = [f"workers {c['loader_workers']}"] if c.get("loader_workers") else []
+    opts += [
+        name
+        for key, name in (("drop_last", "drop_last"), ("loader_augment", "random __getitem__"))
+        if c.get(key)
+    ]
+    return f" ({', '.join(opts)})" if opts else ""
 
 
 def render(data):
@@ -214,13 +238,13 @@ def render(data):
             for key, values in feats.items():
                 for v in values:
                     rows[(rm.FEATURES[key], v)][c["backend"]][r["outcome"]] += 1
-            for name, accepted in dict.fromkeys(named_causes(r)):
+            for name, accepted in dict.fromkeys(named_causes(r, c)):
                 causes[(r["outcome"], name, accepted)][c["backend"]] += 1
             if r["outcome"] in ("SILENT", "CRASH"):
                 inexact[
                     (
                         c["backend"],
-                        f"{c['input']}, {c['optimizer']}, callbacks {c['callbacks'] or 'none'}, "
+                        f"{c['input']}{_options(c)}, {c['optimizer']}, callbacks {c['callbacks'] or 'none'}, "
                         f"resume {c['resume']}, kill {r['kill_kind']}",
                     )
                 ] += 1
