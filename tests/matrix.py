@@ -81,7 +81,8 @@ def named_causes(r, c):
     for cause in r["causes"]:
         name, accepted = mc.classify_cause(cause)
         if (accepted == "data" and c["resume"] != "batch_changed") or (
-            accepted == "cross_backend" and c["resume"] != "cross_backend"
+            (accepted == "cross_backend" or " continued on " in name)  # another backend's own draws
+            and c["resume"] != "cross_backend"
         ):
             accepted = None
         out.append((name, accepted))

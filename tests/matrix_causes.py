@@ -47,6 +47,11 @@ _PATTERNS = (
         "cross_backend",
     ),
     (
+        r"shuffled NumPy input was ordered by (\w+)'s fit .* training resumes on (\w+)",
+        "shuffled NumPy order of {0}'s fit continued on {1} (later epochs drawn by {1})",
+        "input",
+    ),
+    (
         r"overrides on_epoch_end\(\) but has no get_state\(\)/set_state\(\)",
         "PyDataset overriding on_epoch_end() without get_state()/set_state()",
         "input",

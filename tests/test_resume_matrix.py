@@ -114,6 +114,15 @@ def test_causes_are_named_in_full_with_their_acceptance():
         "(batch_size saved 8, now 16, steps saved 4, now 2): skipping 1 batches"
     )
     assert data == ("StateError: mid-epoch checkpoint with other data (batch_size, steps)", "data")
+    order = mc.classify_cause(
+        "InexactResumeWarning: StableCheckpoint: the checkpoint's shuffled NumPy input was ordered by "
+        "jax's fit (its own generator) and training resumes on torch, whose fit draws"
+    )
+    assert order == (
+        "InexactResumeWarning: shuffled NumPy order of jax's fit continued on torch (later epochs "
+        "drawn by torch)",
+        "input",
+    )
     unknown = mc.classify_cause("InexactResumeWarning: StableCheckpoint: a new cause: it says why. Fix it.")
     assert unknown == ("InexactResumeWarning (unclassified): a new cause: it says why.", None)
 
