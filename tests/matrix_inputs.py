@@ -168,8 +168,14 @@ def torch_loader(c, x, ys, b):
         def load_state_dict(self, state):
             self.rng.bit_generator.state = state["rng"]
 
+    def collate(samples):
+        # default_collate turns the targets' tuple of a two-output model into a list, whose
+        # spec TensorFlow's from_generator refuses (Keras' adapter on TensorFlow): kept a tuple.
+        xb, yb = tud.default_collate(samples)
+        return xb, (tuple(yb) if isinstance(yb, list) else yb)
+
     ds, seed = Samples(), c["loader_seed"]
-    kw = {"num_workers": c["loader_workers"]}
+    kw = {"num_workers": c["loader_workers"], "collate_fn": collate}
     if kind == "torch_loader_batch_sampler":
         sampler = tud.BatchSampler(tud.RandomSampler(ds), batch_size=b, drop_last=c["drop_last"])
         return tud.DataLoader(ds, batch_sampler=sampler, **kw)
