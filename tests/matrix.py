@@ -130,14 +130,11 @@ def first_line(data):
     parts = []
     for b, n in sorted(by.items()):
         parts.append(
-            f"**{b}**: {n['scenarios']} kill scenarios of {n['cases']} cases: {n['EXACT']} exact, "
+            f"**{b}**: {n['scenarios']} kill scenarios ({n['cases']} cases): {n['EXACT']} exact, "
             f"{n['WARNED']} warned, {n['REFUSED']} refused, {n['SILENT'] + n['CRASH']} silent "
-            f"(of which {n['CRASH']} crashed), {n['FALSE_REFUSAL']} false refusals, "
-            f"{n['NOTHING_SAVED']} nothing saved, {n['SKIPPED']} skipped (a package not installed), "
-            f"{n['HARNESS_ERROR']} harness errors; {n['inv:DIFFERENT']} invariance failures "
-            f"(cases whose fit with StableCheckpoint differs from the fit without the library) and "
-            f"{n['inv:ERROR']} invariance errors; exact: {_share(n)} of the kill scenarios that saved "
-            "something and have no accepted cause"
+            f"({n['CRASH']} crashed), {n['FALSE_REFUSAL']} false refusals, {n['NOTHING_SAVED']} nothing "
+            f"saved, {n['SKIPPED']} skipped, {n['HARNESS_ERROR']} harness errors; invariance failures "
+            f"{n['inv:DIFFERENT']} and errors {n['inv:ERROR']} of {n['cases']} cases; exact {_share(n)}"
         )
     return (
         f"Seeds {', '.join(map(str, sorted(set(seeds))))}, {len(data['cases'])} cases. "
@@ -260,7 +257,9 @@ def render(data):
         "first checkpoint: the rerun starts afresh), over the drawn kill scenarios, then / invariance "
         "failures over the drawn cases (the uninterrupted fit with StableCheckpoint differs from the "
         "same fit without the library, bit for bit), and the scenarios skipped because a package is "
-        "not installed. The accepted causes (the exact share leaves out the scenarios that have one): "
+        "not installed. The first line's invariance failures and errors count cases (an error: only one "
+        "of the two fits raised); its exact share is that of the kill scenarios that saved something, ran, "
+        "and whose resume has none of the accepted causes: "
         + "; ".join(f"{k}: {v}" for k, v in mc.ACCEPTED.items())
         + ".",
         "",
