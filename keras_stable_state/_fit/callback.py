@@ -172,7 +172,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._keyed: dict[str, Any] | None = None  # the callbacks saved, from train begin to end
         self._reset(1)
         self._epoch_guard: EpochBeginGuard | None = None
-        self._input: Any = None  # the fit's PyDataset whose own state is saved, or None
+        self._input: Any = None  # the fit's PyDataset (or tf.data TFDataState) whose state is saved, or None
         self._loader: Any = None  # the LoaderState of the fit's torch DataLoader, or None
         self._order = _fit_input.EpochOrder()
         self.removed_temporary_files: list[str] = []
@@ -484,6 +484,9 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             self._order.end_epoch()
             self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
         self._last_mid_save = (pos.epoch, pos.global_step) if pos.step else None
+        note = getattr(self._input, "note_position", None)  # a tf.data input's TFDataState
+        if note is not None:  # at an epoch end, the next batch comes from an iterator not made yet
+            note(pos.step == 0 and not self._order.stream_offset)
         self._where[pos.global_step] = f"epoch {pos.epoch}, step {pos.step}, global step {pos.global_step}"
         found: dict[str, Any] = {"callbacks": self._callbacks, "state": self._providers()}
         self.manager.save(pos.global_step, self.model, metrics=self._metrics, epoch=pos.epoch, **found)

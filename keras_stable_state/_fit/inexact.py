@@ -19,6 +19,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
+from keras_stable_state._fit.tf_data import TFDataState
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_tree, tracked_optimizers
 from keras_stable_state.errors import InexactResumeWarning
@@ -39,7 +40,8 @@ def opaque(cb) -> bool:
 
 def inspect_input() -> Any:
     """The ``fit`` input whose own state is saved (a ``PyDataset`` with ``get_state``
-    and ``set_state``), or ``None``; warns for inputs a resume cannot replay."""
+    and ``set_state``, or the `TFDataState` of a ``tf.data`` pipeline that reshuffles),
+    or ``None``; warns for inputs a resume cannot replay."""
     adapter = compat.fit_data_adapter()
     if adapter is None:
         return None
@@ -80,19 +82,44 @@ def inspect_input() -> Any:
         )
     dataset = compat.tf_dataset_of(adapter)
     if dataset is not None:
-        for op in compat.reshuffling_ops(dataset):
-            warnings.warn(
-                f"StableCheckpoint: the input tf.data dataset {dataset!r} shuffles with "
-                f"{op!r}.shuffle(reshuffle_each_iteration=True): its order is drawn by tf.data "
-                "for each iteration and is not saved, so a resumed run sees another order from "
-                "the resumed epoch on (a mid-epoch resume skips batches of another order) and "
-                "does not end like an uninterrupted one. To resume exactly, use "
-                "reshuffle_each_iteration=False with a seed, or NumPy arrays or a "
-                "keras.utils.PyDataset with fit(shuffle=True).",
-                InexactResumeWarning,
-                stacklevel=3,
-            )
+        return _inspect_tf_dataset(epoch_iterator, dataset)
     return None
+
+
+def _inspect_tf_dataset(epoch_iterator: Any, dataset: Any) -> Any:
+    """The state provider of a ``tf.data`` input whose seeds change with each iteration
+    (`TFDataState`), or ``None``; warns for the ops of the pipeline whose state tf.data
+    cannot checkpoint, and for reseeding datasets whose iterators cannot be reached."""
+    ops = compat.stateful_pipeline_ops(dataset)
+    if ops:
+        shown = ", ".join(f"{op} ({written})" if written != op else op for op, written in ops)
+        warnings.warn(
+            f"StableCheckpoint: the input tf.data pipeline {dataset!r} runs ops whose state "
+            f"tf.data cannot checkpoint: {shown}. A resumed run replays the interrupted epoch "
+            "from a fresh iterator and skips the batches already trained on, so it matches an "
+            "uninterrupted run only if each iteration of the pipeline gives the same elements "
+            "(no Python state such as a generator's place or unseeded random draws, no "
+            "tf.random.Generator or variable advanced by the pipeline). To resume exactly, use "
+            "tf.data ops instead (from_tensor_slices, map with stateless random ops or seeded "
+            "tf.random ops, shuffle with a seed).",
+            InexactResumeWarning,
+            stacklevel=4,
+        )
+    provider = TFDataState(dataset)
+    if not provider.seeds:
+        return None  # no random op: a replay from a fresh iterator draws the same batches
+    if compat.reseeding_datasets(dataset) and not provider.hook(epoch_iterator):
+        warnings.warn(
+            f"StableCheckpoint: the input tf.data dataset {dataset!r} draws new random seeds for "
+            "each iteration (shuffle(reshuffle_each_iteration=True) or Dataset.random), and fit "
+            "iterates it through a tf.distribute dataset of several replicas, whose iterators "
+            "StableCheckpoint cannot checkpoint: a resumed run sees another order from the "
+            "resumed epoch on. To resume exactly, use reshuffle_each_iteration=False with a seed, "
+            "or train on one replica.",
+            InexactResumeWarning,
+            stacklevel=4,
+        )
+    return provider
 
 
 def inspect_loader() -> Any:

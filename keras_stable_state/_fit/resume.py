@@ -6,6 +6,7 @@ restored at train begin (by the [`CheckpointManager`][keras_stable_state.Checkpo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
 from keras_stable_state._fit.position import Metrics
 from keras_stable_state._manager import directory as checkpoint_dir
-from keras_stable_state.errors import StateError
+from keras_stable_state.errors import InexactResumeWarning, StateError
 
 if TYPE_CHECKING:
     from keras_stable_state._core.report import RestoreReport
@@ -200,8 +201,20 @@ def input_state(fit_input, extra, arrays):
         CorruptCheckpointError: if the saved state is malformed (``state.check_provider_state``).
     """
     saved = extra.get("providers", {}).get("input")
-    name = None if fit_input is None else type(fit_input).__name__
+    name = None if fit_input is None else getattr(fit_input, "input_name", type(fit_input).__name__)
     if saved is None and fit_input is None:
+        return None
+    if saved is None and getattr(fit_input, "optional_state", False):
+        if not getattr(fit_input, "hooked", False):
+            return None  # nothing but its seeds would have been saved
+        warnings.warn(
+            f"StableCheckpoint: the checkpoint holds no state of the fit input {name} (it was "
+            "written by a version that did not save a tf.data pipeline's random state): the "
+            "resumed epoch replays another order from a fresh iterator. Let the epoch finish "
+            "before an interruption, or accept the difference.",
+            InexactResumeWarning,
+            stacklevel=compat.outside_stacklevel(),
+        )
         return None
     if saved is None:
         raise StateError(
@@ -214,8 +227,9 @@ def input_state(fit_input, extra, arrays):
     if fit_input is None:
         raise StateError(
             "The checkpoint holds the state of its fit input (a keras.utils.PyDataset with "
-            "get_state()/set_state()), but this fit's input has none: its order cannot be put "
-            "back. Pass the same kind of input as when it was saved.",
+            "get_state()/set_state(), or a tf.data pipeline that reshuffles), but this fit's "
+            "input has none: its order cannot be put back. Pass the same kind of input as "
+            "when it was saved.",
             key="providers/input",
         )
     value = state.join_arrays(saved, arrays)

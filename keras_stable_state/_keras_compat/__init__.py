@@ -16,6 +16,7 @@ module per area), so a Keras release that changes them breaks this package only:
   hand-over of a wrapped optimizer's save/load, undoing a build;
 - `.fit`: the running ``fit`` (epoch iterator, callbacks, compile state);
 - `.data`: the order and stream place of ``fit``'s input;
+- `.tf_data`: ``tf.data`` pipelines: their reseeding and stateful ops, iterator checkpoints;
 - `.callbacks`: private state of Keras callbacks, ``print_msg``;
 - `.rng`: Keras' global seed generator.
 
@@ -43,7 +44,6 @@ from keras_stable_state._keras_compat.data import (
     keras_array_order,
     num_samples,
     py_dataset_of,
-    reshuffling_ops,
     serve_keras_order,
     set_array_order,
     shufflable_arrays,
@@ -60,7 +60,9 @@ from keras_stable_state._keras_compat.fit import (
     fit_epoch_iterator,
     fit_frame,
     fit_threads,
+    outside_stacklevel,
     per_output_loss_weighting,
+    replica_count,
     set_initial_epoch,
     skip_batches,
     total_loss_count_index,
@@ -106,6 +108,14 @@ from keras_stable_state._keras_compat.saving import (
     to_snake_case,
     walk_saveable,
 )
+from keras_stable_state._keras_compat.tf_data import (
+    hook_tf_iterators,
+    reseeding_datasets,
+    restore_tf_iterator,
+    serialize_tf_iterator,
+    stateful_pipeline_ops,
+    tf_dataset_seeds,
+)
 from keras_stable_state._keras_compat.version import (
     SUPPORTED_KERAS,
     UnsupportedKerasError,
@@ -113,6 +123,14 @@ from keras_stable_state._keras_compat.version import (
 )
 
 __all__ = [
+    "replica_count",
+    "outside_stacklevel",
+    "tf_dataset_seeds",
+    "stateful_pipeline_ops",
+    "serialize_tf_iterator",
+    "restore_tf_iterator",
+    "reseeding_datasets",
+    "hook_tf_iterators",
     "SUPPORTED_KERAS",
     "UnsupportedKerasError",
     "advance_stream",
@@ -151,7 +169,6 @@ __all__ = [
     "print_msg",
     "py_dataset_of",
     "random_seed_dtype",
-    "reshuffling_ops",
     "save_keras_archive_to",
     "seed_generator_states",
     "serve_keras_order",

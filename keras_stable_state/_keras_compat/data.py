@@ -17,7 +17,6 @@ __all__ = [
     "keras_array_order",
     "num_samples",
     "py_dataset_of",
-    "reshuffling_ops",
     "serve_keras_order",
     "set_array_order",
     "shufflable_arrays",
@@ -158,23 +157,6 @@ def tf_dataset_of(adapter):
     from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
 
     return adapter._dataset if isinstance(adapter, TFDatasetAdapter) else None
-
-
-def reshuffling_ops(dataset) -> list:
-    """``shuffle`` ops with ``reshuffle_each_iteration=True`` in a ``tf.data`` pipeline
-    (``tensorflow/python/data/ops/shuffle_op.py``), found through each dataset's inputs."""
-    found, todo, seen = [], [dataset], set()
-    while todo:
-        ds = todo.pop()
-        if id(ds) in seen:
-            continue
-        seen.add(id(ds))
-        if type(ds).__name__ == "_ShuffleDataset" and getattr(ds, "_reshuffle_each_iteration", False):
-            found.append(ds)
-        inputs = getattr(ds, "_inputs", None)
-        if callable(inputs):
-            todo.extend(inputs())
-    return found
 
 
 def fit_trace_seed() -> int | None:

@@ -20,7 +20,9 @@ __all__ = [
     "fit_epoch_iterator",
     "fit_frame",
     "fit_threads",
+    "outside_stacklevel",
     "per_output_loss_weighting",
+    "replica_count",
     "set_initial_epoch",
     "skip_batches",
     "total_loss_count_index",
@@ -77,6 +79,15 @@ def fit_epoch_iterator() -> Any:
                 return found
         frame = frame.f_back
     return None
+
+
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` that points the caller's warning at the first frame outside
+    keras_stable_state (the user's code or Keras' callback list)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("keras_stable_state"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def fit_frame() -> FrameType | None:
@@ -163,6 +174,17 @@ def build_compile_state(model) -> bool:
 
     model._symbolic_build(data_batch=tf.nest.map_structure(symbolic, spec))
     return True
+
+
+def replica_count(model) -> int | None:
+    """The number of ``tf.distribute`` replicas ``model`` trains on (its strategy's
+    ``num_replicas_in_sync``, ``1`` without one) on the TensorFlow backend; ``None`` on the
+    others (a JAX mesh is not counted: its results do not depend on it)."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    strategy = getattr(model, "distribute_strategy", None)
+    count = getattr(strategy, "num_replicas_in_sync", None)
+    return int(count) if isinstance(count, int) and count >= 1 else None
 
 
 def per_output_loss_weighting(model) -> tuple:
