@@ -354,7 +354,10 @@ class InexactResumeWarning(UserWarning):
     Issued on train begin, naming the input and what a resumed run will see otherwise:
     a ``keras.utils.PyDataset`` that overrides ``on_epoch_end`` (e.g. to shuffle) but
     keeps its order without ``get_state()`` / ``set_state()``, a ``tf.data`` pipeline
-    with ``shuffle(..., reshuffle_each_iteration=True)``, shuffled arrays whose order
+    with ops tf.data cannot checkpoint (``tf.py_function``, ``Dataset.from_generator``, a
+    ``tf.random.Generator``) or made under other random seeds than the saved run's, a
+    resume on another number of ``tf.distribute`` replicas of a model with
+    ``BatchNormalization`` or random layers, shuffled arrays whose order
     [`StableCheckpoint`][keras_stable_state.StableCheckpoint] cannot take over, or a resume on another backend than the
     writer's of a model with random layers, a callback whose state the library
     cannot see (no ``get_state()``/``set_state()``) on a resume, and a ``fit`` whose

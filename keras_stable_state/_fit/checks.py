@@ -331,7 +331,8 @@ def check_resume(
 ) -> EpochBeginGuard | None:
     """The train-begin checks of ``ckpt`` after its restore (``report``: the restore's, or
     ``None``): the data size (``pos.step = 0`` for ``on_data_change="restart_epoch"``) and a
-    read-only directory (``read_only``: its error, or ``None``); the guard of the
+    read-only directory (``read_only``: its error, or ``None``); the number of
+    ``tf.distribute`` replicas (`warn_replicas`); the guard of the
     ``on_epoch_begin`` callbacks Keras runs again for a resumed epoch."""
     guard = EpochBeginGuard.start(ckpt, pos)
     live = live_data(ckpt.params)
@@ -379,7 +380,8 @@ def warn_replicas(model, saved, live: int) -> None:
 
 def live_data(params) -> dict:
     """``{"batch_size", "num_samples", "steps"}`` of this fit (``None`` where unknown):
-    the data adapter's batch size and sample count, and the steps per epoch Keras runs."""
+    the data adapter's batch size and sample count, and the steps per epoch Keras runs
+    (`check_resume` adds ``"replicas"`` on TensorFlow, see `warn_replicas`)."""
     adapter = compat.fit_data_adapter()
     batch_size = num_samples = None
     if adapter is not None:

@@ -23,7 +23,7 @@ class Position:
         self.epoch_rng: Any = None
         self.steps_per_execution = steps_per_execution
         self.data: dict[str, Any] | None = (
-            None  # this fit's batch_size, num_samples, steps (see checks.live_data)
+            None  # this fit's batch_size, num_samples, steps, replicas (see checks.live_data)
         )
         self.saved_data: dict[str, Any] | None = (
             None  # the checkpoint's, or None (saved before they were recorded)
