@@ -354,8 +354,8 @@ class InexactResumeWarning(UserWarning):
     Issued on train begin, naming the input and what a resumed run will see otherwise:
     a ``keras.utils.PyDataset`` that overrides ``on_epoch_end`` (e.g. to shuffle) but
     keeps its order without ``get_state()`` / ``set_state()``, a ``tf.data`` pipeline
-    with ops tf.data cannot checkpoint (``tf.py_function``, ``Dataset.from_generator``, a
-    ``tf.random.Generator``) or made under other random seeds than the saved run's, a
+    with ops tf.data cannot checkpoint (``tf.py_function``, ``Dataset.from_generator``)
+    or made under other random seeds than the saved run's, a
     resume on another number of ``tf.distribute`` replicas of a model with
     ``BatchNormalization`` or random layers, shuffled arrays whose order
     [`StableCheckpoint`][keras_stable_state.StableCheckpoint] cannot take over, or a resume on another backend than the

@@ -87,10 +87,11 @@ def inspect_input() -> Any:
 
 
 def _inspect_tf_dataset(epoch_iterator: Any, dataset: Any) -> Any:
-    """The state provider of a ``tf.data`` input whose seeds change with each iteration
+    """The state provider of a ``tf.data`` input with random ops or variables it advances
     (`TFDataState`), or ``None``; warns for the ops of the pipeline whose state tf.data
-    cannot checkpoint, and for reseeding datasets whose iterators cannot be reached."""
-    ops = compat.stateful_pipeline_ops(dataset)
+    cannot checkpoint, and for pipelines whose iterators cannot be reached."""
+    provider = TFDataState(dataset)
+    ops = compat.stateful_pipeline_ops(dataset, variables_saved=bool(provider.variables))
     if ops:
         shown = ", ".join(f"{op} ({written})" if written != op else op for op, written in ops)
         warnings.warn(
@@ -98,24 +99,22 @@ def _inspect_tf_dataset(epoch_iterator: Any, dataset: Any) -> Any:
             f"tf.data cannot checkpoint: {shown}. A resumed run replays the interrupted epoch "
             "from a fresh iterator and skips the batches already trained on, so it matches an "
             "uninterrupted run only if each iteration of the pipeline gives the same elements "
-            "(no Python state such as a generator's place or unseeded random draws, no "
-            "tf.random.Generator or variable advanced by the pipeline). To resume exactly, use "
-            "tf.data ops instead (from_tensor_slices, map with stateless random ops or seeded "
-            "tf.random ops, shuffle with a seed).",
+            "(no Python state such as a generator's place or unseeded random draws). To resume "
+            "exactly, use tf.data ops instead (from_tensor_slices, map with tf.random ops or "
+            "stateless random ops, shuffle).",
             InexactResumeWarning,
             stacklevel=4,
         )
-    provider = TFDataState(dataset)
-    if not provider.seeds:
+    if not provider.seeds and not provider.variables:
         return None  # no random op: a replay from a fresh iterator draws the same batches
-    if compat.reseeding_datasets(dataset) and not provider.hook(epoch_iterator):
+    if (provider.reseeds or provider.variables) and not provider.hook(epoch_iterator):
         warnings.warn(
-            f"StableCheckpoint: the input tf.data dataset {dataset!r} draws new random seeds for "
-            "each iteration (shuffle(reshuffle_each_iteration=True) or Dataset.random), and fit "
-            "iterates it through a tf.distribute dataset of several replicas, whose iterators "
-            "StableCheckpoint cannot checkpoint: a resumed run sees another order from the "
-            "resumed epoch on. To resume exactly, use reshuffle_each_iteration=False with a seed, "
-            "or train on one replica.",
+            f"StableCheckpoint: the input tf.data dataset {dataset!r} draws new random numbers "
+            "in each iteration (shuffle(reshuffle_each_iteration=True), Dataset.random, or "
+            "variables its functions advance), and fit iterates it through a tf.distribute "
+            "dataset of several replicas, whose iterators StableCheckpoint cannot checkpoint: a "
+            "resumed run sees other batches from the resumed epoch on. To resume exactly, use "
+            "reshuffle_each_iteration=False and stateless random ops, or train on one replica.",
             InexactResumeWarning,
             stacklevel=4,
         )

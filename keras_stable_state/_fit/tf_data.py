@@ -12,6 +12,11 @@ checkpoint, or a stream that outlives epochs with ``steps_per_epoch``), after wh
 batches already trained on are drawn and skipped as for any input; into a throwaway
 iterator when it was saved at an epoch end, so that the next iterator draws the seeds
 the uninterrupted run's next one drew.
+
+Variables the pipeline's functions advance (a ``tf.random.Generator``'s state, the seed
+generator of a Keras random preprocessing layer such as ``RandomFlip`` in ``map``) are
+saved with it: their values when the iterator in use was made (or, at an epoch end, now),
+set back before the resumed run makes its first iterator.
 """
 
 from __future__ import annotations
@@ -43,8 +48,11 @@ class TFDataState:
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
         self.seeds = compat.tf_dataset_seeds(dataset)
-        self.hooked = False  # whether its iterators are checkpointed (it reseeds each iteration)
+        self.variables = compat.assigned_variables(dataset)
+        self.reseeds = bool(compat.reseeding_datasets(dataset))
+        self.hooked = False  # whether fit's iterators are seen (it reseeds, or advances variables)
         self._created: bytes = b""  # the state of the newest iterator fit made, when made
+        self._values: list = []  # the variables' values when that iterator was made
         self._pending: bytes | None = None  # to put into the next iterator fit makes
         self.at_epoch_end = False  # the next save is taken before the epoch's iterator is made
 
@@ -57,11 +65,18 @@ class TFDataState:
         self.dataset, self.hooked = real, True
         return True
 
+    def _read_variables(self) -> list:
+        return [np.array(v.numpy()) for v in self.variables]
+
     def _made(self, iterator: Any) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             compat.restore_tf_iterator(iterator, pending)
-        self._created = compat.serialize_tf_iterator(iterator) or b""
+        if self.reseeds:
+            self._created = compat.serialize_tf_iterator(iterator) or b""
+        # After the checkpoint, which may have filled a shuffle buffer through the functions
+        # that advance them: the values that go with it.
+        self._values = self._read_variables()
 
     def note_position(self, at_epoch_end: bool) -> None:
         """Called before each save: ``at_epoch_end`` when the next batch comes from an
@@ -74,6 +89,9 @@ class TFDataState:
             "iterator": np.frombuffer(self._created, dtype="uint8").copy(),
             "at_epoch_end": int(self.at_epoch_end),
             "seeds": np.asarray(self.seeds, dtype="int64").reshape(-1, 2),
+            "variables": {
+                str(i): v for i, v in enumerate(self._read_variables() if self.at_epoch_end else self._values)
+            },
         }
 
     def validate_state(self, value: dict) -> None:
@@ -83,6 +101,19 @@ class TFDataState:
         Raises:
             StateError: naming the record, with tf.data's reason.
         """
+        saved = value.get("variables") or {}
+        live = [(tuple(v.shape), np.dtype(v.dtype.as_numpy_dtype)) for v in self.variables]
+        found = [(np.shape(saved[k]), np.asarray(saved[k]).dtype) for k in sorted(saved, key=int)]
+        if saved and found != live:
+            raise StateError(
+                "The checkpoint's values of the variables the tf.data pipeline advances (record "
+                f"providers/input/variables: {found}) do not fit this pipeline's ({live}). Resume "
+                "with the pipeline the checkpoint was saved with, or start a new run in another "
+                "directory.",
+                key="providers/input/variables",
+                expected=str(live),
+                received=str(found),
+            )
         data = bytes(np.asarray(value["iterator"], dtype="uint8"))
         if not data:
             return
@@ -117,9 +148,13 @@ class TFDataState:
                 stacklevel=compat.outside_stacklevel(),
             )
         data = bytes(np.asarray(value["iterator"], dtype="uint8"))
-        if not data:
-            return
-        if value["at_epoch_end"]:
-            compat.restore_tf_iterator(iter(self.dataset), data)
-        else:
+        if data and value["at_epoch_end"]:
+            throwaway = iter(self.dataset)
+            compat.restore_tf_iterator(throwaway, data)
+            del throwaway  # before the variables are set: nothing of it draws after
+        elif data:
             self._pending = data
+        saved = value.get("variables") or {}
+        if saved and self.hooked:
+            for variable, key in zip(self.variables, sorted(saved, key=int), strict=True):
+                variable.assign(saved[key])

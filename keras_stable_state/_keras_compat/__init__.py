@@ -109,6 +109,7 @@ from keras_stable_state._keras_compat.saving import (
     walk_saveable,
 )
 from keras_stable_state._keras_compat.tf_data import (
+    assigned_variables,
     hook_tf_iterators,
     reseeding_datasets,
     restore_tf_iterator,
@@ -135,6 +136,7 @@ __all__ = [
     "UnsupportedKerasError",
     "advance_stream",
     "arm",
+    "assigned_variables",
     "build_compile_state",
     "build_routed",
     "built_variables",

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
+    "assigned_variables",
     "hook_tf_iterators",
     "reseeding_datasets",
     "restore_tf_iterator",
@@ -55,6 +56,23 @@ _PER_ITERATOR_OPS = frozenset(
         "Assert",
         "Print",
         "PrintV2",
+    }
+)
+
+# Ops that advance a variable the pipeline captures: a ``tf.random.Generator``'s state, a
+# Keras random preprocessing layer's seed generator (``RandomFlip`` in ``map``), a counter.
+_WRITES = frozenset(
+    {
+        "AssignVariableOp",
+        "AssignAddVariableOp",
+        "AssignSubVariableOp",
+        "RngReadAndSkip",
+        "RngSkip",
+        "StatefulUniform",
+        "StatefulUniformInt",
+        "StatefulUniformFullInt",
+        "StatefulStandardNormalV2",
+        "StatefulTruncatedNormal",
     }
 )
 
@@ -161,13 +179,14 @@ def _graph_ops(graph, seen) -> Iterator[str]:
             yield from _graph_ops(inner, seen)
 
 
-def stateful_pipeline_ops(dataset) -> list:
+def stateful_pipeline_ops(dataset, variables_saved: bool = False) -> list:
     """``[(op type, what the user wrote)]``, sorted: the stateful ops in a pipeline's
     functions (``map``, ``filter``, ``interleave``, ``from_generator``, ...) whose state
     outlives an iterator and that tf.data cannot checkpoint (Python functions, a
     ``tf.random.Generator``, assigned variables, unknown stateful ops), so a replay from a
     fresh iterator may give other elements. Dataset ops and the ops of `_PER_ITERATOR_OPS`
-    are not listed."""
+    are not listed, nor, with ``variables_saved``, the ops of `_WRITES` (the caller saves
+    the `assigned_variables`)."""
     found, seen = set(), set()
     for ds in _datasets(dataset):
         functions = getattr(ds, "_functions", None)
@@ -178,14 +197,45 @@ def stateful_pipeline_ops(dataset) -> list:
             for op_type in _graph_ops(graph, seen):
                 if op_type in _PER_ITERATOR_OPS or "Dataset" in op_type or "Iterator" in op_type:
                     continue
+                if variables_saved and op_type in _WRITES:
+                    continue
                 found.add((op_type, _WRITTEN_AS.get(op_type, op_type)))
     return sorted(found)
+
+
+def assigned_variables(dataset) -> list:
+    """The variables captured by the functions of a pipeline that advance one (`_WRITES`),
+    each once, in a fixed order: their values at an iterator's start decide what it draws
+    (``tf.random.Generator``, Keras' random preprocessing layers in ``map``)."""
+    found: dict[int, Any] = {}
+    seen: set = set()
+
+    def visit(graph):
+        if id(graph) in seen:
+            return
+        seen.add(id(graph))
+        if any(op.type in _WRITES for op in graph.get_operations()):
+            for variable in graph.variables:
+                found.setdefault(id(variable), variable)
+        for fn in list(getattr(graph, "_functions", {}).values()):
+            inner = getattr(fn, "graph", None)
+            if inner is not None:
+                visit(inner)
+
+    for ds in _datasets(dataset):
+        functions = getattr(ds, "_functions", None)
+        for wrapper in functions() if callable(functions) else ():
+            graph = getattr(getattr(wrapper, "function", None), "graph", None)
+            if graph is not None:
+                visit(graph)
+    return list(found.values())
 
 
 class _IteratorHook:
     """Stands for the dataset ``fit`` iterates: ``iter()`` makes the real dataset's iterator
     and hands it to ``on_created`` (which may restore its state) before ``fit`` draws from
-    it; everything else is the dataset's."""
+    it (tf.data starts an iterator's threads at its first element); everything else is the
+    dataset's."""
 
     def __init__(self, dataset, on_created: Callable[[Any], None]) -> None:
         self._kss_dataset = dataset
@@ -197,6 +247,8 @@ class _IteratorHook:
         return iterator
 
     def __getattr__(self, name):
+        if name.startswith("_kss_"):  # not set yet (a copy made without __init__)
+            raise AttributeError(name)
         return getattr(self._kss_dataset, name)
 
 
