@@ -167,8 +167,10 @@ def warn_inexact_resume(
 ) -> None:
     """Warn, at train begin, for a resume whose data or random draws cannot be those
     of an uninterrupted run: a mid-epoch checkpoint of shuffled arrays written before
-    the epoch's order was saved, and a resume on another backend than the writer's of a
-    model with random layers (each backend draws its own dropout masks and noise).
+    the epoch's order was saved, a ``tf.data`` input made with other random seeds than the
+    saved run's (``TFDataState.warn_seeds``), and a resume on another backend than the
+    writer's of a model with random layers (each backend draws its own dropout masks and
+    noise).
 
     Args:
         ckpt: The restoring ``StableCheckpoint`` (its ``model``; skipped among the callbacks).
@@ -189,6 +191,9 @@ def warn_inexact_resume(
             InexactResumeWarning,
             stacklevel=3,
         )
+    warn_seeds = getattr(ckpt._input, "warn_seeds", None)  # a tf.data input's TFDataState
+    if warn_seeds is not None and isinstance(saved.get("input"), dict):
+        warn_seeds(state.join_arrays(saved["input"], record.arrays))
     loader = ckpt._loader
     if loader and (loader.generators or loader.samplers) and "loader" not in saved:
         warnings.warn(

@@ -130,10 +130,15 @@ class TFDataState:
                 key="providers/input/iterator",
             ) from err
 
-    def set_state(self, value: dict) -> None:
-        """Put a saved state back: at once into a throwaway iterator for a checkpoint taken at
-        an epoch end, else into the next iterator ``fit`` makes."""
-        saved_seeds = np.asarray(value.get("seeds", np.zeros((0, 2))), dtype="int64").reshape(-1, 2)
+    def warn_seeds(self, value: Any) -> None:
+        """Warn, at train begin, when the saved state ``value`` (``providers/input``, its
+        arrays joined) was taken from a pipeline made with other random seeds than this one."""
+        if not isinstance(value, dict):
+            return  # malformed: refused by the checks at the resumed epoch's begin
+        try:
+            saved_seeds = np.asarray(value.get("seeds", np.zeros((0, 2))), dtype="int64").reshape(-1, 2)
+        except (TypeError, ValueError):
+            return  # malformed: refused by the checks at the resumed epoch's begin
         live_seeds = np.asarray(self.seeds, dtype="int64").reshape(-1, 2)
         if saved_seeds.shape != live_seeds.shape or not np.array_equal(saved_seeds, live_seeds):
             warnings.warn(
@@ -147,6 +152,10 @@ class TFDataState:
                 InexactResumeWarning,
                 stacklevel=compat.outside_stacklevel(),
             )
+
+    def set_state(self, value: dict) -> None:
+        """Put a saved state back: at once into a throwaway iterator for a checkpoint taken at
+        an epoch end, else into the next iterator ``fit`` makes."""
         data = bytes(np.asarray(value["iterator"], dtype="uint8"))
         if data and value["at_epoch_end"]:
             throwaway = iter(self.dataset)
