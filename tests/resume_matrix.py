@@ -706,6 +706,8 @@ def build_optimizer(c):
 def compile_model(model, c, stable=True):
     """Compile ``model`` for case ``c``, its optimizer in a ``StableOptimizer`` unless
     ``stable`` is false (the run without the library)."""
+    import keras
+
     import keras_stable_state as kss
 
     n_out = 1 if c["outputs"] == "single" else 2
@@ -717,8 +719,17 @@ def compile_model(model, c, stable=True):
         kw["metrics"] = per(metric)
     if c["metrics"] in ("weighted_metrics", "both"):
         kw["weighted_metrics"] = per("mse" if c["task"] == "regression" else "accuracy")
+    optimizer = build_optimizer(c)
+    if stable and c["optimizer"] == "loss_scale" and c.get("mixed_precision"):
+        # Under mixed_float16 Keras wraps any optimizer that is not a LossScaleOptimizer in one:
+        # StableOptimizer(LossScaleOptimizer(...)) would scale the loss twice (docs: mixed
+        # precision), so the loss scaling goes outside, as a user writes it.
+        inner = kss.StableOptimizer(optimizer.inner_optimizer, model=model)
+        optimizer = keras.optimizers.LossScaleOptimizer(inner, initial_scale=optimizer.initial_scale)
+    elif stable:
+        optimizer = kss.StableOptimizer(optimizer, model=model)
     model.compile(
-        optimizer=kss.StableOptimizer(build_optimizer(c), model=model) if stable else build_optimizer(c),
+        optimizer=optimizer,
         loss=loss if n_out == 1 else [loss] * n_out,
         jit_compile=c["jit_compile"],
         steps_per_execution=c["steps_per_execution"],
