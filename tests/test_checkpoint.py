@@ -293,6 +293,47 @@ def mixed_float16():
     keras.config.set_dtype_policy("float32")
 
 
+def test_a_loss_scale_optimizer_wrapped_twice_by_compile_is_refused_naming_the_fix(
+    tmp_path, data, mixed_float16
+):
+    """StableOptimizer(LossScaleOptimizer(...)) is not a LossScaleOptimizer, so compile under
+    mixed_float16 wraps it in a second one (the loss scaled twice): refused at train begin;
+    LossScaleOptimizer(StableOptimizer(...)) trains as LossScaleOptimizer(Adam) does."""
+    x, y = data
+
+    def build(wrap):
+        keras.utils.set_random_seed(3)
+        m = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1, dtype="float32")]
+        )
+        m.compile(optimizer=wrap(m), loss="mse")
+        return m
+
+    scaled = keras.optimizers.LossScaleOptimizer
+    twice = build(lambda m: kss.StableOptimizer(scaled(keras.optimizers.Adam(1e-3)), model=m))
+    assert isinstance(twice.optimizer, scaled) and isinstance(
+        twice.optimizer.inner_optimizer, kss.StableOptimizer
+    )
+    with pytest.raises(kss.BindingError, match=r"scaled twice.*LossScaleOptimizer\(StableOptimizer\(inner\)"):
+        twice.fit(x, y, epochs=1, verbose=0, callbacks=[kss.StableCheckpoint(tmp_path / "twice")])
+    plain = build(lambda m: scaled(keras.optimizers.Adam(1e-3), initial_scale=2.0**8))
+    plain.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    once = build(
+        lambda m: scaled(kss.StableOptimizer(keras.optimizers.Adam(1e-3), model=m), initial_scale=2.0**8)
+    )
+    once.fit(
+        x,
+        y,
+        epochs=2,
+        batch_size=8,
+        verbose=0,
+        shuffle=False,
+        callbacks=[kss.StableCheckpoint(tmp_path / "once")],
+    )
+    for a, b in zip(plain.weights, once.weights, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(b), keras.ops.convert_to_numpy(a))
+
+
 def test_mixed_precision_auto_wrap_keys_and_round_trip(tmp_path, data, mixed_float16):
     """Keras wraps the StableOptimizer in a LossScaleOptimizer; a model with as many
     trainable variables as the LossScaleOptimizer has own variables (4) must not make

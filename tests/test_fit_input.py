@@ -326,7 +326,7 @@ def _fit_mixed(directory, *, stop=None, seed=0):
             ]
         )
         inner = keras.optimizers.Adam(1e-2, use_ema=True, gradient_accumulation_steps=2)
-        opt = kss.StableOptimizer(keras.optimizers.LossScaleOptimizer(inner, initial_scale=2.0**8), model=m)
+        opt = keras.optimizers.LossScaleOptimizer(kss.StableOptimizer(inner, model=m), initial_scale=2.0**8)
         m.compile(optimizer=opt, loss="mse", metrics=["mae"])
         callbacks = [kss.StableCheckpoint(directory, save_freq=3)] + ([StopAt(*stop)] if stop else [])
         try:

@@ -92,6 +92,29 @@ def _check_bindable(optimizer: StableOptimizer, model: object, variables: Sequen
         )
 
 
+def _check_loss_scaling(optimizer: StableOptimizer, model: object) -> None:
+    """Refuse a ``StableOptimizer`` around a ``LossScaleOptimizer`` that ``compile`` wrapped in a
+    second one (under the ``mixed_float16`` policy Keras wraps every optimizer that is not a
+    ``LossScaleOptimizer``): the loss would be scaled twice."""
+    outer = getattr(model, "optimizer", None)
+    scaler = keras.optimizers.LossScaleOptimizer
+    if (
+        isinstance(outer, scaler)
+        and outer.inner_optimizer is optimizer
+        and isinstance(optimizer.inner_optimizer, scaler)
+    ):
+        raise BindingError(
+            f"Model {getattr(model, 'name', model)!r} was compiled with StableOptimizer(LossScaleOptimizer(...)) "
+            "under the mixed_float16 policy, and Keras wrapped it in a second LossScaleOptimizer: the "
+            "loss is scaled twice, unlike the same model compiled without keras_stable_state. Compile "
+            "with StableOptimizer(inner) (Keras adds the loss scaling) or "
+            "LossScaleOptimizer(StableOptimizer(inner), ...).",
+            key=optimizer.name,
+            expected="one LossScaleOptimizer",
+            received="LossScaleOptimizer(StableOptimizer(LossScaleOptimizer(...)))",
+        )
+
+
 @keras.saving.register_keras_serializable(package="keras_stable_state")
 class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Keras is untyped (Any)
     """Wraps any Keras optimizer and saves its slots by variable key.
@@ -311,8 +334,11 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
         Raises:
             TypeError: if ``model`` is not a ``keras.Model``.
             BindingError: if the optimizer is built on variables ``model`` does
-                not hold (naming them), or the loaded state does not fit.
+                not hold (naming them), the loaded state does not fit, or ``compile``
+                wrapped this optimizer around a ``LossScaleOptimizer`` in a second one
+                (``mixed_float16``: the loss would be scaled twice).
         """
+        _check_loss_scaling(self, model)
         if self.built:
             _check_bindable(self, model, compat.built_variables(self.inner_optimizer))
         elif not isinstance(model, keras.Model):
