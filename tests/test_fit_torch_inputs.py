@@ -8,6 +8,7 @@ equal the uninterrupted run's bit for bit. What cannot be replayed is warned abo
 
 import numpy as np
 import pytest
+from conftest import BACKEND
 from kit import assert_resumes_exactly, assert_same_state, fit_input
 
 import keras_stable_state as kss
@@ -128,14 +129,26 @@ def _assert_resumes_exactly(tmp_path, reference, make_loader, stops):
     return assert_resumes_exactly(tmp_path, reference, make_loader, stops, epochs=EPOCHS, shuffle=False)
 
 
+# Worker processes per epoch: slow. On TensorFlow, Keras iterates a DataLoader inside tf.data's
+# from_generator thread, and with num_workers > 0 its workers die at random ("DataLoader worker
+# exited unexpectedly with exit code 1") without keras_stable_state too: 2 of 8 plain 3-epoch fits
+# on this machine. No exact comparison can be made there; JAX and Torch run them.
+_WORKER_MARKS = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        BACKEND == "tensorflow",
+        reason="Keras on TensorFlow: DataLoader workers in tf.data's generator thread die at random, "
+        "with or without keras_stable_state",
+    ),
+]
+
+
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX's, for the workers
 @pytest.mark.parametrize("stops", sorted(STOPS))
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(
-            name, marks=[pytest.mark.slow] if name.startswith("workers") else []
-        )  # processes per epoch
+        pytest.param(name, marks=_WORKER_MARKS if name.startswith("workers") else [])
         for name in sorted(LOADERS)
     ],
 )
