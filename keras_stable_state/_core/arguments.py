@@ -13,6 +13,8 @@ from keras_stable_state import _state as state_mod
 from keras_stable_state._identity.keys import MAIN, check_name
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._optimizer import tracked_optimizers
+from keras_stable_state._optimizer.torch_optim import check_torch_backend, is_torch_optimizer
+from keras_stable_state._state.state_dict import StateDictProvider, has_state_dict
 
 
 # -- argument checks ------------------------------------------------------------------
@@ -52,6 +54,9 @@ def check_optimizer(optimizer, verb, model):
                 + received("model.optimizer", optimizer)
             )
         return optimizer
+    if is_torch_optimizer(optimizer):
+        check_torch_backend("optimizer", optimizer, verb)
+        return optimizer
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         hint = (
             " A name such as 'adam' is not an optimizer instance: compile the model with it and leave "
@@ -60,7 +65,8 @@ def check_optimizer(optimizer, verb, model):
             else ""
         )
         raise TypeError(
-            f"`optimizer` of {verb} must be a keras.optimizers.Optimizer instance or None "
+            f"`optimizer` of {verb} must be a keras.optimizers.Optimizer instance, a "
+            "torch.optim.Optimizer (Torch backend) or None "
             f"(None: model.optimizer).{hint} " + received("optimizer", optimizer)
         )
     return optimizer
@@ -101,6 +107,9 @@ def check_callbacks(callbacks, verb) -> dict:
 
 
 def check_providers(state: object, verb: str) -> dict[str, Any]:
+    """``{name: provider}``: each with ``get_state()``/``set_state()``; an object with Torch's
+    ``state_dict()``/``load_state_dict()`` instead (a ``torch.optim.lr_scheduler``) wrapped in a
+    `StateDictProvider`."""
     if state is None:
         return {}
     if not isinstance(state, dict):
@@ -114,15 +123,29 @@ def check_providers(state: object, verb: str) -> dict[str, Any]:
                 f"`state` names of {verb} must be non-empty strings without '/', they become keys in "
                 f"the file. Received: a provider named {name!r}"
             )
+        if is_torch_optimizer(provider):
+            raise TypeError(
+                f"`state[{name!r}]` of {verb} is a torch.optim optimizer ({type(provider).__name__}): its "
+                "state_dict() numbers the parameters by position, so a model whose parameters come in "
+                f"another order would get each state on another variable. Pass it as `optimizer=` "
+                f"({verb}(..., optimizer=opt)): its state is then saved by each variable's key."
+            )
         if not (
             callable(getattr(provider, "get_state", None)) and callable(getattr(provider, "set_state", None))
-        ):
+        ) and not has_state_dict(provider):
             raise TypeError(
                 f"`state[{name!r}]` of {verb} must be a provider with get_state() and set_state(state) "
-                "methods (e.g. a keras_stable_state.GradientAccumulator); to save a plain value, wrap it "
-                "in an object with those two methods. " + received(f"state[{name!r}]", provider)
+                "methods (e.g. a keras_stable_state.GradientAccumulator), or an object with "
+                "state_dict() and load_state_dict() (e.g. a torch.optim.lr_scheduler); to save a plain "
+                "value, wrap it in an object with those two methods. "
+                + received(f"state[{name!r}]", provider)
             )
-    return dict(state)
+    return {
+        name: provider
+        if callable(getattr(provider, "get_state", None)) and callable(getattr(provider, "set_state", None))
+        else StateDictProvider(provider, name)
+        for name, provider in state.items()
+    }
 
 
 def check_flags(verb: str, **flags: object) -> None:
@@ -219,10 +242,12 @@ def check_optimizers(optimizer, verb, model) -> dict:
     if isinstance(optimizer, dict):
         for name, opt in optimizer.items():
             check_name(name, "optimizer name")
-            if not isinstance(opt, keras.optimizers.Optimizer):
+            if is_torch_optimizer(opt):
+                check_torch_backend(f"optimizer[{name!r}]", opt, verb)
+            elif not isinstance(opt, keras.optimizers.Optimizer):
                 raise TypeError(
                     f"`optimizer[{name!r}]` of {verb} must be a keras.optimizers.Optimizer instance "
-                    "(e.g. optimizer={'d': d_optimizer, 'g': g_optimizer}). "
+                    "or a torch.optim.Optimizer (e.g. optimizer={'d': d_optimizer, 'g': g_optimizer}). "
                     + received(f"optimizer[{name!r}]", opt)
                 )
         return dict(optimizer)

@@ -33,6 +33,7 @@ from keras_stable_state._core.arguments import check_callbacks, extra_saved
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._core.scope import check_scope, renamed_record
 from keras_stable_state._core.slot_restore import drop_reason, plan_optimizers
+from keras_stable_state._core.torch_restore import plan_torch_optimizers
 from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.contract import TrainableContract, float_cast
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
@@ -58,6 +59,7 @@ class RestoreRequest:
         filepath: The file (``str``; ``"<bytes>"`` for bytes), for messages and rollback reports.
         model: The built ``keras.Model`` restored into.
         optimizers: ``{name: optimizer}`` (``"main"`` for ``model.optimizer`` or the one passed).
+        torch_optimizers: ``{name: torch.optim.Optimizer}`` passed as ``optimizer=``.
         callbacks: ``{key: callback}``.
         providers: ``{name: provider}``.
         extras: ``{name: keras.Variable}``: the variables outside the model.
@@ -83,6 +85,7 @@ class RestoreRequest:
     keep_learning_rate: bool
     owned: bool = False
     include_metrics: bool = True
+    torch_optimizers: dict = dataclasses.field(default_factory=dict)
 
     @property
     def where(self) -> str:
@@ -178,6 +181,16 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
             "save_training_state(..., state={name: provider}).",
             key=sorted(providers)[0],
         )
+    steps += plan_torch_optimizers(
+        record,
+        request.torch_optimizers,
+        model,
+        extras=request.extras,
+        strict=strict,
+        allow_cast=request.allow_cast,
+        report=report,
+        filepath=request.filepath,
+    )
     # Vocabularies and bin boundaries: checked now, set before the variables.
     steps += layer_state.plan_layer_state(
         record, model, strict=strict, report=report, where=where, rules=rules

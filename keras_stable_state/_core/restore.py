@@ -36,6 +36,7 @@ from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._engines import background
 from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.keys import file_label
+from keras_stable_state._optimizer.torch_optim import split_optimizers
 from keras_stable_state.errors import StateError
 from keras_stable_state.format import orbax_layout
 
@@ -269,7 +270,7 @@ def restore_with(
     filepath = check_filepath(filepath, verb)
     filepath, _ = object_store_target(filepath, options.storage_options, verb, write=False)
     check_model(model, verb)
-    optimizers = check_optimizers(options.optimizer, verb, model)
+    optimizers, torch_optimizers = split_optimizers(check_optimizers(options.optimizer, verb, model))
     callbacks = check_callbacks(options.callbacks, verb)
     providers = check_providers(options.state, verb)
     check_flags(
@@ -311,6 +312,7 @@ def restore_with(
         filepath=filepath,
         model=model,
         optimizers=optimizers,
+        torch_optimizers=torch_optimizers,
         callbacks=callbacks,
         providers=providers,
         extras=extras,

@@ -43,7 +43,7 @@ from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import to_numpy
-from keras_stable_state._optimizer import optimizer_classes, save_optimizers
+from keras_stable_state._optimizer import optimizer_classes, save_optimizers, torch_optim
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state._state import metrics as metrics_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
@@ -325,7 +325,7 @@ def training_state_record(
         raise ValueError(
             f"`model_state` must be one of {MODEL_STATES}. Received: model_state={model_state!r}"
         )
-    optimizers = check_optimizers(optimizer, verb, model)
+    optimizers, torch_opts = torch_optim.split_optimizers(check_optimizers(optimizer, verb, model))
     optimizer = optimizers.get(MAIN)
     callbacks_by_key = check_callbacks(callbacks, verb)
     providers = check_providers(state, verb)
@@ -336,6 +336,7 @@ def training_state_record(
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
     extras = check_variables(variables, verb, model)
+    torch_optim.check_all_passed(model, list(torch_opts.values()), providers, extras, verb)
     mapper_rules = mappers_mod.check_mappers(mappers, verb)
     if before_copy is not None:
         before_copy()
@@ -354,6 +355,16 @@ def training_state_record(
         layer_state.collect_layer_state(model, buffers=model_state == "all"), layer_state.SECTION
     )
     arrays.update(found)
+    if torch_opts:  # torch.optim optimizers: their state by the keys of the variables they train
+        torch_state = {
+            name: torch_optim.optimizer_state(
+                opt, name, model, extras, allow_order_keys=allow_order_keys, verb=verb
+            )
+            for name, opt in torch_opts.items()
+        }
+        extra[torch_optim.SECTION], found = state_mod.split_arrays(torch_state, torch_optim.SECTION)
+        _check_json(extra[torch_optim.SECTION], torch_optim.SECTION, "")
+        arrays.update(found)
     if mapper_rules:
         model_arrays, opt_arrays, extra[mappers_mod.SECTION], found = mappers_mod.encode_arrays(
             mapper_rules, model_arrays, opt_arrays
