@@ -42,7 +42,8 @@ def training_state_to_bytes(
 
     Args:
         model: A built ``keras.Model``.
-        optimizer: As for ``save_training_state``; default ``model.optimizer``.
+        optimizer: As for ``save_training_state`` (on Torch a ``torch.optim.Optimizer``
+            too); default ``model.optimizer``.
         **kwargs: ``model_state``, ``callbacks``, ``state``, ``include_rng``,
             ``allow_order_keys``, ``variables``, ``mappers``: as for
             ``save_training_state``.

@@ -179,12 +179,14 @@ def restore_training_state(
             [`save_training_state`][keras_stable_state.save_training_state], a stock Keras
             ``.keras``/``.weights.h5`` file, or a ``file://`` or object-store URL.
         model: The built ``keras.Model`` to restore into.
-        optimizer: Default ``model.optimizer``; ``None`` restores model variables only.
+        optimizer: Default ``model.optimizer``; ``None`` restores model variables only. On
+            the Torch backend also the ``torch.optim.Optimizer`` saved (matched by key).
         strict: Refuse any difference between the saved contract and the model's
             trainable variables (``False``: drop or start fresh, and report it).
         allow_cast: Cast floating-point arrays of another dtype (each cast is listed).
         callbacks: Callbacks to put back in their saved state (by class name and index).
-        state: ``{name: provider}`` to put back (``set_state``).
+        state: ``{name: provider}`` to put back (``set_state``; ``load_state_dict`` for an
+            object with ``state_dict()``, e.g. a ``torch.optim.lr_scheduler``).
         include_rng: Put back NumPy's, Python's and Keras' global random state.
         include_metrics: Put back the model's metric variables (compiled metrics, the loss
             tracker, its own ``keras.metrics.Metric`` trackers), matched by path; those
@@ -211,7 +213,8 @@ def restore_training_state(
         MalformedKeyError: If a key in the file cannot be parsed (the file is damaged).
         CheckpointFormatError: For an unknown format version or a file that is no checkpoint.
         ContractError: With ``strict``, if the trainable variables differ from the contract.
-        BindingError: If saved arrays cannot be matched to variables, naming the keys.
+        BindingError: If saved arrays (or ``torch.optim`` state) cannot be matched to
+            variables, naming the keys.
         DtypeMismatchError: For a dtype difference without ``allow_cast``, or out of range.
         ScheduleMismatchError: If the learning-rate schedule changed (``check_schedule``).
         StateError: If the model is not built, memory ran out, a mapper cannot decode, or

@@ -159,10 +159,12 @@ def save_training_state(
             ``.orbax`` (a directory written with Orbax; the ``[orbax]`` extra).
         model: A built ``keras.Model``.
         optimizer: The optimizer to save; default ``model.optimizer`` (built first if
-            unbuilt); ``None`` with an uncompiled model saves no optimizer state.
+            unbuilt); ``None`` with an uncompiled model saves no optimizer state. On the
+            Torch backend also a ``torch.optim.Optimizer``, saved by each variable's key.
         model_state: ``"all"``, ``"trainable"`` (LoRA, adapters) or ``"none"``.
         callbacks: Callbacks whose state to save (others are skipped).
-        state: ``{name: provider}`` of other objects with ``get_state()``/``set_state()``.
+        state: ``{name: provider}`` of other objects with ``get_state()``/``set_state()``
+            or ``state_dict()``/``load_state_dict()`` (a ``torch.optim.lr_scheduler``).
         include_rng: Save NumPy's, Python's and Keras' global random state.
         variables: ``{name: keras.Variable}`` outside the model that the optimizer trains.
         mappers: ``{pattern: StateMapper}``: store the arrays whose key matches through it.
@@ -178,12 +180,14 @@ def save_training_state(
             provider's ``get_state()`` holding a value that is neither JSON nor an array.
         ValueError: For an unknown ``model_state``, an invalid name or ``mappers`` pattern.
         DtypeMismatchError: For a ``mappers`` pattern matching a non-float array.
-        BindingError: If the optimizer trains a variable outside ``model`` and ``variables``.
+        BindingError: If the optimizer trains a variable (a ``torch.optim`` one: a parameter)
+            outside ``model`` and ``variables``.
         StorageBackendError: For a URL whose fsspec package is not installed.
         CheckpointFormatError: For another extension, a directory, or a ``.keras`` path
             for a model Keras cannot serialize.
-        StateError: If the model is not built, a provider or mapper refuses, or a ``fit``
-            without ``StableCheckpoint`` runs in another thread.
+        StateError: If the model is not built, a provider or mapper refuses, a ``fit``
+            without ``StableCheckpoint`` runs in another thread, or a ``torch.optim``
+            optimizer that stepped and trains the model is not passed (its state lost).
         OSError: When the write or upload fails, naming the path (the previous file is
             intact); with ``blocking=False`` raised by the handle's ``wait()``.
     """
