@@ -335,3 +335,64 @@ def test_a_torch_optimizer_on_another_backend_is_refused(tmp_path):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(TypeError, match="KERAS_BACKEND=torch"):
         kss.save_training_state(str(tmp_path / "a.h5"), model, optimizer=opt)
+
+
+@torch_only
+def test_two_named_optimizers_restore_all_or_nothing(tmp_path):
+    """``optimizer={"a": ..., "b": ...}`` keys each one's state ``#@a/...``; when the second
+    refuses its state the first is put back as it was."""
+    import torch
+
+    def pair(seed):
+        model = mlp(features=4, hidden=4, named=True, optimizer=None, seed=seed)
+        a = torch.optim.Adam(model.get_layer("hidden").parameters(), lr=1e-2)
+        b = torch.optim.SGD(model.get_layer("out").parameters(), lr=1e-2, momentum=0.9)
+        x, y = _data()
+        for i in range(2):
+            a.zero_grad()
+            b.zero_grad()
+            ((model(x[i]) - y[i]) ** 2).mean().backward()
+            a.step()
+            b.step()
+        return model, a, b
+
+    model, a, b = pair(1)
+    path = str(tmp_path / "two.h5")
+    kss.save_training_state(path, model, optimizer={"a": a, "b": b})
+
+    fresh, a2, b2 = pair(2)
+    before = {k: v.clone() for k, v in a2.state[fresh.get_layer("hidden").kernel.value].items()}
+
+    def refuse(state_dict):
+        raise RuntimeError("refused")
+
+    b2.load_state_dict = refuse
+    with pytest.raises(RuntimeError, match="refused"):
+        kss.restore_training_state(path, fresh, optimizer={"a": a2, "b": b2})
+    after = a2.state[fresh.get_layer("hidden").kernel.value]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    del b2.load_state_dict
+    report = kss.restore_training_state(path, fresh, optimizer={"a": a2, "b": b2})
+    assert report.matched["path:layers/hidden/kernel#@a/exp_avg"] == "name"
+    assert report.matched["path:layers/out/kernel#@b/momentum_buffer"] == "name"
+    assert torch.equal(
+        b2.state[fresh.get_layer("out").kernel.value]["momentum_buffer"],
+        b.state[model.get_layer("out").kernel.value]["momentum_buffer"],
+    )
+
+
+@torch_only
+def test_learning_rates_replaced_are_reported_and_keep_learning_rate_keeps_them(tmp_path):
+    model, opt, sched = _fresh(_adam, seed=1)
+    _run(model, opt, sched, _data(), range(SAVE_AT))  # StepLR(2, 0.5): lr 0.01 -> 0.005
+    path = str(tmp_path / "run.h5")
+    kss.save_training_state(path, model, optimizer=opt)
+    fresh, fresh_opt, _ = _fresh(_adam, seed=2)
+    report = kss.restore_training_state(path, fresh, optimizer=fresh_opt)
+    assert report.learning_rates == [("optimizer:optimizer/param_groups/0/lr", 0.01, 0.005, "replaced")]
+    assert fresh_opt.param_groups[0]["lr"] == 0.005
+    fresh, fresh_opt, _ = _fresh(_adam, seed=2)
+    report = kss.restore_training_state(path, fresh, optimizer=fresh_opt, keep_learning_rate=True)
+    assert report.learning_rates == [("optimizer:optimizer/param_groups/0/lr", 0.01, 0.005, "kept")]
+    assert fresh_opt.param_groups[0]["lr"] == 0.01

@@ -65,8 +65,8 @@ def check_optimizer(optimizer, verb, model):
             else ""
         )
         raise TypeError(
-            f"`optimizer` of {verb} must be a keras.optimizers.Optimizer instance, a "
-            "torch.optim.Optimizer (Torch backend) or None "
+            f"`optimizer` of {verb} must be a torch.optim.Optimizer (Torch backend) or "
+            "keras.optimizers.Optimizer instance or None "
             f"(None: model.optimizer).{hint} " + received("optimizer", optimizer)
         )
     return optimizer

@@ -190,6 +190,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
         allow_cast=request.allow_cast,
         report=report,
         filepath=request.filepath,
+        keep_learning_rate=request.keep_learning_rate,
     )
     # Vocabularies and bin boundaries: checked now, set before the variables.
     steps += layer_state.plan_layer_state(

@@ -78,7 +78,9 @@ def _saved(record: Any, where: str) -> dict[str, Any]:
     return section
 
 
-def plan_torch_optimizers(record, torch_opts, model, *, extras, strict, allow_cast, report, filepath):
+def plan_torch_optimizers(
+    record, torch_opts, model, *, extras, strict, allow_cast, report, filepath, keep_learning_rate=False
+):
     """The steps putting back the state of every ``torch.optim`` optimizer in ``torch_opts``.
 
     Args:
@@ -90,6 +92,8 @@ def plan_torch_optimizers(record, torch_opts, model, *, extras, strict, allow_ca
         allow_cast: Cast floating-point state of another dtype (listed in ``report.casts``).
         report: The `RestoreReport`.
         filepath: The file, for messages.
+        keep_learning_rate: Keep each live param group's ``lr`` (every difference is listed
+            in ``report.learning_rates`` either way, as ``optimizer:<name>/param_groups/<i>/lr``).
 
     Returns:
         A list of `Step` (one per optimizer with saved state).
@@ -138,7 +142,17 @@ def plan_torch_optimizers(record, torch_opts, model, *, extras, strict, allow_ca
             report.left_fresh.append(f"optimizer:{name}")
             continue
         step = _plan_one(
-            name, opt, saved_all[name], record.arrays, model, extras, strict, allow_cast, report, where
+            name,
+            opt,
+            saved_all[name],
+            record.arrays,
+            model,
+            extras,
+            strict,
+            allow_cast,
+            report,
+            where,
+            keep_learning_rate,
         )
         if step is not None:
             steps.append(step)
@@ -149,7 +163,7 @@ def _slot(key: str, head: str, entry: str) -> str:
     return f"{key}#{head}{entry}"
 
 
-def _plan_one(name, opt, saved, arrays, model, extras, strict, allow_cast, report, where):
+def _plan_one(name, opt, saved, arrays, model, extras, strict, allow_cast, report, where, keep_lr=False):
     """The step restoring one optimizer, or ``None`` when nothing of it is restored."""
     head = entry_prefix(name)
     saved = state_mod.join_arrays(saved, arrays, where)
@@ -201,7 +215,8 @@ def _plan_one(name, opt, saved, arrays, model, extras, strict, allow_cast, repor
     hyper = _group_hyper(name, opt, saved, groups, where)
     state, position = {}, 0
     param_groups = []
-    for group, live_group, values in zip(opt.param_groups, groups, hyper, strict=True):
+    for i, (group, live_group, values) in enumerate(zip(opt.param_groups, groups, hyper, strict=True)):
+        _learning_rate(f"optimizer:{name}/param_groups/{i}/lr", group, values, keep_lr, report)
         positions = list(range(position, position + len(live_group)))
         for pos, (key, _, _) in zip(positions, live_group, strict=True):
             if key in saved_state:
@@ -264,6 +279,19 @@ def _check_specs(name, saved, live, saved_state, head, allow_cast, report, where
                     report.lossy.append(slot)
 
 
+def _learning_rate(key, group, values, keep, report) -> None:
+    """List a param group's ``lr`` that the saved one would replace in
+    ``report.learning_rates``; with ``keep``, keep the live one."""
+    if "lr" not in group or "lr" not in values:
+        return
+    live, saved = float(group["lr"]), float(values["lr"])
+    if live == saved:
+        return
+    report.learning_rates.append((key, live, saved, "kept" if keep else "replaced"))
+    if keep:
+        values["lr"] = group["lr"]
+
+
 def _group_hyper(name, opt, saved, groups, where) -> list[dict[str, Any]]:
     """The hyperparameters of each live param group: those of the saved group(s) its
     variables were in (refused when those differ), or its own for a group of new ones."""
@@ -304,7 +332,10 @@ def _load_step(name, opt, state_dict):
     dicts, it never writes into them)."""
 
     def snapshot():
-        old = opt.state_dict()
-        return (lambda: opt.load_state_dict(old)), (lambda: True)
+        old, state, groups = opt.state_dict(), opt.state, opt.param_groups
+        # load_state_dict sets new state and param_groups objects last: the same ones, unchanged
+        return (lambda: opt.load_state_dict(old)), (
+            lambda: opt.state is not state or opt.param_groups is not groups
+        )
 
     return Step(f"{SECTION}/{name}", lambda: opt.load_state_dict(state_dict), snapshot)
