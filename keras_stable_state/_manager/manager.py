@@ -295,9 +295,7 @@ class CheckpointManager(DirectoryHolder):
         Args:
             step: An int (``0`` to ``10**10 - 1``): the file ``ckpt-<step:010d>.h5``.
             model: A built ``keras.Model``.
-            optimizer: As for [`save_training_state`][keras_stable_state.save_training_state]:
-                a Keras optimizer, or on the Torch backend a ``torch.optim.Optimizer``
-                (its LR scheduler in ``state={"scheduler": scheduler}``).
+            optimizer: As for [`save_training_state`][keras_stable_state.save_training_state].
             metrics: ``{name: number}`` recorded in the checkpoint's metadata (the values
                 ``monitor`` ranks by), or ``None``.
             epoch: An int recorded in the metadata, or ``None``.
@@ -423,8 +421,7 @@ class CheckpointManager(DirectoryHolder):
                 (see the class); ``"best"``: [`best_step`][keras_stable_state.CheckpointManager.best_step]'s; or an int step.
             **restore_options: The keywords of
                 [`restore_training_state`][keras_stable_state.restore_training_state] (``optimizer``,
-                a ``torch.optim.Optimizer`` too, ``strict``, ``callbacks``, ``state``,
-                ``variables``...), but ``defer``.
+                ``strict``, ``callbacks``, ``state``, ``variables``...), but ``defer``.
 
         Returns:
             The [`RestoreReport`][keras_stable_state.RestoreReport]; ``None`` for ``"latest"`` when
