@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
     from keras_stable_state._manager.records import CheckpointMetadata
     from keras_stable_state._optimizer import GradientAccumulator, StableOptimizer
     from keras_stable_state._state import ScheduleMismatchError
+    from keras_stable_state._state.sampler import ResumableSampler
     from keras_stable_state.errors import (
         BindingError,
         CheckpointFormatError,
@@ -74,6 +75,7 @@ __all__ = [
     "PendingRestore",
     "QuantizeMapper",
     "RestoreReport",
+    "ResumableSampler",
     "SaveHandle",
     "ScheduleMismatchError",
     "StableCheckpoint",
@@ -117,6 +119,7 @@ _SOURCES = {
     "GradientAccumulator": "_optimizer",
     "StableOptimizer": "_optimizer",
     "ScheduleMismatchError": "_state",
+    "ResumableSampler": "_state.sampler",
     "BindingError": "errors",
     "CheckpointFormatError": "errors",
     "CheckpointInUseError": "errors",

@@ -363,6 +363,10 @@ class InexactResumeWarning(UserWarning):
     cannot see (no ``get_state()``/``set_state()``) on a resume, and a ``fit`` whose
     planned batches would take an optimizer's ``iterations`` counter past its dtype's
     maximum (``int32`` on JAX and Torch), naming the global step where it would wrap.
+    In a custom loop, [`ResumableSampler`][keras_stable_state.ResumableSampler] issues it on
+    restore where the data order cannot be replayed (another global batch or world size
+    that cannot split the saved order, other sampler settings), naming saved and live world
+    size and batch.
 
     Examples:
         >>> import warnings

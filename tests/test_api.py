@@ -22,6 +22,7 @@ PUBLIC = [
     "PendingRestore",
     "QuantizeMapper",
     "RestoreReport",
+    "ResumableSampler",
     "SaveHandle",
     "ScheduleMismatchError",
     "StableCheckpoint",

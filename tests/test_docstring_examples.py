@@ -42,6 +42,7 @@ NEEDS = {
     "kss.StoragePermissionError": "needs an object store that refuses the credentials",
     "kss.PendingRestore": "needs the reader's `build_model()`",
     "kss.QuantizeMapper": "needs the reader's `momentum_array`",
+    "kss.ResumableSampler": "needs torch (`ds`, a DataLoader) and a training loop (`mgr`, `train_step`)",
     "kss.ScheduleMismatchError": "needs a model whose schedule differs from the saved one",
     "kss.restore_training_state_from_bytes": "needs an object store (`bucket`)",
     "kss.training_state_to_bytes": "needs an object store (`bucket`)",
