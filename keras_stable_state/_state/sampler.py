@@ -271,9 +271,10 @@ class ResumableSampler:
     def get_state(self) -> dict[str, Any]:
         """The sampler's place: ``{"kind", "epoch", "batches_consumed", "batch_size",
         "num_replicas", "rank", "order_num_replicas", "dataset_length", "num_samples",
-        "seed", "shuffle", "drop_last", "generator"}`` (ints, bools, ``None`` where the
-        kind has none; ``generator``: the uint8 state of a ``RandomSampler``'s generator
-        at the epoch's start).
+        "seed", "shuffle", "drop_last", "loader_drop_last", "generator"}`` (ints, bools,
+        ``None`` where the kind has none; ``order_num_replicas``: the world size whose
+        padding the order follows; ``generator``: the uint8 state of a ``RandomSampler``'s
+        generator at the epoch's start).
 
         Raises:
             StateError: if the loop iterated the ``DataLoader`` of this epoch directly,
@@ -308,6 +309,7 @@ class ResumableSampler:
             "seed": int(s.seed) if self._distributed else None,
             "shuffle": bool(s.shuffle) if self._distributed else None,
             "drop_last": bool(s.drop_last) if self._distributed else None,
+            "loader_drop_last": self._drop_last_batch,
             "generator": generator,
         }
 
@@ -342,6 +344,7 @@ class ResumableSampler:
         if self._distributed:
             self.sampler.set_epoch(self._epoch)
         self._consumed, self._pending = plan.batches, True
+        self._drop_last_batch = bool(state["loader_drop_last"])  # until `track` sees the loader
         self._started, self._pass_tracked, self._pass_generator = False, False, None
 
     def _live(self) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from typing import Any
 __all__ = ["FIELDS", "Resume", "check_saved", "plan_resume", "total_size", "world"]
 
 # The saved fields (``None`` where the sampler kind has none: seed/shuffle/drop_last of a
-# RandomSampler, generator of a DistributedSampler).
+# RandomSampler, generator of a DistributedSampler). ``loader_drop_last``: the DataLoader's
+# ``drop_last`` (whether the epoch's last, short batch is dropped).
 FIELDS = (
     "kind",
     "epoch",
@@ -36,6 +37,7 @@ FIELDS = (
     "seed",
     "shuffle",
     "drop_last",
+    "loader_drop_last",
     "generator",
 )
 _COUNTS = ("epoch", "batches_consumed", "rank", "dataset_length", "num_samples")
@@ -75,6 +77,10 @@ def check_saved(state: dict[str, Any]) -> None:
         raise ValueError(f"field 'kind' must be a sampler class name, found {state['kind']!r}")
     if state["seed"] is not None and (isinstance(state["seed"], bool) or not isinstance(state["seed"], int)):
         raise ValueError(f"field 'seed' must be an integer or null, found {state['seed']!r}")
+    if not isinstance(state["loader_drop_last"], bool):
+        raise ValueError(
+            f"field 'loader_drop_last' must be true or false, found {state['loader_drop_last']!r}"
+        )
     for name in ("shuffle", "drop_last"):
         if state[name] is not None and not isinstance(state[name], bool):
             raise ValueError(f"field {name!r} must be true, false or null, found {state[name]!r}")
@@ -107,8 +113,8 @@ def _differs(saved: dict[str, Any], live: dict[str, Any]) -> list[str]:
     """The sampler settings that differ, as ``"seed 3 saved, 4 now"``."""
     out = []
     for name in ("dataset_length", "num_samples", "seed", "shuffle", "drop_last"):
-        if name == "num_samples" and saved["kind"] == "DistributedSampler":
-            continue  # per rank: follows the world size, compared through total_size
+        if name == "num_samples" and saved["shuffle"] is not None:
+            continue  # a DistributedSampler's is per rank: it follows the world size
         if saved[name] != live[name]:
             out.append(f"{name} {saved[name]!r} saved, {live[name]!r} now")
     return out
