@@ -60,10 +60,14 @@ def _run(ranks, epochs, *, kill=None):
         if events == kill:
             return seen, copy.deepcopy(ranks[0][0].get_state())
         events += 1
-        for batches in zip(*[s.track(loader) for s, loader in ranks], strict=True):
+        tracks = [s.track(loader) for s, loader in ranks]
+        for batches in zip(*tracks, strict=True):
             seen.append((epoch, tuple(tuple(b.tolist()) for b in batches)))
             if events == kill:
-                return seen, copy.deepcopy(ranks[0][0].get_state())
+                state = copy.deepcopy(ranks[0][0].get_state())
+                for track in tracks:
+                    track.close()  # the loaders' iterators (and workers) end here, not at exit
+                return seen, state
             events += 1
     return seen, None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -183,7 +183,7 @@ class ResumableSampler:
                 return
         yield from indices
 
-    def track(self, loader: Any) -> Iterator[Any]:
+    def track(self, loader: Any) -> Generator[Any, None, None]:
         """Iterate ``loader``'s batches, counting each one the loop takes.
 
         Args:
@@ -191,7 +191,7 @@ class ResumableSampler:
                 ``BatchSampler`` over it) with ``batch_size`` equal to this sampler's.
 
         Returns:
-            An iterator over the loader's batches.
+            A generator of the loader's batches (``close()`` ends the loader's iterator).
 
         Raises:
             ValueError: if ``loader`` does not read this sampler or has another batch size.
@@ -213,7 +213,7 @@ class ResumableSampler:
         self._drop_last_batch = bool(getattr(batch_sampler, "drop_last", False))
         return self._counting(loader)
 
-    def _counting(self, loader: Any) -> Iterator[Any]:
+    def _counting(self, loader: Any) -> Generator[Any, None, None]:
         self._tracking = True
         try:
             batches = iter(loader)
