@@ -1,18 +1,37 @@
-"""Several JAX processes (``jax.distributed``): who writes, gathering and placing arrays.
+"""Several processes: who writes, how the processes agree, gathering and placing arrays.
 
-On the TensorFlow and PyTorch backends, and on JAX with one process, every
-function here is the one-process case (no collective is run). With several JAX
-processes every function that gathers or agrees is a collective: every process
-must call it, in the same order, as ``jax.experimental.multihost_utils``
-requires.
+Two runtimes count as several processes:
+
+- JAX with ``jax.distributed`` (``jax.process_count() > 1``), everywhere: every
+  function that gathers or agrees is a collective (every process must call it, in the
+  same order, as ``jax.experimental.multihost_utils`` requires).
+- Torch with an initialized ``torch.distributed`` process group of several ranks,
+  only inside `torch_ranks` (entered by ``CheckpointManager``: its saves and
+  preemption checks are collectives over the ranks, its restores none). The small
+  exchanges go through a ``gloo`` group of the library's own, made once per process at
+  the first collective (``dist.new_group(backend="gloo")``: it works beside an NCCL
+  default group, and DDP's collectives on the default group never interleave with
+  ours). Outside `torch_ranks` (``save_training_state`` called alone), each Torch
+  process is one process, as before.
+
+On TensorFlow, and with one process, every function here is the one-process case
+(no collective is run). Torch is imported only on the Torch backend.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import keras
 import numpy as np
 
 from keras_stable_state.errors import StateError
+
+_SCOPE = threading.local()  # .mode: None, "collective" or "alone" (see torch_ranks)
+_GROUP: dict[str, Any] = {}  # "world": the default process group ours was made under; "group": ours
 
 
 def _jax():
@@ -23,16 +42,132 @@ def _jax():
     return jax
 
 
+def _torch():
+    """``torch.distributed`` where it counts: the Torch backend, inside `torch_ranks`, with an
+    initialized process group; else ``None`` (torch is not imported on other backends)."""
+    if getattr(_SCOPE, "mode", None) is None or keras.backend.backend() != "torch":
+        return None
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+@contextlib.contextmanager
+def torch_ranks(collective: bool) -> Iterator[None]:
+    """Within (in this thread): the ranks of an initialized ``torch.distributed`` process group
+    count as processes (Torch backend only; nothing changes on JAX and TensorFlow).
+
+    With ``collective=True`` the functions that gather or agree are collectives over the
+    ranks (every rank must call them, in the same order). With ``collective=False`` none
+    is: `share_from_primary` computes on rank 0 and ``follow`` on the others (a restore,
+    where a rank that skips the call must not leave the others waiting). A scope entered
+    inside another keeps the outer one's mode.
+    """
+    outer = getattr(_SCOPE, "mode", None)
+    if outer is None:
+        _SCOPE.mode = "collective" if collective else "alone"
+    try:
+        yield
+    finally:
+        if outer is None:
+            _SCOPE.mode = None
+
+
 def process_count() -> int:
-    """The number of JAX processes (``jax.process_count()``); 1 on other backends."""
+    """The number of processes: ``jax.process_count()`` on JAX; the world size of the
+    ``torch.distributed`` process group inside `torch_ranks` on Torch; else 1."""
     jax = _jax()
-    return 1 if jax is None else jax.process_count()
+    if jax is not None:
+        return jax.process_count()
+    dist = _torch()
+    return 1 if dist is None else dist.get_world_size()
 
 
 def process_index() -> int:
-    """This process' index (``jax.process_index()``); 0 on other backends."""
+    """This process' index: ``jax.process_index()`` on JAX; the ``torch.distributed`` rank
+    inside `torch_ranks` on Torch; else 0."""
     jax = _jax()
-    return 0 if jax is None else jax.process_index()
+    if jax is not None:
+        return jax.process_index()
+    dist = _torch()
+    return 0 if dist is None else dist.get_rank()
+
+
+def independent() -> bool:
+    """Whether this process decides alone among several (Torch ranks inside
+    ``torch_ranks(collective=False)``): no collective may run."""
+    return getattr(_SCOPE, "mode", None) == "alone" and process_count() > 1
+
+
+def runtime() -> str | None:
+    """``"jax"`` or ``"torch"``: the runtime of several processes in force here; ``None``
+    with one process."""
+    if process_count() == 1:
+        return None
+    return "jax" if _jax() is not None else "torch"
+
+
+def _torch_group(dist):
+    """The library's ``gloo`` group over every rank, made at the first collective (every rank
+    makes it there: ``new_group`` is itself collective) and again after a new default group."""
+    world = dist.group.WORLD
+    if _GROUP.get("world") is not world:
+        _GROUP.update(world=world, group=dist.new_group(backend="gloo"))
+    return _GROUP["group"]
+
+
+def _torch_collective(dist, what: str, run: Callable[[Any], Any]) -> Any:
+    """``run(group)`` on the library's group; a failure of the collective (a rank gone, or the
+    group's timeout) raised as a [`StateError`][keras_stable_state.StateError] naming the fix."""
+    try:
+        return run(_torch_group(dist))
+    except RuntimeError as err:
+        raise StateError(
+            f"{what}: the exchange between the torch.distributed ranks failed on rank {dist.get_rank()} "
+            f"({err}). Every rank must call CheckpointManager.save and reached_preemption at the same "
+            "step, in the same order (a rank that does not call it leaves the others waiting until the "
+            "process group's timeout), and none may stop before the others.",
+            key=None,
+            expected="every rank in the same call",
+            received=str(err),
+        ) from err
+
+
+def _broadcast(array: np.ndarray, what: str) -> np.ndarray:
+    """Process 0's ``array`` (same shape and dtype on every process) on every process."""
+    dist = _torch()
+    if dist is None:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.broadcast_one_to_all(array))
+    import torch
+
+    tensor = torch.from_numpy(np.array(array, copy=True).reshape(-1))
+    _torch_collective(dist, what, lambda group: dist.broadcast(tensor, src=0, group=group))
+    return tensor.numpy().reshape(np.shape(array))
+
+
+def gather_rows(values: Sequence[int], what: str = "a check") -> np.ndarray:
+    """Every process' ``values`` (ints from -1 to 2**62 - 1, as many on every process),
+    ``int64`` of shape ``(processes, len(values))``, row ``i``: process ``i`` (a collective;
+    one row with one process)."""
+    mine = np.asarray([int(v) for v in values], dtype=np.int64)
+    if process_count() == 1:
+        return mine.reshape(1, -1)
+    dist = _torch()
+    if dist is None:  # JAX: int32 halves (jax without x64 has no int64)
+        from jax.experimental import multihost_utils
+
+        shifted = mine + 1
+        halves = np.stack([shifted >> 31, shifted & (2**31 - 1)], axis=-1).astype(np.int32)
+        every = np.asarray(multihost_utils.process_allgather(halves)).astype(np.int64)
+        return ((every[..., 0] << 31) | every[..., 1]) - 1
+    import torch
+
+    tensor = torch.from_numpy(mine)
+    out = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    _torch_collective(dist, what, lambda group: dist.all_gather(out, tensor, group=group))
+    return torch.stack(out).numpy()
 
 
 def is_sharded(value) -> bool:
@@ -89,8 +224,6 @@ def run_on_primary(what: str, write):
     """
     if process_count() == 1:
         return write()
-    from jax.experimental import multihost_utils
-
     failure = None
     result = None
     if process_index() == 0:
@@ -98,7 +231,7 @@ def run_on_primary(what: str, write):
             result = write()
         except Exception as err:  # noqa: BLE001 - re-raised below, after the others heard of it
             failure = err
-    ok = int(multihost_utils.broadcast_one_to_all(np.int32(failure is None)))
+    ok = int(_broadcast(np.array([failure is None], dtype=np.int32), f"the write of {what!r}")[0])
     if failure is not None:
         raise failure
     if not ok:
@@ -116,20 +249,16 @@ def run_on_primary(what: str, write):
 def any_process(flag: bool, step: int, what: str) -> bool:
     """Whether ``flag`` is true on any process, every process asking at the same ``step``.
 
-    With one process this is ``bool(flag)`` (no collective). With several JAX processes every
-    process gathers every process' ``(flag, step)`` (``multihost_utils.process_allgather``, a
-    collective: every process calls it at each step, in the same order) and decides with
-    `agree`.
+    With one process this is ``bool(flag)`` (no collective). With several processes every
+    process gathers every process' ``(flag, step)`` (`gather_rows`, a collective: every
+    process calls it at each step, in the same order) and decides with `agree`.
 
     Raises:
         StateError: if the processes asked at different steps (see `agree`).
     """
     if process_count() == 1:
         return bool(flag)
-    from jax.experimental import multihost_utils
-
-    mine = np.array([int(bool(flag)), int(step) % (2**31 - 1)], dtype=np.int32)
-    return agree(np.asarray(multihost_utils.process_allgather(mine)), what)
+    return agree(gather_rows([int(bool(flag)), int(step) % (2**31 - 1)], what), what)
 
 
 def agree(table, what: str) -> bool:
@@ -154,29 +283,30 @@ def agree(table, what: str) -> bool:
     return bool(rows[:, 0].any())
 
 
-def share_from_primary(what: str, compute):
+def share_from_primary(what: str, compute: Callable[[], Any], follow: Callable[[], Any] | None = None) -> Any:
     """``compute()`` run on process 0 only, its result (JSON values) returned on every process.
 
     As `run_on_primary` (the others wait; a failure on process 0 is raised there and
     a [`StateError`][keras_stable_state.StateError] on the others), then the result is broadcast to all.
+    Where the process decides alone (`independent`: Torch ranks in a restore) nothing is
+    exchanged: process 0 returns ``compute()``, the others ``follow()`` (``None`` without it).
     """
+    if independent():
+        if process_index() == 0:
+            return compute()
+        return None if follow is None else follow()
     result = run_on_primary(what, compute)
     if process_count() == 1:
         return result
     import json
 
-    from jax.experimental import multihost_utils
-
     data = np.frombuffer(json.dumps(result).encode("utf-8"), dtype=np.uint8) if process_index() == 0 else None
-    size = int(multihost_utils.broadcast_one_to_all(np.int32(0 if data is None else data.size)))
+    told = f"the answer of process 0 about {what!r}"
+    size = int(_broadcast(np.array([0 if data is None else data.size], dtype=np.int32), told)[0])
     buffer = np.zeros(size, dtype=np.uint8) if data is None else data
-    return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes().decode("utf-8"))
+    return json.loads(_broadcast(buffer, told).tobytes().decode("utf-8"))
 
 
 def gather_ints(value: int) -> list:
     """``value`` of every process, by process index (a collective; ``[value]`` with one)."""
-    if process_count() == 1:
-        return [int(value)]
-    from jax.experimental import multihost_utils
-
-    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int32(value))).reshape(-1)]
+    return [int(v) for v in gather_rows([value])[:, 0]]

@@ -248,8 +248,9 @@ def _save(
             )
     if not blocking and multiprocess.process_count() > 1:
         raise StateError(
-            f"Cannot save {filepath!r} with blocking=False with {multiprocess.process_count()} JAX "
-            "processes: the save runs collectives on the calling thread. Pass blocking=True."
+            f"Cannot save {filepath!r} with blocking=False with {multiprocess.process_count()} "
+            f"{multiprocess.runtime()} processes: the save runs collectives on the calling thread. Pass "
+            "blocking=True (CheckpointManager: save_on_background=False)."
         )
 
     # Read at a step boundary when another thread's fit trains the model (see _core.boundary);
@@ -284,7 +285,8 @@ def _save(
             return orbax_engine.write(filepath, record)
         if not blocking:
             return _save_in_background(filepath, model, record, started, store)
-        # With several JAX processes every process gathered the same arrays; process 0 alone writes.
+        # With several processes (JAX; Torch ranks in a CheckpointManager's save) every process
+        # gathered the same arrays; process 0 alone writes.
         multiprocess.run_on_primary(
             filepath,
             lambda: write_to(
@@ -390,9 +392,20 @@ def training_state_record(
 
 
 def _check_processes(filepath: str) -> None:
-    """Refuse a ``.keras`` archive with several JAX processes: Keras' own ``model.save`` cannot
-    read arrays whose shards live on other processes."""
-    if filepath.endswith(".keras") and multiprocess.process_count() > 1:
+    """Refuse a ``.keras`` archive with several JAX processes (Keras' own ``model.save`` cannot
+    read arrays whose shards live on other processes), and a ``.orbax`` one with several Torch
+    ranks (the engine's collectives are JAX's)."""
+    kind = multiprocess.runtime()
+    if kind == "torch" and orbax_layout.is_orbax_path(filepath):
+        raise CheckpointFormatError(
+            f"Cannot save {filepath!r} with {multiprocess.process_count()} torch.distributed ranks: the "
+            "'.orbax' engine runs JAX's collectives. Save to '.h5' paths (a CheckpointManager directory "
+            "not named '*.orbax'): rank 0 writes, the others wait.",
+            key=None,
+            expected="a '.h5' path",
+            received=filepath,
+        )
+    if filepath.endswith(".keras") and kind == "jax":
         raise CheckpointFormatError(
             f"Cannot save {filepath!r} with {multiprocess.process_count()} JAX processes: a '.keras' "
             "archive holds Keras' own weights, and keras' model.save cannot read the shards held by other "

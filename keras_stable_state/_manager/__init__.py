@@ -3,7 +3,7 @@ its lock methods in ``holder``), what it keeps and calls best (``policy``), what
 (``records``), and the directory itself: listing, pruning, temporary files, unreadable files
 moved aside and the fallback over them (``directory``), its lock file (``lock``), the same in
 an object store (``remote_directory``), ``.orbax`` step directories (``orbax_steps``; what
-needs the Orbax engine: ``orbax_io``), several JAX processes (``shared``) and preemption
+needs the Orbax engine: ``orbax_io``), several processes (``shared``, ``checkin``) and preemption
 signals (``preemption``).
 
 ``directory``, ``lock``, ``policy``, ``records`` and ``orbax_steps`` import no Keras, and the names below load on first use

@@ -301,7 +301,7 @@ def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoi
     ``restore``; a FIFO, device or other non-regular file; a symbolic link to nothing)
     goes to ``unreadable(path, err)`` and the next one is tried; a file removed since it
     was listed is skipped. ``read_with`` reads a record (an object store's directory reads
-    through its filesystem; several JAX processes read through a collective that compares).
+    through its filesystem; several processes read through a collective that compares, Torch ranks restoring each alone).
 
     Returns:
         The path restored, or ``None`` if none was left.

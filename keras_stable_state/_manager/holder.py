@@ -1,5 +1,5 @@
 """The lock a [`CheckpointManager`][keras_stable_state.CheckpointManager] holds over its directory:
-taking it (with several JAX processes, process 0 alone takes it and cleans up), releasing
+taking it (with several processes, process 0 alone takes it and cleans up), releasing
 it, and the context manager."""
 
 from __future__ import annotations
@@ -36,10 +36,15 @@ class DirectoryHolder:
     _say: Callable[[str], None]
     wait: Callable[[], None]
 
+    @processes.torch_ranks(collective=False)
     def lock(self, *, reclaimable: bool = False) -> list[str]:
         """Create the directory, take its lock, remove the ``.kss-*`` temporary files a killed
         save left; their paths. ``reclaimable=True`` (``StableCheckpoint``'s) lets a
         ``StableCheckpoint`` of the same thread take the lock over (its ``fit`` raised).
+
+        With several processes process 0 alone takes the lock and cleans up: JAX processes
+        wait for it (a collective); Torch ranks (``torch.distributed``) do not (no collective:
+        the others return ``[]``), but inside a save, which runs it as a collective.
 
         Raises:
             CheckpointInUseError: if another writer (a ``CheckpointManager`` or
@@ -53,10 +58,18 @@ class DirectoryHolder:
                 file system: ``errno.EROFS``; permissions; no bucket, refused credentials), naming it.
         """
         removed: list[str] = processes.share_from_primary(
-            self.directory, lambda: self._lock_here(reclaimable)
+            self.directory, lambda: self._lock_here(reclaimable), follow=list
         )
-        self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed  # JAX
+        self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed
         return removed
+
+    def lock_everywhere(self) -> None:
+        """`lock` as a collective of a save's check-in that found a process without the lock,
+        where process 0 may hold it already (then it keeps it as it is)."""
+        removed: list[str] = processes.share_from_primary(
+            self.directory, lambda: self.removed_temporary_files if self.locked else self._lock_here(False)
+        )
+        self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed
 
     def _lock_here(self, reclaimable: bool) -> list[str]:
         self.files.prepare(self.directory, self.name)

@@ -19,7 +19,7 @@ from keras_stable_state import _processes as processes
 from keras_stable_state import format as storage
 from keras_stable_state._engines import background
 from keras_stable_state._manager import directory as files
-from keras_stable_state._manager import orbax_io, policy, shared, timeline
+from keras_stable_state._manager import checkin, orbax_io, policy, shared, timeline
 from keras_stable_state._manager.holder import DirectoryHolder
 from keras_stable_state._manager.opening import open_directory
 from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard, entered_guard
@@ -85,9 +85,20 @@ class CheckpointManager(DirectoryHolder):
     one, moving unreadable ones into ``unreadable/`` as
     [`StableCheckpoint`][keras_stable_state.StableCheckpoint] does. The manager holds the
     directory's lock from its first save or restore (or ``with`` block) to
-    [`close`][keras_stable_state.CheckpointManager.close]. Locks, object stores, several JAX
+    [`close`][keras_stable_state.CheckpointManager.close]. Locks, object stores, several
     processes and preemption in full:
     [in detail](how-to/custom-loops-manager.md#checkpointmanager-in-detail).
+
+    With several processes (JAX processes under ``jax.distributed``; Torch ranks under an
+    initialized ``torch.distributed`` process group) every process makes its manager on the
+    same directory and calls ``save`` and ``restore``: process 0 alone locks the directory,
+    writes, prunes and moves unreadable checkpoints aside, and every process returns the
+    same path. A save (and ``reached_preemption``) is a collective where the processes
+    check in: their step, step restored and optimizer iterations must agree, else every
+    process raises a ``StateError`` saying what each must do. On Torch a restore runs no
+    collective (every rank reads the newest readable checkpoint itself), so a rank that
+    skips it is caught at the next save.
+    [Multi-process](how-to/multi-process.md#torch-ranks-torchdistributed).
 
     Examples:
         >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
@@ -196,7 +207,7 @@ class CheckpointManager(DirectoryHolder):
 
     def preemption_guard(self, signals: Sequence[int] = DEFAULT_SIGNALS) -> PreemptionGuard:
         """A ``PreemptionGuard`` of ``signals`` for a custom loop (see the class docstring)."""
-        self._guard = PreemptionGuard(signals, owner=self.name)
+        self._guard = PreemptionGuard(signals, owner=self.name, check_in=checkin.preemption_check(self))
         return self._guard
 
     def reached_preemption(self, step: int) -> bool:
@@ -272,6 +283,7 @@ class CheckpointManager(DirectoryHolder):
         return path
 
     # -- save -------------------------------------------------------------------------------
+    @processes.torch_ranks(collective=True)
     def save(
         self,
         step: int,
@@ -291,6 +303,11 @@ class CheckpointManager(DirectoryHolder):
         did not restore is refused, unless ``new_timeline=True`` (those at or after
         ``step`` moved aside); the step this manager saved last may be saved again
         (replaced). [Timelines](how-to/custom-loops-manager.md#steps-come-from-the-records-timelines).
+
+        With several processes every process calls it (a collective), with the same
+        ``step``: the processes first check in (step, step restored, optimizer
+        ``iterations``, world size; see the class), then process 0 writes and prunes.
+        The world size is recorded (``metadata(step).world_size``).
 
         Args:
             step: An int (``0`` to ``10**10 - 1``): the file ``ckpt-<step:010d>.h5``.
@@ -316,7 +333,9 @@ class CheckpointManager(DirectoryHolder):
                 (the manager's own record).
             StateError: for a ``step`` at or below the newest in the directory, from a
                 manager that did not restore from it, without ``new_timeline=True``; or a
-                checkpoint of the abandoned timeline that cannot be moved aside.
+                checkpoint of the abandoned timeline that cannot be moved aside; with several
+                processes, on every process, when their check-ins differ (naming each
+                rank's values and the fix), or when process 0 failed to write.
             Exception: every error of [`save_training_state`][keras_stable_state.save_training_state] and of
                 [`lock`][keras_stable_state.CheckpointManager.lock]; the error of the previous background save.
         """
@@ -325,11 +344,16 @@ class CheckpointManager(DirectoryHolder):
         providers = check_save_keywords(state, epoch)
         if not isinstance(new_timeline, bool):
             raise TypeError(f"`new_timeline` must be a bool. Received: new_timeline={new_timeline!r}")
-        self._ensure_locked()
+        rows = checkin.check_in(self, "save", step, model=model, optimizer=optimizer)
+        if rows is None:
+            self._ensure_locked()
+        elif not checkin.locked_everywhere(rows):
+            self.lock_everywhere()
         self._collect(wait=True)
         timeline.before_save(self, step, new_timeline)
         path = files.path_of(self.directory, step)
         info: _Info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
+        info["world_size"] = processes.process_count()
         if self.monitor is not None:  # read by `keras-stable-state ls` to name the best
             info.update(monitor=self.monitor, mode=self._direction)
         started = time.perf_counter()
@@ -385,7 +409,7 @@ class CheckpointManager(DirectoryHolder):
         # while the file is the one written (its identity), read from the file otherwise.
         summary: _Summary = ({"backend": keras.backend.backend()}, dict(info), storage.FORMAT_VERSION)
         self._summaries[path] = (self.files.identity(path), summary)
-        processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # JAX: process 0
+        processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # on process 0
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)
         elif self.verbose:
@@ -410,6 +434,7 @@ class CheckpointManager(DirectoryHolder):
         return removed
 
     # -- restore ----------------------------------------------------------------------------
+    @processes.torch_ranks(collective=False)
     def restore(
         self, model: keras.Model, step: int | str = "latest", **restore_options: Any
     ) -> RestoreReport | None:
@@ -422,6 +447,13 @@ class CheckpointManager(DirectoryHolder):
             **restore_options: The keywords of
                 [`restore_training_state`][keras_stable_state.restore_training_state] (``optimizer``,
                 ``strict``, ``callbacks``, ``state``, ``variables``...), but ``defer``.
+
+        With several processes every process calls it. JAX processes compare their reads
+        of each checkpoint (a collective). Torch ranks run no collective: each reads the
+        newest readable checkpoint itself (rank 0 alone moves unreadable ones aside, the
+        others skip them alike), and the step each restored is compared at the next
+        ``save`` or ``reached_preemption`` (a rank that skipped the restore is refused
+        there, on every rank).
 
         Returns:
             The [`RestoreReport`][keras_stable_state.RestoreReport]; ``None`` for ``"latest"`` when
@@ -481,6 +513,7 @@ class CheckpointManager(DirectoryHolder):
         self._say(f"restored {path} (step {self.restored_step})")
         return report
 
+    @processes.torch_ranks(collective=False)
     def restore_newest_with(
         self,
         restore: Callable[[str, Any], None],
@@ -494,7 +527,8 @@ class CheckpointManager(DirectoryHolder):
         err)`` is called first, if given) and the next one tried. Takes the lock, and
         waits for the background save in flight. No warning is issued (the caller says
         where it fell back to: see [`restore`][keras_stable_state.CheckpointManager.restore]). ``read_only=True`` reads without the
-        lock (a directory on a read-only file system, where nobody can write).
+        lock (a directory on a read-only file system, where nobody can write). Several
+        processes: as ``restore``.
 
         Returns:
             The path restored, or ``None`` if no readable checkpoint is left.
@@ -519,7 +553,7 @@ class CheckpointManager(DirectoryHolder):
             )
             self._summaries.pop(path, None)
 
-        # JAX: the checkpoints process 0 lists, each read by every process alike
+        # JAX: the checkpoints process 0 lists, each read by every process alike; Torch: each rank's own
         paths = shared.checkpoints(self.files, self.directory)
         path: str | None = self.files.restore_newest(
             paths,

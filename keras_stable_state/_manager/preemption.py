@@ -87,8 +87,10 @@ class PreemptionGuard:
         *,
         owner: str = "CheckpointManager",
         fit_frame: FrameType | None = None,
+        check_in: Callable[[bool, int], bool] | None = None,
     ) -> None:
         self.signals = check_signals(signals)
+        self._check_in = check_in  # a CheckpointManager's: the check-in of its processes
         self.signal_received: signal.Signals | None = None
         self._owner = owner
         self._fit_frame = fit_frame  # StableCheckpoint's: the fit that ends without on_train_end
@@ -168,16 +170,21 @@ class PreemptionGuard:
 
     def reached_preemption(self, step) -> bool:
         """Whether the loop should save at ``step`` and stop: a signal came to this process,
-        or (several JAX processes) to any process.
+        or (several processes) to any process.
 
-        With one process this only reads `signal_received`. With several JAX
-        processes it is a collective (one small ``process_allgather``): every process must
+        With one process this only reads `signal_received`. With several processes (JAX
+        processes; the Torch ranks of a ``CheckpointManager``'s guard under
+        ``torch.distributed``) it is a collective (one small all-gather): every process must
         call it at every step, with the same ``step``, and all get the same answer, so all
-        save the same step.
+        save the same step. A ``CheckpointManager``'s guard gathers its check-in there
+        (the step, the step restored, the world size: see ``CheckpointManager.save``).
 
         Raises:
-            StateError: with several JAX processes, if they called it with different steps.
+            StateError: with several processes, if they called it with different steps (or,
+                a manager's guard, restored different steps).
         """
+        if self._check_in is not None:
+            return self._check_in(self.signal_received is not None, step)
         return _processes.any_process(
             self.signal_received is not None, step, f"{self._owner}.reached_preemption({step})"
         )

@@ -1,5 +1,5 @@
 """What a [`CheckpointManager`][keras_stable_state.CheckpointManager] records in each checkpoint (record
-``providers/checkpoint``: step, epoch, metrics, wall time), what it tells of one
+``providers/checkpoint``: step, epoch, metrics, wall time, world size), what it tells of one
 ([`CheckpointMetadata`][keras_stable_state.CheckpointMetadata]), and the checks of the steps and metrics it is given."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from keras_stable_state.errors import CheckpointFormatError
 
 RECORD = "checkpoint"
 """The provider name (record ``providers/checkpoint``) of the manager's metadata in each
-checkpoint: its step, epoch, metrics and wall time, and with a ``monitor`` its name and
+checkpoint: its step, epoch, metrics, wall time and world size (``"world_size"``: the
+number of processes that saved it, JAX processes or Torch ranks), and with a ``monitor`` its name and
 direction (``"monitor"``, ``"mode"``: ``"min"`` or ``"max"``), so that ``keras-stable-state
 ls`` names the best."""
 
@@ -48,6 +49,9 @@ class CheckpointMetadata:
         size_bytes: Its size on disk.
         format: Its file format version.
         backend: The Keras backend that wrote it (``"jax"``, ``"tensorflow"``, ``"torch"``).
+        world_size: The number of processes that saved it (JAX processes under
+            ``jax.distributed``, Torch ranks under ``torch.distributed``; ``1`` for one),
+            or ``None`` for a checkpoint saved by an older version.
 
     Examples:
         >>> mgr = CheckpointManager("ckpts")
@@ -66,6 +70,7 @@ class CheckpointMetadata:
     size_bytes: int
     format: int | None
     backend: str | None
+    world_size: int | None = None
 
 
 class ManagerRecord:
@@ -119,6 +124,7 @@ def metadata_of(
     metadata, record, version = summary
     epoch = record.get("epoch")
     wall_time = record.get("wall_time")
+    world = record.get("world_size")
     return CheckpointMetadata(
         step=step,
         path=path,
@@ -128,6 +134,7 @@ def metadata_of(
         size_bytes=size_bytes,
         format=version,
         backend=metadata.get("backend"),
+        world_size=world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else None,
     )
 
 

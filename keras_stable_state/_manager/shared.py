@@ -1,7 +1,10 @@
-"""A checkpoint directory shared by several JAX processes (``jax.distributed``): process 0
-alone locks, lists, prunes and moves unreadable checkpoints aside; the others wait for it
-and take its answers. Every function here is a collective (see
-`keras_stable_state._processes`); with one process it is the plain directory call."""
+"""A checkpoint directory shared by several processes (JAX processes under ``jax.distributed``,
+Torch ranks under ``torch.distributed``): process 0 alone locks, lists, prunes and moves
+unreadable checkpoints aside; the others wait for it and take its answers. Every function
+here is a collective (see `keras_stable_state._processes`), but where a process decides
+alone (`independent`: Torch ranks restoring), where each
+process lists and reads for itself and only process 0 moves files; with one process it is
+the plain directory call."""
 
 from __future__ import annotations
 
@@ -13,8 +16,8 @@ from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointEr
 
 
 class Follower:
-    """The lock of a manager on a JAX process other than 0: process 0 holds the directory's;
-    releasing it does nothing."""
+    """The lock of a manager on a process other than 0 (JAX process, Torch rank): process 0
+    holds the directory's; releasing it does nothing."""
 
     fd = -1  # held (see CheckpointManager.locked) from its making to its release
 
@@ -42,12 +45,16 @@ _OUTCOMES = ("read", "unreadable", "not found", "refused")
 def checkpoints(files, directory) -> list:
     """The checkpoints of ``directory`` as process 0 lists them (newest first), through
     ``files`` (the module `.directory`, or a
-    `RemoteDirectory`)."""
-    return processes.share_from_primary(directory, lambda: files.checkpoints(directory))
+    `RemoteDirectory`); as this process lists them where it decides alone."""
+    return processes.share_from_primary(
+        directory, lambda: files.checkpoints(directory), follow=lambda: files.checkpoints(directory)
+    )
 
 
 def move_aside(files, directory, path, writer) -> str | None:
-    """``files.move_aside`` on process 0, once every process has read ``path``; its result."""
+    """``files.move_aside`` on process 0, once every process has read ``path``; its result.
+    Where the process decides alone, process 0 moves it and the others return ``None`` (they
+    only skip it)."""
     return processes.share_from_primary(path, lambda: files.move_aside(directory, path, writer))
 
 
@@ -57,14 +64,18 @@ def agreed(read: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def read_agreed(path: str, read: Callable[[str], Any]) -> Any:
-    """The record of ``path`` (``read(path)``); with several JAX processes, once every
+    """The record of ``path`` (``read(path)``); with several processes, once every
     process read it alike, so that all take the same branch of
-    `.directory.restore_newest` (restore, move aside, skip or raise).
+    `.directory.restore_newest` (restore, move aside, skip or raise). Where the process
+    decides alone (Torch ranks restoring) nothing is compared: each reads for itself, and the
+    ranks' steps restored are compared at the next save.
 
     Raises:
         StateError: if the processes' reads ended differently, naming each outcome.
         Exception: this process' read error, when every process failed alike.
     """
+    if processes.independent():
+        return read(path)
     code = 0
     try:
         record, failure = read(path), None
@@ -78,7 +89,7 @@ def read_agreed(path: str, read: Callable[[str], Any]) -> Any:
     if len(set(codes)) > 1:
         told = ", ".join(f"process {i}: {_OUTCOMES[c]}" for i, c in enumerate(codes))
         raise StateError(
-            f"The JAX processes read the checkpoint {path!r} differently ({told}): they must restore "
+            f"The processes read the checkpoint {path!r} differently ({told}): they must restore "
             "the same checkpoint, and none falls back on its own. Check that every process sees the "
             "same files (one shared file system), then restore again.",
             key=None,

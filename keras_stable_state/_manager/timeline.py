@@ -63,7 +63,7 @@ def before_save(mgr: CheckpointManager, step: int, new_timeline: bool) -> None:
     """
     start, last = mgr._timeline_from, mgr._last_saved
 
-    def plan() -> dict[str, Any]:  # JAX: on process 0, which alone moves files; its answer goes to all
+    def plan() -> dict[str, Any]:  # on process 0, which alone moves files; its answer goes to all
         steps = steps_by_path(mgr)
         latest = max(steps.values(), default=None)
         if latest is None or step > latest or (step == latest == last and start is None):
