@@ -20,7 +20,7 @@ from kit import StopAt, assert_same_state, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import _processes
-from keras_stable_state._manager import preemption
+from keras_stable_state._manager import checkin, preemption
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "preempt_fit.py")
 # Trials of the child fit (issue 18's acceptance: 20 per backend, `make fuzz`); make test runs 2.
@@ -337,3 +337,43 @@ def test_processes_agree_on_the_step_of_a_signal_any_of_them_got():
     assert _processes.any_process(True, 3, "x") is True and _processes.any_process(False, 3, "x") is False
     guard = preemption.PreemptionGuard()
     assert guard.reached_preemption(1) is False
+
+
+def test_a_managers_check_in_refuses_processes_that_differ_naming_each_and_the_fix(tmp_path):
+    """The check-in of a manager's collective calls (save, reached_preemption), from the table
+    of digests every process gathers (checkin.FIELDS: call, flag, step, restored, iterations,
+    world, locked): equal digests pass whatever the flags and locks; a rank that did not
+    restore, or is at another step, is refused naming each rank's values and the fix; with
+    one process nothing is exchanged."""
+    mgr = kss.CheckpointManager(tmp_path)
+    save, term = checkin.CALLS.index("save"), checkin.CALLS.index("reached_preemption")
+    same = np.array([[save, 0, 28, 24, 28, 2, 1], [save, 1, 28, 24, 28, 2, 0]])
+    checkin.compare(mgr, "save", 28, same)
+    assert checkin.any_signal(same) and not checkin.locked_everywhere(same)
+    skipped = np.array([[save, 0, 28, 24, 28, 2, 1], [save, 0, 4, -1, 4, 2, 1]])
+    with pytest.raises(
+        kss.StateError, match=r"\.save\(28\) on rank 0: the 2 ranks' training states differ"
+    ) as err:
+        checkin.compare(mgr, "save", 28, skipped)
+    message = str(err.value)
+    assert (
+        "rank 1 did not restore step 24 that rank 0 restored: call mgr.restore(model, ...) on every rank"
+        in message
+    )
+    assert "different steps (rank 0: 28; rank 1: 4)" in message
+    assert "(rank 0: iterations 28; rank 1: iterations 4)" in message
+    assert err.value.key is None and err.value.received[1] == {
+        "call": "save", "step": 4, "restored": -1, "iterations": 4, "world": 2
+    }  # fmt: skip
+    apart = np.array([[term, 0, 9, 8, -1, 3, 1], [term, 0, 9, 4, -1, 3, 1], [save, 0, 9, 8, -1, 3, 1]])
+    with pytest.raises(
+        kss.StateError, match=r"restored different steps \(ranks 0, 2: step 8; rank 1: step 4\)"
+    ):
+        checkin.compare(mgr, "reached_preemption", 9, apart)
+    with pytest.raises(
+        kss.StateError, match=r"different calls \(ranks 0, 1: reached_preemption\(\); rank 2: save\(\)\)"
+    ):
+        checkin.compare(mgr, "reached_preemption", 9, apart)
+    assert checkin.check_in(mgr, "save", 1) is None  # one process: no exchange
+    assert checkin.iterations(mlp(seed=0), None) == 0
+    mgr.close()

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _processes as processes
+from keras_stable_state._manager import timeline
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import StateError
 
@@ -57,7 +58,13 @@ def _row(mgr: CheckpointManager, call: str, step: int, flag: bool, count: int) -
 
 
 def check_in(
-    mgr: CheckpointManager, call: str, step: int, *, model: Any = None, optimizer: Any = None, flag: bool = False
+    mgr: CheckpointManager,
+    call: str,
+    step: int,
+    *,
+    model: Any = None,
+    optimizer: Any = None,
+    flag: bool = False,
 ) -> np.ndarray | None:
     """The digests of every process (``int64`` of shape ``(processes, len(FIELDS))``), once
     they agree; ``None`` with one process (nothing exchanged). A collective with several.
@@ -70,10 +77,20 @@ def check_in(
         return None
     count = -1 if call != "save" else iterations(model, optimizer)
     rows = processes.gather_rows(_row(mgr, call, step, flag, count), f"{mgr.name}.{call}({step})")
+    compare(mgr, call, step, rows)
+    return rows
+
+
+def compare(mgr: CheckpointManager, call: str, step: int, rows: np.ndarray) -> None:
+    """Check the gathered digests ``rows`` of `check_in` (one row of `FIELDS` per process).
+
+    Raises:
+        StateError: if they differ in call, step, step restored, optimizer iterations or
+            world size, naming each rank's values and the fix.
+    """
     differ = [name for name in _COMPARED if len(set(rows[:, _COLUMN[name]].tolist())) > 1]
     if differ:
         raise _refusal(mgr, call, step, rows, differ)
-    return rows
 
 
 def _by_value(rows: np.ndarray, name: str, show: Callable[[int], str]) -> str:
@@ -142,6 +159,24 @@ def _refusal(mgr: CheckpointManager, call: str, step: int, rows: np.ndarray, dif
         expected="the same call, step, step restored, optimizer iterations and world size on every rank",
         received=received,
     )
+
+
+def begin_save(mgr: CheckpointManager, step: int, new_timeline: bool, model: Any, optimizer: Any) -> None:
+    """The start of ``mgr.save(step, model, optimizer=optimizer, new_timeline=...)``: the
+    check-in, the lock (with several processes, taken as a collective where a process lacks
+    it), the background save in flight collected, then the timeline's move (`.timeline.before_save`).
+
+    Raises:
+        StateError: as `check_in`, and as `.timeline.before_save`.
+        Exception: the errors of ``mgr.lock`` and of the background save in flight.
+    """
+    rows = check_in(mgr, "save", step, model=model, optimizer=optimizer)
+    if rows is None:
+        mgr._ensure_locked()
+    elif not locked_everywhere(rows):
+        mgr.lock_everywhere()
+    mgr.wait()
+    timeline.before_save(mgr, step, new_timeline)
 
 
 def locked_everywhere(rows: np.ndarray | None) -> bool:

@@ -18,8 +18,8 @@ from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as processes
 from keras_stable_state import format as storage
 from keras_stable_state._engines import background
-from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import checkin, orbax_io, policy, shared, timeline
+from keras_stable_state._manager import directory as files
 from keras_stable_state._manager.holder import DirectoryHolder
 from keras_stable_state._manager.opening import open_directory
 from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard, entered_guard
@@ -89,16 +89,11 @@ class CheckpointManager(DirectoryHolder):
     processes and preemption in full:
     [in detail](how-to/custom-loops-manager.md#checkpointmanager-in-detail).
 
-    With several processes (JAX processes under ``jax.distributed``; Torch ranks under an
-    initialized ``torch.distributed`` process group) every process makes its manager on the
-    same directory and calls ``save`` and ``restore``: process 0 alone locks the directory,
-    writes, prunes and moves unreadable checkpoints aside, and every process returns the
-    same path. A save (and ``reached_preemption``) is a collective where the processes
-    check in: their step, step restored and optimizer iterations must agree, else every
-    process raises a ``StateError`` saying what each must do. On Torch a restore runs no
-    collective (every rank reads the newest readable checkpoint itself), so a rank that
-    skips it is caught at the next save.
-    [Multi-process](how-to/multi-process.md#torch-ranks-torchdistributed).
+    Several processes (JAX processes; Torch ranks under ``torch.distributed``): every
+    process calls ``save`` and ``restore`` on the same directory; process 0 alone locks,
+    writes and prunes. Each save (and ``reached_preemption``) checks the processes in (step,
+    step restored, optimizer iterations), refusing on every process where they differ; on
+    Torch a restore runs no collective: [multi-process](how-to/multi-process.md#torch-ranks-torchdistributed).
 
     Examples:
         >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
@@ -304,11 +299,6 @@ class CheckpointManager(DirectoryHolder):
         ``step`` moved aside); the step this manager saved last may be saved again
         (replaced). [Timelines](how-to/custom-loops-manager.md#steps-come-from-the-records-timelines).
 
-        With several processes every process calls it (a collective), with the same
-        ``step``: the processes first check in (step, step restored, optimizer
-        ``iterations``, world size; see the class), then process 0 writes and prunes.
-        The world size is recorded (``metadata(step).world_size``).
-
         Args:
             step: An int (``0`` to ``10**10 - 1``): the file ``ckpt-<step:010d>.h5``.
             model: A built ``keras.Model``.
@@ -333,9 +323,7 @@ class CheckpointManager(DirectoryHolder):
                 (the manager's own record).
             StateError: for a ``step`` at or below the newest in the directory, from a
                 manager that did not restore from it, without ``new_timeline=True``; or a
-                checkpoint of the abandoned timeline that cannot be moved aside; with several
-                processes, on every process, when their check-ins differ (naming each
-                rank's values and the fix), or when process 0 failed to write.
+                checkpoint of the abandoned timeline that cannot be moved aside; processes that differ.
             Exception: every error of [`save_training_state`][keras_stable_state.save_training_state] and of
                 [`lock`][keras_stable_state.CheckpointManager.lock]; the error of the previous background save.
         """
@@ -344,16 +332,10 @@ class CheckpointManager(DirectoryHolder):
         providers = check_save_keywords(state, epoch)
         if not isinstance(new_timeline, bool):
             raise TypeError(f"`new_timeline` must be a bool. Received: new_timeline={new_timeline!r}")
-        rows = checkin.check_in(self, "save", step, model=model, optimizer=optimizer)
-        if rows is None:
-            self._ensure_locked()
-        elif not checkin.locked_everywhere(rows):
-            self.lock_everywhere()
-        self._collect(wait=True)
-        timeline.before_save(self, step, new_timeline)
+        checkin.begin_save(self, step, new_timeline, model, optimizer)
         path = files.path_of(self.directory, step)
         info: _Info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
-        info["world_size"] = processes.process_count()
+        info["world_size"] = processes.process_count()  # JAX processes, Torch ranks: 1 for one
         if self.monitor is not None:  # read by `keras-stable-state ls` to name the best
             info.update(monitor=self.monitor, mode=self._direction)
         started = time.perf_counter()
@@ -434,7 +416,6 @@ class CheckpointManager(DirectoryHolder):
         return removed
 
     # -- restore ----------------------------------------------------------------------------
-    @processes.torch_ranks(collective=False)
     def restore(
         self, model: keras.Model, step: int | str = "latest", **restore_options: Any
     ) -> RestoreReport | None:
@@ -447,13 +428,6 @@ class CheckpointManager(DirectoryHolder):
             **restore_options: The keywords of
                 [`restore_training_state`][keras_stable_state.restore_training_state] (``optimizer``,
                 ``strict``, ``callbacks``, ``state``, ``variables``...), but ``defer``.
-
-        With several processes every process calls it. JAX processes compare their reads
-        of each checkpoint (a collective). Torch ranks run no collective: each reads the
-        newest readable checkpoint itself (rank 0 alone moves unreadable ones aside, the
-        others skip them alike), and the step each restored is compared at the next
-        ``save`` or ``reached_preemption`` (a rank that skipped the restore is refused
-        there, on every rank).
 
         Returns:
             The [`RestoreReport`][keras_stable_state.RestoreReport]; ``None`` for ``"latest"`` when
@@ -513,7 +487,6 @@ class CheckpointManager(DirectoryHolder):
         self._say(f"restored {path} (step {self.restored_step})")
         return report
 
-    @processes.torch_ranks(collective=False)
     def restore_newest_with(
         self,
         restore: Callable[[str, Any], None],
@@ -527,8 +500,7 @@ class CheckpointManager(DirectoryHolder):
         err)`` is called first, if given) and the next one tried. Takes the lock, and
         waits for the background save in flight. No warning is issued (the caller says
         where it fell back to: see [`restore`][keras_stable_state.CheckpointManager.restore]). ``read_only=True`` reads without the
-        lock (a directory on a read-only file system, where nobody can write). Several
-        processes: as ``restore``.
+        lock (a directory on a read-only file system, where nobody can write).
 
         Returns:
             The path restored, or ``None`` if no readable checkpoint is left.

@@ -42,6 +42,7 @@ def held(lock: _Lock, token: int) -> _Lock | Follower:
 _OUTCOMES = ("read", "unreadable", "not found", "refused")
 
 
+@processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
 def checkpoints(files, directory) -> list:
     """The checkpoints of ``directory`` as process 0 lists them (newest first), through
     ``files`` (the module `.directory`, or a
@@ -51,6 +52,7 @@ def checkpoints(files, directory) -> list:
     )
 
 
+@processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
 def move_aside(files, directory, path, writer) -> str | None:
     """``files.move_aside`` on process 0, once every process has read ``path``; its result.
     Where the process decides alone, process 0 moves it and the others return ``None`` (they
@@ -63,6 +65,7 @@ def agreed(read: Callable[[str], Any]) -> Callable[[str], Any]:
     return lambda path: read_agreed(path, read)
 
 
+@processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
 def read_agreed(path: str, read: Callable[[str], Any]) -> Any:
     """The record of ``path`` (``read(path)``); with several processes, once every
     process read it alike, so that all take the same branch of

@@ -48,8 +48,14 @@ DATA = TensorDataset(
 
 
 def build():
-    keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    # seeded initializers (keras.utils.set_random_seed would import TensorFlow: seconds per rank)
+    dense = [
+        keras.layers.Dense(
+            units, activation=act, kernel_initializer=keras.initializers.GlorotUniform(seed=seed)
+        )
+        for units, act, seed in ((8, "tanh", 1), (1, None, 2))
+    ]
+    model = keras.Sequential([keras.Input((5,)), *dense])
     optimizer = kss.StableOptimizer(keras.optimizers.Adam(0.05))
     optimizer.build(model.trainable_variables)
     return model, optimizer
@@ -91,7 +97,9 @@ def train(model, optimizer, mgr, first, last, *, guard=None, term_at=None, kill_
 
 def write(name, model, optimizer):
     arrays = {f"model_{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(model.weights)}
-    arrays.update({f"optimizer_{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(optimizer.variables)})
+    arrays.update(
+        {f"optimizer_{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(optimizer.variables)}
+    )
     np.savez(os.path.join(FOLDER, f"{name}_{RANK}.npz"), **arrays)
 
 
