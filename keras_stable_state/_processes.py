@@ -96,7 +96,7 @@ def process_index() -> int:
 def independent() -> bool:
     """Whether this process decides alone among several (Torch ranks inside
     ``torch_ranks(collective=False)``): no collective may run."""
-    return getattr(_SCOPE, "mode", None) == "alone" and process_count() > 1
+    return getattr(_SCOPE, "mode", None) == "alone" and _jax() is None and process_count() > 1
 
 
 def runtime() -> str | None:

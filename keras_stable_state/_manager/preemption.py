@@ -253,8 +253,12 @@ class FitPreemption:
 
     def reached(self, global_step: int) -> bool:
         """Whether to save at ``global_step`` and stop, once per ``fit`` (a collective with
-        several JAX processes: every process calls it at every batch end)."""
-        return self.guard is not None and self.step is None and self.guard.reached_preemption(global_step)
+        several processes, JAX processes or the Torch ranks of ``torch.distributed``, whose
+        ``StableCheckpoint`` saves are collectives: every process calls it at every batch end)."""
+        if self.guard is None or self.step is not None:
+            return False
+        with _processes.torch_ranks(collective=True):
+            return self.guard.reached_preemption(global_step)
 
     def stop(self, global_step: int, last_batch: bool) -> str:
         """Note the stop at ``global_step`` (``last_batch``: the epoch's last); the signal's name."""
