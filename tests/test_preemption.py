@@ -376,4 +376,14 @@ def test_a_managers_check_in_refuses_processes_that_differ_naming_each_and_the_f
         checkin.compare(mgr, "reached_preemption", 9, apart)
     assert checkin.check_in(mgr, "save", 1) is None  # one process: no exchange
     assert checkin.iterations(mlp(seed=0), None) == 0
+    if keras.backend.backend() == "torch":  # a torch.optim optimizer: the steps of its state
+        import torch
+
+        model = mlp(seed=0)
+        adam = torch.optim.Adam(model.parameters(), lr=0.1)
+        assert checkin.iterations(model, adam) == 0
+        for _ in range(2):
+            sum(p.sum() for p in model.parameters()).backward()
+            adam.step()
+        assert checkin.iterations(model, adam) == 2
     mgr.close()

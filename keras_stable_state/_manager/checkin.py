@@ -7,6 +7,7 @@ what to do. With one process nothing is exchanged."""
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,21 +27,26 @@ CALLS = ("save", "reached_preemption")
 FIELDS = ("call", "flag", "step", "restored", "iterations", "world", "locked")
 """The digest, one int each (``-1``: none): the call (an index of `CALLS`), a signal
 received (``reached_preemption``), the step, the step restored (``restored_step``), the
-Keras optimizer's ``iterations``, the world size, whether the process holds its lock."""
-_COMPARED = ("call", "step", "restored", "iterations", "world")
+optimizer's ``iterations`` (see `iterations`), the world size, whether the process holds its lock."""
+_COMPARED = ("call", "step", "restored", "iterations", "world")  # "flag", "locked": any, all
 _COLUMN = {name: i for i, name in enumerate(FIELDS)}
 
 
 def iterations(model: Any, optimizer: Any) -> int:
     """The ``iterations`` of the Keras optimizer given (the first by name of a dict), else of
-    ``model.optimizer``; ``-1`` where there is none (a ``torch.optim`` optimizer)."""
+    ``model.optimizer``; for a ``torch.optim`` optimizer the largest ``step`` of its
+    per-parameter state (``0`` before its first step); ``-1`` where there is none."""
     if isinstance(optimizer, dict):
         optimizer = optimizer[sorted(optimizer)[0]] if optimizer else None
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        return -1
-    return int(np.asarray(to_numpy(optimizer.iterations)).reshape(-1)[0])
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return int(np.asarray(to_numpy(optimizer.iterations)).reshape(-1)[0])
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(optimizer, torch.optim.Optimizer):
+        steps = [state["step"] for state in optimizer.state.values() if "step" in state]
+        return max((int(step) for step in steps), default=0)
+    return -1
 
 
 def _row(mgr: CheckpointManager, call: str, step: int, flag: bool, count: int) -> list[int]:
@@ -140,7 +146,7 @@ def _refusal(mgr: CheckpointManager, call: str, step: int, rows: np.ndarray, dif
     if "iterations" in differ:
         told.append(
             "the ranks' optimizers stepped a different number of times ("
-            + _by_value(rows, "iterations", lambda n: "no Keras optimizer" if n < 0 else f"iterations {n}")
+            + _by_value(rows, "iterations", lambda n: "no optimizer" if n < 0 else f"iterations {n}")
             + "): restore the optimizer on every rank (mgr.restore(model, optimizer=...) or a compiled "
             "model), pass the same optimizer to save on every rank, and apply one update per step on each"
         )

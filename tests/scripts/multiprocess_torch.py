@@ -6,13 +6,16 @@ that every rank calls; run by tests/test_multiprocess_torch.py.
 
     python multiprocess_torch.py RANK PORT PHASE FOLDER [KILL_AT]
 
-PHASE ``full``: the uninterrupted run into FOLDER/full; then a run into FOLDER/preempt
-where rank 1 receives SIGTERM after step PREEMPT_AT: both ranks save the same step and
-stop. PHASE ``killed``: the same run into FOLDER/run, both ranks SIGKILLed after step
-KILL_AT. PHASE ``resume``: every rank restores FOLDER/run and trains to the end; then a
-fresh manager on FOLDER/run where rank 1 skips the restore: both ranks' next save is
-refused. Each rank writes its model and optimizer variables (by position) to
-FOLDER/<phase>_<rank>.npz and prints what the test checks.
+Two tracks train in lockstep on the same batches, each with its own manager: a Keras
+optimizer (FOLDER/<run>_keras) and a torch.optim.Adam with a StepLR scheduler
+(FOLDER/<run>_torch). PHASE ``full``: the uninterrupted run into FOLDER/full_*; then a run
+(Keras track) into FOLDER/preempt_keras where rank 1 receives SIGTERM after step
+PREEMPT_AT: both ranks save the same step and stop. PHASE ``killed``: the same run into
+FOLDER/run_*, both ranks SIGKILLed after step KILL_AT. PHASE ``resume``: every rank
+restores FOLDER/run_* and trains to the end; then, for each track, a fresh manager on its
+directory where rank 1 skips the restore: both ranks' next save is refused. Each rank
+writes its model and optimizer arrays (by position) to FOLDER/<phase>_<kind>_<rank>.npz
+and prints what the test checks.
 """
 
 import os
@@ -47,7 +50,10 @@ DATA = TensorDataset(
 )
 
 
-def build():
+def build(kind):
+    """A track: the model, its optimizer (``kind`` "keras": StableOptimizer(Adam), applied to
+    the gradients DDP averaged; "torch": torch.optim.Adam with a StepLR scheduler, stepped on
+    them) and the keywords of its saves and restores."""
     # seeded initializers (keras.utils.set_random_seed would import TensorFlow: seconds per rank)
     dense = [
         keras.layers.Dense(
@@ -56,15 +62,40 @@ def build():
         for units, act, seed in ((8, "tanh", 1), (1, None, 2))
     ]
     model = keras.Sequential([keras.Input((5,)), *dense])
-    optimizer = kss.StableOptimizer(keras.optimizers.Adam(0.05))
-    optimizer.build(model.trainable_variables)
-    return model, optimizer
+    if kind == "keras":
+        optimizer = kss.StableOptimizer(keras.optimizers.Adam(0.05))
+        optimizer.build(model.trainable_variables)
+        return {"kind": kind, "model": model, "optimizer": optimizer, "keywords": {"optimizer": optimizer}}
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    keywords = {"optimizer": optimizer, "state": {"scheduler": scheduler}}
+    return {
+        "kind": kind,
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "keywords": keywords,
+    }
 
 
-def train(model, optimizer, mgr, first, last, *, guard=None, term_at=None, kill_at=None):
-    """Train global steps ``first + 1 .. last`` (the epoch and the offset in it recomputed from
-    ``first``), saving every SAVE_EVERY steps; the step of a preemption save, else None."""
-    ddp = DistributedDataParallel(model)
+def train_step(track, x, y):
+    model, optimizer = track["model"], track["optimizer"]
+    loss = torch.mean((track["ddp"](x) - y) ** 2)
+    loss.backward()
+    if track["kind"] == "keras":
+        optimizer.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+    else:
+        optimizer.step()
+        track["scheduler"].step()
+    model.zero_grad()
+
+
+def train(tracks, first, last, *, guard=None, term_at=None, kill_at=None):
+    """Train global steps ``first + 1 .. last`` of every track in lockstep (the epoch and the
+    offset in it recomputed from ``first``), each saving into its manager every SAVE_EVERY
+    steps; the step of a preemption save, else None."""
+    for track in tracks:
+        track["ddp"] = DistributedDataParallel(track["model"])
     sampler = DistributedSampler(DATA, num_replicas=2, rank=RANK, shuffle=True, seed=3)
     loader = DataLoader(DATA, batch_size=BATCH, sampler=sampler)
     step = first
@@ -75,74 +106,88 @@ def train(model, optimizer, mgr, first, last, *, guard=None, term_at=None, kill_
                 continue  # consumed before the checkpoint
             if step == last:
                 return None
-            loss = torch.mean((ddp(x) - y) ** 2)
-            loss.backward()
-            optimizer.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
-            model.zero_grad()
+            for track in tracks:
+                train_step(track, x, y)
             step += 1
             if step == kill_at:
                 print(f"rank {RANK} killed", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             if RANK == 1 and step == term_at:
                 os.kill(os.getpid(), signal.SIGTERM)  # handled by the guard: only noted
-            if guard is not None and mgr.reached_preemption(step):
-                path = mgr.save(step, model, optimizer=optimizer)
+            (track,) = tracks if guard is not None else (None,)
+            if guard is not None and track["mgr"].reached_preemption(step):
+                path = track["mgr"].save(step, track["model"], **track["keywords"])
                 print(f"rank {RANK} preempted at {step} saved {path}", flush=True)
                 return step
             if step % SAVE_EVERY == 0:
-                path = mgr.save(step, model, optimizer=optimizer)
-                print(f"rank {RANK} saved {path}", flush=True)
+                for track in tracks:
+                    path = track["mgr"].save(step, track["model"], **track["keywords"])
+                    print(f"rank {RANK} saved {path}", flush=True)
     return None
 
 
-def write(name, model, optimizer):
+def write(name, track):
+    """The track's model and optimizer arrays by position (torch.optim: its state_dict's
+    tensors, and the scheduler's learning rates) into FOLDER/<name>_<kind>_<rank>.npz."""
+    model, optimizer = track["model"], track["optimizer"]
     arrays = {f"model_{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(model.weights)}
-    arrays.update(
-        {f"optimizer_{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(optimizer.variables)}
-    )
-    np.savez(os.path.join(FOLDER, f"{name}_{RANK}.npz"), **arrays)
-
-
-def run(directory, *, restore, **options):
-    model, optimizer = build()
-    mgr = kss.CheckpointManager(os.path.join(FOLDER, directory), max_to_keep=2)
-    if restore:
-        mgr.restore(model, optimizer=optimizer)
-        print(f"rank {RANK} restored {mgr.restored_step}", flush=True)
-    first = mgr.restored_step or 0
-    if "guard" in options:
-        with mgr.preemption_guard() as guard:
-            options["guard"] = guard
-            stopped = train(model, optimizer, mgr, first, STEPS, **options)
+    if track["kind"] == "keras":
+        arrays.update(
+            {f"optimizer_{i}": keras.ops.convert_to_numpy(v) for i, v in enumerate(optimizer.variables)}
+        )
     else:
-        stopped = train(model, optimizer, mgr, first, STEPS, **options)
-    mgr.close()
-    return model, optimizer, mgr, stopped
+        for i, state in sorted(optimizer.state_dict()["state"].items()):
+            arrays.update(
+                {f"optimizer_{i}_{k}": torch.as_tensor(v).numpy() for k, v in sorted(state.items())}
+            )
+        arrays["lr"] = np.array(track["scheduler"].get_last_lr())
+    np.savez(os.path.join(FOLDER, f"{name}_{track['kind']}_{RANK}.npz"), **arrays)
 
 
+def start(directory, kinds, *, restore=True):
+    """Fresh tracks of ``kinds``, each with a manager on FOLDER/<directory>_<kind>, restored
+    where ``restore``; the step to start from."""
+    tracks = [build(kind) for kind in kinds]
+    for track in tracks:
+        track["mgr"] = kss.CheckpointManager(
+            os.path.join(FOLDER, f"{directory}_{track['kind']}"), max_to_keep=2
+        )
+        if restore:
+            track["mgr"].restore(track["model"], **track["keywords"])
+            print(f"rank {RANK} restored {track['kind']} {track['mgr'].restored_step}", flush=True)
+    return tracks, tracks[0]["mgr"].restored_step or 0
+
+
+KINDS = ("keras", "torch")
 if PHASE == "full":
-    model, optimizer, mgr, _ = run("full", restore=True)
-    write("full", model, optimizer)
-    info = mgr.metadata(STEPS)
-    print(f"rank {RANK} steps {mgr.all_steps()} world_size {info.world_size}", flush=True)
-    _, _, _, stopped = run("preempt", restore=True, guard=None, term_at=PREEMPT_AT)
+    tracks, first = start("full", KINDS)
+    train(tracks, first, STEPS)
+    for track in tracks:
+        track["mgr"].close()
+        write("full", track)
+        steps, world = track["mgr"].all_steps(), track["mgr"].metadata(STEPS).world_size
+        print(f"rank {RANK} {track['kind']} steps {steps} world_size {world}", flush=True)
+    tracks, first = start("preempt", ("keras",))
+    with tracks[0]["mgr"].preemption_guard() as guard:
+        stopped = train(tracks, first, STEPS, guard=guard, term_at=PREEMPT_AT)
+    tracks[0]["mgr"].close()
     print(f"rank {RANK} stopped at {stopped}", flush=True)
 elif PHASE == "killed":
-    run("run", restore=True, kill_at=KILL_AT)
+    train(*start("run", KINDS), STEPS, kill_at=KILL_AT)
 elif PHASE == "resume":
-    model, optimizer, mgr, _ = run("run", restore=True)
-    write("resumed", model, optimizer)
+    tracks, first = start("run", KINDS)
+    train(tracks, first, STEPS)
+    for track in tracks:
+        track["mgr"].close()
+        write("resumed", track)
     # Rank 1 skips the restore: its loop starts at step 0, rank 0's at STEPS; at the next
     # save both ranks are refused (no rank hangs).
-    model, optimizer = build()
-    mgr = kss.CheckpointManager(os.path.join(FOLDER, "run"), max_to_keep=2)
-    if RANK == 0:
-        mgr.restore(model, optimizer=optimizer)
-    first = mgr.restored_step or 0
-    try:
-        train(model, optimizer, mgr, first, first + SAVE_EVERY + 1)
-    except kss.StateError as err:
-        print(f"rank {RANK} refused: {err}", flush=True)
-    mgr.close()
+    for kind in KINDS:
+        tracks, first = start("run", (kind,), restore=RANK == 0)
+        try:
+            train(tracks, first, first + SAVE_EVERY + 1)
+        except kss.StateError as err:
+            print(f"rank {RANK} refused {kind}: {err}", flush=True)
+        tracks[0]["mgr"].close()
 print(f"rank {RANK} {PHASE} done", flush=True)
 dist.destroy_process_group()
