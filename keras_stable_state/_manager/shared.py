@@ -1,10 +1,10 @@
 """A checkpoint directory shared by several processes (JAX processes under ``jax.distributed``,
 Torch ranks under ``torch.distributed``): process 0 alone locks, lists, prunes and moves
 unreadable checkpoints aside; the others wait for it and take its answers. Every function
-here is a collective (see `keras_stable_state._processes`), but where a process decides
-alone (`independent`: Torch ranks restoring), where each
-process lists and reads for itself and only process 0 moves files; with one process it is
-the plain directory call."""
+here is a collective (see `keras_stable_state._processes`), except where a process decides
+alone (Torch ranks restoring: ``_processes.independent()``): then each process lists and
+reads for itself, and only process 0 moves files. With one process it is the plain
+directory call."""
 
 from __future__ import annotations
 
