@@ -563,6 +563,7 @@ def test_ls_lists_steps_metrics_status_the_resume_and_the_best(capsys, files, tm
     assert [r["metrics"] for r in rows] == [{"loss": 0.3}, {"loss": 0.2}, {"loss": 0.5}]
     assert [r["size_bytes"] for r in rows] == [os.path.getsize(r["file"]) for r in rows]
     assert {r["backend"] for r in rows} == {BACKEND}
+    assert [r["world_size"] for r in rows] == [1, 1, 1]  # saved by one process
     assert doc["resume_step"] == 3 and [r["resume"] for r in rows] == [True, False, False]
     assert doc["monitor"] == "loss" and doc["mode"] == "min" and doc["best_step"] == 2
     # damage the newest, add a FIFO step and an unfinished save

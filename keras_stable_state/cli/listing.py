@@ -58,6 +58,8 @@ class CheckpointRow:
         epoch, metrics, wall_time: What the manager recorded with it (``None``, ``{}``
             for a checkpoint that is not ``ok`` or was saved without them).
         backend: The Keras backend that wrote it, or ``None``.
+        world_size: The number of processes that saved it (JAX processes, Torch ranks), or
+            ``None`` (not ``ok``, or saved by an older version).
         format_version: Its format version, or ``None``.
         verified: Whether every array was read and checked (the one ``fit`` would resume
             always is; the others with ``--verify``).
@@ -74,6 +76,7 @@ class CheckpointRow:
     metrics: dict[str, Any]
     wall_time: float | None
     backend: str | None
+    world_size: int | None
     format_version: int | None
     verified: bool
     resume: bool
@@ -168,6 +171,7 @@ def _row(
     record = record if isinstance(record, dict) else {}
     epoch = record.get("epoch")
     wall = record.get("wall_time")
+    world = record.get("world_size")
     if size is None:
         try:
             size = reader.size_of(path)
@@ -183,6 +187,7 @@ def _row(
         "metrics": dict(record.get("metrics") or {}) if isinstance(record.get("metrics"), dict) else {},
         "wall_time": float(wall) if isinstance(wall, int | float) and not isinstance(wall, bool) else None,
         "backend": metadata.get("backend"),
+        "world_size": world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else None,
         "format_version": version,
         "verified": verified,
         "monitor": record.get("monitor"),
