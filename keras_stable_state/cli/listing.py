@@ -172,6 +172,7 @@ def _row(
     epoch = record.get("epoch")
     wall = record.get("wall_time")
     world = record.get("world_size")
+    world = world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else None
     if size is None:
         try:
             size = reader.size_of(path)
@@ -187,7 +188,7 @@ def _row(
         "metrics": dict(record.get("metrics") or {}) if isinstance(record.get("metrics"), dict) else {},
         "wall_time": float(wall) if isinstance(wall, int | float) and not isinstance(wall, bool) else None,
         "backend": metadata.get("backend"),
-        "world_size": world if isinstance(world, int) and not isinstance(world, bool) and world >= 1 else None,
+        "world_size": world,
         "format_version": version,
         "verified": verified,
         "monitor": record.get("monitor"),
