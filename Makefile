@@ -17,6 +17,8 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadf
 comma := ,
 space := $(subst ,, )
 export TF_CPP_MIN_LOG_LEVEL := 3
+# pip's check for a newer pip asks the index on every call: once per install is enough
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: setup demo test test-% lint docs bench clean fuzz lab matrix
 
@@ -83,11 +85,11 @@ test-fast: setup
 # .venv with every framework, only the tests that need another one beside the backend's.
 test: setup lint docs
 	@for b in $(BACKENDS); do \
-		echo "=== backend: $$b, installed alone from the wheel ==="; \
+		echo "=== backend: $$b, installed alone from the wheel ($$(date +%T)) ==="; \
 		$(MAKE) --no-print-directory test-alone-$$b TESTS=all || exit 1; \
 	done
 	@for b in $(BACKENDS); do \
-		echo "=== backend: $$b, beside the other frameworks: the tests that need several ==="; \
+		echo "=== backend: $$b, beside the other frameworks: the tests that need several ($$(date +%T)) ==="; \
 		KSS_TEST_PASS=several-frameworks KSS_DOCS_SITE=build/site KERAS_BACKEND=$$b $(PYTEST) tests || exit 1; \
 	done
 

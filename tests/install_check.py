@@ -109,8 +109,9 @@ class Steps:
         """Run a script (``path``), module (``-m name``) or console command under the probe."""
         return self.run(name, [self.python, str(PROBE), self.backend, *target], **kw)
 
-    def pip(self, name: str, spec: str) -> None:
-        self.run(name, [self.python, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"), spec])
+    def pip(self, name: str, spec: str, *options: str) -> None:
+        argv = [self.python, "-m", "pip", "install", "-q", *options, "-c", str(ROOT / "constraints.txt"), spec]
+        self.run(name, argv)
 
     def installed_frameworks(self) -> list:
         out = subprocess.run(
@@ -163,11 +164,13 @@ def check(backend: str, venv: Path, tests: str, jobs: int) -> None:
         steps.pip("install-demo", f"{wheel(steps.venv)}[{backend},demo]")
         steps.probe("demo", [str(ROOT / "examples" / "resume_demo.py"), "--backend", backend], cwd=ROOT)
         if tests != "none":
-            steps.pip("install-tests", f"{wheel(steps.venv)}[{backend},{TEST_EXTRAS[backend]}]")
+            # --no-compile: the test tools' modules (moto, botocore, mypy...) are compiled when
+            # imported, not all at install (about 10 s of the step)
+            steps.pip("install-tests", f"{wheel(steps.venv)}[{backend},{TEST_EXTRAS[backend]}]", "--no-compile")
             if steps.installed_frameworks() != [backend]:
                 raise SystemExit(f"  {backend}: the test extras installed another framework")
             # -P: the checkout is not on sys.path, so the wheel's package is the one tested.
-            argv = [steps.python, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10"]
+            argv = [steps.python, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=25"]
             argv += ["-m", "not slow"] if tests == "quick" else []
             argv += ["-n", str(jobs), "--dist", "loadfile", "--no-loadscope-reorder", "-rs", "tests"]
             env = steps.env(KERAS_BACKEND=backend)
