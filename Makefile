@@ -51,7 +51,7 @@ demo: .venv-$(BACKEND)/.installed
 # imports another framework fails. Tests that need another framework are skipped there with
 # that reason and run in .venv's several-frameworks pass of make test.
 TESTS ?= all
-.PHONY: test-installs
+.PHONY: test-installs checks
 test-alone-%:
 	rm -rf .venv-$*
 	$(MAKE) --no-print-directory .venv-$*/.installed
@@ -83,10 +83,22 @@ test-fast: setup
 # tests/test_docs_api.py reads the site just built (KSS_DOCS_SITE) instead of building one.
 # Each backend's suite in the user's install (that framework alone, from the wheel), then, in
 # .venv with every framework, only the tests that need another one beside the backend's.
-test: setup lint docs
+# The preparations are one core's work each (pip, the quick start, the command line, the
+# demo): two run at a time (make -j2, each one's output printed when it ends) beside the
+# lint and docs; then each backend's suite with every core.
+prepare-alone-%:
+	rm -rf .venv-$*
+	$(MAKE) --no-print-directory .venv-$*/.installed
+	$(PYTHON) tests/install_check.py --backend $* --venv .venv-$* --tests $(TESTS) --phase prepare
+
+checks: lint docs
+
+test:
+	@echo "=== setup, lint, docs and each backend's install from the wheel, two at a time ($$(date +%T)) ==="
+	@$(MAKE) --no-print-directory -j2 --output-sync=target TESTS=all checks $(addprefix prepare-alone-,$(BACKENDS))
 	@for b in $(BACKENDS); do \
-		echo "=== backend: $$b, installed alone from the wheel ($$(date +%T)) ==="; \
-		$(MAKE) --no-print-directory test-alone-$$b TESTS=all || exit 1; \
+		echo "=== backend: $$b, installed alone from the wheel: its tests ($$(date +%T)) ==="; \
+		$(PYTHON) tests/install_check.py --backend $$b --venv .venv-$$b --tests all --jobs $(JOBS) --phase tests || exit 1; \
 	done
 	@for b in $(BACKENDS); do \
 		echo "=== backend: $$b, beside the other frameworks: the tests that need several ($$(date +%T)) ==="; \

@@ -24,7 +24,12 @@ exits 1 at the first failure, naming the step and its log.
 
 Usage (the Makefile's ``test-installs`` and ``demo`` targets call it)::
 
-    python tests/install_check.py --backend jax --venv .venv-jax [--tests all|quick] [--jobs 2]
+    python tests/install_check.py --backend jax --venv .venv-jax [--tests all|quick] [--jobs 2] \
+        [--phase all|prepare|tests]
+
+``make test`` runs ``--phase prepare`` of the three backends two at a time (each is pip and
+single scripts: one core's work) beside the lint and docs, then ``--phase tests`` of each
+backend in turn with every core.
 
 It needs only the standard library: it runs before any environment exists.
 """
@@ -110,7 +115,17 @@ class Steps:
         return self.run(name, [self.python, str(PROBE), self.backend, *target], **kw)
 
     def pip(self, name: str, spec: str, *options: str) -> None:
-        argv = [self.python, "-m", "pip", "install", "-q", *options, "-c", str(ROOT / "constraints.txt"), spec]
+        argv = [
+            self.python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            *options,
+            "-c",
+            str(ROOT / "constraints.txt"),
+            spec,
+        ]
         self.run(name, argv)
 
     def installed_frameworks(self) -> list:
@@ -128,13 +143,20 @@ class Steps:
         return eval(out)  # a list literal printed by the line above
 
 
-def check(backend: str, venv: Path, tests: str, jobs: int) -> None:
+def check(backend: str, venv: Path, tests: str, jobs: int, phase: str = "all") -> None:
+    """The steps of the module docstring in ``venv``: all of them (``phase="all"``), those up
+    to the test suite's install (``"prepare"``: one core's work, pip and single scripts, which
+    ``make test`` runs two at a time), or the test suite alone in a prepared ``venv``
+    (``"tests"``)."""
     steps = Steps(backend, venv, ROOT / "build" / "installs" / backend)
     frameworks = steps.installed_frameworks()
     if frameworks != [backend]:
         raise SystemExit(
             f"{venv}: expected only {backend} installed, found {frameworks}; rebuild it (make {venv})"
         )
+    if phase == "tests":
+        run_tests(steps, tests, jobs)
+        return
     work = Path(tempfile.mkdtemp(prefix=f"kss-install-{backend}-"))
     try:
         (work / "home").mkdir()
@@ -166,20 +188,28 @@ def check(backend: str, venv: Path, tests: str, jobs: int) -> None:
         if tests != "none":
             # --no-compile: the test tools' modules (moto, botocore, mypy...) are compiled when
             # imported, not all at install (about 10 s of the step)
-            steps.pip("install-tests", f"{wheel(steps.venv)}[{backend},{TEST_EXTRAS[backend]}]", "--no-compile")
+            steps.pip(
+                "install-tests", f"{wheel(steps.venv)}[{backend},{TEST_EXTRAS[backend]}]", "--no-compile"
+            )
             if steps.installed_frameworks() != [backend]:
                 raise SystemExit(f"  {backend}: the test extras installed another framework")
-            # -P: the checkout is not on sys.path, so the wheel's package is the one tested.
-            argv = [steps.python, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=25"]
-            argv += ["-m", "not slow"] if tests == "quick" else []
-            argv += ["-n", str(jobs), "--dist", "loadfile", "--no-loadscope-reorder", "-rs", "tests"]
-            env = steps.env(KERAS_BACKEND=backend)
-            site = ROOT / "build" / "site"
-            if site.is_dir():
-                env["KSS_DOCS_SITE"] = str(site)  # tests/test_docs_api.py reads the site make docs built
-            steps.run(f"tests-{tests}", argv, cwd=ROOT, env=env)
+            if phase == "all":
+                run_tests(steps, tests, jobs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_tests(steps: Steps, tests: str, jobs: int) -> None:
+    """The backend's test suite (``tests``: ``"quick"`` or ``"all"``) in its prepared environment."""
+    # -P: the checkout is not on sys.path, so the wheel's package is the one tested.
+    argv = [steps.python, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=25"]
+    argv += ["-m", "not slow"] if tests == "quick" else []
+    argv += ["-n", str(jobs), "--dist", "loadfile", "--no-loadscope-reorder", "-rs", "tests"]
+    env = steps.env(KERAS_BACKEND=steps.backend)
+    site = ROOT / "build" / "site"
+    if site.is_dir():
+        env["KSS_DOCS_SITE"] = str(site)  # tests/test_docs_api.py reads the site make docs built
+    steps.run(f"tests-{tests}", argv, cwd=ROOT, env=env)
 
 
 def main(argv=None) -> int:
@@ -190,9 +220,17 @@ def main(argv=None) -> int:
         "--tests", choices=("none", "quick", "all"), default="none", help="also run the tests in it"
     )
     parser.add_argument("--jobs", type=int, default=2, help="pytest-xdist processes")
+    parser.add_argument(
+        "--phase",
+        choices=("all", "prepare", "tests"),
+        default="all",
+        help="every step; those before the test suite (and its install); the test suite alone",
+    )
     args = parser.parse_args(argv)
-    print(f"=== {args.backend} alone, from the wheel ({args.venv}) ===", flush=True)
-    check(args.backend, args.venv, args.tests, args.jobs)
+    if args.phase == "tests" and args.tests == "none":
+        parser.error("--phase tests needs --tests quick or all")
+    print(f"=== {args.backend} alone, from the wheel ({args.venv}): {args.phase} ===", flush=True)
+    check(args.backend, args.venv, args.tests, args.jobs, args.phase)
     return 0
 
 
