@@ -4,8 +4,9 @@ calling one ``CheckpointManager`` on a shared directory, with a Keras optimizer
 (``StableOptimizer(Adam)``) and with ``torch.optim.Adam`` + ``StepLR`` (two tracks trained
 in lockstep): the uninterrupted run, a run whose two ranks are SIGKILLed at a random step
 inside an epoch and resumed by a new pair (equal to the uninterrupted run bit for bit on
-every rank), a rank that skips the restore (refused at its next save on both ranks), and a
-SIGTERM to one rank (both save the same step).
+every rank), a rank that skips the restore (refused at its next save on both ranks), a
+``torch.optim`` optimizer left out of the saves (refused on both ranks, none left waiting),
+and a SIGTERM to one rank (both save the same step).
 
 The ranks run tests/scripts/multiprocess_torch.py; they are killed if they hang.
 """
@@ -147,6 +148,24 @@ def test_a_rank_that_skipped_the_restore_is_refused_at_its_next_save_on_every_ra
             "ckpt-0000000020.h5",
             "ckpt-0000000024.h5",
         ]
+
+
+def test_a_torch_optimizer_left_out_of_the_save_is_refused_on_every_rank(runs):
+    # Both ranks train with torch.optim.Adam + StepLR and save with the scheduler alone: each
+    # rank refuses its save before rank 0 writes (none waits for the other), naming the
+    # optimizer, the variables it trains and the fix.
+    for rank, out in enumerate(runs["resume"]):
+        (refused,) = _lines(out, f"rank {rank} refused unpassed: ")
+        assert (
+            "torch.optim optimizer(s) ['Adam'] stepped in this process and train variables of model"
+            in refused
+        )
+        assert "'path:layers/dense/kernel'" in refused
+        assert (
+            "mgr.save(step, model, optimizer=opt)" in refused and "state={'scheduler': scheduler}" in refused
+        )
+        assert f"rank {rank} unpassed steps []" in out
+    assert not [f for f in os.listdir(runs["folder"] / "unpassed_torch") if f.startswith("ckpt-")]
 
 
 def test_sigterm_to_one_rank_saves_the_same_step_on_both(runs):

@@ -262,9 +262,9 @@ def check_all_passed(
         f"torch.optim optimizer(s) {listed(names)} stepped in this process and train variables of model "
         f"{model.name!r} ({listed(trained)}), but {verb} was not given them: their state (moments, "
         "step counts, the learning rate a scheduler set) would not be saved, and a resume would restart "
-        f"them fresh. Pass the optimizer: {verb}(..., optimizer=opt) (several: optimizer={{'name': opt, "
-        "...}), and the same optimizer= to the restore; its scheduler goes in state={'scheduler': "
-        "scheduler}.",
+        f"them fresh. Pass the optimizer: {verb}(..., optimizer=opt) (a CheckpointManager: mgr.save(step, "
+        "model, optimizer=opt); several: optimizer={'name': opt, ...}), and the same optimizer= to the "
+        "restore; its scheduler goes in state={'scheduler': scheduler}.",
         key=names[0],
         expected="optimizer=<the torch.optim optimizer>",
         received=None,

@@ -13,7 +13,9 @@ optimizer (FOLDER/<run>_keras) and a torch.optim.Adam with a StepLR scheduler
 PREEMPT_AT: both ranks save the same step and stop. PHASE ``killed``: the same run into
 FOLDER/run_*, both ranks SIGKILLed after step KILL_AT. PHASE ``resume``: every rank
 restores FOLDER/run_* and trains to the end; then, for each track, a fresh manager on its
-directory where rank 1 skips the restore: both ranks' next save is refused. Each rank
+directory where rank 1 skips the restore: both ranks' next save is refused; then a
+torch track whose saves leave its optimizer out (FOLDER/unpassed_torch): refused on both
+ranks. Each rank
 writes its model and optimizer arrays (by position) to FOLDER/<phase>_<kind>_<rank>.npz
 and prints what the test checks.
 """
@@ -189,5 +191,15 @@ elif PHASE == "resume":
         except kss.StateError as err:
             print(f"rank {RANK} refused {kind}: {err}", flush=True)
         tracks[0]["mgr"].close()
+    # The torch.optim optimizer trains the model but is left out of the saves (its scheduler
+    # passed): the first save is refused on every rank, before rank 0 writes (no rank hangs).
+    tracks, first = start("unpassed", ("torch",), restore=False)
+    tracks[0]["keywords"] = {"state": {"scheduler": tracks[0]["scheduler"]}}
+    try:
+        train(tracks, first, SAVE_EVERY + 1)
+    except kss.StateError as err:
+        print(f"rank {RANK} refused unpassed: {err}", flush=True)
+    tracks[0]["mgr"].close()
+    print(f"rank {RANK} unpassed steps {tracks[0]['mgr'].all_steps()}", flush=True)
 print(f"rank {RANK} {PHASE} done", flush=True)
 dist.destroy_process_group()
