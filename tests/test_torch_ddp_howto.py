@@ -18,7 +18,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,12 +37,6 @@ BATCH, STEPS_PER_EPOCH, STEPS, SAVE_EVERY = 4, 8, 24, 5  # 64 samples / 2 ranks 
 on_torch = pytest.mark.skipif(BACKEND != "torch", reason="torchrun ranks train on the Torch backend")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(processes, folder, *args, kill_at=None, sigterm_at=None):
     """The output of ``torchrun --nproc_per_node processes examples/ddp_resume.py ...`` run in
     ``folder``, once it ended as expected: killed at step ``kill_at``; preempted by a SIGTERM
@@ -53,14 +46,9 @@ def _torchrun(processes, folder, *args, kill_at=None, sigterm_at=None):
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nnodes",
-        "1",
+        "--standalone",  # a rendezvous on a free port of localhost, bound by torchrun itself
         "--nproc_per_node",
         str(processes),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
         str(EXAMPLE),
         *SIZES,
         *args,
