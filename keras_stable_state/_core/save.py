@@ -44,6 +44,7 @@ from keras_stable_state._identity.keys import EXTRA, MAIN
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_classes, save_optimizers, torch_optim
+from keras_stable_state._optimizer.tracking import check_bound_passed
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state._state import metrics as metrics_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
@@ -187,7 +188,8 @@ def save_training_state(
             for a model Keras cannot serialize.
         StateError: If the model is not built, a provider or mapper refuses, a ``fit``
             without ``StableCheckpoint`` runs in another thread, or a ``torch.optim``
-            optimizer that stepped and trains the model is not passed (its state lost).
+            optimizer that stepped and trains the model, or a ``StableOptimizer`` bound to
+            it that stepped, is not passed (its state lost).
         OSError: When the write or upload fails, naming the path (the previous file is
             intact); with ``blocking=False`` raised by the handle's ``wait()``.
     """
@@ -343,6 +345,7 @@ def training_state_record(
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
     extras = check_variables(variables, verb, model)
     torch_optim.check_all_passed(model, list(torch_opts.values()), providers, extras, verb)
+    check_bound_passed(model, optimizers.values(), verb)
     mapper_rules = mappers_mod.check_mappers(mappers, verb)
     if before_copy is not None:
         before_copy()

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import keras
+import numpy as np
 
+from keras_stable_state import _keras_compat as compat
 from keras_stable_state._identity.keys import MAIN
+from keras_stable_state._numpy import to_numpy
+from keras_stable_state._optimizer import wrapper
 from keras_stable_state._optimizer.wrapper import StableOptimizer
+from keras_stable_state.errors import StateError
 
-__all__ = ["stable_optimizer_in", "tracked_optimizers"]
+__all__ = ["check_bound_passed", "stable_optimizer_in", "tracked_optimizers"]
 
 
 def tracked_optimizers(model) -> dict:
@@ -64,3 +71,50 @@ def stable_optimizer_in(optimizer: object) -> StableOptimizer | None:
         seen.add(id(optimizer))
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return None
+
+
+def _reachable(optimizers: Iterable[object]) -> set[int]:
+    """The ids of ``optimizers`` and of every optimizer they wrap (``inner_optimizer``, a
+    ``MultiOptimizer``'s groups)."""
+    seen: set[int] = set()
+    stack = list(optimizers)
+    while stack:
+        opt = stack.pop()
+        if not isinstance(opt, keras.optimizers.Optimizer) or id(opt) in seen:
+            continue
+        seen.add(id(opt))
+        stack.append(getattr(opt, "inner_optimizer", None))
+        stack.extend(compat.sub_optimizers(opt) or [])
+    return seen
+
+
+def check_bound_passed(model: keras.Model, saved: Iterable[object], verb: str) -> None:
+    """Refuse a save of ``model`` that leaves out a [`StableOptimizer`][keras_stable_state.StableOptimizer]
+    bound to it (``StableOptimizer(inner, model=model)``, ``bind(model)``) that has stepped
+    (``iterations > 0``): the optimizer of a custom loop whose model is not compiled with it,
+    whose slots would not be saved (``saved``: the optimizers the save writes).
+
+    Raises:
+        StateError: naming the optimizer and the fix, ``optimizer=``.
+    """
+    reach = _reachable(saved)
+    left = [
+        opt
+        for opt in list(wrapper.BOUND)
+        if opt.bound_model() is model
+        and id(opt) not in reach
+        and int(np.asarray(to_numpy(opt.iterations)).reshape(-1)[0]) > 0
+    ]
+    if not left:
+        return
+    opt = left[0]
+    steps = int(np.asarray(to_numpy(opt.iterations)).reshape(-1)[0])
+    raise StateError(
+        f"The StableOptimizer {opt.name!r} is bound to model {model.name!r} and has stepped {steps} times, "
+        f"but {verb} was not given it (the model is not compiled with it): its slots and iteration count "
+        f"would not be saved, and a resume would restart them fresh. Pass it: {verb}(..., optimizer=opt) "
+        "(a CheckpointManager: mgr.save(step, model, optimizer=opt)), and the same optimizer= to the restore.",
+        key=opt.name,
+        expected="optimizer=<the StableOptimizer that trains the model>",
+        received=None,
+    )

@@ -70,6 +70,12 @@ def bind_unchecked(optimizer: StableOptimizer, model: keras.Model) -> None:
     model they are given, then check the optimizer's variables against it and their
     ``variables=`` themselves."""
     optimizer._model_ref = weakref.ref(model)
+    BOUND.add(optimizer)
+
+
+BOUND: weakref.WeakSet[StableOptimizer] = weakref.WeakSet()
+"""Every ``StableOptimizer`` bound to a model in this process (nothing is kept alive): a save
+of that model that leaves one out is refused (`keras_stable_state._optimizer.tracking.check_bound_passed`)."""
 
 
 def _check_bindable(optimizer: StableOptimizer, model: object, variables: Sequence[Any]) -> None:
@@ -343,7 +349,7 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
             _check_bindable(self, model, compat.built_variables(self.inner_optimizer))
         elif not isinstance(model, keras.Model):
             _check_bindable(self, model, [])
-        self._model_ref = weakref.ref(model)
+        bind_unchecked(self, model)
         self._load_pending()
         return self
 
