@@ -8,7 +8,11 @@ of two models' training state.
 
 import importlib.util
 import os
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 
 import keras
 import numpy as np
@@ -221,3 +225,48 @@ def assert_resumes_exactly(directory, reference, make_input, stops, **kw):
     for key, values in expected.items():
         np.testing.assert_array_equal(values, found[key], err_msg=key)
     return ckpt
+
+
+def free_port():
+    """A TCP port of 127.0.0.1 free now (for a rendezvous of processes the test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(argvs, timeout, env=None):
+    """Start one process per argv at once, wait for all, and return ``[(returncode, output)]``
+    (stdout and stderr together), or ``None`` if one was still running after ``timeout``
+    seconds (then every one is killed). Each output goes to a file, not a pipe: a pipe read
+    one process after another would block a process whose unread pipe is full, and with it
+    the others waiting for it in a collective."""
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as folder:
+        logs = [open(os.path.join(folder, f"{i}.log"), "w+", encoding="utf-8") for i in range(len(argvs))]  # noqa: SIM115
+        try:
+            procs = [
+                subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+                for argv, log in zip(argvs, logs, strict=True)
+            ]
+            deadline = time.monotonic() + timeout
+            hung = False
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    hung = True
+                    break
+            if hung:
+                for p in procs:
+                    p.kill()
+                    p.wait()
+                return None
+            results = []
+            for p, log in zip(procs, logs, strict=True):
+                log.seek(0)
+                results.append((p.returncode, log.read()))
+            return results
+        finally:
+            for log in logs:
+                log.close()

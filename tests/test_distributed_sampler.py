@@ -14,10 +14,6 @@ run's weights, by position.
 
 import copy
 import math
-import os
-import socket
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -407,57 +403,3 @@ def test_keras_custom_loop_resumes_on_the_same_and_on_half_the_processes(tmp_pat
                 (run / name / f.name).write_bytes(f.read_bytes())
         assert_same_state(_train(run / "same", 2, 2, init_seed=2), reference)
         assert_same_state(_train(run / "half", 1, 4, init_seed=2), reference, rtol=1e-5, atol=1e-6)
-
-
-# -- two processes (gloo on CPU), DistributedDataParallel over a Keras model ----------------------
-DDP_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ddp_sampler.py")
-DDP_TIMEOUT_S = 240  # per group of processes; the CI machine is shared
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _ddp(folder, world, batch, phase, stop=None):
-    port = str(_free_port())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    args = [str(folder), phase, str(batch), *([str(stop)] if stop else [])]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, DDP_SCRIPT, str(rank), str(world), port, *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    try:
-        outputs = [p.communicate(timeout=DDP_TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-3000:]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    BACKEND != "torch", reason="a Keras model inside DistributedDataParallel needs the torch backend"
-)
-def test_two_ddp_processes_resume_on_two_and_on_one(tmp_path):
-    """2 gloo processes (per-rank batch 2) save after step 7 of 10 (epoch 1, step 2 of 5) and train
-    on; resumed from that file by 2 processes, the weights equal the uninterrupted run's bit for
-    bit; by 1 process with batch 4, to float rounding (the same samples in every step)."""
-    _ddp(tmp_path, 2, 2, "save", stop=7)
-    _ddp(tmp_path, 2, 2, "resume")
-    _ddp(tmp_path, 1, 4, "resume")
-    full, same, one = (np.load(tmp_path / f"{name}.npz") for name in ("save-2x2", "resume-2x2", "resume-1x4"))
-    assert len(full.files) == 4
-    for key in full.files:
-        np.testing.assert_array_equal(same[key], full[key], err_msg=key)
-        np.testing.assert_allclose(one[key], full[key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -10,13 +10,13 @@ The processes run tests/scripts/multiprocess_jax.py; they are killed if they han
 
 import os
 import signal
-import socket
-import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 from conftest import BACKEND
+from kit import free_port, run_processes
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "jax", reason="jax.distributed is JAX's; TensorFlow and PyTorch have no keras.distribution"
@@ -34,33 +34,14 @@ def _engines():
     return "h5,orbax"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _run_pair(phase, folder, engines, returncode=0):
-    port = str(_free_port())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, SCRIPT, str(i), port, phase, str(folder), engines],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
+    port = str(free_port())
+    argvs = [[sys.executable, SCRIPT, str(i), port, phase, str(folder), engines] for i in range(2)]
+    results = run_processes(argvs, TIMEOUT_S)
+    if results is None:
         pytest.fail(f"the {phase} processes hung for {TIMEOUT_S} s and were killed")
+    outputs = [out for _, out in results]
+    procs = [types.SimpleNamespace(returncode=code) for code, _ in results]
     for i, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == returncode, f"process {i} ({phase}) failed:\n{out[-4000:]}"
         assert f"process {i} {phase} done" in out

@@ -14,13 +14,13 @@ The ranks run tests/scripts/multiprocess_torch.py; they are killed if they hang.
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 from conftest import BACKEND
+from kit import free_port, run_processes
 
 pytestmark = [
     pytest.mark.skipif(
@@ -37,34 +37,17 @@ KINDS = ("keras", "torch")
 ARRAYS = {"keras": 14, "torch": 17}  # 4 model variables and 10 Adam variables; 12 Adam states and the lr
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_pair(phase, folder, *args, returncode=0):
     """Both ranks' outputs, once both ended with ``returncode`` (killed if they hang)."""
-    port = str(_free_port())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, SCRIPT, str(rank), port, phase, str(folder), *map(str, args)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
+    port = str(free_port())
+    argvs = [
+        [sys.executable, SCRIPT, str(rank), port, phase, str(folder), *map(str, args)] for rank in range(2)
     ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
+    results = run_processes(argvs, TIMEOUT_S)
+    if results is None:
         pytest.fail(f"the {phase} ranks hung for {TIMEOUT_S} s and were killed")
+    outputs = [out for _, out in results]
+    procs = [types.SimpleNamespace(returncode=code) for code, _ in results]
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == returncode, f"rank {rank} ({phase}) ended with {p.returncode}:\n{out[-4000:]}"
         if returncode == -signal.SIGKILL:
