@@ -212,6 +212,7 @@ def test_set_epoch_after_a_finished_epoch_is_quiet(loader_drop_last):
     assert before + after == full
 
 
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX's, for the workers
 def test_counts_the_batches_the_loop_took_not_what_workers_read_ahead():
     if BACKEND == "tensorflow":
         pytest.skip("DataLoader workers die at random under TensorFlow (see test_fit_torch_inputs)")
