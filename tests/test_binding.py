@@ -358,7 +358,9 @@ def test_a_stepped_optimizer_bound_to_an_uncompiled_model_is_not_left_out_of_a_s
     kss.save_training_state(str(tmp_path / "before.h5"), model)  # iterations 0: nothing lost
     grads = [keras.ops.ones(v.shape) for v in model.trainable_variables]
     opt.apply(grads, model.trainable_variables)
-    with pytest.raises(kss.StateError, match=r"'stable_optimizer'.*stepped 1 times.*optimizer=opt") as caught:
+    with pytest.raises(
+        kss.StateError, match=r"'stable_optimizer' \(StableOptimizer\).*stepped 1 times.*optimizer=opt"
+    ) as caught:
         kss.save_training_state(str(tmp_path / "left-out.h5"), model)
     assert caught.value.key == opt.name
     assert not (tmp_path / "left-out.h5").exists()
@@ -369,3 +371,18 @@ def test_a_stepped_optimizer_bound_to_an_uncompiled_model_is_not_left_out_of_a_s
     assert int(to_np(fresh_opt.iterations)) == 1
     for a, b in zip(opt.variables, fresh_opt.variables, strict=True):
         np.testing.assert_array_equal(to_np(a), to_np(b))
+
+
+def test_a_stepped_keras_optimizer_of_a_custom_loop_is_not_left_out_of_a_save(tmp_path):
+    """A plain Keras optimizer (not wrapped, the model not compiled with it) that trained the
+    model in a custom loop, and a save given no optimizer at all: refused naming it."""
+    model = keras.Sequential([keras.Input((3,)), layers.Dense(2)])
+    adam = keras.optimizers.Adam(1e-2)
+    adam.build(model.trainable_variables)
+    kss.save_training_state(str(tmp_path / "before.h5"), model)  # not stepped: nothing lost
+    adam.apply([keras.ops.ones(v.shape) for v in model.trainable_variables], model.trainable_variables)
+    with pytest.raises(kss.StateError, match=r"\(Adam\) trains model .*stepped 1 times.*optimizer=opt"):
+        kss.save_training_state(str(tmp_path / "left-out.h5"), model)
+    assert not (tmp_path / "left-out.h5").exists()
+    other = keras.Sequential([keras.Input((3,)), layers.Dense(2)])  # trained by nothing
+    kss.save_training_state(str(tmp_path / "other.h5"), other)

@@ -188,8 +188,9 @@ def save_training_state(
             for a model Keras cannot serialize.
         StateError: If the model is not built, a provider or mapper refuses, a ``fit``
             without ``StableCheckpoint`` runs in another thread, or a ``torch.optim``
-            optimizer that stepped and trains the model, or a ``StableOptimizer`` bound to
-            it that stepped, is not passed (its state lost).
+            optimizer that stepped and trains the model, or a Keras optimizer that stepped
+            and trains it (a ``StableOptimizer`` bound to it; with no optimizer saved at
+            all, any built on its variables), is not passed (its state lost).
         OSError: When the write or upload fails, naming the path (the previous file is
             intact); with ``blocking=False`` raised by the handle's ``wait()``.
     """

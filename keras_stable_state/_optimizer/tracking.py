@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 
 import keras
@@ -88,33 +89,67 @@ def _reachable(optimizers: Iterable[object]) -> set[int]:
     return seen
 
 
+def _steps(optimizer: keras.optimizers.Optimizer) -> int:
+    return int(np.asarray(to_numpy(optimizer.iterations)).reshape(-1)[0])
+
+
+def _subclasses(cls: type) -> set[type]:
+    """``cls`` and every class derived from it (defined so far)."""
+    found: set[type] = set()
+    stack = [cls]
+    while stack:
+        kind = stack.pop()
+        if kind not in found:
+            found.add(kind)
+            stack.extend(kind.__subclasses__())
+    return found
+
+
+def _stepped_unsaved(model: keras.Model, saved: list[object]) -> list[keras.optimizers.Optimizer]:
+    """The optimizers that stepped (``iterations > 0``), train ``model``'s variables and are
+    not (inside) one of ``saved``: every ``StableOptimizer`` bound to ``model``; and, where the
+    save writes no optimizer at all, every Keras optimizer built on the model's variables
+    (found among the objects Python's collector tracks: a custom loop's ``Adam`` of an
+    uncompiled model, held by the loop alone)."""
+    reach = _reachable(saved)
+    left = [opt for opt in list(wrapper.BOUND) if opt.bound_model() is model and id(opt) not in reach]
+    if not saved:
+        ids = {id(v) for v in model.trainable_variables}
+        # the bound StableOptimizers are above; an unbound one keys nothing
+        kinds = _subclasses(keras.optimizers.Optimizer) - _subclasses(StableOptimizer)
+        left += [
+            obj
+            # type() in a set: a fraction of the cost of isinstance over every object (which
+            # also reads __class__, computed by some objects: torch's deprecated attributes warn)
+            for obj in gc.get_objects()
+            if type(obj) in kinds and any(id(v) in ids for v in compat.built_variables(obj))
+        ]
+    return [opt for opt in left if _steps(opt) > 0]
+
+
 def check_bound_passed(model: keras.Model, saved: Iterable[object], verb: str) -> None:
-    """Refuse a save of ``model`` that leaves out a [`StableOptimizer`][keras_stable_state.StableOptimizer]
-    bound to it (``StableOptimizer(inner, model=model)``, ``bind(model)``) that has stepped
-    (``iterations > 0``): the optimizer of a custom loop whose model is not compiled with it,
-    whose slots would not be saved (``saved``: the optimizers the save writes).
+    """Refuse a save of ``model`` that leaves out an optimizer that trains it and has stepped
+    (``iterations > 0``), whose slots and iteration count would not be saved: a
+    [`StableOptimizer`][keras_stable_state.StableOptimizer] bound to it
+    (``StableOptimizer(inner, model=model)``, ``bind(model)``) that is not (inside) one of
+    ``saved`` (the optimizers the save writes), or, where ``saved`` is empty, a Keras
+    optimizer built on the model's trainable variables (a custom loop's, the model not
+    compiled with it).
 
     Raises:
         StateError: naming the optimizer and the fix, ``optimizer=``.
     """
-    reach = _reachable(saved)
-    left = [
-        opt
-        for opt in list(wrapper.BOUND)
-        if opt.bound_model() is model
-        and id(opt) not in reach
-        and int(np.asarray(to_numpy(opt.iterations)).reshape(-1)[0]) > 0
-    ]
+    left = _stepped_unsaved(model, list(saved))
     if not left:
         return
     opt = left[0]
-    steps = int(np.asarray(to_numpy(opt.iterations)).reshape(-1)[0])
+    steps = _steps(opt)
     raise StateError(
-        f"The StableOptimizer {opt.name!r} is bound to model {model.name!r} and has stepped {steps} times, "
-        f"but {verb} was not given it (the model is not compiled with it): its slots and iteration count "
+        f"The optimizer {opt.name!r} ({type(opt).__name__}) trains model {model.name!r} and has stepped {steps} "
+        f"times, but {verb} was not given it (the model is not compiled with it): its slots and iteration count "
         f"would not be saved, and a resume would restart them fresh. Pass it: {verb}(..., optimizer=opt) "
         "(a CheckpointManager: mgr.save(step, model, optimizer=opt)), and the same optimizer= to the restore.",
         key=opt.name,
-        expected="optimizer=<the StableOptimizer that trains the model>",
+        expected="optimizer=<the optimizer that trains the model>",
         received=None,
     )
