@@ -385,3 +385,49 @@ def test_a_background_save_pending_at_exit_is_completed_and_pruned(tmp_path):
     assert mgr.restored_step == 3
     np.testing.assert_array_equal(np.array(model.weights[0]), np.full((4, 3), 3, "float32"))
     mgr.close()
+
+
+class _ReplaysOrder:
+    """A state provider standing for kss.ResumableSampler: it replays the data order for
+    another world size itself (and says where it cannot)."""
+
+    replays_other_world_sizes = True
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        pass
+
+
+class _NoReplay(_ReplaysOrder):
+    replays_other_world_sizes = False
+
+
+def test_a_restore_on_another_number_of_processes_is_warned_unless_the_order_is_replayed(
+    tmp_path, monkeypatch
+):
+    """The world size recorded at save (1 here) against the live one (2, as a relaunch on
+    another number of Torch ranks or JAX processes sees it): warned naming both and the fixes,
+    unless a provider of the restore replays the order (ResumableSampler); the same world
+    size: nothing."""
+    from types import SimpleNamespace
+
+    from keras_stable_state._manager import checkin
+
+    model = mlp(seed=0)
+    model.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=model), loss="mse")
+    model.train_on_batch(np.ones((4, 4), "float32"), np.ones((4, 1), "float32"))
+    with kss.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, model, state={"data": _ReplaysOrder()})
+    assert kss.CheckpointManager(tmp_path).metadata(1).world_size == 1
+    with kss.CheckpointManager(tmp_path) as mgr:
+        mgr.restore(model, state={"data": _ReplaysOrder()})  # same world size: no warning (they are errors)
+    monkeypatch.setattr(checkin, "processes", SimpleNamespace(process_count=lambda: 2))
+    with kss.CheckpointManager(tmp_path) as mgr:
+        with pytest.warns(
+            kss.InexactResumeWarning, match=r"saved by 1 process\(es\) and this run has 2.*ResumableSampler"
+        ):
+            mgr.restore(model, state={"data": _NoReplay()})
+        assert mgr.restored_step == 1
+        mgr.restore(model, state={"data": _ReplaysOrder()})  # the provider replays the order: no warning

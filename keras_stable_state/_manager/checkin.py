@@ -8,6 +8,7 @@ what to do. With one process nothing is exchanged."""
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 from keras_stable_state import _processes as processes
 from keras_stable_state._manager import timeline
 from keras_stable_state._numpy import to_numpy
-from keras_stable_state.errors import StateError
+from keras_stable_state.errors import InexactResumeWarning, StateError
 
 # ``mgr`` below is a CheckpointManager (not imported: manager imports this module).
 CheckpointManager = Any
@@ -211,3 +212,35 @@ def preemption_check(mgr: CheckpointManager) -> Callable[[bool, int], bool]:
         return bool(flag) if rows is None else any_signal(rows)
 
     return check
+
+
+@processes.torch_ranks(collective=False)
+def restored(mgr: CheckpointManager, path: str, state: Any) -> None:
+    """Say (``verbose``) that ``mgr`` restored ``path``; warn where it was saved by another
+    number of processes than this run's and no provider of the restore's ``state`` replays
+    the data order for another world size (`kss.ResumableSampler`).
+
+    Warns:
+        InexactResumeWarning: naming both numbers of processes and the fixes.
+    """
+    mgr._say(f"restored {path} (step {mgr.restored_step})")
+    saved = mgr._summary(path)[1].get("world_size")  # the manager's record
+    live = processes.process_count()
+    providers = state.values() if isinstance(state, dict) else ()
+    if (
+        not isinstance(saved, int)
+        or saved == live
+        or any(getattr(type(p), "replays_other_world_sizes", False) for p in providers)
+    ):
+        return
+    warnings.warn(
+        f"{mgr.name}: the checkpoint {path!r} (step {mgr.restored_step}) was saved by {saved} process(es) "
+        f"and this run has {live}: a per-rank split of the data (a DistributedSampler) gives each rank other "
+        "samples for another number of processes, and the global batch (per-rank batch x processes) "
+        "changes with it unless the per-rank batch does, so the resumed run can train other samples "
+        f"than the uninterrupted one. Resume on {saved} process(es), or read the data through "
+        "kss.ResumableSampler (passed in state=), which replays the saved order where the global batch "
+        "is unchanged and says where it cannot.",
+        InexactResumeWarning,
+        stacklevel=3,
+    )

@@ -484,7 +484,7 @@ class CheckpointManager(DirectoryHolder):
             report = _restore_now(path, model, options, timeline.read_named(self, path))
         self.restored_step = files.step_of(path)
         self._timeline_from, self._last_saved = self.restored_step, None
-        self._say(f"restored {path} (step {self.restored_step})")
+        checkin.restored(self, path, options.state)  # says so; warns for another world size
         return report
 
     def restore_newest_with(

@@ -97,6 +97,8 @@ class ResumableSampler:
         ...         mgr.save(step, model, state={"data": sampler})
     """
 
+    replays_other_world_sizes = True  # CheckpointManager.restore leaves the world-size warning to it
+
     def __init__(self, sampler: Any, batch_size: int) -> None:
         self._kind = _kind(sampler)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
