@@ -67,6 +67,11 @@ _PATTERNS = (
         None,
     ),
     (
+        r"random seeds \(seed, seed2\) of the input tf.data pipeline",
+        "tf.data pipeline made under another global seed than the checkpoint's run",
+        "input",
+    ),
+    (
         r"py_function|cannot checkpoint|not checkpointable",
         "tf.data pipeline tf.data cannot checkpoint (e.g. py_function)",
         "input",

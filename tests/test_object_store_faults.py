@@ -161,6 +161,11 @@ def bucket(store, monkeypatch):
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     _faults(server, [])
+    # The store's own retries stay (max_attempts=2, and s3fs's); only botocore's wait between
+    # tries (up to 2 s each, random) is shortened: what is tested is what follows the tries.
+    from botocore.retries import standard
+
+    monkeypatch.setattr(standard.ExponentialBackoff, "delay_amount", lambda self, context: 0.01)
     name = f"kss-{secrets.token_hex(4)}"
     s3fs.S3FileSystem(client_kwargs={"endpoint_url": server}, skip_instance_cache=True).mkdir(name)
     yield f"s3://{name}", _options(endpoint), server, proxy
