@@ -19,7 +19,8 @@ one ``constraints.txt`` pins), this script runs, in order:
 
 Every Python step runs under ``tests/scripts/one_framework.py``, which fails the step if a
 framework other than the backend's is in ``sys.modules`` at its end. Output of each step
-goes to ``build/installs/<backend>/<step>.log``; the script prints one line per step and
+goes to ``build/installs/<backend>/<step>.log`` (the test suite's durations, per test, to
+``tests-<tier>.xml`` beside it, JUnit XML); the script prints one line per step and
 exits 1 at the first failure, naming the step and its log.
 
 Usage (the Makefile's ``test-installs`` and ``demo`` targets call it)::
@@ -205,6 +206,8 @@ def run_tests(steps: Steps, tests: str, jobs: int) -> None:
     argv = [steps.python, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=25"]
     argv += ["-m", "not slow"] if tests == "quick" else []
     argv += ["-n", str(jobs), "--dist", "loadfile", "--no-loadscope-reorder", "-rs", "tests"]
+    # every test's duration, beside the log, for finding what the suite's time goes to
+    argv += [f"--junitxml={steps.logs / f'tests-{tests}.xml'}"]
     env = steps.env(KERAS_BACKEND=steps.backend)
     site = ROOT / "build" / "site"
     if site.is_dir():
