@@ -32,10 +32,14 @@ def _fit(directory, inputs, *, stop=None, spe=1, save_freq=4, ckpt_callbacks=Non
         loss="mse",
         steps_per_execution=spe,
     )
-    ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, max_to_keep=2, callbacks=ckpt_callbacks)
+    ckpt = None
+    if directory is not None:  # None: the run a user has without the library
+        ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, max_to_keep=2, callbacks=ckpt_callbacks)
     extra = [] if stop is None else [StopAt(*stop)]
     try:
-        m.fit(**inputs(), epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=[ckpt, *extra])
+        m.fit(
+            **inputs(), epochs=EPOCHS, shuffle=shuffle, verbose=0, callbacks=[c for c in (ckpt, *extra) if c]
+        )
     except RuntimeError as err:
         assert stop is not None and str(err) == "preempted", err
     return m, ckpt
@@ -49,12 +53,12 @@ _REFERENCES = {}  # one uninterrupted run per kind of input, shared by the tests
 
 
 def _reference(tmp_path_factory, name, inputs, **kw):
-    """The weights after an uninterrupted ``_fit`` of ``inputs`` (``name`` tells the kind of
-    input and options apart), trained once per module: the tests only compare with it.
+    """The weights after an uninterrupted ``_fit`` of ``inputs`` without the library (no
+    ``StableCheckpoint``; ``name`` tells the kind of input and options apart), trained once per module: the tests only compare with it.
     ``test_the_uninterrupted_run_repeats_itself`` checks that such a run is deterministic."""
-    key = (name, kw.get("spe", 1))
+    key = (name, kw.get("spe", 1), kw.get("shuffle", True))
     if key not in _REFERENCES:
-        ref, _ = _fit(tmp_path_factory.mktemp("ref"), inputs, **kw)
+        ref, _ = _fit(None, inputs, **kw)
         assert int(ref.optimizer.iterations) == STEPS
         _REFERENCES[key] = _weights(ref)
     return _REFERENCES[key]
@@ -176,6 +180,23 @@ def test_pydataset_with_two_worker_threads_resumes_exactly(tmp_path, tmp_path_fa
     _assert_resume_exact(tmp_path, ref, _workers, _TWO_STOPS, save_freq=5)
 
 
+# JAX warns that forking a multithreaded process may deadlock (Keras forks the workers)
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("shuffle", [True, False], ids=["fit-shuffle", "no-shuffle"])
+def test_pydataset_with_worker_processes_resumes_exactly(shuffle, tmp_path, tmp_path_factory):
+    """Keras' worker queue serves each epoch's first batches from what the epoch before
+    fetched (its on_epoch_end order, its shuffle), and the first epoch's from fit's
+    model-building draw: a resumed process carries the saved ones instead of its own."""
+
+    def processes():
+        return dict(x=_EpochShuffled(workers=2, use_multiprocessing=True))
+
+    ref = _reference(tmp_path_factory, f"processes-{shuffle}", processes, save_freq=5, shuffle=shuffle)
+    ckpt = _assert_resume_exact(tmp_path, ref, processes, _TWO_STOPS, save_freq=5, shuffle=shuffle)
+    assert "state:prefetched" in ckpt.restore_report.restored_state
+
+
 def test_pydataset_shuffling_in_on_epoch_end_resumes_exactly(tmp_path, tmp_path_factory):
     ref = _reference(tmp_path_factory, "epoch-shuffled", _epoch_shuffled, save_freq=5)
     ckpt = _assert_resume_exact(tmp_path, ref, _epoch_shuffled, _TWO_STOPS, save_freq=5)
@@ -213,3 +234,10 @@ def test_tf_data_reshuffling_each_iteration_is_no_longer_warned_about(tmp_path):
 
     _fit(tmp_path / "a", lambda: inputs(True), shuffle=False, stop=(0, 0))  # warnings are errors: none here
     _fit(tmp_path / "b", lambda: inputs(False), shuffle=False, stop=(0, 0))
+
+
+@pytest.mark.parametrize("saved, resumed", [(2, 1), (1, 2)], ids=["workers-then-none", "none-then-workers"])
+def test_a_resume_with_other_pydataset_workers_warns_naming_them(saved, resumed, tmp_path):
+    _fit(tmp_path, lambda: dict(x=_Batches(workers=saved)), stop=(1, 0), save_freq=5)
+    with pytest.warns(kss.InexactResumeWarning, match=r"PyDataset read by workers.*same workers"):
+        _fit(tmp_path, lambda: dict(x=_Batches(workers=resumed)), save_freq=5)

@@ -17,6 +17,7 @@ from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import inexact, resume
 from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._fit.position import Metrics, Position, numeric_logs
+from keras_stable_state._fit.prefetch import PrefetchedBatches
 from keras_stable_state._manager import preemption
 from keras_stable_state._manager.manager import CheckpointManager, wait_for_earlier_saves
 from keras_stable_state._manager.opening import open_directory
@@ -174,6 +175,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._epoch_guard: EpochBeginGuard | None = None
         self._input: Any = None  # the fit's PyDataset (or tf.data TFDataState) whose state is saved, or None
         self._loader: Any = None  # the LoaderState of the fit's torch DataLoader, or None
+        self._prefetched: PrefetchedBatches | None = None  # a PyDataset's worker enqueuer's carried batches
         self._order = _fit_input.EpochOrder()
         self.removed_temporary_files: list[str] = []
         self._read_only: OSError | None = None
@@ -233,6 +235,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             found["input"] = self._input
         if self._loader:
             found["loader"] = self._loader
+        if self._prefetched is not None:
+            found["prefetched"] = self._prefetched
         return found
 
     def _take_directory(self) -> None:
@@ -262,6 +266,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         wait_for_earlier_saves(self.directory)
         self._input = inexact.inspect_input()
         self._loader = inexact.inspect_loader()
+        adapter = compat.fit_data_adapter()
+        self._prefetched = PrefetchedBatches(adapter) if PrefetchedBatches.present(adapter) else None
         self._order = _fit_input.EpochOrder(compat.fit_epoch_iterator())
         self._keyed = _fit_checks.fit_keyed(self._given_callbacks, compat.fit_callbacks(), self, model)
         try:
@@ -346,7 +352,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if record is not None:
             args = (record, self.restore_report, self._callbacks, self.model, self._position, self._order)
             saved_data, self._rng_after_skip = resume.apply_pending(
-                *args, self._input, self._skip_batches, self._loader
+                *args, self._input, self._skip_batches, self._loader, self._prefetched
             )
         elif self._save_requested:
             self._position.step = 0
@@ -357,6 +363,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             self._position.epoch_rng = state.rng_state()
             if self._loader:
                 self._loader.begin_epoch()
+            if self._prefetched is not None:
+                self._prefetched.begin_epoch()
             self._order.begin_epoch(saved_data, epoch_rng=self._position.epoch_rng)
 
     def _skip_batches(self, count: int) -> None:
@@ -481,6 +489,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             pos.epoch_rng = state.rng_state()
             if self._loader:
                 self._loader.begin_epoch()
+            if self._prefetched is not None:
+                self._prefetched.begin_epoch()
             self._order.end_epoch()
             self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
         self._last_mid_save = (pos.epoch, pos.global_step) if pos.step else None

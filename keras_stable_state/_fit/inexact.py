@@ -47,7 +47,6 @@ def inspect_input() -> Any:
         return None
     dataset = compat.py_dataset_of(adapter)
     if dataset is not None:
-        compat.discard_prefetched(adapter)
         name = f"{type(dataset).__name__} (a keras.utils.PyDataset)"
         if callable(getattr(dataset, "get_state", None)) and callable(getattr(dataset, "set_state", None)):
             return dataset
@@ -162,6 +161,25 @@ def inspect_loader() -> Any:
 
 
 # ``ckpt`` below is the StableCheckpoint (Any: callback imports this module).
+def warn_prefetched(live: bool, saved: bool, position: Position) -> None:
+    """Warn where a ``PyDataset`` is read by workers in only one of the saved run and this
+    one (``live``, ``saved``): Keras' enqueuer carries batches from each epoch into the next
+    (`keras_stable_state._fit.prefetch`), so the two runs read the epochs in other orders."""
+    if live == saved:
+        return
+    now, then = ("", "not ") if live else ("not ", "")
+    warnings.warn(
+        f"StableCheckpoint: the checkpoint (epoch {position.epoch}, step {position.step}) was "
+        f"{then}saved from a keras.utils.PyDataset read by workers (workers > 1 or "
+        f"use_multiprocessing=True), this fit's input is {now}one: Keras' worker queue serves "
+        "each epoch's first batches from what the epoch before fetched, so the resumed epochs "
+        "read their batches in another order than the saved run. Resume with the same workers "
+        "and use_multiprocessing as when saved.",
+        InexactResumeWarning,
+        stacklevel=4,
+    )
+
+
 def warn_inexact_resume(
     ckpt: Any, record: Any, position: Position, order: EpochOrder, writer: str | None
 ) -> None:
@@ -205,6 +223,7 @@ def warn_inexact_resume(
             InexactResumeWarning,
             stacklevel=3,
         )
+    warn_prefetched(ckpt._prefetched is not None, "prefetched" in saved, pos)
     live = keras.backend.backend()
     source = saved.get("data", {}).get("source", "numpy") if isinstance(saved.get("data"), dict) else "numpy"
     if shuffle and source not in ("numpy", order.source):

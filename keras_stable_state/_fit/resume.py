@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from keras_stable_state._fit.input import EpochOrder
     from keras_stable_state._fit.loader import LoaderState
     from keras_stable_state._fit.position import Position
+    from keras_stable_state._fit.prefetch import PrefetchedBatches
 
 
 def report_newest(ckpt, restored, pos, epochs, say) -> bool:
@@ -80,6 +81,7 @@ def apply_pending(
     fit_input: Any,
     skip_batches: Callable[[int], None],
     fit_loader: LoaderState | None = None,
+    prefetched: PrefetchedBatches | None = None,
 ) -> tuple[Any, Any]:
     """Put back what the restore at train begin left for the first epoch begin.
 
@@ -98,6 +100,8 @@ def apply_pending(
         skip_batches: Called with the number of batches to draw and skip (mid-epoch).
         fit_loader: The `LoaderState` of a ``DataLoader`` input, or ``None``: its
             generators are set to the epoch begin's.
+        prefetched: The `PrefetchedBatches` of a ``PyDataset`` read by workers, or
+            ``None``: the saved batches its enqueuer carried into the epoch are put back.
 
     Returns:
         ``(data, rng)``: the checked ``providers/data`` record of an epoch-boundary
@@ -115,6 +119,11 @@ def apply_pending(
     metrics, values = Metrics(model), None
     saved_input = input_state(fit_input, extra, arrays)
     saved_loader = loader_state(fit_loader, extra, arrays, record)
+    saved_prefetched = extra.get("providers", {}).get("prefetched")
+    if saved_prefetched is not None and prefetched is not None:
+        saved_prefetched = prefetched.check(
+            state.join_arrays(saved_prefetched, arrays), getattr(record, "path", None)
+        )
     saved_data = extra.get("providers", {}).get("data")
     if saved_data is not None:
         saved_data = order.check(state.join_arrays(saved_data, arrays), mid_epoch=pos.step > 0)
@@ -132,6 +141,10 @@ def apply_pending(
         # Before Keras makes the epoch's iterator, which draws the order and worker seeds.
         fit_loader.resume(saved_loader)
         report.restored_state.append("state:loader")
+    if saved_prefetched is not None and prefetched is not None:
+        # Before the epoch's workers start, which serve these first.
+        prefetched.resume(saved_prefetched)
+        report.restored_state.append("state:prefetched")
     if pos.step > 0:
         # Replay the epoch's data order from the random state it was drawn with, skip
         # the batches already applied, then continue from the random state at the save

@@ -5,18 +5,18 @@
 from __future__ import annotations
 
 import contextlib
-import queue
 
 import keras
 import numpy as np
 
 __all__ = [
     "advance_stream",
-    "discard_prefetched",
     "fit_trace_seed",
     "keras_array_order",
     "num_samples",
+    "prefetched_batches",
     "py_dataset_of",
+    "set_prefetched_batches",
     "serve_keras_order",
     "set_array_order",
     "shufflable_arrays",
@@ -122,25 +122,37 @@ def py_dataset_of(adapter):
     return adapter.py_dataset if isinstance(adapter, PyDatasetAdapter) else None
 
 
-def discard_prefetched(adapter) -> int:
-    """Drop the batches a ``PyDataset``'s worker queue kept from before the first epoch;
-    their number.
-
-    ``fit`` draws one batch to build the model, which starts the workers, then stops
-    them; Keras' ``OrderedEnqueuer.stop`` moves the batches they had prefetched into its
-    ``ready_queue``, and the next epoch serves those first (so each epoch is served the
-    order of the one before it). Emptying it makes the first epoch draw its own order."""
+def _ready_queue(adapter):
+    """The ``ready_queue`` of a ``PyDataset``'s worker enqueuer (``workers > 1`` or
+    ``use_multiprocessing``), or ``None`` (no enqueuer: batches are read in the main thread)."""
     enqueuer = getattr(adapter, "enqueuer", None)
-    ready = getattr(enqueuer, "ready_queue", None)
-    if ready is None or enqueuer.is_running():
-        return 0
-    count = 0
-    while True:
-        try:
-            ready.get_nowait()
-        except queue.Empty:
-            return count
-        count += 1
+    return getattr(enqueuer, "ready_queue", None)
+
+
+def prefetched_batches(adapter) -> list | None:
+    """The batches a ``PyDataset``'s worker enqueuer carries into its next run, in the
+    order it serves them; ``None`` for an adapter without an enqueuer.
+
+    Keras' ``OrderedEnqueuer.stop`` (``keras/src/trainers/data_adapters/py_dataset_adapter.py``)
+    moves the batches its workers had already fetched into ``ready_queue``, and the next
+    run serves those first: ``fit`` draws one batch to build the model, stops the workers,
+    and each epoch begins with what the one before left (an epoch of ``n`` batches over a
+    ``shuffle=False`` dataset reads ``1, ..., n-1, 0``). Read between runs (epoch begin,
+    epoch end), not while the workers run."""
+    ready = _ready_queue(adapter)
+    if ready is None:
+        return None
+    with ready.mutex:
+        return list(ready.queue)
+
+
+def set_prefetched_batches(adapter, batches: list) -> None:
+    """Replace what a ``PyDataset``'s stopped worker enqueuer carries into its next run by
+    ``batches`` (see `prefetched_batches`)."""
+    ready = _ready_queue(adapter)
+    with ready.mutex:
+        ready.queue.clear()
+        ready.queue.extend(batches)
 
 
 def torch_loader_of(adapter):
