@@ -17,7 +17,6 @@ from keras_stable_state._fit import checks as _fit_checks
 from keras_stable_state._fit import inexact, resume
 from keras_stable_state._fit import input as _fit_input
 from keras_stable_state._fit.position import Metrics, Position, numeric_logs
-from keras_stable_state._fit.prefetch import PrefetchedBatches
 from keras_stable_state._manager import preemption
 from keras_stable_state._manager.manager import CheckpointManager, wait_for_earlier_saves
 from keras_stable_state._manager.opening import open_directory
@@ -175,7 +174,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._epoch_guard: EpochBeginGuard | None = None
         self._input: Any = None  # the fit's PyDataset (or tf.data TFDataState) whose state is saved, or None
         self._loader: Any = None  # the LoaderState of the fit's torch DataLoader, or None
-        self._prefetched: PrefetchedBatches | None = None  # a PyDataset's worker enqueuer's carried batches
+        self._prefetched: Any = None  # the PrefetchedBatches of a PyDataset read by workers, or None
         self._order = _fit_input.EpochOrder()
         self.removed_temporary_files: list[str] = []
         self._read_only: OSError | None = None
@@ -266,8 +265,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         wait_for_earlier_saves(self.directory)
         self._input = inexact.inspect_input()
         self._loader = inexact.inspect_loader()
-        adapter = compat.fit_data_adapter()
-        self._prefetched = PrefetchedBatches(adapter) if PrefetchedBatches.present(adapter) else None
+        self._prefetched = inexact.inspect_prefetched()
         self._order = _fit_input.EpochOrder(compat.fit_epoch_iterator())
         self._keyed = _fit_checks.fit_keyed(self._given_callbacks, compat.fit_callbacks(), self, model)
         try:

@@ -19,6 +19,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
+from keras_stable_state._fit.prefetch import PrefetchedBatches
 from keras_stable_state._fit.tf_data import TFDataState
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_tree, tracked_optimizers
@@ -83,6 +84,12 @@ def inspect_input() -> Any:
     if dataset is not None:
         return _inspect_tf_dataset(epoch_iterator, dataset)
     return None
+
+
+def inspect_prefetched() -> PrefetchedBatches | None:
+    """The `PrefetchedBatches` of a ``fit`` over a ``PyDataset`` read by workers, else ``None``."""
+    adapter = compat.fit_data_adapter()
+    return PrefetchedBatches(adapter) if PrefetchedBatches.present(adapter) else None
 
 
 def _inspect_tf_dataset(epoch_iterator: Any, dataset: Any) -> Any:
