@@ -47,6 +47,11 @@ _PATTERNS = (
         "cross_backend",
     ),
     (
+        r"written on (\w+) and training resumes on (\w+), and this fit's input has no known length",
+        "input of unknown length resumed across TensorFlow ({0} -> {1}: TensorFlow counts one more step per epoch)",
+        "input",
+    ),
+    (
         r"shuffled NumPy input was ordered by (\w+)'s fit .* training resumes on (\w+)",
         "shuffled NumPy order of {0}'s fit continued on {1} (later epochs drawn by {1})",
         "input",

@@ -195,7 +195,8 @@ def warn_inexact_resume(
     the epoch's order was saved, a ``tf.data`` input made with other random seeds than the
     saved run's (``TFDataState.warn_seeds``), and a resume on another backend than the
     writer's of a model with random layers (each backend draws its own dropout masks and
-    noise).
+    noise) or of an input of unknown length with TensorFlow on one side (TensorFlow's fit
+    counts one more optimizer step per epoch of such an input).
 
     Args:
         ckpt: The restoring ``StableCheckpoint`` (its ``model``; skipped among the callbacks).
@@ -245,6 +246,24 @@ def warn_inexact_resume(
         )
     if pos.step > 0:
         warn_loss_weighting(ckpt.model, record, position, writer, live)
+    if (
+        writer
+        and writer != live
+        and "tensorflow" in (writer, live)
+        and (ckpt.params or {}).get("steps") is None
+    ):
+        warnings.warn(
+            f"StableCheckpoint: the checkpoint was written on {writer} and training resumes on {live}, "
+            "and this fit's input has no known length (grain, a generator without steps_per_epoch, "
+            "tf.data of unknown cardinality): TensorFlow's fit counts one more optimizer step in each "
+            "epoch of such an input (the step that finds the data's end; stock Keras counts 4 steps "
+            "in an epoch of 3 batches) and the other backends do not, so the optimizer's step count "
+            "(Adam's bias correction, learning-rate schedules) and the History's per-output loss "
+            f"means differ from the run on {writer} from the resumed epoch on. Resume on {writer} "
+            "for an exact continuation.",
+            InexactResumeWarning,
+            stacklevel=3,
+        )
     if writer and writer != live:
         random_layers = sorted(
             {layer.name for layer in compat.flatten_layers(ckpt.model) if compat.seed_generator_states(layer)}
