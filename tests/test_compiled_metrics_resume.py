@@ -1,6 +1,7 @@
 """Issue 14, fault 1: a mid-epoch resume of a model compiled with metrics, weighted
 metrics or a loss per output (TensorFlow builds them only at the first trace)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -44,28 +45,29 @@ def _inputs(kind):
     return dict(x=X, y=Y)
 
 
-def _batches(kind):
-    """The batches of ``_inputs(kind)`` in order, forever: a generator input, whose batch
-    size TensorFlow's traced train step does not know."""
+def _batches(kind, sizes=(8,) * 6):
+    """The batches of ``_inputs(kind)`` in order, forever, of ``sizes`` samples each: a
+    generator input, whose batch size TensorFlow's traced train step does not know."""
     data = _inputs(kind)
+    starts = np.cumsum((0, *sizes))
     while True:
-        for i in range(0, len(X), 8):
+        for i, j in zip(starts[:-1], starts[1:], strict=True):
             yield tuple(
-                {k: v[i : i + 8] for k, v in d.items()} if isinstance(d, dict) else d[i : i + 8]
+                {k: v[i:j] for k, v in d.items()} if isinstance(d, dict) else d[i:j]
                 for d in (data["x"], data["y"])
             )
 
 
-def _fit(kind, directory=None, stop=None, metrics=None, shuffle=True, generator=False):
+def _fit(kind, directory=None, stop=None, metrics=None, shuffle=True, generator=False, sizes=(8,) * 6):
     """A fresh session and model, fit 3 epochs with (``directory``) or without a
     StableCheckpoint saving every 3 batches; ``stop=(epoch, batch)`` preempts it there.
-    ``generator=True`` feeds the same batches from a Python generator."""
+    ``generator=True`` feeds the same batches from a Python generator, of ``sizes``."""
     keras.backend.clear_session(free_memory=False)
     m = _model(kind, metrics)
     callbacks = [] if directory is None else [kss.StableCheckpoint(directory, save_freq=3, max_to_keep=2)]
     callbacks += [] if stop is None else [StopAt(*stop)]
     data = (
-        dict(x=_batches(kind), steps_per_epoch=6, shuffle=False)
+        dict(x=_batches(kind, sizes), steps_per_epoch=len(sizes), shuffle=False)
         if generator
         else dict(**_inputs(kind), batch_size=8, shuffle=shuffle)
     )
@@ -128,27 +130,41 @@ def test_fault1_mid_epoch_resume_of_per_output_losses_from_a_generator_equals_un
 WRITER = {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[keras.backend.backend()]
 
 
+UNEVEN = (6, 8, 8, 8, 8, 10)  # 22 samples in the 3 batches before the save at step 3: not 3 equal ones
+
+
 @pytest.mark.slow
 @pytest.mark.frameworks(WRITER)
-def test_fault1_cross_backend_resume_warns_when_per_output_losses_were_counted_otherwise(tmp_path):
+@pytest.mark.parametrize("sizes", [(8,) * 6, UNEVEN], ids=["equal-batches", "unequal-batches"])
+def test_fault1_cross_backend_resume_converts_per_output_loss_means_counted_otherwise(tmp_path, sizes):
+    """TensorFlow counts a generator's batches in the per-output loss means, JAX and Torch
+    samples: a mid-epoch checkpoint written on one side and resumed on the other has its means
+    converted when the epoch's batches so far were equal (the resumed History equals the
+    writer's uninterrupted one), and is warned about when they were not."""
     code = (
         f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "import test_compiled_metrics_resume as t\n"
-        f"t._fit('two_outputs', {str(tmp_path / 'run')!r}, stop=(1, 5), generator=True)\n"
+        "import json, test_compiled_metrics_resume as t\n"
+        f"t._fit('two_outputs', {str(tmp_path / 'run')!r}, stop=(1, 5), generator=True, sizes={sizes!r})\n"
+        f"_, ref = t._fit('two_outputs', generator=True, sizes={sizes!r})\n"
+        "print(json.dumps(ref.history))\n"
     )
     env = dict(os.environ, KERAS_BACKEND=WRITER, TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    reference = json.loads(done.stdout.strip().splitlines()[-1])  # the writer's, uninterrupted, no library
     differ = "tensorflow" in (WRITER, keras.backend.backend())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", kss.InexactResumeWarning)
-        res, history = _fit("two_outputs", tmp_path / "run", generator=True)
+        res, history = _fit("two_outputs", tmp_path / "run", generator=True, sizes=sizes)
     found = [str(w.message) for w in caught if issubclass(w.category, kss.InexactResumeWarning)]
-    if differ:
+    assert int(res.optimizer.iterations) == 6 * EPOCHS
+    if differ and sizes == UNEVEN:
         assert len(found) == 1, found
         assert f"written on {WRITER}" in found[0] and "compile_loss/a_loss" in found[0], found[0]
-        assert "save_freq='epoch'" in found[0]
-    else:  # JAX and Torch both count samples: nothing to warn about
-        assert found == []
-    assert int(res.optimizer.iterations) == 6 * EPOCHS
-    assert len(history.history["a_loss"]) == EPOCHS  # the saved History goes on
+        assert "unequal numbers of samples" in found[0] and "save_freq='epoch'" in found[0]
+        return
+    assert found == []
+    # The resumed epoch in this backend's units: over equal batches, the mean of their means
+    # is the mean over their samples, so it equals the writer's (up to the backends' float sums)
+    for name in ("a_loss", "b_loss", "loss"):
+        np.testing.assert_allclose(history.history[name], reference[name], rtol=1e-4, err_msg=name)

@@ -19,6 +19,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
+from keras_stable_state._fit.loss_units import loss_units
 from keras_stable_state._fit.prefetch import PrefetchedBatches
 from keras_stable_state._fit.tf_data import TFDataState
 from keras_stable_state._numpy import to_numpy
@@ -282,32 +283,21 @@ def warn_inexact_resume(
 
 def warn_loss_weighting(model, record, position, writer, live):
     """Warn when the saved per-output loss means of the interrupted epoch were counted
-    in other units than this ``fit`` counts them (TensorFlow counts batches for an
-    input of unknown batch size, the other backends samples; see
-    ``_keras_compat.per_output_loss_weighting``): the resumed epoch's History
-    ``<output>_loss`` values would then weigh the saved and the new batches unlike an
-    uninterrupted run. Training itself is not affected."""
-    indices, weighting = compat.per_output_loss_weighting(model)
-    total = compat.total_loss_count_index(model)
+    in other units than this ``fit`` counts them and cannot be converted (`loss_units`:
+    batches of unequal sizes): the resumed epoch's History ``<output>_loss`` values would
+    then weigh the saved and the new batches unlike an uninterrupted run. Training itself
+    is not affected."""
     values = state.join_arrays(record.extra.get("providers", {}).get("metrics"), record.arrays)
-    saved = values.get("values") if isinstance(values, dict) else None
-    if not indices or total is None or not isinstance(saved, list) or len(saved) <= max(indices):
+    units = loss_units(model, values, position.step)
+    if units is None or units.convertible:
         return
-    samples = float(saved[total])
-    counts = [float(saved[i]) for i in indices]
-    batches = position.step
-    if samples == batches or not all(c > 0 for c in counts):
-        return  # batch size 1, or nothing counted: both units agree
-    saved_weighting = "samples" if all(c == samples for c in counts) else "batches"
-    if saved_weighting == weighting:
-        return
-    names = sorted({v.path.rsplit("/", 1)[0] for i, v in enumerate(model.metrics_variables) if i in indices})
     where = f"on {writer}" if writer else "by another fit"
     warnings.warn(
-        f"StableCheckpoint: the checkpoint (epoch {position.epoch}, step {batches}) was written "
-        f"{where}, whose per-output loss trackers {names} counted {saved_weighting} in the interrupted "
-        f"epoch; this fit on {live} counts {weighting} (TensorFlow counts batches when the input's "
-        "batch size is not static, e.g. a generator or tf.data with batch()). The History's "
+        f"StableCheckpoint: the checkpoint (epoch {position.epoch}, step {position.step}) was written "
+        f"{where}, whose per-output loss trackers {units.names} counted {units.saved} in the interrupted "
+        f"epoch; this fit on {live} counts {units.live} (TensorFlow counts batches when the input's "
+        "batch size is not static, e.g. a generator or tf.data with batch()), and the epoch's batches "
+        "so far held unequal numbers of samples, so the saved means cannot be converted. The History's "
         "per-output losses of that epoch weigh the saved and the new batches unlike an uninterrupted "
         "run; weights, optimizer state, the total loss and later epochs are not affected. Resume "
         f"{'on ' + writer if writer and writer != live else 'with the same kind of input'} or from an "

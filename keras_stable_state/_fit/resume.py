@@ -15,6 +15,7 @@ import keras
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
+from keras_stable_state._fit.loss_units import loss_units
 from keras_stable_state._fit.position import Metrics
 from keras_stable_state._manager import directory as checkpoint_dir
 from keras_stable_state.errors import InexactResumeWarning, StateError
@@ -131,6 +132,9 @@ def apply_pending(
         parsed_epoch = state.parse_rng_state(pos.epoch_rng)
         values = state.join_arrays(extra.get("providers", {}).get("metrics"), arrays)
         metrics.validate_state(values)
+        units = loss_units(model, values, pos.step)
+        if units is not None and units.convertible:  # per-output means counted in the other unit
+            values = {**values, "values": units.convert(values["values"])}
     for setter in setters:
         setter()
     if saved_input is not None:
