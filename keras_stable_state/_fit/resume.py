@@ -86,7 +86,9 @@ def apply_pending(
 ) -> tuple[Any, Any]:
     """Put back what the restore at train begin left for the first epoch begin.
 
-    Everything is checked first (callback states, both random states, metric values,
+    Everything is checked first (callback states, both random states, metric values (their
+    per-output loss means converted where counted in another unit, `loss_units`), the
+    batches a PyDataset's workers carried into the epoch,
     the input state, the data order), then set: nothing is set if a check fails.
 
     Args:
