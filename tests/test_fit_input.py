@@ -115,6 +115,31 @@ def test_without_a_tensorflow_seed_the_numpy_drawn_order_resumes_exactly(tmp_pat
     assert history == ref_history
 
 
+@pytest.mark.skipif(
+    BACKEND != "tensorflow", reason="TensorFlow's global seed decides fit's order there alone"
+)
+@pytest.mark.parametrize("stop", [(1, 3), (1, 0)], ids=["mid-epoch", "epoch-boundary"])
+def test_a_seeded_tensorflow_run_resumed_without_a_global_seed_draws_the_saved_seeds_orders(
+    tmp_path, tmp_path_factory, stop
+):
+    """Keras' TensorFlow pipeline draws each epoch's order from the global seed it was traced
+    under: a process without one traces it under the checkpoint's seed again, so the later
+    epochs are the uninterrupted run's (no warning: the suite makes it an error)."""
+    import tensorflow as tf
+
+    ref_weights, ref_history = _reference(tmp_path_factory)
+    fit_arrays(tmp_path, stop=stop)
+    keras.backend.clear_session()
+    np.random.seed(5)
+    tf.random.set_seed(None)
+    try:
+        weights, history = fit_arrays(tmp_path, seed=None)
+    finally:
+        keras.utils.set_random_seed(0)
+    _assert_same(ref_weights, weights)
+    assert history == ref_history
+
+
 @pytest.mark.slow
 def test_shuffle_batch_resumes_exactly(tmp_path, tmp_path_factory):
     ref_weights, _ = _reference(tmp_path_factory, shuffle="batch")

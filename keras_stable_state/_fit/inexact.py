@@ -234,8 +234,9 @@ def warn_inexact_resume(
         )
     warn_prefetched(ckpt._prefetched is not None, "prefetched" in saved, pos)
     live = keras.backend.backend()
-    source = saved.get("data", {}).get("source", "numpy") if isinstance(saved.get("data"), dict) else "numpy"
-    if shuffle and source not in ("numpy", order.source):
+    data = saved.get("data") if isinstance(saved.get("data"), dict) else {}
+    source = data.get("source", "numpy")
+    if shuffle and not order.continues(source, data.get("tf_seed")):
         warnings.warn(
             f"StableCheckpoint: the checkpoint's shuffled NumPy input was ordered by {source}'s fit "
             f"(its own generator) and training resumes on {live}, whose fit draws its orders from "

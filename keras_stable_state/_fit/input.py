@@ -205,16 +205,31 @@ class EpochOrder:
         self.draw_pending()
         return bool(np.array_equal(self.permutation, resumed["permutation"]))
 
+    def continues(self, source: str, tf_seed: int | None) -> bool:
+        """Whether this backend draws the later orders of a run whose orders came from
+        ``source`` (with TensorFlow's seed ``tf_seed``): the same source, ``"numpy"`` (which
+        any backend draws), or TensorFlow's pipeline under a saved seed on TensorFlow (traced
+        under it again, also in a process without a global seed)."""
+        return (
+            source in ("numpy", self.source)
+            or source == "tensorflow"
+            and tf_seed is not None
+            and keras.backend.backend() == "tensorflow"
+        )
+
     def _adopt(self, resumed) -> None:
-        """Continue the resumed run's order where this backend draws it: the same source
-        (and TensorFlow seed), or ``"numpy"``, which any backend draws (served here);
-        another backend's own order cannot be drawn here (`inexact` warns)."""
-        source = resumed.get("source", "numpy")
+        """Continue the resumed run's order where this backend draws it (`continues`): the
+        same source (and TensorFlow seed), ``"numpy"`` (served here), or TensorFlow's
+        pipeline traced under the saved seed; another backend's own order cannot be drawn
+        here (`inexact` warns)."""
+        source, tf_seed = resumed.get("source", "numpy"), resumed.get("tf_seed")
         if source == self.source:
-            if resumed.get("tf_seed") is not None:
-                self.tf_seed = resumed["tf_seed"]
+            if tf_seed is not None:
+                self.tf_seed = tf_seed
         elif source == "numpy":
             self.source, self._own = "numpy", False
+        elif self.continues(source, tf_seed):  # TensorFlow's pipeline, this process unseeded
+            self.source, self._own, self.tf_seed = source, True, tf_seed
 
     def check(self, value, mid_epoch, where=None) -> dict:
         """The saved state of the interrupted epoch, checked against this input.
