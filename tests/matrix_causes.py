@@ -52,6 +52,11 @@ _PATTERNS = (
         "input",
     ),
     (
+        r"written on (\w+) and training resumes on (\w+) with a torch DataLoader input whose order draws",
+        "torch DataLoader resumed across the Torch backend ({0} -> {1}: Keras' Torch fit makes two iterators per epoch)",
+        "input",
+    ),
+    (
         r"shuffled NumPy input was ordered by (\w+)'s fit .* training resumes on (\w+)",
         "shuffled NumPy order of {0}'s fit continued on {1} (later epochs drawn by {1})",
         "input",

@@ -6,6 +6,11 @@ checkpoint holds. Each case: an uninterrupted fit, then fits preempted once or t
 loader whose generator is seeded otherwise; weights, optimizer variables and History
 equal the uninterrupted run's bit for bit. What cannot be replayed is warned about."""
 
+import os
+import subprocess
+import sys
+import warnings
+
 import numpy as np
 import pytest
 from conftest import BACKEND
@@ -208,3 +213,39 @@ def test_a_checkpoint_of_another_loader_is_refused(tmp_path):
     _fit(tmp_path, LOADERS["generator"], seed=0, stop=(1, 3))
     with pytest.raises(kss.StateError, match=r"DataLoader.*(has none|holds the generators)"):
         _fit(tmp_path, LOADERS["global-generator"], seed=0)
+
+
+# Keras' fit on the Torch backend makes two iterators of a DataLoader per epoch, TensorFlow's and
+# JAX's one, each drawing from the generators: a resume across the Torch backend is warned about
+# (the writer runs in a child process).
+WRITER = "jax" if BACKEND == "torch" else "torch"
+
+
+@pytest.mark.frameworks(WRITER)
+@pytest.mark.parametrize("name", ["generator", "global-generator"])
+def test_a_dataloader_resumed_across_the_torch_backend_warns_that_later_epochs_draw_otherwise(tmp_path, name):
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import test_fit_torch_inputs as t\n"
+        f"t._fit({str(tmp_path)!r}, t.LOADERS[{name!r}], 0, (1, 3))\n"
+    )
+    env = dict(os.environ, KERAS_BACKEND=WRITER, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", kss.InexactResumeWarning)
+        _, ckpt = _fit(tmp_path, LOADERS[name], 5)
+    found = [str(w.message) for w in caught if issubclass(w.category, kss.InexactResumeWarning)]
+    assert ckpt.restore_report is not None
+    assert any(
+        f"written on {WRITER} " in m and "RandomSampler" in m and "two iterators of the loader" in m
+        for m in found
+    ), found
+
+
+def test_a_sequential_dataloader_draws_nothing_and_is_not_warned_about(tmp_path):
+    """The warning above names loaders whose order draws from generators only (same backend here:
+    a sequential loader without workers resumes exactly and quietly)."""
+    seq = lambda s: data.DataLoader(_tensors(), batch_size=BATCH)  # noqa: E731
+    reference, _ = _fit(tmp_path / "ref", seq, 0)
+    assert_resumes_exactly(tmp_path / "run", reference, seq, STOPS["mid-epoch"], epochs=EPOCHS, shuffle=False)

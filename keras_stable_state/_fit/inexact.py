@@ -266,6 +266,7 @@ def warn_inexact_resume(
             InexactResumeWarning,
             stacklevel=3,
         )
+    warn_loader_across_torch(writer, live)
     if writer and writer != live:
         random_layers = sorted(
             {layer.name for layer in compat.flatten_layers(ckpt.model) if compat.seed_generator_states(layer)}
@@ -280,6 +281,33 @@ def warn_inexact_resume(
                 InexactResumeWarning,
                 stacklevel=3,
             )
+
+
+def warn_loader_across_torch(writer: str | None, live: str) -> None:
+    """Warn for a ``DataLoader`` whose order draws from Torch generators (a shuffling sampler,
+    worker seeds) resumed across the Torch backend: Keras' Torch ``fit`` makes two iterators of
+    the loader in each epoch, TensorFlow's and JAX's one, and each draws from the generators,
+    so the epochs after the resumed one start from other generator states than the writer's."""
+    if not writer or writer == live or "torch" not in (writer, live):
+        return
+    adapter = compat.fit_data_adapter()
+    loader = None if adapter is None else compat.torch_loader_of(adapter)
+    if loader is None:
+        return
+    sampler = type(getattr(loader, "sampler", None)).__name__
+    if sampler == "SequentialSampler" and not getattr(loader, "num_workers", 0):
+        return  # its order draws nothing
+    warnings.warn(
+        f"StableCheckpoint: the checkpoint was written on {writer} and training resumes on {live} with a "
+        f"torch DataLoader input whose order draws from Torch generators ({sampler}, "
+        f"num_workers={getattr(loader, 'num_workers', 0)}): Keras' fit on the Torch backend makes two "
+        "iterators of the loader in each epoch, on TensorFlow and JAX one, and each draws from the "
+        "generators (its base seed, the sampler's seed), so the epochs after the resumed one are drawn "
+        f"from other generator states than on {writer}: the rest of the resumed epoch is exact, later "
+        f"epochs read other orders. Resume on {writer} for an exact continuation.",
+        InexactResumeWarning,
+        stacklevel=4,
+    )
 
 
 def warn_loss_weighting(model, record, position, writer, live):
