@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -225,6 +226,27 @@ def assert_resumes_exactly(directory, reference, make_input, stops, **kw):
     for key, values in expected.items():
         np.testing.assert_array_equal(values, found[key], err_msg=key)
     return ckpt
+
+
+def run_on_backend(backend, module, code, timeout=300):
+    """Run ``code`` in a child Python on ``backend`` with the test module ``module`` imported
+    as ``t`` (a checkpoint written on another backend); its stdout. Fails the test if it fails."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    source = f"import sys; sys.path.insert(0, {here!r})\nimport {module} as t\n{code}\n"
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run(
+        [sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def inexact_warnings(fn):
+    """``(fn(), [message of each InexactResumeWarning it raised])``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", kss.InexactResumeWarning)
+        out = fn()
+    return out, [str(w.message) for w in caught if issubclass(w.category, kss.InexactResumeWarning)]
 
 
 def free_port():

@@ -2,16 +2,13 @@
 metrics or a loss per output (TensorFlow builds them only at the first trace)."""
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 
 import keras
 import numpy as np
 import pytest
 from conftest import StopAt
-from kit import assert_same_state
+from kit import assert_same_state, inexact_warnings, run_on_backend
 
 import keras_stable_state as kss
 
@@ -141,22 +138,18 @@ def test_fault1_cross_backend_resume_converts_per_output_loss_means_counted_othe
     samples: a mid-epoch checkpoint written on one side and resumed on the other has its means
     converted when the epoch's batches so far were equal (the resumed History equals the
     writer's uninterrupted one), and is warned about when they were not."""
-    code = (
-        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "import json, test_compiled_metrics_resume as t\n"
+    out = run_on_backend(
+        WRITER,
+        "test_compiled_metrics_resume",
         f"t._fit('two_outputs', {str(tmp_path / 'run')!r}, stop=(1, 5), generator=True, sizes={sizes!r})\n"
         f"_, ref = t._fit('two_outputs', generator=True, sizes={sizes!r})\n"
-        "print(json.dumps(ref.history))\n"
+        "import json; print(json.dumps(ref.history))",
     )
-    env = dict(os.environ, KERAS_BACKEND=WRITER, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reference = json.loads(done.stdout.strip().splitlines()[-1])  # the writer's, uninterrupted, no library
+    reference = json.loads(out.strip().splitlines()[-1])  # the writer's, uninterrupted, no library
     differ = "tensorflow" in (WRITER, keras.backend.backend())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", kss.InexactResumeWarning)
-        res, history = _fit("two_outputs", tmp_path / "run", generator=True, sizes=sizes)
-    found = [str(w.message) for w in caught if issubclass(w.category, kss.InexactResumeWarning)]
+    (res, history), found = inexact_warnings(
+        lambda: _fit("two_outputs", tmp_path / "run", generator=True, sizes=sizes)
+    )
     assert int(res.optimizer.iterations) == 6 * EPOCHS
     if differ and sizes == UNEVEN:
         assert len(found) == 1, found

@@ -8,18 +8,12 @@ interrupted epoch (its batches drawn again and skipped) reads the same batches; 
 Each case: an uninterrupted fit, then fits preempted once or twice and resumed with a
 fresh model and another seed, compared bit for bit (weights, optimizer variables, History)."""
 
-import os
 import re
-import subprocess
-import sys
-import warnings
 
 import keras
 import numpy as np
 import pytest
-from kit import assert_resumes_exactly, assert_same_state, fit_input
-
-import keras_stable_state as kss
+from kit import assert_resumes_exactly, assert_same_state, fit_input, inexact_warnings, run_on_backend
 
 # Keras' own, at the end of each epoch of an input of unknown length (grain's, to Keras).
 pytestmark = pytest.mark.filterwarnings("ignore:Your input ran out of data:UserWarning")
@@ -124,18 +118,14 @@ WRITER = {"tensorflow": "jax", "jax": "tensorflow", "torch": "tensorflow"}[keras
 
 @pytest.mark.frameworks(WRITER)
 def test_a_grain_resume_across_tensorflow_warns_that_the_step_counts_differ(tmp_path):
-    code = (
-        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "import test_fit_grain_inputs as t\n"
-        f"t.fit_input({str(tmp_path)!r}, lambda s: t._map_dataset(), 0, (1, 3), epochs=t.EPOCHS, shuffle=False)\n"
+    run_on_backend(
+        WRITER,
+        "test_fit_grain_inputs",
+        f"t.fit_input({str(tmp_path)!r}, lambda s: t._map_dataset(), 0, (1, 3), epochs=t.EPOCHS, shuffle=False)",
     )
-    env = dict(os.environ, KERAS_BACKEND=WRITER, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", kss.InexactResumeWarning)
-        _, ckpt = fit_input(tmp_path, lambda s: _map_dataset(), 0, epochs=EPOCHS, shuffle=False)
-    found = [str(w.message) for w in caught if issubclass(w.category, kss.InexactResumeWarning)]
+    (_, ckpt), found = inexact_warnings(
+        lambda: fit_input(tmp_path, lambda s: _map_dataset(), 0, epochs=EPOCHS, shuffle=False)
+    )
     assert any(
         re.search(rf"written on {WRITER} .*no known length.*one more optimizer step", m) for m in found
     ), found

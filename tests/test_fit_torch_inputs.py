@@ -6,15 +6,10 @@ checkpoint holds. Each case: an uninterrupted fit, then fits preempted once or t
 loader whose generator is seeded otherwise; weights, optimizer variables and History
 equal the uninterrupted run's bit for bit. What cannot be replayed is warned about."""
 
-import os
-import subprocess
-import sys
-import warnings
-
 import numpy as np
 import pytest
 from conftest import BACKEND
-from kit import assert_resumes_exactly, assert_same_state, fit_input
+from kit import assert_resumes_exactly, assert_same_state, fit_input, inexact_warnings, run_on_backend
 
 import keras_stable_state as kss
 
@@ -224,18 +219,10 @@ WRITER = "jax" if BACKEND == "torch" else "torch"
 @pytest.mark.frameworks(WRITER)
 @pytest.mark.parametrize("name", ["generator", "global-generator"])
 def test_a_dataloader_resumed_across_the_torch_backend_warns_that_later_epochs_draw_otherwise(tmp_path, name):
-    code = (
-        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "import test_fit_torch_inputs as t\n"
-        f"t._fit({str(tmp_path)!r}, t.LOADERS[{name!r}], 0, (1, 3))\n"
+    run_on_backend(
+        WRITER, "test_fit_torch_inputs", f"t._fit({str(tmp_path)!r}, t.LOADERS[{name!r}], 0, (1, 3))"
     )
-    env = dict(os.environ, KERAS_BACKEND=WRITER, TF_CPP_MIN_LOG_LEVEL="3")
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", kss.InexactResumeWarning)
-        _, ckpt = _fit(tmp_path, LOADERS[name], 5)
-    found = [str(w.message) for w in caught if issubclass(w.category, kss.InexactResumeWarning)]
+    (_, ckpt), found = inexact_warnings(lambda: _fit(tmp_path, LOADERS[name], 5))
     assert ckpt.restore_report is not None
     assert any(
         f"written on {WRITER} " in m and "RandomSampler" in m and "two iterators of the loader" in m
