@@ -76,11 +76,15 @@ def case_invariance(data):
 def named_causes(r, c):
     """``[(name, acceptance class)]`` of result ``r``'s causes (``matrix_causes``) in case
     ``c``: other data is accepted only where the case's resume changed them on purpose
-    (``batch_changed``), random layers on another backend only on a cross-backend resume."""
+    (``batch_changed``), layers renamed by a decoy model only on a decoy resume, random
+    layers on another backend only on a cross-backend resume."""
     out = []
     for cause in r["causes"]:
         name, accepted = mc.classify_cause(cause)
-        if (accepted == "data" and c["resume"] != "batch_changed") or (
+        if (
+            (accepted == "data" and c["resume"] != "batch_changed")
+            or (accepted == "decoy" and c["resume"] != "decoy")
+        ) or (
             (accepted == "cross_backend" or " continued on " in name)  # another backend's own draws
             and c["resume"] != "cross_backend"
         ):

@@ -5,7 +5,8 @@ refusal) at train begin of a resume. :func:`classify_cause` gives it a name that
 what was not resumed (with the callback, layers or fields the message names) and the
 *acceptance class*: ``"callback"`` (a user's callback without ``get_state()``), ``"cross_backend"``
 (random layers resumed on another backend), ``"input"`` (an input the docs name as not
-replayable), ``"data"`` (the resume was drawn with other data on purpose) or ``None``
+replayable), ``"data"`` (the resume was drawn with other data on purpose), ``"decoy"`` (a
+decoy model renamed the layers a ``MultiOptimizer``'s patterns route by: refused) or ``None``
 (a cause the library is expected to remove). A message no pattern knows is named by its
 first sentence, whole, and is not accepted.
 """
@@ -22,6 +23,7 @@ ACCEPTED = {
     "cross_backend": "random layers resumed on another backend",
     "input": "an input the docs name as not replayable",
     "data": "other data drawn for the resume on purpose (batch_changed)",
+    "decoy": "a decoy model built first renamed the layers a MultiOptimizer's patterns route by (refused: the run's routing changed)",
 }
 
 
@@ -134,7 +136,7 @@ _PATTERNS = (
     (
         r"parameter groups of (\S+) differ",
         "parameter groups of {0} differ from the saved ones",
-        None,
+        "decoy",
     ),
     (
         r"(?i)replica",
