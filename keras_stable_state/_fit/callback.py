@@ -101,8 +101,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             lock file that is a link, no ``flock``, data that do not fit a mid-epoch checkpoint.
         CheckpointInUseError: On train begin, if another writer holds the directory.
         NewerFormatError: On train begin, for a checkpoint of a newer keras_stable_state.
-        CorruptCheckpointError: On resume, for a damaged ``providers/data``, ``providers/loader`` or
-            ``providers/prefetched`` record.
+        CorruptCheckpointError: On resume, for a damaged ``providers/`` data, loader or prefetched record.
         NotADirectoryError: On train begin, if ``directory`` is a file.
         OSError: If the directory cannot be created or locked; a failed background write.
         BindingError: On train begin, for a ``StableOptimizer`` bound to other variables.
