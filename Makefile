@@ -85,9 +85,12 @@ test-fast: setup
 # tests/test_docs_api.py reads the site just built (KSS_DOCS_SITE) instead of building one.
 # Each backend's suite in the user's install (that framework alone, from the wheel), then, in
 # .venv with every framework, only the tests that need another one beside the backend's.
-# The preparations are one core's work each (pip, the quick start, the command line, the
-# demo): two run at a time (make -j2, each one's output printed when it ends) beside the
-# lint and docs; then each backend's suite with every core.
+# The preparations (pip, the quick start, the command line, the demo) and the lint and docs
+# wait on the disk and on child processes as much as they compute: all four run at once
+# (make -j4, each one's output printed when it ends); then each backend's suite with every
+# core; then the three several-frameworks passes at once (they wait on the child processes
+# of other backends: one alone keeps two cores busy for about 60% of its time, 2026-12-06),
+# SEVERAL_JOBS test processes each.
 prepare-alone-%:
 	rm -rf .venv-$*
 	$(MAKE) --no-print-directory .venv-$*/.installed
@@ -95,17 +98,22 @@ prepare-alone-%:
 
 checks: lint docs
 
+SEVERAL_JOBS ?= 2
+several-frameworks-%: setup
+	@echo "=== backend: $*, beside the other frameworks: the tests that need several ($$(date +%T)) ==="
+	@KSS_TEST_PASS=several-frameworks KSS_DOCS_SITE=build/site KERAS_BACKEND=$* \
+		$(subst -n $(JOBS),-n $(SEVERAL_JOBS),$(PYTEST)) tests
+
 test:
-	@echo "=== setup, lint, docs and each backend's install from the wheel, two at a time ($$(date +%T)) ==="
-	@$(MAKE) --no-print-directory -j2 --output-sync=target TESTS=all checks $(addprefix prepare-alone-,$(BACKENDS))
+	@echo "=== setup, lint, docs and each backend's install from the wheel, at once ($$(date +%T)) ==="
+	@$(MAKE) --no-print-directory -j4 --output-sync=target TESTS=all checks $(addprefix prepare-alone-,$(BACKENDS))
 	@for b in $(BACKENDS); do \
 		echo "=== backend: $$b, installed alone from the wheel: its tests ($$(date +%T)) ==="; \
 		$(PYTHON) tests/install_check.py --backend $$b --venv .venv-$$b --tests all --jobs $(JOBS) --phase tests || exit 1; \
 	done
-	@for b in $(BACKENDS); do \
-		echo "=== backend: $$b, beside the other frameworks: the tests that need several ($$(date +%T)) ==="; \
-		KSS_TEST_PASS=several-frameworks KSS_DOCS_SITE=build/site KERAS_BACKEND=$$b $(PYTEST) tests || exit 1; \
-	done
+	@echo "=== each backend beside the other frameworks, at once: the tests that need several ($$(date +%T)) ==="
+	@$(MAKE) --no-print-directory -j3 --output-sync=target $(addprefix several-frameworks-,$(BACKENDS))
+	@echo "=== done ($$(date +%T)) ==="
 
 # Device placement (issue 17): a restore lands on each variable's device / JAX sharding. On
 # a GPU machine the variables live on the GPU; JAX also runs the sharded case on 4

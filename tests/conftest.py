@@ -34,18 +34,25 @@ def _jax_compilation_cache():
 _jax_compilation_cache()
 
 
-def _one_torch_thread():
-    """On the torch backend, PyTorch runs one intra-op thread in each test process (set through
-    the environment before torch is imported, so the child processes tests start inherit it).
-    The suite's models are tiny and pytest-xdist already runs one worker per core: torch's
-    default of one OpenMP thread per core makes the workers' threads spin against each other
-    (measured here: 35% less CPU time for test_cases.py and test_optimizers.py with one thread).
-    ``OMP_NUM_THREADS`` set by the caller wins."""
-    if os.environ.get("KERAS_BACKEND") == "torch":
+def _one_thread_per_test_process():
+    """On the torch and tensorflow backends, the framework runs one intra-op (and, TensorFlow,
+    one inter-op) thread in each test process (set through the environment before it is
+    imported, so the child processes tests start inherit it). The suite's models are tiny and
+    pytest-xdist already runs more workers than the machine has cores: the frameworks' default
+    of one thread per core makes the workers' threads spin against each other (measured here
+    with three workers on two cores: 35% less CPU time for test_cases.py and test_optimizers.py
+    on torch with one thread; 8% less for five fit-heavy files on TensorFlow, 2026-12-06). JAX's
+    XLA CPU client is left as it is (one thread there measured no faster). Settings the caller
+    made win."""
+    backend = os.environ.get("KERAS_BACKEND")
+    if backend == "torch":
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    elif backend == "tensorflow":
+        os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+        os.environ.setdefault("TF_NUM_INTEROP_THREADS", "1")
 
 
-_one_torch_thread()
+_one_thread_per_test_process()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -124,6 +131,38 @@ _LONGEST_FIRST = (
 )
 
 
+# The files that hold tests needing a framework beside the backend's (the frameworks marker,
+# also on the cases tests/_matrix_sample.py draws): the only ones the several-frameworks pass
+# imports (importing the others costs each of its processes about 6 s). Every pass checks the
+# markers it collects against this list (pytest_collection_modifyitems).
+SEVERAL_FRAMEWORKS_FILES = frozenset(
+    {
+        "test_checkpoint_invariance.py",
+        "test_compiled_metrics_resume.py",
+        "test_distributed_sampler.py",
+        "test_fit_grain_inputs.py",
+        "test_fit_input.py",
+        "test_fit_tf_data_state.py",
+        "test_fit_torch_inputs.py",
+        "test_layer_state.py",
+        "test_notebooks.py",
+        "test_resume_matrix.py",
+        "test_resume_matrix_b.py",
+        "test_torch_optim.py",
+        "test_transfer.py",
+    }
+)
+
+
+def pytest_ignore_collect(collection_path, config):
+    from kit import SEVERAL_FRAMEWORKS_PASS
+
+    name = collection_path.name
+    if SEVERAL_FRAMEWORKS_PASS and name.startswith("test_") and name.endswith(".py"):
+        return name not in SEVERAL_FRAMEWORKS_FILES or None
+    return None
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
@@ -140,6 +179,14 @@ def _frameworks(item):
 def pytest_collection_modifyitems(config, items):
     from kit import SEVERAL_FRAMEWORKS_PASS, frameworks_missing, frameworks_needed
 
+    unlisted = sorted(
+        {item.path.name for item in items if frameworks_needed(_frameworks(item))} - SEVERAL_FRAMEWORKS_FILES
+    )
+    if unlisted:
+        raise pytest.UsageError(
+            f"{', '.join(unlisted)}: tests that need another framework beside {BACKEND}, in a file "
+            "the several-frameworks pass would not collect; add it to conftest.SEVERAL_FRAMEWORKS_FILES"
+        )
     if SEVERAL_FRAMEWORKS_PASS:  # only what the one-framework pass could not run
         keep = [item for item in items if frameworks_needed(_frameworks(item))]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
