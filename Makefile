@@ -85,12 +85,14 @@ test-fast: setup
 # tests/test_docs_api.py reads the site just built (KSS_DOCS_SITE) instead of building one.
 # Each backend's suite in the user's install (that framework alone, from the wheel), then, in
 # .venv with every framework, only the tests that need another one beside the backend's.
-# The preparations (pip, the quick start, the command line, the demo) and the lint and docs
-# wait on the disk and on child processes as much as they compute: all four run at once
-# (make -j4, each one's output printed when it ends); then the three backends' suites at
-# once, then the three several-frameworks passes at once, PASS_JOBS test processes each
-# (a pass waits on its child processes and ends on its longest file: one at a time kept the
-# two cores busy 70-95% of the time, 2026-12-06).
+# The preparations are one core's work each (pip, the quick start, the command line, the
+# demo): two run at a time (make -j2, each one's output printed when it ends) beside the
+# lint and docs (all four at once took 3m56s against 3m12s, 2026-12-06). Then each backend's
+# suite with every core (the three at once took 1116 s against 1074 s one after the other:
+# they keep the two cores 91-97% busy alone, and more processes only add contention). Then the
+# three several-frameworks passes at once, PASS_JOBS test processes each: one alone waits on
+# the child processes of other backends and ends on its longest file, keeping the two cores
+# 71-92% busy (at once: 289 s against 336 s one after the other, 2026-12-06).
 prepare-alone-%:
 	rm -rf .venv-$*
 	$(MAKE) --no-print-directory .venv-$*/.installed
@@ -98,22 +100,20 @@ prepare-alone-%:
 
 checks: lint docs
 
-# Test processes of each pass when three run at once (TensorFlow's suite, the longest, keeps 3)
+# Test processes of each several-frameworks pass (three run at once)
 PASS_JOBS ?= 2
-PASS_JOBS_tensorflow ?= 3
-tests-alone-%:
-	@$(PYTHON) tests/install_check.py --backend $* --venv .venv-$* --tests all --jobs $(or $(PASS_JOBS_$*),$(PASS_JOBS)) --phase tests
-
 several-frameworks-%: setup
 	@echo "=== backend: $*, beside the other frameworks: the tests that need several ($$(date +%T)) ==="
 	@KSS_TEST_PASS=several-frameworks KSS_DOCS_SITE=build/site KERAS_BACKEND=$* \
 		$(subst -n $(JOBS),-n $(PASS_JOBS),$(PYTEST)) tests
 
 test:
-	@echo "=== setup, lint, docs and each backend's install from the wheel, at once ($$(date +%T)) ==="
-	@$(MAKE) --no-print-directory -j4 --output-sync=target TESTS=all checks $(addprefix prepare-alone-,$(BACKENDS))
-	@echo "=== each backend installed alone from the wheel, at once: its tests ($$(date +%T)) ==="
-	@$(MAKE) --no-print-directory -j3 --output-sync=target $(addprefix tests-alone-,$(BACKENDS))
+	@echo "=== setup, lint, docs and each backend's install from the wheel, two at a time ($$(date +%T)) ==="
+	@$(MAKE) --no-print-directory -j2 --output-sync=target TESTS=all checks $(addprefix prepare-alone-,$(BACKENDS))
+	@for b in $(BACKENDS); do \
+		echo "=== backend: $$b, installed alone from the wheel: its tests ($$(date +%T)) ==="; \
+		$(PYTHON) tests/install_check.py --backend $$b --venv .venv-$$b --tests all --jobs $(JOBS) --phase tests || exit 1; \
+	done
 	@echo "=== each backend beside the other frameworks, at once: the tests that need several ($$(date +%T)) ==="
 	@$(MAKE) --no-print-directory -j3 --output-sync=target $(addprefix several-frameworks-,$(BACKENDS))
 	@echo "=== done ($$(date +%T)) ==="
