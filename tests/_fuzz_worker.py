@@ -693,7 +693,7 @@ def emit(tag, doc):
 def start(workdir):
     if not os.path.exists(os.path.join(workdir, "saved-keras.json")):
         setup(workdir)
-        keras.backend.clear_session()
+        keras.backend.clear_session(free_memory=False)
     model = build_model()
     model(np.zeros((1, 4), "float32"))
     ctx = {"workdir": workdir, "live": {}, "reference": {}, "names": {}}

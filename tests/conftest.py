@@ -280,3 +280,4 @@ def directory_lock(request, monkeypatch):
     the implementation's name."""
     monkeypatch.setenv("KSS_DIRECTORY_LOCK", request.param)
     return request.param
+

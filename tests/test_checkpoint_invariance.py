@@ -123,7 +123,7 @@ _KINDS = [
 @pytest.mark.parametrize("kind", _KINDS)
 def test_a_run_with_stable_checkpoint_equals_the_run_without_it(kind, save_freq, tmp_path):
     reference, ref_history = _fit(kind)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     watched, history = _fit(kind, tmp_path, save_freq)
     assert len(watched) == len(reference)
     for i, (a, b) in enumerate(zip(reference, watched, strict=True)):
@@ -162,7 +162,7 @@ def test_the_same_holds_with_validation_executions_and_background_saves(options,
         ], history.history
 
     reference, ref_history = run(None)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     watched, history = run(tmp_path)
     for i, (a, b) in enumerate(zip(reference, watched, strict=True)):
         np.testing.assert_array_equal(b, a, err_msg=f"variable {i}")

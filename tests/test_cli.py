@@ -102,7 +102,7 @@ def files(tmp_path_factory):
     after = {k: to_np(v) for k, v in _keys(m).items()}
     big = _trained(data, extra_layer=True)
     kss.save_training_state(folder / "big.h5", big)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     return types.SimpleNamespace(
         folder=folder, model=m, stock=stock, before=before, after=after, keys=set(_keys(m))
     )

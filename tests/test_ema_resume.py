@@ -39,9 +39,9 @@ def _fit(directory, *, stop=None, seed=0, order="ckpt-first", passed=True, save_
 @pytest.mark.slow
 def test_swap_ema_weights_on_epoch_resumes_exactly(tmp_path, order, stop, save_freq):
     ref = _fit(tmp_path / "ref", order=order, save_freq=save_freq)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     _fit(tmp_path / "run", stop=stop, order=order, save_freq=save_freq)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     res = _fit(tmp_path / "run", seed=4, order=order, save_freq=save_freq)
     for i, (a, b) in enumerate(zip(ref, res, strict=True)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=f"variable {i}")
@@ -52,9 +52,9 @@ def test_swap_ema_weights_not_given_is_saved_all_the_same(tmp_path):
     """Not named in StableCheckpoint(callbacks=...), its flag is saved as ``SwapEMAWeights/0``
     (issue 33): the epoch-boundary resume is as exact, and nothing is warned."""
     ref = _fit(tmp_path / "ref", passed=False)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     _fit(tmp_path / "run", stop=(2, 0), passed=False)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     res = _fit(tmp_path / "run", seed=4, passed=False)
     for i, (a, b) in enumerate(zip(ref, res, strict=True)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=f"variable {i}")

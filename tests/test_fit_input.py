@@ -96,7 +96,7 @@ def test_shuffled_numpy_resume_is_exact_whatever_the_resuming_process_is_seeded_
 ):
     ref_weights, ref_history = _reference(tmp_path_factory)
     fit_arrays(tmp_path, stop=stop)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     weights, history = fit_arrays(tmp_path, seed=resume_seed)
     _assert_same(ref_weights, weights)
     assert history == ref_history
@@ -109,7 +109,7 @@ def test_without_a_tensorflow_seed_the_numpy_drawn_order_resumes_exactly(tmp_pat
     process seeded otherwise, with TensorFlow's seed set this time."""
     ref_weights, ref_history = _reference(tmp_path_factory, tf_seed=False, shuffle=shuffle)
     fit_arrays(tmp_path, stop=(1, 3), tf_seed=False, shuffle=shuffle)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     weights, history = fit_arrays(tmp_path, seed=31, shuffle=shuffle)
     _assert_same(ref_weights, weights)
     assert history == ref_history
@@ -129,7 +129,7 @@ def test_a_seeded_tensorflow_run_resumed_without_a_global_seed_draws_the_saved_s
 
     ref_weights, ref_history = _reference(tmp_path_factory)
     fit_arrays(tmp_path, stop=stop)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     np.random.seed(5)
     tf.random.set_seed(None)
     try:
@@ -144,7 +144,7 @@ def test_a_seeded_tensorflow_run_resumed_without_a_global_seed_draws_the_saved_s
 def test_shuffle_batch_resumes_exactly(tmp_path, tmp_path_factory):
     ref_weights, _ = _reference(tmp_path_factory, shuffle="batch")
     fit_arrays(tmp_path, stop=(1, 3), shuffle="batch")
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     weights, _ = fit_arrays(tmp_path, seed=7, shuffle="batch")
     _assert_same(ref_weights, weights)
 
@@ -153,9 +153,9 @@ def test_shuffle_batch_resumes_exactly(tmp_path, tmp_path_factory):
 def test_two_preemptions_in_one_epoch_resume_exactly(tmp_path, tmp_path_factory):
     ref_weights, _ = _reference(tmp_path_factory, save_freq=1)
     fit_arrays(tmp_path, stop=(1, 1), save_freq=1)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     fit_arrays(tmp_path, stop=(1, 4), seed=5, save_freq=1)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     weights, _ = fit_arrays(tmp_path, seed=None, save_freq=1)
     _assert_same(ref_weights, weights)
 
@@ -173,7 +173,7 @@ def test_the_epoch_order_is_saved_as_a_permutation_of_the_samples(tmp_path):
 
 def test_a_mid_epoch_resume_with_another_number_of_samples_is_refused_naming_both(tmp_path):
     fit_arrays(tmp_path, stop=(1, 3))
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     with pytest.raises(kss.StateError, match="num_samples saved 44, now 40"):
         fit_arrays(tmp_path, x=X[:40])
 
@@ -302,9 +302,9 @@ def _stream_fit(directory, *, stop=None, seed=0, save_freq=2, repeat=True, steps
 @pytest.mark.frameworks("tensorflow")  # a tf.data input
 def test_repeat_with_steps_per_epoch_resumes_at_the_place_in_the_stream(tmp_path, stop, save_freq):
     ref = _stream_fit(tmp_path / "ref", save_freq=save_freq)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     _stream_fit(tmp_path / "run", stop=stop, save_freq=save_freq)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     _assert_same(ref, _stream_fit(tmp_path / "run", seed=3, save_freq=save_freq))
 
 
@@ -314,9 +314,9 @@ def test_a_finite_stream_longer_than_steps_per_epoch_resumes_at_its_place(tmp_pa
     # 6 batches read 3 per epoch: epoch 1 reads batches 3-5, then Keras starts the stream over.
     kw = dict(repeat=False, save_freq=1, steps_per_epoch=3)
     ref = _stream_fit(tmp_path / "ref", **kw)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     _stream_fit(tmp_path / "run", stop=(1, 1), **kw)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     _assert_same(ref, _stream_fit(tmp_path / "run", seed=3, **kw))
 
 
@@ -330,7 +330,7 @@ def test_a_forged_epoch_order_is_refused_naming_its_record(tmp_path):
     with h5py.File(newest, "r+") as f:
         edit_array(f, "providers/data/permutation", lambda a: np.zeros_like(a))  # not a permutation
     storage.reseal(newest)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     with pytest.raises(kss.CorruptCheckpointError, match=r"providers/data/permutation is not a permutation"):
         fit_arrays(tmp_path)
 
@@ -367,9 +367,9 @@ def _fit_mixed(directory, *, stop=None, seed=0):
 @pytest.mark.slow
 def test_shuffled_resume_with_mixed_precision_ema_and_accumulation_is_exact(tmp_path):
     ref_weights, ref_history = _fit_mixed(tmp_path / "ref")
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     _fit_mixed(tmp_path / "run", stop=(1, 4))
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     weights, history = _fit_mixed(tmp_path / "run", seed=None)
     _assert_same(ref_weights, weights)
     assert history == ref_history

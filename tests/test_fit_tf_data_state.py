@@ -112,9 +112,9 @@ def test_a_reshuffling_pipeline_killed_mid_epoch_once_and_twice_resumes_exactly(
     ref, ref_history, _ = _fit(None, pipeline, checkpoint=False)  # a fit without the library
     for name, stops in (("once", [(1, 3)]), ("twice", [(0, 3), (2, 1)])):
         for stop in stops:
-            keras.backend.clear_session()
+            keras.backend.clear_session(free_memory=False)
             _fit(tmp_path / name, pipeline, stop=stop)
-        keras.backend.clear_session()
+        keras.backend.clear_session(free_memory=False)
         res, history, ckpt = _fit(tmp_path / name, pipeline)
         assert (
             ckpt.restore_report is not None and ckpt.restore_report.restored_state.count("state:input") == 1
@@ -126,9 +126,9 @@ def test_a_reshuffling_pipeline_killed_mid_epoch_once_and_twice_resumes_exactly(
 @pytest.mark.slow
 def test_an_epoch_boundary_resume_draws_the_next_epochs_order(tmp_path):
     ref, ref_history, _ = _fit(None, "reshuffle-seeded", checkpoint=False)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     _fit(tmp_path, "reshuffle-seeded", stop=(2, None), save_freq="epoch")
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     res, history, _ = _fit(tmp_path, "reshuffle-seeded", save_freq="epoch")
     assert_same_state(ref, res)
     assert history == ref_history
@@ -152,7 +152,7 @@ def test_the_checkpoint_holds_tf_datas_iterator_state(tmp_path):
 
 def test_a_pipeline_made_under_another_global_seed_warns_naming_both_seeds(tmp_path):
     _fit(tmp_path, "reshuffle-seeded", stop=(1, 3))
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     import tensorflow as tf
 
     model = mlp(seed=0, dropout=0.3)
@@ -170,7 +170,7 @@ def test_a_pipeline_made_under_another_global_seed_warns_naming_both_seeds(tmp_p
 
 def test_another_pipeline_is_refused_naming_the_record(tmp_path):
     _fit(tmp_path, "reshuffle-seeded", stop=(1, 3))
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     import tensorflow as tf
 
     model = mlp(seed=0, dropout=0.3)
@@ -202,7 +202,7 @@ def test_a_checkpoint_without_the_pipelines_state_resumes_with_a_warning(tmp_pat
             verbose=0,
             callbacks=[kss.StableCheckpoint(tmp_path, save_freq=2), stop],
         )
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     with pytest.warns(
         kss.InexactResumeWarning, match="holds no state of the fit input \\(a tf.data pipeline\\)"
     ):

@@ -165,7 +165,7 @@ def _groups(model, opt):
 
 
 def _saved_run(tmp_path):
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     model = _tower()  # first Dense of the session: the body is "dense"
     opt = _multi()
     opt.build(model.trainable_variables)
@@ -217,7 +217,7 @@ class SavedTower(Tower):
 
 
 def test_load_model_with_other_routing_is_refused_naming_the_groups(tmp_path):
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     model = SavedTower()
     model(Z)
     opt = kss.StableOptimizer(_multi(), model=model)

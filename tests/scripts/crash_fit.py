@@ -31,7 +31,7 @@ save_freq = int(os.environ.get("CRASH_SAVE_FREQ", "3"))
 
 
 def run(ckpt_dir, out, kill_at):
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(80, 6)).astype("float32")

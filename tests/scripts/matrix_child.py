@@ -2,7 +2,7 @@
 
 usage: matrix_child.py PLAN_JSON
 
-Each phase starts with ``keras.backend.clear_session()`` and (unless the phase is
+Each phase starts with ``keras.backend.clear_session(free_memory=False)`` and (unless the phase is
 unseeded) ``keras.utils.set_random_seed``, builds model, optimizer, callbacks and input
 anew and runs ``model.fit`` with a ``StableCheckpoint`` (``plain`` phases without one and
 with the bare optimizer: the run without the library, for the invariance check).
@@ -102,7 +102,7 @@ def decoy():
 
 
 def run_phase(c, phase):
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     if phase.get("seed") is not None:
         keras.utils.set_random_seed(phase["seed"])
         if "torch" in rm.mi.frameworks(c["input"]):  # a DataLoader's script seeds Torch too

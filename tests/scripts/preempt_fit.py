@@ -58,7 +58,7 @@ def data():
 
 
 def run(folder, seed, wait):
-    keras.utils.clear_session()
+    keras.utils.clear_session(free_memory=False)
     model = mlp(seed=seed)
     ckpt = kss.StableCheckpoint(folder)
     shake = Handshake(wait)

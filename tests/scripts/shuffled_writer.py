@@ -22,9 +22,9 @@ ckpt_dir, ref_npz = sys.argv[1], sys.argv[2]
 # shuffled orders with NumPy, which the resuming backend draws too.
 ref, _ = t.fit_arrays(os.path.join(ckpt_dir + "-ref"), tf_seed=False)
 np.savez(ref_npz, *ref)
-keras.backend.clear_session()
+keras.backend.clear_session(free_memory=False)
 t.fit_arrays(ckpt_dir, stop=(1, 3), tf_seed=False)
 if len(sys.argv) > 3:
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     m = t._model(dropout=True)
     m.fit(t.X, t.Y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(sys.argv[3])])
