@@ -280,4 +280,3 @@ def directory_lock(request, monkeypatch):
     the implementation's name."""
     monkeypatch.setenv("KSS_DIRECTORY_LOCK", request.param)
     return request.param
-
