@@ -99,7 +99,10 @@ test-fast: setup
 # they keep the two cores 91-97% busy alone, and more processes only add contention). Then the
 # three several-frameworks passes at once, PASS_JOBS test processes each: one alone waits on
 # the child processes of other backends and ends on its longest file, keeping the two cores
-# 71-92% busy (at once: 289 s against 336 s one after the other, 2026-12-06).
+# 71-92% busy (at once: 289 s against 336 s one after the other, 2026-12-06). One test process
+# each: every one imports all three frameworks (about 20 CPU-s), and the three passes with their
+# child processes keep both cores busy (245 s and 446 CPU-s against 268 s and 508 with two each,
+# 258 s with two for JAX alone; 2026-12-06).
 prepare-alone-%:
 	rm -rf .venv-$*
 	$(MAKE) --no-print-directory .venv-$*/.installed
@@ -108,7 +111,7 @@ prepare-alone-%:
 checks: lint docs
 
 # Test processes of each several-frameworks pass (three run at once)
-PASS_JOBS ?= 2
+PASS_JOBS ?= 1
 several-frameworks-%: setup
 	@echo "=== backend: $*, beside the other frameworks: the tests that need several ($$(date +%T)) ==="
 	@KSS_TEST_PASS=several-frameworks KSS_DOCS_SITE=build/site KERAS_BACKEND=$* \
