@@ -120,7 +120,6 @@ def pytest_runtest_protocol(item, nextitem):
 # one worker idling while the other finishes them).
 _LONGEST_FIRST = (
     "test_resume_matrix.py",
-    "test_resume_matrix_b.py",
     "test_notebooks.py",
     "test_fit_input.py",
     "test_checkpoint_dir.py",
@@ -147,7 +146,6 @@ SEVERAL_FRAMEWORKS_FILES = frozenset(
         "test_layer_state.py",
         "test_notebooks.py",
         "test_resume_matrix.py",
-        "test_resume_matrix_b.py",
         "test_torch_optim.py",
         "test_transfer.py",
     }

@@ -1,4 +1,4 @@
-"""Resume-conformance matrix, fixed-seed sample, half 0 (issue 14; see tests/resume_matrix.py):
+"""Resume-conformance matrix, fixed-seed sample (issue 14; see tests/resume_matrix.py):
 each drawn `model.fit` configuration is run uninterrupted and killed (SIGKILL) and resumed in
 fresh processes; every model and optimizer variable (by position), the History and the
 learning rates must equal the uninterrupted run's, unless the resume was refused or warned
@@ -12,9 +12,9 @@ import matrix
 import matrix_causes as mc
 import matrix_inputs as mi
 import resume_matrix as rm
-from _matrix_sample import half_tests
+from _matrix_sample import sample_tests
 
-results, test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned = half_tests(0)
+results, test_resumed_fit_equals_uninterrupted_or_is_refused_or_warned = sample_tests()
 
 
 def test_cases_replay_from_seed_and_index_and_fit_the_backend():
