@@ -97,12 +97,11 @@ test-fast: setup
 # lint and docs (all four at once took 3m56s against 3m12s, 2026-12-06). Then each backend's
 # suite with every core (the three at once took 1116 s against 1074 s one after the other:
 # they keep the two cores 91-97% busy alone, and more processes only add contention). Then the
-# three several-frameworks passes at once, PASS_JOBS test processes each: one alone waits on
-# the child processes of other backends and ends on its longest file, keeping the two cores
-# 71-92% busy (at once: 289 s against 336 s one after the other, 2026-12-06). One test process
-# each: every one imports all three frameworks (about 20 CPU-s), and the three passes with their
-# child processes keep both cores busy (245 s and 446 CPU-s against 268 s and 508 with two each,
-# 258 s with two for JAX alone; 2026-12-06).
+# three several-frameworks passes at once (289 s against 336 s one after the other: a pass alone
+# waits on its child processes of other backends), PASS_JOBS test processes each: one, since
+# every process imports all three frameworks (about 20 CPU-s) and the three passes with their
+# child processes keep both cores busy (245 s and 446 CPU-s against 268 s and 508 with two
+# each, 258 s with two for JAX alone; 2026-12-06).
 prepare-alone-%:
 	rm -rf .venv-$*
 	$(MAKE) --no-print-directory .venv-$*/.installed
