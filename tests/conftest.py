@@ -161,12 +161,24 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# Tests marked backend_free (locks, command-line usage, hostile paths: no Keras variable is
+# made, the backend is never reached) run in one backend's pass, this one's by default, and are
+# skipped in the others with that reason: three passes would run the same code three times.
+BACKEND_FREE_PASS = os.environ.get("KSS_BACKEND_FREE_PASS", "jax")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "frameworks(*names): the frameworks the test needs installed (beside the backend's own); "
         "skipped with the reason where one is missing (a one-framework environment), and the only "
         "tests of the several-frameworks pass (KSS_TEST_PASS=several-frameworks)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "backend_free: the test reaches no backend (it makes no Keras variable, which is checked "
+        f"where it runs): it runs in the {BACKEND_FREE_PASS} pass only (KSS_BACKEND_FREE_PASS) "
+        "and is skipped in the others with that reason",
     )
 
 
@@ -190,6 +202,12 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
     for item in items:
+        if BACKEND != BACKEND_FREE_PASS and item.get_closest_marker("backend_free"):
+            reason = (
+                f"reaches no backend (makes no Keras variable): runs once, in the {BACKEND_FREE_PASS} "
+                "pass (KSS_BACKEND_FREE_PASS)"
+            )
+            item.add_marker(pytest.mark.skip(reason=reason))
         missing = frameworks_missing(_frameworks(item))
         if missing:
             reason = (
@@ -199,6 +217,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's order kept
+
+
+@pytest.fixture(autouse=True)
+def _backend_free_check(request, monkeypatch):
+    """A test marked backend_free that makes a Keras variable fails: its mark would skip it on
+    backends it reaches."""
+    if not request.node.get_closest_marker("backend_free"):
+        yield
+        return
+    from keras.src.backend.common import variables
+
+    made = []
+    init = variables.Variable.__init__
+
+    def counting(self, *args, **kwargs):
+        made.append(kwargs.get("name", "unnamed"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(variables.Variable, "__init__", counting)
+    yield
+    assert not made, (
+        f"{request.node.nodeid} is marked backend_free but made Keras variables {made[:5]}: "
+        "drop the mark (it would skip the test on backends it reaches)"
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,9 @@
 
 For each backend, in a virtual environment that ``make`` built with nothing but
 ``pip install "<the wheel>[<backend>]"`` (``.venv-<backend>``; Torch's CPU build is the
-one ``constraints.txt`` pins), this script runs, in order:
+one ``constraints.txt`` pins; every install of this script and the Makefile passes
+``--no-compile``, so Python compiles a module when it is first imported, not at install),
+this script runs, in order:
 
 1. the README's quick start, copied from README.md as it is, in an empty folder, with
    ``KERAS_BACKEND`` unset and a ``HOME`` of its own (no ``~/.keras/keras.json``), twice:
@@ -184,11 +186,11 @@ def check(backend: str, venv: Path, tests: str, jobs: int, phase: str = "all") -
         if "DIFFERENT" not in diff:
             raise SystemExit(f"  {backend}: keras-stable-state diff of two steps found no difference")
         steps.probe("cli-module", ["-m", "keras_stable_state", "ls", "ckpts"], cwd=work, env=env)
-        steps.pip("install-demo", f"{wheel(steps.venv)}[{backend},demo]")
+        steps.pip("install-demo", f"{wheel(steps.venv)}[{backend},demo]", "--no-compile")
         steps.probe("demo", [str(ROOT / "examples" / "resume_demo.py"), "--backend", backend], cwd=ROOT)
         if tests != "none":
-            # --no-compile: the test tools' modules (moto, botocore, mypy...) are compiled when
-            # imported, not all at install (about 10 s of the step)
+            # --no-compile (as every install of make test): the modules are compiled when
+            # imported, not all at install (about 10 s of this step)
             steps.pip(
                 "install-tests", f"{wheel(steps.venv)}[{backend},{TEST_EXTRAS[backend]}]", "--no-compile"
             )

@@ -261,6 +261,7 @@ def test_verify_and_inspect_refuse_a_truncated_file(capsys, saved, tmp_path, ext
     assert json.loads(out)["error"]["kind"] == "damaged" and json.loads(out)["error"]["file"] == str(cut)
 
 
+@pytest.mark.backend_free
 @ONCE
 def test_missing_file_and_usage_errors(capsys, tmp_path):
     code, _, err = _run(capsys, "verify", tmp_path / "absent.h5")
@@ -360,6 +361,7 @@ def test_diff_of_an_unreadable_file_exits_2(capsys, saved, tmp_path):
     assert json.loads(out)["error"]["file"] == str(tmp_path / "cut.h5")
 
 
+@pytest.mark.backend_free
 @ONCE
 def test_max_abs_difference_casts_to_float64():
     a = np.array([1.0, 2.0, np.nan, np.inf], dtype=ml_dtypes.bfloat16)

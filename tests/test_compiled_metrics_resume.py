@@ -2,6 +2,7 @@
 metrics or a loss per output (TensorFlow builds them only at the first trace)."""
 
 import json
+import shutil
 import warnings
 
 import keras
@@ -130,22 +131,39 @@ WRITER = {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[keras.back
 UNEVEN = (6, 8, 8, 8, 8, 10)  # 22 samples in the 3 batches before the save at step 3: not 3 equal ones
 
 
+SIZES = {"equal-batches": (8,) * 6, "unequal-batches": UNEVEN}
+
+
+@pytest.fixture(scope="module")
+def written_on_writer(tmp_path_factory):
+    """``(folder, {name: History of the writer's uninterrupted fit without the library})``: per
+    name of `SIZES`, a fit preempted at (1, 5) on WRITER in ``folder / name`` (one child process
+    writes all)."""
+    root = tmp_path_factory.mktemp("writer")
+    code = "import json\nrefs = {}\n"
+    for name, sizes in SIZES.items():
+        code += (
+            f"t._fit('two_outputs', {str(root / name)!r}, stop=(1, 5), generator=True, sizes={sizes!r})\n"
+            f"refs[{name!r}] = t._fit('two_outputs', generator=True, sizes={sizes!r})[1].history\n"
+        )
+    out = run_on_backend(WRITER, "test_compiled_metrics_resume", code + "print(json.dumps(refs))")
+    return root, json.loads(out.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 @pytest.mark.frameworks(WRITER)
-@pytest.mark.parametrize("sizes", [(8,) * 6, UNEVEN], ids=["equal-batches", "unequal-batches"])
-def test_fault1_cross_backend_resume_converts_per_output_loss_means_counted_otherwise(tmp_path, sizes):
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_fault1_cross_backend_resume_converts_per_output_loss_means_counted_otherwise(
+    tmp_path, written_on_writer, name
+):
     """TensorFlow counts a generator's batches in the per-output loss means, JAX and Torch
     samples: a mid-epoch checkpoint written on one side and resumed on the other has its means
     converted when the epoch's batches so far were equal (the resumed History equals the
     writer's uninterrupted one), and is warned about when they were not."""
-    out = run_on_backend(
-        WRITER,
-        "test_compiled_metrics_resume",
-        f"t._fit('two_outputs', {str(tmp_path / 'run')!r}, stop=(1, 5), generator=True, sizes={sizes!r})\n"
-        f"_, ref = t._fit('two_outputs', generator=True, sizes={sizes!r})\n"
-        "import json; print(json.dumps(ref.history))",
-    )
-    reference = json.loads(out.strip().splitlines()[-1])  # the writer's, uninterrupted, no library
+    root, references = written_on_writer
+    sizes = SIZES[name]
+    shutil.copytree(root / name, tmp_path / "run")
+    reference = references[name]  # the writer's, uninterrupted, no library
     differ = "tensorflow" in (WRITER, keras.backend.backend())
     (res, history), found = inexact_warnings(
         lambda: _fit("two_outputs", tmp_path / "run", generator=True, sizes=sizes)

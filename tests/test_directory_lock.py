@@ -88,6 +88,7 @@ def _record(directory):
         return json.load(f)
 
 
+@pytest.mark.backend_free
 def test_the_forced_implementation_is_used(tmp_path, directory_lock):
     held, token = _acquire(tmp_path)
     try:
@@ -99,6 +100,7 @@ def test_the_forced_implementation_is_used(tmp_path, directory_lock):
     assert _names(tmp_path) == []
 
 
+@pytest.mark.backend_free
 @pytest.mark.slow
 def test_a_second_process_is_refused_naming_the_first(tmp_path, directory_lock):
     child = _holder(tmp_path, "hold")
@@ -118,6 +120,7 @@ def test_a_second_process_is_refused_naming_the_first(tmp_path, directory_lock):
     held.release(token)
 
 
+@pytest.mark.backend_free
 @pytest.mark.slow
 @pytest.mark.parametrize("end", ["exit", "kill"])
 def test_a_lock_left_by_a_process_that_ended_is_taken_over(tmp_path, directory_lock, end):
@@ -136,6 +139,7 @@ def test_a_lock_left_by_a_process_that_ended_is_taken_over(tmp_path, directory_l
     assert _names(tmp_path) == []
 
 
+@pytest.mark.backend_free
 @pytest.mark.slow
 def test_a_portable_lock_of_another_host_is_refused_naming_its_marker(tmp_path, monkeypatch):
     monkeypatch.setenv("KSS_DIRECTORY_LOCK", "portable")
@@ -154,6 +158,7 @@ def test_a_portable_lock_of_another_host_is_refused_naming_its_marker(tmp_path, 
     assert _names(tmp_path) == []
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize("holder_kind", ["flock", "portable"])
 def test_a_marker_of_another_host_whose_writer_held_flock_is_taken_over(
     tmp_path, directory_lock, holder_kind
@@ -171,6 +176,7 @@ def test_a_marker_of_another_host_whose_writer_held_flock_is_taken_over(
     assert _names(tmp_path) == []
 
 
+@pytest.mark.backend_free
 def test_a_live_writer_of_another_host_holding_flock_is_refused(tmp_path, directory_lock):
     """The take-over needs the flock free: while that writer holds it, it is refused by the flock."""
     child = _holder(tmp_path, "hold", kind="flock")
@@ -184,6 +190,7 @@ def test_a_live_writer_of_another_host_holding_flock_is_refused(tmp_path, direct
 KINDS = [("flock", "portable"), ("portable", "flock")]
 
 
+@pytest.mark.backend_free
 @pytest.mark.slow
 @pytest.mark.parametrize(("first", "second"), KINDS)
 def test_a_writer_of_the_other_kind_is_refused_naming_the_first(tmp_path, monkeypatch, first, second):
@@ -208,6 +215,7 @@ def test_a_writer_of_the_other_kind_is_refused_naming_the_first(tmp_path, monkey
     assert _names(tmp_path) == []
 
 
+@pytest.mark.backend_free
 @pytest.mark.slow
 def test_a_writer_is_refused_by_a_portable_marker_where_flock_fails(tmp_path, directory_lock):
     child = _holder(tmp_path, "hold", kind="portable", variant="noflock")  # as on NFS without locking
@@ -220,6 +228,7 @@ def test_a_writer_is_refused_by_a_portable_marker_where_flock_fails(tmp_path, di
     assert child.returncode == 0 and _names(tmp_path) == []
 
 
+@pytest.mark.backend_free
 @pytest.mark.slow
 def test_a_portable_writer_is_refused_by_a_flock_writer_without_a_marker(tmp_path, monkeypatch):
     child = _holder(tmp_path, "hold", kind="flock", variant="nomarker")  # an older version
@@ -234,6 +243,7 @@ def test_a_portable_writer_is_refused_by_a_flock_writer_without_a_marker(tmp_pat
     assert child.returncode == 0 and _names(tmp_path) == []
 
 
+@pytest.mark.backend_free
 @pytest.mark.slow
 @pytest.mark.parametrize("end", ["exit", "kill"])
 def test_a_killed_flock_writers_marker_blocks_no_writer_of_either_kind(tmp_path, directory_lock, end):
@@ -323,6 +333,7 @@ def test_a_fit_of_the_other_kind_is_refused_and_the_first_trains_on(tmp_path, mo
     assert resumed.restore_report is not None and int(model.optimizer.iterations) == 12
 
 
+@pytest.mark.backend_free
 def test_release_then_acquire_again(tmp_path, directory_lock):
     for writer in ("CheckpointManager", "StableCheckpoint", "CheckpointManager"):
         held, token = _acquire(tmp_path, writer=writer, reclaimable=False)
@@ -333,6 +344,7 @@ def test_release_then_acquire_again(tmp_path, directory_lock):
         held.release(token)  # a second release does nothing
 
 
+@pytest.mark.backend_free
 def test_an_owner_collected_while_the_guard_is_taken_never_hangs(tmp_path, directory_lock):
     """The finalizer of a collected owner (``release_token``) may run inside a garbage
     collection in a section of this thread that holds the guard (a ``fit`` taking the lock
@@ -400,6 +412,7 @@ print(json.dumps([os.waitstatus_to_exitcode(status), left, record["pid"] == os.g
 """
 
 
+@pytest.mark.backend_free
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX")
 def test_a_forked_child_never_releases_the_parents_lock(tmp_path, directory_lock):
@@ -420,6 +433,7 @@ def test_a_forked_child_never_releases_the_parents_lock(tmp_path, directory_lock
     assert _names(tmp_path) == []  # the parent's release removed them
 
 
+@pytest.mark.backend_free
 @pytest.mark.skipif(os.name != "posix", reason="symbolic links, hard links and FIFOs are POSIX")
 @pytest.mark.parametrize("name", [LOCK, MARKER])
 @pytest.mark.parametrize("case", ["symlink", "hardlink", "fifo", "directory"])
@@ -444,6 +458,7 @@ def test_a_lock_file_or_marker_that_is_no_regular_file_is_refused(tmp_path, dire
     assert os.path.realpath(d) not in locks._HELD
 
 
+@pytest.mark.backend_free
 def test_without_fcntl_the_portable_lock_is_chosen_and_flock_cannot_be_forced(tmp_path, monkeypatch):
     monkeypatch.setattr(locks, "fcntl", None)  # as on Windows (tests/test_hostile_files.py trains so)
     monkeypatch.delenv("KSS_DIRECTORY_LOCK", raising=False)
@@ -459,6 +474,7 @@ def test_without_fcntl_the_portable_lock_is_chosen_and_flock_cannot_be_forced(tm
     assert _names(tmp_path) == []
 
 
+@pytest.mark.backend_free
 def test_an_unknown_implementation_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("KSS_DIRECTORY_LOCK", "lockf")
     with pytest.raises(kss.StateError, match=r"KSS_DIRECTORY_LOCK='lockf' names no directory lock; expected"):

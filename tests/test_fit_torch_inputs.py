@@ -6,6 +6,8 @@ checkpoint holds. Each case: an uninterrupted fit, then fits preempted once or t
 loader whose generator is seeded otherwise; weights, optimizer variables and History
 equal the uninterrupted run's bit for bit. What cannot be replayed is warned about."""
 
+import shutil
+
 import numpy as np
 import pytest
 from conftest import BACKEND
@@ -216,12 +218,25 @@ def test_a_checkpoint_of_another_loader_is_refused(tmp_path):
 WRITER = "jax" if BACKEND == "torch" else "torch"
 
 
+ACROSS = ["generator", "global-generator"]
+
+
+@pytest.fixture(scope="module")
+def written_on_writer(tmp_path_factory):
+    """A folder per name of `ACROSS`: its loader's fit preempted at (1, 3) on WRITER (one child
+    process writes both)."""
+    root = tmp_path_factory.mktemp("writer")
+    code = "\n".join(f"t._fit({str(root / n)!r}, t.LOADERS[{n!r}], 0, (1, 3))" for n in ACROSS)
+    run_on_backend(WRITER, "test_fit_torch_inputs", code)
+    return root
+
+
 @pytest.mark.frameworks(WRITER)
-@pytest.mark.parametrize("name", ["generator", "global-generator"])
-def test_a_dataloader_resumed_across_the_torch_backend_warns_that_later_epochs_draw_otherwise(tmp_path, name):
-    run_on_backend(
-        WRITER, "test_fit_torch_inputs", f"t._fit({str(tmp_path)!r}, t.LOADERS[{name!r}], 0, (1, 3))"
-    )
+@pytest.mark.parametrize("name", ACROSS)
+def test_a_dataloader_resumed_across_the_torch_backend_warns_that_later_epochs_draw_otherwise(
+    tmp_path, written_on_writer, name
+):
+    shutil.copytree(written_on_writer / name, tmp_path, dirs_exist_ok=True)
     (_, ckpt), found = inexact_warnings(lambda: _fit(tmp_path, LOADERS[name], 5))
     assert ckpt.restore_report is not None
     assert any(

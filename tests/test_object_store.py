@@ -163,6 +163,7 @@ def test_stable_checkpoint_takes_a_file_url_as_its_local_path(tmp_path):
     assert cb.directory == str(tmp_path / "ck")
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize("url", ["s3://bucket/run.h5", "gs://bucket/run.h5", "memory://run.keras"])
 def test_local_only_doors_refuse_urls(url, tmp_path, monkeypatch):
     """The writer, the atomic write, the reader's file door and fs_path never take a URL."""
@@ -180,6 +181,7 @@ def test_local_only_doors_refuse_urls(url, tmp_path, monkeypatch):
     _no_scheme_folder(tmp_path)
 
 
+@pytest.mark.backend_free
 def test_url_detection():
     for url in ("s3://b/k", "gs://b", "file:///x", "memory://x", "simplecache::s3://b/k", "git+ssh://h/x"):
         assert remote.is_url(url), url
@@ -322,6 +324,7 @@ def test_cli_reads_s3_objects(bucket, server):
 
 
 # -- the building block of a checkpoint directory ----------------------------------------------
+@pytest.mark.backend_free
 def test_remote_folder_and_commit_markers(bucket):
     folder = remote.RemotePath(f"s3://{bucket}/ckpts")
     assert folder.list() == [] and remote.read_marker(folder, "ckpt-1.done") is None
@@ -430,6 +433,7 @@ print("RESULT", json.dumps(results))
 """
 
 
+@pytest.mark.backend_free
 @JAX_CHILD_ONLY
 @pytest.mark.slow
 def test_gs_without_gcsfs_is_refused_naming_the_extra(tmp_path):
@@ -779,6 +783,7 @@ def test_cli_lists_inspects_and_refuses_to_verify_an_s3_directory(bucket, capsys
     assert "is an object, not a checkpoint directory" in capsys.readouterr().err
 
 
+@pytest.mark.backend_free
 def test_the_command_line_lists_a_store_without_keras():
     """The object-store directory reader the command line uses imports no Keras."""
     code = (

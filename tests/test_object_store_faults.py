@@ -8,6 +8,13 @@ operation, the store library's exception as its ``__cause__``; the previous chec
 intact; and the same manager saves again once the store is back.
 
 The clients retry little and time out fast (``_OPTIONS``), so that a fault costs seconds.
+
+The faults are met where bytes go (``format/remote.py``, the remote directory and its lock:
+fsspec and botocore calls), which no backend reaches; what the backend does in a save or a
+restore, capturing and assigning the state, is what a local save does, which every backend's
+suite checks, and tests/test_object_store.py saves and restores through the store on every
+backend. So this module runs once, in the pass that runs the backend-free tests
+(``KSS_BACKEND_FREE_PASS``, JAX by default), and is skipped in the others with that reason.
 """
 
 import json
@@ -22,11 +29,17 @@ import urllib.request
 
 import numpy as np
 import pytest
+from conftest import BACKEND, BACKEND_FREE_PASS
 from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state.format import remote
 
+pytestmark = pytest.mark.skipif(
+    BACKEND != BACKEND_FREE_PASS,
+    reason=f"object-store faults are met below the backend (fsspec, botocore): run once, in the "
+    f"{BACKEND_FREE_PASS} pass (KSS_BACKEND_FREE_PASS)",
+)
 pytest.importorskip("s3fs", reason="the [cloud] extra (s3fs) is not installed")
 pytest.importorskip("moto", reason="moto (the dev extra's S3 server) is not installed")
 

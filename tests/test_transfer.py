@@ -1,7 +1,8 @@
 """The cross-backend transfer matrix: every writer/reader pair in {tensorflow, jax, torch}.
 
 The matrix drives all three backends in subprocesses (tests/scripts/transfer.py), so it runs
-once, in the pytest pass of the backend named by KSS_TRANSFER_BACKEND (default: jax), and is
+once, in the pytest pass of the backend named by KSS_TRANSFER_BACKEND (default: torch, whose
+several-frameworks pass is otherwise the shortest of the three that run at once), and is
 skipped with that reason in the other passes.
 """
 
@@ -15,7 +16,7 @@ from conftest import BACKEND
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "transfer.py")
 BACKENDS = ("tensorflow", "jax", "torch")
-DRIVER = os.environ.get("KSS_TRANSFER_BACKEND", "jax")
+DRIVER = os.environ.get("KSS_TRANSFER_BACKEND", "torch")
 CASES = ("dense", "mixed", "embedding", "wide")
 
 pytestmark = [
