@@ -200,9 +200,10 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-# Tests marked backend_free (locks, command-line usage, hostile paths: no Keras variable is
-# made, the backend is never reached) run in one backend's pass, this one's by default, and are
-# skipped in the others with that reason: three passes would run the same code three times.
+# Tests marked backend_free (the directory locks, URL and command-line usage: no Keras variable
+# is made in the test's process, which is checked, and the processes it starts import no Keras)
+# run in one backend's pass, JAX's by default, and are skipped in the others with that reason:
+# three passes would run the same code three times.
 BACKEND_FREE_PASS = os.environ.get("KSS_BACKEND_FREE_PASS", "jax")
 
 
