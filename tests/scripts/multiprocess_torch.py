@@ -202,4 +202,8 @@ elif PHASE == "resume":
     tracks[0]["mgr"].close()
     print(f"rank {RANK} unpassed steps {tracks[0]['mgr'].all_steps()}", flush=True)
 print(f"rank {RANK} {PHASE} done", flush=True)
+# Both ranks reach the end before either destroys the group: a rank that tore down its gloo
+# pair while the other still used it ended with SIGABRT ("terminate called without an active
+# exception", once in a loaded run, 2026-12-06).
+dist.barrier()
 dist.destroy_process_group()
