@@ -359,7 +359,10 @@ class InexactResumeWarning(UserWarning):
     resume on another number of ``tf.distribute`` replicas of a model with
     ``BatchNormalization`` or random layers, shuffled arrays whose order
     [`StableCheckpoint`][keras_stable_state.StableCheckpoint] cannot take over, or a resume on another backend than the
-    writer's of a model with random layers, a callback whose state the library
+    writer's of a model with random layers (or, with TensorFlow on one side, of an input of
+    unknown length, or of a model with a loss per output whose batches are of unequal
+    sizes: TensorFlow averages those losses over batches, the others over samples), a
+    callback whose state the library
     cannot see (no ``get_state()``/``set_state()``) on a resume, and a ``fit`` whose
     planned batches would take an optimizer's ``iterations`` counter past its dtype's
     maximum (``int32`` on JAX and Torch), naming the global step where it would wrap.

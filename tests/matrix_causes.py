@@ -54,6 +54,11 @@ _PATTERNS = (
         "input",
     ),
     (
+        r"written on (\w+) and training resumes on (\w+); this model reports a loss per output",
+        "per-output losses averaged over batches on TensorFlow, over samples elsewhere, with unequal batches ({0} -> {1})",
+        "input",
+    ),
+    (
         r"written on (\w+) and training resumes on (\w+) with a torch DataLoader input whose order draws",
         "torch DataLoader resumed across the Torch backend ({0} -> {1}: Keras' Torch fit makes two iterators per epoch)",
         "input",

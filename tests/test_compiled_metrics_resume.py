@@ -179,3 +179,64 @@ def test_fault1_cross_backend_resume_converts_per_output_loss_means_counted_othe
     # is the mean over their samples, so it equals the writer's (up to the backends' float sums)
     for name in ("a_loss", "b_loss", "loss"):
         np.testing.assert_allclose(history.history[name], reference[name], rtol=1e-4, err_msg=name)
+
+
+def _fit_arrays(directory, stop=None, batch_size=10):
+    """``two_outputs`` on its 48 samples of arrays in batches of ``batch_size`` (at 10 the last
+    batch holds 8), 3 epochs with a StableCheckpoint saving at each epoch's end; ``stop=(epoch,
+    batch)`` preempts it there."""
+    keras.backend.clear_session(free_memory=False)
+    m = _model("two_outputs")
+    callbacks = [kss.StableCheckpoint(directory, save_freq="epoch")]
+    callbacks += [] if stop is None else [StopAt(*stop)]
+    try:
+        history = m.fit(
+            **_inputs("two_outputs"),
+            batch_size=batch_size,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+    except RuntimeError as err:
+        assert stop is not None and str(err) == "preempted", err
+        return m, None
+    return m, history
+
+
+BATCH_SIZES = {"unequal-batches": 10, "equal-batches": 8}
+
+
+@pytest.fixture(scope="module")
+def epoch_checkpoints_of_writer(tmp_path_factory):
+    """A folder per name of `BATCH_SIZES`: `_fit_arrays` preempted at the start of epoch 1 on
+    WRITER (its newest checkpoint: epoch 0's end), one child process writing both."""
+    root = tmp_path_factory.mktemp("writer")
+    code = "\n".join(
+        f"t._fit_arrays({str(root / n)!r}, stop=(1, 0), batch_size={b})" for n, b in BATCH_SIZES.items()
+    )
+    run_on_backend(WRITER, "test_compiled_metrics_resume", code)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.frameworks(WRITER)
+@pytest.mark.parametrize("name", sorted(BATCH_SIZES))
+def test_an_epoch_boundary_resume_across_tensorflow_of_unequal_batches_warns_about_per_output_losses(
+    tmp_path, epoch_checkpoints_of_writer, name
+):
+    """TensorFlow's fit averages each output's loss over batches where the batch size is not
+    static (a partial last batch), JAX's and Torch's over samples: a resume across TensorFlow
+    of unequal batches warns that the later epochs' per-output History differs (matrix seed
+    25, torch case 17, was SILENT); of equal batches, or between JAX and Torch, it does not."""
+    batch_size = BATCH_SIZES[name]
+    shutil.copytree(epoch_checkpoints_of_writer / name, tmp_path / "run")
+    (res, history), found = inexact_warnings(lambda: _fit_arrays(tmp_path / "run", batch_size=batch_size))
+    assert history is not None and int(res.optimizer.iterations) == EPOCHS * -(-48 // batch_size)
+    warned = [m for m in found if "reports a loss per output" in m]
+    if "tensorflow" in (WRITER, keras.backend.backend()) and name == "unequal-batches":
+        assert len(warned) == 1, found
+        assert f"written on {WRITER}" in warned[0] and "'a_loss', 'b_loss'" in warned[0], warned[0]
+        assert "training: 48 samples in batches of 10" in warned[0], warned[0]
+    else:
+        assert warned == [], warned

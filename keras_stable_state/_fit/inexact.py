@@ -197,7 +197,9 @@ def warn_inexact_resume(
     saved run's (``TFDataState.warn_seeds``), and a resume on another backend than the
     writer's of a model with random layers (each backend draws its own dropout masks and
     noise) or of an input of unknown length with TensorFlow on one side (TensorFlow's fit
-    counts one more optimizer step per epoch of such an input).
+    counts one more optimizer step per epoch of such an input), or of a model with a loss per
+    output and batches of unequal sizes with TensorFlow on one side
+    (`warn_unequal_batch_losses`).
 
     Args:
         ckpt: The restoring ``StableCheckpoint`` (its ``model``; skipped among the callbacks).
@@ -267,6 +269,7 @@ def warn_inexact_resume(
             stacklevel=3,
         )
     warn_loader_across_torch(writer, live)
+    warn_unequal_batch_losses(ckpt.model, writer, live)
     if writer and writer != live:
         random_layers = sorted(
             {layer.name for layer in compat.flatten_layers(ckpt.model) if compat.seed_generator_states(layer)}
@@ -305,6 +308,60 @@ def warn_loader_across_torch(writer: str | None, live: str) -> None:
         "generators (its base seed, the sampler's seed), so the epochs after the resumed one are drawn "
         f"from other generator states than on {writer}: the rest of the resumed epoch is exact, later "
         f"epochs read other orders. Resume on {writer} for an exact continuation.",
+        InexactResumeWarning,
+        stacklevel=4,
+    )
+
+
+def _unequal_batches() -> list[str]:
+    """What of the running ``fit``'s inputs comes in batches of unequal sizes: ``"training:
+    N samples in batches of B"`` (its data adapter has a partial last batch) and the same for
+    validation arrays (``validation_data``, or what ``validation_split`` took; their batch
+    size ``validation_batch_size`` or ``batch_size``). Inputs of unknown length, datasets and
+    generators given as validation data are not told apart (``[]`` for them)."""
+    found = []
+    adapter = compat.fit_data_adapter()
+    batches, size = getattr(adapter, "num_batches", None), getattr(adapter, "batch_size", None)
+    if batches and batches > 1 and size and getattr(adapter, "has_partial_batch", False):
+        partial = getattr(adapter, "partial_batch_size", None)
+        found.append(f"training: {(batches - 1) * size + (partial or 0)} samples in batches of {size}")
+    frame = compat.fit_frame()
+    local = frame.f_locals if frame is not None else {}
+    arrays = [a for a in keras.tree.flatten(local.get("validation_data")) if hasattr(a, "shape")]
+    size = local.get("validation_batch_size") or local.get("batch_size") or 32
+    count = int(arrays[0].shape[0]) if arrays and len(arrays[0].shape) else 0
+    if count > size and count % size:
+        found.append(f"validation: {count} samples in batches of {size}")
+    return found
+
+
+def warn_unequal_batch_losses(model, writer: str | None, live: str) -> None:
+    """Warn when a checkpoint written on one side of TensorFlow resumes on the other for a
+    model that reports a loss per output and an input of unequal batches: TensorFlow's ``fit``
+    averages each ``<output>_loss`` over batches when the batch size is not static (a partial
+    last batch makes it so: `compat.per_output_loss_weighting`), JAX's and Torch's over
+    samples, so the History's per-output losses of the epochs trained after the resume differ
+    from the writer's run (stock Keras on the two backends differs alike). Weights, optimizer
+    state and the total loss are not affected."""
+    if not writer or writer == live or "tensorflow" not in (writer, live):
+        return
+    indices, _ = compat.per_output_loss_weighting(model)
+    unequal = _unequal_batches() if indices else []
+    if not unequal:
+        return
+    names = sorted(
+        m.name
+        for m in (getattr(getattr(model, "_compile_loss", None), "metrics", None) or [])
+        if m is not None
+    )
+    warnings.warn(
+        f"StableCheckpoint: the checkpoint was written on {writer} and training resumes on {live}; "
+        f"this model reports a loss per output ({names}) and its batches are of unequal sizes "
+        f"({'; '.join(unequal)}): TensorFlow's fit averages each output's loss over batches where "
+        "the batch size is not static (each batch counts once), JAX's and Torch's over samples, so "
+        f"the History's per-output losses of the epochs trained here differ from the run on {writer} "
+        "(stock Keras on the two backends differs alike); weights, optimizer state and the total loss "
+        f"do not. Resume on {writer} for the same History.",
         InexactResumeWarning,
         stacklevel=4,
     )
