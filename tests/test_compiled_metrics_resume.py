@@ -181,13 +181,13 @@ def test_fault1_cross_backend_resume_converts_per_output_loss_means_counted_othe
         np.testing.assert_allclose(history.history[name], reference[name], rtol=1e-4, err_msg=name)
 
 
-def _fit_arrays(directory, stop=None, batch_size=10):
+def _fit_arrays(directory=None, stop=None, batch_size=10):
     """``two_outputs`` on its 48 samples of arrays in batches of ``batch_size`` (at 10 the last
-    batch holds 8), 3 epochs with a StableCheckpoint saving at each epoch's end; ``stop=(epoch,
-    batch)`` preempts it there."""
+    batch holds 8), 3 epochs, with a StableCheckpoint saving at each epoch's end in
+    ``directory`` (none when ``None``: stock Keras); ``stop=(epoch, batch)`` preempts it there."""
     keras.backend.clear_session(free_memory=False)
     m = _model("two_outputs")
-    callbacks = [kss.StableCheckpoint(directory, save_freq="epoch")]
+    callbacks = [] if directory is None else [kss.StableCheckpoint(directory, save_freq="epoch")]
     callbacks += [] if stop is None else [StopAt(*stop)]
     try:
         history = m.fit(
@@ -209,14 +209,20 @@ BATCH_SIZES = {"unequal-batches": 10, "equal-batches": 8}
 
 @pytest.fixture(scope="module")
 def epoch_checkpoints_of_writer(tmp_path_factory):
-    """A folder per name of `BATCH_SIZES`: `_fit_arrays` preempted at the start of epoch 1 on
-    WRITER (its newest checkpoint: epoch 0's end), one child process writing both."""
+    """``(folder, {name: (weights, History)})``: per name of `BATCH_SIZES`, `_fit_arrays`
+    preempted at the start of epoch 1 on WRITER in ``folder / name`` (its newest checkpoint:
+    epoch 0's end), and the writer's uninterrupted fit without the library (its weights by
+    position, as nested lists, and its History), one child process doing all."""
     root = tmp_path_factory.mktemp("writer")
-    code = "\n".join(
-        f"t._fit_arrays({str(root / n)!r}, stop=(1, 0), batch_size={b})" for n, b in BATCH_SIZES.items()
-    )
-    run_on_backend(WRITER, "test_compiled_metrics_resume", code)
-    return root
+    code = "import json, keras\nrefs = {}\n"
+    for name, size in BATCH_SIZES.items():
+        code += (
+            f"t._fit_arrays({str(root / name)!r}, stop=(1, 0), batch_size={size})\n"
+            f"m, h = t._fit_arrays(batch_size={size})\n"
+            f"refs[{name!r}] = ([keras.ops.convert_to_numpy(w).tolist() for w in m.weights], h.history)\n"
+        )
+    out = run_on_backend(WRITER, "test_compiled_metrics_resume", code + "print(json.dumps(refs))")
+    return root, json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -228,13 +234,30 @@ def test_an_epoch_boundary_resume_across_tensorflow_of_unequal_batches_warns_abo
     """TensorFlow's fit averages each output's loss over batches where the batch size is not
     static (a partial last batch), JAX's and Torch's over samples: a resume across TensorFlow
     of unequal batches warns that the later epochs' per-output History differs (matrix seed
-    25, torch case 17, was SILENT); of equal batches, or between JAX and Torch, it does not."""
+    25, torch case 17, was SILENT); of equal batches, or between JAX and Torch, it does not.
+    Either way the weights and the total loss equal the writer's uninterrupted run without the
+    library (up to the backends' float sums), and where the warning is given the per-output
+    losses of the resumed epochs really differ from it."""
+    root, references = epoch_checkpoints_of_writer
+    weights, reference = references[name]
     batch_size = BATCH_SIZES[name]
-    shutil.copytree(epoch_checkpoints_of_writer / name, tmp_path / "run")
+    shutil.copytree(root / name, tmp_path / "run")
     (res, history), found = inexact_warnings(lambda: _fit_arrays(tmp_path / "run", batch_size=batch_size))
     assert history is not None and int(res.optimizer.iterations) == EPOCHS * -(-48 // batch_size)
+    assert len(res.weights) == len(weights)
+    for i, (live, saved) in enumerate(zip(res.weights, weights, strict=True)):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(live), saved, rtol=1e-4, atol=1e-5, err_msg=str(i)
+        )
+    # The History holds every epoch (the saved epoch 0 and the resumed epochs 1 and 2)
+    np.testing.assert_allclose(history.history["loss"], reference["loss"], rtol=1e-4, err_msg="loss")
     warned = [m for m in found if "reports a loss per output" in m]
-    if "tensorflow" in (WRITER, keras.backend.backend()) and name == "unequal-batches":
+    differ = "tensorflow" in (WRITER, keras.backend.backend()) and name == "unequal-batches"
+    for output in ("a_loss", "b_loss"):
+        np.testing.assert_allclose(history.history[output][0], reference[output][0], rtol=1e-4)
+        close = np.allclose(history.history[output][1:], reference[output][1:], rtol=1e-4)
+        assert close != differ, (output, history.history[output], reference[output])
+    if differ:
         assert len(warned) == 1, found
         assert f"written on {WRITER}" in warned[0] and "'a_loss', 'b_loss'" in warned[0], warned[0]
         assert "training: 48 samples in batches of 10" in warned[0], warned[0]

@@ -325,11 +325,7 @@ def _unequal_batches() -> list[str]:
     if batches and batches > 1 and size and getattr(adapter, "has_partial_batch", False):
         partial = getattr(adapter, "partial_batch_size", None)
         found.append(f"training: {(batches - 1) * size + (partial or 0)} samples in batches of {size}")
-    frame = compat.fit_frame()
-    local = frame.f_locals if frame is not None else {}
-    arrays = [a for a in keras.tree.flatten(local.get("validation_data")) if hasattr(a, "shape")]
-    size = local.get("validation_batch_size") or local.get("batch_size") or 32
-    count = int(arrays[0].shape[0]) if arrays and len(arrays[0].shape) else 0
+    count, size = compat.fit_validation_arrays()
     if count > size and count % size:
         found.append(f"validation: {count} samples in batches of {size}")
     return found
@@ -349,11 +345,7 @@ def warn_unequal_batch_losses(model, writer: str | None, live: str) -> None:
     unequal = _unequal_batches() if indices else []
     if not unequal:
         return
-    names = sorted(
-        m.name
-        for m in (getattr(getattr(model, "_compile_loss", None), "metrics", None) or [])
-        if m is not None
-    )
+    names = compat.per_output_loss_names(model)
     warnings.warn(
         f"StableCheckpoint: the checkpoint was written on {writer} and training resumes on {live}; "
         f"this model reports a loss per output ({names}) and its batches are of unequal sizes "

@@ -217,6 +217,27 @@ def per_output_loss_weighting(model) -> tuple:
     return indices, "samples" if static else "batches"
 
 
+def per_output_loss_names(model) -> list[str]:
+    """Sorted names of ``model``'s per-output loss trackers (``CompileLoss.metrics``, the
+    ``<output>_loss`` means of a multi-output model); ``[]`` when it has none."""
+    loss = getattr(model, "_compile_loss", None)
+    return sorted(m.name for m in (getattr(loss, "metrics", None) or []) if m is not None)
+
+
+def fit_validation_arrays() -> tuple[int, int]:
+    """``(samples, batch_size)`` of the running ``fit``'s validation arrays: its
+    ``validation_data`` local (what ``validation_split`` took, or the user's arrays) and
+    ``validation_batch_size`` or ``batch_size`` (Keras' default 32). ``(0, batch_size)``
+    outside a ``fit`` or when the validation data has no leading array dimension (datasets,
+    generators)."""
+    frame = fit_frame()
+    local = frame.f_locals if frame is not None else {}
+    arrays = [a for a in keras.tree.flatten(local.get("validation_data")) if hasattr(a, "shape")]
+    size = local.get("validation_batch_size") or local.get("batch_size") or 32
+    count = int(arrays[0].shape[0]) if arrays and len(arrays[0].shape) else 0
+    return count, int(size)
+
+
 def total_loss_count_index(model):
     """Position of the total loss tracker's ``count`` in ``model.metrics_variables``
     (it counts samples on every backend), or ``None``."""
