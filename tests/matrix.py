@@ -48,7 +48,7 @@ OUTCOMES = (
 )
 FAILING = ("SILENT", "CRASH", "HARNESS_ERROR")
 #: Invariance outcomes of a case (``resume_matrix.invariance``); the failing ones.
-INVARIANCE = ("SAME", "DIFFERENT", "ERROR", "NOT_RUN")
+INVARIANCE = ("SAME", "DIFFERENT", "UNREPEATABLE", "ERROR", "NOT_RUN")
 INVARIANCE_FAILING = ("DIFFERENT", "ERROR")
 DOC = os.path.join(rm.ROOT, "docs", "how-to", "resume-fit.md")
 BEGIN, END = "<!-- resume-matrix:begin -->", "<!-- resume-matrix:end -->"
@@ -138,7 +138,13 @@ def first_line(data):
             f"{n['WARNED']} warned, {n['REFUSED']} refused, {n['SILENT'] + n['CRASH']} silent "
             f"({n['CRASH']} crashed), {n['FALSE_REFUSAL']} false refusals, {n['NOTHING_SAVED']} nothing "
             f"saved, {n['SKIPPED']} skipped, {n['HARNESS_ERROR']} harness errors; invariance failures "
-            f"{n['inv:DIFFERENT']} and errors {n['inv:ERROR']} of {n['cases']} cases; exact {_share(n)}"
+            f"{n['inv:DIFFERENT']} and errors {n['inv:ERROR']} of {n['cases']} cases"
+            + (
+                f" ({n['inv:UNREPEATABLE']} unrepeatable without the library)"
+                if n["inv:UNREPEATABLE"]
+                else ""
+            )
+            + f"; exact {_share(n)}"
         )
     return (
         f"Seeds {', '.join(map(str, sorted(set(seeds))))}, {len(data['cases'])} cases. "
@@ -186,10 +192,11 @@ def by_input_kind(data, top=4):
     for cid, rs in data["results"].items():
         c = data["cases"][cid]
         key = (mi.family(c["input"]), c["backend"])
-        if inv[cid] in INVARIANCE_FAILING:
+        if inv[cid] in (*INVARIANCE_FAILING, "UNREPEATABLE"):
             probs = rs[0].get("invariance_problems") or ["?"]
+            what = probs[0] if inv[cid] == "UNREPEATABLE" else _problem_kind(probs[0])
             counts[key]["INVARIANCE " + inv[cid]] += 1
-            rows[key]["INVARIANCE " + inv[cid]][f"{c['input']}{_options(c)}: {_problem_kind(probs[0])}"] += 1
+            rows[key]["INVARIANCE " + inv[cid]][f"{c['input']}{_options(c)}: {what}"] += 1
         for r in rs:
             o = r["outcome"]
             if o in ("EXACT", "NOTHING_SAVED"):
