@@ -113,6 +113,34 @@ def pytest_runtest_protocol(item, nextitem):
         warnings._showwarnmsg_impl = record
 
 
+# KSS_CPU_LOG=<file>: each test's CPU seconds (this process's and its waited-for children's,
+# user + system, setup to teardown) appended as a JSON line: the data behind `_SECONDS` and
+# any cut of the suite's time on a CPU-bound machine, where wall seconds mislead.
+_CPU_LOG = os.environ.get("KSS_CPU_LOG")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_protocol")
+def pytest_runtest_protocol_cpu_log(item, nextitem):
+    if not _CPU_LOG:
+        return (yield)
+    import json
+    import resource
+    import time
+
+    def cpu():
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+    (own0, kids0), wall0 = cpu(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        own1, kids1 = cpu()
+        line = {"test": item.nodeid, "backend": BACKEND, "own": own1 - own0, "children": kids1 - kids0}
+        with open(_CPU_LOG, "a", encoding="utf-8") as log:
+            log.write(json.dumps(dict(line, wall=time.monotonic() - wall0)) + "\n")
+
+
 # Seconds each file takes (wall, over its tests, in a pass with three pytest-xdist workers on
 # two cores: TensorFlow, JAX, Torch; measured 2026-12-06, files of 10 s and more). pytest-xdist's
 # --dist loadfile hands whole files to its workers in collection order (the Makefile passes
@@ -206,6 +234,41 @@ def pytest_ignore_collect(collection_path, config):
 # three passes would run the same code three times.
 BACKEND_FREE_PASS = os.environ.get("KSS_BACKEND_FREE_PASS", "jax")
 
+# Tests marked pairwise(*params) vary something the backend does not reach (which directory
+# lock a process takes): each backend's pass runs one value of those parameters, in turn, so
+# that every value runs on some backend and every backend runs the test (pairwise coverage of
+# the parameter and the backend, instead of every pair); the other values are skipped with the
+# backends that run them. The unmarked tests of the same parameters (tests/test_directory_lock.py)
+# still check every value on its own.
+_BACKENDS = ("tensorflow", "jax", "torch")
+
+
+def _pairwise(items):
+    """``{item: (value it runs with, {value: [backends that run it]})}`` for the marked items:
+    the tests of one function and the same other parameters form a group; this backend runs the
+    group's value at (backend's index + CRC-32 of the group) modulo the number of values."""
+    import zlib
+
+    groups = {}
+    for item in items:
+        mark = item.get_closest_marker("pairwise")
+        if mark is None or not hasattr(item, "callspec"):
+            continue
+        params = item.callspec.params
+        value = tuple(params[name] for name in mark.args)
+        rest = sorted((k, repr(v)) for k, v in params.items() if k not in mark.args)
+        groups.setdefault((item.path.name, item.originalname, repr(rest)), []).append((item, value))
+    found = {}
+    for key, members in groups.items():
+        values = list(dict.fromkeys(value for _, value in members))
+        start = zlib.crc32(repr(key).encode())
+        runs = {
+            v: [b for i, b in enumerate(_BACKENDS) if values[(i + start) % len(values)] == v] for v in values
+        }
+        for item, value in members:
+            found[item] = (values[(_BACKENDS.index(BACKEND) + start) % len(values)], runs, value)
+    return found
+
 
 def pytest_configure(config):
     config.addinivalue_line(
@@ -219,6 +282,12 @@ def pytest_configure(config):
         "backend_free: the test reaches no backend (it makes no Keras variable, which is checked "
         f"where it runs): it runs in the {BACKEND_FREE_PASS} pass only (KSS_BACKEND_FREE_PASS) "
         "and is skipped in the others with that reason",
+    )
+    config.addinivalue_line(
+        "markers",
+        "pairwise(*params): the values of these parameters are not reached by the backend: each "
+        "backend's pass runs one of them, in turn (every value on some backend), and skips the "
+        "others naming the backends that run them",
     )
 
 
@@ -241,7 +310,20 @@ def pytest_collection_modifyitems(config, items):
         keep = [item for item in items if frameworks_needed(_frameworks(item))]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
+    pairwise = _pairwise(items)
     for item in items:
+        if item in pairwise:
+            chosen, runs, value = pairwise[item]
+            if value != chosen:
+                names = item.get_closest_marker("pairwise").args
+                shown = ", ".join(f"{n}={v}" for n, v in zip(names, value, strict=True))
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"{shown} does not reach the backend: it runs in the {' and '.join(runs[value])} "
+                        f"pass{'es' if len(runs[value]) > 1 else ''}; this {BACKEND} pass runs {', '.join(f'{n}={v}' for n, v in zip(names, chosen, strict=True))} "
+                        "(pairwise: every value on some backend, every backend with one value)"
+                    )
+                )
         if BACKEND != BACKEND_FREE_PASS and item.get_closest_marker("backend_free"):
             reason = (
                 f"reaches no backend (makes no Keras variable): runs once, in the {BACKEND_FREE_PASS} "

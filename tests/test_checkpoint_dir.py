@@ -145,6 +145,7 @@ class _Snapshots(keras.callbacks.Callback):
 
 # -- one writer per directory -------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.pairwise("directory_lock")
 def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path, directory_lock):
     d = tmp_path / "ckpts"
     ready, release = tmp_path / "ready", tmp_path / "release"

@@ -267,6 +267,7 @@ sys.stdin.read()
 
 
 @pytest.mark.slow
+@pytest.mark.pairwise("directory_lock")
 def test_a_manager_of_another_process_excludes_this_one_naming_it(tmp_path, directory_lock):
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(tmp_path)],

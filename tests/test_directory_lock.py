@@ -296,6 +296,7 @@ mlp(seed=0).fit(x, x[:, :1], epochs=2, batch_size=8, verbose=0, callbacks=[ckpt,
 
 
 @pytest.mark.slow
+@pytest.mark.pairwise("first", "second")
 @pytest.mark.parametrize(("first", "second"), KINDS)
 def test_a_fit_of_the_other_kind_is_refused_and_the_first_trains_on(tmp_path, monkeypatch, first, second):
     d, ready, go = tmp_path / "ckpts", tmp_path / "ready", tmp_path / "go"

@@ -90,11 +90,19 @@ def _reference(tmp_path_factory, name):
     return _REFERENCES[name]
 
 
-@pytest.mark.parametrize("stops", sorted(STOPS))
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=[pytest.mark.slow] if n.startswith("steps") else []) for n in sorted(INPUTS)],
-)
+# Every input killed mid-epoch once, and at an epoch boundary then mid-epoch; the repeated
+# stream only the second way (its kill inside the epoch is the first way's: each iterator of
+# a repeated MapDataset prefetches through grain's default 16 threads and 500 elements, which
+# makes it the costliest input here, about 8 CPU-s a case on every backend).
+CASES = [
+    pytest.param(n, s, marks=[pytest.mark.slow] if n.startswith("steps") else [])
+    for n in sorted(INPUTS)
+    for s in sorted(STOPS)
+    if not (n.startswith("steps") and s == "mid-epoch")
+]
+
+
+@pytest.mark.parametrize(("name", "stops"), CASES)
 def test_grain_input_resumes_exactly(tmp_path, tmp_path_factory, name, stops):
     make, kw = INPUTS[name]
     reference = _reference(tmp_path_factory, name)
