@@ -234,12 +234,14 @@ def pytest_ignore_collect(collection_path, config):
 # three passes would run the same code three times.
 BACKEND_FREE_PASS = os.environ.get("KSS_BACKEND_FREE_PASS", "jax")
 
-# Tests marked pairwise(*params) vary something the backend does not reach (which directory
-# lock a process takes): each backend's pass runs one value of those parameters, in turn, so
-# that every value runs on some backend and every backend runs the test (pairwise coverage of
-# the parameter and the backend, instead of every pair); the other values are skipped with the
-# backends that run them. The unmarked tests of the same parameters (tests/test_directory_lock.py)
-# still check every value on its own.
+# Tests marked pairwise(*params): each backend's pass runs one value of those parameters, in
+# turn, so that every value runs on some backend and every backend runs the test (pairwise
+# coverage of the parameter and the backend instead of every pair); the other values are
+# skipped naming the backends that run them. Used where the values are ways of doing one
+# thing the library handles alike on every backend, each with its reason beside the mark: the
+# directory lock a second process takes (it reaches no backend; tests/test_directory_lock.py
+# checks both on their own), and the kill pattern of a resume (killed once mid-epoch, or at an
+# epoch boundary and then mid-epoch: both resume from a mid-epoch checkpoint).
 _BACKENDS = ("tensorflow", "jax", "torch")
 
 
@@ -285,9 +287,9 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
-        "pairwise(*params): the values of these parameters are not reached by the backend: each "
-        "backend's pass runs one of them, in turn (every value on some backend), and skips the "
-        "others naming the backends that run them",
+        "pairwise(*params): each backend's pass runs one value of these parameters, in turn "
+        "(every value on some backend, every backend with one), and skips the others naming the "
+        "backends that run them",
     )
 
 
@@ -319,7 +321,7 @@ def pytest_collection_modifyitems(config, items):
                 shown = ", ".join(f"{n}={v}" for n, v in zip(names, value, strict=True))
                 item.add_marker(
                     pytest.mark.skip(
-                        reason=f"{shown} does not reach the backend: it runs in the {' and '.join(runs[value])} "
+                        reason=f"{shown} runs in the {' and '.join(runs[value])} "
                         f"pass{'es' if len(runs[value]) > 1 else ''}; this {BACKEND} pass runs {', '.join(f'{n}={v}' for n, v in zip(names, chosen, strict=True))} "
                         "(pairwise: every value on some backend, every backend with one value)"
                     )

@@ -119,10 +119,15 @@ _KINDS = [
 ]
 
 
+_PLAIN = {}  # kind -> the run without the library (`_fit(kind)`), shared by both save_freq
+
+
 @pytest.mark.parametrize("save_freq", [2, "epoch"], ids=["every-2-batches", "every-epoch"])
 @pytest.mark.parametrize("kind", _KINDS)
 def test_a_run_with_stable_checkpoint_equals_the_run_without_it(kind, save_freq, tmp_path):
-    reference, ref_history = _fit(kind)
+    if kind not in _PLAIN:
+        _PLAIN[kind] = _fit(kind)
+    reference, ref_history = _PLAIN[kind]
     keras.backend.clear_session(free_memory=False)
     watched, history = _fit(kind, tmp_path, save_freq)
     assert len(watched) == len(reference)

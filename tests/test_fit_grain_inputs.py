@@ -102,6 +102,7 @@ CASES = [
 ]
 
 
+@pytest.mark.pairwise("stops")  # each input: once mid-epoch on some backends, twice on the others
 @pytest.mark.parametrize(("name", "stops"), CASES)
 def test_grain_input_resumes_exactly(tmp_path, tmp_path_factory, name, stops):
     make, kw = INPUTS[name]
