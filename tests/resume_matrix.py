@@ -642,9 +642,10 @@ def classify(c, workdir, unkilled=(), child_errors=None):
 
 def false_refusals(results, cases):
     """Mark ``REFUSED`` results as ``FALSE_REFUSAL`` when another scenario of the same case
-    (another kill point) resumed ``EXACT`` without warning."""
+    (another kill point) resumed ``EXACT`` without warning. A scenario whose killed run ended
+    before its kill point (``kill_not_reached``) resumed nothing, so its EXACT is no evidence."""
     for rs in results.values():
-        if any(r["outcome"] == "EXACT" for r in rs):
+        if any(r["outcome"] == "EXACT" and not r.get("kill_not_reached") for r in rs):
             for r in rs:
                 if r["outcome"] == "REFUSED":
                     r["outcome"] = "FALSE_REFUSAL"
