@@ -134,20 +134,33 @@ UNEVEN = (6, 8, 8, 8, 8, 10)  # 22 samples in the 3 batches before the save at s
 SIZES = {"equal-batches": (8,) * 6, "unequal-batches": UNEVEN}
 
 
+def _on_writer(tmp_path_factory, runs):
+    """``(folder, {name: reference})``: one child process on WRITER runs, for each ``name:
+    (code, reference)`` of ``runs``, the statements ``code`` (which may use ``{folder}``, this
+    name's folder) and then the expression ``reference``, whose value comes back through JSON."""
+    root = tmp_path_factory.mktemp("writer")
+    code = "import json, keras\nrefs = {}\n"
+    for name, (lines, reference) in runs.items():
+        code += lines.format(folder=repr(str(root / name))) + f"\nrefs[{name!r}] = {reference}\n"
+    out = run_on_backend(WRITER, "test_compiled_metrics_resume", code + "print(json.dumps(refs))")
+    return root, json.loads(out.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def written_on_writer(tmp_path_factory):
     """``(folder, {name: History of the writer's uninterrupted fit without the library})``: per
     name of `SIZES`, a fit preempted at (1, 5) on WRITER in ``folder / name`` (one child process
     writes all)."""
-    root = tmp_path_factory.mktemp("writer")
-    code = "import json\nrefs = {}\n"
-    for name, sizes in SIZES.items():
-        code += (
-            f"t._fit('two_outputs', {str(root / name)!r}, stop=(1, 5), generator=True, sizes={sizes!r})\n"
-            f"refs[{name!r}] = t._fit('two_outputs', generator=True, sizes={sizes!r})[1].history\n"
-        )
-    out = run_on_backend(WRITER, "test_compiled_metrics_resume", code + "print(json.dumps(refs))")
-    return root, json.loads(out.strip().splitlines()[-1])
+    return _on_writer(
+        tmp_path_factory,
+        {
+            name: (
+                f"t._fit('two_outputs', {{folder}}, stop=(1, 5), generator=True, sizes={sizes!r})",
+                f"t._fit('two_outputs', generator=True, sizes={sizes!r})[1].history",
+            )
+            for name, sizes in SIZES.items()
+        },
+    )
 
 
 @pytest.mark.slow
@@ -213,16 +226,17 @@ def epoch_checkpoints_of_writer(tmp_path_factory):
     preempted at the start of epoch 1 on WRITER in ``folder / name`` (its newest checkpoint:
     epoch 0's end), and the writer's uninterrupted fit without the library (its weights by
     position, as nested lists, and its History), one child process doing all."""
-    root = tmp_path_factory.mktemp("writer")
-    code = "import json, keras\nrefs = {}\n"
-    for name, size in BATCH_SIZES.items():
-        code += (
-            f"t._fit_arrays({str(root / name)!r}, stop=(1, 0), batch_size={size})\n"
-            f"m, h = t._fit_arrays(batch_size={size})\n"
-            f"refs[{name!r}] = ([keras.ops.convert_to_numpy(w).tolist() for w in m.weights], h.history)\n"
-        )
-    out = run_on_backend(WRITER, "test_compiled_metrics_resume", code + "print(json.dumps(refs))")
-    return root, json.loads(out.strip().splitlines()[-1])
+    return _on_writer(
+        tmp_path_factory,
+        {
+            name: (
+                f"t._fit_arrays({{folder}}, stop=(1, 0), batch_size={size})\n"
+                f"m, h = t._fit_arrays(batch_size={size})",
+                "([keras.ops.convert_to_numpy(w).tolist() for w in m.weights], h.history)",
+            )
+            for name, size in BATCH_SIZES.items()
+        },
+    )
 
 
 @pytest.mark.slow
