@@ -49,6 +49,7 @@ OPS = [
     "save_keras",
     "restore_h5",
     "restore_keras",
+    "restore_h5_in_place",
     "stock_save",
     "stock_load",
     "stock_load_again",
@@ -61,6 +62,7 @@ LABELS = {
     "save_keras": ("save_training_state .keras", TARGET),
     "restore_h5": ("restore_training_state .h5", RESTORE_TARGET),
     "restore_keras": ("restore_training_state .keras", RESTORE_TARGET),
+    "restore_h5_in_place": ("restore_training_state .h5, all_or_nothing=False", None),
     "stock_save": ("stock save_weights", None),
     "stock_load": ("stock load_weights", None),
     "stock_load_again": ("A/A: stock load_weights in another process", None),
@@ -109,6 +111,7 @@ def child(op, size_mb, folder):
         "save_keras": lambda: kss.save_training_state(p["out.h5"][:-3] + ".keras", model),
         "restore_h5": lambda: kss.restore_training_state(p["s.h5"], model),
         "restore_keras": lambda: kss.restore_training_state(p["s.keras"], model),
+        "restore_h5_in_place": lambda: kss.restore_training_state(p["s.h5"], model, all_or_nothing=False),
         "stock_save": lambda: model.save_weights(p["out.h5"][:-3] + ".weights.h5"),
         "stock_load": lambda: model.load_weights(p["w.weights.h5"]),
         "stock_load_again": lambda: model.load_weights(p["w.weights.h5"]),
@@ -211,7 +214,7 @@ def _fresh_process_times(seconds, c) -> list:
             1.0,
             band,
         )
-        for op in ("restore_h5", "restore_keras")
+        for op in ("restore_h5", "restore_h5_in_place", "restore_keras")
         if seconds.get(op)
     ]
     return [*rows, ("A/A stock load_weights / stock load_weights, fresh", band, None)]

@@ -45,13 +45,16 @@ def dtype_name(array) -> str:
 def coerce(key, array, variable, allow_cast, report):
     """Return ``array`` ready to assign to ``variable``, checking shape and dtype.
 
-    An array not read yet (``.orbax``) of the variable's dtype is checked from its
-    shape and dtype and returned unread; one to cast is read first. Integers are cast
+    An array not read yet (``.orbax``; a `FileArray` of a record proven whole) of the
+    variable's dtype is checked from its shape and dtype and returned unread; one to cast
+    is read first. Integers are cast
     within range; floating-point arrays (``bfloat16``, ``float16``, ``float32``,
     ``float64``, any direction) with ``allow_cast``, each listed in ``report.casts`` and,
     unless the cast keeps every value (`_EXACT_CASTS`), in ``report.lossy``.
     """
-    lazy = hasattr(array, "leaf") and hasattr(array, "digest") and not isinstance(array, np.ndarray)
+    lazy = isinstance(array, storage.FileArray) or (
+        hasattr(array, "leaf") and hasattr(array, "digest") and not isinstance(array, np.ndarray)
+    )
     if lazy and storage.dtype_name(array) == _dtype(variable) and tuple(array.shape) == tuple(variable.shape):
         return array
     array = np.asarray(array)

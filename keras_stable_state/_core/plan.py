@@ -30,6 +30,7 @@ from keras_stable_state._core.apply import (
     variable_step,
 )
 from keras_stable_state._core.arguments import check_callbacks, extra_saved
+from keras_stable_state._core.in_place import assign_in_place, clear_partial, mark_partial
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._core.scope import check_scope, renamed_record
 from keras_stable_state._core.slot_restore import drop_reason, plan_optimizers
@@ -69,6 +70,10 @@ class RestoreRequest:
         owned: The record's arrays are this restore's alone (it read them, and nothing
             else reads them afterwards): a variable may keep an array's memory as its
             own instead of a copy (`variable_step`).
+        in_place: Arrays left in the file (`FileArray`, proven whole) are read straight
+            into their variables after every check, with no copy of the values they
+            replace (`assign_in_place`); ``False``: read into new memory first, all or
+            nothing.
     """
 
     filepath: str
@@ -85,6 +90,7 @@ class RestoreRequest:
     keep_learning_rate: bool
     owned: bool = False
     include_metrics: bool = True
+    in_place: bool = False
     torch_optimizers: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -199,6 +205,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
     plan, fresh = orbax_engine.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
     owned |= fresh
+    plan, in_place = _in_file(plan, request.in_place, owned)
     owned -= _sparse_views(plan, owned)
     taken = set()  # an array is handed to one variable at most
     for var, array in plan:
@@ -207,9 +214,44 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
             taken.add(id(array))
         steps.append(variable_step(var, array, owned=mine))
     steps += layer_state.finalize_steps(model)
-    apply_steps(steps, request.filepath)
+    if in_place:
+        assign_in_place(in_place, model, where)
+    try:
+        apply_steps(steps, request.filepath)
+    except BaseException as err:
+        if in_place:  # the variables read in place keep their new values: the model is not whole
+            reason = (
+                f"restoring {where} in place assigned {len(in_place)} variable(s), then failed at the rest "
+                f"({type(err).__name__}: {err}), which was put back"
+            )
+            mark_partial(model, reason)
+            raise StateError(
+                f"Model {model.name!r}: {reason}. The model is marked: fit and "
+                "save_training_state refuse it until a restore into it succeeds."
+            ) from err
+        raise
+    clear_partial(model)
     del read
     return report
+
+
+def _in_file(plan, in_place: bool, owned: set) -> tuple[list, list]:
+    """``(plan, in place)``: the ``(variable, array)`` pairs of ``plan`` whose array is still in
+    the file (`FileArray`) go to ``in place`` when ``in_place``; otherwise each is read now
+    into new memory (checked), which the restore owns (added to ``owned``)."""
+    if not any(isinstance(array, storage.FileArray) for _, array in plan):
+        return plan, []
+    rest, deferred = [], []
+    for var, array in plan:
+        if not isinstance(array, storage.FileArray):
+            rest.append((var, array))
+        elif in_place:
+            deferred.append((var, array))
+        else:
+            value = np.asarray(array)
+            owned.add(id(value))
+            rest.append((var, value))
+    return rest, deferred
 
 
 def _read_arrays(record) -> set:

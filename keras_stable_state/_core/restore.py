@@ -61,6 +61,7 @@ class RestoreOptions:
     rename: object = None
     keep_learning_rate: object = False
     storage_options: object = None
+    all_or_nothing: object = True
 
     @classmethod
     def from_keywords(cls, verb: str, /, **kwargs: object) -> RestoreOptions:
@@ -93,6 +94,7 @@ def restore_training_state(
     prefix: str | None = ...,
     rename: Sequence[tuple[str, str]] | None = ...,
     keep_learning_rate: bool = ...,
+    all_or_nothing: bool = ...,
     defer: Literal[True],
     storage_options: Mapping[str, Any] | None = ...,
 ) -> PendingRestore: ...
@@ -115,6 +117,7 @@ def restore_training_state(
     prefix: str | None = ...,
     rename: Sequence[tuple[str, str]] | None = ...,
     keep_learning_rate: bool = ...,
+    all_or_nothing: bool = ...,
     defer: Literal[False] = ...,
     storage_options: Mapping[str, Any] | None = ...,
 ) -> RestoreReport: ...
@@ -137,6 +140,7 @@ def restore_training_state(
     prefix: str | None = ...,
     rename: Sequence[tuple[str, str]] | None = ...,
     keep_learning_rate: bool = ...,
+    all_or_nothing: bool = ...,
     defer: bool = ...,
     storage_options: Mapping[str, Any] | None = ...,
 ) -> RestoreReport | PendingRestore: ...
@@ -158,13 +162,15 @@ def restore_training_state(
     prefix: str | None = None,
     rename: Sequence[tuple[str, str]] | None = None,
     keep_learning_rate: bool = False,
+    all_or_nothing: bool = True,
     defer: bool = False,
     storage_options: Mapping[str, Any] | None = None,
 ) -> RestoreReport | PendingRestore:
     """Restore a training state saved by [`save_training_state`][keras_stable_state.save_training_state] (or a stock Keras file).
 
     All-or-nothing: everything is read, checksummed, checked and converted before the
-    first value is assigned, and a failed assignment puts every value back. Model
+    first value is assigned, and a failed assignment puts every value back (with
+    ``all_or_nothing=False``, in place instead: see that argument). Model
     variables and optimizer slots are matched by key; an unbuilt optimizer is built on
     ``model.trainable_variables`` first. Whatever is refused leaves the model, its
     optimizers and the other state as they were. In full (every option and error):
@@ -196,6 +202,18 @@ def restore_training_state(
         prefix: The stable path of the saved model now nested in ``model`` (``"layers/base"``).
         rename: ``[(pattern, replacement), ...]`` ``re.sub`` rules for saved keys.
         keep_learning_rate: Keep the compiled learning rate and skip the schedule check.
+        all_or_nothing: ``True`` (default): the values replaced are kept until the last
+            assignment, so a failure puts them back; the new values are read into new host
+            memory first (about one state's worth). ``False``, for a model whose values
+            are worth nothing if the restore fails (just built, never trained): a local
+            ``.h5`` record is proven whole (its seal and every array's xxh3-64, through a
+            small buffer), then each array is read straight into its variable (Torch: its
+            own memory) and checked again, keeping no copy of the values it replaces. A
+            failure after the proof (an I/O error, the file changed in place) raises a
+            ``StateError`` naming the variables already assigned and marks the model:
+            ``fit`` and ``save_training_state`` refuse it until a restore succeeds. Other
+            files are read whole as with ``True``, then assigned the same way. Not with
+            ``defer``.
         defer: For an unbuilt model: read and check now, assign once it is built.
         storage_options: fsspec options for an object-store URL.
 
@@ -217,8 +235,9 @@ def restore_training_state(
             variables, naming the keys.
         DtypeMismatchError: For a dtype difference without ``allow_cast``, or out of range.
         ScheduleMismatchError: If the learning-rate schedule changed (``check_schedule``).
-        StateError: If the model is not built, memory ran out, a mapper cannot decode, or
-            putting values back failed.
+        StateError: If the model is not built, memory ran out, a mapper cannot decode,
+            putting values back failed, or (``all_or_nothing=False``) an assignment failed
+            after the file was proven whole.
     """
     options = RestoreOptions(
         optimizer=optimizer,
@@ -234,6 +253,7 @@ def restore_training_state(
         rename=rename,
         keep_learning_rate=keep_learning_rate,
         storage_options=storage_options,
+        all_or_nothing=all_or_nothing,
     )
     return restore_with(filepath, model, options, defer=defer)
 
@@ -284,11 +304,23 @@ def restore_with(
         include_metrics=options.include_metrics,
         check_schedule=options.check_schedule,
         keep_learning_rate=options.keep_learning_rate,
+        all_or_nothing=options.all_or_nothing,
     )
     extras = check_variables(options.variables, verb, model)
     rules = check_rename(options.prefix, options.rename, verb)
     check_flags(verb, defer=defer)
+    in_place = not options.all_or_nothing
+    if in_place and defer:
+        raise ValueError(
+            f"{verb}: all_or_nothing=False restores in place at once, and defer=True restores later; "
+            "pass one of them (a deferred restore keeps the file's arrays read until the model is built)."
+        )
     owned = take or record is None
+    if record is None and in_place and not orbax_layout.is_orbax_path(filepath):
+        background.wait_for_folder(background.folder_of(filepath))
+        record = storage.read_proven(
+            filepath, storage_options=cast("Mapping[str, Any] | None", options.storage_options)
+        )
     if record is None:
         # a background save of this process into the file's folder ends first (as Orbax's
         # AsyncCheckpointer.restore waits): the file read is the last one saved, not a race
@@ -328,8 +360,13 @@ def restore_with(
         check_schedule=cast(bool, options.check_schedule),
         keep_learning_rate=cast(bool, options.keep_learning_rate),
         owned=owned,
+        in_place=in_place,
     )
-    return restore_record(record, request)
+    try:
+        return restore_record(record, request)
+    finally:
+        if owned:
+            storage.close_files(record)
 
 
 class PendingRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped (Any)

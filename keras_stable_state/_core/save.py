@@ -35,6 +35,7 @@ from keras_stable_state._core.arguments import (
     extra_saved,
 )
 from keras_stable_state._core.guards import walking_once
+from keras_stable_state._core.in_place import check_not_partial
 from keras_stable_state._core.object_store import object_store_target, write_to
 from keras_stable_state._core.report import writer_metadata
 from keras_stable_state._engines import background
@@ -330,6 +331,7 @@ def training_state_record(
     ``convert`` turns a variable into the value stored; ``before_copy`` runs once the
     arguments are checked, before any value is read)."""
     check_model(model, verb)
+    check_not_partial(model, verb)
     if model_state not in MODEL_STATES:
         raise ValueError(
             f"`model_state` must be one of {MODEL_STATES}. Received: model_state={model_state!r}"

@@ -39,6 +39,7 @@ from keras_stable_state.format import remote
 from keras_stable_state.format.atomic import atomic_path
 from keras_stable_state.format.codec import DTYPES, dtype_name, encode_array, numpy_dtype, stored_dtype
 from keras_stable_state.format.files import fs_path, open_regular
+from keras_stable_state.format.proven import FileArray, close_files, read_proven
 from keras_stable_state.format.reader import CheckpointFile, open_file, read_bytes, read_file
 from keras_stable_state.format.record import (
     ALIGN,
@@ -70,10 +71,12 @@ __all__ = [
     "USERBLOCK_SIZE",
     "CheckpointFile",
     "Entry",
+    "FileArray",
     "StateRecord",
     "StockWeights",
     "atomic_path",
     "check_target",
+    "close_files",
     "dtype_name",
     "encode_array",
     "fs_path",
@@ -83,6 +86,7 @@ __all__ = [
     "remote",
     "read_bytes",
     "read_file",
+    "read_proven",
     "record_to_bytes",
     "reseal",
     "seal",

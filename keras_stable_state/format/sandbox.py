@@ -67,10 +67,16 @@ def crc_v2(key: str, dtype: str, shape: Iterable[int], data: bytes | np.ndarray)
     return zlib.crc32(data, zlib.crc32(head)) & 0xFFFFFFFF
 
 
+def digest_head(key: str, dtype: str, shape) -> bytes:
+    """What a format-3 digest (`digest_v3`) hashes before the bytes: key, dtype name and shape."""
+    return f"{key}\0{dtype}\0{','.join(str(int(n)) for n in shape)}\0".encode()
+
+
 def digest_v3(key: str, dtype: str, shape, data) -> int:
     """xxh3-64 (``xxhash.xxh3_64``, https://github.com/Cyan4973/xxHash) of a format-3 array
-    or record: its key, dtype name and shape, then its bytes (any C-contiguous buffer)."""
-    h = xxhash.xxh3_64(f"{key}\0{dtype}\0{','.join(str(int(n)) for n in shape)}\0".encode())
+    or record: its key, dtype name and shape (`digest_head`), then its bytes (any
+    C-contiguous buffer)."""
+    h = xxhash.xxh3_64(digest_head(key, dtype, shape))
     h.update(data)
     return h.intdigest()
 

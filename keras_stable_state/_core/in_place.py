@@ -1,0 +1,203 @@
+"""The in-place restore: arrays of a file proven whole read straight into their variables,
+with no copy of the values they replace, and the mark a model keeps when one fails part way.
+
+Used where the live values are worth nothing (``restore_training_state(...,
+all_or_nothing=False)``; ``StableCheckpoint`` resuming into the model ``fit`` has just
+built): the file was proven whole first (`keras_stable_state.format.proven`), so what
+can still fail is the second read (an I/O error, the file changed in place under the
+reader). Then the variables already assigned cannot be put back; the restore raises a
+``StateError`` naming them and marks the model (`mark_partial`): ``fit`` and
+``save_training_state`` refuse it until a restore into it succeeds (`clear_partial`).
+
+Per backend: on Torch a CPU parameter of the array's dtype is read into in place (its own
+memory: no allocation, its version counter bumped as an in-place ``copy_`` would); any
+other variable gets the all-or-nothing restore's assignment one variable at a time
+(`keras_stable_state._core.apply.variable_step`: the array is read into new 64-byte
+aligned host memory, its old value dropped as the next is read); on TensorFlow a plain
+variable is read through one reused host buffer the size of the largest array and copied
+into its own buffer (`_tf_assign`). At most one variable's worth of new memory is held at
+a time (on JAX, whose arrays are immutable, the new arrays replace the old ones one by one,
+as stock ``load_weights`` does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_stable_state import _keras_compat as compat
+from keras_stable_state._core.apply import variable_step
+from keras_stable_state.errors import StateError, shown
+from keras_stable_state.format.sandbox import aligned_empty
+
+# Dtypes TensorFlow takes from host memory through DLPack (not bool)
+_TF_SHARED = frozenset(np.dtype(n) for n in ("float16", "float32", "int8", "int16", "int32", "uint8"))
+
+__all__ = ["assign_in_place", "check_not_partial", "clear_partial", "mark_partial", "partial_reason"]
+
+_MARK = "_kss_partial_restore"  # the model attribute holding the reason, while marked
+_SAVED_STEP = "_kss_train_step_before_mark"
+
+
+def _name(var: Any) -> str:
+    return str(getattr(var, "path", None) or var.name)
+
+
+def _torch_target(var: Any, array: Any) -> np.ndarray | None:
+    """The host memory of ``var``'s Torch parameter as a writable NumPy view, when ``array``
+    can be read into it as it is (CPU, contiguous, same dtype and size, and ``assign`` would
+    only copy onto that memory: `compat.torch_swap_is_assign`); else ``None``."""
+    param = compat.variable_storage(var)
+    if param.device.type != "cpu" or not param.is_contiguous() or not compat.torch_swap_is_assign(var):
+        return None
+    data = param.data
+    try:
+        host = data.numpy()
+    except (TypeError, RuntimeError):  # bfloat16 and other dtypes NumPy has not
+        return None
+    if host.dtype != array.dtype or host.nbytes != array.nbytes or tuple(host.shape) != tuple(array.shape):
+        return None
+    return host
+
+
+def _tf_assign(var: Any, array: Any, scratch: np.ndarray) -> bool:
+    """On TensorFlow, read ``array`` into ``scratch`` (64-byte aligned host memory reused for
+    every variable) and copy it into the variable's own buffer with
+    ``ResourceStridedSliceAssign`` over the whole variable. ``AssignVariableOp`` would
+    instead adopt a DLPack value's buffer (measured: two variables assigned from one buffer
+    in turn then share it), and a value of TensorFlow's own memory costs a new buffer per
+    variable, which TensorFlow's allocator keeps once freed. ``False`` (nothing done) where
+    that is not the plain case: not a plain resource variable, another dtype, a dtype DLPack
+    does not hand over, or no elements."""
+    import tensorflow as tf
+    from tensorflow.python.ops import gen_array_ops
+
+    resource = compat.tf_plain_resource(var)
+    if (
+        resource is None
+        or array.dtype not in _TF_SHARED
+        or not array.nbytes
+        or not array.ndim
+        or resource.dtype.as_numpy_dtype != array.dtype
+    ):
+        return False
+    host = scratch[: array.nbytes].view(array.dtype).reshape(array.shape)
+    array.read_into(host)
+    gen_array_ops.resource_strided_slice_assign(
+        ref=resource.handle,
+        begin=[0] * array.ndim,
+        end=list(array.shape),
+        strides=[1] * array.ndim,
+        value=tf.experimental.dlpack.from_dlpack(host.__dlpack__()),
+    )
+    return True
+
+
+def _assign_one(var: Any, array: Any, scratch: np.ndarray | None) -> None:
+    backend = keras.backend.backend()
+    if backend == "torch":
+        host = _torch_target(var, array)
+        if host is not None:
+            import torch
+
+            array.read_into(host)
+            torch.autograd.graph.increment_version(compat.variable_storage(var))
+            return
+    if backend == "tensorflow" and scratch is not None and _tf_assign(var, array, scratch):
+        return
+    step = variable_step(var, np.asarray(array), owned=True)
+    step.snapshot()  # converts for the variable; the old value it keeps is dropped below
+    step.apply()
+
+
+def assign_in_place(pairs: list, model: Any, where: str) -> None:
+    """Read each ``(variable, FileArray)`` of ``pairs`` into its variable, in order.
+
+    Raises:
+        StateError: if a read or an assignment fails: naming the variable, the error, and
+            the variables already assigned (which keep their new values); ``model`` is
+            marked (`mark_partial`).
+    """
+    done: list[str] = []
+    scratch = None
+    if keras.backend.backend() == "tensorflow":
+        scratch = aligned_empty((max(array.nbytes for _, array in pairs),), np.uint8)
+    for var, array in pairs:
+        try:
+            _assign_one(var, array, scratch)
+        except BaseException as err:
+            if isinstance(err, KeyboardInterrupt | SystemExit) and not done:
+                raise
+            reason = (
+                f"restoring {where} in place failed at {_name(var)} ({type(err).__name__}: {err}) after the "
+                f"file was proven whole; {len(done)} variable(s) were already assigned"
+                + (f" ({shown(done)})" if done else "")
+                + " and an in-place restore keeps no copy of the values it replaces"
+            )
+            mark_partial(model, reason)
+            raise StateError(
+                f"Model {model.name!r}: {reason}. The model is marked: fit and save_training_state refuse "
+                "it until a restore into it succeeds. Restore this or an older checkpoint again (the "
+                "file is intact on disk only if it was not changed), or rebuild the model.",
+                key=_name(var),
+                expected="every variable assigned",
+                received=f"{len(done)} assigned",
+            ) from err
+        done.append(_name(var))
+
+
+def partial_reason(model: Any) -> str | None:
+    """Why ``model`` is marked (`mark_partial`), or ``None``."""
+    return getattr(model, _MARK, None)
+
+
+def mark_partial(model: Any, reason: str) -> None:
+    """Mark ``model`` as partly restored: ``fit`` refuses to train it (its ``train_step`` raises
+    a ``StateError`` with ``reason``), and `check_not_partial` refuses it, until
+    `clear_partial`."""
+    if partial_reason(model) is None:
+        setattr(model, _SAVED_STEP, model.__dict__.get("train_step"))
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise StateError(
+            f"Model {model.name!r} is partly restored and cannot be trained: {reason}. Restore a "
+            "checkpoint into it (or rebuild it) first.",
+            key=None,
+            expected="a model restored whole",
+            received="a partly restored model",
+        )
+
+    object.__setattr__(model, _MARK, reason)
+    object.__setattr__(model, "train_step", refused)
+    compat.forget_train_function(model)
+
+
+def clear_partial(model: Any) -> None:
+    """Lift `mark_partial` (a restore into ``model`` succeeded)."""
+    if partial_reason(model) is None:
+        return
+    before = model.__dict__.pop(_SAVED_STEP, None)
+    model.__dict__.pop(_MARK, None)
+    model.__dict__.pop("train_step", None)
+    if before is not None:
+        object.__setattr__(model, "train_step", before)
+    compat.forget_train_function(model)
+
+
+def check_not_partial(model: Any, verb: str) -> None:
+    """Raise unless ``model`` is whole.
+
+    Raises:
+        StateError: if ``model`` is marked partly restored (`mark_partial`), naming why.
+    """
+    reason = partial_reason(model)
+    if reason is not None:
+        raise StateError(
+            f"{verb}: model {model.name!r} is partly restored ({reason}); its state is neither the saved "
+            "one nor the one before. Restore a checkpoint into it (or rebuild it) first.",
+            key=None,
+            expected="a model restored whole",
+            received="a partly restored model",
+        )

@@ -1,0 +1,266 @@
+"""A sealed record proven whole, its large arrays left in the file to be read into their
+variables' own memory (the in-place restore).
+
+`read_proven` opens a local format-3 ``.h5`` record as `open_file` does (its xxh3-128
+seal checked through a small buffer before HDF5 parses a byte, then the structure,
+records and index), reads its small arrays as `read_file` does, and leaves every array
+of a dataset of its own (`DEFER_ABOVE` bytes or more) in the file as a `FileArray`
+after checking its xxh3-64 there (`prove`), through one reused buffer of
+`BUFFER` bytes: the file is proven whole, and nothing the size of the state is
+allocated. A `FileArray` is read later, once, into memory its caller gives
+(`FileArray.read_into`: on Torch the variable's own) and checked again there, so
+a file changed on disk between the proof and the read cannot reach a variable
+unnoticed.
+
+The file stays open and locked (shared ``flock``) until the `ProvenFile` is
+closed: a file replaced on disk (a writer's rename) is not what is read; a file
+changed in place is caught by the second check. Reads are ``os.preadv`` at the
+arrays' offsets (the page cache serves the second read of a file the proof has just
+read), never a memory map, so a file cut short under the reader is an error, not a
+``SIGBUS``.
+
+This module imports no Keras.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from keras_stable_state.format import sandbox
+from keras_stable_state.format.codec import numpy_dtype
+from keras_stable_state.format.probe import damaged
+from keras_stable_state.format.reader import CheckpointFile, read_file
+from keras_stable_state.format.record import FORMAT, PACK_LIMIT, SECTIONS, Entry, StateRecord
+from keras_stable_state.format.remote import is_remote, resolve
+from keras_stable_state.format.stock import StockWeights
+
+__all__ = ["BUFFER", "DEFER_ABOVE", "FileArray", "ProvenFile", "close_files", "read_proven"]
+
+#: Arrays of this many bytes or more (those with a dataset of their own: format 3 packs
+#: smaller ones into shared blobs) are left in the file; smaller ones are read at once.
+DEFER_ABOVE = PACK_LIMIT
+#: The one buffer the proof reads the arrays through (bytes).
+BUFFER = 1 << 20
+
+
+class ProvenFile:
+    """The open, locked file a proven record's `FileArray` values are read from.
+
+    Attributes:
+        path: The file's path.
+        where: The file as messages name it.
+        arrays: Every `FileArray` of the record, in file order.
+    """
+
+    def __init__(self, file: CheckpointFile) -> None:
+        self._file = file
+        self.path, self.where = file.path, file.where
+        self.arrays: list[FileArray] = []
+
+    def fileno(self) -> int:
+        """The open file's descriptor.
+
+        Raises:
+            ValueError: if the file is closed.
+        """
+        return self._file.fileno()
+
+    def close(self) -> None:
+        """Close the file and release its lock (twice is harmless); a `FileArray` read after
+        raises ``ValueError``."""
+        self._file.close()
+
+    def __enter__(self) -> ProvenFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FileArray:
+    """An array of a proven record, not read yet: its key, shape and dtype, read on demand.
+
+    ``np.asarray(array)`` reads it into new 64-byte aligned memory; `read_into` reads
+    it into the caller's. Each read checks the array's xxh3-64 (over its key, dtype,
+    shape and bytes: `keras_stable_state.format.sandbox.digest_v3`) in the memory it
+    was read into.
+
+    Attributes:
+        key: Its key in the record (``"path:layers/dense/kernel"``).
+        shape: Its shape (tuple of ints).
+        dtype: Its NumPy dtype (``ml_dtypes`` for ``bfloat16`` and float8).
+        ndim, size, nbytes: As NumPy's.
+        offset: Where its bytes start in the file.
+    """
+
+    def __init__(self, file: ProvenFile, entry: Entry, offset: int) -> None:
+        self._file, self._entry = file, entry
+        self.key, self.shape, self.offset = entry.key, tuple(entry.shape), offset
+        self.dtype = numpy_dtype(entry.dtype)
+        self.ndim = len(self.shape)
+        self.nbytes = entry.nbytes
+        self.size = self.nbytes // self.dtype.itemsize if self.dtype.itemsize else 0
+
+    def __repr__(self) -> str:
+        return f"FileArray({self.key!r}, shape={self.shape}, dtype={self.dtype.name}, at byte {self.offset})"
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = sandbox.aligned_empty(self.shape, self.dtype)
+        self.read_into(out)
+        return out if dtype is None else out.astype(dtype)
+
+    def read_into(self, out: np.ndarray) -> None:
+        """Read the array's bytes into ``out`` and check them there.
+
+        Args:
+            out: Writable, C-contiguous memory of exactly `nbytes` bytes (any dtype and
+                shape: the bytes are copied as stored, little-endian).
+
+        Raises:
+            ValueError: if ``out`` is not such memory, or the file is closed.
+            CorruptCheckpointError: naming `key` if the file ends before the array
+                does or the bytes read fail the array's xxh3-64: the file was changed on
+                disk after it was proven whole.
+            OSError: if reading fails.
+        """
+        if not (out.flags.c_contiguous and out.flags.writeable) or out.nbytes != self.nbytes:
+            raise ValueError(
+                f"{self.key}: reading {self.nbytes} bytes needs writable, C-contiguous memory of that size; "
+                f"got {out.nbytes} bytes (C-contiguous: {out.flags.c_contiguous}, writable: {out.flags.writeable})"
+            )
+        view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+        got = _pread_into(self._file.fileno(), view, self.offset)
+        entry = self._entry
+        if got != self.nbytes:
+            raise damaged(
+                self._file.where,
+                f"array for key {self.key!r} ends after {got} of its {self.nbytes} bytes: the file was cut "
+                "after it was proven whole",
+                key=self.key,
+                expected=self.nbytes,
+                received=got,
+            )
+        computed = sandbox.digest_v3(entry.key, entry.dtype, entry.shape, view)
+        if computed != entry.xxh3:
+            raise damaged(
+                self._file.where,
+                f"array for key {self.key!r} fails its xxh3-64 checksum when read (expected {entry.xxh3:016x}, "
+                f"computed {computed:016x}): the file was changed on disk after it was proven whole",
+                key=self.key,
+                expected=f"{entry.xxh3:016x}",
+                received=f"{computed:016x}",
+            )
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Read into all of ``view`` from ``offset`` of ``fd``; the bytes read (fewer at the end of the file)."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def prove(file: ProvenFile, arrays: list[FileArray]) -> None:
+    """Check every array of ``arrays`` against its xxh3-64 in the file, reading each through
+    one buffer of `BUFFER` bytes.
+
+    Raises:
+        CorruptCheckpointError: naming the first array that fails or ends early.
+        OSError: if reading fails.
+    """
+    buffer = memoryview(bytearray(min(BUFFER, max((a.nbytes for a in arrays), default=0))))
+    fd = file.fileno()
+    for array in arrays:
+        entry = array._entry
+        h = xxhash.xxh3_64(sandbox.digest_head(entry.key, entry.dtype, entry.shape))
+        pos, end = array.offset, array.offset + array.nbytes
+        while pos < end:
+            part = buffer[: min(len(buffer), end - pos)]
+            n = _pread_into(fd, part, pos)
+            h.update(part[:n])
+            pos += n
+            if n < len(part):
+                raise damaged(
+                    file.where,
+                    f"array for key {array.key!r} ends after {pos - array.offset} of its {array.nbytes} bytes",
+                    key=array.key,
+                )
+        if h.intdigest() != entry.xxh3:
+            raise damaged(
+                file.where,
+                f"array for key {array.key!r} fails its xxh3-64 checksum (expected {entry.xxh3:016x}, computed "
+                f"{h.intdigest():016x})",
+                key=array.key,
+                expected=f"{entry.xxh3:016x}",
+                received=f"{h.intdigest():016x}",
+            )
+
+
+def read_proven(
+    filepath: str, *, storage_options: Mapping[str, Any] | None = None
+) -> StateRecord | StockWeights:
+    """Read a training-state file for an in-place restore: the record, proven whole, with its
+    large arrays left in the open file (`FileArray`).
+
+    Only a local, sealed format-3 ``.h5`` record is read so; any other file (a ``.keras``
+    archive, a stock Keras file, an older format, an object-store URL) is read whole by
+    `read_file`.
+
+    Returns:
+        The record; once its arrays are read, `close_files` closes the file they are read
+        from (and releases its lock).
+
+    Raises:
+        Every error of `read_file`, for the same damage, before anything is returned.
+    """
+    path = filepath if is_remote(filepath) else resolve(filepath)
+    if is_remote(path) or not path.endswith(".h5") or path.endswith(".weights.h5"):
+        return read_file(filepath, storage_options=storage_options)
+    f = CheckpointFile(path)
+    try:
+        if f.kind != FORMAT or not f.sealed or f.version != 3 or f.member is not None:
+            f.close()
+            return read_file(filepath, storage_options=storage_options)
+        proven = ProvenFile(f)
+        arrays: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+        for e in f.entries:
+            offset = f.file_offset(e) if e.section != "state" and e.nbytes >= DEFER_ABOVE else None
+            if offset is None:
+                arrays[e.section][e.key] = f.read(e)
+            else:
+                array = FileArray(proven, e, offset)
+                proven.arrays.append(array)
+                arrays[e.section][e.key] = array
+        prove(proven, proven.arrays)
+    except BaseException:
+        f.close()
+        raise
+    if not proven.arrays:
+        f.close()
+    return StateRecord(
+        metadata=f.metadata,
+        contract=f.contract,
+        model=arrays["model"],
+        optimizer=arrays["optimizer"],
+        extra=f.extra,
+        arrays=arrays["state"],
+    )
+
+
+def close_files(record: Any) -> None:
+    """Close the file of every `FileArray` of ``record``'s model and optimizer sections (a
+    `StateRecord`; anything else holds none)."""
+    if not isinstance(record, StateRecord):
+        return
+    for section in (record.model, record.optimizer):
+        for value in section.values():
+            if isinstance(value, FileArray):
+                value._file.close()
