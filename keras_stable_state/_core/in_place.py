@@ -38,7 +38,8 @@ _TF_SHARED = frozenset(np.dtype(n) for n in ("float16", "float32", "int8", "int1
 __all__ = ["assign_in_place", "check_not_partial", "clear_partial", "mark_partial", "partial_reason"]
 
 _MARK = "_kss_partial_restore"  # the model attribute holding the reason, while marked
-_SAVED_STEP = "_kss_train_step_before_mark"
+_SAVED = "_kss_make_train_function_before_mark"
+_REFUSING = "make_train_function"  # fit and train_on_batch call it first, before touching the variables
 
 
 def _name(var: Any) -> str:
@@ -154,11 +155,12 @@ def partial_reason(model: Any) -> str | None:
 
 
 def mark_partial(model: Any, reason: str) -> None:
-    """Mark ``model`` as partly restored: ``fit`` refuses to train it (its ``train_step`` raises
-    a ``StateError`` with ``reason``), and `check_not_partial` refuses it, until
-    `clear_partial`."""
+    """Mark ``model`` as partly restored: ``fit`` and ``train_on_batch`` refuse to train it (its
+    ``make_train_function``, which they call before anything else, raises a ``StateError``
+    with ``reason``: before JAX's ``fit`` moves the variables' values into its own state),
+    and `check_not_partial` refuses it, until `clear_partial`."""
     if partial_reason(model) is None:
-        setattr(model, _SAVED_STEP, model.__dict__.get("train_step"))
+        object.__setattr__(model, _SAVED, model.__dict__.get(_REFUSING))
 
     def refused(*args: Any, **kwargs: Any) -> Any:
         raise StateError(
@@ -170,20 +172,18 @@ def mark_partial(model: Any, reason: str) -> None:
         )
 
     object.__setattr__(model, _MARK, reason)
-    object.__setattr__(model, "train_step", refused)
-    compat.forget_train_function(model)
+    object.__setattr__(model, _REFUSING, refused)
 
 
 def clear_partial(model: Any) -> None:
     """Lift `mark_partial` (a restore into ``model`` succeeded)."""
     if partial_reason(model) is None:
         return
-    before = model.__dict__.pop(_SAVED_STEP, None)
+    before = model.__dict__.pop(_SAVED, None)
     model.__dict__.pop(_MARK, None)
-    model.__dict__.pop("train_step", None)
+    model.__dict__.pop(_REFUSING, None)
     if before is not None:
-        object.__setattr__(model, "train_step", before)
-    compat.forget_train_function(model)
+        object.__setattr__(model, _REFUSING, before)
 
 
 def check_not_partial(model: Any, verb: str) -> None:

@@ -21,6 +21,7 @@ from keras_stable_state._manager import preemption
 from keras_stable_state._manager.manager import CheckpointManager, wait_for_earlier_saves
 from keras_stable_state._manager.opening import open_directory
 from keras_stable_state._manager.records import saved_message
+from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import stable_optimizer_in, tracked_optimizers
 from keras_stable_state.errors import (
     InexactResumeWarning,
@@ -288,6 +289,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         """The state of a fit before its restore (``spe``: its ``steps_per_execution``);
         a background save in flight is dropped (its error belonged to an earlier fit)."""
         self._spe = spe
+        self._in_place = False  # set by _restore_newest
         self._position = Position(spe)
         self._pending_restore: Any = None  # the record restored, until its epoch begins
         self._rng_after_skip: Any = None
@@ -299,8 +301,12 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.manager.drop_in_flight()
 
     def _restore_newest(self) -> None:
+        # A model whose optimizers have not taken a step holds values worth nothing beside the
+        # checkpoint's (just built, or initialised for this run): restored in place, with no
+        # copy of them kept (issue 32: as lean as stock load_weights); a trained one all or nothing.
+        self._in_place = _never_trained(self.model)
         restored = self.manager.restore_newest_with(
-            self._restore, self._unreadable, read_only=self._read_only is not None
+            self._restore, self._unreadable, read_only=self._read_only is not None, in_place=self._in_place
         )
         self.skipped_checkpoints = list(self.manager.skipped_checkpoints)
         self.moved_checkpoints = list(self.manager.moved_checkpoints)
@@ -326,7 +332,10 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         # the epoch-start random state once every callback has run on_train_begin. All of
         # it from ``record``, the one read (and check) of the file: never read twice.
         options = checkpoint.RestoreOptions(
-            state={"position": self._position}, include_rng=False, include_metrics=False
+            state={"position": self._position},
+            include_rng=False,
+            include_metrics=False,
+            all_or_nothing=not self._in_place,
         )
         # take: only its state records are read after this; the variables may keep its arrays
         report = cast(  # without defer, restore_with restores now: a RestoreReport
@@ -504,3 +513,13 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self.verbose:  # the size is read only for the line
             size = self.manager.files.size_of(path)
             self._say(saved_message(os.path.basename(path), where, size, secs, blocked_secs))
+
+
+def _never_trained(model: keras.Model) -> bool:
+    """Whether no optimizer ``model`` tracks has taken a step (every ``iterations`` is 0, or
+    it has none yet): its values are initial ones, or ones the caller set before ``fit``."""
+    for opt in tracked_optimizers(model).values():
+        counter = compat.iterations_variable(opt)
+        if counter is not None and int(to_numpy(counter)) != 0:
+            return False
+    return True

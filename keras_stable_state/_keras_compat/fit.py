@@ -20,7 +20,6 @@ __all__ = [
     "fit_epoch_iterator",
     "fit_frame",
     "fit_threads",
-    "forget_train_function",
     "outside_stacklevel",
     "per_output_loss_weighting",
     "replica_count",
@@ -28,12 +27,6 @@ __all__ = [
     "skip_batches",
     "total_loss_count_index",
 ]
-
-
-def forget_train_function(model) -> None:
-    """Drop the training function ``fit`` made and keeps (the trainer's ``train_function``), so
-    that the next ``fit`` makes it again from ``model.train_step``."""
-    model.train_function = None
 
 
 def set_initial_epoch(model, epoch) -> None:

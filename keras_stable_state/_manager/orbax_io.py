@@ -59,3 +59,15 @@ def read(path) -> storage.StateRecord:
     if orbax_steps.is_step(path):
         return read_step(path)
     return storage.read_file(path, unaligned_views=takes_unaligned())
+
+
+def read_in_place(path) -> storage.StateRecord:
+    """`read`, for a restore in place: a ``.h5`` checkpoint proven whole, its large arrays
+    left in the open file (`keras_stable_state.format.read_proven`; closed by the restore).
+
+    Raises:
+        Every error of `read`.
+    """
+    if orbax_steps.is_step(path):
+        return read_step(path)
+    return storage.read_proven(path)
