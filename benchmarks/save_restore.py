@@ -14,7 +14,8 @@ round by round in a rotating order:
   and the floor: a durable raw write of the same number of bytes (one ``write`` +
   ``fsync``), timed twice (A/A);
 * restore, warm (in place, into the same model): ``restore_training_state`` from
-  the ``.h5`` and the ``.keras``, stock ``model.load_weights``,
+  the ``.h5`` (all or nothing, and with ``all_or_nothing=False``: read into the variables
+  in place) and the ``.keras``, stock ``model.load_weights`` (timed twice: its A/A row),
   ``keras.saving.load_model`` of ``model.save``'s file (a new model, as stock
   Keras restores a ``.keras``), and the floor: h5py ``Dataset.read_direct`` of the
   same arrays into preallocated arrays, timed twice (A/A). Files are warm in the
@@ -124,8 +125,10 @@ def bench_size(mb: int, rounds: int, folder: str, cold: bool, orbax: bool = Fals
         "rd": lambda: c.h5py_read_direct(p["h5raw"], targets),
         "rd2": lambda: c.h5py_read_direct(p["h5raw"], targets),
         "h5": lambda: kss.restore_training_state(p["s.h5"], model),
+        "h5_in_place": lambda: kss.restore_training_state(p["s.h5"], model, all_or_nothing=False),
         "keras": lambda: kss.restore_training_state(p["s.keras"], model),
         "stock": lambda: model.load_weights(p["w.weights.h5"]),
+        "stock2": lambda: model.load_weights(p["w.weights.h5"]),
         "load_model": lambda: keras.saving.load_model(p["m.keras"]),
     }
     for op in restore_ops.values():
@@ -178,6 +181,7 @@ def bench_size(mb: int, rounds: int, folder: str, cold: bool, orbax: bool = Fals
             None,
         ),
         *_versus_stock(rt, "", rd_aa),
+        *_in_place_rows(rt, ""),
         ("A/A read_direct / read_direct", rd_aa, None),
     ]
     title = (
@@ -315,6 +319,23 @@ def _versus_stock(times, suffix, band):
     ]
 
 
+def _in_place_rows(times, suffix):
+    """The restore in place (``all_or_nothing=False``, what StableCheckpoint does into a model
+    that never trained) against stock ``load_weights`` (issue 32: <= 1.0), beside the A/A
+    row of stock against itself in the same rounds."""
+    when = f", {suffix}" if suffix else ""
+    band = c.summary(c.ratios(times, "stock2", "stock"))
+    return [
+        (
+            f"restore_training_state .h5 in place / stock load_weights{when}",
+            c.summary(c.ratios(times, "h5_in_place", "stock")),
+            STOCK_TARGET,
+            band,
+        ),
+        (f"A/A stock load_weights / stock load_weights{when}", band, None),
+    ]
+
+
 def cold_restore(model, p, targets, rounds, mb, nbytes) -> dict:
     """The cold-read section: every contender's file dropped from the page cache (untimed)
     just before it is read, as a resume after a restart reads it."""
@@ -322,11 +343,14 @@ def cold_restore(model, p, targets, rounds, mb, nbytes) -> dict:
         "rd": lambda: c.h5py_read_direct(p["h5raw"], targets),
         "rd2": lambda: c.h5py_read_direct(p["h5raw"], targets),
         "h5": lambda: kss.restore_training_state(p["s.h5"], model),
+        "h5_in_place": lambda: kss.restore_training_state(p["s.h5"], model, all_or_nothing=False),
         "keras": lambda: kss.restore_training_state(p["s.keras"], model),
         "stock": lambda: model.load_weights(p["w.weights.h5"]),
+        "stock2": lambda: model.load_weights(p["w.weights.h5"]),
         "load_model": lambda: keras.saving.load_model(p["m.keras"]),
     }
     files = {"rd": "h5raw", "rd2": "h5raw", "h5": "s.h5", "keras": "s.keras", "stock": "w.weights.h5"}
+    files.update(h5_in_place="s.h5", stock2="w.weights.h5")
     files["load_model"] = "m.keras"
     before = {name: (lambda f=p[files[name]]: c.drop_from_cache(f)) for name in ops}
     print(f"== {mb} MB state, restore (cold: each file dropped from the page cache first)", flush=True)
@@ -343,6 +367,7 @@ def cold_restore(model, p, targets, rounds, mb, nbytes) -> dict:
         ("stock load_weights / h5py read_direct, cold", c.summary(c.ratios(times, "stock", "rd")), None),
         ("stock load_model / h5py read_direct, cold", c.summary(c.ratios(times, "load_model", "rd")), None),
         *_versus_stock(times, "cold", band),
+        *_in_place_rows(times, "cold"),
         ("A/A read_direct / read_direct, cold", band, None),
     ]
     title = (

@@ -64,7 +64,9 @@ def _assert_equal(expected, model):
     assert len(got) == len(expected)
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
         assert a.dtype == b.dtype and a.shape == b.shape, (i, a.dtype, b.dtype, a.shape, b.shape)
-        assert np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)), f"variable {i} differs"
+        assert np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)), (
+            f"variable {i} differs"
+        )
 
 
 WIDTHS = st.lists(st.sampled_from([2, 8, 300, 1100, 1500]), min_size=1, max_size=4)
@@ -161,10 +163,9 @@ def test_a_file_changed_after_the_proof_marks_the_model(tmp_path, monkeypatch):
         return real(self, out)
 
     monkeypatch.setattr(storage.FileArray, "read_into", changed_on_disk)
-    with pytest.raises(StateError, match="2 variable\\(s\\) were already assigned") as err:
+    with pytest.raises(CorruptCheckpointError, match="2 variable\\(s\\) were already assigned") as err:
         kss.restore_training_state(path, reader, all_or_nothing=False)
-    assert isinstance(err.value.__cause__, CorruptCheckpointError)
-    assert reads[2] in str(err.value.__cause__) and "after it was proven whole" in str(err.value.__cause__)
+    assert err.value.key == reads[2] and "after it was proven whole" in str(err.value)
     monkeypatch.undo()
     x, y = np.zeros((4, 16), "float32"), np.zeros((4, 1), "float32")
     with pytest.raises(StateError, match="partly restored"):
@@ -251,3 +252,70 @@ def test_stable_checkpoint_restores_in_place_into_a_model_that_never_trained(tmp
     same = [a == b for a, b in zip(probe.seen, before, strict=True)]
     assert all(same) if not trained else not any(same)
     assert os.path.isdir(folder)
+
+
+def _fit_data():
+    x = np.random.default_rng(0).normal(size=(32, 16)).astype("float32")
+    return x, x[:, :1]
+
+
+@pytest.mark.parametrize("older", [True, False], ids=["older-checkpoint", "none-older"])
+def test_stable_checkpoint_falls_back_when_the_newest_changes_after_the_proof(tmp_path, monkeypatch, older):
+    """The newest checkpoint changes on disk between its proof and its read: it is moved
+    aside as damaged and the older one restored (lifting the mark); with none older,
+    fit refuses to train the partly restored model."""
+    folder = str(tmp_path / "ckpt")
+    x, y = _fit_data()
+    writer = _model([1100], 14)
+    ckpt = kss.StableCheckpoint(folder, save_freq=4, max_to_keep=5)
+    writer.fit(x, y, epochs=2 if older else 1, batch_size=8, verbose=0, callbacks=[ckpt])
+    paths = ckpt.manager.checkpoints()
+    if not older:
+        for path in paths[1:]:
+            os.remove(path)
+        paths = paths[:1]
+    expected = storage.read_file(paths[1] if older else paths[0])
+    newest = paths[0]
+    real, reads = storage.FileArray.read_into, []
+
+    def changed_on_disk(self, out):
+        reads.append(self._file.path)
+        if self._file.path == newest and len(reads) == 2:
+            _flip_byte(newest, self.offset + 3)
+        return real(self, out)
+
+    monkeypatch.setattr(storage.FileArray, "read_into", changed_on_disk)
+    reader = _model([1100], 15)
+    resumed = kss.StableCheckpoint(folder, save_freq=4, max_to_keep=5)
+    if not older:
+        with (
+            pytest.warns(kss.UnreadableCheckpointWarning),
+            pytest.raises(StateError, match="partly restored"),
+        ):
+            reader.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[resumed])
+        return
+    stopper = _StopAtTrainBegin()
+    with pytest.warns(kss.UnreadableCheckpointWarning):
+        reader.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[resumed, stopper])
+    assert [p for p, _ in resumed.skipped_checkpoints] == [newest]
+    assert stopper.values is not None
+    for key, array in expected.model.items():  # the older checkpoint's values, as restored
+        assert any(np.array_equal(array, v) for v in stopper.values), key
+
+
+class _StopAtTrainBegin(keras.callbacks.Callback):
+    """Takes the model's weights at train begin (after the restore) and stops the fit."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = None
+
+    def on_train_begin(self, logs=None):
+        self.values = [to_np(v).copy() for v in self.model.weights]
+        self.model.stop_training = True
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        pass

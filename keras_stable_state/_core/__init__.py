@@ -5,9 +5,10 @@
   ([`PendingRestore`][keras_stable_state.PendingRestore]);
 * `.plan`: every check and conversion of a read record, then every assignment
   (`plan_callbacks` for the callback states alone);
-* `.arguments`, `.scope`, `.apply`, `.mappers`, `.report`,
+* `.arguments`, `.scope`, `.apply`, `.in_place`, `.mappers`, `.report`,
   `.guards`, `.in_memory`, `.boundary`: argument checks, key scopes,
-  all-or-nothing assignment, state mappers, the report, the decorators of the verbs,
+  all-or-nothing assignment, assignment in place (and the mark of a model it left partly
+  restored), state mappers, the report, the decorators of the verbs,
   bytes, saves from other threads during ``fit``.
 
 Other packages use these names from here (``from keras_stable_state import _core as checkpoint``).
@@ -16,6 +17,7 @@ Other packages use these names from here (``from keras_stable_state import _core
 from keras_stable_state._core.arguments import check_callbacks
 from keras_stable_state._core.boundary import step_boundary, training_begins, training_ends
 from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
+from keras_stable_state._core.in_place import check_not_partial
 from keras_stable_state._core.plan import plan_callbacks
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._core.restore import (
@@ -36,6 +38,7 @@ __all__ = [
     "RestoreOptions",
     "RestoreReport",
     "check_callbacks",
+    "check_not_partial",
     "plan_callbacks",
     "restore_training_state",
     "restore_training_state_from_bytes",

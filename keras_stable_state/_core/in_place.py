@@ -29,7 +29,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state._core.apply import variable_step
-from keras_stable_state.errors import StateError, shown
+from keras_stable_state.errors import CorruptCheckpointError, StateError, shown
 from keras_stable_state.format.sandbox import aligned_empty
 
 # Dtypes TensorFlow takes from host memory through DLPack (not bool)
@@ -117,9 +117,12 @@ def assign_in_place(pairs: list, model: Any, where: str) -> None:
     """Read each ``(variable, FileArray)`` of ``pairs`` into its variable, in order.
 
     Raises:
-        StateError: if a read or an assignment fails: naming the variable, the error, and
-            the variables already assigned (which keep their new values); ``model`` is
-            marked (`mark_partial`).
+        CorruptCheckpointError: if the file changed on disk since it was proven whole (or a
+            read of it fails): naming the array's key and the variables already assigned
+            (which keep their new values); ``model`` is marked (`mark_partial`). A directory
+            of checkpoints moves such a file aside and restores the next older one.
+        StateError: if an assignment fails otherwise, naming the variable, the error and the
+            variables already assigned; ``model`` is marked.
     """
     done: list[str] = []
     scratch = None
@@ -138,10 +141,20 @@ def assign_in_place(pairs: list, model: Any, where: str) -> None:
                 + " and an in-place restore keeps no copy of the values it replaces"
             )
             mark_partial(model, reason)
+            tail = (
+                ". The model is marked: fit and save_training_state refuse it until a restore into it "
+                "succeeds. Restore an older checkpoint (or this one again, once it is whole), or rebuild "
+                "the model."
+            )
+            if isinstance(err, CorruptCheckpointError):  # the file changed: damaged, as a directory sees it
+                raise CorruptCheckpointError(
+                    f"Model {model.name!r}: {reason}{tail}",
+                    key=err.key,
+                    expected=err.expected,
+                    received=err.received,
+                ) from err
             raise StateError(
-                f"Model {model.name!r}: {reason}. The model is marked: fit and save_training_state refuse "
-                "it until a restore into it succeeds. Restore this or an older checkpoint again (the "
-                "file is intact on disk only if it was not changed), or rebuild the model.",
+                f"Model {model.name!r}: {reason}{tail}",
                 key=_name(var),
                 expected="every variable assigned",
                 received=f"{len(done)} assigned",

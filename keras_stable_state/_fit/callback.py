@@ -40,8 +40,10 @@ __all__ = ["StableCheckpoint", "UnreadableCheckpointWarning", "InexactResumeWarn
 class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped (Any)
     """Checkpoints the whole training state during ``model.fit`` and resumes it exactly.
 
-    On train begin it restores the newest readable checkpoint in ``directory`` and ``fit``
-    continues at the next unseen batch; during ``fit`` it saves a ``ckpt-<global step>.h5``
+    On train begin it restores the newest readable checkpoint in ``directory`` (in place,
+    with no copy of the replaced values, into a model whose optimizers have not taken a
+    step: ``restore_training_state(..., all_or_nothing=False)``; all or nothing into one
+    that has) and ``fit`` continues at the next unseen batch; during ``fit`` it saves a ``ckpt-<global step>.h5``
     file every ``save_freq``, keeps the newest ``max_to_keep`` (and ``keep_best`` by ``monitor``),
     moves unreadable ones aside with an [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning], locks
     the directory, and saves and stops on a preemption signal. In full (data order,
@@ -321,6 +323,10 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.run_stopped = self.run_complete and self._position.stopped is not None
         if self.run_stopped and isinstance(epochs, int):  # fit trains no epoch: range(epochs, epochs)
             compat.set_initial_epoch(self.model, max(epochs, self._position.epoch))
+        # a restore in place that failed part way, with no older checkpoint restored after it:
+        # fit made its training function before on_train_begin, so refuse here
+        checkpoint.check_not_partial(self.model, "StableCheckpoint")
+
 
     def _unreadable(self, path: str, err: BaseException) -> None:
         self._position = Position(self._spe)

@@ -123,10 +123,9 @@ class FileArray:
 
         Raises:
             ValueError: if ``out`` is not such memory, or the file is closed.
-            CorruptCheckpointError: naming `key` if the file ends before the array
-                does or the bytes read fail the array's xxh3-64: the file was changed on
-                disk after it was proven whole.
-            OSError: if reading fails.
+            CorruptCheckpointError: naming `key` if reading fails (an I/O error), the file
+                ends before the array does, or the bytes read fail the array's xxh3-64: the
+                file was changed on disk after it was proven whole.
         """
         if not (out.flags.c_contiguous and out.flags.writeable) or out.nbytes != self.nbytes:
             raise ValueError(
@@ -134,7 +133,12 @@ class FileArray:
                 f"got {out.nbytes} bytes (C-contiguous: {out.flags.c_contiguous}, writable: {out.flags.writeable})"
             )
         view = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
-        got = _pread_into(self._file.fileno(), view, self.offset)
+        try:
+            got = _pread_into(self._file.fileno(), view, self.offset)
+        except OSError as err:
+            raise damaged(
+                self._file.where, f"array for key {self.key!r} cannot be read ({err})", key=self.key
+            ) from err
         entry = self._entry
         if got != self.nbytes:
             raise damaged(
