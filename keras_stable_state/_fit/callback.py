@@ -327,7 +327,6 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         # fit made its training function before on_train_begin, so refuse here
         checkpoint.check_not_partial(self.model, "StableCheckpoint")
 
-
     def _unreadable(self, path: str, err: BaseException) -> None:
         self._position = Position(self._spe)
         self._pending_restore = None
