@@ -524,7 +524,7 @@ def _never_trained(model: keras.Model) -> bool:
     """Whether no optimizer ``model`` tracks has taken a step (every ``iterations`` is 0, or
     it has none yet): its values are initial ones, or ones the caller set before ``fit``."""
     for opt in tracked_optimizers(model).values():
-        counter = compat.iterations_variable(opt)
+        counter = getattr(opt, "iterations", None)  # Keras' step counter (a variable)
         if counter is not None and int(to_numpy(counter)) != 0:
             return False
     return True
