@@ -15,9 +15,10 @@ other variable gets the all-or-nothing restore's assignment one variable at a ti
 (`keras_stable_state._core.apply.variable_step`: the array is read into new 64-byte
 aligned host memory, its old value dropped as the next is read); on TensorFlow a plain
 variable is read through one reused host buffer the size of the largest array and copied
-into its own buffer (`_tf_assign`). At most one variable's worth of new memory is held at
-a time (on JAX, whose arrays are immutable, the new arrays replace the old ones one by one,
-as stock ``load_weights`` does).
+into its own buffer (`_tf_assign`); on JAX, whose arrays are immutable, each array is read
+into new aligned host memory that the new array uses as it is (`_jax_assign`), replacing
+the old arrays one by one as stock ``load_weights`` does. At most one variable's worth of
+new memory is held at a time.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _processes as _multiprocess
 from keras_stable_state._core.apply import variable_step
 from keras_stable_state.errors import CorruptCheckpointError, StateError, shown
 from keras_stable_state.format.sandbox import aligned_empty
 
 # Dtypes TensorFlow takes from host memory through DLPack (not bool)
 _TF_SHARED = frozenset(np.dtype(n) for n in ("float16", "float32", "int8", "int16", "int32", "uint8"))
+# Dtypes JAX places from a host array as they are
+_JAX_NATIVE = _TF_SHARED | {np.dtype("bool")}
 
 __all__ = ["assign_in_place", "check_not_partial", "clear_partial", "mark_partial", "partial_reason"]
 
@@ -96,6 +100,26 @@ def _tf_assign(var: Any, array: Any, scratch: np.ndarray) -> bool:
     return True
 
 
+def _jax_assign(var: Any, host: np.ndarray) -> bool:
+    """On JAX, hand ``host`` (new aligned memory nothing else holds) to ``jax.device_put`` as
+    it is (``may_alias=True``: on the CPU the new array uses that memory, elsewhere it is the
+    one host-to-device copy) and assign it; ``False`` (nothing done) for a variable sharded
+    over several devices or of another dtype, or an array of a dtype JAX does not place as
+    it is (`variable_step` then converts and places it)."""
+    import jax
+
+    value = getattr(var, "value", None)
+    if (
+        not isinstance(value, jax.Array)
+        or _multiprocess.is_sharded(value)
+        or np.dtype(value.dtype) != host.dtype
+        or host.dtype not in _JAX_NATIVE
+    ):
+        return False
+    var.assign(jax.device_put(host, value.sharding, may_alias=True))
+    return True
+
+
 def _assign_one(var: Any, array: Any, scratch: np.ndarray | None) -> None:
     backend = keras.backend.backend()
     if backend == "torch":
@@ -108,7 +132,10 @@ def _assign_one(var: Any, array: Any, scratch: np.ndarray | None) -> None:
             return
     if backend == "tensorflow" and scratch is not None and _tf_assign(var, array, scratch):
         return
-    step = variable_step(var, np.asarray(array), owned=True)
+    host = np.asarray(array)  # new 64-byte aligned memory, read and checked: the restore's own
+    if backend == "jax" and _jax_assign(var, host):
+        return
+    step = variable_step(var, host, owned=True)
     step.snapshot()  # converts for the variable; the old value it keeps is dropped below
     step.apply()
 
