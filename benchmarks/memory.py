@@ -116,7 +116,9 @@ def child(op, size_mb, folder):
         "restore_h5": lambda: kss.restore_training_state(p["s.h5"], model),
         "restore_keras": lambda: kss.restore_training_state(p["s.keras"], model),
         "restore_h5_in_place": lambda: kss.restore_training_state(p["s.h5"], model, all_or_nothing=False),
-        "restore_h5_in_place_loaded": lambda: kss.restore_training_state(p["s.h5"], model, all_or_nothing=False),
+        "restore_h5_in_place_loaded": lambda: kss.restore_training_state(
+            p["s.h5"], model, all_or_nothing=False
+        ),
         "stock_save": lambda: model.save_weights(p["out.h5"][:-3] + ".weights.h5"),
         "stock_load": lambda: model.load_weights(p["w.weights.h5"]),
         "stock_load_again": lambda: model.load_weights(p["w.weights.h5"]),
