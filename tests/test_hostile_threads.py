@@ -229,18 +229,24 @@ def test_a_resume_reads_its_checkpoint_once_even_if_it_is_replaced_meanwhile(tmp
     assert expected.extra["callbacks"]["es"]["best"] != theirs.extra["callbacks"]["es"]["best"]
     final_a = [keras.ops.convert_to_numpy(v) for v in model_a.weights]
 
-    real_read, reads = storage.read_file, []
+    reads = []
 
-    def read_then_replace(path, **kwargs):
-        reads.append(os.fspath(path))
-        record = real_read(path, **kwargs)
-        if len(reads) == 1:  # the file changes between its check and its restore
-            tmp = folder / "incoming.tmp"
-            shutil.copyfile(replacement, tmp)
-            os.replace(tmp, newest)
-        return record
+    def read_then_replace(real_read):
+        def read(path, **kwargs):
+            reads.append(os.fspath(path))
+            record = real_read(path, **kwargs)
+            if len(reads) == 1:  # the file changes between its check and its restore
+                tmp = folder / "incoming.tmp"
+                shutil.copyfile(replacement, tmp)
+                os.replace(tmp, newest)
+            return record
 
-    monkeypatch.setattr(storage, "read_file", read_then_replace)
+        return read
+
+    # read_proven: the restore in place into a model that never trained (its arrays are read
+    # after the replacement, from the file it proved, held open); read_file: any other read
+    for name in ("read_file", "read_proven"):
+        monkeypatch.setattr(storage, name, read_then_replace(getattr(storage, name)))
     resumed = mlp(4, 8, named=True, seed=3)
     es = keras.callbacks.EarlyStopping(monitor="loss", patience=50)
     seen = {}
