@@ -202,18 +202,10 @@ def restore_training_state(
         prefix: The stable path of the saved model now nested in ``model`` (``"layers/base"``).
         rename: ``[(pattern, replacement), ...]`` ``re.sub`` rules for saved keys.
         keep_learning_rate: Keep the compiled learning rate and skip the schedule check.
-        all_or_nothing: ``True`` (default): the values replaced are kept until the last
-            assignment, so a failure puts them back; the new values are read into new host
-            memory first (about one state's worth). ``False``, for a model whose values
-            are worth nothing if the restore fails (just built, never trained): a local
-            ``.h5`` record is proven whole (its seal and every array's xxh3-64, through a
-            small buffer), then each array is read straight into its variable (Torch: its
-            own memory) and checked again, keeping no copy of the values it replaces. A
-            failure after the proof (an I/O error, the file changed in place) raises a
-            ``StateError`` naming the variables already assigned and marks the model:
-            ``fit`` and ``save_training_state`` refuse it until a restore succeeds. Other
-            files are read whole as with ``True``, then assigned the same way. Not with
-            ``defer``.
+        all_or_nothing: ``False``: for a model whose values are worth nothing if the restore
+            fails (just built): a local ``.h5`` is proven whole, then read straight into the
+            variables with no copy of the old values; a failure after the proof marks the
+            model ([in detail](how-to/custom-loops.md#arguments-of-restore_training_state-in-full)).
         defer: For an unbuilt model: read and check now, assign once it is built.
         storage_options: fsspec options for an object-store URL.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import weakref
@@ -40,10 +41,8 @@ __all__ = ["StableCheckpoint", "UnreadableCheckpointWarning", "InexactResumeWarn
 class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped (Any)
     """Checkpoints the whole training state during ``model.fit`` and resumes it exactly.
 
-    On train begin it restores the newest readable checkpoint in ``directory`` (in place,
-    with no copy of the replaced values, into a model whose optimizers have not taken a
-    step: ``restore_training_state(..., all_or_nothing=False)``; all or nothing into one
-    that has) and ``fit`` continues at the next unseen batch; during ``fit`` it saves a ``ckpt-<global step>.h5``
+    On train begin it restores the newest readable checkpoint in ``directory`` and ``fit``
+    continues at the next unseen batch; during ``fit`` it saves a ``ckpt-<global step>.h5``
     file every ``save_freq``, keeps the newest ``max_to_keep`` (and ``keep_best`` by ``monitor``),
     moves unreadable ones aside with an [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning], locks
     the directory, and saves and stops on a preemption signal. In full (data order,
@@ -291,7 +290,6 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         """The state of a fit before its restore (``spe``: its ``steps_per_execution``);
         a background save in flight is dropped (its error belonged to an earlier fit)."""
         self._spe = spe
-        self._in_place = False  # set by _restore_newest
         self._position = Position(spe)
         self._pending_restore: Any = None  # the record restored, until its epoch begins
         self._rng_after_skip: Any = None
@@ -303,9 +301,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.manager.drop_in_flight()
 
     def _restore_newest(self) -> None:
-        # A model whose optimizers have not taken a step holds values worth nothing beside the
-        # checkpoint's (just built, or initialised for this run): restored in place, with no
-        # copy of them kept (issue 32: as lean as stock load_weights); a trained one all or nothing.
+        # in place (no copy of the old values kept) into a model whose values are worth nothing
         self._in_place = _never_trained(self.model)
         restored = self.manager.restore_newest_with(
             self._restore, self._unreadable, read_only=self._read_only is not None, in_place=self._in_place
@@ -323,9 +319,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.run_stopped = self.run_complete and self._position.stopped is not None
         if self.run_stopped and isinstance(epochs, int):  # fit trains no epoch: range(epochs, epochs)
             compat.set_initial_epoch(self.model, max(epochs, self._position.epoch))
-        # a restore in place that failed part way, with no older checkpoint restored after it:
-        # fit made its training function before on_train_begin, so refuse here
-        checkpoint.check_not_partial(self.model, "StableCheckpoint")
+        # an in-place restore failed part way and none after it succeeded: fit made its
+        checkpoint.check_not_partial(self.model, "StableCheckpoint")  # train function already
 
     def _unreadable(self, path: str, err: BaseException) -> None:
         self._position = Position(self._spe)
@@ -336,12 +331,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         # Variables, optimizer, schedule check and position now; callbacks, metrics and
         # the epoch-start random state once every callback has run on_train_begin. All of
         # it from ``record``, the one read (and check) of the file: never read twice.
-        options = checkpoint.RestoreOptions(
-            state={"position": self._position},
-            include_rng=False,
-            include_metrics=False,
-            all_or_nothing=not self._in_place,
-        )
+        options = checkpoint.RestoreOptions(state={"position": self._position}, include_rng=False)
+        options = dataclasses.replace(options, include_metrics=False, all_or_nothing=not self._in_place)
         # take: only its state records are read after this; the variables may keep its arrays
         report = cast(  # without defer, restore_with restores now: a RestoreReport
             "RestoreReport", checkpoint.restore_with(path, self.model, options, record=record, take=True)

@@ -493,7 +493,7 @@ class CheckpointManager(DirectoryHolder):
         unreadable: Callable[[str, BaseException], None] | None = None,
         *,
         read_only: bool = False,
-        in_place: bool = False,
+        in_place: bool = False,  # read for a restore in place (see timeline.read_checked)
     ) -> str | None:
         """Pass the record of the newest readable checkpoint to ``restore(path, record)``
         (which restores everything from that one read); each unreadable one is moved aside
@@ -501,9 +501,7 @@ class CheckpointManager(DirectoryHolder):
         err)`` is called first, if given) and the next one tried. Takes the lock, and
         waits for the background save in flight. No warning is issued (the caller says
         where it fell back to: see [`restore`][keras_stable_state.CheckpointManager.restore]). ``read_only=True`` reads without the
-        lock (a directory on a read-only file system, where nobody can write). ``in_place=True``
-        reads a local ``.h5`` checkpoint for a restore in place (its large arrays left in the
-        open file, proven whole: `orbax_io.read_in_place`); ``restore`` then closes it.
+        lock (a directory on a read-only file system, where nobody can write).
 
         Returns:
             The path restored, or ``None`` if no readable checkpoint is left.
@@ -528,16 +526,14 @@ class CheckpointManager(DirectoryHolder):
             )
             self._summaries.pop(path, None)
 
-        # JAX: the checkpoints process 0 lists, each read by every process alike; Torch: each rank's own
-        paths = shared.checkpoints(self.files, self.directory)
-        read = shared.agreed(orbax_io.read_in_place) if in_place and self.files is files else self._read
+        paths = shared.checkpoints(self.files, self.directory)  # JAX: process 0's list; Torch: each rank's
         path: str | None = self.files.restore_newest(
             paths,
             self.directory,
             restore,
             moved,
             self.name,
-            read_with=lambda path: timeline.read_checked(self, path, read),
+            read_with=lambda path: timeline.read_checked(self, path, in_place=in_place),
         )
         # the save after it continues its timeline (see save)
         self._timeline_from = None if path is None else files.step_of(path)

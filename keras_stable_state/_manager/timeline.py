@@ -6,14 +6,13 @@ not restore from the directory is refused (see ``CheckpointManager.save``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as processes
 from keras_stable_state import format as storage
 from keras_stable_state._manager import directory as files
-from keras_stable_state._manager import policy, shared
+from keras_stable_state._manager import orbax_io, policy, shared
 from keras_stable_state._manager.records import RECORD, check_named_step, record_of
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
@@ -110,11 +109,13 @@ def before_save(mgr: CheckpointManager, step: int, new_timeline: bool) -> None:
         )
 
 
-def read_checked(mgr: CheckpointManager, path: str, read: Callable[[str], Any] | None = None) -> Any:
-    """The record of ``path`` (read by ``read``, default the manager's), once its name and
-    record agree on its step (else the ``CheckpointFormatError`` of `check_named_step`: the
-    fallback moves it aside, and the file a record read in place holds open is closed)."""
-    record = (read or mgr._read)(path)
+def read_checked(mgr: CheckpointManager, path: str, *, in_place: bool = False) -> Any:
+    """The record of ``path``, once its name and record agree on its step (else the
+    ``CheckpointFormatError`` of `check_named_step`: the fallback moves it aside, and the file
+    a record read in place holds open is closed). ``in_place``: a local checkpoint is read for
+    a restore in place (`orbax_io.read_in_place`: its large arrays left in the open file)."""
+    local = in_place and mgr.files is files
+    record = (shared.agreed(orbax_io.read_in_place) if local else mgr._read)(path)
     try:
         check_named_step(path, record_of(record.extra))
     except BaseException:

@@ -161,6 +161,16 @@ class FileArray:
             )
 
 
+def file_offset(file: CheckpointFile, entry: Entry) -> int | None:
+    """Where the bytes of ``entry`` start in ``file``: a format-3 array with a contiguous
+    dataset of its own, in a record opened from a file (not ``whole``); else ``None``."""
+    src, ds, start = file._src, file._datasets.get(entry.dataset), file._spans.get(entry.dataset)
+    in_file = src.data is None and src.image is None and file.member is None and entry.xxh3 is not None
+    if not in_file or ds is None or start is None or entry.offset or ds.id.get_storage_size() != entry.nbytes:
+        return None
+    return start
+
+
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     """Read into all of ``view`` from ``offset`` of ``fd``; the bytes read (fewer at the end of the file)."""
     got = 0
@@ -236,7 +246,7 @@ def read_proven(
         proven = ProvenFile(f)
         arrays: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
         for e in f.entries:
-            offset = f.file_offset(e) if e.section != "state" and e.nbytes >= DEFER_ABOVE else None
+            offset = file_offset(f, e) if e.section != "state" and e.nbytes >= DEFER_ABOVE else None
             if offset is None:
                 arrays[e.section][e.key] = f.read(e)
             else:

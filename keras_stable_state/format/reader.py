@@ -433,31 +433,8 @@ class CheckpointFile:
         ]
         return damaged_
 
-    def file_offset(self, entry: Entry) -> int | None:
-        """Where the bytes of ``entry`` start in the file, when they are stored there as they
-        are: a format-3 array of a sealed ``.h5`` record read from a file (not ``whole``), in a
-        contiguous dataset of the record; else ``None`` (packed arrays included: their offset is
-        inside a blob, and a blob is read whole)."""
-        if (
-            entry.xxh3 is None
-            or self._src.data is not None
-            or self._src.image is not None
-            or self.member is not None
-            or entry.dataset.startswith(keras_archive.PREFIX)
-        ):
-            return None
-        start = self._spans.get(entry.dataset)
-        ds = self._datasets.get(entry.dataset)
-        if start is None or ds is None or entry.offset or ds.id.get_storage_size() != entry.nbytes:
-            return None
-        return start
-
     def fileno(self) -> int:
-        """The descriptor of the open file.
-
-        Raises:
-            ValueError: if the file is closed or is bytes in memory.
-        """
+        """The descriptor of the open file (``ValueError`` if closed or bytes in memory)."""
         fh = self._src.fh
         if fh is None or self._src.data is not None:
             raise ValueError(f"{self.path}: no open file to read from (closed, or bytes in memory).")
