@@ -16,9 +16,9 @@ other variable gets the all-or-nothing restore's assignment one variable at a ti
 aligned host memory, its old value dropped as the next is read); on TensorFlow a plain
 variable is read through one reused host buffer the size of the largest array and copied
 into its own buffer (`_tf_assign`); on JAX, whose arrays are immutable, each array is read
-into new aligned host memory that the new array uses as it is (`_jax_assign`), replacing
-the old arrays one by one as stock ``load_weights`` does. At most one variable's worth of
-new memory is held at a time.
+into one of two reused host buffers and copied into a new array of JAX's own
+(`_JaxPlacer`), replacing the old arrays one by one as stock ``load_weights`` does. At most
+one variable's worth of new memory (two buffers on JAX) is held at a time.
 """
 
 from __future__ import annotations
@@ -120,7 +120,63 @@ def _jax_assign(var: Any, host: np.ndarray) -> bool:
     return True
 
 
-def _assign_one(var: Any, array: Any, scratch: np.ndarray | None) -> None:
+# On JAX the reused buffers start this many bytes past a multiple of 64: JAX 0.10 on the CPU
+# uses a 64-byte aligned host array's memory as the new array's own even with
+# may_alias=False, which the next read into the buffer would overwrite; from any other
+# address it copies into memory of its own.
+_JAX_OFFSET = 16
+
+
+class _JaxPlacer:
+    """On JAX: each array read into one of two reused host buffers (`_JAX_OFFSET`) and placed
+    with ``jax.device_put(..., may_alias=False)``, which copies it asynchronously into memory
+    of JAX's own (its allocator hands back the memory of the arrays the variables drop, as
+    stock ``load_weights`` gets it); a buffer is read into again only once the copy out of it
+    is done (``block_until_ready``), so the read of one array overlaps the copy of the other.
+    Measured at 1 GB in a fresh process: 665-679 ms against 1684-2437 ms for a new host array
+    per variable (the kernel hands out new pages at a fraction of copy speed), stock
+    ``load_weights`` 572-697 ms."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffers = [aligned_empty((_JAX_OFFSET + nbytes,), np.uint8) for _ in range(2)]
+        self.pending: list[Any] = [None, None]
+        self.turn = 0
+
+    def assign(self, var: Any, array: Any) -> bool:
+        """Read ``array`` and place it into ``var``; ``False`` (nothing done) for a variable
+        sharded over several devices or of another dtype, or a dtype JAX does not place as
+        it is."""
+        import jax
+
+        value = getattr(var, "value", None)
+        if (
+            not isinstance(value, jax.Array)
+            or _multiprocess.is_sharded(value)
+            or np.dtype(value.dtype) != array.dtype
+            or array.dtype not in _JAX_NATIVE
+        ):
+            return False
+        turn, self.turn = self.turn, 1 - self.turn
+        if self.pending[turn] is not None:
+            self.pending[turn].block_until_ready()
+            self.pending[turn] = None
+        buffer = self.buffers[turn][_JAX_OFFSET : _JAX_OFFSET + array.nbytes]
+        host = buffer.view(array.dtype).reshape(array.shape)
+        array.read_into(host)
+        placed = jax.device_put(host, value.sharding, may_alias=False)
+        var.assign(placed)
+        self.pending[turn] = placed
+        return True
+
+    def finish(self) -> None:
+        """Wait for the copies still running (the buffers may then go)."""
+        for placed in self.pending:
+            if placed is not None:
+                placed.block_until_ready()
+        self.pending = [None, None]
+
+
+def _assign_one(var: Any, array: Any, scratch: np.ndarray | None, placer: _JaxPlacer | None) -> None:
     backend = keras.backend.backend()
     if backend == "torch":
         host = _torch_target(var, array)
@@ -131,6 +187,8 @@ def _assign_one(var: Any, array: Any, scratch: np.ndarray | None) -> None:
             torch.autograd.graph.increment_version(compat.variable_storage(var))
             return
     if backend == "tensorflow" and scratch is not None and _tf_assign(var, array, scratch):
+        return
+    if placer is not None and placer.assign(var, array):
         return
     host = np.asarray(array)  # new 64-byte aligned memory, read and checked: the restore's own
     if backend == "jax" and _jax_assign(var, host):
@@ -152,12 +210,21 @@ def assign_in_place(pairs: list, model: Any, where: str) -> None:
             variables already assigned; ``model`` is marked.
     """
     done: list[str] = []
-    scratch = None
-    if keras.backend.backend() == "tensorflow":
-        scratch = aligned_empty((max(array.nbytes for _, array in pairs),), np.uint8)
+    backend = keras.backend.backend()
+    largest = max(array.nbytes for _, array in pairs)
+    scratch = aligned_empty((largest,), np.uint8) if backend == "tensorflow" else None
+    placer = _JaxPlacer(largest) if backend == "jax" else None
+    try:
+        _assign_all(pairs, model, where, done, scratch, placer)
+    finally:
+        if placer is not None:
+            placer.finish()
+
+
+def _assign_all(pairs: list, model: Any, where: str, done: list, scratch: Any, placer: Any) -> None:
     for var, array in pairs:
         try:
-            _assign_one(var, array, scratch)
+            _assign_one(var, array, scratch, placer)
         except BaseException as err:
             if isinstance(err, KeyboardInterrupt | SystemExit) and not done:
                 raise
