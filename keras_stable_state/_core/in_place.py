@@ -100,26 +100,6 @@ def _tf_assign(var: Any, array: Any, scratch: np.ndarray) -> bool:
     return True
 
 
-def _jax_assign(var: Any, host: np.ndarray) -> bool:
-    """On JAX, hand ``host`` (new aligned memory nothing else holds) to ``jax.device_put`` as
-    it is (``may_alias=True``: on the CPU the new array uses that memory, elsewhere it is the
-    one host-to-device copy) and assign it; ``False`` (nothing done) for a variable sharded
-    over several devices or of another dtype, or an array of a dtype JAX does not place as
-    it is (`variable_step` then converts and places it)."""
-    import jax
-
-    value = getattr(var, "value", None)
-    if (
-        not isinstance(value, jax.Array)
-        or _multiprocess.is_sharded(value)
-        or np.dtype(value.dtype) != host.dtype
-        or host.dtype not in _JAX_NATIVE
-    ):
-        return False
-    var.assign(jax.device_put(host, value.sharding, may_alias=True))
-    return True
-
-
 # On JAX the reused buffers start this many bytes past a multiple of 64: JAX 0.10 on the CPU
 # uses a 64-byte aligned host array's memory as the new array's own even with
 # may_alias=False, which the next read into the buffer would overwrite; from any other
@@ -190,10 +170,7 @@ def _assign_one(var: Any, array: Any, scratch: np.ndarray | None, placer: _JaxPl
         return
     if placer is not None and placer.assign(var, array):
         return
-    host = np.asarray(array)  # new 64-byte aligned memory, read and checked: the restore's own
-    if backend == "jax" and _jax_assign(var, host):
-        return
-    step = variable_step(var, host, owned=True)
+    step = variable_step(var, np.asarray(array), owned=True)  # new aligned memory, read and checked
     step.snapshot()  # converts for the variable; the old value it keeps is dropped below
     step.apply()
 

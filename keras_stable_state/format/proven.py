@@ -34,7 +34,7 @@ import xxhash
 from keras_stable_state.format import sandbox
 from keras_stable_state.format.codec import numpy_dtype
 from keras_stable_state.format.probe import damaged
-from keras_stable_state.format.reader import CheckpointFile, read_file
+from keras_stable_state.format.reader import CheckpointFile, read_file, state_record
 from keras_stable_state.format.record import FORMAT, PACK_LIMIT, SECTIONS, Entry, StateRecord
 from keras_stable_state.format.remote import is_remote, resolve
 from keras_stable_state.format.stock import StockWeights
@@ -259,14 +259,7 @@ def read_proven(
         raise
     if not proven.arrays:
         f.close()
-    return StateRecord(
-        metadata=f.metadata,
-        contract=f.contract,
-        model=arrays["model"],
-        optimizer=arrays["optimizer"],
-        extra=f.extra,
-        arrays=arrays["state"],
-    )
+    return state_record(f, arrays)
 
 
 def close_files(record: Any) -> None:

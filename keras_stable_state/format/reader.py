@@ -578,11 +578,16 @@ def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:
             raise damaged(f.path, f"archive member {member!r} fails its zip CRC-32 ({reason})", key=member)
         if f.kind != FORMAT:
             return stock_weights(f.member is not None, arrays, f.optimizer_keys, f._key_groups)
-        return StateRecord(
-            metadata=f.metadata,
-            contract=f.contract,
-            model=arrays["model"],
-            optimizer=arrays["optimizer"],
-            extra=f.extra,
-            arrays=arrays["state"],
-        )
+        return state_record(f, arrays)
+
+
+def state_record(f: CheckpointFile, arrays: dict[str, dict[str, Any]]) -> StateRecord:
+    """The `StateRecord` of the record file ``f`` holding ``arrays`` (``{section: {key: array}}``)."""
+    return StateRecord(
+        metadata=f.metadata,
+        contract=f.contract,
+        model=arrays["model"],
+        optimizer=arrays["optimizer"],
+        extra=f.extra,
+        arrays=arrays["state"],
+    )
