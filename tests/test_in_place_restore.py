@@ -100,7 +100,7 @@ def test_other_dtypes_and_keras_archives_restore_in_place_too(tmp_path, name, dt
     _assert_equal(saved, reader)
 
 
-def test_the_large_arrays_are_left_in_the_file_and_proven(tmp_path):
+def test_the_large_arrays_are_left_in_the_file(tmp_path):
     path = str(tmp_path / "s.h5")
     model = _model([1100, 8], 3)
     kss.save_training_state(path, model)
@@ -178,28 +178,54 @@ def test_a_file_changed_after_the_proof_marks_the_model(tmp_path, monkeypatch):
     kss.save_training_state(str(tmp_path / "out.h5"), reader)
 
 
-@pytest.mark.parametrize("reseal", [False, True], ids=["seal-fails", "array-hash-fails"])
-def test_a_damaged_file_is_refused_before_anything_is_assigned(tmp_path, reseal):
-    """A byte of an array changed: the seal fails; with the seal made again over the changed
-    bytes, the array's own xxh3-64 fails in the proof. Either way before the first assignment."""
-    path = str(tmp_path / "s.h5")
-    writer = _model([1100], 8)
-    _trained_state(writer, 8)
-    kss.save_training_state(path, writer)
+def _damage_first_optimizer_array(path):
+    """Flip a byte inside the first large optimizer array of the record at ``path``; its key."""
     record = storage.read_proven(path)
     target = next(a for a in record.optimizer.values() if isinstance(a, storage.FileArray))
     storage.close_files(record)
     _flip_byte(path, target.offset + 5)
-    if reseal:
-        storage.reseal(path)
+    return target.key
+
+
+def test_a_damaged_file_is_refused_before_anything_is_assigned(tmp_path):
+    """A byte of an array changed: the seal (over every byte) fails before anything is read."""
+    path = str(tmp_path / "s.h5")
+    writer = _model([1100], 8)
+    _trained_state(writer, 8)
+    kss.save_training_state(path, writer)
+    _damage_first_optimizer_array(path)
     reader = _model([1100], 9)
     before = [to_np(v).copy() for v in _all(reader)]
-    with pytest.raises(CorruptCheckpointError) as err:
+    with pytest.raises(CorruptCheckpointError, match="seal"):
         kss.restore_training_state(path, reader, all_or_nothing=False)
-    if reseal:
-        assert err.value.key == target.key
     _assert_equal(before, reader)
     reader.fit(np.zeros((4, 16), "float32"), np.zeros((4, 1), "float32"), epochs=1, verbose=0)
+
+
+def test_a_file_sealed_again_over_a_changed_array_fails_at_that_array_and_marks_the_model(tmp_path):
+    """The seal made again over the changed bytes (not a file our writer makes): the proof
+    passes, the array's own xxh3-64 fails when it is read. The arrays before it were
+    assigned (the model's weights come first), so the model is marked; the all-or-nothing
+    restore checks every array before assigning and changes nothing."""
+    path = str(tmp_path / "s.h5")
+    writer = _model([1100], 8)
+    _trained_state(writer, 8)
+    kss.save_training_state(path, writer)
+    key = _damage_first_optimizer_array(path)
+    storage.reseal(path)
+    untouched = _model([1100], 9)
+    before = [to_np(v).copy() for v in _all(untouched)]
+    with pytest.raises(CorruptCheckpointError) as err:
+        kss.restore_training_state(path, untouched)  # all or nothing
+    assert err.value.key == key
+    _assert_equal(before, untouched)
+
+    reader = _model([1100], 9)
+    with pytest.raises(CorruptCheckpointError, match="already assigned") as err:
+        kss.restore_training_state(path, reader, all_or_nothing=False)
+    assert err.value.key == key and "xxh3-64" in str(err.value)
+    with pytest.raises(StateError, match="partly restored"):
+        reader.fit(np.zeros((4, 16), "float32"), np.zeros((4, 1), "float32"), epochs=1, verbose=0)
 
 
 def test_in_place_cannot_be_deferred(tmp_path):

@@ -3,11 +3,13 @@ with no copy of the values they replace, and the mark a model keeps when one fai
 
 Used where the live values are worth nothing (``restore_training_state(...,
 all_or_nothing=False)``; ``StableCheckpoint`` resuming into the model ``fit`` has just
-built): the file was proven whole first (`keras_stable_state.format.proven`), so what
-can still fail is the second read (an I/O error, the file changed in place under the
-reader). Then the variables already assigned cannot be put back; the restore raises a
-``StateError`` naming them and marks the model (`mark_partial`): ``fit`` and
-``save_training_state`` refuse it until a restore into it succeeds (`clear_partial`).
+built): the file was proven whole first (its seal: `keras_stable_state.format.proven`),
+so what can still fail is the read of an array (an I/O error, the file changed in place
+under the reader, or an array's own checksum in a file sealed again over changed bytes).
+Then the variables already assigned cannot be put back; the restore raises a
+``CorruptCheckpointError`` (the file) or ``StateError`` (anything else) naming them and
+marks the model (`mark_partial`): ``fit`` and ``save_training_state`` refuse it until a
+restore into it succeeds (`clear_partial`).
 
 Per backend: on Torch a CPU parameter of the array's dtype is read into in place (its own
 memory: no allocation, its version counter bumped as an in-place ``copy_`` would); any
@@ -180,7 +182,7 @@ def assign_in_place(pairs: list, model: Any, where: str) -> None:
 
     Raises:
         CorruptCheckpointError: if the file changed on disk since it was proven whole (or a
-            read of it fails): naming the array's key and the variables already assigned
+            read of it fails, or an array fails its own checksum): naming the array's key and the variables already assigned
             (which keep their new values); ``model`` is marked (`mark_partial`). A directory
             of checkpoints moves such a file aside and restores the next older one.
         StateError: if an assignment fails otherwise, naming the variable, the error and the

@@ -219,7 +219,9 @@ def restore_training_state(
         FileNotFoundError: If there is no file (or no object at the URL).
         StorageBackendError: For a URL whose fsspec package is not installed.
         CheckpointInUseError: If another process holds the file locked for writing.
-        CorruptCheckpointError: If the file is truncated or damaged (the key or record named).
+        CorruptCheckpointError: If the file is truncated or damaged (the key or record named);
+            with ``all_or_nothing=False`` also if an array read after the proof fails its
+            checksum or cannot be read (the model is then marked).
         MalformedKeyError: If a key in the file cannot be parsed (the file is damaged).
         CheckpointFormatError: For an unknown format version or a file that is no checkpoint.
         ContractError: With ``strict``, if the trainable variables differ from the contract.
