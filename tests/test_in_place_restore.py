@@ -86,6 +86,34 @@ def test_in_place_restore_puts_every_array_back(tmp_path_factory, widths, seed):
     _assert_equal(saved, reader)
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="the two reused host buffers are JAX's path for large arrays")
+def test_jax_large_arrays_through_two_reused_buffers(tmp_path, monkeypatch):
+    """Arrays from 32 MiB up go through two reused host buffers, each read into again once
+    JAX's copy out of it is done: with the size lowered so every large array of this model
+    takes that path, each lands in its own variable (a buffer overwritten before its copy
+    finished would put one array's values into another's variable)."""
+    from keras_stable_state._core import in_place
+
+    monkeypatch.setattr(in_place, "_JAX_COPY_ABOVE", proven.DEFER_ABOVE)
+    placed = []
+    real = in_place._JaxPlacer.assign
+
+    def counted(self, var, array):
+        done = real(self, var, array)
+        placed.append(done)
+        return done
+
+    monkeypatch.setattr(in_place._JaxPlacer, "assign", counted)
+    writer = _model([1100, 1500, 1100], 11)
+    saved = _trained_state(writer, 11)
+    path = str(tmp_path / "s.h5")
+    kss.save_training_state(path, writer)
+    reader = _model([1100, 1500, 1100], 12)
+    kss.restore_training_state(path, reader, all_or_nothing=False)
+    assert sum(placed) >= 9  # three kernels of 64 KiB and more, each with two Adam slots
+    _assert_equal(saved, reader)
+
+
 @pytest.mark.parametrize("name, dtype", [("b.h5", "bfloat16"), ("b.h5", "float16"), ("b.keras", None)])
 def test_other_dtypes_and_keras_archives_restore_in_place_too(tmp_path, name, dtype):
     """bfloat16 (no NumPy view of a Torch tensor: assigned as the all-or-nothing restore

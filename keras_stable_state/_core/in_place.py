@@ -18,6 +18,7 @@ other variable gets the all-or-nothing restore's assignment one variable at a ti
 aligned host memory, its old value dropped as the next is read); on TensorFlow a plain
 variable is read through one reused host buffer the size of the largest array and copied
 into its own buffer (`_tf_assign`); on JAX, whose arrays are immutable, each array is read
+into new aligned host memory that the new JAX array uses as its own, or, from 32 MiB up,
 into one of two reused host buffers and copied into a new array of JAX's own
 (`_JaxPlacer`), replacing the old arrays one by one as stock ``load_weights`` does. At most
 one variable's worth of new memory (two buffers on JAX) is held at a time.
@@ -109,15 +110,31 @@ def _tf_assign(var: Any, array: Any, scratch: np.ndarray) -> bool:
 _JAX_OFFSET = 16
 
 
+# On JAX, arrays of this many bytes or more go through `_JaxPlacer`; smaller ones are read
+# into new aligned host memory that the new JAX array uses as its own (no copy). glibc's
+# malloc serves an allocation this large (its largest dynamic mmap threshold, 64-bit) with
+# new pages from the kernel, paid in page faults at a fraction of copy speed, while it
+# recycles the memory of smaller arrays freed as the variables drop them.
+_JAX_COPY_ABOVE = 32 << 20
+
+
+def jax_placer(arrays: list) -> _JaxPlacer | None:
+    """A `_JaxPlacer` for the arrays of ``arrays`` of `_JAX_COPY_ABOVE` bytes or more; ``None``
+    where there are none."""
+    large = [a.nbytes for a in arrays if a.nbytes >= _JAX_COPY_ABOVE]
+    return _JaxPlacer(max(large)) if large else None
+
+
 class _JaxPlacer:
-    """On JAX: each array read into one of two reused host buffers (`_JAX_OFFSET`) and placed
-    with ``jax.device_put(..., may_alias=False)``, which copies it asynchronously into memory
-    of JAX's own (its allocator hands back the memory of the arrays the variables drop, as
-    stock ``load_weights`` gets it); a buffer is read into again only once the copy out of it
-    is done (``block_until_ready``), so the read of one array overlaps the copy of the other.
-    Measured at 1 GB in a fresh process: 665-679 ms against 1684-2437 ms for a new host array
-    per variable (the kernel hands out new pages at a fraction of copy speed), stock
-    ``load_weights`` 572-697 ms."""
+    """On JAX: each array of `_JAX_COPY_ABOVE` bytes or more read into one of two reused host
+    buffers (`_JAX_OFFSET`) and placed with ``jax.device_put(..., may_alias=False)``, which
+    copies it asynchronously into memory of JAX's own (its allocator hands back the memory of
+    the arrays the variables drop, as stock ``load_weights`` gets it); a buffer is read into
+    again only once the copy out of it is done (``block_until_ready``), so the read of one
+    array overlaps the copy of the other. Measured 2026-12-06 in fresh processes
+    (``benchmarks/memory.py``, package loaded first), against stock ``load_weights``: at 1 GB
+    (arrays of about 42 MB) 0.94x, where a new host array per variable took 3.0x; at 120 MB
+    (arrays of about 5 MB) 1.10x, where a new host array per variable took 0.87x."""
 
     def __init__(self, nbytes: int) -> None:
         self.buffers = [aligned_empty((_JAX_OFFSET + nbytes,), np.uint8) for _ in range(2)]
@@ -125,14 +142,15 @@ class _JaxPlacer:
         self.turn = 0
 
     def assign(self, var: Any, array: Any) -> bool:
-        """Read ``array`` and place it into ``var``; ``False`` (nothing done) for a variable
-        sharded over several devices or of another dtype, or a dtype JAX does not place as
-        it is."""
+        """Read ``array`` and place it into ``var``; ``False`` (nothing done) for an array under
+        `_JAX_COPY_ABOVE` bytes, a variable sharded over several devices or of another dtype,
+        or a dtype JAX does not place as it is."""
         import jax
 
         value = getattr(var, "value", None)
         if (
             not isinstance(value, jax.Array)
+            or array.nbytes < _JAX_COPY_ABOVE
             or _multiprocess.is_sharded(value)
             or np.dtype(value.dtype) != array.dtype
             or array.dtype not in _JAX_NATIVE
@@ -192,7 +210,7 @@ def assign_in_place(pairs: list, model: Any, where: str) -> None:
     backend = keras.backend.backend()
     largest = max(array.nbytes for _, array in pairs)
     scratch = aligned_empty((largest,), np.uint8) if backend == "tensorflow" else None
-    placer = _JaxPlacer(largest) if backend == "jax" else None
+    placer = jax_placer([array for _, array in pairs]) if backend == "jax" else None
     try:
         _assign_all(pairs, model, where, done, scratch, placer)
     finally:
