@@ -193,3 +193,60 @@ def test_a_difference_without_the_library_is_unrepeatable_only_for_the_inputs_na
         assert problems[0] == rm.UNREPEATABLE_INPUTS[(kind, backend)] and backend in problems[0]
     _phase_files(tmp_path, "plain", 1.0)
     assert rm.invariance(tmp_path, case) == ("SAME", [])
+
+
+def _failed_phase(workdir, name, message):
+    record = {
+        "status": "error",
+        "error": {"type": "RuntimeError", "message": message, "refused_at_begin": False},
+    }
+    record["error"]["traceback"] = ""
+    with open(workdir / f"{name}.json", "w") as f:
+        json.dump(record, f)
+
+
+_WORKER_DIED = (
+    "DataLoader worker (pid 19972) exited unexpectedly with exit code 1. Details are lost due to "
+    "multiprocessing. Rerunning with num_workers=0 may give better error trace."
+)
+
+
+@pytest.mark.backend_free
+@pytest.mark.parametrize(
+    ("backend", "workers", "message", "expected"),
+    [
+        ("tensorflow", 1, _WORKER_DIED, "SKIPPED"),
+        ("tensorflow", 0, _WORKER_DIED, "HARNESS_ERROR"),
+        ("jax", 2, _WORKER_DIED, "HARNESS_ERROR"),
+        ("tensorflow", 1, "some other error", "HARNESS_ERROR"),
+    ],
+)
+def test_a_failure_of_stock_keras_itself_is_skipped_not_a_harness_error(
+    tmp_path, backend, workers, message, expected
+):
+    """Seed 27, tensorflow case 17: a DataLoader worker died in the killed run, as it does in
+    tf.data's generator thread on TensorFlow without the library. Only that error, on that
+    backend with workers, is SKIPPED (named; never counted as passed); the plain run meeting
+    it makes the invariance UNREPEATABLE, not an error."""
+    case = dict(
+        rm.draw_case(27, 17, "tensorflow"),
+        backend=backend,
+        loader_workers=workers,
+        input="torch_loader_shuffle",
+    )
+    case.pop("resume_backend", None)
+    case["scenarios"] = [{"kind": "any", "steps": [3]}]
+    _phase_files(tmp_path, "ref", 1.0)
+    _failed_phase(tmp_path, "plain", message)
+    _failed_phase(tmp_path, "s0.fresh", message)
+    _phase_files(tmp_path, "s0.resume", 1.0)
+    (result,) = rm.classify(case, str(tmp_path))
+    assert result["outcome"] == expected, result
+    if expected == "SKIPPED":
+        assert result["problems"] == [rm.STOCK_FAILURES[0][0]]
+        assert (
+            result["invariance"] == "UNREPEATABLE"
+            and result["invariance_problems"][0] == rm.STOCK_FAILURES[0][0]
+        )
+    else:
+        assert result["invariance"] == "ERROR", result
