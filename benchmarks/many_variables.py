@@ -12,7 +12,8 @@ full run. In one process, round by round in a rotating order:
 
 * save: ``save_training_state(".h5")`` against plain h5py writing one dataset
   per array of the same shapes, then ``fsync`` (timed twice: A/A);
-* restore: ``restore_training_state(".h5")`` in place against h5py
+* restore: ``restore_training_state(".h5")`` (all or nothing, and with
+  ``all_or_nothing=False``: no rollback copy) into the same model against h5py
   ``read_direct`` of the same datasets into preallocated arrays (twice: A/A), and
   against Keras' own ``variable.assign(host array)`` of every variable (what
   ``load_weights`` does per variable once it has read the arrays; the floor of any
@@ -128,6 +129,7 @@ def bench(n, rounds, folder, phases, profile=None):
             "rd": lambda: c.h5py_read_direct(h5raw, targets),
             "rd2": lambda: c.h5py_read_direct(h5raw, targets),
             "h5": lambda: kss.restore_training_state(ours, model),
+            "h5_in_place": lambda: kss.restore_training_state(ours, model, all_or_nothing=False),
             "ka": keras_assign,
         }
         restore_ops["h5"]()
@@ -137,7 +139,8 @@ def bench(n, rounds, folder, phases, profile=None):
         total = c.summary(rt["h5"])[0]
         goal = f" (target < {RESTORE_SECONDS_100K:.0f} s at 100k)" if len(arrays) >= 100_000 else ""
         parts.append(
-            f"restore {rper['h5']:.0f} us vs read_direct {rper['rd']:.0f} us and Keras' assign "
+            f"restore {rper['h5']:.0f} us (in place {rper['h5_in_place']:.0f} us) vs read_direct "
+            f"{rper['rd']:.0f} us and Keras' assign "
             f"{rper['ka']:.0f} us; restore total {total:.2f} s{goal}, Keras' assign alone "
             f"{c.summary(rt['ka'])[0]:.2f} s"
         )
@@ -152,6 +155,12 @@ def bench(n, rounds, folder, phases, profile=None):
             (
                 "restore_training_state .h5 / Keras' assign of host arrays",
                 c.summary(c.ratios(rt, "h5", "ka")),
+                None,
+                band,
+            ),
+            (
+                "restore_training_state .h5 in place / Keras' assign of host arrays",
+                c.summary(c.ratios(rt, "h5_in_place", "ka")),
                 None,
                 band,
             ),
