@@ -86,6 +86,51 @@ def test_in_place_restore_puts_every_array_back(tmp_path_factory, widths, seed):
     _assert_equal(saved, reader)
 
 
+def test_a_keras_archive_is_read_where_it_lies(tmp_path):
+    """A ``.keras`` training state: its record member and Keras' weights member (the model's
+    arrays, shared with ``model.save``'s layout) are stored, so their large arrays are left
+    in the archive and read from there into the variables, like an ``.h5`` record's."""
+    path = str(tmp_path / "s.keras")
+    writer = _model([1100, 1500], 13)
+    saved = _trained_state(writer, 13)
+    kss.save_training_state(path, writer)
+    record = storage.read_proven(path)
+    try:
+        deferred = {
+            section: [k for k, a in getattr(record, section).items() if isinstance(a, storage.FileArray)]
+            for section in ("model", "optimizer")
+        }
+        assert deferred["model"] and deferred["optimizer"], deferred  # both members read where they lie
+    finally:
+        storage.close_files(record)
+    reader = _model([1100, 1500], 14)
+    kss.restore_training_state(path, reader, all_or_nothing=False)
+    _assert_equal(saved, reader)
+
+
+def test_a_damaged_member_of_a_keras_archive_is_refused_before_anything_is_assigned(tmp_path):
+    """Keras' weights member changed after the save: its xxh3-128 (in the sealed index) fails
+    before anything is read into a variable."""
+    import zipfile
+
+    path = str(tmp_path / "s.keras")
+    writer = _model([1100], 15)
+    _trained_state(writer, 15)
+    kss.save_training_state(path, writer)
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("model.weights.h5")
+    record = storage.read_proven(path)
+    target = next(a for a in record.model.values() if isinstance(a, storage.FileArray))
+    storage.close_files(record)
+    assert info.header_offset < target.offset < info.header_offset + 100 + info.file_size
+    _flip_byte(path, target.offset + 7)
+    reader = _model([1100], 16)
+    before = [to_np(v).copy() for v in _all(reader)]
+    with pytest.raises(CorruptCheckpointError, match="model.weights.h5"):
+        kss.restore_training_state(path, reader, all_or_nothing=False)
+    _assert_equal(before, reader)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="the two reused host buffers are JAX's path for large arrays")
 def test_jax_large_arrays_through_two_reused_buffers(tmp_path, monkeypatch):
     """Arrays from 32 MiB up go through two reused host buffers, each read into again once
@@ -117,8 +162,7 @@ def test_jax_large_arrays_through_two_reused_buffers(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name, dtype", [("b.h5", "bfloat16"), ("b.h5", "float16"), ("b.keras", None)])
 def test_other_dtypes_and_keras_archives_restore_in_place_too(tmp_path, name, dtype):
     """bfloat16 (no NumPy view of a Torch tensor: assigned as the all-or-nothing restore
-    does, one variable at a time) and float16 variables; a ``.keras`` archive (read whole,
-    then assigned without a copy of the old values)."""
+    does, one variable at a time) and float16 variables; a ``.keras`` archive."""
     writer = _model([1100], 1, dtype=dtype)
     saved = _trained_state(writer, 1)
     path = str(tmp_path / name)

@@ -300,6 +300,7 @@ def _open_shared(rec, spec, rows):
             )
     src.hashed_members.add(keras_archive.MEMBER)  # its xxh3-128 holds: no zip CRC-32 read after
     src.shared_image = image
+    src.shared_start = start if image is None else None
     src.shared_h5 = h5py.File(
         keras_archive.Window(src.fh, start, size) if image is None else _image.ImageFile(image), "r"
     )

@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from keras_stable_state.format import sandbox
+from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import numpy_dtype
 from keras_stable_state.format.probe import damaged
-from keras_stable_state.format.reader import CheckpointFile, read_file, state_record
+from keras_stable_state.format.reader import CheckpointFile, check_members_or_refuse, read_file, state_record
 from keras_stable_state.format.record import FORMAT, PACK_LIMIT, SECTIONS, Entry, StateRecord
 from keras_stable_state.format.remote import is_remote, resolve
 from keras_stable_state.format.stock import StockWeights
@@ -169,12 +169,27 @@ class FileArray:
 
 def file_offset(file: CheckpointFile, entry: Entry) -> int | None:
     """Where the bytes of ``entry`` start in ``file``: a format-3 array with a contiguous
-    dataset of its own, in a record opened from a file (not ``whole``); else ``None``."""
-    src, ds, start = file._src, file._datasets.get(entry.dataset), file._spans.get(entry.dataset)
-    in_file = src.data is None and src.image is None and file.member is None and entry.xxh3 is not None
-    if not in_file or ds is None or start is None or entry.offset or ds.id.get_storage_size() != entry.nbytes:
+    dataset of its own, in a record opened from a file (not ``whole``): an ``.h5`` file, or
+    a ``.keras`` archive whose record member (and Keras' weights member, for an array the
+    record shares with it) is read where it lies; else ``None``."""
+    src = file._src
+    shared = entry.dataset.startswith(keras_archive.PREFIX)
+    ds = (file._shared if shared else file._datasets).get(entry.dataset)
+    if file.member is None:
+        base = 0 if src.image is None and not shared else None
+    else:
+        base = src.shared_start if shared else src.member_start
+    start = file._spans.get(entry.dataset)
+    if (
+        src.data is not None
+        or base is None
+        or entry.xxh3 is None
+        or ds is None
+        or start is None
+        or entry.offset
+    ):
         return None
-    return start
+    return base + start if ds.id.get_storage_size() == entry.nbytes else None
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
@@ -194,9 +209,10 @@ def read_proven(
     """Read a training-state file for an in-place restore: the record, its seal checked, with
     its large arrays left in the open file (`FileArray`, each checked when it is read).
 
-    Only a local, sealed format-3 ``.h5`` record is read so; any other file (a ``.keras``
-    archive, a stock Keras file, an older format, an object-store URL) is read whole by
-    `read_file`.
+    Only a local, sealed format-3 record is read so: an ``.h5`` file, or a ``.keras`` archive
+    whose record member is stored (its other members checked against their zip CRC-32
+    first, as `read_file` does); any other file (a stock Keras file, an older format, an
+    object-store URL) is read whole by `read_file`.
 
     Returns:
         The record; once its arrays are read, `close_files` closes the file they are read
@@ -207,13 +223,15 @@ def read_proven(
         an array's own checksum failing inside a good seal: `FileArray.read_into` raises that.
     """
     path = filepath if is_remote(filepath) else resolve(filepath)
-    if is_remote(path) or not path.endswith(".h5") or path.endswith(".weights.h5"):
+    if is_remote(path) or not path.endswith((".h5", ".keras")) or path.endswith(".weights.h5"):
         return read_file(filepath, storage_options=storage_options)
     f = CheckpointFile(path)
     try:
-        if f.kind != FORMAT or not f.sealed or f.version != 3 or f.member is not None:
+        in_place = f.member is None or f._src.member_start is not None
+        if f.kind != FORMAT or not f.sealed or f.version != 3 or not in_place:
             f.close()
             return read_file(filepath, storage_options=storage_options)
+        check_members_or_refuse(f)
         proven = ProvenFile(f)
         arrays: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
         for e in f.entries:

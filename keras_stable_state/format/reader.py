@@ -572,13 +572,22 @@ def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:
         arrays: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
         for e in f.entries:
             arrays[e.section][e.key] = f.read(e)
-        f.check_members()
-        if f.damaged_members:
-            member, reason = f.damaged_members[0]
-            raise damaged(f.path, f"archive member {member!r} fails its zip CRC-32 ({reason})", key=member)
+        check_members_or_refuse(f)
         if f.kind != FORMAT:
             return stock_weights(f.member is not None, arrays, f.optimizer_keys, f._key_groups)
         return state_record(f, arrays)
+
+
+def check_members_or_refuse(f: CheckpointFile) -> None:
+    """Check every other archive member of ``f`` (`CheckpointFile.check_members`).
+
+    Raises:
+        CorruptCheckpointError: naming the first member that fails its zip CRC-32.
+    """
+    f.check_members()
+    if f.damaged_members:
+        member, reason = f.damaged_members[0]
+        raise damaged(f.path, f"archive member {member!r} fails its zip CRC-32 ({reason})", key=member)
 
 
 def state_record(f: CheckpointFile, arrays: dict[str, dict[str, Any]]) -> StateRecord:

@@ -102,6 +102,11 @@ class Source:
         self.keras_metadata: dict[str, Any] = {}
         self.hashed_members = set()
         self._member_size = None
+        # Where the record member (`_open_member_in_place`) and Keras' weights member a record
+        # shares arrays with (`index._open_shared`) start in the archive file, when they are
+        # read where they lie (not whole): the base of their datasets' data offsets.
+        self.member_start: int | None = None
+        self.shared_start: int | None = None
 
     def _lock(self):
         if fcntl is None:
@@ -310,6 +315,7 @@ class Source:
         window.seek(0)
         self.h5 = h5py.File(window if self.image is None else _image.ImageFile(self.image), "r")
         self._member_size = size
+        self.member_start = start if self.image is None else None
         return True
 
     def _read_keras_json(self, present: set) -> None:
