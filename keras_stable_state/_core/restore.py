@@ -203,7 +203,7 @@ def restore_training_state(
         rename: ``[(pattern, replacement), ...]`` ``re.sub`` rules for saved keys.
         keep_learning_rate: Keep the compiled learning rate and skip the schedule check.
         all_or_nothing: ``False``: for a model whose values are worth nothing if the restore
-            fails (just built): a local ``.h5`` is proven whole, then read straight into the
+            fails (just built): a local ``.h5`` or ``.keras`` is proven whole, then read into the
             variables with no copy of the old values; a failure after the proof marks the
             model ([in detail](how-to/custom-loops.md#arguments-of-restore_training_state-in-full)).
         defer: For an unbuilt model: read and check now, assign once it is built.

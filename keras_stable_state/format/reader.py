@@ -579,11 +579,7 @@ def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:
 
 
 def check_members_or_refuse(f: CheckpointFile) -> None:
-    """Check every other archive member of ``f`` (`CheckpointFile.check_members`).
-
-    Raises:
-        CorruptCheckpointError: naming the first member that fails its zip CRC-32.
-    """
+    """`CheckpointFile.check_members`; a ``CorruptCheckpointError`` names the first that fails."""
     f.check_members()
     if f.damaged_members:
         member, reason = f.damaged_members[0]
