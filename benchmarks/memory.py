@@ -54,6 +54,7 @@ OPS = [
     "restore_keras",
     "restore_h5_in_place",
     "restore_h5_in_place_loaded",
+    "restore_keras_in_place_loaded",
     "stock_save",
     "stock_load",
     "stock_load_again",
@@ -69,6 +70,10 @@ LABELS = {
     "restore_keras": ("restore_training_state .keras", RESTORE_TARGET),
     "restore_h5_in_place": ("restore_training_state .h5, all_or_nothing=False", None),
     "restore_h5_in_place_loaded": ("the same, the package loaded before the mark", None),
+    "restore_keras_in_place_loaded": (
+        "restore_training_state .keras, all_or_nothing=False, package loaded",
+        None,
+    ),
     "stock_save": ("stock save_weights", None),
     "stock_load": ("stock load_weights", None),
     "stock_load_again": ("A/A: stock load_weights in another process", None),
@@ -121,6 +126,9 @@ def child(op, size_mb, folder):
         "restore_h5_in_place": lambda: kss.restore_training_state(p["s.h5"], model, all_or_nothing=False),
         "restore_h5_in_place_loaded": lambda: kss.restore_training_state(
             p["s.h5"], model, all_or_nothing=False
+        ),
+        "restore_keras_in_place_loaded": lambda: kss.restore_training_state(
+            p["s.keras"], model, all_or_nothing=False
         ),
         "stock_save": lambda: model.save_weights(p["out.h5"][:-3] + ".weights.h5"),
         "stock_load": lambda: model.load_weights(p["w.weights.h5"]),
@@ -231,6 +239,7 @@ def _fresh_process_times(seconds, c) -> list:
             "restore_h5_loaded",
             "restore_h5_in_place",
             "restore_h5_in_place_loaded",
+            "restore_keras_in_place_loaded",
             "restore_keras",
         )
         if seconds.get(op)

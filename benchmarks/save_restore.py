@@ -14,8 +14,8 @@ round by round in a rotating order:
   and the floor: a durable raw write of the same number of bytes (one ``write`` +
   ``fsync``), timed twice (A/A);
 * restore, warm (in place, into the same model): ``restore_training_state`` from
-  the ``.h5`` (all or nothing, and with ``all_or_nothing=False``: read into the variables
-  in place) and the ``.keras``, stock ``model.load_weights`` (timed twice: its A/A row),
+  the ``.h5`` and the ``.keras`` (each all or nothing, and with ``all_or_nothing=False``:
+  read into the variables in place), stock ``model.load_weights`` (timed twice: its A/A row),
   ``keras.saving.load_model`` of ``model.save``'s file (a new model, as stock
   Keras restores a ``.keras``), and the floor: h5py ``Dataset.read_direct`` of the
   same arrays into preallocated arrays, timed twice (A/A). Files are warm in the
@@ -127,6 +127,7 @@ def bench_size(mb: int, rounds: int, folder: str, cold: bool, orbax: bool = Fals
         "h5": lambda: kss.restore_training_state(p["s.h5"], model),
         "h5_in_place": lambda: kss.restore_training_state(p["s.h5"], model, all_or_nothing=False),
         "keras": lambda: kss.restore_training_state(p["s.keras"], model),
+        "keras_in_place": lambda: kss.restore_training_state(p["s.keras"], model, all_or_nothing=False),
         "stock": lambda: model.load_weights(p["w.weights.h5"]),
         "stock2": lambda: model.load_weights(p["w.weights.h5"]),
         "load_model": lambda: keras.saving.load_model(p["m.keras"]),
@@ -332,6 +333,12 @@ def _in_place_rows(times, suffix):
             STOCK_TARGET,
             band,
         ),
+        (
+            f"restore_training_state .keras in place / stock load_weights{when}",
+            c.summary(c.ratios(times, "keras_in_place", "stock")),
+            STOCK_TARGET,
+            band,
+        ),
         (f"A/A stock load_weights / stock load_weights{when}", band, None),
     ]
 
@@ -345,12 +352,13 @@ def cold_restore(model, p, targets, rounds, mb, nbytes) -> dict:
         "h5": lambda: kss.restore_training_state(p["s.h5"], model),
         "h5_in_place": lambda: kss.restore_training_state(p["s.h5"], model, all_or_nothing=False),
         "keras": lambda: kss.restore_training_state(p["s.keras"], model),
+        "keras_in_place": lambda: kss.restore_training_state(p["s.keras"], model, all_or_nothing=False),
         "stock": lambda: model.load_weights(p["w.weights.h5"]),
         "stock2": lambda: model.load_weights(p["w.weights.h5"]),
         "load_model": lambda: keras.saving.load_model(p["m.keras"]),
     }
     files = {"rd": "h5raw", "rd2": "h5raw", "h5": "s.h5", "keras": "s.keras", "stock": "w.weights.h5"}
-    files.update(h5_in_place="s.h5", stock2="w.weights.h5")
+    files.update(h5_in_place="s.h5", keras_in_place="s.keras", stock2="w.weights.h5")
     files["load_model"] = "m.keras"
     before = {name: (lambda f=p[files[name]]: c.drop_from_cache(f)) for name in ops}
     print(f"== {mb} MB state, restore (cold: each file dropped from the page cache first)", flush=True)
