@@ -417,3 +417,45 @@ class _StopAtTrainBegin(keras.callbacks.Callback):
 
     def set_state(self, state):
         pass
+
+
+def test_the_manager_restores_the_latest_in_place_and_falls_back_when_it_changes(tmp_path, monkeypatch):
+    """``CheckpointManager.restore(model, all_or_nothing=False)``: the newest checkpoint is read
+    in place (its large arrays left in the file) and restored exactly; one that changes on disk
+    after its proof is moved aside and the older one restored, which lifts the mark."""
+    folder = str(tmp_path / "ckpt")
+    writer = _model([1100], 17)
+    states = []
+    with kss.CheckpointManager(folder, max_to_keep=3) as mgr:
+        for step in (1, 2):
+            states.append(_trained_state(writer, 17 + step))
+            mgr.save(step, writer)
+    deferred = []
+    real = storage.FileArray.read_into
+
+    def recorded(self, out):
+        deferred.append(self._file.path)
+        return real(self, out)
+
+    monkeypatch.setattr(storage.FileArray, "read_into", recorded)
+    reader = _model([1100], 20)
+    with kss.CheckpointManager(folder, max_to_keep=3) as mgr:
+        mgr.restore(reader, all_or_nothing=False)
+        assert mgr.restored_step == 2
+    assert deferred and set(deferred) == {os.path.join(folder, "ckpt-0000000002.h5")}
+    _assert_equal(states[1], reader)
+
+    newest = os.path.join(folder, "ckpt-0000000002.h5")
+
+    def changed_on_disk(self, out):
+        if self._file.path == newest:
+            _flip_byte(newest, self.offset + 3)
+        return real(self, out)
+
+    monkeypatch.setattr(storage.FileArray, "read_into", changed_on_disk)
+    again = _model([1100], 21)
+    with kss.CheckpointManager(folder, max_to_keep=3) as mgr, pytest.warns(kss.UnreadableCheckpointWarning):
+        mgr.restore(again, all_or_nothing=False)
+        assert mgr.restored_step == 1 and [p for p, _ in mgr.skipped_checkpoints] == [newest]
+    _assert_equal(states[0], again)
+    again.fit(*_fit_data(), epochs=1, batch_size=8, verbose=0)  # the mark was lifted

@@ -424,7 +424,8 @@ class CheckpointManager(DirectoryHolder):
         Args:
             model: The model (see [`restore_training_state`][keras_stable_state.restore_training_state]).
             step: ``"latest"``: the newest readable checkpoint, moving unreadable ones aside
-                (see the class); ``"best"``: [`best_step`][keras_stable_state.CheckpointManager.best_step]'s; or an int step.
+                (see the class; with ``all_or_nothing=False`` read in place, and one that
+                changes after its proof is moved aside too); ``"best"``: [`best_step`][keras_stable_state.CheckpointManager.best_step]'s; or an int step.
             **restore_options: The keywords of
                 [`restore_training_state`][keras_stable_state.restore_training_state] (``optimizer``,
                 ``strict``, ``callbacks``, ``state``, ``variables``...), but ``defer``.
@@ -466,7 +467,7 @@ class CheckpointManager(DirectoryHolder):
                 # the record was read for this restore alone: its arrays may become the variables'
                 restored["report"] = _restore_now(path, model, options, record)
 
-            path = self.restore_newest_with(restore)
+            path = self.restore_newest_with(restore, in_place=not options.all_or_nothing)
             if self.skipped_checkpoints:
                 where = "none" if path is None else f"step {files.step_of(path)}"
                 files.warn_unreadable(
