@@ -14,6 +14,7 @@
 Other packages use these names from here (``from keras_stable_state import _core as checkpoint``).
 """
 
+from keras_stable_state._core import host_rollback
 from keras_stable_state._core.arguments import check_callbacks
 from keras_stable_state._core.boundary import step_boundary, training_begins, training_ends
 from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
@@ -39,6 +40,7 @@ __all__ = [
     "RestoreReport",
     "check_callbacks",
     "check_not_partial",
+    "host_rollback",
     "plan_callbacks",
     "restore_training_state",
     "restore_training_state_from_bytes",

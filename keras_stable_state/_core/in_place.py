@@ -43,7 +43,14 @@ _TF_SHARED = frozenset(np.dtype(n) for n in ("float16", "float32", "int8", "int1
 # Dtypes JAX places from a host array as they are
 _JAX_NATIVE = _TF_SHARED | {np.dtype("bool")}
 
-__all__ = ["assign_in_place", "check_not_partial", "clear_partial", "mark_partial", "partial_reason"]
+__all__ = [
+    "assign_in_place",
+    "check_not_partial",
+    "clear_partial",
+    "mark_partial",
+    "partial_reason",
+    "put_back_or_mark",
+]
 
 _MARK = "_kss_partial_restore"  # the model attribute holding the reason, while marked
 _SAVED = "_kss_make_train_function_before_mark"
@@ -198,8 +205,13 @@ def _assign_one(var: Any, array: Any, scratch: np.ndarray | None, placer: _JaxPl
     step.apply()
 
 
-def assign_in_place(pairs: list, model: Any, where: str) -> None:
+def assign_in_place(pairs: list, model: Any, where: str, rollback: Any = None) -> None:
     """Read each ``(variable, FileArray)`` of ``pairs`` into its variable, in order.
+
+    With ``rollback`` (a `keras_stable_state._core.host_rollback.HostRollback`), each
+    variable's value is copied into host memory just before it is assigned, and a failure
+    puts every copied value back before its error goes on (nothing is marked); a value
+    that cannot be put back marks the model and raises ``StateError`` naming it.
 
     Raises:
         CorruptCheckpointError: if the file changed on disk since it was proven whole (or a
@@ -215,17 +227,26 @@ def assign_in_place(pairs: list, model: Any, where: str) -> None:
     scratch = aligned_empty((largest,), np.uint8) if backend == "tensorflow" else None
     placer = jax_placer([array for _, array in pairs]) if backend == "jax" else None
     try:
-        _assign_all(pairs, model, where, done, scratch, placer)
+        _assign_all(pairs, model, where, done, scratch, placer, rollback)
     finally:
         if placer is not None:
             placer.finish()
 
 
-def _assign_all(pairs: list, model: Any, where: str, done: list, scratch: Any, placer: Any) -> None:
+def _assign_all(
+    pairs: list, model: Any, where: str, done: list, scratch: Any, placer: Any, rollback: Any
+) -> None:
     for var, array in pairs:
         try:
+            if rollback is not None:
+                rollback.keep(var)
             _assign_one(var, array, scratch, placer)
         except BaseException as err:
+            if rollback is not None:
+                if placer is not None:
+                    placer.finish()
+                put_back_or_mark(rollback, model, where, err)
+                raise
             if isinstance(err, KeyboardInterrupt | SystemExit) and not done:
                 raise
             reason = (
@@ -254,6 +275,28 @@ def _assign_all(pairs: list, model: Any, where: str, done: list, scratch: Any, p
                 received=f"{len(done)} assigned",
             ) from err
         done.append(_name(var))
+
+
+def put_back_or_mark(rollback: Any, model: Any, where: str, err: BaseException) -> None:
+    """Put back the values ``rollback`` kept (a restore failed with ``err``); return if every
+    one was put back (the caller raises ``err``).
+
+    Raises:
+        StateError: naming the variables that could not be put back; ``model`` is marked.
+    """
+    failed = rollback.put_back()
+    if not failed:
+        return
+    reason = (
+        f"restoring {where} failed ({type(err).__name__}: {err}), and putting back the values from "
+        f"before the restore failed for {shown(failed)}"
+    )
+    mark_partial(model, reason)
+    raise StateError(
+        f"Model {model.name!r}: {reason}. The model is marked: fit and save_training_state refuse it "
+        "until a restore into it succeeds.",
+        key=failed[0].split(" ", 1)[0],
+    ) from err
 
 
 def partial_reason(model: Any) -> str | None:

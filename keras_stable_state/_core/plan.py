@@ -30,7 +30,8 @@ from keras_stable_state._core.apply import (
     variable_step,
 )
 from keras_stable_state._core.arguments import check_callbacks, extra_saved
-from keras_stable_state._core.in_place import assign_in_place, clear_partial, mark_partial
+from keras_stable_state._core.host_rollback import HostRollback
+from keras_stable_state._core.in_place import assign_in_place, clear_partial, mark_partial, put_back_or_mark
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._core.scope import check_scope, renamed_record
 from keras_stable_state._core.slot_restore import drop_reason, plan_optimizers
@@ -74,6 +75,9 @@ class RestoreRequest:
             into their variables after every check, with no copy of the values they
             replace (`assign_in_place`); ``False``: read into new memory first, all or
             nothing.
+        rollback_on_host: With ``in_place``, all or nothing still: each variable read in
+            place is copied into host memory first and put back if the restore fails (a
+            model on an accelerator: `keras_stable_state._core.host_rollback`).
     """
 
     filepath: str
@@ -91,6 +95,7 @@ class RestoreRequest:
     owned: bool = False
     include_metrics: bool = True
     in_place: bool = False
+    rollback_on_host: bool = False
     torch_optimizers: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -214,11 +219,15 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
             taken.add(id(array))
         steps.append(variable_step(var, array, owned=mine))
     steps += layer_state.finalize_steps(model)
+    rollback = HostRollback() if request.rollback_on_host and in_place else None
     if in_place:
-        assign_in_place(in_place, model, where)
+        assign_in_place(in_place, model, where, rollback)
     try:
         apply_steps(steps, request.filepath)
     except BaseException as err:
+        if rollback is not None:  # the arrays read in place are put back from their host copies
+            put_back_or_mark(rollback, model, where, err)
+            raise
         if in_place:  # the variables read in place keep their new values: the model is not whole
             reason = (
                 f"restoring {where} in place assigned {len(in_place)} variable(s), then failed at the rest "

@@ -17,6 +17,7 @@ from typing import Any, Literal, cast, overload
 import keras
 
 from keras_stable_state import format as storage
+from keras_stable_state._core import host_rollback
 from keras_stable_state._core import mappers as mappers_mod
 from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._core.arguments import (
@@ -310,7 +311,9 @@ def restore_with(
             "pass one of them (a deferred restore keeps the file's arrays read until the model is built)."
         )
     owned = take or record is None
-    if record is None and in_place and not orbax_layout.is_orbax_path(filepath):
+    # all or nothing on an accelerator: read as in place, each replaced value copied to the host
+    on_device = not in_place and not defer and host_rollback.on_accelerator(model)
+    if record is None and (in_place or on_device) and not orbax_layout.is_orbax_path(filepath):
         background.wait_for_folder(background.folder_of(filepath))
         record = storage.read_proven(
             filepath, storage_options=cast("Mapping[str, Any] | None", options.storage_options)
@@ -354,7 +357,8 @@ def restore_with(
         check_schedule=cast(bool, options.check_schedule),
         keep_learning_rate=cast(bool, options.keep_learning_rate),
         owned=owned,
-        in_place=in_place,
+        in_place=in_place or on_device,
+        rollback_on_host=on_device,
     )
     try:
         return restore_record(record, request)

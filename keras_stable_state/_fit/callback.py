@@ -301,10 +301,9 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.manager.drop_in_flight()
 
     def _restore_newest(self) -> None:
-        # in place (no copy of the old values kept) into a model whose values are worth nothing
-        self._in_place = _never_trained(self.model)
+        self._in_place, reads = _resume_mode(self.model)
         restored = self.manager.restore_newest_with(
-            self._restore, self._unreadable, read_only=self._read_only is not None, in_place=self._in_place
+            self._restore, self._unreadable, read_only=self._read_only is not None, in_place=reads
         )
         self.skipped_checkpoints = list(self.manager.skipped_checkpoints)
         self.moved_checkpoints = list(self.manager.moved_checkpoints)
@@ -509,6 +508,15 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self.verbose:  # the size is read only for the line
             size = self.manager.files.size_of(path)
             self._say(saved_message(os.path.basename(path), where, size, secs, blocked_secs))
+
+
+def _resume_mode(model: keras.Model) -> tuple[bool, bool]:
+    """``(in place, read in place)`` of the resume into ``model``: in place (no copy of the old
+    values kept) into a model whose values are worth nothing (`_never_trained`); the newest
+    checkpoint read as for a restore in place then, or (all or nothing, the rollback copy on
+    the host) into a model on an accelerator."""
+    in_place = _never_trained(model)
+    return in_place, in_place or checkpoint.host_rollback.on_accelerator(model)
 
 
 def _never_trained(model: keras.Model) -> bool:

@@ -424,8 +424,7 @@ class CheckpointManager(DirectoryHolder):
         Args:
             model: The model (see [`restore_training_state`][keras_stable_state.restore_training_state]).
             step: ``"latest"``: the newest readable checkpoint, moving unreadable ones aside
-                (see the class; with ``all_or_nothing=False`` read in place, and one that
-                changes after its proof is moved aside too); ``"best"``: [`best_step`][keras_stable_state.CheckpointManager.best_step]'s; or an int step.
+                (see the class; read in place with ``all_or_nothing=False``); ``"best"``: [`best_step`][keras_stable_state.CheckpointManager.best_step]'s; or an int step.
             **restore_options: The keywords of
                 [`restore_training_state`][keras_stable_state.restore_training_state] (``optimizer``,
                 ``strict``, ``callbacks``, ``state``, ``variables``...), but ``defer``.
@@ -467,7 +466,7 @@ class CheckpointManager(DirectoryHolder):
                 # the record was read for this restore alone: its arrays may become the variables'
                 restored["report"] = _restore_now(path, model, options, record)
 
-            path = self.restore_newest_with(restore, in_place=not options.all_or_nothing)
+            path = self.restore_newest_with(restore, in_place=_reads_in_place(options, model))
             if self.skipped_checkpoints:
                 where = "none" if path is None else f"step {files.step_of(path)}"
                 files.warn_unreadable(
@@ -540,6 +539,12 @@ class CheckpointManager(DirectoryHolder):
         self._timeline_from = None if path is None else files.step_of(path)
         self._last_saved = None
         return path
+
+
+def _reads_in_place(options: checkpoint.RestoreOptions, model: keras.Model) -> bool:
+    """Whether the newest checkpoint is read as for a restore in place: ``all_or_nothing=False``,
+    or (all or nothing, the rollback copy on the host) a model on an accelerator."""
+    return not options.all_or_nothing or checkpoint.host_rollback.on_accelerator(model)
 
 
 def _restore_now(
