@@ -9,7 +9,9 @@ under the reader, or an array's own checksum in a file sealed again over changed
 Then the variables already assigned cannot be put back; the restore raises a
 ``CorruptCheckpointError`` (the file) or ``StateError`` (anything else) naming them and
 marks the model (`mark_partial`): ``fit`` and ``save_training_state`` refuse it until a
-restore into it succeeds (`clear_partial`).
+restore into it succeeds (`clear_partial`). The all-or-nothing restore of a model on an
+accelerator reads the same way, with each replaced value copied to the host first and put
+back on failure instead of the mark (`keras_stable_state._core.host_rollback`).
 
 Per backend: on Torch a CPU parameter of the array's dtype is read into in place (its own
 memory: no allocation, its version counter bumped as an in-place ``copy_`` would); any
@@ -20,8 +22,8 @@ variable is read through one reused host buffer the size of the largest array an
 into its own buffer (`_tf_assign`); on JAX, whose arrays are immutable, each array is read
 into new host memory and copied into new aligned memory that the new JAX array uses as its
 own (the all-or-nothing restore's step: the read memory is freed at once and malloc hands
-it to the next read), or, from 32 MiB up, into one of two reused host buffers and copied into a new array of JAX's own
-(`_JaxPlacer`), replacing the old arrays one by one as stock ``load_weights`` does. At most
+it to the next read), or, from 32 MiB up, into one of two reused host buffers and copied
+into a new array of JAX's own (`_JaxPlacer`), replacing the old arrays one by one as stock ``load_weights`` does. At most
 one variable's worth of new memory (two buffers on JAX) is held at a time.
 """
 
@@ -215,11 +217,15 @@ def assign_in_place(pairs: list, model: Any, where: str, rollback: Any = None) -
 
     Raises:
         CorruptCheckpointError: if the file changed on disk since it was proven whole (or a
-            read of it fails, or an array fails its own checksum): naming the array's key and the variables already assigned
-            (which keep their new values); ``model`` is marked (`mark_partial`). A directory
-            of checkpoints moves such a file aside and restores the next older one.
+            read of it fails, or an array fails its own checksum): naming the array's key
+            and the variables already assigned (which keep their new values); ``model`` is
+            marked (`mark_partial`). A directory of checkpoints moves such a file aside and
+            restores the next older one. With ``rollback``: the error as raised, after every
+            value was put back (nothing marked).
         StateError: if an assignment fails otherwise, naming the variable, the error and the
-            variables already assigned; ``model`` is marked.
+            variables already assigned; ``model`` is marked. With ``rollback``: the error as
+            raised once every value was put back, or a ``StateError`` naming a value that
+            could not be (``model`` marked).
     """
     done: list[str] = []
     backend = keras.backend.backend()
