@@ -13,7 +13,15 @@ import gc
 import numpy as np
 import pytest
 from conftest import BACKEND, to_np
-from test_in_place_restore import _all, _assert_equal, _fit_data, _flip_byte, _model, _trained_state
+from test_in_place_restore import (
+    _all,
+    _assert_equal,
+    _fit_data,
+    _flip_byte,
+    _model,
+    _StopAtTrainBegin,
+    _trained_state,
+)
 
 import keras_stable_state as kss
 from keras_stable_state import _core
@@ -154,7 +162,8 @@ def test_the_manager_and_stable_checkpoint_read_in_place_for_a_model_on_an_accel
     accelerator.clear()
     resumed = _model([1100], 46)
     resumed.fit(x, y, epochs=1, batch_size=8, verbose=0)  # trained: all or nothing, the copy on the host
-    resumed.fit(
-        x, y, epochs=2, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(folder, save_freq=4)]
-    )
+    stopper = _StopAtTrainBegin()
+    resumed.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(folder), stopper])
     assert accelerator
+    for array in saved:  # the checkpoint's model arrays, as restored at train begin
+        assert any(np.array_equal(array, v) for v in stopper.values)

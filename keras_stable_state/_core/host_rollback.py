@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_stable_state._numpy import to_numpy
+from keras_stable_state._numpy import private_copy, to_numpy
 
 __all__ = ["HostRollback", "on_accelerator"]
 
@@ -63,7 +63,7 @@ class HostRollback:
     def keep(self, var: Any) -> None:
         """Copy ``var``'s current value into new host memory (never a view of the variable's
         own memory, which the in-place read writes into)."""
-        self.kept.append((var, np.array(to_numpy(var), copy=True)))
+        self.kept.append((var, private_copy(to_numpy(var))))
 
     def put_back(self) -> list[str]:
         """Assign every kept value back, the last kept first; the variables (path and error)
