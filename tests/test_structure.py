@@ -14,10 +14,13 @@ upward dependency.
 
 import ast
 import functools
+import inspect
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import textwrap
 
 import keras
 import numpy as np
@@ -268,19 +271,130 @@ def _dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
+def _defined_privates(tree) -> set:
+    """The private names a source defines for its objects: attributes set on ``self`` or
+    ``cls`` (``self._x = ...``, ``setattr(self, "_x", ...)``), methods and functions, and names
+    assigned in a class body."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    targets = (
+                        item.targets if isinstance(item, ast.Assign) else [getattr(item, "target", None)]
+                    )
+                    names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif _attribute_call(node) == "setattr":
+            if isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls"):
+                names.add(node.args[1].value)
+    return {name for name in names if _private(name)}
+
+
+def _attribute_call(node) -> str | None:
+    """``getattr``, ``hasattr``, ``setattr`` or ``delattr`` when ``node`` calls one with a
+    literal attribute name (``getattr(x, "_y", None)``), else ``None``."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.func.id
+    return None
+
+
+# ``._name`` or ``def _name`` in a source: a private name it uses or defines.
+_PRIVATE_USE = re.compile(r"(?:\.|\bdef\s+)(_[A-Za-z0-9]\w*)")
+
+
+@functools.cache
+def _keras_privates() -> frozenset:
+    """Every private name the installed Keras defines or reaches for (``._name`` or ``def
+    _name`` anywhere in the ``keras`` package; read as text, which is quick): a superset of
+    the private attributes of Keras objects."""
+    names = set()
+    for path in pathlib.Path(keras.__file__).parent.rglob("*.py"):
+        names.update(_PRIVATE_USE.findall(path.read_text()))
+    return frozenset(name for name in names if _private(name))
+
+
+@functools.cache
+def _keras_class_privates(cls) -> frozenset:
+    """The private names the Keras classes of ``cls``'s method resolution order define."""
+    names = set()
+    for base in cls.__mro__:
+        if base.__module__.split(".")[0] == "keras":
+            names |= _defined_privates(ast.parse(textwrap.dedent(inspect.getsource(base))))
+    return frozenset(names)
+
+
+def _keras_base(node: ast.ClassDef):
+    """The first base of a class that is a Keras class (``keras.callbacks.Callback``), or ``None``."""
+    for base in node.bases:
+        chain = ast.unparse(base).split(".")
+        if chain[0] == "keras":
+            return functools.reduce(getattr, chain[1:], keras)
+    return None
+
+
+def _keras_private_reads(tree, ours: set) -> list:
+    """``(node, name)`` for every read, write or test of a private attribute Keras defines
+    (``layer._frozen_vocab_size``, ``getattr(lookup, "_frozen_vocab_size", None)``). A name
+    the package also defines for its own objects (`_defined_privates`) is its own there,
+    except on ``self`` inside a subclass of a Keras class, where it is Keras' when that
+    class's Keras bases define it (``self._trainable_variables`` in an ``Optimizer``)."""
+    keras_class = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and (base := _keras_base(node)) is not None:
+            for inner in ast.walk(node):
+                keras_class[id(inner)] = base
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner, name = node.value, node.attr
+        elif _attribute_call(node):
+            owner, name = node.args[0], node.args[1].value
+        else:
+            continue
+        if not _private(name):
+            continue
+        if id(node) in keras_class and isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            if name in _keras_class_privates(keras_class[id(node)]):
+                found.append((node, name))
+        elif name in _keras_privates() and name not in ours:
+            found.append((node, name))
+    return found
+
+
 @once
 def test_keras_internals_only_in_the_compat_module():
-    """``keras.src``, ``sys._getframe`` and private attributes of ``keras`` (``keras.x._y``)
-    appear only in ``_keras_compat.py``, which guards them by the supported Keras range."""
+    """``keras.src``, ``sys._getframe``, private attributes of ``keras`` (``keras.x._y``) and
+    private attributes of Keras objects (``layer._frozen_vocab_size``, ``getattr(x, "_y")``:
+    a private name the installed Keras defines that the package does not define for its
+    own objects, see `_keras_private_reads`) appear only in ``_keras_compat``, which guards
+    them by the supported Keras range."""
     compat = f"{ROOT}._keras_compat"
+    outside = {
+        module: source
+        for module, source in _sources().items()
+        if module != compat and not module.startswith(compat + ".")
+    }
+    ours = set().union(*(_defined_privates(tree) for _, _, tree in outside.values()))
     offenders = []
-    for module, (path, text, tree) in _sources().items():
-        if module == compat or module.startswith(compat + "."):
-            continue
+    for module, (path, text, tree) in outside.items():
         name = path.relative_to(PACKAGE.parent)
         offenders += [f"{name}: {word}" for word in ("keras.src", "_getframe") if word in text]
         offenders += [f"{_where(module, node)}: {chain}" for node, chain in _keras_private_attributes(tree)]
-    assert offenders == [], "\n".join(["Keras internals outside _keras_compat.py:", *offenders])
+        offenders += [
+            f"{_where(module, node)}: .{attr} (Keras')" for node, attr in _keras_private_reads(tree, ours)
+        ]
+    assert offenders == [], "\n".join(["Keras internals outside _keras_compat:", *offenders])
 
 
 def _bound_modules(module: str) -> dict:

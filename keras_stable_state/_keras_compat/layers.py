@@ -10,6 +10,7 @@ __all__ = [
     "called_as_layer",
     "clear_vocabulary",
     "flatten_layers",
+    "frozen_vocabulary_size",
     "index_lookup_class",
     "layer_own_variables",
     "lookup_token_start",
@@ -143,6 +144,12 @@ def text_vectorization_lookup(layer):
 def lookup_token_start(lookup) -> int:
     """How many special tokens (mask, OOV) come before the first vocabulary token."""
     return lookup._token_start_index()
+
+
+def frozen_vocabulary_size(lookup) -> int | None:
+    """The vocabulary size a lookup layer's first call fixed its output width to (``None``
+    while it has not been called, or in a Keras that does not record it)."""
+    return getattr(lookup, "_frozen_vocab_size", None)
 
 
 def clear_vocabulary(lookup) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "iterations_variable",
     "learning_rate_variable",
     "own_variables",
+    "set_built_variables",
     "snapshot_unbuilt",
     "sub_optimizers",
     "var_key",
@@ -33,6 +34,11 @@ __all__ = [
 def built_variables(optimizer) -> list:
     """The variables ``optimizer`` was built with (``_trainable_variables``), ``[]`` if none."""
     return list(getattr(optimizer, "_trainable_variables", None) or [])
+
+
+def set_built_variables(optimizer, variables) -> None:
+    """Record ``variables`` as those ``optimizer`` is built with (what Keras' ``build`` sets)."""
+    optimizer._trainable_variables = list(variables)
 
 
 def own_variables(optimizer) -> list:

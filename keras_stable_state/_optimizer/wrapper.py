@@ -263,7 +263,7 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
             _hand_over(self)  # a selector may have added sub-optimizers
-        self._trainable_variables = var_list[:]
+        compat.set_built_variables(self, var_list)
         self.built = True
         self._load_pending()
 

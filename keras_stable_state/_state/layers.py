@@ -284,7 +284,7 @@ def _check_vocabulary(saved, layer, key, name, where) -> dict:
             f"its vocabulary has {len(vocabulary)} entries, over max_tokens={options['max_tokens']}",
             where,
         )
-    frozen = getattr(_lookup(layer), "_frozen_vocab_size", None)
+    frozen = compat.frozen_vocabulary_size(_lookup(layer))
     if (
         options["output_mode"] != "int"
         and not options["pad_to_max_tokens"]
