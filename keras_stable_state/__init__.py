@@ -36,7 +36,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
     from keras_stable_state._manager.manager import CheckpointManager
     from keras_stable_state._manager.records import CheckpointMetadata
     from keras_stable_state._optimizer import GradientAccumulator, StableOptimizer
-    from keras_stable_state._state import ScheduleMismatchError
     from keras_stable_state._state.sampler import ResumableSampler
     from keras_stable_state.errors import (
         BindingError,
@@ -49,6 +48,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (gr
         KeyFormatError,
         MalformedKeyError,
         NewerFormatError,
+        ScheduleMismatchError,
         StateError,
         StorageBackendError,
         StorageError,
@@ -118,7 +118,7 @@ _SOURCES = {
     "VariableRegistry": "_identity.registry",
     "GradientAccumulator": "_optimizer",
     "StableOptimizer": "_optimizer",
-    "ScheduleMismatchError": "_state",
+    "ScheduleMismatchError": "errors",
     "ResumableSampler": "_state.sampler",
     "BindingError": "errors",
     "CheckpointFormatError": "errors",

@@ -1,6 +1,8 @@
 """Errors raised by keras_stable_state, and the warnings of [`StableCheckpoint`][keras_stable_state.StableCheckpoint].
 
-Every refusal derives from [`StateError`][keras_stable_state.StateError]. Each subclass also inherits the
+Every refusal derives from [`StateError`][keras_stable_state.StateError] (but
+`UnsupportedKerasError`, an ``ImportError`` raised on import by a Keras outside the
+supported range). Each subclass also inherits the
 built-in exception a Python user would catch for that kind of problem
 (``ValueError``, ``KeyError``, ``OSError``), following orbax-checkpoint's
 ``errors.py``. Messages say which key, what was expected, what was found, and
@@ -26,6 +28,8 @@ __all__ = [
     "StorageBackendError",
     "StorageError",
     "StoragePermissionError",
+    "ScheduleMismatchError",
+    "UnsupportedKerasError",
     "UnreadableCheckpointWarning",
     "InexactResumeWarning",
 ]
@@ -327,6 +331,36 @@ class StoragePermissionError(StorageError, PermissionError):
     Example:
         >>> kss.restore_training_state("s3://bucket/run.h5", model)   # a wrong secret key
         StoragePermissionError: The store refused the credentials to read 's3://bucket/run.h5' (Forbidden) ...
+    """
+
+
+class ScheduleMismatchError(StateError, ValueError):
+    """The learning-rate schedule differs from the one saved.
+
+    Attributes:
+        fields (list[tuple[str, Any, Any]]): ``(field, saved value, current value)`` for each difference.
+
+    Examples:
+        >>> kss.restore_training_state("run.h5", model_with_decay_steps_20)
+        ScheduleMismatchError: The learning-rate schedule differs from the one saved
+        (config.decay_steps: saved 10, now 20). ...
+    """
+
+    def __init__(self, message: str, *, fields: Sequence[tuple[str, Any, Any]] = ()) -> None:
+        super().__init__(message)
+        self.fields = list(fields)
+
+
+# -- the installed Keras (on import) -----------------------------------------------------------
+class UnsupportedKerasError(ImportError):
+    """The installed Keras is outside the range whose internals this package uses: raised
+    on ``import keras_stable_state`` (by ``keras_stable_state._keras_compat``), so an
+    ``ImportError`` and not a [`StateError`][keras_stable_state.StateError]. The message names
+    the installed and the supported versions and the ``pip install`` that fixes it.
+
+    Examples:
+        >>> import keras_stable_state   # with Keras 3.14 installed
+        UnsupportedKerasError: keras_stable_state supports Keras >=3.15,<4; installed: Keras 3.14.2. ...
     """
 
 

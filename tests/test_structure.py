@@ -397,6 +397,59 @@ def test_keras_internals_only_in_the_compat_module():
     assert offenders == [], "\n".join(["Keras internals outside _keras_compat:", *offenders])
 
 
+# Exception classes defined outside errors.py: signals raised and caught inside the package,
+# never raised to a caller, each with the reason it lives beside its one raiser and catcher.
+INTERNAL_SIGNALS = {
+    # sandbox.py also runs as a script in the probe process and imports nothing of the package.
+    f"{ROOT}.format.sandbox.StructureError",
+    # "another process holds the marker": turned into CheckpointInUseError by _manager/lock.py.
+    f"{ROOT}._manager.portable_lock.Busy",
+    # a command's refusal of one file: printed (one line, or --json) by cli.app.main.
+    f"{ROOT}.cli.app.Refusal",
+}
+
+
+def _exception_classes() -> dict:
+    """``{dotted name: (module, node)}`` of every class in the package that derives from an
+    exception or a warning: a base named ``Exception``, ``BaseException`` or ``...Error``,
+    ``...Warning``, or a package class found so (by name, to a fixed point)."""
+    classes = [
+        (module, node)
+        for module, (_, _, tree) in _sources().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    ]
+    found, grew = {}, True
+    while grew:
+        grew = False
+        known = {name.rsplit(".", 1)[1] for name in found}
+        for module, node in classes:
+            name = f"{module}.{node.name}"
+            bases = {ast.unparse(base).split(".")[-1] for base in node.bases}
+            if name not in found and any(
+                base in ("Exception", "BaseException") or base.endswith(("Error", "Warning")) or base in known
+                for base in bases
+            ):
+                found[name] = (module, node)
+                grew = True
+    return found
+
+
+@once
+def test_every_error_class_is_in_errors():
+    """Every exception and warning a caller can meet is defined in ``errors.py`` (and
+    re-exported where it is public), so one module lists what the package raises; the
+    signals of `INTERNAL_SIGNALS` are the exceptions."""
+    errors = f"{ROOT}.errors"
+    assert len([name for name in _exception_classes() if name.startswith(errors + ".")]) >= 15
+    outside = [
+        f"{_where(module, node)}: {name}"
+        for name, (module, node) in _exception_classes().items()
+        if module != errors and name not in INTERNAL_SIGNALS
+    ]
+    assert outside == [], "\n".join(["exception classes outside errors.py:", *outside])
+
+
 def _bound_modules(module: str) -> dict:
     """``{local name: package module}`` the imports of ``module`` bind to a module."""
     bound = {}

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import re
 
+from keras_stable_state.errors import UnsupportedKerasError
+
 __all__ = ["SUPPORTED_KERAS", "UnsupportedKerasError", "check_keras_version"]
 
 
 SUPPORTED_KERAS = ((3, 15), (4, 0))  # [lowest, first unsupported): pyproject's keras>=3.15,<4
-
-
-class UnsupportedKerasError(ImportError):
-    """The installed Keras is outside the range whose internals this package uses."""
 
 
 def check_keras_version(version: str) -> None:

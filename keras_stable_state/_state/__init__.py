@@ -31,12 +31,11 @@ from keras_stable_state._state.rng import (
     rng_state,
     set_rng_state,
 )
-from keras_stable_state._state.schedule import ScheduleMismatchError, check_schedule, schedule_state
+from keras_stable_state._state.schedule import check_schedule, schedule_state
 from keras_stable_state._state.tree import copy_state, join_arrays, malformed, same_state, split_arrays
 
 __all__ = [
     "ParsedRng",
-    "ScheduleMismatchError",
     "apply_rng_state",
     "callback_key",
     "callback_state",

@@ -6,32 +6,14 @@ The current learning rate value itself is an optimizer variable and is saved wit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import keras
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state.errors import StateError
+from keras_stable_state.errors import ScheduleMismatchError
 
-__all__ = ["ScheduleMismatchError", "schedule_state", "check_schedule"]
-
-
-class ScheduleMismatchError(StateError, ValueError):
-    """The learning-rate schedule differs from the one saved.
-
-    Attributes:
-        fields (list[tuple[str, Any, Any]]): ``(field, saved value, current value)`` for each difference.
-
-    Examples:
-        >>> kss.restore_training_state("run.h5", model_with_decay_steps_20)
-        ScheduleMismatchError: The learning-rate schedule differs from the one saved
-        (config.decay_steps: saved 10, now 20). ...
-    """
-
-    def __init__(self, message: str, *, fields: Sequence[tuple[str, Any, Any]] = ()) -> None:
-        super().__init__(message)
-        self.fields = list(fields)
+__all__ = ["schedule_state", "check_schedule"]
 
 
 def _schedule(optimizer: Any) -> Any:
