@@ -11,7 +11,10 @@ Public API (see ``README.md`` and ``docs/``; ``make docs`` builds the site)::
     kss.training_state_to_bytes(model) -> bytes
     kss.restore_training_state_from_bytes(data, model) -> kss.RestoreReport
 
-The names of ``__all__`` load on first use (PEP 562), so that
+Each public name is written once, in the imports under ``if TYPE_CHECKING:``
+below: type checkers and the API reference (griffe) read them there, and
+``__all__`` and the lazy table ``_SOURCES`` are read from them when the package
+is imported. The names load on first use (PEP 562), so that
 ``keras_stable_state.cli`` and ``keras_stable_state.format`` import without
 Keras. When Keras is already imported, they load at once, so that the classes
 registered with ``keras.saving.register_keras_serializable`` (``StableOptimizer``,
@@ -24,116 +27,84 @@ import importlib
 import sys
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the same names, for type checkers and the API reference (griffe)
-    from keras_stable_state._core import PendingRestore, restore_training_state, save_training_state
-    from keras_stable_state._core.in_memory import restore_training_state_from_bytes, training_state_to_bytes
-    from keras_stable_state._core.mappers import CastMapper, QuantizeMapper, StateMapper
-    from keras_stable_state._core.report import RestoreReport
-    from keras_stable_state._engines.background import SaveHandle
-    from keras_stable_state._fit import StableCheckpoint
-    from keras_stable_state._identity.contract import TrainableContract
-    from keras_stable_state._identity.registry import VariableKey, VariableRegistry
-    from keras_stable_state._manager.manager import CheckpointManager
-    from keras_stable_state._manager.records import CheckpointMetadata
-    from keras_stable_state._optimizer import GradientAccumulator, StableOptimizer
-    from keras_stable_state._state.sampler import ResumableSampler
-    from keras_stable_state.errors import (
-        BindingError,
-        CheckpointFormatError,
-        CheckpointInUseError,
-        ContractError,
-        CorruptCheckpointError,
-        DtypeMismatchError,
-        InexactResumeWarning,
-        KeyFormatError,
-        MalformedKeyError,
-        NewerFormatError,
-        ScheduleMismatchError,
-        StateError,
-        StorageBackendError,
-        StorageError,
-        StoragePermissionError,
-        UnreadableCheckpointWarning,
+# The public names, each written once: ``name as name`` marks a re-export for type checkers
+# (PEP 484); ``__all__`` and ``_SOURCES`` are read from these lines (`_public_sources`).
+# (isort is off here: it would split an import of several ``name as name`` into one per name.)
+if TYPE_CHECKING:
+    # isort: off
+    from keras_stable_state._core import (
+        PendingRestore as PendingRestore,
+        restore_training_state as restore_training_state,
+        save_training_state as save_training_state,
     )
+    from keras_stable_state._core.in_memory import (
+        restore_training_state_from_bytes as restore_training_state_from_bytes,
+        training_state_to_bytes as training_state_to_bytes,
+    )
+    from keras_stable_state._core.mappers import (
+        CastMapper as CastMapper,
+        QuantizeMapper as QuantizeMapper,
+        StateMapper as StateMapper,
+    )
+    from keras_stable_state._core.report import RestoreReport as RestoreReport
+    from keras_stable_state._engines.background import SaveHandle as SaveHandle
+    from keras_stable_state._fit import StableCheckpoint as StableCheckpoint
+    from keras_stable_state._identity.contract import TrainableContract as TrainableContract
+    from keras_stable_state._identity.registry import (
+        VariableKey as VariableKey,
+        VariableRegistry as VariableRegistry,
+    )
+    from keras_stable_state._manager.manager import CheckpointManager as CheckpointManager
+    from keras_stable_state._manager.records import CheckpointMetadata as CheckpointMetadata
+    from keras_stable_state._optimizer import (
+        GradientAccumulator as GradientAccumulator,
+        StableOptimizer as StableOptimizer,
+    )
+    from keras_stable_state._state.sampler import ResumableSampler as ResumableSampler
+    from keras_stable_state.errors import (
+        BindingError as BindingError,
+        CheckpointFormatError as CheckpointFormatError,
+        CheckpointInUseError as CheckpointInUseError,
+        ContractError as ContractError,
+        CorruptCheckpointError as CorruptCheckpointError,
+        DtypeMismatchError as DtypeMismatchError,
+        InexactResumeWarning as InexactResumeWarning,
+        KeyFormatError as KeyFormatError,
+        MalformedKeyError as MalformedKeyError,
+        NewerFormatError as NewerFormatError,
+        ScheduleMismatchError as ScheduleMismatchError,
+        StateError as StateError,
+        StorageBackendError as StorageBackendError,
+        StorageError as StorageError,
+        StoragePermissionError as StoragePermissionError,
+        UnreadableCheckpointWarning as UnreadableCheckpointWarning,
+    )
+    # isort: on
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BindingError",
-    "CastMapper",
-    "CheckpointFormatError",
-    "CheckpointInUseError",
-    "CheckpointManager",
-    "CheckpointMetadata",
-    "ContractError",
-    "CorruptCheckpointError",
-    "DtypeMismatchError",
-    "GradientAccumulator",
-    "KeyFormatError",
-    "MalformedKeyError",
-    "NewerFormatError",
-    "PendingRestore",
-    "QuantizeMapper",
-    "RestoreReport",
-    "ResumableSampler",
-    "SaveHandle",
-    "ScheduleMismatchError",
-    "StableCheckpoint",
-    "StableOptimizer",
-    "StateError",
-    "StateMapper",
-    "StorageBackendError",
-    "StorageError",
-    "StoragePermissionError",
-    "TrainableContract",
-    "UnreadableCheckpointWarning",
-    "InexactResumeWarning",
-    "VariableKey",
-    "VariableRegistry",
-    "restore_training_state",
-    "restore_training_state_from_bytes",
-    "save_training_state",
-    "training_state_to_bytes",
-]
 
-# name -> the module defining it
-_SOURCES = {
-    "PendingRestore": "_core",
-    "restore_training_state": "_core",
-    "save_training_state": "_core",
-    "restore_training_state_from_bytes": "_core.in_memory",
-    "training_state_to_bytes": "_core.in_memory",
-    "CastMapper": "_core.mappers",
-    "QuantizeMapper": "_core.mappers",
-    "StateMapper": "_core.mappers",
-    "RestoreReport": "_core.report",
-    "SaveHandle": "_engines.background",
-    "InexactResumeWarning": "errors",
-    "StableCheckpoint": "_fit",
-    "CheckpointManager": "_manager.manager",
-    "CheckpointMetadata": "_manager.manager",
-    "UnreadableCheckpointWarning": "errors",
-    "TrainableContract": "_identity.contract",
-    "VariableKey": "_identity.registry",
-    "VariableRegistry": "_identity.registry",
-    "GradientAccumulator": "_optimizer",
-    "StableOptimizer": "_optimizer",
-    "ScheduleMismatchError": "errors",
-    "ResumableSampler": "_state.sampler",
-    "BindingError": "errors",
-    "CheckpointFormatError": "errors",
-    "CheckpointInUseError": "errors",
-    "ContractError": "errors",
-    "CorruptCheckpointError": "errors",
-    "DtypeMismatchError": "errors",
-    "KeyFormatError": "errors",
-    "MalformedKeyError": "errors",
-    "NewerFormatError": "errors",
-    "StorageBackendError": "errors",
-    "StorageError": "errors",
-    "StoragePermissionError": "errors",
-    "StateError": "errors",
-}
+def _public_sources() -> dict[str, str]:
+    """``{public name: the module defining it}``: the imports under ``if TYPE_CHECKING:``
+    above, read from this file's source (the one place each public name is written)."""
+    import ast
+    import pathlib
+
+    tree = ast.parse(pathlib.Path(__file__).read_text(encoding="utf-8"))
+    block = next(
+        node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    return {
+        alias.name: (node.module or "").removeprefix(f"{__name__}.")
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+# name -> the module defining it (relative to this package)
+_SOURCES = _public_sources()
+__all__ = sorted(_SOURCES)
 
 
 def _load_all() -> None:

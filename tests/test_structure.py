@@ -13,6 +13,7 @@ upward dependency.
 """
 
 import ast
+import collections
 import functools
 import inspect
 import os
@@ -502,6 +503,24 @@ def test_no_module_uses_another_modules_private_names():
                 offenders.append(f"{_where(module, node)}: {module} uses {target}.{attr}")
     offenders = sorted(set(offenders))
     assert offenders == [], "\n".join(["private names of another module:", *offenders])
+
+
+@once
+def test_each_public_name_is_written_once():
+    """``keras_stable_state/__init__.py`` writes each public name once: in its import under
+    ``if TYPE_CHECKING:`` (``name as name``, one alias), and nowhere else (no list of
+    strings, no table), so ``__all__`` and the lazy table, read from those imports, cannot
+    drift from them."""
+    written = collections.Counter()
+    for node in ast.walk(_sources()[f"{ROOT}.__init__"][2]):
+        if isinstance(node, ast.alias):
+            written[node.name] += 1
+        elif isinstance(node, ast.Name):
+            written[node.id] += 1
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            written[node.value] += 1
+    assert len(kss.__all__) >= 30
+    assert {name: written[name] for name in kss.__all__ if written[name] != 1} == {}
 
 
 @once
