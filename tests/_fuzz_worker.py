@@ -61,6 +61,8 @@ from keras_stable_state.errors import (  # noqa: E402
     NewerFormatError,
     StateError,
 )
+from keras_stable_state.format import writer  # noqa: E402
+from keras_stable_state.format.record import MEMBER  # noqa: E402
 
 BACKEND = keras.backend.backend()
 TARGETS = {"h5": "state.h5", "keras": "state.keras", "ckpt": "ckpt.h5"}
@@ -327,7 +329,7 @@ def file_names(path):
 def _signer():
     """The storage function that re-signs an edited file, if storage has one."""
     for name in ("reseal", "resign", "sign_file", "seal_file"):
-        fn = getattr(storage, name, None)
+        fn = getattr(writer, name, None)
         if callable(fn):
             return fn
     return None
@@ -536,7 +538,7 @@ def apply_edit(src, dst, case, workdir):
     member_path = os.path.join(workdir, "member.h5")
     with zipfile.ZipFile(src) as zin:
         with open(member_path, "wb") as fh:
-            fh.write(zin.read(storage.MEMBER))
+            fh.write(zin.read(MEMBER))
         detail = edit_h5(member_path, case["edit"], case["pick"], case["pick2"])
         if detail is None:
             return None
@@ -544,12 +546,12 @@ def apply_edit(src, dst, case, workdir):
             resign(member_path)
         with zipfile.ZipFile(dst, "w") as zout:
             for info in zin.infolist():
-                if info.filename == storage.MEMBER:
+                if info.filename == MEMBER:
                     with open(member_path, "rb") as fh:
                         zout.writestr(info, fh.read())
                 else:
                     zout.writestr(info, zin.read(info.filename))
-    return f"{storage.MEMBER}: {detail}"
+    return f"{MEMBER}: {detail}"
 
 
 def make_case_file(case, workdir):

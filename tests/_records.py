@@ -2,7 +2,7 @@
 
 Each helper changes an open ``h5py.File`` (mode ``"r+"``) and fixes every
 checksum inside the record, so that only the whole-file seal (or, once the
-file is resealed with ``storage.reseal``, the deeper checks of restore) can
+file is resealed with ``reseal``, the deeper checks of restore) can
 notice. Layout: see :mod:`keras_stable_state.format.storage`.
 """
 
@@ -10,8 +10,8 @@ import json
 
 import numpy as np
 
-from keras_stable_state import format as storage
 from keras_stable_state.format import sandbox as _hdf5_checks
+from keras_stable_state.format.codec import stored_dtype
 
 
 def index(f) -> dict:
@@ -58,7 +58,7 @@ def edit_array(f, key: str, fn) -> None:
                 continue
             name, dtype, shape, blob, offset, _ = row
             data = f[f"{section}/{blob}"][()]
-            stored = storage.stored_dtype(dtype)
+            stored = stored_dtype(dtype)
             nbytes = int(np.prod(shape, dtype=np.int64)) * stored.itemsize
             value = data[offset : offset + nbytes].view(stored).reshape(shape)
             new = np.ascontiguousarray(fn(value.copy()), dtype=stored)
@@ -85,7 +85,7 @@ def drop_last(f, section: str) -> str:
     name = f"{section}/{blob}"
     if left:
         last = left[-1]
-        end = last[4] + int(np.prod(last[2], dtype=np.int64)) * storage.stored_dtype(last[1]).itemsize
+        end = last[4] + int(np.prod(last[2], dtype=np.int64)) * stored_dtype(last[1]).itemsize
         data = f[name][()][:end]
         del f[name]
         f[section].create_dataset(str(blob), data=data)

@@ -1,7 +1,7 @@
 """All-or-nothing restore: after any refusal, every model variable, slot, global random
 state, callback state and provider state equals its value before the call.
 
-Bad files are written through ``storage.write_record`` (valid checksums), so a refusal
+Bad files are written through ``write_record`` (valid checksums), so a refusal
 comes from the restore's own checks; each case is also restored from the same record
 in memory (``storage.read_file`` bypassed), so that the restore's checks, not only the
 reader's, are exercised.
@@ -22,6 +22,7 @@ import keras_stable_state as kss
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
+from keras_stable_state.format.writer import write_record
 
 SETTINGS = settings(
     max_examples=24,
@@ -263,7 +264,7 @@ def test_any_refusal_leaves_everything_as_before(world, monkeypatch, case, pick)
     record = copy.deepcopy(world.record)
     name = BAD_RECORDS[case](record, pick)
     path = world.tmp_path / "bad.h5"
-    storage.write_record(path, record)
+    write_record(path, record)
     # From the file: refused (by the reader or by the restore), nothing changed.
     _refused(world, path, None, monkeypatch)
     # From the same record in memory: the restore's own checks refuse it, naming it.

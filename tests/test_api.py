@@ -44,10 +44,37 @@ PUBLIC = [
 ]
 
 
+# keras_stable_state.format: what a tool that reads training states needs (open and read,
+# the record and entry types, the format's name and version, the dtypes).
+FORMAT_PUBLIC = [
+    "CheckpointFile",
+    "DTYPES",
+    "Entry",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "SECTIONS",
+    "StateRecord",
+    "StockWeights",
+    "dtype_name",
+    "numpy_dtype",
+    "open_file",
+    "read_bytes",
+    "read_file",
+]
+
+
 def test_all_is_pinned():
     assert sorted(kss.__all__) == sorted(PUBLIC)
     for name in PUBLIC:
         assert getattr(kss, name) is not None
+
+
+def test_the_file_formats_all_is_pinned():
+    from keras_stable_state import format as file_format
+
+    assert sorted(file_format.__all__) == sorted(FORMAT_PUBLIC)
+    for name in FORMAT_PUBLIC:
+        assert getattr(file_format, name) is not None
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from test_checkpoint_dir import CHILD, X, Y, _check_resume_after_kills, _finish,
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
+from keras_stable_state.format import writer
 
 
 def _model(hidden=8):
@@ -49,13 +50,13 @@ def test_async_save_writes_what_a_blocking_save_writes_while_training_goes_on(tm
     weights = [to_np(v).copy() for v in m.weights]
     slots = {k: v.copy() for k, v in slots_by_key(m.optimizer).items()}
     blocking = kss.save_training_state(tmp_path / f"blocking.{ext}", m)
-    trained, real = threading.Event(), storage.write_record
+    trained, real = threading.Event(), writer.write_record
 
     def write_after_training(*args, **kwargs):
         assert trained.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(storage, "write_record", write_after_training)
+    monkeypatch.setattr(writer, "write_record", write_after_training)
     handle = kss.save_training_state(tmp_path / f"async.{ext}", m, blocking=False)
     assert isinstance(handle, kss.SaveHandle) and handle.path == str(tmp_path / f"async.{ext}")
     assert handle.blocked_secs > 0 and not handle.done()
@@ -96,13 +97,13 @@ def test_background_save_at_step_k_holds_step_k_after_later_donating_steps(tmp_p
     m.train_on_batch(x, y)
     weights = [to_np(v).copy() for v in m.weights]
     slots = [to_np(v).copy() for v in m.optimizer.variables]
-    gate, real = threading.Event(), storage.write_record
+    gate, real = threading.Event(), writer.write_record
 
     def write_later(*args, **kwargs):
         assert gate.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(storage, "write_record", write_later)
+    monkeypatch.setattr(writer, "write_record", write_later)
     handle = kss.save_training_state(tmp_path / "k.h5", m, blocking=False)
     for _ in range(3):
         m.train_on_batch(x, y)
@@ -110,7 +111,7 @@ def test_background_save_at_step_k_holds_step_k_after_later_donating_steps(tmp_p
     assert not np.array_equal(to_np(m.optimizer.variables[-1]), slots[-1])
     gate.set()
     handle.wait()
-    monkeypatch.setattr(storage, "write_record", real)
+    monkeypatch.setattr(writer, "write_record", real)
     if jax_cpu:  # the steps donate: a plain reference to a variable's array would have been deleted
         ref = m.weights[0].value
         m.train_on_batch(x, y)
@@ -139,13 +140,13 @@ def test_async_save_writes_the_other_state_as_it_was_at_the_call(tmp_path, monke
 
     m, live = _model(), Live()
     _train(m)
-    written, real = threading.Event(), storage.write_record
+    written, real = threading.Event(), writer.write_record
 
     def write_when_told(*args, **kwargs):
         assert written.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(storage, "write_record", write_when_told)
+    monkeypatch.setattr(writer, "write_record", write_when_told)
     handle = kss.save_training_state(tmp_path / "s.h5", m, state={"live": live}, blocking=False)
     live.log.append("b")
     live.table["k"].append(3)
@@ -191,14 +192,14 @@ def test_refusals_that_need_no_write_are_raised_by_the_call(tmp_path):
 def test_saves_into_one_folder_are_written_in_order_and_the_next_call_waits(tmp_path, monkeypatch):
     m = _model()
     _train(m, 1)
-    gate, order, real = threading.Event(), [], storage.write_record
+    gate, order, real = threading.Event(), [], writer.write_record
 
     def slow_write(path, record, **kwargs):
         gate.wait(30)
         order.append(os.path.basename(path))
         return real(path, record, **kwargs)
 
-    monkeypatch.setattr(storage, "write_record", slow_write)
+    monkeypatch.setattr(writer, "write_record", slow_write)
     first = kss.save_training_state(tmp_path / "a.h5", m, blocking=False)
     assert not first.done()
     with pytest.raises(TimeoutError, match="has not finished within 0.05 s"):
@@ -220,13 +221,13 @@ def test_a_restore_waits_for_the_background_save_of_its_file(tmp_path, ext, monk
     kss.save_training_state(path, m)  # the older file on disk
     _train(m, 2)
     expected = [to_np(v) for v in m.variables + m.optimizer.variables]
-    gate, real = threading.Event(), storage.write_record
+    gate, real = threading.Event(), writer.write_record
 
     def slow_write(path, record, **kwargs):
         gate.wait(30)
         return real(path, record, **kwargs)
 
-    monkeypatch.setattr(storage, "write_record", slow_write)
+    monkeypatch.setattr(writer, "write_record", slow_write)
     handle = kss.save_training_state(path, m, blocking=False)
     _train(m, 1)  # the model moves on; the save holds the call's values
     fresh = _model()

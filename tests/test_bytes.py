@@ -13,6 +13,7 @@ from test_mappers import _model
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
+from keras_stable_state.format.writer import record_to_bytes
 
 
 def _everything(model):
@@ -122,7 +123,7 @@ def _half_slot(blob):
     record = storage.read_bytes(blob)
     key = next(k for k in record.optimizer if k.endswith("kernel#momentums"))
     record.optimizer[key] = record.optimizer[key].astype("float16")
-    return storage.record_to_bytes(record)
+    return record_to_bytes(record)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ from kit import mlp
 import keras_stable_state as kss
 from keras_stable_state import format as storage
 from keras_stable_state.format import writer
+from keras_stable_state.format.record import MEMBER
+from keras_stable_state.format.writer import write_record
 
 
 def _model(opt=None, dtype=None):
@@ -66,7 +68,7 @@ def test_keras_file_still_loads_with_load_model(tmp_path, data):
     src = _trained(data)
     kss.save_training_state(tmp_path / "s.keras", src)
     with zipfile.ZipFile(tmp_path / "s.keras") as zf:
-        assert storage.MEMBER in zf.namelist() and "model.weights.h5" in zf.namelist()
+        assert MEMBER in zf.namelist() and "model.weights.h5" in zf.namelist()
     back = keras.saving.load_model(tmp_path / "s.keras")
     assert isinstance(back.optimizer, kss.StableOptimizer)
     back.optimizer.bind(back)  # the loaded slots are restored by key now
@@ -133,7 +135,7 @@ def test_restore_is_all_or_nothing(tmp_path, data):
 def _rewrite(path, out, fn):
     record = storage.read_file(path)
     fn(record)
-    storage.write_record(out, record)
+    write_record(out, record)
 
 
 def test_float_dtype_difference_raises_unless_cast_allowed(tmp_path, data):

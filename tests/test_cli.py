@@ -23,6 +23,8 @@ from keras_stable_state import cli
 from keras_stable_state import format as storage
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state.cli import output
+from keras_stable_state.format.record import KERAS_WEIGHTS_MEMBER, MEMBER
+from keras_stable_state.format.writer import reseal, write_record
 
 
 class _Position:
@@ -131,7 +133,7 @@ def test_inspect_shows_writer_keys_slots_contract_and_state(capsys, saved, ext):
     assert "epoch 3, step 5 of the epoch, global step 17" in out
     assert "EarlyStopping/0" in out and "wait=" in out
     if ext == "keras":
-        assert storage.KERAS_WEIGHTS_MEMBER in out and storage.MEMBER in out
+        assert KERAS_WEIGHTS_MEMBER in out and MEMBER in out
 
 
 @pytest.mark.parametrize("ext", ["h5", "keras"])
@@ -538,7 +540,7 @@ def test_keys_with_control_characters_are_printed_escaped(capsys, tmp_path):
         extra={"callbacks": {}, "providers": {}, "rng": None},
     )
     path = tmp_path / "evil.h5"
-    storage.write_record(path, record)
+    write_record(path, record)
     for command in ("inspect", "verify"):
         code, out, err = _run(capsys, command, path)
         assert code != 0  # a key with control characters is malformed: refused, and named escaped
@@ -630,10 +632,10 @@ def test_ls_of_a_newer_format_checkpoint_says_fit_stops_there(capsys, files, tmp
     path = folder / "ckpt-0000000003.h5"
     import h5py
 
-    storage.write_record(path, record)
+    write_record(path, record)
     with h5py.File(path, "r+") as h5:  # a format this version does not read, under an intact seal
         h5.attrs["format_version"] = storage.FORMAT_VERSION + 1
-    storage.reseal(path)
+    reseal(path)
     code, out, _ = _run(capsys, "ls", folder, "--json")
     doc = json.loads(out)
     assert code == 0 and doc["checkpoints"][0]["status"] == "newer_format"

@@ -3,7 +3,7 @@
 Each file is a well-formed training state edited on purpose (external
 storage, links, virtual datasets, size bombs, odd dtypes, pickled attributes,
 deep JSON, archive path traversal, a Lambda layer, a swapped byte order) and,
-where storage can, resealed (``storage.reseal``) so that the deeper checks are
+where storage can, resealed (``writer.reseal``) so that the deeper checks are
 exercised rather than only the whole-file seal. Every one must be refused with
 ``CorruptCheckpointError`` or ``CheckpointFormatError`` naming the key or the
 file, the live model (variables, optimizer variables, NumPy and Python random
@@ -31,9 +31,10 @@ from conftest import to_np
 
 import keras_stable_state as kss
 from keras_stable_state import cli
-from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
 from keras_stable_state.format import sandbox as _hdf5_checks
+from keras_stable_state.format import writer
+from keras_stable_state.format.record import MEMBER
 
 REFUSALS = (CorruptCheckpointError, CheckpointFormatError)
 KERNEL = "path:layers/hidden/kernel"
@@ -109,7 +110,7 @@ def _perturb(model):
 # -- crafting ---------------------------------------------------------------------------------
 def _reseal(path):
     """Recompute the whole-file seal after an edit, where storage can (else the seal refuses)."""
-    fn = getattr(storage, "reseal", None)
+    fn = getattr(writer, "reseal", None)
     if fn is not None:
         fn(path)
     return fn is not None
@@ -133,7 +134,7 @@ def _edit(path, fn, reseal=True):
         with zipfile.ZipFile(path) as zin:
             infos = [(info, zin.read(info.filename)) for info in zin.infolist()]
         with open(member, "wb") as fh:
-            fh.write(dict((i.filename, d) for i, d in infos)[storage.MEMBER])
+            fh.write(dict((i.filename, d) for i, d in infos)[MEMBER])
         with h5py.File(member, "r+") as f:
             fn(f)
         with open(member, "rb") as fh:
@@ -141,7 +142,7 @@ def _edit(path, fn, reseal=True):
         os.remove(member)
         with zipfile.ZipFile(path, "w") as zout:
             for info, old in infos:
-                zout.writestr(info, data if info.filename == storage.MEMBER else old)
+                zout.writestr(info, data if info.filename == MEMBER else old)
     else:
         with h5py.File(path, "r+") as f:
             fn(f)
@@ -541,7 +542,7 @@ def test_lambda_layer_in_the_archive_never_runs(tmp_path, capsys, monkeypatch):
     armed = tmp_path / "armed.keras"
     with zipfile.ZipFile(path) as zin, zipfile.ZipFile(armed, "w") as zout:
         for info in zin.infolist():
-            if info.filename != storage.MEMBER:
+            if info.filename != MEMBER:
                 zout.writestr(info, zin.read(info.filename))
     keras.saving.load_model(armed, safe_mode=False)(np.zeros((1, 4), "float32"))
     assert os.path.exists(marker)
@@ -698,12 +699,12 @@ def _write_zero_member(zf, name, size=ZERO_BOMB_BYTES, chunk=16 << 20):
 def _zip_bomb(pristine, out, replace_member):
     with zipfile.ZipFile(pristine) as zin, zipfile.ZipFile(out, "w") as zout:
         for info in zin.infolist():
-            if replace_member and info.filename == storage.MEMBER:
+            if replace_member and info.filename == MEMBER:
                 continue
             zout.writestr(info, zin.read(info.filename))
-        _write_zero_member(zout, storage.MEMBER if replace_member else "assets/zeros.bin")
+        _write_zero_member(zout, MEMBER if replace_member else "assets/zeros.bin")
     with zipfile.ZipFile(out) as z:  # a real bomb: declared 5 GiB, readable zeros
-        name = storage.MEMBER if replace_member else "assets/zeros.bin"
+        name = MEMBER if replace_member else "assets/zeros.bin"
         assert z.getinfo(name).file_size == ZERO_BOMB_BYTES
         with z.open(name) as fh:
             assert fh.read(1 << 20) == bytes(1 << 20)

@@ -10,6 +10,7 @@ from kit import mlp
 import keras_stable_state as kss
 from keras_stable_state import format as storage
 from keras_stable_state.errors import MalformedKeyError
+from keras_stable_state.format.writer import write_record
 
 
 def _model():
@@ -195,7 +196,7 @@ def test_malformed_key_is_a_damaged_file_naming_key_and_file(saved, tmp_path, se
     record = storage.read_file(saved)
     arrays = getattr(record, section)
     setattr(record, section, {(new if k == old else k): v for k, v in arrays.items()})
-    storage.write_record(tmp_path / "bad.h5", record)
+    write_record(tmp_path / "bad.h5", record)
     dst = _model()
     before = [to_np(v).copy() for v in dst.variables]
     with pytest.raises(kss.CorruptCheckpointError, match=r"bad\.h5.* key .* is malformed") as err:
@@ -211,7 +212,7 @@ def test_malformed_key_is_a_damaged_file_naming_key_and_file(saved, tmp_path, se
 def test_cast_between_integer_and_float_refused_even_with_allow_cast(saved, tmp_path):
     record = storage.read_file(saved)
     record.model["path:layers/hidden/kernel"] = record.model["path:layers/hidden/kernel"].view("int32")
-    storage.write_record(tmp_path / "int.h5", record)
+    write_record(tmp_path / "int.h5", record)
     with pytest.raises(
         kss.DtypeMismatchError,
         match=r"path:layers/hidden/kernel is int32.*Only floating-point arrays are cast",

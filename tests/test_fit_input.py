@@ -17,6 +17,7 @@ from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
+from keras_stable_state.format.writer import reseal
 
 rng = np.random.default_rng(4)
 X = rng.normal(size=(44, 5)).astype("float32")  # 6 batches of 8, the last one of 4
@@ -329,7 +330,7 @@ def test_a_forged_epoch_order_is_refused_naming_its_record(tmp_path):
     newest = os.path.join(tmp_path, sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt-"))[-1])
     with h5py.File(newest, "r+") as f:
         edit_array(f, "providers/data/permutation", lambda a: np.zeros_like(a))  # not a permutation
-    storage.reseal(newest)
+    reseal(newest)
     keras.backend.clear_session(free_memory=False)
     with pytest.raises(kss.CorruptCheckpointError, match=r"providers/data/permutation is not a permutation"):
         fit_arrays(tmp_path)

@@ -20,6 +20,8 @@ import keras_stable_state as kss
 from keras_stable_state import cli
 from keras_stable_state import format as storage
 from keras_stable_state.errors import StateError
+from keras_stable_state.format.record import ALIGN, BLOB_TARGET, MEMBER, PACK_LIMIT, USERBLOCK_SIZE
+from keras_stable_state.format.writer import reseal, write_record
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 META = {"backend": keras.backend.backend(), "keras_version": keras.__version__}
@@ -48,13 +50,13 @@ def test_small_arrays_share_blobs_large_ones_have_their_own_and_all_read_back_ex
     model["path:layers/empty/kernel"] = np.zeros((0, 4), "float64")
     # 40 x 60 KB packed arrays: more than one shared blob of about BLOB_TARGET bytes
     model.update({f"path:layers/m{i}/kernel": np.full((15_000,), i, "float32") for i in range(40)})
-    storage.write_record(tmp_path / "s.h5", _record(model))
+    write_record(tmp_path / "s.h5", _record(model))
 
     with storage.open_file(tmp_path / "s.h5") as f:
         entries = {e.key: e for e in f.entries}
         assert f.version == 3 and f.seal_version == 3
         assert all(e.checksum == "xxh3-64" for e in f.entries)
-        assert all(e.offset % storage.ALIGN == 0 for e in f.entries)
+        assert all(e.offset % ALIGN == 0 for e in f.entries)
         big = entries["path:layers/big/kernel"]
         assert big.offset == 0 and sum(e.dataset == big.dataset for e in f.entries) == 1
         assert entries["path:layers/d0/kernel"].dataset == entries["path:layers/d299/kernel"].dataset
@@ -63,7 +65,7 @@ def test_small_arrays_share_blobs_large_ones_have_their_own_and_all_read_back_ex
         assert len(h["model"]) == len(blobs)
         sizes = sorted(h[name].shape[0] for name in blobs)
     assert len(blobs) >= 3 and len(blobs) < 20  # 346 arrays in a handful of datasets
-    assert sizes[-1] <= storage.BLOB_TARGET + storage.PACK_LIMIT + storage.ALIGN
+    assert sizes[-1] <= BLOB_TARGET + PACK_LIMIT + ALIGN
 
     back = storage.read_file(tmp_path / "s.h5")
     assert list(back.model) == list(model)
@@ -95,7 +97,7 @@ def test_any_mix_of_arrays_reads_back_bit_for_bit(tmp_path_factory, arrays, big)
         rng = np.random.default_rng(seed)
         np_dtype = storage.numpy_dtype(dtype)
         if i < big:  # past PACK_LIMIT: a blob of its own
-            shape = [storage.PACK_LIMIT // np_dtype.itemsize + 1 + seed % 7]
+            shape = [PACK_LIMIT // np_dtype.itemsize + 1 + seed % 7]
         raw = rng.integers(
             0, 256, size=int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize, dtype=np.uint8
         )
@@ -103,7 +105,7 @@ def test_any_mix_of_arrays_reads_back_bit_for_bit(tmp_path_factory, arrays, big)
         if dtype == "bool":
             value = value.view(np.uint8) % 2 == 1
         model[f"path:layers/l{i}/kernel"] = value
-    storage.write_record(folder / "s.h5", _record(model))
+    write_record(folder / "s.h5", _record(model))
     back = storage.read_file(folder / "s.h5")
     for key, value in model.items():
         _assert_same(value, back.model[key])
@@ -163,7 +165,7 @@ def test_any_edit_of_the_index_resealed_is_refused_and_nothing_changes(
             section = "model"
         _records.mutate_index(index, section, i, field, amount)
         _records.write_json(f, "index", index)
-    storage.reseal(path)
+    reseal(path)
 
     with pytest.raises(kss.CorruptCheckpointError) as info:
         storage.read_file(path)
@@ -193,7 +195,7 @@ def test_a_blob_with_bytes_no_array_claims_is_refused_naming_its_arrays(tmp_path
         data = f["model/0"][()]
         del f["model/0"]
         f["model"].create_dataset("0", data=np.concatenate([data, np.zeros(16, np.uint8)]))
-    storage.reseal(path)
+    reseal(path)
     with pytest.raises(kss.CorruptCheckpointError, match=r"model/0 \(it holds the arrays for keys") as info:
         storage.read_file(path)
     assert info.value.key == "path:layers/hidden/kernel"
@@ -214,7 +216,7 @@ def test_a_flipped_array_byte_names_the_key_and_its_xxh3(tmp_path, pristine):
     ) as info:
         storage.read_file(path)
     assert info.value.key == "path:layers/out/bias"
-    storage.reseal(path)  # the same flip, resealed: the array's own checksum refuses it
+    reseal(path)  # the same flip, resealed: the array's own checksum refuses it
     with pytest.raises(kss.CorruptCheckpointError, match="path:layers/out/bias.*fails its xxh3-64") as info:
         storage.read_file(path)
     assert info.value.key == "path:layers/out/bias"
@@ -276,7 +278,7 @@ def test_a_damaged_format_2_file_is_refused_naming_the_key(tmp_path):
 def test_a_format_2_file_resealed_keeps_its_format_2_seal(tmp_path):
     path = tmp_path / "v2.h5"
     shutil.copyfile(os.path.join(DATA, "format2.h5"), path)
-    storage.reseal(path)
+    reseal(path)
     assert path.read_bytes().startswith(b"KSS-SEAL 2 sha256 ")
     assert storage.read_file(path).metadata["format_version"] == 2
 
@@ -285,9 +287,9 @@ def test_a_format_3_record_under_a_format_2_seal_is_refused(tmp_path, pristine):
     src, _ = pristine
     with open(src, "rb") as fh:
         raw = bytearray(fh.read())
-    raw[: storage.USERBLOCK_SIZE] = b"KSS-SEAL 2 sha256 " + bytes(storage.USERBLOCK_SIZE - 18)
+    raw[:USERBLOCK_SIZE] = b"KSS-SEAL 2 sha256 " + bytes(USERBLOCK_SIZE - 18)
     (tmp_path / "bad.h5").write_bytes(bytes(raw))
-    storage.reseal(tmp_path / "bad.h5")
+    reseal(tmp_path / "bad.h5")
     with pytest.raises(kss.CorruptCheckpointError, match="format-3 record under a format-2 seal"):
         storage.read_file(tmp_path / "bad.h5")
 
@@ -333,7 +335,7 @@ def test_a_keras_state_shares_the_model_weights_with_keras_and_still_loads(archi
         sizes = dict(f.members)
     model_bytes = sum(to_np(v).nbytes for v in m.variables)
     # the record member holds the optimizer and other state, not the model weights a second time
-    assert sizes[storage.MEMBER] < os.path.getsize(h5) - model_bytes + 4096
+    assert sizes[MEMBER] < os.path.getsize(h5) - model_bytes + 4096
     loaded = keras.saving.load_model(path)
     for a, b in zip(m.get_weights(), loaded.get_weights(), strict=True):
         _assert_same(np.asarray(a), np.asarray(b))

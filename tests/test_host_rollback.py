@@ -27,19 +27,20 @@ import keras_stable_state as kss
 from keras_stable_state import _core
 from keras_stable_state import format as storage
 from keras_stable_state.errors import CorruptCheckpointError
+from keras_stable_state.format.proven import FileArray
 
 
 @pytest.fixture
 def accelerator(monkeypatch):
     """The model counts as living on an accelerator; the FileArray reads are recorded."""
     monkeypatch.setattr(_core.host_rollback, "on_accelerator", lambda model: True)
-    reads, real = [], storage.FileArray.read_into
+    reads, real = [], FileArray.read_into
 
     def recorded(self, out):
         reads.append(self.key)
         return real(self, out)
 
-    monkeypatch.setattr(storage.FileArray, "read_into", recorded)
+    monkeypatch.setattr(FileArray, "read_into", recorded)
     return reads
 
 
@@ -68,14 +69,14 @@ def test_a_failure_puts_every_value_back_from_the_host_copies(tmp_path, accelera
     path, _ = _written(tmp_path, 34)
     reader = _model([1100, 1500], 35)
     before = _trained_state(reader, 36)
-    real = storage.FileArray.read_into  # (the fixture's recorder)
+    real = FileArray.read_into  # (the fixture's recorder)
 
     def changed_on_disk(self, out):
         if len(accelerator) == 2:
             _flip_byte(path, self.offset + self.nbytes // 2)
         return real(self, out)
 
-    monkeypatch.setattr(storage.FileArray, "read_into", changed_on_disk)
+    monkeypatch.setattr(FileArray, "read_into", changed_on_disk)
     with pytest.raises(CorruptCheckpointError):
         kss.restore_training_state(path, reader)
     assert len(accelerator) == 3

@@ -22,8 +22,9 @@ from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
-from keras_stable_state._manager import directory as checkpoint_dir
 from keras_stable_state._manager import lock as directory_lock
+from keras_stable_state.format.atomic import atomic_path
+from keras_stable_state.format.files import open_regular
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -157,8 +158,8 @@ def test_open_regular_refuses_a_symbolic_link_where_the_file_is_written(tmp_path
     target.write_bytes(b"x" * 2000)
     os.symlink(target, tmp_path / "link")
     with pytest.raises(kss.CheckpointFormatError, match=r"'.*link' is a symbolic link to '.*target'"):
-        storage.open_regular(str(tmp_path / "link"), os.O_RDWR | os.O_CREAT, follow_symlinks=False)
-    fd = storage.open_regular(str(tmp_path / "link"))  # read: followed to the regular file
+        open_regular(str(tmp_path / "link"), os.O_RDWR | os.O_CREAT, follow_symlinks=False)
+    fd = open_regular(str(tmp_path / "link"))  # read: followed to the regular file
     try:
         assert os.read(fd, 10) == b"x" * 10
     finally:
@@ -217,7 +218,7 @@ def test_a_temporary_file_replaced_by_a_link_while_written_is_never_renamed_into
     victim.write_text("precious")
     target = tmp_path / "out.h5"
     with pytest.raises(kss.StateError, match=r"was removed or replaced while it was written"):
-        with storage.atomic_path(target, suffix=".h5") as tmp:
+        with atomic_path(target, suffix=".h5") as tmp:
             os.remove(tmp)
             os.symlink(victim, tmp)
     assert not os.path.lexists(target)
@@ -334,7 +335,7 @@ def test_a_lock_file_that_cannot_be_created_names_it_and_the_errno(tmp_path, mon
     def refuse(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    monkeypatch.setattr(checkpoint_dir.storage, "open_regular", refuse)
+    monkeypatch.setattr("keras_stable_state._manager.lock.open_regular", refuse)
     with pytest.raises(
         OSError, match=r"Cannot create the lock file .*stable-checkpoint.lock.*Permission denied"
     ) as info:

@@ -28,6 +28,8 @@ from keras_stable_state import format as storage
 from keras_stable_state._numpy import numpy_copy
 from keras_stable_state.errors import listed, shown
 from keras_stable_state.format import sandbox
+from keras_stable_state.format.record import USERBLOCK_SIZE
+from keras_stable_state.format.writer import reseal
 
 ROWS = int(os.environ.get("KSS_HOSTILE_ROWS", "20000"))
 LIMIT = 2000  # characters: a message about any number of keys of any length
@@ -48,7 +50,7 @@ def _edited(tmp_path, model, name, edit):
     kss.save_training_state(path, model)
     with h5py.File(path, "r+") as f:
         edit(f)
-    storage.reseal(path)
+    reseal(path)
     return path
 
 
@@ -159,7 +161,7 @@ def _add_record(f):
 def _newer_seal(path):
     data = bytearray(path.read_bytes())
     head = f"KSS-SEAL {storage.FORMAT_VERSION + 1} blake9 00ff 12\n".encode()
-    data[: storage.USERBLOCK_SIZE] = head.ljust(storage.USERBLOCK_SIZE, b"\0")
+    data[:USERBLOCK_SIZE] = head.ljust(USERBLOCK_SIZE, b"\0")
     path.write_bytes(bytes(data))
 
 

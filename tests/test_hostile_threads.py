@@ -27,6 +27,7 @@ from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format as storage
+from keras_stable_state.format import proven
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVES = int(os.environ.get("KSS_THREAD_SAVES", "8"))
@@ -245,8 +246,8 @@ def test_a_resume_reads_its_checkpoint_once_even_if_it_is_replaced_meanwhile(tmp
 
     # read_proven: the restore in place into a model that never trained (its arrays are read
     # after the replacement, from the file it proved, held open); read_file: any other read
-    for name in ("read_file", "read_proven"):
-        monkeypatch.setattr(storage, name, read_then_replace(getattr(storage, name)))
+    for module, name in ((storage, "read_file"), (proven, "read_proven")):
+        monkeypatch.setattr(module, name, read_then_replace(getattr(module, name)))
     resumed = mlp(4, 8, named=True, seed=3)
     es = keras.callbacks.EarlyStopping(monitor="loss", patience=50)
     seen = {}

@@ -21,6 +21,8 @@ import keras_stable_state as kss
 from keras_stable_state import format as storage
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 from keras_stable_state.format import proven
+from keras_stable_state.format.proven import FileArray, close_files, read_proven
+from keras_stable_state.format.writer import reseal
 
 SETTINGS = settings(
     max_examples=6,
@@ -94,15 +96,15 @@ def test_a_keras_archive_is_read_where_it_lies(tmp_path):
     writer = _model([1100, 1500], 13)
     saved = _trained_state(writer, 13)
     kss.save_training_state(path, writer)
-    record = storage.read_proven(path)
+    record = read_proven(path)
     try:
         deferred = {
-            section: [k for k, a in getattr(record, section).items() if isinstance(a, storage.FileArray)]
+            section: [k for k, a in getattr(record, section).items() if isinstance(a, FileArray)]
             for section in ("model", "optimizer")
         }
         assert deferred["model"] and deferred["optimizer"], deferred  # both members read where they lie
     finally:
-        storage.close_files(record)
+        close_files(record)
     reader = _model([1100, 1500], 14)
     kss.restore_training_state(path, reader, all_or_nothing=False)
     _assert_equal(saved, reader)
@@ -119,9 +121,9 @@ def test_a_damaged_member_of_a_keras_archive_is_refused_before_anything_is_assig
     kss.save_training_state(path, writer)
     with zipfile.ZipFile(path) as zf:
         info = zf.getinfo("model.weights.h5")
-    record = storage.read_proven(path)
-    target = next(a for a in record.model.values() if isinstance(a, storage.FileArray))
-    storage.close_files(record)
+    record = read_proven(path)
+    target = next(a for a in record.model.values() if isinstance(a, FileArray))
+    close_files(record)
     assert info.header_offset < target.offset < info.header_offset + 100 + info.file_size
     _flip_byte(path, target.offset + 7)
     reader = _model([1100], 16)
@@ -176,15 +178,15 @@ def test_the_large_arrays_are_left_in_the_file(tmp_path):
     path = str(tmp_path / "s.h5")
     model = _model([1100, 8], 3)
     kss.save_training_state(path, model)
-    record = storage.read_proven(path)
+    record = read_proven(path)
     try:
-        deferred = [a for a in record.model.values() if isinstance(a, storage.FileArray)]
+        deferred = [a for a in record.model.values() if isinstance(a, FileArray)]
         small = [a for a in record.model.values() if isinstance(a, np.ndarray)]
         assert deferred and small  # the 16x1100 kernel is in the file; the biases were read
         assert all(a.nbytes >= proven.DEFER_ABOVE for a in deferred)
         assert all(a.nbytes < proven.DEFER_ABOVE for a in small)
     finally:
-        storage.close_files(record)
+        close_files(record)
     with pytest.raises(ValueError, match="no open file"):
         np.asarray(deferred[0])
 
@@ -226,7 +228,7 @@ def test_a_file_changed_after_the_proof_marks_the_model(tmp_path, monkeypatch):
     shutil.copy(path, good)
     reader = _model([1100, 1500], 7)
     reads = []
-    real = storage.FileArray.read_into
+    real = FileArray.read_into
 
     def changed_on_disk(self, out):  # another process writes into the file after the proof
         reads.append(self.key)
@@ -234,7 +236,7 @@ def test_a_file_changed_after_the_proof_marks_the_model(tmp_path, monkeypatch):
             _flip_byte(path, self.offset + self.nbytes // 2)
         return real(self, out)
 
-    monkeypatch.setattr(storage.FileArray, "read_into", changed_on_disk)
+    monkeypatch.setattr(FileArray, "read_into", changed_on_disk)
     with pytest.raises(CorruptCheckpointError, match="2 variable\\(s\\) were already assigned") as err:
         kss.restore_training_state(path, reader, all_or_nothing=False)
     assert err.value.key == reads[2] and "after it was proven whole" in str(err.value)
@@ -252,9 +254,9 @@ def test_a_file_changed_after_the_proof_marks_the_model(tmp_path, monkeypatch):
 
 def _damage_first_optimizer_array(path):
     """Flip a byte inside the first large optimizer array of the record at ``path``; its key."""
-    record = storage.read_proven(path)
-    target = next(a for a in record.optimizer.values() if isinstance(a, storage.FileArray))
-    storage.close_files(record)
+    record = read_proven(path)
+    target = next(a for a in record.optimizer.values() if isinstance(a, FileArray))
+    close_files(record)
     _flip_byte(path, target.offset + 5)
     return target.key
 
@@ -284,7 +286,7 @@ def test_a_file_sealed_again_over_a_changed_array_fails_at_that_array_and_marks_
     _trained_state(writer, 8)
     kss.save_training_state(path, writer)
     key = _damage_first_optimizer_array(path)
-    storage.reseal(path)
+    reseal(path)
     untouched = _model([1100], 9)
     before = [to_np(v).copy() for v in _all(untouched)]
     with pytest.raises(CorruptCheckpointError) as err:
@@ -374,7 +376,7 @@ def test_stable_checkpoint_falls_back_when_the_newest_changes_after_the_proof(tm
         paths = paths[:1]
     expected = storage.read_file(paths[1] if older else paths[0])
     newest = paths[0]
-    real, reads = storage.FileArray.read_into, []
+    real, reads = FileArray.read_into, []
 
     def changed_on_disk(self, out):
         reads.append(self._file.path)
@@ -382,7 +384,7 @@ def test_stable_checkpoint_falls_back_when_the_newest_changes_after_the_proof(tm
             _flip_byte(newest, self.offset + 3)
         return real(self, out)
 
-    monkeypatch.setattr(storage.FileArray, "read_into", changed_on_disk)
+    monkeypatch.setattr(FileArray, "read_into", changed_on_disk)
     reader = _model([1100], 15)
     resumed = kss.StableCheckpoint(folder, save_freq=4, max_to_keep=5)
     if not older:
@@ -431,13 +433,13 @@ def test_the_manager_restores_the_latest_in_place_and_falls_back_when_it_changes
             states.append(_trained_state(writer, 17 + step))
             mgr.save(step, writer)
     deferred = []
-    real = storage.FileArray.read_into
+    real = FileArray.read_into
 
     def recorded(self, out):
         deferred.append(self._file.path)
         return real(self, out)
 
-    monkeypatch.setattr(storage.FileArray, "read_into", recorded)
+    monkeypatch.setattr(FileArray, "read_into", recorded)
     reader = _model([1100], 20)
     with kss.CheckpointManager(folder, max_to_keep=3) as mgr:
         mgr.restore(reader, all_or_nothing=False)
@@ -452,7 +454,7 @@ def test_the_manager_restores_the_latest_in_place_and_falls_back_when_it_changes
             _flip_byte(newest, self.offset + 3)
         return real(self, out)
 
-    monkeypatch.setattr(storage.FileArray, "read_into", changed_on_disk)
+    monkeypatch.setattr(FileArray, "read_into", changed_on_disk)
     again = _model([1100], 21)
     with kss.CheckpointManager(folder, max_to_keep=3) as mgr, pytest.warns(kss.UnreadableCheckpointWarning):
         mgr.restore(again, all_or_nothing=False)

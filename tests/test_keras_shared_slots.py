@@ -18,6 +18,8 @@ import keras_stable_state as kss
 from keras_stable_state import cli
 from keras_stable_state import format as storage
 from keras_stable_state.format import keras_archive
+from keras_stable_state.format.record import KERAS_WEIGHTS_MEMBER, MEMBER, PACK_LIMIT
+from keras_stable_state.format.writer import reseal
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 PREFIX = "model.weights.h5:/"
@@ -90,14 +92,14 @@ def _edit_record(path, fn):
     """Apply ``fn(h5py.File)`` to the record member of the archive at ``path``, then reseal."""
     member = path + ".member.h5"
     with open(member, "wb") as fh:
-        fh.write(_member(path, storage.MEMBER))
+        fh.write(_member(path, MEMBER))
     with h5py.File(member, "r+") as f:
         fn(f)
     with open(member, "rb") as fh:
         data = fh.read()
     os.remove(member)
-    _rewrite_archive(path, lambda name, old: data if name == storage.MEMBER else old)
-    storage.reseal(path)
+    _rewrite_archive(path, lambda name, old: data if name == MEMBER else old)
+    reseal(path)
 
 
 def _assert_refused_untouched(path, m, error, match=None):
@@ -129,7 +131,7 @@ def test_a_keras_state_is_about_the_size_of_the_arrays_it_holds(saved, tmp_path)
     model_bytes = sum(a.nbytes for a in values[: len(m.variables)])
     slots = values[len(m.variables) :]
     slot_bytes = sum(a.nbytes for a in slots)
-    small = sum(a.nbytes for a in slots if a.nbytes <= storage.PACK_LIMIT)  # packed in the record
+    small = sum(a.nbytes for a in slots if a.nbytes <= PACK_LIMIT)  # packed in the record
     assert slot_bytes > 2 * model_bytes  # the slots are most of the state: storing them twice shows
     with zipfile.ZipFile(path) as zf:
         config = sum(zf.getinfo(n).file_size for n in ("config.json", "metadata.json"))
@@ -144,7 +146,7 @@ def test_a_keras_state_is_about_the_size_of_the_arrays_it_holds(saved, tmp_path)
     with storage.open_file(path) as f:
         shared = [e for e in f.section("optimizer") if e.dataset.startswith(PREFIX)]
         assert all(e.checksum == "xxh3-64" for e in f.entries)
-    large = sorted(a.nbytes for a in slots if a.nbytes > storage.PACK_LIMIT)
+    large = sorted(a.nbytes for a in slots if a.nbytes > PACK_LIMIT)
     assert sorted(e.nbytes for e in shared) == large and len(large) >= (
         6 if kind == "adam_amsgrad_ema" else 4
     )
@@ -157,7 +159,7 @@ def test_a_background_save_shares_the_slots_too(tmp_path):
     slots = [to_np(v) for v in m.optimizer.variables]
     with storage.open_file(path) as f:
         shared = [e.nbytes for e in f.section("optimizer") if e.dataset.startswith(PREFIX)]
-    assert sorted(shared) == sorted(a.nbytes for a in slots if a.nbytes > storage.PACK_LIMIT)
+    assert sorted(shared) == sorted(a.nbytes for a in slots if a.nbytes > PACK_LIMIT)
 
 
 # -- restore --------------------------------------------------------------------------------
@@ -189,11 +191,11 @@ def _flip_slot(path, m):
     ``model.weights.h5`` holds them; returns the slot's key and the damaged member's bytes."""
     (velocities,) = [v for v in m.optimizer.variables if tuple(v.shape) == (256, 128) and "velocit" in v.path]
     raw = to_np(velocities).tobytes()
-    data = _member(path, storage.KERAS_WEIGHTS_MEMBER)
+    data = _member(path, KERAS_WEIGHTS_MEMBER)
     at = data.find(raw)
     assert at > 0
     data = data[: at + 9] + bytes([data[at + 9] ^ 0x10]) + data[at + 10 :]
-    _rewrite_archive(path, lambda name, old: data if name == storage.KERAS_WEIGHTS_MEMBER else old)
+    _rewrite_archive(path, lambda name, old: data if name == KERAS_WEIGHTS_MEMBER else old)
     return "path:layers/mid/kernel#velocities", data
 
 
@@ -299,10 +301,10 @@ def test_a_keras_state_written_before_the_slots_were_shared_still_restores_exact
         assert f.version == 3
         assert all(e.dataset.startswith(PREFIX) for e in f.section("model"))
         assert not any(e.dataset.startswith(PREFIX) for e in f.section("optimizer"))
-        assert max(e.nbytes for e in f.section("optimizer")) > storage.PACK_LIMIT
+        assert max(e.nbytes for e in f.section("optimizer")) > PACK_LIMIT
     # expected values from Keras' side of the archive, read without this library
     expected_model = [to_np(v) for v in keras.saving.load_model(path).variables]
-    with zipfile.ZipFile(path) as zf, zf.open(storage.KERAS_WEIGHTS_MEMBER) as fh:
+    with zipfile.ZipFile(path) as zf, zf.open(KERAS_WEIGHTS_MEMBER) as fh:
         with h5py.File(fh, "r") as w:
             group = w["optimizer/vars"]
             expected_slots = [group[str(i)][()] for i in range(len(group))]
@@ -328,7 +330,7 @@ def test_the_writer_finds_every_keras_dataset_by_its_dtype_shape_and_bytes(saved
     stock = str(tmp_path / "stock.keras")
     m.save(stock)
     expected = {}
-    with zipfile.ZipFile(stock) as zf, zf.open(storage.KERAS_WEIGHTS_MEMBER) as fh:
+    with zipfile.ZipFile(stock) as zf, zf.open(KERAS_WEIGHTS_MEMBER) as fh:
         with h5py.File(fh, "r") as w:
             w.visititems(
                 lambda name, obj: (
@@ -337,10 +339,10 @@ def test_the_writer_finds_every_keras_dataset_by_its_dtype_shape_and_bytes(saved
                     else None
                 )
             )
-        member = zf.read(storage.KERAS_WEIGHTS_MEMBER)
+        member = zf.read(KERAS_WEIGHTS_MEMBER)
     found = keras_archive.KerasWeights.of_archive(stock)
     assert found.spec == {
-        "member": storage.KERAS_WEIGHTS_MEMBER,
+        "member": KERAS_WEIGHTS_MEMBER,
         "bytes": len(member),
         "xxh3-128": xxhash.xxh3_128(member).hexdigest(),
     }

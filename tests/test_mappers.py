@@ -14,6 +14,7 @@ import keras_stable_state as kss
 from keras_stable_state import format as storage
 from keras_stable_state._core import mappers
 from keras_stable_state._optimizer import keyed_optimizer_entries
+from keras_stable_state.format.writer import record_to_bytes
 
 KERNELS = r"^path:.*kernel$"
 SLOTS = r"^path:.*#"
@@ -184,12 +185,12 @@ def test_bad_mapper_config_in_the_file_is_refused_naming_the_key(trained):
         kss.StateError,
         match=r"config of mapper 'keras_stable_state>CastMapper' stored for path:layers/out/kernel",
     ):
-        _restored(storage.record_to_bytes(record))
+        _restored(record_to_bytes(record))
     record.extra["mappers"]["path:layers/out/kernel"]["shape"] = "3x1"
     with pytest.raises(
         kss.CorruptCheckpointError, match=r"mapper record for 'path:layers/out/kernel' is malformed"
     ):
-        _restored(storage.record_to_bytes(record))
+        _restored(record_to_bytes(record))
 
 
 def test_mapper_config_round_trips():
@@ -226,7 +227,7 @@ def test_round_trip_through_the_file_property(a, b):
         extra={"mappers": section},
         arrays=found,
     )
-    decoded, used = mappers.decode_record(storage.read_bytes(storage.record_to_bytes(record)), "<bytes>")
+    decoded, used = mappers.decode_record(storage.read_bytes(record_to_bytes(record)), "<bytes>")
     assert set(used) == {"path:a", "path:b"}
     back_a, back_b = decoded.model["path:a"], decoded.model["path:b"]
     assert back_a.dtype == a.dtype and back_a.shape == a.shape

@@ -22,6 +22,7 @@ from keras_stable_state import cli
 from keras_stable_state import format as storage
 from keras_stable_state._engines import orbax as _orbax_engine
 from keras_stable_state.format import orbax_layout as layout
+from keras_stable_state.format.writer import write_record
 
 orbax = pytest.importorskip(
     "orbax.checkpoint", reason="orbax-checkpoint (the [orbax] extra) is not installed"
@@ -327,7 +328,7 @@ def test_a_newer_index_version_is_refused_naming_it(tmp_path, capsys):
     record = storage.read_file(path / "state.h5")
     assert record.metadata["orbax"]["version"] == layout.INDEX_VERSION == 2
     record.metadata["orbax"]["version"] = 3
-    storage.write_record(path / "state.h5", record)
+    write_record(path / "state.h5", record)
     before = _arrays(target := _fresh())
     with pytest.raises(kss.NewerFormatError, match="index is version 3") as info:
         kss.restore_training_state(path, target)
@@ -337,7 +338,7 @@ def test_a_newer_index_version_is_refused_naming_it(tmp_path, capsys):
     assert cli.main(["verify", str(path)]) == cli.EXIT_NEWER
     capsys.readouterr()
     record.metadata["orbax"]["version"] = "2"  # not a version: damage
-    storage.write_record(path / "state.h5", record)
+    write_record(path / "state.h5", record)
     with pytest.raises(kss.CorruptCheckpointError, match="index has version '2'"):
         kss.restore_training_state(path, target)
 

@@ -14,6 +14,7 @@ from kit import mlp
 import keras_stable_state as kss
 from keras_stable_state import format as storage
 from keras_stable_state.format import keras_archive
+from keras_stable_state.format.record import MEMBER, PACK_LIMIT
 
 
 def _trained(data, hidden=64):
@@ -29,7 +30,7 @@ def test_arrays_read_from_a_file_are_aligned_and_writable(tmp_path, data):
     record = storage.read_file(tmp_path / "s.h5")
     kernel = record.model["path:layers/hidden/kernel"]
     np.testing.assert_array_equal(kernel, to_np(model.get_layer("hidden").kernel))
-    big = [a for a in [*record.model.values(), *record.optimizer.values()] if a.nbytes > storage.PACK_LIMIT]
+    big = [a for a in [*record.model.values(), *record.optimizer.values()] if a.nbytes > PACK_LIMIT]
     assert big, "no array large enough for a blob of its own"
     for array in big:
         assert array.ctypes.data % 64 == 0 and array.flags.writeable and array.flags.c_contiguous
@@ -41,7 +42,7 @@ def test_keras_restore_reads_its_hashed_members_in_place(tmp_path, data, monkeyp
     kss.save_training_state(path, model)
     with zipfile.ZipFile(path) as zf:
         names = {i.filename: i.compress_type for i in zf.infolist()}
-    assert names[storage.MEMBER] == zipfile.ZIP_STORED and keras_archive.MEMBER in names
+    assert names[MEMBER] == zipfile.ZIP_STORED and keras_archive.MEMBER in names
     saved = [to_np(v) for v in model.weights]
     for v in model.weights:
         v.assign(np.zeros(tuple(v.shape), to_np(v).dtype))
@@ -57,7 +58,7 @@ def test_keras_restore_reads_its_hashed_members_in_place(tmp_path, data, monkeyp
     monkeypatch.undo()
     for v, want in zip(model.weights, saved, strict=True):
         np.testing.assert_array_equal(to_np(v), want)
-    assert storage.MEMBER not in opened and keras_archive.MEMBER not in opened, opened
+    assert MEMBER not in opened and keras_archive.MEMBER not in opened, opened
     assert "config.json" in opened  # the members no hash covers are still read for their CRC-32
 
 
@@ -68,7 +69,7 @@ def test_keras_record_member_damaged_in_place_is_refused_by_its_seal(tmp_path, d
     raw = bytearray(path.read_bytes())
     # an Adam slot of the hidden kernel (2 x 4 x 2048 float32 moments): only in the record member
     with zipfile.ZipFile(path) as zf:
-        info = zf.getinfo(storage.MEMBER)
+        info = zf.getinfo(MEMBER)
     with open(path, "rb") as fh:
         start, size = keras_archive.member_span(fh, info)
     at = start + size - 4096  # inside the member's data, past its user block
@@ -105,7 +106,7 @@ def test_a_restore_reads_the_file_once_whole(tmp_path, data, suffix):
     assert len(got) == len(saved)
     for want, array in zip(saved, got.values(), strict=True):
         np.testing.assert_array_equal(array, want)
-    big = [a for a in slots.values() if a.nbytes > storage.PACK_LIMIT]
+    big = [a for a in slots.values() if a.nbytes > PACK_LIMIT]
     assert len(big) == 2  # the hidden kernel's two Adam moments, both among those read
     for want in big:
         assert any(a.shape == want.shape and np.array_equal(a, want) for a in optimizer)
@@ -296,7 +297,7 @@ def test_equal_arrays_read_from_one_dataset_do_not_share_memory(
     assert len(set(refs)) == (6 if writer == "now" else 1), refs
     record = storage.read_file(path, unaligned_views=unaligned_views)
     arrays = [*record.model.values(), *record.optimizer.values()]
-    zeros = [a for a in arrays if a.nbytes > storage.PACK_LIMIT and not a.any() and a.shape == (20000,)]
+    zeros = [a for a in arrays if a.nbytes > PACK_LIMIT and not a.any() and a.shape == (20000,)]
     assert len(zeros) == 6  # two biases and their two Adam moments each
     for i, a in enumerate(zeros):
         for b in zeros[i + 1 :]:

@@ -19,6 +19,9 @@ from kit import mlp
 import keras_stable_state as kss
 from keras_stable_state import cli
 from keras_stable_state import format as storage
+from keras_stable_state.format.codec import encode_array
+from keras_stable_state.format.record import USERBLOCK_SIZE
+from keras_stable_state.format.writer import write_record
 
 
 def _model():
@@ -52,7 +55,7 @@ def _write_v1(record: storage.StateRecord, path):
         ):
             group = f.create_group(section)
             for i, (key, value) in enumerate(arrays.items()):
-                stored, name = storage.encode_array(value)
+                stored, name = encode_array(value)
                 ds = group.create_dataset(str(i), data=stored)
                 ds.attrs["key"] = key
                 ds.attrs["dtype"] = name
@@ -66,7 +69,7 @@ def test_the_seal_covers_every_byte_after_the_user_block(tmp_path, data):
     raw = path.read_bytes()
     assert raw.startswith(b"KSS-SEAL 3 xxh3-128 ")
     with h5py.File(path, "r") as f:  # plain h5py still opens it
-        assert f.userblock_size == storage.USERBLOCK_SIZE and int(f.attrs["format_version"]) == 3
+        assert f.userblock_size == USERBLOCK_SIZE and int(f.attrs["format_version"]) == 3
     with storage.open_file(path) as f:
         assert f.sealed and f.version == 3
 
@@ -128,7 +131,7 @@ def test_a_damaged_format_1_file_names_the_key(tmp_path, data):
 def test_a_record_without_its_seal_is_refused(tmp_path, data):
     kss.save_training_state(tmp_path / "s.h5", _trained(data))
     raw = bytearray((tmp_path / "s.h5").read_bytes())
-    raw[: storage.USERBLOCK_SIZE] = bytes(storage.USERBLOCK_SIZE)  # a format-2 record, seal wiped
+    raw[:USERBLOCK_SIZE] = bytes(USERBLOCK_SIZE)  # a format-2 record, seal wiped
     (tmp_path / "bad.h5").write_bytes(bytes(raw))
     with pytest.raises(kss.CorruptCheckpointError, match="seal .* is missing or damaged"):
         storage.read_file(tmp_path / "bad.h5")
@@ -210,8 +213,8 @@ def test_a_record_of_callables_and_pairs_is_written_array_by_array_and_read_back
         extra=extra,
     )
     plain = storage.StateRecord(metadata=meta, contract=None, model=model, optimizer=opt, extra=extra)
-    storage.write_record(tmp_path / "lazy.h5", lazy_record)
-    storage.write_record(tmp_path / "plain.h5", plain)
+    write_record(tmp_path / "lazy.h5", lazy_record)
+    write_record(tmp_path / "plain.h5", plain)
     assert calls == [*model, *opt]
     assert (tmp_path / "lazy.h5").read_bytes() == (tmp_path / "plain.h5").read_bytes()
     back = storage.read_file(tmp_path / "lazy.h5")

@@ -15,6 +15,7 @@ upward dependency.
 import ast
 import collections
 import functools
+import importlib
 import inspect
 import os
 import pathlib
@@ -521,6 +522,36 @@ def test_each_public_name_is_written_once():
             written[node.value] += 1
     assert len(kss.__all__) >= 30
     assert {name: written[name] for name in kss.__all__ if written[name] != 1} == {}
+
+
+@once
+def test_the_file_format_package_is_used_through_its_all():
+    """``keras_stable_state.format``'s namespace is what a tool that reads files needs (its
+    ``__all__``); every other name (the writer, the in-place reader, the file and URL
+    doors, the layout's sizes) is imported from the module defining it, so the package's
+    ``__all__`` promises nothing the library keeps for itself."""
+    package = f"{ROOT}.format"
+    public = set(importlib.import_module(package).__all__)
+    offenders = []
+    for module, (_, _, tree) in _sources().items():
+        if module == package:
+            continue
+        for node, target, name in _imports(module):
+            if target == package and name is not None and name not in public:
+                offenders.append(f"{_where(module, node)}: from {package} import {name}")
+        bound = {local for local, target in _bound_modules(module).items() if target == package}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and node.attr not in public
+                and not _is_module(f"{package}.{node.attr}")
+            ):
+                offenders.append(f"{_where(module, node)}: {node.value.id}.{node.attr}")
+    assert offenders == [], "\n".join(
+        [f"names outside {package}.__all__ taken from the package:", *offenders]
+    )
 
 
 @once

@@ -15,8 +15,9 @@ from conftest import BACKEND, to_np
 
 import keras_stable_state as kss
 from keras_stable_state import cli
-from keras_stable_state import format as storage
 from keras_stable_state._fit import UnreadableCheckpointWarning
+from keras_stable_state.format.record import MEMBER
+from keras_stable_state.format.writer import reseal
 
 RNG = np.random.default_rng(3)
 X = RNG.normal(size=(24, 6)).astype("float32")
@@ -115,7 +116,7 @@ def test_a_resealed_file_without_its_last_optimizer_slot_is_refused_naming_it(tm
         with zipfile.ZipFile(path) as zf:
             members = [(info, zf.read(info.filename)) for info in zf.infolist()]
         with open(member, "wb") as fh:
-            fh.write(dict((i.filename, d) for i, d in members)[storage.MEMBER])
+            fh.write(dict((i.filename, d) for i, d in members)[MEMBER])
     with h5py.File(member, "r+") as f:
         missing = _records.drop_last(f, "optimizer")
     if ext == ".keras":
@@ -123,8 +124,8 @@ def test_a_resealed_file_without_its_last_optimizer_slot_is_refused_naming_it(tm
             data = fh.read()
         with zipfile.ZipFile(path, "w") as zf:
             for info, old in members:
-                zf.writestr(info, data if info.filename == storage.MEMBER else old)
-    storage.reseal(path)
+                zf.writestr(info, data if info.filename == MEMBER else old)
+    reseal(path)
     assert cli.main(["verify", path]) == 0  # intact: nothing in the file contradicts itself
     capsys.readouterr()
 

@@ -22,6 +22,7 @@ from keras_stable_state.errors import (
     StateError,
 )
 from keras_stable_state.format.image import aligned_copy as _aligned_copy
+from keras_stable_state.format.proven import FileArray
 
 
 def _dtype(variable) -> str:
@@ -52,7 +53,7 @@ def coerce(key, array, variable, allow_cast, report):
     ``float64``, any direction) with ``allow_cast``, each listed in ``report.casts`` and,
     unless the cast keeps every value (`_EXACT_CASTS`), in ``report.lossy``.
     """
-    lazy = isinstance(array, storage.FileArray) or (
+    lazy = isinstance(array, FileArray) or (
         hasattr(array, "leaf") and hasattr(array, "digest") and not isinstance(array, np.ndarray)
     )
     if lazy and storage.dtype_name(array) == _dtype(variable) and tuple(array.shape) == tuple(variable.shape):

@@ -17,6 +17,7 @@ from keras_stable_state._core import boundary
 from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._core.restore import PendingRestore, RestoreOptions, restore_with
 from keras_stable_state._core.save import training_state_record
+from keras_stable_state.format.writer import record_to_bytes
 
 if TYPE_CHECKING:
     import keras
@@ -63,7 +64,7 @@ def training_state_to_bytes(
     """
     with boundary.saving(model, "training_state_to_bytes"):  # as save_training_state's
         record = training_state_record(model, optimizer, verb="training_state_to_bytes", **kwargs)
-        return storage.record_to_bytes(record)
+        return record_to_bytes(record)
 
 
 def restore_training_state_from_bytes(

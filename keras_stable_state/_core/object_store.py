@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointFormatError
+from keras_stable_state.format import remote, writer
 
 __all__ = ["object_store_target", "write_to"]
 
@@ -24,7 +25,7 @@ _ORBAX = ".orbax"
 
 def object_store_target(
     filepath: str, storage_options: object, verb: str, *, write: bool = True
-) -> tuple[str, storage.remote.RemotePath | None]:
+) -> tuple[str, remote.RemotePath | None]:
     """``(filepath, store)``: ``filepath`` (a ``file://`` URL as the local path it names)
     and, for an object-store URL, its `RemotePath`
     (``None`` for a local path).
@@ -41,8 +42,8 @@ def object_store_target(
         StorageBackendError: if fsspec or the scheme's implementation is not installed.
         TypeError: if ``storage_options`` is not a ``dict`` (or ``None``).
     """
-    filepath = storage.remote.resolve(filepath, "filepath")
-    if not storage.remote.is_remote(filepath):
+    filepath = remote.resolve(filepath, "filepath")
+    if not remote.is_remote(filepath):
         if storage_options is not None:
             raise CheckpointFormatError(
                 f"`storage_options` of {verb} are options of an object store's fsspec filesystem, "
@@ -65,12 +66,12 @@ def object_store_target(
             f"Unsupported training-state path {filepath!r}: use a '.keras' or '.h5' extension.",
             received=filepath,
         )
-    return filepath, storage.remote.RemotePath(filepath, storage_options)
+    return filepath, remote.RemotePath(filepath, storage_options)
 
 
 def write_to(
     filepath: str,
-    store: storage.remote.RemotePath | None,
+    store: remote.RemotePath | None,
     record: storage.StateRecord,
     keras_archive_writer: Callable[[str], object] | None = None,
 ) -> int | None:
@@ -83,10 +84,10 @@ def write_to(
         `put_file`.
     """
     if store is None:
-        storage.write_record(filepath, record, keras_archive_writer=keras_archive_writer)
+        writer.write_record(filepath, record, keras_archive_writer=keras_archive_writer)
         return None
-    return storage.remote.upload_written(
+    return remote.upload_written(
         filepath,
-        lambda local: storage.write_record(local, record, keras_archive_writer=keras_archive_writer),
+        lambda local: writer.write_record(local, record, keras_archive_writer=keras_archive_writer),
         store=store,
     )

@@ -44,6 +44,7 @@ from keras_stable_state._numpy import to_numpy
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state._state import metrics as metrics_state
 from keras_stable_state.errors import NAMES_SHOWN, BindingError, StateError, listed, shown
+from keras_stable_state.format.proven import FileArray
 
 __all__ = ["RestoreRequest", "restore_record", "plan_callbacks"]
 
@@ -248,11 +249,11 @@ def _in_file(plan, in_place: bool, owned: set) -> tuple[list, list]:
     """``(plan, in place)``: the ``(variable, array)`` pairs of ``plan`` whose array is still in
     the file (`FileArray`) go to ``in place`` when ``in_place``; otherwise each is read now
     into new memory (checked), which the restore owns (added to ``owned``)."""
-    if not any(isinstance(array, storage.FileArray) for _, array in plan):
+    if not any(isinstance(array, FileArray) for _, array in plan):
         return plan, []
     rest, deferred = [], []
     for var, array in plan:
-        if not isinstance(array, storage.FileArray):
+        if not isinstance(array, FileArray):
             rest.append((var, array))
         elif in_place:
             deferred.append((var, array))

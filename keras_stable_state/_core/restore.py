@@ -39,7 +39,8 @@ from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.keys import file_label
 from keras_stable_state._optimizer.torch_optim import split_optimizers
 from keras_stable_state.errors import StateError
-from keras_stable_state.format import orbax_layout
+from keras_stable_state.format import orbax_layout, proven
+from keras_stable_state.format.proven import close_files
 
 __all__ = ["RestoreOptions", "PendingRestore", "restore_training_state", "restore_with"]
 
@@ -315,7 +316,7 @@ def restore_with(
     on_device = not in_place and not defer and host_rollback.on_accelerator(model)
     if record is None and (in_place or on_device) and not orbax_layout.is_orbax_path(filepath):
         background.wait_for_folder(background.folder_of(filepath))
-        record = storage.read_proven(
+        record = proven.read_proven(
             filepath, storage_options=cast("Mapping[str, Any] | None", options.storage_options)
         )
     if record is None:
@@ -364,7 +365,7 @@ def restore_with(
         return restore_record(record, request)
     finally:
         if owned:
-            storage.close_files(record)
+            close_files(record)
 
 
 class PendingRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras is untyped (Any)

@@ -49,8 +49,9 @@ from keras_stable_state._optimizer.tracking import check_bound_passed
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state._state import metrics as metrics_state
 from keras_stable_state.errors import CheckpointFormatError, StateError
-from keras_stable_state.format import orbax_layout
+from keras_stable_state.format import orbax_layout, remote
 from keras_stable_state.format.sink import LimitedFile
+from keras_stable_state.format.writer import check_target
 
 if TYPE_CHECKING:
     import keras
@@ -303,11 +304,11 @@ def _save(
         return filepath
 
 
-def _wait_before_copy(filepath: str, store: storage.remote.RemotePath | None = None) -> None:
+def _wait_before_copy(filepath: str, store: remote.RemotePath | None = None) -> None:
     """Before a background save copies anything: the target is writable, and the previous
     write into its folder has ended (at most one host copy waiting)."""
     if store is None:
-        storage.check_target(filepath)
+        check_target(filepath)
     background.wait_for_folder(background.folder_of(filepath))
 
 
@@ -428,7 +429,7 @@ def _save_in_background(
     model: keras.Model,
     record: storage.StateRecord,
     started: float,
-    store: storage.remote.RemotePath | None = None,
+    store: remote.RemotePath | None = None,
 ) -> Callable[[], background.SaveHandle]:
     """Copy what is still shared with live objects; return the callable that submits the
     write to a background thread."""

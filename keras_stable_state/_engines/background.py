@@ -5,7 +5,7 @@ The calling thread builds the whole `StateRecord`
 CPU buffer or a JAX copy on its devices, see `host_record`) and hands it to
 `submit`; one shared
 ``concurrent.futures.ThreadPoolExecutor`` runs the write (the same
-``storage.write_record`` a blocking save calls: seal, temporary file, ``fsync``,
+``write_record`` (`keras_stable_state.format.writer`) a blocking save calls: seal, temporary file, ``fsync``,
 atomic rename). Writes into one folder run one after the other, in the order they
 were submitted: each waits for the previous write into its folder before it starts.
 
@@ -31,6 +31,7 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import format as storage
+from keras_stable_state.format import remote
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -141,7 +142,7 @@ class SaveHandle:
 def folder_of(path: str) -> str:
     """The real path of the folder ``path`` is written into (the key that orders writes);
     for an object-store URL, the URL of its folder."""
-    if storage.remote.is_url(path):
+    if remote.is_url(path):
         return path.rstrip("/").rpartition("/")[0]
     return os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
 

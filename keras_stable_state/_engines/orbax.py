@@ -4,7 +4,7 @@ A path ending in ``.orbax`` is a directory::
 
     run.orbax/
         state.h5     our sealed record (format 3, written by
-                     `keras_stable_state.format.write_record`; see
+                     `keras_stable_state.format.writer.write_record`; see
                      ``docs/concepts/file-format.md``): metadata, contract,
                      other state and its small arrays, and in
                      ``metadata["orbax"]`` the index of the arrays below
@@ -48,6 +48,7 @@ from keras_stable_state import _processes as _multiprocess
 from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 from keras_stable_state.format import orbax_layout as layout
+from keras_stable_state.format import writer
 from keras_stable_state.format.orbax_layout import (  # noqa: F401 (names of this engine)
     ARRAYS,
     INDEX,
@@ -280,7 +281,7 @@ def write(path: str, record: storage.StateRecord) -> str:
     )
 
     def finish():
-        storage.write_record(os.path.join(partial, RECORD), small)
+        writer.write_record(os.path.join(partial, RECORD), small)
         old = os.path.join(parent, f"{name}.kss-old")
         if os.path.isdir(old):
             shutil.rmtree(old)

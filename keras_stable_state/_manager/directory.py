@@ -36,7 +36,7 @@ _NAME = re.compile(r"^ckpt-(\d{10})\.h5$")
 MAX_STEP = 10**10 - 1
 """The largest step a file name holds (``ckpt-<10 digits>.h5``)."""
 TEMP_PREFIX = ".kss-"
-"""Prefix of the temporary files of atomic writes (``storage.atomic_path``)."""
+"""Prefix of the temporary files of atomic writes (`keras_stable_state.format.atomic.atomic_path`)."""
 UNREADABLE_DIR = "unreadable"
 """Subfolder of the checkpoint directory that unreadable checkpoints are moved into (damaged
 ones, and those whose sealed record names another step than their file name)."""

@@ -34,9 +34,9 @@ import socket
 import threading
 import time
 
-from keras_stable_state import format as storage
 from keras_stable_state._manager import portable_lock
 from keras_stable_state.errors import CheckpointInUseError, StateError
+from keras_stable_state.format.files import open_regular
 
 try:
     import fcntl
@@ -146,7 +146,7 @@ def _open_lock(directory, path) -> int:
             system, permissions), with its ``errno``.
     """
     try:
-        return storage.open_regular(
+        return open_regular(
             path,
             os.O_RDWR | os.O_CREAT,
             mode=0o644,

@@ -9,10 +9,11 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from keras_stable_state import format as storage
 from keras_stable_state._manager import directory as local
 from keras_stable_state._manager.remote_directory import RemoteDirectory
 from keras_stable_state.errors import CheckpointFormatError
+from keras_stable_state.format import remote
+from keras_stable_state.format.files import fs_path
 
 __all__ = ["open_directory", "refuse_options"]
 
@@ -48,9 +49,9 @@ def open_directory(
             ``file://`` URL on another host.
         StorageBackendError: if fsspec or the scheme's implementation is not installed.
     """
-    directory = storage.remote.resolve(storage.fs_path(directory, "directory", urls=True), "directory")
-    if storage.remote.is_remote(directory):
+    directory = remote.resolve(fs_path(directory, "directory", urls=True), "directory")
+    if remote.is_remote(directory):
         files = RemoteDirectory(directory, storage_options)
         return files.url, files
     refuse_options(storage_options, directory, writer)
-    return storage.fs_path(directory, "directory"), local
+    return fs_path(directory, "directory"), local

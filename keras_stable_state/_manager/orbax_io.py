@@ -8,6 +8,7 @@ from keras_stable_state import format as storage
 from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._manager import orbax_steps
+from keras_stable_state.format import proven
 
 
 def check_options(directory, save_on_background, writer="CheckpointManager") -> None:
@@ -63,11 +64,11 @@ def read(path) -> storage.StateRecord:
 
 def read_in_place(path) -> storage.StateRecord:
     """`read`, for a restore in place: a ``.h5`` checkpoint proven whole, its large arrays
-    left in the open file (`keras_stable_state.format.read_proven`; closed by the restore).
+    left in the open file (`keras_stable_state.format.proven.read_proven`; closed by the restore).
 
     Raises:
         Every error of `read`.
     """
     if orbax_steps.is_step(path):
         return read_step(path)
-    return storage.read_proven(path)
+    return proven.read_proven(path)

@@ -66,6 +66,7 @@ from keras_stable_state.errors import (
     StateError,
     StorageError,
 )
+from keras_stable_state.format import remote
 
 __all__ = ["MARKER_SUFFIX", "RemoteDirectory", "RemoteLock"]
 
@@ -161,8 +162,7 @@ class RemoteLock:
                             "remove that object unless a writer of this process locks the directory again."
                         )
                         raise (
-                            storage.remote.store_failure(cause, self.url, "release the lock object", advice)
-                            or err
+                            remote.store_failure(cause, self.url, "release the lock object", advice) or err
                         ) from cause
                     time.sleep(pause)
 
@@ -217,7 +217,7 @@ class RemoteDirectory:
     """
 
     def __init__(self, url: str, storage_options=None):
-        self.folder = storage.remote.RemotePath(url, storage_options)
+        self.folder = remote.RemotePath(url, storage_options)
         self.url = self.folder.url
         self.STORAGE_OPTIONS = self.folder.storage_options or None
         self._markers = {}  # marker name -> ((size, etag) of the marker, payload or the error)
@@ -243,7 +243,7 @@ class RemoteDirectory:
         if cached is not None and cached[0] == key:
             return cached[1]
         try:
-            payload = storage.remote.read_marker(self.folder, name)
+            payload = remote.read_marker(self.folder, name)
         except CorruptCheckpointError as err:
             payload = err
         if payload is None:
@@ -390,7 +390,7 @@ class RemoteDirectory:
         holder = None
         for _ in range(3):
             try:
-                with storage.remote.talking_to(
+                with remote.talking_to(
                     store.url,
                     "write the lock object",
                     f"The checkpoint directory {self.url!r} is not locked and nothing was saved. Check the "
@@ -504,7 +504,7 @@ class RemoteDirectory:
         obj = self.folder.child(name)
         obj.fs.invalidate_cache(obj.path)
         try:
-            with storage.remote.talking_to(
+            with remote.talking_to(
                 obj.url, "look up the checkpoint just uploaded", keep=(FileNotFoundError,)
             ):
                 found = obj.fs.info(obj.path)
@@ -522,7 +522,7 @@ class RemoteDirectory:
             "format_version": storage.FORMAT_VERSION,
         }
         self._forget(path)
-        storage.remote.write_marker(self.folder, name + MARKER_SUFFIX, payload)
+        remote.write_marker(self.folder, name + MARKER_SUFFIX, payload)
 
     def remove(self, paths) -> None:
         """Remove the checkpoints ``paths``: each marker first, then its object.
@@ -548,9 +548,7 @@ class RemoteDirectory:
         """
         name = self._name(path)
         fs = self.folder.fs
-        aside = storage.remote.RemotePath(
-            f"{self.url}/{folder}", _fs=fs, _path=f"{self.folder.path}/{folder}"
-        )
+        aside = remote.RemotePath(f"{self.url}/{folder}", _fs=fs, _path=f"{self.folder.path}/{folder}")
         taken = set(aside.list())
         target, n = name, 1
         while target in taken:
@@ -561,7 +559,7 @@ class RemoteDirectory:
             "restore it, and left in place it would count as one of the `max_to_keep` newest."
         )
         try:
-            with storage.remote.talking_to(path, f"copy aside to {copy.url!r} the checkpoint", advice, keep=(FileNotFoundError,)):  # fmt: skip
+            with remote.talking_to(path, f"copy aside to {copy.url!r} the checkpoint", advice, keep=(FileNotFoundError,)):  # fmt: skip
                 fs.copy(self.folder.child(name).path, copy.path)
         except FileNotFoundError:
             self.folder.child(name + MARKER_SUFFIX).remove()

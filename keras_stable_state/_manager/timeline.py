@@ -10,11 +10,11 @@ from typing import Any
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as processes
-from keras_stable_state import format as storage
 from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import orbax_io, policy, shared
 from keras_stable_state._manager.records import RECORD, check_named_step, record_of
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+from keras_stable_state.format.proven import close_files
 
 # ``mgr`` below is a CheckpointManager (not imported: manager imports this module).
 CheckpointManager = Any
@@ -119,7 +119,7 @@ def read_checked(mgr: CheckpointManager, path: str, *, in_place: bool = False) -
     try:
         check_named_step(path, record_of(record.extra))
     except BaseException:
-        storage.close_files(record)
+        close_files(record)
         raise
     return record
 

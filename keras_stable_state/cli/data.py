@@ -38,7 +38,8 @@ from keras_stable_state.cli.results import (
     Verification,
 )
 from keras_stable_state.errors import CorruptCheckpointError
-from keras_stable_state.format import CheckpointFile
+from keras_stable_state.format import CheckpointFile, remote
+from keras_stable_state.format.files import fs_path
 
 __all__ = [
     "Verification",
@@ -71,10 +72,10 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointFile | OrbaxState
         StorageBackendError: for a URL whose fsspec implementation is not installed.
         The errors of `CheckpointFile` otherwise.
     """
-    path = storage.fs_path(path, "path", urls=True)
-    if storage.remote.is_remote(path):
+    path = fs_path(path, "path", urls=True)
+    if remote.is_remote(path):
         return storage.open_file(path)
-    path = storage.fs_path(path, "path")
+    path = fs_path(path, "path")
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, f"{path}: no such file. Check the path.", path)
     if is_orbax_state(path):
@@ -274,7 +275,7 @@ def bytes_to_verify(f: CheckpointFile | OrbaxState) -> int:
 def refused(path: str | os.PathLike[str], err: BaseException) -> Verification:
     """The `Verification` of a file refused on opening as damaged with ``err`` (a
     ``CorruptCheckpointError``: seal, truncation, structure)."""
-    path = storage.fs_path(path, "path", urls=True)
+    path = fs_path(path, "path", urls=True)
     key = getattr(err, "key", None)
     return Verification(
         file=path,

@@ -28,6 +28,8 @@ from keras_stable_state.errors import (
     CorruptCheckpointError,
     NewerFormatError,
 )
+from keras_stable_state.format import remote
+from keras_stable_state.format.files import fs_path
 from keras_stable_state.format.reader import read_summary_whole
 
 __all__ = ["STATUSES", "CheckpointRow", "Listing", "list_directory"]
@@ -144,7 +146,7 @@ def _summary(path: str, full: bool, reader: Any = files) -> tuple[str, str | Non
         else:
             summary = files.read_summary(path)
     except FileNotFoundError as err:
-        if storage.remote.is_remote(path):
+        if remote.is_remote(path):
             return None
         if os.path.islink(path):
             return "unreadable", str(err), None  # a link to nothing: the manager moves it aside
@@ -264,10 +266,10 @@ def list_directory(
         StorageError: if the object store fails, naming the URL.
         StorageBackendError: for a URL whose fsspec implementation is not installed.
     """
-    path = storage.remote.resolve(storage.fs_path(directory, "directory", urls=True), "directory")
-    if storage.remote.is_remote(path):
+    path = remote.resolve(fs_path(directory, "directory", urls=True), "directory")
+    if remote.is_remote(path):
         return _list_remote(path, verify, monitor, mode)
-    path = storage.fs_path(path, "directory")
+    path = fs_path(path, "directory")
     if not os.path.exists(path):
         raise FileNotFoundError(2, f"{path}: no such directory. Check the path.", path)
     if not os.path.isdir(path):

@@ -8,17 +8,26 @@ its xxh3-64 over key, dtype, shape and bytes in the index. Formats 1 and 2
 described once, in ``docs/concepts/file-format.md``; what a reader refuses, in
 ``docs/concepts/security.md``.
 
+What a tool that reads training states needs is here (`__all__`):
+
 * `open_file` is the one reader: it opens a training state (``.h5``, or
   the member ``keras_stable_state.h5`` of a ``.keras`` archive) or a stock Keras
   ``.keras`` / ``.weights.h5`` file, with every check, and reads one array at a
-  time; `read_file` and `read_bytes` read a whole file through it.
-* `fs_path` takes every path a user gives (``str``, ``bytes``, ``os.PathLike``);
-  `open_regular` opens every file the library opens by path, regular files only
-  (`files`).
-* `remote` reads and writes object stores (``s3://``,
-  ``gs://``...) through fsspec; no other door takes a URL for a local path.
-* `write_record` writes a `StateRecord` atomically;
-  `record_to_bytes` returns the bytes of a sealed ``.h5`` instead.
+  time (a `CheckpointFile`); `read_file` and `read_bytes` read a whole file through
+  it, into a `StateRecord` (or `StockWeights` for a stock Keras file).
+* `Entry` is one array of a file, listed by `CheckpointFile`; `SECTIONS` names
+  the sections of a record.
+* `FORMAT` and `FORMAT_VERSION` are the format's name and the version written.
+* `DTYPES` are the dtype names a file may hold; `dtype_name` and `numpy_dtype`
+  go between those names and NumPy dtypes.
+
+The library's own writers and readers import the rest from the modules that
+define it: `writer` (`write_record` writes a `StateRecord` atomically,
+`record_to_bytes` returns the bytes of a sealed ``.h5``), `proven` (arrays left in a
+file proven whole), `files` (`fs_path` takes every path a user gives, ``str``,
+``bytes``, ``os.PathLike``; `open_regular` opens every file the library opens by
+path, regular files only), `remote` (object stores, ``s3://``, ``gs://``...,
+through fsspec; no other door takes a URL for a local path) and `atomic`.
 
 Modules: `record` (names, limits, records),
 `codec` (dtypes, array encoding),
@@ -35,61 +44,23 @@ Modules: `record` (names, limits, records),
 This package imports no Keras and no backend: h5py, NumPy, ml_dtypes and xxhash only.
 """
 
-from keras_stable_state.format import remote
-from keras_stable_state.format.atomic import atomic_path
-from keras_stable_state.format.codec import DTYPES, dtype_name, encode_array, numpy_dtype, stored_dtype
-from keras_stable_state.format.files import fs_path, open_regular
-from keras_stable_state.format.proven import FileArray, close_files, read_proven
+from keras_stable_state.format.codec import DTYPES, dtype_name, numpy_dtype
 from keras_stable_state.format.reader import CheckpointFile, open_file, read_bytes, read_file
-from keras_stable_state.format.record import (
-    ALIGN,
-    BLOB_TARGET,
-    FORMAT,
-    FORMAT_VERSION,
-    KERAS_WEIGHTS_MEMBER,
-    MEMBER,
-    PACK_LIMIT,
-    SECTIONS,
-    USERBLOCK_SIZE,
-    Entry,
-    StateRecord,
-)
-from keras_stable_state.format.seal import seal
+from keras_stable_state.format.record import FORMAT, FORMAT_VERSION, SECTIONS, Entry, StateRecord
 from keras_stable_state.format.stock import StockWeights
-from keras_stable_state.format.writer import check_target, record_to_bytes, reseal, write_record
 
 __all__ = [
-    "ALIGN",
-    "BLOB_TARGET",
     "DTYPES",
     "FORMAT",
     "FORMAT_VERSION",
-    "KERAS_WEIGHTS_MEMBER",
-    "MEMBER",
-    "PACK_LIMIT",
     "SECTIONS",
-    "USERBLOCK_SIZE",
     "CheckpointFile",
     "Entry",
-    "FileArray",
     "StateRecord",
     "StockWeights",
-    "atomic_path",
-    "check_target",
-    "close_files",
     "dtype_name",
-    "encode_array",
-    "fs_path",
     "numpy_dtype",
     "open_file",
-    "open_regular",
-    "remote",
     "read_bytes",
     "read_file",
-    "read_proven",
-    "record_to_bytes",
-    "reseal",
-    "seal",
-    "stored_dtype",
-    "write_record",
 ]

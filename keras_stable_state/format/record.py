@@ -64,7 +64,7 @@ class StateRecord:
             JSON, with arrays replaced by references into ``arrays``.
         arrays: Arrays of the other state by name.
 
-    For writing (`keras_stable_state.format.write_record`), a value in
+    For writing (`keras_stable_state.format.writer.write_record`), a value in
     ``model``, ``optimizer`` or ``arrays`` may also be a zero-argument callable
     returning the array: it is called when that array is written, and the array
     dropped once it is on disk, so a save holds one host copy at a time
