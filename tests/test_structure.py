@@ -564,23 +564,24 @@ def test_no_module_over_600_lines():
     assert long == {}
 
 
-def _code_lines(node) -> int:
-    """Lines of a class without its own docstring (a public class's docstring is its API
-    reference page, rendered by mkdocstrings, and may be long)."""
-    lines = node.end_lineno - node.lineno + 1
-    doc = node.body[0] if node.body else None
-    if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
-        lines -= doc.end_lineno - doc.lineno + 1
-    return lines
+# Classes allowed over 400 lines for now, each with the change that brings it under.
+OVERSIZED = {
+    # issue 34: another change moves CheckpointManager's long parts out (then drop this entry)
+    "CheckpointManager",
+}
 
 
 @once
 def test_no_class_over_400_lines():
+    """No class is over 400 lines, its docstring counted: a long explanation goes to the
+    how-to pages, linked from the docstring."""
     long = {
-        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}": _code_lines(node)
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}": node.end_lineno - node.lineno + 1
         for path, _, tree in _sources().values()
         for node in ast.walk(tree)
-        if isinstance(node, ast.ClassDef) and _code_lines(node) > 400
+        if isinstance(node, ast.ClassDef)
+        and node.end_lineno - node.lineno + 1 > 400
+        and node.name not in OVERSIZED
     }
     assert long == {}
 

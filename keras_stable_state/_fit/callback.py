@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import keras
 
@@ -61,9 +60,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             the model's ``steps_per_execution``).
         max_to_keep: How many newest checkpoints to keep (``>= 1``; ``None``: all).
         verbose: ``1`` prints a line per restore and per save (file, size in MB, time in ms).
-        callbacks: Callbacks to name, or outside the ``fit``: ``{name: callback}`` or a list (keyed
-            ``"<ClassName>/<i>"``). Every other callback of the ``fit`` whose state is known (Keras'
-            own) or that has ``get_state()``/``set_state()`` is saved too, keyed by class and position.
+        callbacks: Callbacks to name, or outside the ``fit``: ``{name: callback}`` or a list; every
+            other callback of the ``fit`` whose state is known (or has ``get_state()``) is saved too.
         save_on_background: ``True`` writes each checkpoint in a background thread; a
             failed write raises at the next batch, save or train end.
         on_data_change: ``"raise"`` (default) or ``"restart_epoch"``: what a mid-epoch
@@ -71,11 +69,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         monitor: The ``fit`` log key (e.g. ``"val_loss"``) that ranks ``keep_best``, or ``None``.
         mode: ``"min"``, ``"max"`` or ``"auto"`` for ``monitor``.
         keep_best: How many best checkpoints by ``monitor`` to keep beside the newest.
-        resume_stopped: ``True`` trains on a run its callbacks stopped (``EarlyStopping``,
-            ``model.stop_training``), to this ``fit``'s ``epochs``. By default such a run
-            counts as finished: a ``fit`` of no more ``epochs`` than the stopped one trains
-            nothing and returns the restored ``History``, saying so once. A preemption's
-            stop is never one: its run resumes.
+        resume_stopped: ``True`` trains on a run its callbacks stopped (``EarlyStopping``); by
+            default such a run counts as finished (a preemption's stop is never one).
         save_on_preemption: Save and stop on a preemption signal (default ``True``).
         preemption_signals: The signals meaning preemption (default ``(signal.SIGTERM,)``).
         keep: Deprecated alias of ``max_to_keep``.
@@ -99,16 +94,15 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         ValueError: On construction, for an invalid argument (named in the message).
         TypeError: On construction, for an argument of the wrong type.
         StorageBackendError: On construction, for a URL whose fsspec package is missing.
-        StateError: For a ``*.orbax`` directory without orbax-checkpoint; on train begin, a
-            lock file that is a link, no ``flock``, data that do not fit a mid-epoch checkpoint.
+        StateError: A ``*.orbax`` directory without orbax-checkpoint; on train begin, a lock
+            file that is a link, data that do not fit a mid-epoch checkpoint.
         CheckpointInUseError: On train begin, if another writer holds the directory.
         NewerFormatError: On train begin, for a checkpoint of a newer keras_stable_state.
-        CorruptCheckpointError: On resume, for a damaged ``providers/`` data, loader or prefetched record.
-        NotADirectoryError: On train begin, if ``directory`` is a file.
-        OSError: If the directory cannot be created or locked; a failed background write.
-        BindingError: On train begin, for a ``StableOptimizer`` bound to other variables.
+        CorruptCheckpointError: On resume, for a damaged ``providers/`` record.
+        OSError: A directory that cannot be created or locked (``NotADirectoryError``: a
+            file); a failed background write.
         ContractError: Or another error of [`restore_training_state`][keras_stable_state.restore_training_state]
-            for a checkpoint that does not fit the model (nothing is moved aside).
+            (``BindingError``...) for a checkpoint that does not fit the model.
     """
 
     def __init__(
@@ -163,13 +157,11 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.save_on_background, self.storage_options = save_on_background, self.manager.storage_options
         self.run_complete = False
         self.run_stopped = False
-        self._metrics: dict[
-            str, float
-        ] = {}  # the numeric logs of the last batch or epoch end: the next save's metrics
+        # the numeric logs of the last batch or epoch end: the next save's metrics
+        self._metrics: dict[str, float] = {}
         self._where: dict[int, str] = {}  # step -> where in the fit its save was taken (for the verbose line)
-        self._gated: keras.Model | None = (
-            None  # the model whose step boundaries this fit opens (_core.boundary)
-        )
+        # the model whose step boundaries this fit opens (_core.boundary)
+        self._gated: keras.Model | None = None
         self._given_callbacks = checkpoint.check_callbacks(callbacks, "StableCheckpoint")
         self._keyed: dict[str, Any] | None = None  # the callbacks saved, from train begin to end
         self._reset(1)
@@ -227,18 +219,9 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         return self.manager.checkpoints()
 
     def _providers(self) -> dict[str, Any]:
-        found: dict[str, Any] = {
-            "position": self._position,
-            "metrics": Metrics(self.model),
-            "data": self._order,
-        }
-        if self._input is not None:
-            found["input"] = self._input
-        if self._loader:
-            found["loader"] = self._loader
-        if self._prefetched is not None:
-            found["prefetched"] = self._prefetched
-        return found
+        found = {"position": self._position, "metrics": Metrics(self.model), "data": self._order}
+        found.update(input=self._input, loader=self._loader or None, prefetched=self._prefetched)
+        return {name: provider for name, provider in found.items() if provider is not None}
 
     def _take_directory(self) -> None:
         """Create, lock, clean ``directory``; a read-only one is read unlocked (``_read_only``)."""
@@ -272,7 +255,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._keyed = _fit_checks.fit_keyed(self._given_callbacks, compat.fit_callbacks(), self, model)
         try:
             self._take_directory()
-            self._restore_newest()
+            resume.restore_newest(self, _resume_mode(self.model))
             inexact.warn_counter_limit(model, self._position, self.params)
             guard = _fit_checks.check_resume(self, self._position, self.restore_report, self._read_only)
             self._epoch_guard = guard
@@ -300,53 +283,6 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.moved_checkpoints: list[tuple[str, str | None]] = []
         self.manager.drop_in_flight()
 
-    def _restore_newest(self) -> None:
-        self._in_place, reads = _resume_mode(self.model)
-        restored = self.manager.restore_newest_with(
-            self._restore, self._unreadable, read_only=self._read_only is not None, in_place=reads
-        )
-        self.skipped_checkpoints = list(self.manager.skipped_checkpoints)
-        self.moved_checkpoints = list(self.manager.moved_checkpoints)
-        if (
-            restored is not None and self._pending_restore is not None
-        ):  # before report_newest's reset of pos.stopped
-            inexact.warn_resumed_callbacks(
-                self, self._pending_restore, os.path.basename(restored), self._position
-            )
-        epochs = (self.params or {}).get("epochs")
-        self.run_complete = resume.report_newest(self, restored, self._position, epochs, self._say)
-        self.run_stopped = self.run_complete and self._position.stopped is not None
-        if self.run_stopped and isinstance(epochs, int):  # fit trains no epoch: range(epochs, epochs)
-            compat.set_initial_epoch(self.model, max(epochs, self._position.epoch))
-        # an in-place restore failed part way and none after it succeeded: fit made its
-        checkpoint.check_not_partial(self.model, "StableCheckpoint")  # train function already
-
-    def _unreadable(self, path: str, err: BaseException) -> None:
-        self._position = Position(self._spe)
-        self._pending_restore = None
-        self.restore_report = None
-
-    def _restore(self, path: str, record: Any) -> None:
-        # Variables, optimizer, schedule check and position now; callbacks, metrics and
-        # the epoch-start random state once every callback has run on_train_begin. All of
-        # it from ``record``, the one read (and check) of the file: never read twice.
-        options = checkpoint.RestoreOptions(state={"position": self._position}, include_rng=False)
-        options = dataclasses.replace(options, include_metrics=False, all_or_nothing=not self._in_place)
-        # take: only its state records are read after this; the variables may keep its arrays
-        report = cast(  # without defer, restore_with restores now: a RestoreReport
-            "RestoreReport", checkpoint.restore_with(path, self.model, options, record=record, take=True)
-        )
-        self.restore_report = report
-        pos = self._position
-        self._pending_restore = record
-        writer = (report.writer or {}).get("backend")
-        inexact.warn_inexact_resume(self, record, pos, self._order, writer)
-        compat.set_initial_epoch(self.model, pos.epoch)
-        self._say(
-            f"restored {os.path.basename(path)}: epoch {pos.epoch}, step {pos.step} of the epoch, "
-            f"global step {pos.global_step}"
-        )
-
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.manager.check_for_errors()
         record, self._pending_restore = self._pending_restore, None
@@ -361,12 +297,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             self._save()
         self._position.epoch = epoch
         if self._position.step == 0:
-            # The random state before this epoch's data order is drawn, then the order.
-            self._position.epoch_rng = state.rng_state()
-            if self._loader:
-                self._loader.begin_epoch()
-            if self._prefetched is not None:
-                self._prefetched.begin_epoch()
+            _begin_epoch(self)  # the random state before this epoch's data order is drawn, then the order
             self._order.begin_epoch(saved_data, epoch_rng=self._position.epoch_rng)
 
     def _skip_batches(self, count: int) -> None:
@@ -430,9 +361,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         redo = self._last_mid_save == (epoch, pos.global_step)
         pos.epoch = epoch + 1
         pos.step = 0
-        if (
-            self.save_freq == "epoch" or stop or redo
-        ):  # a preemption's: written at train end, after every callback
+        # a preemption's (stop): written at train end, after every callback
+        if self.save_freq == "epoch" or stop or redo:
             self._save_requested = True
         self.model.stop_training = self.model.stop_training or stop
 
@@ -473,9 +403,8 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     def _preempt(self, pos: Position) -> None:
         """A signal came (to any process): save this step, wait until it is written, stop."""
         steps: int | None = (self.params or {}).get("steps")
-        last_batch = (
-            steps is not None and 0 < steps <= pos.step
-        )  # then the epoch-end checkpoint, at train end
+        # the last batch: then the epoch-end checkpoint, at train end
+        last_batch = steps is not None and 0 < steps <= pos.step
         received = self.preemption.stop(pos.global_step, last_batch)
         if not last_batch:
             self._save()
@@ -488,11 +417,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self.manager.wait()  # the previous background save ends first; its failure is raised
         pos = self._position
         if pos.step == 0:
-            pos.epoch_rng = state.rng_state()
-            if self._loader:
-                self._loader.begin_epoch()
-            if self._prefetched is not None:
-                self._prefetched.begin_epoch()
+            _begin_epoch(self)
             self._order.end_epoch()
             self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
         self._last_mid_save = (pos.epoch, pos.global_step) if pos.step else None
@@ -508,6 +433,16 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self.verbose:  # the size is read only for the line
             size = self.manager.files.size_of(path)
             self._say(saved_message(os.path.basename(path), where, size, secs, blocked_secs))
+
+
+def _begin_epoch(ckpt: StableCheckpoint) -> None:
+    """An epoch begins for ``ckpt``'s position (the random state before the epoch's data
+    order is drawn), its torch ``DataLoader`` and its ``PyDataset`` workers' batches."""
+    ckpt._position.epoch_rng = state.rng_state()
+    if ckpt._loader:
+        ckpt._loader.begin_epoch()
+    if ckpt._prefetched is not None:
+        ckpt._prefetched.begin_epoch()
 
 
 def _resume_mode(model: keras.Model) -> tuple[bool, bool]:

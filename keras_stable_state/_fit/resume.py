@@ -6,6 +6,9 @@ restored at train begin (by the [`CheckpointManager`][keras_stable_state.Checkpo
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import os
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -15,8 +18,9 @@ import keras
 from keras_stable_state import _core as checkpoint
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state
+from keras_stable_state._fit import inexact
 from keras_stable_state._fit.loss_units import loss_units
-from keras_stable_state._fit.position import Metrics
+from keras_stable_state._fit.position import Metrics, Position
 from keras_stable_state._manager import directory as checkpoint_dir
 from keras_stable_state.errors import InexactResumeWarning, StateError
 
@@ -24,8 +28,67 @@ if TYPE_CHECKING:
     from keras_stable_state._core.report import RestoreReport
     from keras_stable_state._fit.input import EpochOrder
     from keras_stable_state._fit.loader import LoaderState
-    from keras_stable_state._fit.position import Position
     from keras_stable_state._fit.prefetch import PrefetchedBatches
+
+
+def restore_newest(ckpt, mode: tuple[bool, bool]) -> None:
+    """Restore at train begin the newest readable checkpoint of the ``StableCheckpoint``
+    ``ckpt`` into its model (``mode``: in place, and read in place), falling back past
+    unreadable ones (`restore_found`, `forget_unreadable`), and say what it found
+    (`report_newest`).
+
+    Raises:
+        The errors of ``CheckpointManager.restore_newest_with`` and
+        ``restore_training_state`` (a checkpoint that does not fit the model).
+    """
+    in_place, reads = mode
+    restored = ckpt.manager.restore_newest_with(
+        functools.partial(restore_found, ckpt, in_place),
+        functools.partial(forget_unreadable, ckpt),
+        read_only=ckpt._read_only is not None,
+        in_place=reads,
+    )
+    ckpt.skipped_checkpoints = list(ckpt.manager.skipped_checkpoints)
+    ckpt.moved_checkpoints = list(ckpt.manager.moved_checkpoints)
+    pos = ckpt._position
+    if restored is not None and ckpt._pending_restore is not None:  # before report_newest resets pos.stopped
+        inexact.warn_resumed_callbacks(ckpt, ckpt._pending_restore, os.path.basename(restored), pos)
+    epochs = (ckpt.params or {}).get("epochs")
+    ckpt.run_complete = report_newest(ckpt, restored, pos, epochs, ckpt._say)
+    ckpt.run_stopped = ckpt.run_complete and pos.stopped is not None
+    if ckpt.run_stopped and isinstance(epochs, int):  # fit trains no epoch: range(epochs, epochs)
+        compat.set_initial_epoch(ckpt.model, max(epochs, pos.epoch))
+    # an in-place restore failed part way and none after it succeeded: fit made its
+    checkpoint.check_not_partial(ckpt.model, "StableCheckpoint")  # train function already
+
+
+def forget_unreadable(ckpt, path: str, err: BaseException) -> None:
+    """Forget what a checkpoint found unreadable put into ``ckpt`` (the manager moves on)."""
+    ckpt._position = Position(ckpt._spe)
+    ckpt._pending_restore = None
+    ckpt.restore_report = None
+
+
+def restore_found(ckpt, in_place: bool, path: str, record: Any) -> None:
+    """Restore the checkpoint ``path`` (its ``record`` read and checked once) into ``ckpt``'s
+    model: variables, optimizer, schedule check and position now; callbacks, metrics and the
+    epoch-start random state at the first epoch begin (`apply_pending`), once every callback
+    has run ``on_train_begin``. All of it from ``record``: the file is never read twice."""
+    options = checkpoint.RestoreOptions(state={"position": ckpt._position}, include_rng=False)
+    options = dataclasses.replace(options, include_metrics=False, all_or_nothing=not in_place)
+    # take: only its state records are read after this; the variables may keep its arrays.
+    # Without defer, restore_with restores now: a RestoreReport.
+    report = checkpoint.restore_with(path, ckpt.model, options, record=record, take=True)
+    ckpt.restore_report = report
+    pos = ckpt._position
+    ckpt._pending_restore = record
+    writer = (report.writer or {}).get("backend")
+    inexact.warn_inexact_resume(ckpt, record, pos, ckpt._order, writer)
+    compat.set_initial_epoch(ckpt.model, pos.epoch)
+    ckpt._say(
+        f"restored {os.path.basename(path)}: epoch {pos.epoch}, step {pos.step} of the epoch, "
+        f"global step {pos.global_step}"
+    )
 
 
 def report_newest(ckpt, restored, pos, epochs, say) -> bool:

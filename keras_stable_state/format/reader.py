@@ -57,30 +57,25 @@ _BLOB_CACHE_LIMIT = 4 * BLOB_TARGET
 class CheckpointFile:
     """A training-state file or stock Keras weights file, opened for reading.
 
-    Opening checks the whole-file seal (records: format 3 xxh3-128, format 2
-    SHA-256), or reads the file once in a probe process (unsealed files: stock
-    Keras files, format-1 records), then lists every array (`entries`)
-    from the HDF5 metadata and checks the structure and the records' schema;
-    `read` reads one array and checks its checksum; `check` reads
-    everything. The file is held with a shared ``flock`` while open, so a
-    writer holding it exclusively is detected. Use as a context manager (see
+    Opening checks the whole-file seal (records: format 3 xxh3-128, format 2 SHA-256),
+    or reads the file once in a probe process (unsealed files: stock Keras files,
+    format-1 records), then lists every array (`entries`) from the HDF5 metadata and
+    checks the structure and the records' schema; `read` reads one array and checks its
+    checksum; `check` reads everything. The file is held with a shared ``flock`` while
+    open, so a writer holding it exclusively is detected. Use as a context manager (see
     `open_file`), or call `close`.
 
     Args:
         path: A ``.keras`` archive or an HDF5 file (``.h5``, ``.weights.h5``).
         data: The file's bytes, held in memory (`from_bytes`), or ``None``.
-        whole: For a reader that reads every array (`read_file`): a sealed
-            record is read once, whole, into one buffer as its seal is checked
-            (`image`), and `read` returns views
-            of that buffer (one kept alive keeps it all). Otherwise the seal is
-            hashed in chunks and each array is read from the file when asked.
-        unaligned_views: With ``whole``: whether the caller can use an array at any
-            offset (Torch can; TensorFlow and JAX copy memory that does not start at
-            a multiple of 64 bytes). With ``False``, Keras' weights member of a
-            ``.keras`` archive (whose datasets Keras does not align) is read array by
-            array into aligned memory, and a record written before the writer aligned
-            its arrays is listed again that way from the same open handle, so that no
-            image is held while its views would be copied.
+        whole: For a reader of every array (`read_file`): a sealed record is read once,
+            whole, into one buffer as its seal is checked (`image`), and `read` returns views
+            of it (one kept alive keeps it all). Otherwise the seal is hashed in chunks and
+            each array is read from the file when asked.
+        unaligned_views: With ``whole``: whether the caller can use an array at any offset
+            (Torch can; TensorFlow and JAX copy memory not 64-byte aligned). With ``False``,
+            arrays Keras or an older writer did not align are read one by one into aligned
+            memory from the same handle: no image is held while its views would be copied.
 
     Attributes:
         path: The file's path (``"<bytes>"`` for `from_bytes`).
@@ -93,13 +88,11 @@ class CheckpointFile:
         metadata: The writer's metadata (stock archives: Keras' ``metadata.json``).
         contract: ``[key, shape, dtype]`` lists, or ``None``.
         extra: Other state as JSON (schedule, callbacks, providers, RNG), or ``{}``.
-        entries: Every array, as `Entry`, in file order (stock files: by
-            HDF5 path, numbers in numeric order).
+        entries: Every array, as `Entry`, in file order (stock files: by HDF5 path, numbers in numeric order).
         optimizer_keys: For stock files saved with ``StableOptimizer``:
             ``{dataset path: entry key}`` (``{"optimizer/vars/0": "optimizer#iteration"}``); else ``{}``.
         members: ``(name, size in bytes)`` of every archive member; ``[]`` for HDF5 files.
-        member: The archive member holding the arrays (`MEMBER` or
-            ``"model.weights.h5"``), or ``None`` for HDF5 files.
+        member: The archive member holding the arrays (`MEMBER`, ``"model.weights.h5"``) or ``None``.
         model_class: The model's class name from an archive's ``config.json``, or ``None``.
         damaged_members: ``(member, reason)`` for archive members found damaged by `check`.
         problems: Always empty (kept for callers of version 0.1: problems now raise).
@@ -108,20 +101,18 @@ class CheckpointFile:
         TypeError: if ``path`` is not a ``str``, ``bytes`` or ``os.PathLike``.
         FileNotFoundError: if ``path`` does not exist (or is a symbolic link to nothing).
         PermissionError: if ``path`` cannot be opened for reading.
-        CheckpointFormatError: if ``path`` is a directory or another file that is not a
-            regular file (a FIFO, a device such as ``/dev/zero``, a socket; a symbolic
-            link is followed to a regular file), a URL (``s3://...``: `open_file`
-            reads object stores), for a format version
-            this version does not read, a legacy Keras HDF5 file, or a zip
-            archive holding neither a training state nor Keras weights.
+        CheckpointFormatError: if ``path`` is not a regular file (a directory, a FIFO, a
+            device such as ``/dev/zero``, a socket; a symbolic link is followed), a URL
+            (``s3://...``: `open_file` reads object stores), for a format version this
+            version does not read, a legacy Keras HDF5 file, or a zip archive holding
+            neither a training state nor Keras weights.
         CheckpointInUseError: if another process holds the file locked for writing.
-        CorruptCheckpointError: if the file is truncated, fails its seal, is
-            not a ``.keras`` archive or HDF5 file, has links, external or
-            virtual storage, non-numeric or big-endian dtypes, data outside the
-            file, missing or unexpected objects or attributes, malformed JSON
-            records or index, an archive member that unpacks far beyond its
-            stored size, or crashes or hangs HDF5 in the probe process. The
-            message names the key, dataset or member concerned where there is one.
+        CorruptCheckpointError: if the file is truncated, fails its seal, is not a
+            ``.keras`` archive or HDF5 file, has links, external or virtual storage,
+            non-numeric or big-endian dtypes, data outside the file, missing or unexpected
+            objects or attributes, malformed JSON records or index, an archive member that
+            unpacks far beyond its stored size, or crashes or hangs HDF5 in the probe
+            process, naming the key, dataset or member concerned where there is one.
         MalformedKeyError: (a ``CorruptCheckpointError``) for a key restore could not parse.
     """
 
