@@ -1,12 +1,14 @@
 """A directory of checkpoints for any training loop: [`CheckpointManager`][keras_stable_state.CheckpointManager] (``manager``,
-its lock methods in ``holder``), what it keeps and calls best (``policy``), what it records
-(``records``), and the directory itself: listing, pruning, temporary files, unreadable files
-moved aside and the fallback over them (``directory``), its lock file (``lock``), the same in
-an object store (``remote_directory``), ``.orbax`` step directories (``orbax_steps``; what
-needs the Orbax engine: ``orbax_io``), several processes (``shared``, ``checkin``) and preemption
-signals (``preemption``).
+its lock methods in ``holder``, its restores in ``restoring``), what it keeps and calls best
+(``policy``), what it records (``records``), and the directory itself, one protocol for both
+kinds (``protocols``): listing, pruning, temporary files, unreadable files moved aside and the
+fallback over them (``directory``), its lock file (``lock``), the same in an object store
+(``remote_directory``), ``.orbax`` step directories (``orbax_steps``; what needs the Orbax
+engine: ``orbax_io``), several processes (``shared``, ``checkin``) and preemption signals
+(``preemption``).
 
-``directory``, ``lock``, ``policy``, ``records`` and ``orbax_steps`` import no Keras, and the names below load on first use
+``directory``, ``remote_directory``, ``lock``, ``protocols``, ``policy``, ``records`` and
+``orbax_steps`` import no Keras, and the names below load on first use
 (PEP 562), so that the command line (``keras-stable-state ls``) lists a directory with the
 manager's own rules without importing Keras."""
 

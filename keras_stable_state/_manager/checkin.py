@@ -224,7 +224,7 @@ def restored(mgr: CheckpointManager, path: str, state: Any) -> None:
         InexactResumeWarning: naming both numbers of processes and the fixes.
     """
     mgr._say(f"restored {path} (step {mgr.restored_step})")
-    saved = mgr._summary(path)[1].get("world_size")  # the manager's record
+    saved = timeline.summary(mgr, path)[1].get("world_size")  # the manager's record
     live = processes.process_count()
     providers = state.values() if isinstance(state, dict) else ()
     if (

@@ -5,11 +5,13 @@ stale ``.kss-*`` temporary files of a killed save, the unreadable checkpoints mo
 into `UNREADABLE_DIR` (with the [`UnreadableCheckpointWarning`][keras_stable_state.UnreadableCheckpointWarning]
 naming them) and the fallback over them (`restore_newest`).
 
-Every access to the directory (list, exists, stat, remove, rename, open) goes through a
-function of this module; `RemoteDirectory`
-has the same functions as methods for a directory in an object store (the manager holds
-one or the other as its ``files``). Here a file is visible once it is renamed into place,
-so `begin_save` and `commit` do nothing."""
+Every access to a local directory (list, exists, stat, remove, rename, lock) goes through a
+method of `LocalDirectory`; `RemoteDirectory`
+has the same methods for a directory in an object store: both are the
+`.protocols.CheckpointDirectory` a manager holds as its ``files``. The functions of this
+module work on paths alone (names, steps, summaries, the warning and the fallback), for
+both and for the command line. Neither this module nor `.remote_directory` imports Keras
+or the core."""
 
 from __future__ import annotations
 
@@ -47,33 +49,8 @@ LOCK_NAME = lock.LOCK_NAME
 MANAGER_RECORD = "checkpoint"
 """The provider of the manager's record (``records.RECORD``, whose module imports this one)."""
 
-# The lock functions of a local directory (`.lock`), as RemoteDirectory has its own.
-new_token, acquire_lock, release_token = lock.new_token, lock.acquire_lock, lock.release_token
-# -- the files ------------------------------------------------------------------------------
-STORAGE_OPTIONS = None
-"""The ``storage_options`` of a local directory's saves and restores: none."""
 
-
-def begin_save(path) -> None:
-    """Nothing: a local checkpoint replaces the one of its step by an atomic rename."""
-
-
-def commit(path, step, info) -> None:
-    """Nothing: a local checkpoint is visible once renamed into place, and complete then."""
-
-
-def checkpoints(directory) -> list:
-    """Paths of the checkpoints in ``directory``, newest first (files named
-    ``ckpt-<10 digits>.h5``; in a directory named ``*.orbax``, step directories
-    ``ckpt-<10 digits>.orbax``; ``[]`` if ``directory`` is not a folder)."""
-    if orbax_steps.uses_orbax(directory):
-        return orbax_steps.checkpoints(directory)
-    if not os.path.isdir(directory):
-        return []
-    names = sorted((n for n in os.listdir(directory) if _NAME.match(n)), reverse=True)
-    return [os.path.join(directory, n) for n in names]
-
-
+# -- paths ----------------------------------------------------------------------------------
 def path_of(directory, step: int) -> str:
     """The path of the checkpoint of ``step`` in ``directory`` (``ckpt-<step:010d>.h5``, or
     ``ckpt-<step:010d>.orbax`` in a directory named ``*.orbax``)."""
@@ -87,31 +64,6 @@ def step_of(path) -> int | None:
     name = os.path.basename(path)
     found = _NAME.match(name) or orbax_steps.NAME.match(name)
     return None if found is None else int(found.group(1))
-
-
-def exists(path) -> bool:
-    """Whether something (a file, or a symbolic link even to nothing) is at ``path``."""
-    return os.path.lexists(path)
-
-
-def identity(path):
-    """What tells one written file from another at ``path`` (device, inode, size, modification
-    time), or ``None`` if nothing is there: a cache key for what was read from it."""
-    if orbax_steps.is_step(path):
-        return orbax_steps.identity(path)
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def size_of(path) -> int:
-    """Size in bytes of the file at ``path`` (of a ``.orbax`` step: of its files; ``OSError``
-    naming it if it is gone)."""
-    if orbax_steps.is_step(path):
-        return orbax_steps.size_of(path)
-    return os.path.getsize(path)
 
 
 def read_summary(path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]:
@@ -128,105 +80,180 @@ def read_summary(path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]
     return summary.read_summary(path, MANAGER_RECORD)
 
 
-def prepare(directory, writer="StableCheckpoint") -> None:
-    """Create ``directory`` (and its parents) if needed.
+class LocalDirectory:
+    """A local checkpoint directory (the `.protocols.CheckpointDirectory` of a folder of this
+    machine's file system): its ``ckpt-<step>.h5`` files (or ``.orbax`` step directories),
+    its lock file (`.lock`), its stale temporary files and ``unreadable/``. A file is visible
+    once it is renamed into place, so `begin_save` and `commit` do nothing.
 
-    Raises:
-        NotADirectoryError: if ``directory`` is a file (or a symbolic link to nothing).
-        OSError: naming ``directory`` if it cannot be created (read-only file system,
-            permissions), with its ``errno``.
+    Args:
+        path: The folder (a ``str`` path; created by `prepare`).
     """
-    if os.path.islink(directory) and not os.path.exists(directory):
-        raise NotADirectoryError(
-            errno.ENOTDIR,
-            f"{writer}'s directory {directory!r} is a symbolic link to {os.readlink(directory)!r}, "
-            "which does not exist. Create that folder, or pass another one.",
-            directory,
-        )
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise NotADirectoryError(
-            errno.ENOTDIR,
-            f"{writer}'s directory {directory!r} is a file, not a folder. Pass a folder "
-            "(it holds ckpt-<step>.h5 files); to save one file use keras_stable_state.save_training_state",
-            directory,
-        )
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as err:
-        raise OSError(
-            err.errno,
-            f"Cannot create {writer}'s directory {directory!r} ({err.strerror}). Give it a "
-            "folder it can create and write.",
-            directory,
-        ) from err
 
+    storage_options: dict[str, Any] | None = None
+    """The ``storage_options`` of a local directory's saves and restores: none."""
+    local: bool = True
+    """A folder of this machine's file system (a checkpoint may be read in place)."""
 
-def remove_temporary_files(directory) -> list:
-    """Remove the ``.kss-*`` temporary files a killed save left in ``directory`` (and the
-    partial step directories of a ``*.orbax`` one, see `.orbax_steps`); their paths."""
-    removed = orbax_steps.remove_temporary(directory) if orbax_steps.uses_orbax(directory) else []
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(follow_symlinks=False):
-                continue
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"LocalDirectory({self.path!r})"
+
+    # -- the files --------------------------------------------------------------------------
+    def checkpoints(self) -> list:
+        """Paths of the checkpoints in the folder, newest first (files named
+        ``ckpt-<10 digits>.h5``; in a folder named ``*.orbax``, step directories
+        ``ckpt-<10 digits>.orbax``; ``[]`` if the path is not a folder)."""
+        if orbax_steps.uses_orbax(self.path):
+            return orbax_steps.checkpoints(self.path)
+        if not os.path.isdir(self.path):
+            return []
+        names = sorted((n for n in os.listdir(self.path) if _NAME.match(n)), reverse=True)
+        return [os.path.join(self.path, n) for n in names]
+
+    def exists(self, path) -> bool:
+        """Whether something (a file, or a symbolic link even to nothing) is at ``path``."""
+        return os.path.lexists(path)
+
+    def identity(self, path):
+        """What tells one written file from another at ``path`` (device, inode, size,
+        modification time), or ``None`` if nothing is there: a cache key for what was read
+        from it."""
+        if orbax_steps.is_step(path):
+            return orbax_steps.identity(path)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def read_summary(self, path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]:
+        """The module's `read_summary` of ``path``."""
+        return read_summary(path)
+
+    def size_of(self, path) -> int:
+        """Size in bytes of the file at ``path`` (of a ``.orbax`` step: of its files;
+        ``OSError`` naming it if it is gone)."""
+        if orbax_steps.is_step(path):
+            return orbax_steps.size_of(path)
+        return os.path.getsize(path)
+
+    # -- the lock ---------------------------------------------------------------------------
+    def prepare(self, writer="StableCheckpoint") -> None:
+        """Create the folder (and its parents) if needed.
+
+        Raises:
+            NotADirectoryError: if the path is a file (or a symbolic link to nothing).
+            OSError: naming the folder if it cannot be created (read-only file system,
+                permissions), with its ``errno``.
+        """
+        directory = self.path
+        if os.path.islink(directory) and not os.path.exists(directory):
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"{writer}'s directory {directory!r} is a symbolic link to {os.readlink(directory)!r}, "
+                "which does not exist. Create that folder, or pass another one.",
+                directory,
+            )
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"{writer}'s directory {directory!r} is a file, not a folder. Pass a folder "
+                "(it holds ckpt-<step>.h5 files); to save one file use keras_stable_state.save_training_state",
+                directory,
+            )
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as err:
+            raise OSError(
+                err.errno,
+                f"Cannot create {writer}'s directory {directory!r} ({err.strerror}). Give it a "
+                "folder it can create and write.",
+                directory,
+            ) from err
+
+    def acquire_lock(self, token, *, writer="StableCheckpoint", reclaimable=True) -> lock.DirectoryLock:
+        """`.lock.DirectoryLock.acquire` of the folder (every error of it)."""
+        return lock.DirectoryLock.acquire(self.path, token, writer=writer, reclaimable=reclaimable)
+
+    def release_token(self, token) -> None:
+        """`.lock.release_token`: release the lock the owner of ``token`` holds, if any."""
+        lock.release_token(token)
+
+    def remove_temporary_files(self) -> list:
+        """Remove the ``.kss-*`` temporary files a killed save left in the folder (and the
+        partial step directories of a ``*.orbax`` one, see `.orbax_steps`); their paths."""
+        directory = self.path
+        removed = orbax_steps.remove_temporary(directory) if orbax_steps.uses_orbax(directory) else []
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not entry.name.startswith(TEMP_PREFIX) or not entry.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue
+                removed.append(entry.path)
+        return removed
+
+    # -- saving and removing ----------------------------------------------------------------
+    def begin_save(self, path) -> None:
+        """Nothing: a local checkpoint replaces the one of its step by an atomic rename."""
+
+    def commit(self, path, step, info) -> None:
+        """Nothing: a local checkpoint is visible once renamed into place, and complete then."""
+
+    def remove(self, paths) -> None:
+        """Remove the checkpoint files (or ``.orbax`` step directories) ``paths``; one removed
+        meanwhile is skipped."""
+        for old in paths:
             try:
-                os.unlink(entry.path)
+                orbax_steps.remove(old) if orbax_steps.is_step(old) else os.remove(old)
             except FileNotFoundError:
-                continue
-            removed.append(entry.path)
-    return removed
+                continue  # removed by someone else since it was listed
 
+    def move_aside(self, path, writer="StableCheckpoint", folder=UNREADABLE_DIR):
+        """Move an unreadable checkpoint into ``<directory>/unreadable/`` (``<name>.<n>`` if
+        the name is taken); its new path, or ``None`` if it was removed meanwhile. With
+        ``folder=ABANDONED_DIR``: a checkpoint of an abandoned timeline, into ``abandoned/``.
 
-def remove(paths) -> None:
-    """Remove the checkpoint files (or ``.orbax`` step directories) ``paths``; one removed
-    meanwhile is skipped."""
-    for old in paths:
+        What is at ``path`` is renamed, never opened: a symbolic link is moved as the link.
+        The folder ``unreadable/`` must be a folder of its own, not a symbolic link (a
+        checkpoint is never moved out of the directory through one).
+
+        Raises:
+            StateError: if it cannot be moved (it would count in ``keep`` and be found again),
+                or ``unreadable/`` is a symbolic link or not a folder.
+        """
+        kind = "unreadable" if folder == UNREADABLE_DIR else "of an abandoned timeline"
+        folder = os.path.join(self.path, folder)
+        name = os.path.basename(path)
+        target = os.path.join(folder, name)
         try:
-            orbax_steps.remove(old) if orbax_steps.is_step(old) else os.remove(old)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder)
+            fd = _open_folder(folder)
+            try:
+                n = 1
+                while _lexists(os.path.basename(target), fd):
+                    target = os.path.join(folder, f"{name}.{n}")
+                    n += 1
+                os.rename(path, os.path.basename(target), dst_dir_fd=fd)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
-            continue  # removed by someone else since it was listed
-
-
-def move_aside(directory, path, writer="StableCheckpoint", folder=UNREADABLE_DIR):
-    """Move an unreadable checkpoint into ``<directory>/unreadable/`` (``<name>.<n>`` if
-    the name is taken); its new path, or ``None`` if it was removed meanwhile. With
-    ``folder=ABANDONED_DIR``: a checkpoint of an abandoned timeline, into ``abandoned/``.
-
-    What is at ``path`` is renamed, never opened: a symbolic link is moved as the link. The
-    folder ``unreadable/`` must be a folder of its own, not a symbolic link (a checkpoint
-    is never moved out of ``directory`` through one).
-
-    Raises:
-        StateError: if it cannot be moved (it would count in ``keep`` and be found again),
-            or ``unreadable/`` is a symbolic link or not a folder.
-    """
-    kind = "unreadable" if folder == UNREADABLE_DIR else "of an abandoned timeline"
-    folder = os.path.join(directory, folder)
-    name = os.path.basename(path)
-    target = os.path.join(folder, name)
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(folder)
-        fd = _open_folder(folder)
-        try:
-            n = 1
-            while _lexists(os.path.basename(target), fd):
-                target = os.path.join(folder, f"{name}.{n}")
-                n += 1
-            os.rename(path, os.path.basename(target), dst_dir_fd=fd)
-        finally:
-            os.close(fd)
-    except FileNotFoundError:
-        if not os.path.lexists(path):
-            return None  # removed meanwhile: nothing left to count in `keep`
-        raise
-    except (OSError, StateError) as err:
-        raise StateError(
-            f"Checkpoint {path!r} is {kind} and could not be moved aside to {target!r} ({err}). "
-            f"Move or delete it yourself: {writer} does not restore it, and left in place it "
-            "would count as one of the `max_to_keep` newest checkpoints.",
-        ) from err
-    return target
+            if not os.path.lexists(path):
+                return None  # removed meanwhile: nothing left to count in `keep`
+            raise
+        except (OSError, StateError) as err:
+            raise StateError(
+                f"Checkpoint {path!r} is {kind} and could not be moved aside to {target!r} ({err}). "
+                f"Move or delete it yourself: {writer} does not restore it, and left in place it "
+                "would count as one of the `max_to_keep` newest checkpoints.",
+            ) from err
+        return target
 
 
 def _open_folder(folder) -> int:

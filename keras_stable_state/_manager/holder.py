@@ -6,32 +6,29 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from types import ModuleType, TracebackType
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from keras_stable_state import _processes as processes
 from keras_stable_state._manager import shared
+from keras_stable_state._manager.protocols import CheckpointDirectory, WriterLock
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from keras_stable_state._manager.lock import DirectoryLock
-    from keras_stable_state._manager.remote_directory import RemoteDirectory, RemoteLock
-
 
 class DirectoryHolder:
     """The lock part of [`CheckpointManager`][keras_stable_state.CheckpointManager], which sets what it
-    uses: ``directory``, ``files`` (the module `.directory` or a
-    `RemoteDirectory`), ``name``,
+    uses: ``directory``, ``files`` (its `.protocols.CheckpointDirectory`), ``name``,
     ``removed_temporary_files``, ``_token``, ``_lock``, ``_finalizer``, ``_say`` and ``wait``.
     """
 
     directory: str
-    files: ModuleType | RemoteDirectory
+    files: CheckpointDirectory
     name: str
     removed_temporary_files: list[str]
     _token: int
-    _lock: DirectoryLock | RemoteLock | shared.Follower | None
+    _lock: WriterLock | shared.Follower | None
     _finalizer: weakref.finalize[..., Any] | None
     _say: Callable[[str], None]
     wait: Callable[[], None]
@@ -72,13 +69,11 @@ class DirectoryHolder:
         self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed
 
     def _lock_here(self, reclaimable: bool) -> list[str]:
-        self.files.prepare(self.directory, self.name)
-        self._lock = self.files.acquire_lock(
-            self.directory, self._token, writer=self.name, reclaimable=reclaimable
-        )
+        self.files.prepare(self.name)
+        self._lock = self.files.acquire_lock(self._token, writer=self.name, reclaimable=reclaimable)
         if self._finalizer is None:  # released when the manager is garbage collected or the process exits
             self._finalizer = weakref.finalize(self, self.files.release_token, self._token)
-        self.removed_temporary_files = self.files.remove_temporary_files(self.directory)
+        self.removed_temporary_files = self.files.remove_temporary_files()
         if self.removed_temporary_files:
             self._say(
                 f"removed {len(self.removed_temporary_files)} temporary file(s) of an interrupted save: "
@@ -90,7 +85,7 @@ class DirectoryHolder:
     def locked(self) -> bool:
         """Whether this manager holds its directory's lock."""
         lock = self._lock
-        return lock is not None and lock.fd is not None and lock.token == self._token
+        return lock is not None and lock.held and lock.token == self._token
 
     def _ensure_locked(self) -> None:
         if not self.locked:

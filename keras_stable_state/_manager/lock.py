@@ -35,6 +35,7 @@ import threading
 import time
 
 from keras_stable_state._manager import portable_lock
+from keras_stable_state._manager.protocols import WriterLock
 from keras_stable_state.errors import CheckpointInUseError, StateError
 from keras_stable_state.format.files import open_regular
 
@@ -171,7 +172,7 @@ def _open_lock(directory, path) -> int:
         ) from err
 
 
-def refuse_other_owner(held, token, directory) -> None:
+def refuse_other_owner(held: WriterLock, token, directory) -> None:
     """Refuse ``token`` the lock ``held`` by another owner of this process, unless that
     owner took it ``reclaimable`` in this thread (or a thread that ended): the rule of
     `DirectoryLock.acquire`, for local and object-store directories alike.
@@ -209,7 +210,11 @@ class DirectoryLock:
     collected, the process exits, or another ``StableCheckpoint`` on the same directory begins
     training in the same thread and takes the lock over (a lock taken with
     ``reclaimable=True``); a ``CheckpointManager``'s lock is never taken over. A forked child
-    never uses or removes its parent's lock.
+    never uses or removes its parent's lock. A `.protocols.WriterLock`, as the lock object
+    of a store (`.remote_directory.RemoteLock`) is.
+
+    Attributes:
+        fd: The lock file's descriptor, ``None`` once released.
     """
 
     def __init__(self, key, directory, path, fd, marker):
@@ -223,6 +228,11 @@ class DirectoryLock:
         self.thread = None
         self.reclaimable = False
         self.writer = "StableCheckpoint"
+
+    @property
+    def held(self) -> bool:
+        """Whether the lock is held (its file open; ``False`` once released)."""
+        return self.fd is not None
 
     @classmethod
     def acquire(cls, directory, token, *, writer="StableCheckpoint", reclaimable=True):

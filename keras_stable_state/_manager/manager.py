@@ -9,7 +9,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import keras
 
@@ -18,8 +18,8 @@ from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as processes
 from keras_stable_state import format as storage
 from keras_stable_state._engines import background
-from keras_stable_state._manager import checkin, orbax_io, policy, shared, timeline
-from keras_stable_state._manager import directory as files
+from keras_stable_state._manager import checkin, lock, orbax_io, policy, restoring, timeline
+from keras_stable_state._manager.directory import path_of
 from keras_stable_state._manager.holder import DirectoryHolder
 from keras_stable_state._manager.opening import open_directory
 from keras_stable_state._manager.preemption import DEFAULT_SIGNALS, PreemptionGuard, entered_guard
@@ -32,7 +32,6 @@ from keras_stable_state._manager.records import (
     check_save_keywords,
     check_step,
     metadata_of,
-    record_of,
     saved_message,
 )
 
@@ -89,11 +88,9 @@ class CheckpointManager(DirectoryHolder):
     processes and preemption in full:
     [in detail](how-to/custom-loops-manager.md#checkpointmanager-in-detail).
 
-    Several processes (JAX processes; Torch ranks under ``torch.distributed``): every
-    process calls ``save`` and ``restore`` on the same directory; process 0 alone locks,
-    writes and prunes. Each save (and ``reached_preemption``) checks the processes in (step,
-    step restored, optimizer iterations), refusing on every process where they differ; on
-    Torch a restore runs no collective: [multi-process](how-to/multi-process.md#torch-ranks-torchdistributed).
+    Several processes (JAX processes; Torch ranks): every process calls ``save`` and
+    ``restore``; process 0 alone locks, writes and prunes; each save checks the processes in:
+    [multi-process](how-to/multi-process.md#torch-ranks-torchdistributed).
 
     Examples:
         >>> with CheckpointManager("ckpts", max_to_keep=2, keep_best=1, monitor="loss") as mgr:
@@ -128,7 +125,8 @@ class CheckpointManager(DirectoryHolder):
         last_save (SaveHandle | None): The newest background save's [`SaveHandle`][keras_stable_state.SaveHandle], or ``None``.
         on_saved (Callable[[int, str, float, float | None], None] | None): ``None``, or
             ``(step, path, write_secs, blocked_secs)`` called per save.
-        files (ModuleType | RemoteDirectory): What reads and writes the directory.
+        files (CheckpointDirectory): What reads and writes the directory (a local folder's,
+            or an object store's).
         storage_options (dict | None): The fsspec options of an object-store directory.
         name (str): The writer's name in messages and lock files.
 
@@ -153,7 +151,9 @@ class CheckpointManager(DirectoryHolder):
         verbose: int = 0,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.directory, self.files = open_directory(directory, storage_options, "CheckpointManager")
+        self.directory, self.files = open_directory(
+            directory, storage_options, "CheckpointManager", keras.backend.backend()
+        )
         self._direction = policy.check_options(max_to_keep, keep_best, monitor, mode)
         if not isinstance(save_on_background, bool):
             raise TypeError(
@@ -162,7 +162,7 @@ class CheckpointManager(DirectoryHolder):
         orbax_io.check_options(self.directory, save_on_background)
         if verbose not in (0, 1) or isinstance(verbose, float):
             raise ValueError(f"`verbose` must be 0 or 1. Received: verbose={verbose!r}")
-        self.storage_options = self.files.STORAGE_OPTIONS
+        self.storage_options = self.files.storage_options
         self.max_to_keep = max_to_keep
         self.keep_best = keep_best
         self.monitor = monitor
@@ -176,13 +176,12 @@ class CheckpointManager(DirectoryHolder):
         self.removed_temporary_files = []
         self.last_save: SaveHandle | None = None
         self.on_saved: Callable[[int, str, float, float | None], None] | None = None
-        self._token = files.new_token()
+        self._token = lock.new_token()
         self._lock = None
         self._finalizer = None
         self._in_flight: tuple[SaveHandle, int, _Info] | None = None  # the save not yet collected
         self._summaries: dict[str, tuple[Any, _Summary]] = {}  # path -> (file identity, summary)
         self._guard: PreemptionGuard | None = None  # the PreemptionGuard of preemption_guard(), once made
-        self._read = shared.agreed(orbax_io.read if self.files is files else self.files.read)
         self.abandoned_checkpoints: list[tuple[str, str]] = []
         self._timeline_from: int | None = None  # the step restored, until the save after it (see save)
         self._last_saved: int | None = None  # the step this manager saved last
@@ -212,9 +211,7 @@ class CheckpointManager(DirectoryHolder):
     # -- listing ----------------------------------------------------------------------------
     def checkpoints(self) -> list[str]:
         """Paths of the checkpoints in the directory (``ckpt-<10 digits>.h5``), newest first."""
-        return cast(
-            "list[str]", self.files.checkpoints(self.directory)
-        )  # files: a module, or RemoteDirectory
+        return self.files.checkpoints()
 
     def all_steps(self) -> list[int]:
         """The steps of the checkpoints in the directory, oldest first, from their sealed records
@@ -225,17 +222,6 @@ class CheckpointManager(DirectoryHolder):
         """The newest step in the directory, or ``None`` if it holds no checkpoint."""
         steps = self.all_steps()
         return steps[-1] if steps else None
-
-    def _summary(self, path: str) -> _Summary:
-        """``(metadata, record, version)`` of ``path``, read once per written file."""
-        key = self.files.identity(path)
-        cached = self._summaries.get(path)
-        if cached is not None and key is not None and cached[0] == key:
-            return cached[1]
-        metadata, extra, version = self.files.read_summary(path)
-        summary: _Summary = (metadata, record_of(extra), version)
-        self._summaries[path] = (key, summary)
-        return summary
 
     def best_step(self) -> int | None:
         """The step of the best checkpoint by ``monitor``, or ``None`` if no checkpoint has a
@@ -263,12 +249,12 @@ class CheckpointManager(DirectoryHolder):
                 its file name (copied or renamed), naming both.
         """
         path = self._path(check_step(step))
-        summary = self._summary(path)
+        summary = timeline.summary(self, path)
         check_named_step(path, summary[1])
         return metadata_of(step, path, summary, self.files.size_of(path))
 
     def _path(self, step: int) -> str:
-        path = files.path_of(self.directory, step)
+        path = path_of(self.directory, step)
         if not self.files.exists(path):
             raise FileNotFoundError(
                 errno.ENOENT,
@@ -333,7 +319,7 @@ class CheckpointManager(DirectoryHolder):
         if not isinstance(new_timeline, bool):
             raise TypeError(f"`new_timeline` must be a bool. Received: new_timeline={new_timeline!r}")
         checkin.begin_save(self, step, new_timeline, model, optimizer)
-        path = files.path_of(self.directory, step)
+        path = path_of(self.directory, step)
         info: _Info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
         info["world_size"] = processes.process_count()  # JAX processes, Torch ranks: 1 for one
         if self.monitor is not None:  # read by `keras-stable-state ls` to name the best
@@ -346,7 +332,7 @@ class CheckpointManager(DirectoryHolder):
             optimizer,
             state={**providers, RECORD: ManagerRecord(info)},
             blocking=not self.save_on_background,
-            storage_options=self.files.STORAGE_OPTIONS,
+            storage_options=self.files.storage_options,
             **state,
         )
         if not isinstance(result, str):  # save_on_background: the handle of the write
@@ -400,20 +386,7 @@ class CheckpointManager(DirectoryHolder):
     def prune(self, newest: str | None = None) -> list[str]:
         """Remove every checkpoint but the latest ``max_to_keep`` (``newest``, a path, among
         them) and the best ``keep_best``; the paths removed."""
-        if self.max_to_keep is None:
-            return []
-        # by the step of each record; a file whose record names another step is neither
-        # counted nor removed (the next restore moves it aside)
-        steps = timeline.steps_by_path(self)
-        paths = sorted(steps, key=lambda path: steps[path], reverse=True)
-        newest_step = None if newest is None else files.step_of(newest)
-        best = timeline.best_steps(self, paths, self.keep_best) if self.keep_best else []
-        kept = policy.kept_steps([steps[p] for p in paths], newest_step, self.max_to_keep, best)
-        removed = [p for p in paths if steps[p] not in kept]
-        self.files.remove(removed)
-        for path in removed:
-            self._summaries.pop(path, None)
-        return removed
+        return timeline.prune(self, newest)
 
     # -- restore ----------------------------------------------------------------------------
     def restore(
@@ -450,7 +423,7 @@ class CheckpointManager(DirectoryHolder):
                 does not fit the model: nothing is moved aside); for ``"best"`` and int
                 steps, an unreadable checkpoint's error (no fallback).
         """
-        restore_options.setdefault("storage_options", self.files.STORAGE_OPTIONS)
+        restore_options.setdefault("storage_options", self.files.storage_options)
         options = checkpoint.RestoreOptions.from_keywords("CheckpointManager.restore", **restore_options)
         if isinstance(step, str) and step not in ("latest", "best"):
             raise ValueError(f"`step` must be 'latest', 'best' or an int. Received: step={step!r}")
@@ -458,34 +431,7 @@ class CheckpointManager(DirectoryHolder):
             step = check_step(step)
         self._ensure_locked()
         self._collect(wait=True)
-        self.restored_step = None
-        if step == "latest":
-            restored: dict[str, RestoreReport] = {}
-
-            def restore(path: str, record: Any) -> None:
-                # the record was read for this restore alone: its arrays may become the variables'
-                restored["report"] = _restore_now(path, model, options, record)
-
-            path = self.restore_newest_with(restore, in_place=_reads_in_place(options, model))
-            if self.skipped_checkpoints:
-                where = "none" if path is None else f"step {files.step_of(path)}"
-                files.warn_unreadable(
-                    self.directory, self.skipped_checkpoints, self.moved_checkpoints, path, where, self.name
-                )
-            if path is None:
-                self._say(f"no readable checkpoint in {self.directory}")
-                return None
-            report = restored["report"]
-        else:
-            number = step if isinstance(step, int) else self.best_step()  # an int, or "best"
-            if number is None:
-                raise _no_best(self)
-            path = self._path(number)
-            report = _restore_now(path, model, options, timeline.read_named(self, path))
-        self.restored_step = files.step_of(path)
-        self._timeline_from, self._last_saved = self.restored_step, None
-        checkin.restored(self, path, options.state)  # says so; warns for another world size
-        return report
+        return restoring.restore(self, model, step, options)
 
     def restore_newest_with(
         self,
@@ -512,62 +458,10 @@ class CheckpointManager(DirectoryHolder):
             StateError: If an unreadable checkpoint cannot be moved aside.
             Exception: Every other error of ``restore(path, record)`` (nothing is moved aside).
         """
-        if not read_only:
-            self._ensure_locked()
-        self._collect(wait=True)
-        self.skipped_checkpoints, self.moved_checkpoints = [], []
-
-        def moved(path: str, err: BaseException) -> None:
-            if unreadable is not None:
-                unreadable(path, err)
-            self.skipped_checkpoints.append((path, str(err)))
-            self.moved_checkpoints.append(
-                (path, shared.move_aside(self.files, self.directory, path, self.name))
-            )
-            self._summaries.pop(path, None)
-
-        paths = shared.checkpoints(self.files, self.directory)  # JAX: process 0's list; Torch: each rank's
-        path: str | None = self.files.restore_newest(
-            paths,
-            self.directory,
-            restore,
-            moved,
-            self.name,
-            read_with=lambda path: timeline.read_checked(self, path, in_place=in_place),
-        )
-        # the save after it continues its timeline (see save)
-        self._timeline_from = None if path is None else files.step_of(path)
-        self._last_saved = None
-        return path
-
-
-def _reads_in_place(options: checkpoint.RestoreOptions, model: keras.Model) -> bool:
-    """Whether the newest checkpoint is read as for a restore in place: ``all_or_nothing=False``,
-    or (all or nothing, the rollback copy on the host) a model on an accelerator."""
-    return not options.all_or_nothing or checkpoint.host_rollback.on_accelerator(model)
-
-
-def _restore_now(
-    path: str, model: keras.Model, options: checkpoint.RestoreOptions, record: Any
-) -> RestoreReport:
-    """Restore ``record`` (read from ``path`` for this restore alone: its arrays may become the
-    variables') into ``model``."""
-    return cast(  # without defer, restore_with restores now: a RestoreReport
-        "RestoreReport", checkpoint.restore_with(path, model, options, record=record, take=True)
-    )
-
-
-def _no_best(mgr: CheckpointManager) -> FileNotFoundError:
-    """The error of ``restore(step="best")`` where no checkpoint has a finite ``monitor`` value."""
-    return FileNotFoundError(
-        errno.ENOENT,
-        f"No checkpoint in {mgr.directory!r} has a finite {mgr.monitor!r} metric (its "
-        f"steps are {mgr.all_steps()}): there is no best to restore.",
-        mgr.directory,
-    )
+        return restoring.restore_newest(self, restore, unreadable, read_only=read_only, in_place=in_place)
 
 
 def wait_for_earlier_saves(directory: str) -> None:
     """Wait for a background save into ``directory`` begun by an earlier manager (its error
     belonged to that manager)."""
-    background.wait_for_folder(background.folder_of(files.path_of(directory, 0)))
+    background.wait_for_folder(background.folder_of(path_of(directory, 0)))

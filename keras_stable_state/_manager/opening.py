@@ -1,15 +1,15 @@
-"""Which directory a manager writes: `open_directory` gives a local folder's path and the
-module that reads and writes it (`directory`), or an object-store URL and its
-`RemoteDirectory`."""
+"""Which directory a manager writes: `open_directory` gives a local folder's path and its
+`LocalDirectory`, or an object-store URL and its `RemoteDirectory` (both a
+`.protocols.CheckpointDirectory`)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from types import ModuleType
 from typing import Any
 
-from keras_stable_state._manager import directory as local
+from keras_stable_state._manager.directory import LocalDirectory
+from keras_stable_state._manager.protocols import CheckpointDirectory
 from keras_stable_state._manager.remote_directory import RemoteDirectory
 from keras_stable_state.errors import CheckpointFormatError
 from keras_stable_state.format import remote
@@ -35,12 +35,15 @@ def refuse_options(storage_options: object, directory: str, writer: str) -> None
 
 
 def open_directory(
-    directory: str | bytes | os.PathLike[str], storage_options: Mapping[str, Any] | None, writer: str
-) -> tuple[str, ModuleType | RemoteDirectory]:
+    directory: str | bytes | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None,
+    writer: str,
+    backend: str | None = None,
+) -> tuple[str, CheckpointDirectory]:
     """``(directory, files)`` of a manager: ``directory`` as a ``str`` (a ``file://`` URL
-    as the local path it names) and what reads and writes it: the module
-    `directory` for a local folder, a
-    `RemoteDirectory` for an object-store URL.
+    as the local path it names) and what reads and writes it: a `LocalDirectory` for a
+    local folder, a `RemoteDirectory` for an object-store URL (``backend``: the writer's
+    Keras backend, recorded in its commit markers).
 
     Raises:
         TypeError: if ``directory`` is not a ``str``, ``bytes`` or ``os.PathLike``, or
@@ -51,7 +54,8 @@ def open_directory(
     """
     directory = remote.resolve(fs_path(directory, "directory", urls=True), "directory")
     if remote.is_remote(directory):
-        files = RemoteDirectory(directory, storage_options)
-        return files.url, files
+        store = RemoteDirectory(directory, storage_options, backend=backend)
+        return store.url, store
     refuse_options(storage_options, directory, writer)
-    return fs_path(directory, "directory"), local
+    path = fs_path(directory, "directory")
+    return path, LocalDirectory(path)

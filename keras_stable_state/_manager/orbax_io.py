@@ -1,5 +1,7 @@
 """What a directory of ``.orbax`` step directories needs from the Orbax engine (and so from
-Keras and JAX): the option checks and reading a step. `.orbax_steps` (listing, names,
+Keras and JAX): the option checks and reading a step; and reading a checkpoint for a
+restore (`read_from`: the one read that needs the core, which the directories themselves,
+`.directory` and `.remote_directory`, never import). `.orbax_steps` (listing, names,
 removal) stays free of both, so the command line lists such a directory without them."""
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from keras_stable_state import format as storage
 from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._manager import orbax_steps
+from keras_stable_state._manager.protocols import CheckpointDirectory
 from keras_stable_state.format import proven
 
 
@@ -72,3 +75,19 @@ def read_in_place(path) -> storage.StateRecord:
     if orbax_steps.is_step(path):
         return read_step(path)
     return proven.read_proven(path)
+
+
+def read_from(files: CheckpointDirectory, path: str, *, in_place: bool = False) -> storage.StateRecord:
+    """The record of the checkpoint ``path`` of the directory ``files``: a local one by `read`
+    (by `read_in_place` for a restore in place, ``in_place=True``), an object read whole
+    through its store (``in_place`` does not apply: nothing is left open).
+
+    Raises:
+        Every error of `read` (`read_in_place`; for an object, of
+        `keras_stable_state.format.read_file`).
+    """
+    if not files.local:
+        return storage.read_file(
+            path, storage_options=files.storage_options, unaligned_views=takes_unaligned()
+        )
+    return read_in_place(path) if in_place else read(path)

@@ -52,14 +52,13 @@ import os
 import re
 import secrets
 import socket
-import sys
 import threading
 import time
 from typing import Any
 
 from keras_stable_state import format as storage
-from keras_stable_state._manager import directory as local
 from keras_stable_state._manager import lock
+from keras_stable_state._manager.directory import LOCK_NAME, TEMP_PREFIX, UNREADABLE_DIR, step_of
 from keras_stable_state.errors import (
     CheckpointInUseError,
     CorruptCheckpointError,
@@ -104,12 +103,13 @@ def _alive(pid: int) -> bool:
 
 
 class RemoteLock:
-    """The lock object of an object-store directory, held by one writer of this process.
+    """The lock object of an object-store directory, held by one writer of this process (a
+    `.protocols.WriterLock`, as a local directory's `DirectoryLock` is).
 
     Attributes:
         url: The lock object's URL.
-        fd: Not ``None`` while held (the name is `DirectoryLock`'s; there is no file descriptor).
-        token, thread, reclaimable, writer: As for ``DirectoryLock``.
+        held: Whether the lock is held (``False`` once released, or in a forked child).
+        directory, token, thread, reclaimable, writer: As for ``DirectoryLock``.
     """
 
     def __init__(self, store, directory, nonce):
@@ -117,7 +117,7 @@ class RemoteLock:
         self.url = store.url
         self.directory = directory
         self.nonce = nonce
-        self.fd = nonce
+        self.held = True
         self.pid = os.getpid()
         self.token = None
         self.thread = None
@@ -138,9 +138,9 @@ class RemoteLock:
                 is released in this process all the same).
         """
         with _HELD_GUARD:
-            if self.fd is None or self.token != token:
+            if not self.held or self.token != token:
                 return
-            self.fd = None
+            self.held = False
             if _HELD.get(self.url) is self:
                 del _HELD[self.url]
             if self.pid != os.getpid():
@@ -178,8 +178,8 @@ class RemoteLock:
 def _forget_locks_in_child():
     global _HELD_GUARD
     _HELD_GUARD = threading.Lock()
-    for held in list(_HELD.values()):
-        held.fd = None
+    for owned in list(_HELD.values()):
+        owned.held = False
     _HELD.clear()
     _LEFT.clear()  # the parent's
 
@@ -188,27 +188,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
-def _keras_backend() -> str | None:
-    """Keras' backend, if Keras is imported (a manager's process: it has), without importing
-    it: this module is read by the command line too, which runs without Keras."""
-    keras = sys.modules.get("keras")
-    return None if keras is None else str(keras.backend.backend())
-
-
-def _torch_backend() -> bool:
-    """Whether Keras runs on Torch, whose variables can use a file image's memory at any
-    offset (``_core.apply.takes_unaligned``; this module does not import the core)."""
-    return _keras_backend() == "torch"
-
-
 class RemoteDirectory:
-    """The directory of a manager in an object store: the functions of
-    `keras_stable_state._manager.directory` as methods (see the module docstring
-    for the markers, the lock and the clean-up).
+    """The directory of a manager in an object store: the `.protocols.CheckpointDirectory`
+    that `.directory.LocalDirectory` is for a local folder, with the same methods (see the
+    module docstring for the markers, the lock and the clean-up).
 
     Args:
         url: The directory's URL (``"s3://bucket/run"``).
         storage_options: ``dict`` for the fsspec filesystem, or ``None``.
+        backend: The writer's Keras backend, recorded in each commit marker; ``None`` for a
+            reader without Keras (the command line).
 
     Raises:
         StorageBackendError: if fsspec or the scheme's implementation is not installed,
@@ -216,10 +205,14 @@ class RemoteDirectory:
         TypeError: if ``storage_options`` is not a ``dict`` (or ``None``).
     """
 
-    def __init__(self, url: str, storage_options=None):
+    local = False
+    """An object store: each checkpoint is read whole through its filesystem."""
+
+    def __init__(self, url: str, storage_options=None, *, backend: str | None = None):
         self.folder = remote.RemotePath(url, storage_options)
         self.url = self.folder.url
-        self.STORAGE_OPTIONS = self.folder.storage_options or None
+        self.storage_options = self.folder.storage_options or None
+        self.backend = backend
         self._markers = {}  # marker name -> ((size, etag) of the marker, payload or the error)
         self._committed = {}  # checkpoint URL -> its marker's payload, from the last listing
 
@@ -261,7 +254,7 @@ class RemoteDirectory:
         bad: list[tuple[str, str]] = []
         orphans: list[str] = []
         for name, (size, etag) in entries.items():
-            if local.step_of(name) is None:
+            if step_of(name) is None:
                 continue
             marker = name + MARKER_SUFFIX
             if marker not in entries:
@@ -281,10 +274,13 @@ class RemoteDirectory:
             found = _MARKER.match(name)
             if found and found.group(1) not in entries:
                 orphans.append(name)
-        temporary = [n for n in entries if n.startswith(local.TEMP_PREFIX)]
+        temporary = [n for n in entries if n.startswith(TEMP_PREFIX)]
         return committed, bare, bad, orphans, temporary
 
-    def checkpoints(self, directory=None) -> list:
+    def __repr__(self) -> str:
+        return f"RemoteDirectory({self.url!r})"
+
+    def checkpoints(self) -> list:
         """URLs of the committed checkpoints, newest first (listed now)."""
         committed = self._sort(self._entries())[0]
         self._committed = {self._url(n): p for n, p in committed.items()}
@@ -330,7 +326,7 @@ class RemoteDirectory:
             Every error of `keras_stable_state.format.open_file`.
         """
         self._payload(path)
-        with storage.open_file(path, storage_options=self.STORAGE_OPTIONS) as f:
+        with storage.open_file(path, storage_options=self.storage_options) as f:
             return dict(f.metadata), dict(f.extra), f.version
 
     def size_of(self, path) -> int:
@@ -338,7 +334,7 @@ class RemoteDirectory:
         return self.folder.child(self._name(path)).size()
 
     # -- the lock -----------------------------------------------------------------------
-    def prepare(self, directory=None, writer="StableCheckpoint") -> None:
+    def prepare(self, writer="StableCheckpoint") -> None:
         """Refuse a directory URL that is an object, not a folder (an object store has no
         folders to create).
 
@@ -354,7 +350,7 @@ class RemoteDirectory:
                 self.url,
             )
 
-    def acquire_lock(self, directory, token, *, writer="StableCheckpoint", reclaimable=True):
+    def acquire_lock(self, token, *, writer="StableCheckpoint", reclaimable=True) -> RemoteLock:
         """Take the lock object (see the module docstring); the held `RemoteLock`.
 
         Raises:
@@ -365,7 +361,7 @@ class RemoteDirectory:
                 missing bucket, refused credentials, no answer). A lock object of this process
                 that no writer of it holds (a release the store failed) is taken over.
         """
-        store = self.folder.child(local.LOCK_NAME)
+        store = self.folder.child(LOCK_NAME)
         with _HELD_GUARD:
             held = _HELD.get(store.url)
             if held is not None:
@@ -407,7 +403,7 @@ class RemoteDirectory:
                     f"({type(store.fs).__name__}) offers no exclusive write (pipe_file(mode='create'): "
                     f"{err}), and without one a second writer could not be refused. Use a local folder, "
                     "or save single objects with keras_stable_state.save_training_state.",
-                    key=local.LOCK_NAME,
+                    key=LOCK_NAME,
                 ) from err
             finally:
                 store.fs.invalidate_cache(store.path)
@@ -466,7 +462,7 @@ class RemoteDirectory:
             except Exception:  # the store's errors (no connection at exit...): see above
                 continue
 
-    def remove_temporary_files(self, directory=None) -> list:
+    def remove_temporary_files(self) -> list:
         """Clean up what a killed writer left (see the module docstring); the URLs removed
         or moved aside. Call it holding the lock."""
         entries = self._entries()
@@ -476,7 +472,7 @@ class RemoteDirectory:
             self.folder.child(name).remove()
             done.append(self._url(name))
         for name, _ in bad:
-            self.move_aside(self.url, self._url(name))
+            self.move_aside(self._url(name))
             done.append(self._url(name))
         return done
 
@@ -518,7 +514,7 @@ class RemoteDirectory:
             "size": int(found.get("size") or 0),
             "etag": found.get("ETag") or found.get("etag"),
             "record": _encode(info),
-            "backend": _keras_backend(),
+            "backend": self.backend,
             "format_version": storage.FORMAT_VERSION,
         }
         self._forget(path)
@@ -537,7 +533,7 @@ class RemoteDirectory:
             self.folder.child(name).remove()
             self._forget(path)
 
-    def move_aside(self, directory, path, writer="StableCheckpoint", folder=local.UNREADABLE_DIR):
+    def move_aside(self, path, writer="StableCheckpoint", folder=UNREADABLE_DIR):
         """Copy the checkpoint ``path`` into ``<directory>/unreadable/`` (``<name>.<n>`` if
         taken), then remove its marker and object; the copy's URL, or ``None`` if the
         object was removed meanwhile. ``folder=ABANDONED_DIR``: into ``abandoned/`` (a
@@ -567,20 +563,3 @@ class RemoteDirectory:
         fs.invalidate_cache(aside.path)
         self.remove([path])
         return copy.url
-
-    def read(self, path):
-        """The record of the checkpoint object ``path``, read whole through the store.
-
-        Raises:
-            Every error of `keras_stable_state.format.read_file`.
-        """
-        return storage.read_file(path, storage_options=self.STORAGE_OPTIONS, unaligned_views=_torch_backend())
-
-    def restore_newest(
-        self, paths, directory, restore, unreadable, writer="StableCheckpoint", read_with=None
-    ):
-        """`restore_newest` in the store, each
-        object read by ``read_with`` (by default `read`)."""
-        return local.restore_newest(
-            paths, self.url, restore, unreadable, writer, read_with=read_with or self.read
-        )

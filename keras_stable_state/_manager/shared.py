@@ -12,21 +12,26 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from keras_stable_state import _processes as processes
+from keras_stable_state._manager.protocols import CheckpointDirectory
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
 
 class Follower:
     """The lock of a manager on a process other than 0 (JAX process, Torch rank): process 0
-    holds the directory's; releasing it does nothing."""
+    holds the directory's; releasing it releases nothing there.
 
-    fd = -1  # held (see CheckpointManager.locked) from its making to its release
+    Attributes:
+        held: ``True`` from its making to its release (see ``CheckpointManager.locked``).
+        token: The owner's token.
+    """
 
-    def __init__(self, token):
+    def __init__(self, token: int) -> None:
         self.token = token
+        self.held = True
 
-    def release(self, token):
+    def release(self, token: int) -> None:
         if token == self.token:
-            self.fd = None
+            self.held = False
 
 
 _Lock = TypeVar("_Lock")
@@ -43,26 +48,18 @@ _OUTCOMES = ("read", "unreadable", "not found", "refused")
 
 
 @processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
-def checkpoints(files, directory) -> list:
+def checkpoints(files: CheckpointDirectory, directory: str) -> list[str]:
     """The checkpoints of ``directory`` as process 0 lists them (newest first), through
-    ``files`` (the module `.directory`, or a
-    `RemoteDirectory`); as this process lists them where it decides alone."""
-    return processes.share_from_primary(
-        directory, lambda: files.checkpoints(directory), follow=lambda: files.checkpoints(directory)
-    )
+    ``files`` (what reads and writes it); as this process lists them where it decides alone."""
+    return processes.share_from_primary(directory, files.checkpoints, follow=files.checkpoints)
 
 
 @processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
-def move_aside(files, directory, path, writer) -> str | None:
+def move_aside(files: CheckpointDirectory, path: str, writer: str) -> str | None:
     """``files.move_aside`` on process 0, once every process has read ``path``; its result.
     Where the process decides alone, process 0 moves it and the others return ``None`` (they
     only skip it)."""
-    return processes.share_from_primary(path, lambda: files.move_aside(directory, path, writer))
-
-
-def agreed(read: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``read`` (path -> record, e.g. `.directory.read`) made a collective: see `read_agreed`."""
-    return lambda path: read_agreed(path, read)
+    return processes.share_from_primary(path, lambda: files.move_aside(path, writer))
 
 
 @processes.torch_ranks(collective=False)  # a restore's: no collective on Torch

@@ -23,6 +23,19 @@ MISNAMED_KEY = f"providers/{RECORD}/step"
 """The ``key`` of the ``CheckpointFormatError`` of a misnamed checkpoint (`check_named_step`)."""
 
 
+def summary(mgr: CheckpointManager, path: str) -> tuple[dict[str, Any], dict[str, Any], int | None]:
+    """``(metadata, manager record, format version)`` of the checkpoint ``path`` of ``mgr``'s
+    directory, read once per written file (cached by its `identity`)."""
+    key = mgr.files.identity(path)
+    cached = mgr._summaries.get(path)
+    if cached is not None and key is not None and cached[0] == key:
+        return cached[1]
+    metadata, extra, version = mgr.files.read_summary(path)
+    found = (metadata, record_of(extra), version)
+    mgr._summaries[path] = (key, found)
+    return found
+
+
 def steps_by_path(mgr: CheckpointManager) -> dict[str, int]:
     """``{path: step}`` of the checkpoints of ``mgr``'s directory: each from its sealed
     record; a damaged one by its name; a misnamed one (its record names another step)
@@ -30,7 +43,7 @@ def steps_by_path(mgr: CheckpointManager) -> dict[str, int]:
     steps = {}
     for path in mgr.checkpoints():
         try:
-            steps[path] = check_named_step(path, mgr._summary(path)[1])
+            steps[path] = check_named_step(path, summary(mgr, path)[1])
         except CheckpointFormatError as err:
             if err.key != MISNAMED_KEY:
                 steps[path] = files.step_of(path)  # damaged, unreadable: by its name
@@ -45,13 +58,32 @@ def best_steps(mgr: CheckpointManager, paths: list[str], count: int) -> list[int
     scores = {}
     for path in paths:
         try:
-            _, record, _ = mgr._summary(path)
+            _, record, _ = summary(mgr, path)
             scores[check_named_step(path, record)] = policy.score(
                 record.get("metrics"), mgr.monitor, mgr._direction
             )
         except (CorruptCheckpointError, CheckpointFormatError, OSError):
             continue
     return policy.best_steps(scores, count)
+
+
+def prune(mgr: CheckpointManager, newest: str | None) -> list[str]:
+    """`CheckpointManager.prune`: remove every checkpoint but the latest ``max_to_keep``
+    (``newest``, a path, among them) and the best ``keep_best``; the paths removed."""
+    if mgr.max_to_keep is None:
+        return []
+    # by the step of each record; a file whose record names another step is neither
+    # counted nor removed (the next restore moves it aside)
+    steps = steps_by_path(mgr)
+    paths = sorted(steps, key=lambda path: steps[path], reverse=True)
+    newest_step = None if newest is None else files.step_of(newest)
+    best = best_steps(mgr, paths, mgr.keep_best) if mgr.keep_best else []
+    kept = policy.kept_steps([steps[p] for p in paths], newest_step, mgr.max_to_keep, best)
+    removed = [p for p in paths if steps[p] not in kept]
+    mgr.files.remove(removed)
+    for path in removed:
+        mgr._summaries.pop(path, None)
+    return removed
 
 
 def before_save(mgr: CheckpointManager, step: int, new_timeline: bool) -> None:
@@ -75,7 +107,7 @@ def before_save(mgr: CheckpointManager, step: int, new_timeline: bool) -> None:
         moved = []
         for path, found in sorted(steps.items(), key=lambda item: item[1]):
             if found >= cut:
-                target = mgr.files.move_aside(mgr.directory, path, mgr.name, folder=ABANDONED_DIR)
+                target = mgr.files.move_aside(path, mgr.name, folder=ABANDONED_DIR)
                 mgr._summaries.pop(path, None)
                 moved.append([path, target, found])
         return {"moved": moved}
@@ -113,9 +145,8 @@ def read_checked(mgr: CheckpointManager, path: str, *, in_place: bool = False) -
     """The record of ``path``, once its name and record agree on its step (else the
     ``CheckpointFormatError`` of `check_named_step`: the fallback moves it aside, and the file
     a record read in place holds open is closed). ``in_place``: a local checkpoint is read for
-    a restore in place (`orbax_io.read_in_place`: its large arrays left in the open file)."""
-    local = in_place and mgr.files is files
-    record = (shared.agreed(orbax_io.read_in_place) if local else mgr._read)(path)
+    a restore in place (`orbax_io.read_from`: its large arrays left in the open file)."""
+    record = shared.read_agreed(path, lambda p: orbax_io.read_from(mgr.files, p, in_place=in_place))
     try:
         check_named_step(path, record_of(record.extra))
     except BaseException:
@@ -132,7 +163,7 @@ def read_named(mgr: CheckpointManager, path: str) -> Any:
     except CheckpointFormatError as err:
         if err.key != MISNAMED_KEY:
             raise
-        target = shared.move_aside(mgr.files, mgr.directory, path, mgr.name)
+        target = shared.move_aside(mgr.files, path, mgr.name)
         mgr._summaries.pop(path, None)
         mgr.moved_checkpoints = [(path, target)]
         mgr.skipped_checkpoints = [(path, str(err))]

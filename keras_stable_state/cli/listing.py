@@ -1,9 +1,10 @@
 """What ``ls`` finds in a checkpoint directory (a ``StableCheckpoint`` or
 ``CheckpointManager`` folder); no printing here.
 
-The directory is read with the manager's own functions (``_manager.directory``: which
-files are checkpoints, their steps, the summary of each; ``_manager.policy``: the best by
-a metric), which import no Keras. Which checkpoint ``fit`` (or
+The directory is read with the manager's own readers (``_manager.directory``'s
+``LocalDirectory``, or ``_manager.remote_directory``'s ``RemoteDirectory`` for an object
+store: which files are checkpoints, their steps, the summary of each; ``_manager.policy``:
+the best by a metric), which import no Keras. Which checkpoint ``fit`` (or
 ``CheckpointManager.restore(step="latest")``) would resume from follows the manager's
 rule (``directory.restore_newest``): the newest checkpoint that reads whole with every
 check; a damaged or unreadable one is skipped (the manager moves it to ``unreadable/``);
@@ -20,6 +21,8 @@ from typing import Any
 from keras_stable_state import format as storage
 from keras_stable_state._manager import directory as files
 from keras_stable_state._manager import orbax_steps, policy, records
+from keras_stable_state._manager.directory import LocalDirectory
+from keras_stable_state._manager.protocols import CheckpointDirectory
 from keras_stable_state._manager.records import RECORD
 from keras_stable_state.cli.results import to_json
 from keras_stable_state.errors import (
@@ -130,14 +133,17 @@ def _status(err: BaseException) -> str:
 _Summary = tuple[dict[str, Any], dict[str, Any], int | None]
 
 
-def _summary(path: str, full: bool, reader: Any = files) -> tuple[str, str | None, _Summary | None] | None:
+def _summary(
+    path: str, full: bool, reader: CheckpointDirectory
+) -> tuple[str, str | None, _Summary | None] | None:
     """``(status, reason, summary or None)`` of ``path``; ``None`` if it was removed meanwhile.
-    ``reader``: the directory's (``files``, or a ``RemoteDirectory`` for an object store)."""
+    ``reader``: the directory's (a ``LocalDirectory``, or a ``RemoteDirectory`` for an object store)."""
+    summary: _Summary | None
     try:
-        if reader is not files:  # an object store: the marker's summary; the object read whole
+        if not reader.local:  # an object store: the marker's summary; the object read whole
             summary = reader.read_summary(path)
             if full:
-                storage.read_file(path, storage_options=reader.STORAGE_OPTIONS)
+                storage.read_file(path, storage_options=reader.storage_options)
         elif full:  # what the manager's restore reads: every array, every check (one open)
             summary = read_summary_whole(path) if not orbax_steps.is_step(path) else None
             if summary is None:
@@ -165,8 +171,8 @@ def _row(
     reason: str | None,
     summary: _Summary | None,
     verified: bool,
-    size: int | None = None,
-    reader: Any = files,
+    size: int | None,
+    reader: CheckpointDirectory,
 ) -> dict[str, Any]:
     metadata, extra, version = summary if summary is not None else ({}, {}, None)
     record = (extra.get("providers") or {}).get(RECORD)
@@ -276,15 +282,16 @@ def list_directory(
         raise NotADirectoryError(
             20, f"{path} is a file, not a checkpoint directory; `inspect` and `verify` read one file.", path
         )
-    rows = _rows(files.checkpoints(path), verify, files)
+    local = LocalDirectory(path)
+    rows = _rows(local.checkpoints(), verify, local)
     with os.scandir(path) as entries:
         temporary = sorted(e.path for e in entries if e.name.startswith(files.TEMP_PREFIX))
     moved = os.path.join(path, files.UNREADABLE_DIR)
     aside = sorted(os.listdir(moved)) if os.path.isdir(moved) and not os.path.islink(moved) else []
-    return _listing(path, rows, temporary, moved, aside, monitor, mode)
+    return _listing(path, rows, temporary, moved, aside, monitor, mode, local)
 
 
-def _rows(ckpts: list[str], verify: bool, reader: Any) -> list[dict[str, Any]]:
+def _rows(ckpts: list[str], verify: bool, reader: CheckpointDirectory) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     decided = False
     for ckpt in ckpts:
@@ -305,7 +312,7 @@ def _rows(ckpts: list[str], verify: bool, reader: Any) -> list[dict[str, Any]]:
                 status, reason = "misnamed", str(err)
         if status not in _SKIPPED:
             decided = True
-        rows.append(_row(step, ckpt, status, reason, summary, verified, reader=reader))
+        rows.append(_row(step, ckpt, status, reason, summary, verified, None, reader))
     return rows
 
 
@@ -337,7 +344,7 @@ def _list_remote(url: str, verify: bool, monitor: str | None, mode: str | None) 
     rows.sort(key=lambda r: -(r["step"] or 0))
     incomplete = sorted(reader._url(n) for n in [*temporary, *bare])
     aside = reader.folder.child(files.UNREADABLE_DIR)
-    return _listing(url, rows, incomplete, aside.url, aside.list(), monitor, mode, sizes=entries)
+    return _listing(url, rows, incomplete, aside.url, aside.list(), monitor, mode, reader, sizes=entries)
 
 
 def _listing(
@@ -348,6 +355,7 @@ def _listing(
     aside: list[str],
     monitor: str | None,
     mode: str | None,
+    reader: CheckpointDirectory,
     sizes: dict[str, tuple[int, Any]] | None = None,
 ) -> Listing:
     for tmp in temporary:
@@ -359,7 +367,8 @@ def _listing(
                 "a save that did not finish (removed by the next writer)",
                 None,
                 False,
-                size=None if sizes is None else sizes[tmp.rsplit("/", 1)[-1]][0],
+                None if sizes is None else sizes[tmp.rsplit("/", 1)[-1]][0],
+                reader,
             )
         )
     resume_file, resume_step, resume = _resume(rows)
