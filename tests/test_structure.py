@@ -586,6 +586,121 @@ def test_no_class_over_400_lines():
     assert long == {}
 
 
+# What reads and writes a checkpoint directory: a local folder's, an object store's. The
+# command line lists directories with them, and the manager holds one as its ``files``.
+DIRECTORY_MODULES = (f"{ROOT}._manager.directory", f"{ROOT}._manager.remote_directory")
+
+
+@once
+def test_the_checkpoint_directories_import_no_keras_and_no_core():
+    """Neither directory module imports Keras, a backend or ``_core``, in itself or in any
+    package module it imports, nor looks Keras up in ``sys.modules`` (an import in disguise):
+    what they need of the writer (its backend) is given to them."""
+    offenders = []
+    for module in DIRECTORY_MODULES:
+        for source in sorted({module} | _reachable(module)):
+            offenders += [
+                f"{_where(source, node)}: {source} imports {name} (reached from {module})"
+                for node, name in _external_imports(source)
+                if name in FRAMEWORKS
+            ]
+            offenders += [
+                f"{_where(source, node)}: {source} imports {target} (reached from {module})"
+                for node, target, _ in _imports(source)
+                if _part(target) == "_core"
+            ]
+        for node in ast.walk(_sources()[module][2]):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "modules"
+                and getattr(node.value, "id", "") == "sys"
+            ):
+                offenders.append(f"{_where(module, node)}: {module} reads sys.modules")
+    offenders = sorted(set(offenders))
+    assert offenders == [], "\n".join(["Keras or the core behind a checkpoint directory:", *offenders])
+
+
+def _module_operand(module: str, node, bound: dict):
+    """The package module an expression names (``name`` or ``name.sub`` bound by an import
+    of ``module``), or ``None``."""
+    chain = []
+    while isinstance(node, ast.Attribute):
+        chain.insert(0, node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in bound:
+        return None
+    target = bound[node.id]
+    for attr in chain:
+        if not _is_module(f"{target}.{attr}"):
+            return None
+        target = f"{target}.{attr}"
+    return target
+
+
+@once
+def test_no_module_stands_in_for_an_object():
+    """No ``x is module`` / ``x is not module``: a module passed where an object is expected
+    (the directory a manager holds was once the module ``_manager.directory`` or a
+    ``RemoteDirectory``, told apart with ``is``) gets one type with one surface instead."""
+    offenders = []
+    for module in _sources():
+        bound = _bound_modules(module)
+        for node in ast.walk(_sources()[module][2]):
+            if not isinstance(node, ast.Compare) or not any(
+                isinstance(op, ast.Is | ast.IsNot) for op in node.ops
+            ):
+                continue
+            for operand in (node.left, *node.comparators):
+                target = _module_operand(module, operand, bound)
+                if target is not None:
+                    offenders.append(f"{_where(module, node)}: {module} compares with the module {target}")
+    assert offenders == [], "\n".join(["identity comparisons with a module:", *offenders])
+
+
+@once
+def test_the_checkpoint_manager_fits_in_400_lines_with_its_docstring():
+    """``CheckpointManager`` counts its docstring too (its long explanations are in
+    docs/how-to/custom-loops-manager.md, linked; its work in helper modules)."""
+    tree = _sources()[f"{ROOT}._manager.manager"][2]
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "CheckpointManager"]
+    assert node.end_lineno - node.lineno + 1 <= 400
+
+
+def _surface(cls) -> dict:
+    """``{public method: its parameter names}`` of ``cls``."""
+    import inspect
+
+    return {
+        name: list(inspect.signature(member).parameters)
+        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_")
+    }
+
+
+def test_a_manager_reads_and_writes_through_one_directory_type(tmp_path):
+    """``CheckpointManager.files`` is a `CheckpointDirectory` for a local folder and an object
+    store alike, the two classes have exactly the protocol's methods, and the lock each
+    takes is a `WriterLock`."""
+    from keras_stable_state._manager.directory import LocalDirectory
+    from keras_stable_state._manager.lock import new_token
+    from keras_stable_state._manager.protocols import CheckpointDirectory, WriterLock
+    from keras_stable_state._manager.remote_directory import RemoteDirectory
+
+    assert _surface(LocalDirectory) == _surface(RemoteDirectory) == _surface(CheckpointDirectory)
+    for directory, kind in (
+        (str(tmp_path / "run"), LocalDirectory),
+        ("memory://kss-structure", RemoteDirectory),
+    ):
+        files = kss.CheckpointManager(directory).files
+        assert type(files) is kind and isinstance(files, CheckpointDirectory)
+        files.prepare("CheckpointManager")
+        token = new_token()
+        held = files.acquire_lock(token, writer="CheckpointManager", reclaimable=False)
+        assert isinstance(held, WriterLock) and held.held and held.token == token
+        held.release(token)
+        assert not held.held
+
+
 def test_keras_version_outside_the_supported_range_is_refused():
     _keras_compat.check_keras_version(keras.__version__)
     _keras_compat.check_keras_version("3.15.0")
