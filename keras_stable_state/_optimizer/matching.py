@@ -11,6 +11,7 @@ assigns it with the rest of a restore and copies the notes into its ``RestoreRep
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import keras
@@ -154,19 +155,19 @@ def _match_by_position(optimizer, live, arrays, allow_cast, notes, iteration_ids
 
 
 def match_slots(
-    optimizer,
-    model,
-    arrays,
+    optimizer: Any,
+    model: Any,
+    arrays: dict[str, Any] | list[Any],
     *,
-    keyed,
-    strict,
-    allow_cast=False,
-    dropped_keys=(),
-    where=None,
-    name=None,
-    extras=None,
-    keep_learning_rate=False,
-    parsed_keys=None,
+    keyed: bool,
+    strict: bool,
+    allow_cast: bool = False,
+    dropped_keys: Iterable[str] = (),
+    where: Any = None,
+    name: str | None = None,
+    extras: dict[str, Any] | None = None,
+    keep_learning_rate: bool = False,
+    parsed_keys: dict[str, Any] | None = None,
 ) -> tuple[list[tuple[Any, Any]], SlotNotes]:
     """Match saved optimizer arrays to live optimizer variables; assign nothing.
 
