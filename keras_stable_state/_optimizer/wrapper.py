@@ -62,17 +62,21 @@ def bind_unchecked(optimizer: StableOptimizer, model: keras.Model) -> None:
 
 def _assign_all(plan: list[tuple[keras.Variable, Any]]) -> None:
     """Assign every ``(variable, value)`` of a checked plan (`match_slots`), in order; if an
-    assignment raises, put back every value from before (host copies, taken before the
-    first assignment) and re-raise: the slots are restored all or nothing."""
+    assignment raises, put back the values from before (host copies, taken before the
+    first assignment) of every variable already assigned, and of the failing one if it
+    changed, then re-raise: the slots are restored all or nothing."""
     kept = [numpy_copy(var) for var, _ in plan]
-    started = 0
+    done = 0
     try:
         for var, value in plan:
-            started += 1
             var.assign(value)
+            done += 1
     except BaseException:
-        for (var, _), old in zip(plan[:started], kept, strict=False):
-            var.assign(old)
+        failing, old = plan[done][0], kept[done]
+        for (var, _), value in zip(plan[:done], kept, strict=False):
+            var.assign(value)
+        if not np.array_equal(numpy_copy(failing), old, equal_nan=old.dtype.kind == "f"):
+            failing.assign(old)
         raise
 
 
