@@ -185,6 +185,36 @@ def test_load_model_state_waits_for_bind_and_training_before_it_raises(tmp_path)
         np.testing.assert_array_equal(got[k], saved[k])
 
 
+def test_a_load_whose_assignment_fails_puts_every_slot_back_and_stays_pending():
+    """``StableOptimizer``'s own load path is all or nothing past the checks too: when an
+    assignment raises, every slot already assigned gets its value from before back, and the
+    loaded state stays pending (its ``variables`` refuse, as a training step does)."""
+    model = _model()
+    opt = kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=model)
+    model.compile(optimizer=opt, loss="mse")
+    model.train_on_batch(X, Y)
+    store = {}
+    opt.save_own_variables(store)
+    model.train_on_batch(X, Y)  # the slots move on from the stored ones
+    slots = {e.key: e.variable for e in opt.entries()}  # (read directly: entries() refuses while pending)
+    before = {key: to_np(var) for key, var in slots.items()}
+    failing = list(slots.values())[len(slots) // 2]  # the ones before it are assigned first
+
+    def refuse(value):
+        raise RuntimeError("assignment refused")
+
+    failing.assign = refuse
+    try:
+        with pytest.raises(RuntimeError, match="assignment refused"):
+            opt.load_own_variables(store)
+    finally:
+        del failing.assign
+    for key, value in before.items():
+        np.testing.assert_array_equal(to_np(slots[key]), value, err_msg=key)
+    with pytest.raises(kss.BindingError, match=r"not applied yet"):
+        _ = opt.variables
+
+
 def test_stable_checkpoint_binds_the_fit_models_optimizer(tmp_path):
     model = _model()
     opt = kss.StableOptimizer(keras.optimizers.Adam(1e-2))

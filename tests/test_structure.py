@@ -1,7 +1,9 @@
 """The package's structure, read by ``ast`` from its files (every ``keras_stable_state/**.py``):
 layers that depend one way, no import cycle, a Keras-free file format and command line,
-Keras internals in one module, no reaching into another module's private names, modules
-and classes small enough to read; and wrapped inner optimizers that refuse to be used alone.
+Keras internals in one module, no reaching into another module's private names, no module
+that changes another when it is imported, modules and classes small enough to read; wrapped
+inner optimizers that refuse to be used alone, and a ``StableOptimizer`` that loads its slots
+without the restore core.
 
 The layers, low to high (a module may import its own layer and lower ones)::
 
@@ -17,6 +19,7 @@ import collections
 import functools
 import importlib
 import inspect
+import json
 import os
 import pathlib
 import re
@@ -30,6 +33,7 @@ import pytest
 
 import keras_stable_state as kss
 from keras_stable_state import _keras_compat
+from keras_stable_state._numpy import to_numpy
 
 BACKEND = keras.backend.backend()
 # The source tree is the same in every pass: its static checks run once, in the jax pass.
@@ -506,6 +510,94 @@ def test_no_module_uses_another_modules_private_names():
     assert offenders == [], "\n".join(["private names of another module:", *offenders])
 
 
+def _run_at_import(tree):
+    """The nodes of a module that run when it is imported: its body and class bodies, and
+    the decorators and default values of its functions, not the functions' bodies."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            todo += [*node.decorator_list, *node.args.defaults, *filter(None, node.args.kw_defaults)]
+        elif not isinstance(node, ast.Lambda):
+            todo += list(ast.iter_child_nodes(node))
+
+
+def _rebinds_globals(function) -> bool:
+    """Whether a function's body rebinds its module's globals (a ``global`` statement)."""
+    return any(isinstance(node, ast.Global) for node in ast.walk(function))
+
+
+def _called(module: str, func, bound: dict, names: dict):
+    """``(package module, function name)`` a call's ``func`` names, or ``None``: ``f`` bound by
+    ``from m import f``, or ``m.f`` on a package module bound by an import."""
+    if isinstance(func, ast.Name):
+        return names.get(func.id)
+    chain, value = [], func
+    while isinstance(value, ast.Attribute):
+        chain.insert(0, value.attr)
+        value = value.value
+    if not isinstance(value, ast.Name) or value.id not in bound:
+        return None
+    target = bound[value.id]
+    while len(chain) > 1 and _is_module(f"{target}.{chain[0]}"):
+        target = f"{target}.{chain.pop(0)}"
+    return (target, chain[0]) if len(chain) == 1 else None
+
+
+def _module_root(node):
+    """The name an assignment target such as ``m.x``, ``m.x[k]`` or ``m.__dict__["x"]`` starts at."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+@once
+def test_no_module_registers_into_another_at_import():
+    """Importing a module changes no other module of the package: nothing at import time
+    assigns into another module's globals (``m.x = ...``, ``setattr(m, ...)``) or calls a
+    function of another module that rebinds that module's globals (a registration such as
+    the former ``register_keyed_restore``). What one part needs from another it imports
+    and calls, or is given by its caller, so that it does not depend on import order."""
+    functions = {
+        (module, node.name): node
+        for module, (_, _, tree) in _sources().items()
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    offenders = []
+    for module, (_, _, tree) in _sources().items():
+        bound = _bound_modules(module)
+        names = {
+            alias.asname or alias.name: (target, name)
+            for node, target, name in _imports(module)
+            if name is not None
+            for alias in node.names
+            if alias.name == name
+        }
+        for node in _run_at_import(tree):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for target in targets:
+                if not isinstance(target, ast.Name) and bound.get(_module_root(target), module) != module:
+                    offenders.append(f"{_where(module, node)}: assigns into {bound[_module_root(target)]}")
+            if not isinstance(node, ast.Call):
+                continue
+            if isinstance(node.func, ast.Name) and node.func.id == "setattr" and node.args:
+                root = _module_root(node.args[0])
+                if bound.get(root, module) != module:
+                    offenders.append(f"{_where(module, node)}: setattr on {bound[root]}")
+            called = _called(module, node.func, bound, names)
+            if called and called[0] != module and _rebinds_globals(functions.get(called, ast.Pass())):
+                offenders.append(
+                    f"{_where(module, node)}: calls {called[0]}.{called[1]}, which rebinds its globals"
+                )
+    assert offenders == [], "\n".join(["modules that change another module when imported:", *offenders])
+
+
 @once
 def test_each_public_name_is_written_once():
     """``keras_stable_state/__init__.py`` writes each public name once: in its import under
@@ -706,3 +798,37 @@ def test_inner_optimizer_taken_out_of_the_wrapper_refuses_to_save_alone(tmp_path
     model.compile(optimizer=wrapper.inner_optimizer, loss="mse")  # taken out of the wrapper
     with pytest.raises(kss.StateError, match=r"was wrapped by StableOptimizer .* on its own"):
         model.save(tmp_path / "alone.keras")
+
+
+@pytest.mark.slow
+def test_stable_optimizer_loads_its_slots_by_key_without_the_restore_core(tmp_path):
+    """``StableOptimizer``'s own load path (``keras.saving.load_model``, then ``bind``) matches
+    its slots itself: in a fresh process that imports only the optimizer part (before Keras,
+    so that the package loads nothing else), the slots come back by key and the restore core
+    is never imported."""
+    model = _model()
+    opt = kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=model)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(np.ones((4, 3)), np.arange(8.0).reshape(4, 2), verbose=0)
+    model.save(tmp_path / "m.keras")
+    saved = {e.key: np.asarray(to_numpy(e.variable)).tolist() for e in opt.entries()}
+    (tmp_path / "slots.json").write_text(json.dumps(saved))
+    code = (
+        "import json, sys\n"
+        "import numpy as np\n"
+        "from keras_stable_state._optimizer import StableOptimizer\n"
+        "from keras_stable_state._numpy import to_numpy\n"
+        "import keras\n"
+        f"loaded = keras.saving.load_model({str(tmp_path / 'm.keras')!r})\n"
+        "assert isinstance(loaded.optimizer, StableOptimizer)\n"
+        "loaded.optimizer.bind(loaded)\n"
+        "got = {e.key: to_numpy(e.variable).tolist() for e in loaded.optimizer.entries()}\n"
+        f"saved = json.loads(open({str(tmp_path / 'slots.json')!r}).read())\n"
+        "assert got == saved, (sorted(got), sorted(saved))\n"
+        "assert 'keras_stable_state._core' not in sys.modules\n"
+        "print('restored', len(got))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == f"restored {len(saved)}"

@@ -1,5 +1,6 @@
-"""Check first, assign last: converting saved arrays for their variables, and applying
-every step of a restore or, when one fails, putting back every value already assigned."""
+"""Check first, assign last: applying every step of a restore or, when one fails, putting
+back every value already assigned. (Saved arrays are checked and converted for their
+variables before, by `keras_stable_state._identity.dtypes.coerce`.)"""
 
 from __future__ import annotations
 
@@ -11,119 +12,14 @@ import numpy as np
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as _multiprocess
 from keras_stable_state import _state as state_mod
-from keras_stable_state import format as storage
 from keras_stable_state._identity.keys import file_label, malformed_key
 from keras_stable_state._numpy import private_copy, to_numpy
-from keras_stable_state.errors import (
-    BindingError,
-    DtypeMismatchError,
-    KeyFormatError,
-    MalformedKeyError,
-    StateError,
-)
+from keras_stable_state.errors import KeyFormatError, MalformedKeyError, StateError
 from keras_stable_state.format.image import aligned_copy as _aligned_copy
-from keras_stable_state.format.proven import FileArray
 
 
 def _dtype(variable) -> str:
     return keras.backend.standardize_dtype(variable.dtype)
-
-
-_DTYPE_NAMES: dict = {}  # np.dtype -> storage.dtype_name (NumPy computes ``dtype.name`` each time)
-
-
-def dtype_name(array) -> str:
-    """`storage.dtype_name`, memoised per dtype (once per restore, not per array)."""
-    dtype = array.dtype
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = storage.dtype_name(array)
-        if len(_DTYPE_NAMES) < 256:
-            _DTYPE_NAMES[dtype] = name
-    return name
-
-
-def coerce(key, array, variable, allow_cast, report):
-    """Return ``array`` ready to assign to ``variable``, checking shape and dtype.
-
-    An array not read yet (``.orbax``; a `FileArray` of a record proven whole) of the
-    variable's dtype is checked from its shape and dtype and returned unread; one to cast
-    is read first. Integers are cast
-    within range; floating-point arrays (``bfloat16``, ``float16``, ``float32``,
-    ``float64``, any direction) with ``allow_cast``, each listed in ``report.casts`` and,
-    unless the cast keeps every value (`_EXACT_CASTS`), in ``report.lossy``.
-    """
-    lazy = isinstance(array, FileArray) or (
-        hasattr(array, "leaf") and hasattr(array, "digest") and not isinstance(array, np.ndarray)
-    )
-    if lazy and storage.dtype_name(array) == _dtype(variable) and tuple(array.shape) == tuple(variable.shape):
-        return array
-    array = np.asarray(array)
-    if not array.dtype.isnative:
-        array = array.astype(array.dtype.newbyteorder("="))
-    if tuple(array.shape) != tuple(variable.shape):
-        raise BindingError(
-            f"Saved array for {key} has shape {tuple(array.shape)}, but its variable has shape "
-            f"{tuple(variable.shape)}. The model was changed since the state was saved; rebuild it "
-            "as it was, or restore with a model of that shape.",
-            key=key,
-            expected=tuple(variable.shape),
-            received=tuple(array.shape),
-        )
-    src, dst = dtype_name(array), _dtype(variable)
-    if src == dst:
-        return array
-    if np.issubdtype(array.dtype, np.integer) and dst.startswith(("int", "uint")):
-        info = np.iinfo(np.dtype(dst))
-        if array.size and (array.min() < info.min or array.max() > info.max):
-            raise DtypeMismatchError(
-                f"Saved {src} value of {key} ({array.min()}..{array.max()}) does not fit the "
-                f"variable's {dst} range [{info.min}, {info.max}]; it would wrap around. Use a "
-                "backend whose counter dtype holds it (TensorFlow keeps int64).",
-                key=key,
-                expected=dst,
-                received=src,
-            )
-        report.casts.append((key, src, dst))
-        return array.astype(storage.numpy_dtype(dst))
-    floats = ("float", "bfloat16")
-    if not (src.startswith(floats) and dst.startswith(floats)):
-        raise DtypeMismatchError(
-            f"Saved array for {key} is {src}, but its variable is {dst}. Only floating-point arrays "
-            "are cast (allow_cast=True) and integers within range; a cast between integers, booleans "
-            "and floats would change what the values mean. The file does not belong to this model, or "
-            "is damaged; restore a state saved from this model.",
-            key=key,
-            expected=dst,
-            received=src,
-        )
-    if not allow_cast:
-        raise DtypeMismatchError(
-            f"Saved array for {key} is {src}, but its variable is {dst}. Casting could lose "
-            "precision, so it is refused; pass allow_cast=True to cast and have each cast listed "
-            "in report.casts (and those that lose precision in report.lossy), or build the variable "
-            f"as {src}.",
-            key=key,
-            expected=dst,
-            received=src,
-        )
-    report.casts.append((key, src, dst))
-    if (src, dst) not in _EXACT_CASTS and key not in report.lossy:
-        report.lossy.append(key)
-    return array.astype(storage.numpy_dtype(dst))
-
-
-# Float casts that keep every value exactly (a wider mantissa and exponent range); any
-# other float cast may round or overflow, and its key is listed in ``report.lossy``.
-_EXACT_CASTS = frozenset(
-    {
-        ("float16", "float32"),
-        ("float16", "float64"),
-        ("bfloat16", "float32"),
-        ("bfloat16", "float64"),
-        ("float32", "float64"),
-    }
-)
 
 
 # -- assigning: all or nothing ----------------------------------------------------------

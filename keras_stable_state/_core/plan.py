@@ -21,26 +21,21 @@ from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
 from keras_stable_state._core import mappers as mappers_mod
-from keras_stable_state._core.apply import (
-    apply_steps,
-    coerce,
-    dtype_name,
-    rng_step,
-    state_step,
-    variable_step,
-)
+from keras_stable_state._core.apply import apply_steps, rng_step, state_step, variable_step
 from keras_stable_state._core.arguments import check_callbacks, extra_saved
 from keras_stable_state._core.host_rollback import HostRollback
 from keras_stable_state._core.in_place import assign_in_place, clear_partial, mark_partial, put_back_or_mark
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._core.scope import check_scope, renamed_record
-from keras_stable_state._core.slot_restore import drop_reason, plan_optimizers
+from keras_stable_state._core.slot_restore import plan_optimizers
 from keras_stable_state._core.torch_restore import plan_torch_optimizers
 from keras_stable_state._engines import orbax as orbax_engine
-from keras_stable_state._identity.contract import TrainableContract, float_cast
+from keras_stable_state._identity.contract import TrainableContract
+from keras_stable_state._identity.dtypes import coerce, dtype_name, float_cast
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import to_numpy
+from keras_stable_state._optimizer.matching import drop_reason
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state._state import metrics as metrics_state
 from keras_stable_state.errors import NAMES_SHOWN, BindingError, StateError, listed, shown

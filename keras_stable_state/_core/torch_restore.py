@@ -15,7 +15,7 @@ import numpy as np
 from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
 from keras_stable_state._core.apply import Step
-from keras_stable_state._core.slot_restore import NOT_IN_MODEL
+from keras_stable_state._identity.dtypes import EXACT_CASTS, floating
 from keras_stable_state._identity.keys import (
     MAIN,
     entry_prefix,
@@ -23,6 +23,7 @@ from keras_stable_state._identity.keys import (
     split_entry_key,
     split_entry_name,
 )
+from keras_stable_state._optimizer.matching import NOT_IN_MODEL
 from keras_stable_state._optimizer.torch_optim import SECTION, live_params, param_keys
 from keras_stable_state._state.state_dict import decode, qualified_name
 from keras_stable_state.errors import BindingError, DtypeMismatchError, listed
@@ -32,15 +33,6 @@ __all__ = ["plan_torch_optimizers"]
 NOT_TRAINED = "not trained by the live torch.optim optimizer"
 OTHER_CLASS = "saved from another torch.optim optimizer class"
 NO_TORCH_OPTIMIZER = "no live torch.optim optimizer of that name (pass optimizer=)"
-
-# Casts that keep every value (as `keras_stable_state._core.apply`'s float casts).
-_EXACT = {
-    ("float16", "float32"),
-    ("float16", "float64"),
-    ("bfloat16", "float32"),
-    ("bfloat16", "float64"),
-    ("float32", "float64"),
-}
 
 
 def _label(name: str) -> str:
@@ -255,9 +247,8 @@ def _check_specs(name, saved, live, saved_state, head, allow_cast, report, where
             expected=reshaped[0][1],
             received=reshaped[0][2],
         )
-    floats = ("float", "bfloat16")
     for key, src, dst in retyped:
-        if not (allow_cast and src.startswith(floats) and dst.startswith(floats)):
+        if not (allow_cast and floating(src) and floating(dst)):
             raise DtypeMismatchError(
                 f"The torch.optim optimizer{_label(name)} state in {where} was saved for {src} variables "
                 f"{listed(k for k, s, _ in retyped if s == src)}, but they are {dst} now: Torch would cast "
@@ -275,7 +266,7 @@ def _check_specs(name, saved, live, saved_state, head, allow_cast, report, where
             ):
                 slot = _slot(key, head, entry)
                 report.casts.append((slot, str(value["__tensor__"].dtype), dst))
-                if (src, dst) not in _EXACT:
+                if (src, dst) not in EXACT_CASTS:
                     report.lossy.append(slot)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from keras_stable_state._identity.dtypes import float_cast
 from keras_stable_state._identity.registry import VariableKey, VariableRegistry
 from keras_stable_state.errors import NAMES_SHOWN, ContractError, listed, shown
 
@@ -13,15 +14,7 @@ if TYPE_CHECKING:
     import keras
 
 
-__all__ = ["TrainableContract", "float_cast"]
-
-_FLOATS = frozenset({"bfloat16", "float16", "float32", "float64"})
-
-
-def float_cast(saved: str, current: str) -> bool:
-    """Whether ``saved`` and ``current`` are two different floating-point dtypes (a change
-    ``allow_cast=True`` casts)."""
-    return saved != current and str(saved) in _FLOATS and str(current) in _FLOATS
+__all__ = ["TrainableContract"]
 
 
 @dataclasses.dataclass(frozen=True)

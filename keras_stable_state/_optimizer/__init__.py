@@ -1,13 +1,14 @@
 """Optimizer state keyed by the model variable each slot belongs to.
 
 Modules, low to high: `.attribution` (which model variable a slot belongs
-to), `.entries` (every variable of an optimizer, keyed), `.wrapper`
-(``StableOptimizer``), `.tracking` (the optimizers a model tracks),
-`.groups` (parameter groups and accumulation windows), `.slots`
-(saving every tracked optimizer), `.accumulator` (``GradientAccumulator``).
-Restoring them reads a checkpoint record, so it lives in the restore core,
-`keras_stable_state._core.slot_restore`, which registers ``StableOptimizer``'s
-keyed restore when `keras_stable_state._core` is imported.
+to), `.entries` (every variable of an optimizer, keyed), `.groups` (parameter
+groups and accumulation windows), `.matching` (saved slots to live ones, by key,
+shape and dtype checked: a plan and notes), `.wrapper` (``StableOptimizer``, whose
+``load_own_variables`` assigns what `.matching` planned), `.tracking` (the
+optimizers a model tracks), `.slots` (saving every tracked optimizer),
+`.accumulator` (``GradientAccumulator``). Reading a checkpoint record's optimizer
+state and listing the notes in a ``RestoreReport`` is the restore core's,
+`keras_stable_state._core.slot_restore`.
 """
 
 from keras_stable_state._optimizer.accumulator import GradientAccumulator

@@ -4,7 +4,8 @@
 built first when it is not (`ensure_built`, `build_for`: on the
 model's trainable variables, or on the variables it was saved with), and
 refused when it trains variables outside the model (`check_inside`).
-Restoring is `keras_stable_state._core.slot_restore`.
+Restoring matches saved slots to live ones in `keras_stable_state._optimizer.matching`;
+``restore_training_state`` plans them in `keras_stable_state._core.slot_restore`.
 """
 
 from __future__ import annotations

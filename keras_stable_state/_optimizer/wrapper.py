@@ -8,7 +8,7 @@ inside ``.keras`` files.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -19,6 +19,7 @@ from keras_stable_state._identity import keys
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import numpy_copy
 from keras_stable_state._optimizer.entries import optimizer_entries, optimizer_tree, unbound_message
+from keras_stable_state._optimizer.matching import match_slots
 from keras_stable_state.errors import BindingError
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
     from keras_stable_state._optimizer.entries import OptimizerEntry
 
-__all__ = ["StableOptimizer", "bind_unchecked", "register_keyed_restore"]
+__all__ = ["StableOptimizer", "bind_unchecked"]
 
 _BASE_DEFAULTS = {
     "weight_decay": None,
@@ -49,20 +50,6 @@ def _hand_over(wrapper: StableOptimizer) -> None:
     compat.hand_over([opt for _, opt in optimizer_tree(wrapper.inner_optimizer)], wrapper.name)
 
 
-# The keyed restore StableOptimizer.load_own_variables uses: slot_restore.restore_optimizer_arrays,
-# registered by keras_stable_state._core.slot_restore (imported with keras_stable_state._core), so that this
-# module does not import the modules that match slots (they import this one).
-_keyed_restore: Callable[..., object] | None = None
-
-
-def register_keyed_restore(restore: Callable[..., object]) -> None:
-    """Set the function ``restore(optimizer, model, arrays, *, keyed, strict)`` that
-    [`StableOptimizer.load_own_variables`][keras_stable_state.StableOptimizer.load_own_variables] restores with (``slot_restore`` registers
-    ``restore_optimizer_arrays``)."""
-    global _keyed_restore
-    _keyed_restore = restore
-
-
 def bind_unchecked(optimizer: StableOptimizer, model: keras.Model) -> None:
     """Key the slots of ``optimizer`` (a [`StableOptimizer`][keras_stable_state.StableOptimizer]) by ``model``'s paths,
     without the checks of [`StableOptimizer.bind`][keras_stable_state.StableOptimizer.bind] and without restoring state a
@@ -71,6 +58,26 @@ def bind_unchecked(optimizer: StableOptimizer, model: keras.Model) -> None:
     ``variables=`` themselves."""
     optimizer._model_ref = weakref.ref(model)
     BOUND.add(optimizer)
+
+
+def _assign_all(plan: list[tuple[keras.Variable, Any]]) -> None:
+    """Assign every ``(variable, value)`` of a checked plan (`match_slots`), in order; if an
+    assignment raises, put back the values from before (host copies, taken before the
+    first assignment) of every variable already assigned, and of the failing one if it
+    changed, then re-raise: the slots are restored all or nothing."""
+    kept = [numpy_copy(var) for var, _ in plan]
+    done = 0
+    try:
+        for var, value in plan:
+            var.assign(value)
+            done += 1
+    except BaseException:
+        failing, old = plan[done][0], kept[done]
+        for (var, _), value in zip(plan[:done], kept, strict=False):
+            var.assign(value)
+        if not np.array_equal(numpy_copy(failing), old, equal_nan=old.dtype.kind == "f"):
+            failing.assign(old)
+        raise
 
 
 BOUND: weakref.WeakSet[StableOptimizer] = weakref.WeakSet()
@@ -401,8 +408,10 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
         before that raises [`BindingError`][keras_stable_state.BindingError].
 
         Raises:
-            BindingError, ContractError, DtypeMismatchError: see
-                `keras_stable_state._core.slot_restore.restore_optimizer_arrays`.
+            BindingError, MalformedKeyError, DtypeMismatchError: when the
+                stored slots do not match the optimizer (see
+                `keras_stable_state._optimizer.matching.match_slots`); nothing
+                is assigned then.
         """
         compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "load")
         self._pending_store = {k: np.array(store[k]) for k in store.keys()}
@@ -430,9 +439,8 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
             by_position = {int(k): np.asarray(store[k]) for k in names}
             arrays = [by_position[i] for i in sorted(by_position)]
             keyed = False
-        # registered by keras_stable_state._core.slot_restore, which keras_stable_state imports
-        assert _keyed_restore is not None
-        _keyed_restore(self, self.bound_model(), arrays, keyed=keyed, strict=True)
+        plan, _ = match_slots(self, self.bound_model(), arrays, keyed=keyed, strict=True)
+        _assign_all(plan)
 
     # -- config ---------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
