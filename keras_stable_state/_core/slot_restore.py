@@ -15,7 +15,6 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat as compat
-from keras_stable_state import format as storage
 from keras_stable_state._core.apply import apply_steps, coerce, variable_step
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._identity.keys import (
@@ -300,7 +299,7 @@ def plan_optimizers(
     """Plan every optimizer's arrays: saved names matched to live names."""
     where = file_label(filepath)
     saved_opt = record.optimizer
-    meta_all = record.metadata.get("optimizers") if isinstance(record, storage.StateRecord) else None
+    meta_all = record.metadata.get("optimizers")  # (a stock Keras file's metadata is empty)
     meta_all = meta_all if isinstance(meta_all, dict) else {}
     parsed_keys = {}  # parsed once here, reused by plan_optimizer_arrays
     if isinstance(saved_opt, dict):
