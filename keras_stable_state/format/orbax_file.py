@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 from keras_stable_state.format.codec import dtype_name, numpy_dtype
+from keras_stable_state.format.opened import Opened
 from keras_stable_state.format.orbax_layout import (
     ARRAYS,
     INDEX,
@@ -251,7 +252,7 @@ def materialize(plan: list[tuple[Any, Any]]) -> tuple[list[tuple[Any, Any]], set
     return plan, {id(value) for value in values if type(value) is np.ndarray}
 
 
-class OrbaxFile:
+class OrbaxFile(Opened):
     """A ``.orbax`` training state opened for reading: a `Layout` (see
     `keras_stable_state.format.layout`), its arrays matched by key.
 
@@ -277,7 +278,11 @@ class OrbaxFile:
 
     container = CONTAINER
     matched_by: MatchedBy = BY_KEY
-    checksum = "Orbax index hashes and xxh3-64"
+
+    @property
+    def checksum(self) -> str:
+        """What its arrays are checked with: ``"Orbax index hashes and xxh3-64"``."""
+        return "Orbax index hashes and xxh3-64"
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -339,22 +344,6 @@ class OrbaxFile:
                 progress(e.nbytes)
         return damaged
 
-    def section(self, name: str) -> list[Entry]:
-        """The entries of one section (``"model"``, ``"optimizer"``, ``"state"``), in file order."""
-        return [e for e in self.entries if e.section == name]
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of array data in the folder."""
-        return sum(e.nbytes for e in self.entries)
-
     def close(self) -> None:
         """Close ``state.h5`` and release its lock. Closing twice is harmless."""
         self._file.close()
-
-    def __enter__(self) -> OrbaxFile:
-        return self
-
-    def __exit__(self, *exc: object) -> Literal[False]:
-        self.close()
-        return False

@@ -28,7 +28,7 @@ import os
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from keras_stable_state.format import image as _image
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import EXOTIC, decode_array, stored_dtype
 from keras_stable_state.format.memory import out_of_memory
+from keras_stable_state.format.opened import Opened
 from keras_stable_state.format.probe import damaged
 from keras_stable_state.format.record import (
     BLOB_TARGET,
@@ -60,7 +61,7 @@ from keras_stable_state.format.stock import StockListing, StockWeights, stock_we
 _BLOB_CACHE_LIMIT = 4 * BLOB_TARGET
 
 
-class CheckpointFile:
+class CheckpointFile(Opened):
     """A training-state file or stock Keras weights file, opened for reading.
 
     Opening checks the whole-file seal (records: format 3 xxh3-128, format 2 SHA-256),
@@ -437,24 +438,10 @@ class CheckpointFile:
             raise ValueError(f"{self.path}: no open file to read from (closed, or bytes in memory).")
         return fh.fileno()
 
-    def section(self, name: str) -> list[Entry]:
-        """The entries of one section (``"model"``, ``"optimizer"``, ``"state"``), in file order."""
-        return [e for e in self.entries if e.section == name]
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of array data in the file."""
-        return sum(e.nbytes for e in self.entries)
-
     @property
     def matched_by(self) -> MatchedBy:
         """`BY_KEY` for our record, `BY_STRUCTURE` for a stock Keras file."""
         return BY_KEY if self.kind == FORMAT else BY_STRUCTURE
-
-    @property
-    def checksum(self) -> str | None:
-        """The name of the checksum its arrays carry (``"xxh3-64"``...), ``None`` if none."""
-        return (self.entries[0].checksum or None) if self.entries else None
 
     def close(self) -> None:
         """Close the file and release its lock; `read` then raises ``ValueError``.
@@ -463,13 +450,6 @@ class CheckpointFile:
         self._blob = (None, None)
         self._shared = {}
         self._datasets = {}
-
-    def __enter__(self) -> CheckpointFile:
-        return self
-
-    def __exit__(self, *exc: object) -> Literal[False]:
-        self.close()
-        return False
 
 
 def open_checkpoint_file(
