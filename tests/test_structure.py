@@ -256,6 +256,73 @@ def test_the_key_grammar_imports_no_keras():
     assert {t for _, t, _ in _imports(keys)} <= {f"{ROOT}.errors"}
 
 
+# The types that tell one layout of a training state from another (keras_stable_state.format.layout):
+# the records read whole, the opened files and the protocol, and the command line's former
+# second reader of '.orbax' folders. Which layout a file has is decided in format/ only:
+# elsewhere a record or file is asked (``matched_by``, ``metadata``...), never its type.
+LAYOUT_TYPES = ("StateRecord", "StockWeights", "CheckpointFile", "OrbaxFile", "Layout", "OrbaxState")
+
+
+def _type_names(node) -> list:
+    """The names in the second argument of ``isinstance``: ``A``, ``m.A``, ``A | B``, ``(A, B)``."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, ast.BinOp):
+        return _type_names(node.left) + _type_names(node.right)
+    if isinstance(node, ast.Tuple):
+        return [name for element in node.elts for name in _type_names(element)]
+    return []
+
+
+@once
+def test_which_layout_a_file_has_is_decided_in_the_file_format_only():
+    """No ``isinstance(x, <a layout type>)`` outside ``keras_stable_state/format/`` (issue 34:
+    one door for every layout): a record or an opened file answers ``matched_by`` (by key,
+    by structure), ``metadata``, ``contract``, ``extra``, ``checksum``."""
+    in_format = {
+        node.name
+        for module, (_, _, tree) in _sources().items()
+        if _part(module) == "format"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+    assert set(LAYOUT_TYPES) - in_format == {"OrbaxState"}  # each (but the former) a class of format/
+    offenders = []
+    for module, (_, _, tree) in _sources().items():
+        if _part(module) == "format":
+            continue
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance"
+                and len(node.args) == 2
+            ):
+                continue
+            found = sorted(set(_type_names(node.args[1])) & set(LAYOUT_TYPES))
+            if found:
+                offenders.append(f"{_where(module, node)}: isinstance on {', '.join(found)}")
+    assert offenders == [], "\n".join(["which layout a file has, decided outside format/:", *offenders])
+
+
+@once
+def test_the_restore_core_does_not_import_the_orbax_engine():
+    """``_core`` reads every layout through ``format.open_file`` / ``read_file`` (a ``.orbax``
+    folder's arrays through the source the engine supplies to ``format``) and writes a
+    ``.orbax`` folder through ``_engines.folder_engine``: it never imports ``_engines.orbax``."""
+    engine = f"{ROOT}._engines.orbax"
+    offenders = [
+        f"{_where(module, node)}: {module} imports {target}" + (f".{name}" if name else "")
+        for module in _sources()
+        if _part(module) == "_core"
+        for node, target, name in _imports(module)
+        if target == engine or (target == f"{ROOT}._engines" and name == "orbax")
+    ]
+    assert offenders == [], "\n".join(["the Orbax engine imported by the restore core:", *offenders])
+
+
 def _keras_private_attributes(tree) -> list:
     """Attribute chains rooted at ``keras`` (``keras.a._b``) that reach a private name."""
     found = []

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any
+from typing import Any, cast
 
 import keras
 import ml_dtypes
@@ -37,6 +37,7 @@ import numpy as np
 from keras_stable_state import _state as state_mod
 from keras_stable_state import format as storage
 from keras_stable_state.errors import CorruptCheckpointError, DtypeMismatchError, StateError, listed
+from keras_stable_state.format.record import BY_KEY
 
 __all__ = ["SECTION", "CastMapper", "QuantizeMapper", "StateMapper", "check_mappers", "decode_record"]
 
@@ -420,10 +421,11 @@ def decode_record(
             another shape or dtype than saved.
         CorruptCheckpointError: naming the key, for a mapper record about no saved array.
     """
-    specs = record.extra.get(SECTION) if isinstance(record, storage.StateRecord) else None
-    if not specs or not isinstance(record, storage.StateRecord):  # (specs: a StateRecord's)
+    specs = record.extra.get(SECTION)  # (a stock Keras file's extra is empty)
+    if not specs or record.matched_by != BY_KEY:
         return record, {}
-    sections = {"model": dict(record.model), "optimizer": dict(record.optimizer)}
+    keyed = cast(storage.StateRecord, record)  # matched by key: our record
+    sections = {"model": dict(keyed.model), "optimizer": dict(keyed.optimizer)}
     mapped: dict[str, StateMapper] = {}
     for key, spec in specs.items():
         arrays = next((a for a in sections.values() if key in a), None)
@@ -434,7 +436,7 @@ def decode_record(
                 key=key,
             )
         mapper = _mapper_of(key, spec["mapper"], where)
-        params = state_mod.join_arrays(spec["params"], record.arrays, where)
+        params = state_mod.join_arrays(spec["params"], keyed.arrays, where)
         try:
             value = mapper.decode(key, arrays[key], spec["dtype"], params)
         except Exception as err:  # noqa: BLE001 - any failure of a user's decode is named by key
@@ -455,4 +457,4 @@ def decode_record(
             )
         arrays[key] = value
         mapped[key] = mapper
-    return dataclasses.replace(record, model=sections["model"], optimizer=sections["optimizer"]), mapped
+    return dataclasses.replace(keyed, model=sections["model"], optimizer=sections["optimizer"]), mapped

@@ -19,7 +19,6 @@ import numpy as np
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _state as state_mod
-from keras_stable_state import format as storage
 from keras_stable_state._core import mappers as mappers_mod
 from keras_stable_state._core.apply import apply_steps, rng_step, state_step, variable_step
 from keras_stable_state._core.arguments import check_callbacks, extra_saved
@@ -29,7 +28,6 @@ from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._core.scope import check_scope, renamed_record
 from keras_stable_state._core.slot_restore import plan_optimizers
 from keras_stable_state._core.torch_restore import plan_torch_optimizers
-from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.dtypes import coerce, dtype_name, float_cast
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
@@ -39,7 +37,9 @@ from keras_stable_state._optimizer.matching import drop_reason
 from keras_stable_state._state import layers as layer_state
 from keras_stable_state._state import metrics as metrics_state
 from keras_stable_state.errors import NAMES_SHOWN, BindingError, StateError, listed, shown
+from keras_stable_state.format import orbax_file
 from keras_stable_state.format.proven import FileArray
+from keras_stable_state.format.record import BY_KEY, BY_STRUCTURE
 
 __all__ = ["RestoreRequest", "restore_record", "plan_callbacks"]
 
@@ -134,7 +134,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     report.transfer = rules is not None or not strict
     report.mapped = {k: repr(m) for k, m in mapped.items()}
     report.lossy = [k for k, m in mapped.items() if m.lossy]
-    if isinstance(record, storage.StockWeights):
+    if record.matched_by == BY_STRUCTURE:  # a stock Keras file
         report.source = record.source
     else:
         report.writer = dict(record.metadata)
@@ -145,10 +145,10 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     registry = _model_registry(model, request.extras)
     if rules is not None:
         record = renamed_record(record, rules, strict, report, where)
-    elif isinstance(record, storage.StateRecord):
+    elif record.matched_by == BY_KEY:
         check_scope(record, registry, model, where)
     dropped_keys = []
-    if isinstance(record, storage.StateRecord) and record.contract is not None:
+    if record.contract is not None:
         contract = TrainableContract.from_json(record.contract)
         if strict:
             contract.validate(model, allow_cast=request.allow_cast)
@@ -160,7 +160,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
                 contract.validate(model, allow_cast=request.allow_cast)
             dropped_keys = missing
     optimizer = request.optimizer
-    if isinstance(record, storage.StateRecord) and optimizer is not None:
+    if optimizer is not None:
         if request.check_schedule and not request.keep_learning_rate and "schedule" in record.extra:
             state_mod.check_schedule(record.extra["schedule"], optimizer)
     plan = _plan_model(record, registry, request, report)
@@ -179,7 +179,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     )
     steps = []
     providers = request.providers
-    if isinstance(record, storage.StateRecord):
+    if record.matched_by == BY_KEY:
         steps = _plan_state(record, request, report)
     elif providers:
         raise StateError(
@@ -204,7 +204,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
         record, model, strict=strict, report=report, where=where, rules=rules
     )
     # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
-    plan, fresh = orbax_engine.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
+    plan, fresh = orbax_file.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
     owned |= fresh
     plan, in_place = _in_file(plan, request.in_place, owned)
     owned -= _sparse_views(plan, owned)
@@ -262,7 +262,7 @@ def _in_file(plan, in_place: bool, owned: set) -> tuple[list, list]:
 def _read_arrays(record) -> set:
     """The ids of the host arrays of ``record``'s model and optimizer sections, as read
     (a mapper's decoded or a cast array is not among them)."""
-    if isinstance(record, storage.StockWeights):
+    if record.matched_by == BY_STRUCTURE:  # a stock Keras file: model arrays by path
         optimizer = record.optimizer
         groups = (record.arrays.values(), optimizer.values() if isinstance(optimizer, dict) else optimizer)
     else:
@@ -310,7 +310,7 @@ def _plan_model(record, registry, request, report):
     the request does not allow refused, the others listed in ``report``."""
     strict, allow_cast, where = request.strict, request.allow_cast, request.where
     plan = []
-    if isinstance(record, storage.StockWeights):
+    if record.matched_by == BY_STRUCTURE:  # a stock Keras file: by the layers' paths
         absent, plan = [], []
         for key, var in registry.entries:
             kpath = registry.keras_paths.get(id(var))
@@ -387,7 +387,7 @@ def _plan_model(record, registry, request, report):
 def _check_extras_saved(record, request):
     """With ``strict``, refuse an extra variable the file has no value for."""
     extras, strict, where = request.extras, request.strict, request.where
-    if not strict or not extras or not isinstance(record, storage.StateRecord):
+    if not strict or not extras or record.matched_by != BY_KEY:
         return
     model_state = record.metadata.get("model_state", "all")
     absent = [

@@ -35,11 +35,10 @@ from keras_stable_state._core.object_store import object_store_target
 from keras_stable_state._core.plan import RestoreRequest, restore_record
 from keras_stable_state._core.report import RestoreReport
 from keras_stable_state._engines import background
-from keras_stable_state._engines import orbax as orbax_engine
 from keras_stable_state._identity.keys import file_label
 from keras_stable_state._optimizer.torch_optim import split_optimizers
 from keras_stable_state.errors import StateError
-from keras_stable_state.format import orbax_layout, proven
+from keras_stable_state.format import proven
 from keras_stable_state.format.proven import close_files
 
 __all__ = ["RestoreOptions", "PendingRestore", "restore_training_state", "restore_with"]
@@ -314,25 +313,17 @@ def restore_with(
     owned = take or record is None
     # all or nothing on an accelerator: read as in place, each replaced value copied to the host
     on_device = not in_place and not defer and host_rollback.on_accelerator(model)
-    if record is None and (in_place or on_device) and not orbax_layout.is_orbax_path(filepath):
-        background.wait_for_folder(background.folder_of(filepath))
-        record = proven.read_proven(
-            filepath, storage_options=cast("Mapping[str, Any] | None", options.storage_options)
-        )
     if record is None:
         # a background save of this process into the file's folder ends first (as Orbax's
         # AsyncCheckpointer.restore waits): the file read is the last one saved, not a race
         background.wait_for_folder(background.folder_of(filepath))
-        record = (
-            orbax_engine.read(filepath)
-            if orbax_layout.is_orbax_path(filepath)
-            else storage.read_file(
-                filepath,
-                # object_store_target refused anything but a dict (or None for a local path)
-                storage_options=cast("Mapping[str, Any] | None", options.storage_options),
-                unaligned_views=takes_unaligned(),
-            )
-        )
+        # object_store_target refused anything but a dict (or None for a local path)
+        store = cast("Mapping[str, Any] | None", options.storage_options)
+        # every layout through format's door ('.orbax': its arrays read on demand, by the engine)
+        if in_place or on_device:
+            record = proven.read_proven(filepath, storage_options=store)
+        else:
+            record = storage.read_file(filepath, storage_options=store, unaligned_views=takes_unaligned())
     if defer:
         mappers_mod.decode_record(record, file_label(filepath))  # an unknown mapper is refused now
         pending = PendingRestore(

@@ -5,7 +5,7 @@
 as the file is written); [`save_training_state`][keras_stable_state.save_training_state] writes it to ``.h5`` / ``.keras``
 (`storage`, in the background with
 `background`) or ``.orbax``
-(`orbax`).
+(the engine `folder_engine` gives for it, Orbax's).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import io
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from keras_stable_state import _keras_compat as compat
 from keras_stable_state import _processes as multiprocess
@@ -38,8 +38,7 @@ from keras_stable_state._core.guards import walking_once
 from keras_stable_state._core.in_place import check_not_partial
 from keras_stable_state._core.object_store import object_store_target, write_to
 from keras_stable_state._core.report import writer_metadata
-from keras_stable_state._engines import background
-from keras_stable_state._engines import orbax as orbax_engine
+from keras_stable_state._engines import background, folder_engine
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN
 from keras_stable_state._identity.registry import VariableRegistry
@@ -241,9 +240,9 @@ def _save(
     filepath, store = object_store_target(filepath, storage_options, verb)
     check_flags(verb, blocking=blocking)
     _check_processes(filepath)
-    orbax = orbax_layout.is_orbax_path(filepath)
-    if orbax:
-        orbax_engine.check_installed()
+    engine = folder_engine(filepath)  # the Orbax engine for a '.orbax' path, else None
+    if engine is not None:
+        engine.check_installed()
         if not blocking:
             raise CheckpointFormatError(
                 f"Cannot save {filepath!r} with blocking=False: the '.orbax' engine writes in the calling "
@@ -265,8 +264,8 @@ def _save(
         def convert(
             variable: Any,
         ) -> Any:  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
-            if orbax:
-                return orbax_engine.live_value(variable, to_numpy)
+            if engine is not None:
+                return engine.live_value(variable, to_numpy)
             # in the background: JAX arrays and TensorFlow reads, copied or converted as
             # background.host_record says (mapped arrays are encoded by the call: host copies)
             live = not blocking and not mappers
@@ -286,8 +285,8 @@ def _save(
             mappers=mappers,
             before_copy=None if blocking else lambda: _wait_before_copy(filepath, store),
         )
-        if orbax:  # each process writes its own shards; process 0 the sealed record
-            return orbax_engine.write(filepath, record)
+        if engine is not None:  # each process writes its own shards; process 0 the sealed record
+            return cast(str, engine.write(filepath, record))
         if not blocking:
             return _save_in_background(filepath, model, record, started, store)
         # With several processes (JAX; Torch ranks in a CheckpointManager's save) every process

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_stable_state import format as storage
 from keras_stable_state._identity.keys import VariableKey, parse_model_key
 from keras_stable_state.errors import BindingError, KeyFormatError
+from keras_stable_state.format.record import BY_KEY
 
 
 def renamed_record(record, rules, strict, report, where):
@@ -16,7 +16,7 @@ def renamed_record(record, rules, strict, report, where):
     Model keys, the owners of slot keys and contract keys are renamed alike; a
     key no rule matches is refused (``strict``) or dropped.
     """
-    if not isinstance(record, storage.StateRecord):
+    if record.matched_by != BY_KEY:
         raise ValueError(
             f"`prefix` and `rename` rename the keys of a keras_stable_state file; {where} is a "
             f"{record.source}, matched by position and layer structure, with no keys to rename."

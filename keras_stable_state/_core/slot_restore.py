@@ -10,7 +10,6 @@ the restore (`keras_stable_state._core.plan`).
 
 from __future__ import annotations
 
-from keras_stable_state import format as storage
 from keras_stable_state._identity.keys import MAIN, file_label, parse_optimizer_key, split_entry_name
 from keras_stable_state._optimizer.entries import optimizer_classes
 from keras_stable_state._optimizer.groups import check_windows_and_groups
@@ -55,7 +54,7 @@ def plan_optimizers(
     """Plan every optimizer's arrays: saved names matched to live names."""
     where = file_label(filepath)
     saved_opt = record.optimizer
-    meta_all = record.metadata.get("optimizers") if isinstance(record, storage.StateRecord) else None
+    meta_all = record.metadata.get("optimizers")  # (a stock Keras file's metadata is empty)
     meta_all = meta_all if isinstance(meta_all, dict) else {}
     parsed_keys = {}  # parsed once here, reused by match_slots
     if isinstance(saved_opt, dict):

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from keras_stable_state import _state as state_mod
-from keras_stable_state import format as storage
 from keras_stable_state._core.apply import Step
 from keras_stable_state._identity.dtypes import EXACT_CASTS, floating
 from keras_stable_state._identity.keys import (
@@ -27,6 +26,7 @@ from keras_stable_state._optimizer.matching import NOT_IN_MODEL
 from keras_stable_state._optimizer.torch_optim import SECTION, live_params, param_keys
 from keras_stable_state._state.state_dict import decode, qualified_name
 from keras_stable_state.errors import BindingError, DtypeMismatchError, listed
+from keras_stable_state.format.record import BY_KEY
 
 __all__ = ["plan_torch_optimizers"]
 
@@ -49,7 +49,7 @@ def _keras_names(record: Any) -> set[str]:
 
 
 def _saved(record: Any, where: str) -> dict[str, Any]:
-    section = record.extra.get(SECTION) if isinstance(record, storage.StateRecord) else None
+    section = record.extra.get(SECTION)  # (a stock Keras file's extra is empty)
     if section is None:
         return {}
     form = isinstance(section, dict) and all(
@@ -112,7 +112,7 @@ def plan_torch_optimizers(
         )
     for n in absent:
         report.drop(f"optimizer:{n}", NO_TORCH_OPTIMIZER)
-    keras_saved = _keras_names(record) if isinstance(record, storage.StateRecord) else set()
+    keras_saved = _keras_names(record) if record.matched_by == BY_KEY else set()
     steps = []
     for name, opt in torch_opts.items():
         if name not in saved_all:

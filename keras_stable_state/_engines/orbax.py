@@ -47,8 +47,9 @@ import numpy as np
 from keras_stable_state import _processes as _multiprocess
 from keras_stable_state import format as storage
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
+from keras_stable_state.format import orbax_file, writer
 from keras_stable_state.format import orbax_layout as layout
-from keras_stable_state.format import writer
+from keras_stable_state.format.orbax_file import OrbaxArray  # noqa: F401 (its lazy arrays)
 from keras_stable_state.format.orbax_layout import (  # noqa: F401 (names of this engine)
     ARRAYS,
     INDEX,
@@ -296,29 +297,6 @@ def write(path: str, record: storage.StateRecord) -> str:
 
 
 # -- restoring ---------------------------------------------------------------------------
-class OrbaxArray:
-    """A saved array not read yet: its shape and dtype, read on demand.
-
-    ``np.asarray`` reads it whole (on every process) and checks its hash;
-    `materialize` reads the arrays planned for variables at once, each
-    process only the shards of the variable's current sharding. ``block`` is the
-    grid of its hash (``None``: index version 1, per element).
-    """
-
-    def __init__(self, source, section, key, leaf, shape, dtype, digest, block=None):
-        self.source, self.section, self.key, self.leaf = source, section, key, leaf
-        self.shape, self.dtype, self.digest = tuple(shape), storage.numpy_dtype(dtype), digest
-        self.block = None if block is None else tuple(block)
-        self.ndim = len(self.shape)
-
-    def __array__(self, dtype=None, copy=None):
-        (value,) = self.source.load([(self, None)])
-        return value if dtype is None else value.astype(dtype)
-
-    def __float__(self):
-        return float(np.asarray(self))
-
-
 def _path_refusal(err: BaseException) -> bool:
     """Whether Orbax's ``err`` refuses the path it was given (e.g. "Checkpoint path should be
     absolute") rather than reporting what it read: not damage, so no file is blamed for it."""
@@ -327,11 +305,19 @@ def _path_refusal(err: BaseException) -> bool:
 
 
 class _Source:
-    """Where the arrays of a ``.orbax`` state are read from: ``directory``, made absolute
-    here (Orbax refuses a relative path), and ``where``, the path as messages name it."""
+    """Where the arrays of a ``.orbax`` state are read from with Orbax (the
+    `keras_stable_state.format.orbax_file.ArraySource` this engine supplies):
+    ``directory``, made absolute here (Orbax refuses a relative path), and ``where``, the
+    path as messages name it."""
 
     def __init__(self, directory, where):
         self.directory, self.where = os.path.abspath(directory), where
+
+    def placement(self, variable):
+        """The sharding of ``variable``'s value when it is sharded (each process reads only
+        its shards), else ``None`` (read whole, as NumPy)."""
+        value = getattr(variable, "value", None)
+        return getattr(value, "sharding", None) if _multiprocess.is_sharded(value) else None
 
     def _restore(self, wanted):
         ocp = _ocp()
@@ -424,8 +410,21 @@ class _Source:
         return values
 
 
+def open_source(directory: str, where: str) -> _Source:
+    """The array source of the ``.orbax`` folder ``directory`` (``where``: as messages name
+    it), which this engine supplies to `keras_stable_state.format.orbax_file`
+    (``keras_stable_state._engines`` does, on import).
+
+    Raises:
+        StateError: if orbax-checkpoint is not installed.
+    """
+    _ocp()
+    return _Source(directory, where)
+
+
 def read(path: str) -> storage.StateRecord:
-    """Read the sealed record of the ``.orbax`` directory ``path``; its arrays are `OrbaxArray`.
+    """Read the sealed record of the ``.orbax`` directory ``path``; its arrays are `OrbaxArray`,
+    read through this engine (`keras_stable_state.format.orbax_file.read_orbax`).
 
     Raises:
         FileNotFoundError: if there is no such directory.
@@ -438,46 +437,4 @@ def read(path: str) -> storage.StateRecord:
     A relative ``path`` is read from the current directory: its arrays are read through
     its absolute path (Orbax refuses a relative one); messages name ``path`` as given.
     """
-    _ocp()
-    where = repr(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"No training state at {path!r} (a '{SUFFIX}' directory).")
-    if not (os.path.isdir(path) and os.path.isfile(os.path.join(path, RECORD))):
-        raise CheckpointFormatError(
-            f"{path!r} is not a '{SUFFIX}' training state: it has no {RECORD!r} (a directory written by "
-            "save_training_state holds state.h5 and arrays/). Pass the directory that "
-            f"save_training_state(... '{SUFFIX}') wrote.",
-            key=None,
-            expected=f"a directory with {RECORD}",
-            received=path,
-        )
-    record = storage.read_file(os.path.join(path, RECORD))
-    metadata = record.metadata if isinstance(record, storage.StateRecord) else None
-    entries = index_entries(metadata, where)
-    source = _Source(path, where)
-    for section, key, leaf, shape, dtype, digest, block in entries:
-        getattr(record, section)[key] = OrbaxArray(source, section, key, leaf, shape, dtype, digest, block)
-    return record
-
-
-def materialize(plan: list) -> tuple[list, set]:
-    """``([(variable, value)], fresh)``: ``plan`` with every `OrbaxArray` read (one
-    Orbax restore for all) onto its variable's current sharding, other values left as
-    they are; ``fresh`` holds the ``id`` of each NumPy array read here, which nothing
-    else holds (a variable may keep its memory: see
-    `variable_step`)."""
-    wanted = [
-        (i, value, getattr(getattr(var, "value", None), "sharding", None))
-        for i, (var, value) in enumerate(plan)
-        if isinstance(value, OrbaxArray)
-    ]
-    if not wanted:
-        return plan, set()
-    loads = [
-        (v, s if _multiprocess.is_sharded(getattr(plan[i][0], "value", None)) else None) for i, v, s in wanted
-    ]
-    values = wanted[0][1].source.load(loads)
-    plan = list(plan)
-    for (i, _, _), value in zip(wanted, values, strict=True):
-        plan[i] = (plan[i][0], value)
-    return plan, {id(value) for value in values if type(value) is np.ndarray}
+    return orbax_file.read_orbax(path, open_source)

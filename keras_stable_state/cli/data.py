@@ -22,7 +22,6 @@ import numpy as np
 
 from keras_stable_state import format as storage
 from keras_stable_state._identity.keys import GLOBAL, split_entry_key
-from keras_stable_state.cli.orbax import OrbaxState, is_orbax_state
 from keras_stable_state.cli.results import (
     ArrayInfo,
     Damage,
@@ -38,8 +37,9 @@ from keras_stable_state.cli.results import (
     Verification,
 )
 from keras_stable_state.errors import CorruptCheckpointError
-from keras_stable_state.format import CheckpointFile, remote
+from keras_stable_state.format import orbax_layout, remote
 from keras_stable_state.format.files import fs_path
+from keras_stable_state.format.layout import Layout
 
 __all__ = [
     "Verification",
@@ -58,9 +58,10 @@ __all__ = [
 _POSITION_FIELDS = ("epoch", "step", "global_step")
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointFile | OrbaxState:
+def open_checkpoint(path: str | os.PathLike[str]) -> Layout:
     """`keras_stable_state.format.open_file`, refusing a missing path or a folder first;
-    a ``.orbax`` training-state folder opens as an `OrbaxState`.
+    a ``.orbax`` training-state folder opens as an
+    `OrbaxFile` (its arrays read with TensorStore).
 
     An object-store URL (``s3://bucket/run.h5``) is downloaded whole through fsspec (its
     configuration and the store's environment variables, e.g. ``AWS_ENDPOINT_URL``,
@@ -70,7 +71,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointFile | OrbaxState
         FileNotFoundError: if ``path`` does not exist (or no object is at the URL).
         IsADirectoryError: if ``path`` is a folder (but a ``*.orbax`` one).
         StorageBackendError: for a URL whose fsspec implementation is not installed.
-        The errors of `CheckpointFile` otherwise.
+        The errors of `keras_stable_state.format.open_file` otherwise.
     """
     path = fs_path(path, "path", urls=True)
     if remote.is_remote(path):
@@ -78,9 +79,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointFile | OrbaxState
     path = fs_path(path, "path")
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, f"{path}: no such file. Check the path.", path)
-    if is_orbax_state(path):
-        return OrbaxState(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not orbax_layout.is_orbax_path(path):
         raise IsADirectoryError(
             errno.EISDIR,
             f"{path} is a folder. Pass one .keras or .h5 file or a .orbax folder (`keras-stable-state "
@@ -90,7 +89,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointFile | OrbaxState
     return storage.open_file(path)
 
 
-def open_checkpoint_or_damage(path: str | os.PathLike[str]) -> CheckpointFile | OrbaxState | Verification:
+def open_checkpoint_or_damage(path: str | os.PathLike[str]) -> Layout | Verification:
     """`open_checkpoint`, or the `Verification` of a file refused on opening as
     damaged (a ``CorruptCheckpointError``: truncated, failing its seal or structure checks).
 
@@ -109,11 +108,11 @@ def damaged_array(found: DamagedArray) -> CorruptCheckpointError:
     return CorruptCheckpointError(found.reason, key=found.key)
 
 
-def _members(f: CheckpointFile | OrbaxState) -> list[Member]:
+def _members(f: Layout) -> list[Member]:
     return [Member(n, s) for n, s in f.members]
 
 
-def _problems(f: CheckpointFile | OrbaxState) -> list[Problem]:
+def _problems(f: Layout) -> list[Problem]:
     return [Problem(w, p) for w, p in f.problems] + [
         Problem(m, f"zip CRC-32 fails ({r})") for m, r in f.damaged_members
     ]
@@ -135,7 +134,7 @@ def position(extra: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def _variables(f: CheckpointFile | OrbaxState) -> tuple[list[VariableInfo], list[ArrayInfo]]:
+def _variables(f: Layout) -> tuple[list[VariableInfo], list[ArrayInfo]]:
     """Group a record's arrays by variable: ``([VariableInfo], [ArrayInfo of optimizer globals])``."""
     contract = {k: (tuple(s), d) for k, s, d in (f.contract or [])}
     rows: dict[str, dict[str, Any]] = {}
@@ -172,7 +171,7 @@ def _variables(f: CheckpointFile | OrbaxState) -> tuple[list[VariableInfo], list
     return variables, globals_
 
 
-def _inspect_record(f: CheckpointFile | OrbaxState) -> RecordInspection:
+def _inspect_record(f: Layout) -> RecordInspection:
     variables, globals_ = _variables(f)
     return RecordInspection(
         file=f.path,
@@ -219,7 +218,7 @@ def positional_note(keyed: bool, count: int) -> str:
     )
 
 
-def _inspect_stock(f: CheckpointFile | OrbaxState) -> StockInspection:
+def _inspect_stock(f: Layout) -> StockInspection:
     model, opt = f.section("model"), f.section("optimizer")
     keys = f.optimizer_keys
     return StockInspection(
@@ -246,13 +245,14 @@ def _inspect_stock(f: CheckpointFile | OrbaxState) -> StockInspection:
 
 
 def inspect_file(
-    file: str | os.PathLike[str] | CheckpointFile | OrbaxState,
+    file: str | os.PathLike[str] | Layout,
 ) -> RecordInspection | StockInspection:
     """List what a file holds without reading its array data.
 
     Args:
-        file: A path (``str`` or ``os.PathLike``) to a ``.keras`` or ``.h5`` file, or an
-            open `CheckpointFile` (left open).
+        file: A path (``str`` or ``os.PathLike``) to a ``.keras`` or ``.h5`` file or a
+            ``.orbax`` folder, or a `Layout` that
+            `keras_stable_state.format.open_file` opened (left open).
 
     Returns:
         A `RecordInspection` for a keras_stable_state training state, a
@@ -261,13 +261,13 @@ def inspect_file(
     Raises:
         The errors of `open_checkpoint` when ``file`` is a path.
     """
-    if not isinstance(file, CheckpointFile | OrbaxState):
+    if isinstance(file, str | bytes | os.PathLike):  # else a layout open_file opened
         with open_checkpoint(file) as f:
             return inspect_file(f)
     return _inspect_record(file) if file.kind == storage.FORMAT else _inspect_stock(file)
 
 
-def bytes_to_verify(f: CheckpointFile | OrbaxState) -> int:
+def bytes_to_verify(f: Layout) -> int:
     """Bytes `verify_file` reads from an open file: its arrays and the other archive members."""
     return f.total_bytes + sum(size for name, size in f.members if name != f.member)
 
@@ -290,15 +290,15 @@ def refused(path: str | os.PathLike[str], err: BaseException) -> Verification:
 
 
 def verify_file(
-    file: str | os.PathLike[str] | CheckpointFile | OrbaxState,
+    file: str | os.PathLike[str] | Layout,
     progress: Callable[[int], object] | None = None,
 ) -> Verification:
     """Read every array of a file (and every archive member) and check it.
 
     Args:
-        file: A path (a ``.keras`` or ``.h5`` file, a ``.orbax`` folder), or an open
-            `CheckpointFile` or
-            `OrbaxState` (left open).
+        file: A path (a ``.keras`` or ``.h5`` file, a ``.orbax`` folder), or a
+            `Layout` that
+            `keras_stable_state.format.open_file` opened (left open).
         progress: Optional callable given the bytes read after each array or member chunk
             (they add up to `bytes_to_verify`).
 
@@ -314,7 +314,7 @@ def verify_file(
         CheckpointInUseError: if a writer holds the file locked.
         StateError: for a ``.orbax`` folder without TensorStore (the ``[orbax]`` extra).
     """
-    if not isinstance(file, CheckpointFile | OrbaxState):
+    if isinstance(file, str | bytes | os.PathLike):  # else a layout open_file opened
         try:
             f = open_checkpoint(file)
         except CorruptCheckpointError as err:
@@ -324,11 +324,6 @@ def verify_file(
             return verify_file(f, progress)
     f = file
     damaged = f.check(progress)
-    checksum: str | None
-    if isinstance(f, OrbaxState):
-        checksum = "Orbax index hashes and xxh3-64"
-    else:
-        checksum = (f.entries[0].checksum or None) if f.entries else None
     return Verification(
         file=f.path,
         kind=f.kind,
@@ -338,7 +333,7 @@ def verify_file(
         bytes=f.total_bytes,
         damaged=[Damage(str(k), r) for k, r in damaged],
         counts={s: len(f.section(s)) for s in storage.SECTIONS},
-        checksum=checksum,
+        checksum=f.checksum,
         archive_members=len(f.members),
     )
 

@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING, Any
 from keras_stable_state import format as storage
 from keras_stable_state._manager.records import RECORD as SAVE_RECORD
 from keras_stable_state.cli.data import max_abs_difference, open_checkpoint
-from keras_stable_state.cli.orbax import OrbaxState
 from keras_stable_state.cli.results import DamagedArray, describe, to_json
 from keras_stable_state.errors import CorruptCheckpointError
-from keras_stable_state.format import CheckpointFile
 
 if TYPE_CHECKING:
     from keras_stable_state.format import Entry
+    from keras_stable_state.format.layout import Layout
 
-    _File = CheckpointFile | OrbaxState
+    _File = Layout
     _Paired = tuple[str, list[tuple[Entry, Entry]], list[Entry], list[Entry]]
 
 __all__ = [
@@ -378,8 +377,8 @@ def diff_files(
     """Compare two files: keys, shapes, dtypes, contracts, other state and values.
 
     Args:
-        file_a, file_b: Paths, or open `CheckpointFile`
-            objects (left open).
+        file_a, file_b: Paths, or `Layout` objects that
+            `keras_stable_state.format.open_file` opened (left open).
         progress: Optional callable given the bytes of each pair of arrays compared
             (they add up to at most both files' ``total_bytes``).
 
@@ -393,7 +392,7 @@ def diff_files(
     opened: list[_File] = []
     try:
         for f in (file_a, file_b):
-            if not isinstance(f, CheckpointFile | OrbaxState):
+            if isinstance(f, str | bytes | os.PathLike):  # else a layout open_file opened
                 f = open_checkpoint(f)
                 opened.append(f)
             files.append(f)

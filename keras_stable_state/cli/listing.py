@@ -33,7 +33,7 @@ from keras_stable_state.errors import (
 )
 from keras_stable_state.format import remote
 from keras_stable_state.format.files import fs_path
-from keras_stable_state.format.reader import read_summary_whole
+from keras_stable_state.format.summary import read_summary_whole
 
 __all__ = ["STATUSES", "CheckpointRow", "Listing", "list_directory"]
 

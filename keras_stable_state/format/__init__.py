@@ -10,11 +10,14 @@ described once, in ``docs/concepts/file-format.md``; what a reader refuses, in
 
 What a tool that reads training states needs is here (`__all__`):
 
-* `open_file` is the one reader: it opens a training state (``.h5``, or
-  the member ``keras_stable_state.h5`` of a ``.keras`` archive) or a stock Keras
-  ``.keras`` / ``.weights.h5`` file, with every check, and reads one array at a
-  time (a `CheckpointFile`); `read_file` and `read_bytes` read a whole file through
-  it, into a `StateRecord` (or `StockWeights` for a stock Keras file).
+* `open_file` is the one door for every layout (`layout`): it opens a training
+  state (``.h5``, or the member ``keras_stable_state.h5`` of a ``.keras`` archive), a
+  stock Keras ``.keras`` / ``.weights.h5`` file (a `CheckpointFile`) or a ``.orbax``
+  folder (an `orbax_file.OrbaxFile`), with every check, as a
+  `layout.Layout` that reads one array at a time; `read_file` and `read_bytes` read a
+  whole state through it, into a `StateRecord` (or `StockWeights` for a stock Keras
+  file). Each says how its arrays are matched to the live variables (``matched_by``):
+  by key, or by the model's structure (a stock Keras file).
 * `Entry` is one array of a file, listed by `CheckpointFile`; `SECTIONS` names
   the sections of a record.
 * `FORMAT` and `FORMAT_VERSION` are the format's name and the version written.
@@ -27,25 +30,30 @@ define it: `writer` (`write_record` writes a `StateRecord` atomically,
 file proven whole), `files` (`fs_path` takes every path a user gives, ``str``,
 ``bytes``, ``os.PathLike``; `open_regular` opens every file the library opens by
 path, regular files only), `remote` (object stores, ``s3://``, ``gs://``...,
-through fsspec; no other door takes a URL for a local path) and `atomic`.
+through fsspec; no other door takes a URL for a local path), `atomic`, and `layout`
+(`Layout`; the registry of layouts, `LAYOUTS`) and `record` (``BY_KEY``,
+``BY_STRUCTURE``: how a layout's arrays are matched).
 
-Modules: `record` (names, limits, records),
+Modules: `layout` (the `Layout` protocol and the registry of layouts),
+`record` (names, limits, records),
 `codec` (dtypes, array encoding),
 `seal`, `writer`,
 `atomic`, `files`,
 `reader`
 (with `source`,
 `records`, `index`,
-`schema`, `stock`),
+`schema`, `stock`), `orbax_file` and `orbax_layout` (``.orbax`` folders),
 `probe` and `sandbox`
 (the separate probe process), `keras_archive`
 (arrays shared with Keras' ``model.weights.h5``).
 
-This package imports no Keras and no backend: h5py, NumPy, ml_dtypes and xxhash only.
+This package imports no Keras, no backend and no Orbax: h5py, NumPy, ml_dtypes and xxhash
+only (and TensorStore to read the arrays of a ``.orbax`` folder).
 """
 
 from keras_stable_state.format.codec import DTYPES, dtype_name, numpy_dtype
-from keras_stable_state.format.reader import CheckpointFile, open_file, read_bytes, read_file
+from keras_stable_state.format.layout import open_file, read_file
+from keras_stable_state.format.reader import CheckpointFile, read_bytes
 from keras_stable_state.format.record import FORMAT, FORMAT_VERSION, SECTIONS, Entry, StateRecord
 from keras_stable_state.format.stock import StockWeights
 

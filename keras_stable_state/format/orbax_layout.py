@@ -3,12 +3,13 @@
 A path ending in ``.orbax`` is a directory holding ``state.h5`` (`RECORD`, our
 sealed record; in ``metadata["orbax"]`` (`INDEX`) the index of the arrays) and
 ``arrays/`` (`ARRAYS`, an Orbax PyTree checkpoint of every model and optimizer
-array). The engine that writes and restores it is ``keras_stable_state._engines.orbax``;
-this module holds what a reader needs without Orbax: the names, the index
-(`index_entries`), the hashes (`region_hash`, and `element_hash` of
-index version 1) and the TensorStore spec of a saved array (`store_spec`), so
-that the command line inspects and verifies ``.orbax`` states with NumPy (and
-TensorStore, installed with the ``[orbax]`` extra, to read the arrays).
+array). The engine that writes it, and reads its arrays for a restore, is
+``keras_stable_state._engines.orbax``; this module holds what a reader needs without
+Orbax: the names, the index (`index_entries`), the hashes (`region_hash`, and
+`element_hash` of index version 1) and the TensorStore spec of a saved array
+(`store_spec`), so that `keras_stable_state.format.orbax_file` (the ``.orbax``
+layout behind `keras_stable_state.format.open_file`) lists ``.orbax`` states with
+NumPy and reads their arrays with TensorStore (installed with the ``[orbax]`` extra).
 
 The hash of index version 2: the array is cut into the blocks
 of a grid, the shape of its shards when saved (``block``, in the index; the whole

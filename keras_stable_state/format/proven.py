@@ -39,8 +39,9 @@ import numpy as np
 
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import numpy_dtype
+from keras_stable_state.format.layout import read_file
 from keras_stable_state.format.probe import damaged
-from keras_stable_state.format.reader import CheckpointFile, check_members_or_refuse, read_file, state_record
+from keras_stable_state.format.reader import CheckpointFile, check_members_or_refuse, state_record
 from keras_stable_state.format.record import FORMAT, PACK_LIMIT, SECTIONS, Entry, StateRecord
 from keras_stable_state.format.remote import is_remote, resolve
 from keras_stable_state.format.stock import StockWeights
@@ -212,7 +213,8 @@ def read_proven(
     Only a local, sealed format-3 record is read so: an ``.h5`` file, or a ``.keras`` archive
     whose record member is stored (its other members checked against their zip CRC-32
     first, as `read_file` does); any other file (a stock Keras file, an older format, an
-    object-store URL) is read whole by `read_file`.
+    object-store URL) is read whole by `read_file`, and a ``.orbax`` folder as it reads
+    one (its arrays read on demand).
 
     Returns:
         The record; once its arrays are read, `close_files` closes the file they are read

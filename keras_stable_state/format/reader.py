@@ -1,16 +1,19 @@
-"""Reading a training-state file, or a stock Keras weights file, with every check.
+"""Reading a training-state file, or a stock Keras weights file, with every check: two of
+the layouts behind `keras_stable_state.format.open_file` (the door for every
+layout, `keras_stable_state.format.layout`).
 
-`open_file` is the one door: it opens a ``.keras`` archive or an HDF5
+`CheckpointFile` opens a ``.keras`` archive or an HDF5
 file (``.h5``, ``.weights.h5``), or bytes held in memory
 (`CheckpointFile.from_bytes`), and lists every array from the HDF5
 metadata alone; `CheckpointFile.read` reads and checksums one array at a
 time (format 3: xxh3-64; formats 1-2, still read: CRC-32; stock Keras files
-carry no checksum of their own); `read_file` and `read_bytes`
+carry no checksum of their own); `read_checkpoint_file` and `read_bytes`
 read a whole file through it. Opening composes a
 `Source` (lock, seal or probe
 process, archive checks), then a
 `RecordListing` (records, index,
-schema) or a `StockListing`. The
+schema: our record, matched by key) or a `StockListing` (a stock Keras file, matched
+by structure): which of the two a file is shows only once it is open. The
 command line (`keras_stable_state.cli`) inspects, verifies and compares
 files through `open_file`. The format and the order of the checks are
 described in ``docs/concepts/file-format.md`` and ``docs/concepts/security.md``.
@@ -25,7 +28,7 @@ import os
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -34,15 +37,19 @@ from keras_stable_state.format import image as _image
 from keras_stable_state.format import keras_archive, sandbox
 from keras_stable_state.format.codec import EXOTIC, decode_array, stored_dtype
 from keras_stable_state.format.memory import out_of_memory
+from keras_stable_state.format.opened import Opened
 from keras_stable_state.format.probe import damaged
 from keras_stable_state.format.record import (
     BLOB_TARGET,
+    BY_KEY,
+    BY_STRUCTURE,
     DATA_ALIGN,
     DATA_ALIGN_ABOVE,
     FORMAT,
     MEMBER,
     SECTIONS,
     Entry,
+    MatchedBy,
     StateRecord,
 )
 from keras_stable_state.format.records import RecordListing
@@ -54,7 +61,7 @@ from keras_stable_state.format.stock import StockListing, StockWeights, stock_we
 _BLOB_CACHE_LIMIT = 4 * BLOB_TARGET
 
 
-class CheckpointFile:
+class CheckpointFile(Opened):
     """A training-state file or stock Keras weights file, opened for reading.
 
     Opening checks the whole-file seal (records: format 3 xxh3-128, format 2 SHA-256),
@@ -431,14 +438,10 @@ class CheckpointFile:
             raise ValueError(f"{self.path}: no open file to read from (closed, or bytes in memory).")
         return fh.fileno()
 
-    def section(self, name: str) -> list[Entry]:
-        """The entries of one section (``"model"``, ``"optimizer"``, ``"state"``), in file order."""
-        return [e for e in self.entries if e.section == name]
-
     @property
-    def total_bytes(self) -> int:
-        """Bytes of array data in the file."""
-        return sum(e.nbytes for e in self.entries)
+    def matched_by(self) -> MatchedBy:
+        """`BY_KEY` for our record, `BY_STRUCTURE` for a stock Keras file."""
+        return BY_KEY if self.kind == FORMAT else BY_STRUCTURE
 
     def close(self) -> None:
         """Close the file and release its lock; `read` then raises ``ValueError``.
@@ -448,46 +451,25 @@ class CheckpointFile:
         self._shared = {}
         self._datasets = {}
 
-    def __enter__(self) -> CheckpointFile:
-        return self
 
-    def __exit__(self, *exc: object) -> Literal[False]:
-        self.close()
-        return False
-
-
-def open_file(filepath: object, *, storage_options: Mapping[str, Any] | None = None) -> CheckpointFile:
-    """Open a training-state file or stock Keras weights file for reading, lazily.
-
-    The seal (or, for unsealed files, a probe process), the structure and the
-    records are checked; no array is read until `CheckpointFile.read`.
-    An object-store URL (``s3://bucket/run.h5``; see
-    `remote`) is downloaded whole into memory first, then
-    opened with the same checks (messages name the URL); a ``file://`` URL is the local
-    file it names.
-
-    Args:
-        filepath: A path (``str``, ``bytes``, ``os.PathLike``) or a URL.
-        storage_options: For a URL: ``dict`` passed to the fsspec filesystem, or ``None``.
-
-    Examples:
-        >>> with storage.open_file("run.keras") as f:
-        ...     kernel = f.read(f.section("model")[0])
-
-    Returns:
-        A `CheckpointFile`, to use as a context manager.
+def open_checkpoint_file(
+    filepath: object,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    whole: bool = False,
+    unaligned_views: bool = True,
+) -> CheckpointFile:
+    """The `CheckpointFile` of a ``.keras`` or HDF5 file, or of an object-store URL
+    (downloaded whole into memory first, then opened with the same checks; messages name
+    the URL; a ``file://`` URL is the local file it names): what
+    `keras_stable_state.format.open_file` opens for every path but a
+    ``.orbax`` folder.
 
     Raises:
         StorageBackendError: for a URL whose fsspec implementation is not installed.
         FileNotFoundError: naming the URL if there is no such object.
         The errors of `CheckpointFile`, and the store's (``PermissionError``...).
     """
-    return _open(filepath, storage_options, whole=False)
-
-
-def _open(
-    filepath: object, storage_options: Mapping[str, Any] | None, *, whole: bool, unaligned_views: bool = True
-) -> CheckpointFile:
     if isinstance(filepath, bytes | str | os.PathLike):
         path = os.fsdecode(os.fspath(filepath))
         if is_remote(path):
@@ -500,27 +482,28 @@ def _open(
 def read_bytes(
     data: bytes, name: str = "<bytes>", *, unaligned_views: bool = True
 ) -> StateRecord | StockWeights:
-    """`read_file` for a training state held in memory (``.h5`` or ``.keras`` bytes);
-    messages name it ``name`` (the URL of an object read from a store).
+    """`keras_stable_state.format.read_file` for a training state held in
+    memory (``.h5`` or ``.keras`` bytes); messages name it ``name`` (the URL of an object
+    read from a store).
 
     Raises:
         TypeError: if ``data`` is not bytes-like.
-        The errors of `read_file`.
+        The errors of `read_checkpoint_file`.
     """
-    return _read_whole(CheckpointFile.from_bytes(data, name, whole=True, unaligned_views=unaligned_views))
+    return read_whole(CheckpointFile.from_bytes(data, name, whole=True, unaligned_views=unaligned_views))
 
 
-def read_file(
+def read_checkpoint_file(
     filepath: object, *, storage_options: Mapping[str, Any] | None = None, unaligned_views: bool = True
 ) -> StateRecord | StockWeights:
-    """Read a training-state file, or a stock Keras weights file, whole, with every check.
-
-    A URL is read as `open_file` reads it (``storage_options`` for its filesystem).
+    """Read a ``.keras`` or HDF5 file whole, with every check: what
+    `keras_stable_state.format.read_file` reads for every path but a
+    ``.orbax`` folder.
 
     Every array is read and (keras_stable_state files) checked against its
     checksum (format 3: xxh3-64; formats 1-2: CRC-32), and every archive member
     against its zip CRC-32, before anything is returned. Built on
-    `open_file`; the command line's ``verify`` runs exactly these checks. A sealed
+    `open_checkpoint_file`; the command line's ``verify`` runs exactly these checks. A sealed
     record is read once, whole, and its arrays are views of that buffer
     (`CheckpointFile`'s ``whole``); ``unaligned_views=False`` is for a caller
     that needs 64-byte aligned memory (see `CheckpointFile`).
@@ -543,22 +526,16 @@ def read_file(
             state nor Keras weights.
         StorageBackendError: for a URL whose fsspec implementation is not installed.
     """
-    return _read_whole(_open(filepath, storage_options, whole=True, unaligned_views=unaligned_views))
+    f = open_checkpoint_file(filepath, storage_options, whole=True, unaligned_views=unaligned_views)
+    return read_whole(f)
 
 
-def read_summary_whole(filepath: object) -> tuple[dict[str, Any], dict[str, Any], int | None]:
-    """``(metadata, extra, format version)`` of a file `read_file` reads whole, with every
-    check (every array read and checked): one open for both.
+def read_whole(f: CheckpointFile) -> StateRecord | StockWeights:
+    """Every array of the open file ``f`` read and checked, and its archive members (then
+    ``f`` is closed): the `StateRecord` or `StockWeights` it holds.
 
     Raises:
-        Every error of `read_file`.
-    """
-    f = _open(filepath, None, whole=True)
-    _read_whole(f)
-    return dict(f.metadata), dict(f.extra), f.version
-
-
-def _read_whole(f: CheckpointFile) -> StateRecord | StockWeights:
+        The errors of `read_checkpoint_file` for the same damage."""
     with f:
         arrays: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
         for e in f.entries:

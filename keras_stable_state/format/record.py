@@ -7,7 +7,7 @@ This module imports no Keras.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar, Final, Literal
 
 FORMAT = "keras_stable_state"
 FORMAT_VERSION = 3
@@ -49,6 +49,12 @@ JSON_MAX_DEPTH = 100
 # An archive member may unpack to at most this many times its stored size (plus the slack).
 MAX_UNPACK_RATIO = 100
 UNPACK_SLACK = 1 << 20
+# How a layout's arrays are matched to the live variables (`keras_stable_state.format.layout`):
+# by their keys (our record, a ``.orbax`` folder), or by the model's layer structure, the
+# HDF5 paths of Keras' own weights (a stock Keras file, as ``load_weights`` matches them).
+BY_KEY: Final = "key"
+BY_STRUCTURE: Final = "structure"
+MatchedBy = Literal["key", "structure"]
 
 
 @dataclasses.dataclass
@@ -71,8 +77,12 @@ class StateRecord:
     (``save_training_state`` passes the variables' conversions so; an
     asynchronous writer may pass host copies made beforehand). Records read
     back always hold arrays.
+
+    ``matched_by`` (a class attribute) is `BY_KEY`: its arrays are matched to the
+    live variables by their keys.
     """
 
+    matched_by: ClassVar[MatchedBy] = BY_KEY
     metadata: dict[str, Any]
     contract: list[list[Any]] | None
     model: dict[str, Any]

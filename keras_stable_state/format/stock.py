@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, listed
 from keras_stable_state.format import sandbox
 from keras_stable_state.format.probe import damaged
-from keras_stable_state.format.record import Entry
+from keras_stable_state.format.record import BY_STRUCTURE, Entry, MatchedBy
 from keras_stable_state.format.records import Listing
 
 if TYPE_CHECKING:
@@ -39,11 +39,29 @@ class StockWeights:
         optimizer: Optimizer arrays in their positional order (``"0"``, ``"1"``...),
             or ``{key: array}`` when a ``StableOptimizer`` wrote them.
         source: What the file is (``".keras archive"`` / ``".weights.h5"``).
+        metadata, contract, extra: What a `StateRecord` holds of
+            its writer, ``{}``, ``None`` and ``{}``: a stock file carries no record of ours.
+
+    ``matched_by`` (a class attribute) is ``"structure"`` (`BY_STRUCTURE`): its arrays are matched to the
+    live variables by the model's layer structure (their HDF5 paths), as ``load_weights`` does.
     """
 
+    matched_by: ClassVar[MatchedBy] = BY_STRUCTURE
     arrays: dict[str, Any]
     optimizer: list[Any] | dict[str, Any]
     source: str
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {}
+
+    @property
+    def contract(self) -> None:
+        return None
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return {}
 
 
 def _natural(path: str) -> tuple[tuple[int, int, str], ...]:

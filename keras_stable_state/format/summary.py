@@ -22,7 +22,7 @@ from typing import Any
 import h5py
 
 from keras_stable_state.format import files
-from keras_stable_state.format.reader import open_file
+from keras_stable_state.format.reader import open_checkpoint_file, read_whole
 from keras_stable_state.format.record import INDEX, RECORDS, SECTIONS
 from keras_stable_state.format.schema import check_json_depth
 from keras_stable_state.format.seal import MAGIC, check_bytes
@@ -55,8 +55,21 @@ def read_summary(path: str, provider: str) -> Summary:
     found = _lean(path, provider)
     if found is not None:
         return found
-    with open_file(path) as f:
+    with open_checkpoint_file(path) as f:
         return dict(f.metadata), _only(f.extra, provider), f.version
+
+
+def read_summary_whole(filepath: object) -> Summary:
+    """``(metadata, extra, format version)`` of a file
+    `read_checkpoint_file` reads whole, with every
+    check (every array read and checked): one open for both.
+
+    Raises:
+        Every error of `read_checkpoint_file`.
+    """
+    f = open_checkpoint_file(filepath, whole=True)
+    read_whole(f)
+    return dict(f.metadata), dict(f.extra), f.version
 
 
 def _only(extra: Any, provider: str) -> dict[str, Any]:
