@@ -590,9 +590,34 @@ def _run_at_import(tree):
             todo += list(ast.iter_child_nodes(node))
 
 
+_MUTATORS = {"append", "extend", "insert", "update", "add", "setdefault", "clear", "pop", "remove"}
+
+
 def _rebinds_globals(function) -> bool:
-    """Whether a function's body rebinds its module's globals (a ``global`` statement)."""
-    return any(isinstance(node, ast.Global) for node in ast.walk(function))
+    """Whether a function's body changes its module's globals: rebinds them (a ``global``
+    statement) or changes a module-level container in place (``_hooks[:] = [f]``,
+    ``_hooks.append(f)``, ``_table[key] = f``: a name neither a parameter nor assigned in it)."""
+    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+        return False
+    local = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}
+    local |= {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Global):
+            return True
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store | ast.Del):
+            root = _module_root(node)
+            if root is not None and root not in local:
+                return True
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _MUTATORS
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id not in local
+            and node.func.value.id.startswith("_")
+        ):
+            return True
+    return False
 
 
 def _called(module: str, func, bound: dict, names: dict):

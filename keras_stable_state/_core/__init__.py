@@ -28,11 +28,6 @@ from keras_stable_state._core.restore import (
     restore_with,
 )
 from keras_stable_state._core.save import save_training_state, training_state_record
-from keras_stable_state._optimizer.torch_optim import watch_steps
-
-# On the Torch backend: record the torch.optim optimizers that step from now on, so that a
-# save leaving out one that trains the model is refused (see ``watch_steps``).
-watch_steps()
 
 __all__ = [
     "PendingRestore",

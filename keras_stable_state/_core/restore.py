@@ -34,7 +34,7 @@ from keras_stable_state._core.guards import builds_undone_on_refusal, memory_ref
 from keras_stable_state._core.object_store import object_store_target
 from keras_stable_state._core.plan import RestoreRequest, restore_record
 from keras_stable_state._core.report import RestoreReport
-from keras_stable_state._engines import background
+from keras_stable_state._engines import array_source, background
 from keras_stable_state._identity.keys import file_label
 from keras_stable_state._optimizer.torch_optim import split_optimizers
 from keras_stable_state.errors import StateError
@@ -320,10 +320,13 @@ def restore_with(
         # object_store_target refused anything but a dict (or None for a local path)
         store = cast("Mapping[str, Any] | None", options.storage_options)
         # every layout through format's door ('.orbax': its arrays read on demand, by the engine)
+        arrays = array_source(filepath)  # the Orbax engine's, for a '.orbax' folder
         if in_place or on_device:
-            record = proven.read_proven(filepath, storage_options=store)
+            record = proven.read_proven(filepath, storage_options=store, arrays=arrays)
         else:
-            record = storage.read_file(filepath, storage_options=store, unaligned_views=takes_unaligned())
+            record = storage.read_file(
+                filepath, storage_options=store, unaligned_views=takes_unaligned(), arrays=arrays
+            )
     if defer:
         mappers_mod.decode_record(record, file_label(filepath))  # an unknown mapper is refused now
         pending = PendingRestore(

@@ -3,22 +3,21 @@ written in the calling thread (by `keras_stable_state.format.write_record`).
 
 * `orbax`: a ``.orbax`` folder, its arrays an Orbax checkpoint (every JAX process its own
   shards). `folder_engine` gives it for a ``.orbax`` path, so that the restore core
-  and ``save_training_state`` never import it: importing this package supplies
-  ``format``'s ``.orbax`` reader with its array source (`orbax.open_source`: the arrays
-  read with Orbax onto each variable's current sharding), so that
-  `keras_stable_state.format.read_file` reads a ``.orbax`` folder for a restore as it
-  reads any other layout.
+  and ``save_training_state`` never import it; `array_source` gives its array source
+  (`orbax.open_source`: the arrays read with Orbax onto each variable's current
+  sharding), which the restore passes to `keras_stable_state.format.read_file`, so that a
+  ``.orbax`` folder is read for a restore through the one door of every layout.
 * `background`: a file written in another thread (``blocking=False``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from keras_stable_state._engines import orbax as _orbax
-from keras_stable_state.format import orbax_file, orbax_layout
-
-orbax_file.supply_arrays(_orbax.open_source)
+from keras_stable_state.format import orbax_layout
 
 
 def folder_engine(path: object) -> ModuleType | None:
@@ -26,3 +25,10 @@ def folder_engine(path: object) -> ModuleType | None:
     ``check_installed``, ``live_value``, ``write``) for a path named ``*.orbax``, else
     ``None`` (a file)."""
     return _orbax if orbax_layout.is_orbax_path(path) else None
+
+
+def array_source(path: object) -> Callable[[str, str], Any] | None:
+    """The array source a restore reads the ``.orbax`` folder ``path`` through (the Orbax
+    engine's `orbax.open_source`: each variable's shards onto its current sharding), to pass
+    to `keras_stable_state.format.read_file` as ``arrays``; ``None`` for any other path."""
+    return _orbax.open_source if orbax_layout.is_orbax_path(path) else None

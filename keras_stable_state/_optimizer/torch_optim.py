@@ -207,6 +207,13 @@ def watch_steps() -> None:
     _HOOK.append(register_optimizer_step_post_hook(_stepped))
 
 
+# On the Torch backend: record the torch.optim optimizers that step from the import of this
+# module on (the package imports it with the restore core), so that a save leaving out one
+# that trains the model is refused. Registered here, into this module and torch only: importing
+# the core changes no other module.
+watch_steps()
+
+
 def _holds_state(optimizer: Any, ids: set[int]) -> bool:
     """Whether ``optimizer`` holds state a fresh one would not have: per-parameter state
     for a parameter in ``ids``, or a learning-rate scheduler attached (``initial_lr``)."""

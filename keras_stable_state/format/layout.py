@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from keras_stable_state.format.orbax_file import OrbaxFile, read_orbax
+from keras_stable_state.format.orbax_file import OrbaxFile, SourceFactory, read_orbax
 from keras_stable_state.format.orbax_layout import is_orbax_path
 from keras_stable_state.format.reader import open_checkpoint_file, read_checkpoint_file
 from keras_stable_state.format.record import BY_KEY, BY_STRUCTURE, Entry, MatchedBy, StateRecord
@@ -112,14 +112,16 @@ class LayoutKind:
         name: What it reads (``".orbax folder"``).
         claims: Whether a path (``str``) has this layout, from the path alone.
         open: ``(path, storage_options) -> Layout``.
-        read: ``(path, storage_options, unaligned_views) -> StateRecord | StockWeights``,
-            every array read (or, in a ``.orbax`` folder, read on demand) and checked.
+        read: ``(path, storage_options, unaligned_views, arrays) -> StateRecord |
+            StockWeights``, every array read (or, in a ``.orbax`` folder, read on demand
+            through ``arrays``, the caller's array source, or TensorStore if ``None``) and
+            checked.
     """
 
     name: str
     claims: Callable[[str], bool]
     open: Callable[[Any, Mapping[str, Any] | None], Layout]
-    read: Callable[[Any, Mapping[str, Any] | None, bool], StateRecord | StockWeights]
+    read: Callable[[Any, Mapping[str, Any] | None, bool, Any], StateRecord | StockWeights]
 
 
 def _local_orbax(path: str) -> bool:
@@ -131,13 +133,13 @@ LAYOUTS: tuple[LayoutKind, ...] = (
         ".orbax folder",
         _local_orbax,
         lambda path, _options: OrbaxFile(path),
-        lambda path, _options, _unaligned: read_orbax(path),
+        lambda path, _options, _unaligned, arrays: read_orbax(path, arrays),
     ),
     LayoutKind(
         ".keras or HDF5 file (our record, or a stock Keras file)",
         lambda path: True,
         lambda path, options: open_checkpoint_file(path, options),
-        lambda path, options, unaligned: read_checkpoint_file(
+        lambda path, options, unaligned, _arrays: read_checkpoint_file(
             path, storage_options=options, unaligned_views=unaligned
         ),
     ),
@@ -187,7 +189,11 @@ def open_file(filepath: object, *, storage_options: Mapping[str, Any] | None = N
 
 
 def read_file(
-    filepath: object, *, storage_options: Mapping[str, Any] | None = None, unaligned_views: bool = True
+    filepath: object,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    unaligned_views: bool = True,
+    arrays: SourceFactory | None = None,
 ) -> StateRecord | StockWeights:
     """Read a training state whole, in its layout, with every check.
 
@@ -195,8 +201,10 @@ def read_file(
     checked, and every archive member, before anything is returned (the command line's
     ``verify`` runs exactly these checks); ``unaligned_views=False`` is for a caller that
     needs 64-byte aligned memory (see `CheckpointFile`). A ``.orbax`` folder is read by
-    `read_orbax`: its ``state.h5`` so, its arrays in ``arrays/`` read on demand, each
-    checked against its hash. A URL is read as `open_file` reads it (``storage_options``
+    `read_orbax`: its ``state.h5`` so, its arrays in ``arrays/`` read on demand through
+    ``arrays`` (an array source the caller gives: the Orbax engine's for a restore onto
+    each variable's sharding; ``None``: TensorStore, without Orbax), each checked against
+    its hash. A URL is read as `open_file` reads it (``storage_options``
     for its filesystem).
 
     Returns:
@@ -221,4 +229,4 @@ def read_file(
         StateError: for a ``.orbax`` folder, what its array source raises (the Orbax
             engine's: orbax-checkpoint not installed).
     """
-    return _kind(filepath).read(filepath, storage_options, unaligned_views)
+    return _kind(filepath).read(filepath, storage_options, unaligned_views, arrays)

@@ -8,11 +8,10 @@ array with TensorStore (the storage library under Orbax, installed with the ``[o
 extra; neither Orbax nor JAX is imported) and checks it against its hash in the index.
 
 `read_orbax` reads a folder for a restore: the record, with each array of ``arrays/``
-left as an `OrbaxArray` that is read on demand, through an array source: the one the
-Orbax engine supplies (`supply_arrays`; ``keras_stable_state._engines.orbax``: every
-process the shards of its variables' current sharding, the hash summed over processes),
-or where none was supplied `StoreArrays` (TensorStore, each array whole, on this
-process). `materialize` reads the arrays a restore planned, all at once.
+left as an `OrbaxArray` that is read on demand, through the array source its caller
+gives: the Orbax engine's for a restore (``keras_stable_state._engines.array_source``:
+every process the shards of its variables' current sharding, the hash summed over
+processes), or by default `StoreArrays` (TensorStore, each array whole, on this process). `materialize` reads the arrays a restore planned, all at once.
 
 This module imports no Keras and no Orbax.
 """
@@ -69,13 +68,6 @@ class ArraySource(Protocol):
 
 
 SourceFactory = Callable[[str, str], ArraySource]
-_supplied: list[SourceFactory] = []
-
-
-def supply_arrays(factory: SourceFactory) -> None:
-    """Read the arrays of every ``.orbax`` folder `read_orbax` reads from now on through
-    ``factory(directory, where)`` (the Orbax engine supplies its own: ``keras_stable_state._engines``)."""
-    _supplied[:] = [factory]
 
 
 class OrbaxArray:
@@ -207,8 +199,8 @@ def _lazy_arrays(source: ArraySource, metadata: Any, where: str) -> list[OrbaxAr
 
 def read_orbax(path: str | os.PathLike[str], source: SourceFactory | None = None) -> StateRecord:
     """Read the sealed record of the ``.orbax`` folder ``path``; its arrays in ``arrays/``
-    are `OrbaxArray`, read through ``source(directory, where)`` (default: the one
-    `supply_arrays` was given, else `StoreArrays`).
+    are `OrbaxArray`, read through ``source(directory, where)`` (the caller's: the Orbax
+    engine gives its own for a restore; default `StoreArrays`, without Orbax).
 
     Raises:
         FileNotFoundError: if there is no such folder.
@@ -220,7 +212,7 @@ def read_orbax(path: str | os.PathLike[str], source: SourceFactory | None = None
     """
     path = os.fspath(path)
     where = repr(path)
-    factory = source or (_supplied[0] if _supplied else StoreArrays)
+    factory = source or StoreArrays
     arrays = factory(path, where)
     _check_folder(path)
     record = read_checkpoint_file(os.path.join(path, RECORD))

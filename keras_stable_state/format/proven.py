@@ -205,7 +205,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 
 
 def read_proven(
-    filepath: str, *, storage_options: Mapping[str, Any] | None = None
+    filepath: str, *, storage_options: Mapping[str, Any] | None = None, arrays: Any = None
 ) -> StateRecord | StockWeights:
     """Read a training-state file for an in-place restore: the record, its seal checked, with
     its large arrays left in the open file (`FileArray`, each checked when it is read).
@@ -226,7 +226,7 @@ def read_proven(
     """
     path = filepath if is_remote(filepath) else resolve(filepath)
     if is_remote(path) or not path.endswith((".h5", ".keras")) or path.endswith(".weights.h5"):
-        return read_file(filepath, storage_options=storage_options)
+        return read_file(filepath, storage_options=storage_options, arrays=arrays)
     f = CheckpointFile(path)
     try:
         in_place = f.member is None or f._src.member_start is not None
