@@ -12,7 +12,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_stable_state import _processes as _multiprocess
+from keras_stable_state import _processes
 
 
 def to_numpy(variable: Any) -> np.ndarray:
@@ -36,8 +36,8 @@ def to_numpy(variable: Any) -> np.ndarray:
 
             return tensor.to(torch.float32).numpy().astype(ml_dtypes.bfloat16)
         return tensor.numpy()
-    if backend == "jax" and _multiprocess.process_count() > 1 and hasattr(value, "sharding"):
-        return _multiprocess.gather(value)
+    if backend == "jax" and _processes.process_count() > 1 and hasattr(value, "sharding"):
+        return _processes.gather(value)
     return keras.ops.convert_to_numpy(value)
 
 

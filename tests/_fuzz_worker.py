@@ -52,8 +52,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
-from keras_stable_state import cli  # noqa: E402
-from keras_stable_state import format as storage  # noqa: E402
+from keras_stable_state import cli, format  # noqa: E402
 from keras_stable_state.errors import (  # noqa: E402
     BindingError,
     CheckpointInUseError,
@@ -319,7 +318,7 @@ def load_saved(workdir, target):
 def file_names(path):
     """Keys, dataset paths and record names in a pristine file (what a message may name)."""
     names = set()
-    with storage.open_file(path) as f:
+    with format.open_file(path) as f:
         for e in f.entries:
             names.update({e.key, e.dataset, e.dataset.lstrip("/")})
     return names
@@ -384,9 +383,9 @@ def _write_text(ds, text):
 def _forged_crc(key, dtype, value):
     """The CRC-32 storage would write for ``value`` (a forged but self-consistent entry)."""
     try:
-        from keras_stable_state.format import sandbox as _hdf5_checks
+        from keras_stable_state.format import sandbox
 
-        return _hdf5_checks.crc_v2(key, dtype, value.shape, value.tobytes())
+        return sandbox.crc_v2(key, dtype, value.shape, value.tobytes())
     except (ImportError, AttributeError):
         return zlib.crc32(value.tobytes()) & 0xFFFFFFFF
 

@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 
-from keras_stable_state.format import sandbox as _hdf5_checks
+from keras_stable_state.format import sandbox
 from keras_stable_state.format.codec import stored_dtype
 
 
@@ -30,7 +30,7 @@ def write_json(f, name: str, value) -> None:
     else:
         del f[name]
         ds = f.create_dataset(name, data=data)
-    ds.attrs["xxh3"] = np.uint64(_hdf5_checks.digest_v3(name, "json", data.shape, data))
+    ds.attrs["xxh3"] = np.uint64(sandbox.digest_v3(name, "json", data.shape, data))
 
 
 def row_of(f, key: str):
@@ -65,7 +65,7 @@ def edit_array(f, key: str, fn) -> None:
             assert new.shape == value.shape
             data[offset : offset + nbytes] = new.reshape(-1).view(np.uint8)
             f[f"{section}/{blob}"][...] = data
-            row[5] = f"{_hdf5_checks.digest_v3(name, dtype, shape, new.reshape(-1).view(np.uint8)):016x}"
+            row[5] = f"{sandbox.digest_v3(name, dtype, shape, new.reshape(-1).view(np.uint8)):016x}"
             write_json(f, "index", idx)
             return
     raise AssertionError(f"no array for {key!r} in the index")

@@ -3,7 +3,7 @@ state, callback state and provider state equals its value before the call.
 
 Bad files are written through ``write_record`` (valid checksums), so a refusal
 comes from the restore's own checks; each case is also restored from the same record
-in memory (``storage.read_file`` bypassed), so that the restore's checks, not only the
+in memory (``format.read_file`` bypassed), so that the restore's checks, not only the
 reader's, are exercised.
 """
 
@@ -19,9 +19,7 @@ from hypothesis import strategies as st
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import _core as checkpoint
-from keras_stable_state import _state as state_mod
-from keras_stable_state import format as storage
+from keras_stable_state import _core, _state, format
 from keras_stable_state.format.writer import write_record
 
 SETTINGS = settings(
@@ -62,7 +60,7 @@ class World:
         src.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[es])
         self.good = tmp_path / "good.h5"
         kss.save_training_state(self.good, src, callbacks=[es], state={"counter": Counter(7)})
-        self.record = storage.read_file(self.good)
+        self.record = format.read_file(self.good)
 
         keras.utils.set_random_seed(1)
         self.model = _model()
@@ -93,7 +91,7 @@ class World:
             "numpy_rng": copy.deepcopy(np.random.get_state()),
             "python_rng": random.getstate(),
             "keras_seed": None if gen is None else np.array(to_np(gen.state.value), copy=True),
-            "callback": copy.deepcopy(state_mod.callback_state(self.es)),
+            "callback": copy.deepcopy(_state.callback_state(self.es)),
             "counter": copy.deepcopy(self.counter.get_state()),
         }
         if BACKEND == "torch":
@@ -240,7 +238,7 @@ def _refused(world, path, match, monkeypatch=None, record=None):
     before = world.snapshot()
     with monkeypatch.context() as mp:
         if record is not None:
-            mp.setattr(storage, "read_file", lambda _path, **_options: record)
+            mp.setattr(format, "read_file", lambda _path, **_options: record)
         with pytest.raises(kss.StateError) as err:
             world.restore(path)
     _assert_same(before, world.snapshot())
@@ -344,21 +342,21 @@ def test_stable_checkpoint_callback_setter_is_all_or_nothing(world):
     other = keras.callbacks.EarlyStopping(monitor="loss")
     other.on_train_begin()
     record.extra["callbacks"]["EarlyStopping/1"] = {"wait": 1}
-    before = (state_mod.callback_state(world.es), state_mod.callback_state(other))
+    before = (_state.callback_state(world.es), _state.callback_state(other))
     with pytest.raises(kss.CorruptCheckpointError, match="callbacks/EarlyStopping/1"):
-        checkpoint.plan_callbacks(record, [world.es, other], checkpoint.RestoreReport())
-    _assert_same(before, (state_mod.callback_state(world.es), state_mod.callback_state(other)))
+        _core.plan_callbacks(record, [world.es, other], _core.RestoreReport())
+    _assert_same(before, (_state.callback_state(world.es), _state.callback_state(other)))
 
 
 def test_set_rng_state_is_all_or_nothing(world):
-    saved = state_mod.join_arrays(world.record.extra["rng"], world.record.arrays)
+    saved = _state.join_arrays(world.record.extra["rng"], world.record.arrays)
     bad = copy.deepcopy(saved)
     bad["keras_global_seed"] = np.zeros(3, "uint32")
     before = world.snapshot()
     with pytest.raises(kss.CorruptCheckpointError, match="rng/keras_global_seed"):
-        state_mod.set_rng_state(bad)
+        _state.set_rng_state(bad)
     _assert_same(before, world.snapshot())
-    state_mod.set_rng_state(saved)
+    _state.set_rng_state(saved)
     assert np.random.get_state()[2] == saved["numpy"]["pos"]
 
 

@@ -70,11 +70,11 @@ def test_all_is_pinned():
 
 
 def test_the_file_formats_all_is_pinned():
-    from keras_stable_state import format as file_format
+    from keras_stable_state import format
 
-    assert sorted(file_format.__all__) == sorted(FORMAT_PUBLIC)
+    assert sorted(format.__all__) == sorted(FORMAT_PUBLIC)
     for name in FORMAT_PUBLIC:
-        assert getattr(file_format, name) is not None
+        assert getattr(format, name) is not None
 
 
 @pytest.mark.parametrize(

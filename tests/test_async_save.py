@@ -20,7 +20,7 @@ from kit import mlp
 from test_checkpoint_dir import CHILD, X, Y, _check_resume_after_kills, _finish, _temporaries, _wait_for
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.format import writer
 
 
@@ -65,7 +65,7 @@ def test_async_save_writes_what_a_blocking_save_writes_while_training_goes_on(tm
     trained.set()
     assert handle.wait() == handle.path and handle.done()
     assert handle.nbytes == os.path.getsize(handle.path) and handle.write_secs > 0
-    _assert_records_equal(storage.read_file(handle.path), storage.read_file(blocking))
+    _assert_records_equal(format.read_file(handle.path), format.read_file(blocking))
     assert not _temporaries(tmp_path)
     fresh = _model()
     kss.restore_training_state(handle.path, fresh)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from keras.src.saving import saving_lib
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 
 
 def _skip(obj):
@@ -50,7 +50,7 @@ def _keras_pairs(obj):
 
 
 def _ours(obj, classes):
-    return [(attr, _child(child)) for attr, child in compat.walk_saveable(obj, classes)]
+    return [(attr, _child(child)) for attr, child in _keras_compat.walk_saveable(obj, classes)]
 
 
 def _stock_objects():
@@ -97,7 +97,7 @@ def test_stock_objects_list_what_dir_lists():
     for _ in range(2):  # the second pass takes every class part from ``classes``
         for obj in objects:
             skip = _skip(obj)
-            assert compat.attribute_names(obj, skip, classes) == _dir_names(obj, skip), type(obj)
+            assert _keras_compat.attribute_names(obj, skip, classes) == _dir_names(obj, skip), type(obj)
             assert _ours(obj, classes) == _keras_pairs(obj), type(obj)
     assert classes, "no class part was kept: the walk would list every class each time"
 
@@ -149,7 +149,7 @@ def test_generated_layers_list_what_dir_lists(own, shared, later, raising, hidde
     classes: dict = {}
     for obj in (first, second, first):
         skip = _skip(obj)
-        assert compat.attribute_names(obj, skip, classes) == set(_dir_names(obj, skip))
+        assert _keras_compat.attribute_names(obj, skip, classes) == set(_dir_names(obj, skip))
         assert _ours(obj, classes) == _keras_pairs(obj)
         for i, (name, kind) in enumerate(later.items()):  # new attributes set between walks
             if not hasattr(obj, name):
@@ -165,7 +165,7 @@ def test_names_sharing_a_sort_key_come_in_keras_order():
     for i in range(16):
         setattr(layer, f"_a{i}", i)
         setattr(layer, f"~_a{i}", -i)
-    ours = [attr for attr, _ in compat.walk_saveable(layer, {})]
+    ours = [attr for attr, _ in _keras_compat.walk_saveable(layer, {})]
     assert ours == [attr for attr, _ in saving_lib._walk_saveable(layer)]
     assert ours.index("_a3") + 1 == ours.index("~_a3")
 
@@ -183,7 +183,7 @@ def test_torch_parameters_buffers_and_digit_names():
     classes: dict = {}
     for _ in range(2):
         skip = _skip(layer)
-        names = compat.attribute_names(layer, skip, classes)
+        names = _keras_compat.attribute_names(layer, skip, classes)
         assert names == _dir_names(layer, skip)
         assert {"scale", "extra"} <= names and "0digit" not in names
         assert _ours(layer, classes) == _keras_pairs(layer)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_mappers import _model
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.format.writer import record_to_bytes
 
 
@@ -120,7 +120,7 @@ class _Provider:
 
 
 def _half_slot(blob):
-    record = storage.read_bytes(blob)
+    record = format.read_bytes(blob)
     key = next(k for k in record.optimizer if k.endswith("kernel#momentums"))
     record.optimizer[key] = record.optimizer[key].astype("float16")
     return record_to_bytes(record)

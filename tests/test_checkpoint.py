@@ -10,7 +10,7 @@ from conftest import BACKEND, slots_by_key, to_np
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.format import writer
 from keras_stable_state.format.record import MEMBER
 from keras_stable_state.format.writer import write_record
@@ -133,7 +133,7 @@ def test_restore_is_all_or_nothing(tmp_path, data):
 
 
 def _rewrite(path, out, fn):
-    record = storage.read_file(path)
+    record = format.read_file(path)
     fn(record)
     write_record(out, record)
 
@@ -379,8 +379,8 @@ def test_bfloat16_variables_and_slots_round_trip_exactly(tmp_path, data):
     m.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)
     assert str(m.layers[0].kernel.dtype) == "bfloat16"
     kss.save_training_state(tmp_path / "s.h5", m)
-    record = storage.read_file(tmp_path / "s.h5")
-    assert storage.dtype_name(record.model["path:layers/dense/kernel"]) == "bfloat16"
+    record = format.read_file(tmp_path / "s.h5")
+    assert format.dtype_name(record.model["path:layers/dense/kernel"]) == "bfloat16"
     dst = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8, dtype="bfloat16"), keras.layers.Dense(1)]
     )

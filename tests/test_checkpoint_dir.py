@@ -19,7 +19,7 @@ from conftest import BACKEND, slots_by_key, to_np
 from kit import StopAt, mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state._fit import LOCK_NAME, UNREADABLE_DIR, UnreadableCheckpointWarning
 
 rng = np.random.default_rng(0)
@@ -442,7 +442,7 @@ def _check_resume_after_kills(tmp_path, d, hidden):
     checkpoints = sorted(n for n in os.listdir(d) if re.fullmatch(r"ckpt-\d{10}\.h5", n))
     assert checkpoints, "no checkpoint was written before the kills"
     newest = str(d / checkpoints[-1])
-    storage.read_file(newest)  # fully written: every array passes its checksum
+    format.read_file(newest)  # fully written: every array passes its checksum
     spy = _AtTrainBegin(d)
     _, ckpt = _fit(d, epochs=10_000, save_freq=1, hidden=hidden, extra=[spy])
     assert ckpt.skipped_checkpoints == []  # the newest was whole (and no warning: they are errors)

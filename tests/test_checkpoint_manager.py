@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kit import assert_same_state, mlp
 
 import keras_stable_state as kss
-from keras_stable_state._manager import records as kss_records
+from keras_stable_state._manager import records
 from keras_stable_state._numpy import numpy_copy
 
 BACKEND = keras.backend.backend()
@@ -203,7 +203,7 @@ def test_metadata_tells_step_epoch_metrics_time_size_format_and_backend(tmp_path
     assert info.format == kss.format.FORMAT_VERSION
     assert info.world_size == 1  # one process (Torch ranks, JAX processes: their number)
     # a checkpoint of an older version, whose record has no world size: unknown
-    older = kss_records.metadata_of(40, path, ({"backend": BACKEND}, {"step": 40}, 3), 1)
+    older = records.metadata_of(40, path, ({"backend": BACKEND}, {"step": 40}, 3), 1)
     assert older.world_size is None
     bare = mgr.metadata(41)
     assert (bare.epoch, dict(bare.metrics)) == (None, {})

@@ -19,8 +19,7 @@ import pytest
 from conftest import BACKEND, to_np
 
 import keras_stable_state as kss
-from keras_stable_state import cli
-from keras_stable_state import format as storage
+from keras_stable_state import cli, format
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state.cli import output
 from keras_stable_state.format.record import KERAS_WEIGHTS_MEMBER, MEMBER
@@ -145,7 +144,7 @@ def test_inspect_json_matches_the_model(capsys, saved, ext):
     assert doc["kind"] == "keras_stable_state"
     assert doc["metadata"]["backend"] == BACKEND
     assert doc["metadata"]["keras_version"] == keras.__version__
-    assert doc["format_version"] == storage.FORMAT_VERSION
+    assert doc["format_version"] == format.FORMAT_VERSION
     assert doc["metadata"]["model_state"] == "all"
     keys = _keys(m)
     assert {v["key"]: v["shape"] for v in doc["variables"]} == {k: list(v.shape) for k, v in keys.items()}
@@ -240,7 +239,7 @@ def test_verify_names_the_damaged_key(capsys, files, tmp_path, ext):
     assert "path:layers/hidden/kernel" in [d["key"] for d in doc["damaged"]]
     # the library refuses the same file
     with pytest.raises(kss.CorruptCheckpointError):
-        storage.read_file(bad)
+        format.read_file(bad)
 
 
 @pytest.mark.parametrize("ext", ["h5", "keras"])
@@ -532,7 +531,7 @@ def test_a_command_that_cannot_load_the_backend_exits_2_naming_keras_backend(
 @ONCE
 def test_keys_with_control_characters_are_printed_escaped(capsys, tmp_path):
     evil = "path:layers/\x1b[2J\x1b[31mred\nOK fake line\r"
-    record = storage.StateRecord(
+    record = format.StateRecord(
         metadata={"backend": BACKEND, "keras_version": keras.__version__, "format_version": 2},
         contract=[[evil, [2], "float32"]],
         model={evil: np.ones(2, "float32")},
@@ -627,14 +626,14 @@ def test_ls_of_a_newer_format_checkpoint_says_fit_stops_there(capsys, files, tmp
 
     folder = tmp_path / "ckpts"
     shutil.copytree(files.folder / "ckpts", folder)
-    record = storage.read_file(folder / "ckpt-0000000003.h5")
-    record.metadata["format_version"] = storage.FORMAT_VERSION
+    record = format.read_file(folder / "ckpt-0000000003.h5")
+    record.metadata["format_version"] = format.FORMAT_VERSION
     path = folder / "ckpt-0000000003.h5"
     import h5py
 
     write_record(path, record)
     with h5py.File(path, "r+") as h5:  # a format this version does not read, under an intact seal
-        h5.attrs["format_version"] = storage.FORMAT_VERSION + 1
+        h5.attrs["format_version"] = format.FORMAT_VERSION + 1
     reseal(path)
     code, out, _ = _run(capsys, "ls", folder, "--json")
     doc = json.loads(out)
@@ -670,7 +669,7 @@ def test_orbax_states_are_inspected_verified_and_compared(capsys, files, tmp_pat
     # its chunks, so the bytes are rewritten through TensorStore)
     import tensorstore
 
-    index = storage.read_file(path / "state.h5").metadata["orbax"]["arrays"]
+    index = format.read_file(path / "state.h5").metadata["orbax"]["arrays"]
     leaf = next(f"{sec}.{name}" for sec, key, name, *_ in index if key == "path:layers/hidden/kernel")
     kvstore = {"driver": "ocdbt", "base": f"file://{path / 'arrays'}", "path": f"{leaf}/"}
     array = tensorstore.open({"driver": "zarr", "kvstore": kvstore}, open=True).result()

@@ -14,7 +14,7 @@ from conftest import to_np
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 
 FLOATS = ("bfloat16", "float16", "float32")
 EXACT = {("bfloat16", "float32"), ("float16", "float32")}
@@ -118,7 +118,7 @@ def test_float_variable_retyped_since_save_restores_with_allow_cast(tmp_path, sr
     assert all((s, d) == (src, dst) for _, s, d in report.casts)
     assert set(report.lossy) == (set() if (src, dst) in EXACT else out_keys)
     assert not report.left_fresh and not report.dropped
-    assert [to_np(v).dtype for v in other.layers[-1].weights] == [storage.numpy_dtype(dst)] * 2
+    assert [to_np(v).dtype for v in other.layers[-1].weights] == [format.numpy_dtype(dst)] * 2
     for a, b in zip(saved.weights, other.weights, strict=True):  # every weight, by position
         want = to_np(a).astype(to_np(b).dtype)
         np.testing.assert_array_equal(to_np(b).astype("float32"), want.astype("float32"))

@@ -32,8 +32,7 @@ from conftest import to_np
 import keras_stable_state as kss
 from keras_stable_state import cli
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError
-from keras_stable_state.format import sandbox as _hdf5_checks
-from keras_stable_state.format import writer
+from keras_stable_state.format import sandbox, writer
 from keras_stable_state.format.record import MEMBER
 
 REFUSALS = (CorruptCheckpointError, CheckpointFormatError)
@@ -119,9 +118,9 @@ def _reseal(path):
 def _forged_crc(key, dtype, data: bytes, shape):
     """The CRC-32 a reader expects for an array (format 2: over key, dtype, shape, bytes)."""
     try:
-        from keras_stable_state.format import sandbox as _hdf5_checks
+        from keras_stable_state.format import sandbox
 
-        return _hdf5_checks.crc_v2(key, dtype, shape, data)
+        return sandbox.crc_v2(key, dtype, shape, data)
     except (ImportError, AttributeError):
         return zlib.crc32(data) & 0xFFFFFFFF
 
@@ -195,7 +194,7 @@ def _replace(f, key, make, *, crc_over=None):
             for r in rows:
                 if r[0] == key:
                     r[4] = 0
-                    r[5] = f"{_hdf5_checks.digest_v3(key, row[1], row[2], crc_over):016x}"
+                    r[5] = f"{sandbox.digest_v3(key, row[1], row[2], crc_over):016x}"
         _records.write_json(f, "index", index)
     return where
 
@@ -460,7 +459,7 @@ def _set_record(f, name, text: bytes):
         if "crc32" in attrs:
             ds.attrs["crc32"] = _forged_crc(name, "json", text, data.shape)
         if "xxh3" in attrs:
-            ds.attrs["xxh3"] = np.uint64(_hdf5_checks.digest_v3(name, "json", data.shape, data))
+            ds.attrs["xxh3"] = np.uint64(sandbox.digest_v3(name, "json", data.shape, data))
     else:  # format 1: a string dataset
         f.create_dataset(name, data=text.decode())
 

@@ -20,12 +20,11 @@ import pytest
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state._manager import lock as locks
-from keras_stable_state._manager import portable_lock
+from keras_stable_state._manager import lock, portable_lock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-LOCK = locks.LOCK_NAME
+LOCK = lock.LOCK_NAME
 MARKER = LOCK + portable_lock.MARKER_SUFFIX
 
 # A process that takes the lock of argv[1] and then, by argv[2]: "hold" (until stdin closes,
@@ -75,8 +74,8 @@ def _holder(directory, how, kind=None, variant=""):
 
 
 def _acquire(directory, writer="StableCheckpoint", reclaimable=True):
-    token = locks.new_token()
-    return locks.acquire_lock(str(directory), token, writer=writer, reclaimable=reclaimable), token
+    token = lock.new_token()
+    return lock.acquire_lock(str(directory), token, writer=writer, reclaimable=reclaimable), token
 
 
 def _names(directory):
@@ -206,7 +205,7 @@ def test_a_writer_of_the_other_kind_is_refused_naming_the_first(tmp_path, monkey
                 _acquire(tmp_path)
             assert info.value.holder.startswith(holder)
             assert _names(tmp_path) == [LOCK, MARKER] and _record(tmp_path)["pid"] == child.pid
-        assert os.path.realpath(tmp_path) not in locks._HELD
+        assert os.path.realpath(tmp_path) not in lock._HELD
     finally:
         child.communicate(b"", timeout=60)
     assert child.returncode == 0 and _names(tmp_path) == []
@@ -353,8 +352,8 @@ def test_an_owner_collected_while_the_guard_is_taken_never_hangs(tmp_path, direc
     waits for nothing; the next acquire releases the collected owner's lock."""
     held, token = _acquire(tmp_path, reclaimable=False)
     done = threading.Event()
-    with locks._HELD_GUARD:  # as the collection inside DirectoryLock.acquire holds it
-        worker = threading.Thread(target=lambda: (locks.release_token(token), done.set()))
+    with lock._HELD_GUARD:  # as the collection inside DirectoryLock.acquire holds it
+        worker = threading.Thread(target=lambda: (lock.release_token(token), done.set()))
         worker.start()
         assert done.wait(10), "release_token waited for the guard"
     worker.join()
@@ -456,14 +455,14 @@ def test_a_lock_file_or_marker_that_is_no_regular_file_is_refused(tmp_path, dire
     assert victim.read_text() == "keep"
     # nothing else written; a refused marker leaves the (empty) lock file the next writer reuses
     assert _names(d) == ([LOCK] if name == LOCK else [LOCK, MARKER])
-    assert os.path.realpath(d) not in locks._HELD
+    assert os.path.realpath(d) not in lock._HELD
 
 
 @pytest.mark.backend_free
 def test_without_fcntl_the_portable_lock_is_chosen_and_flock_cannot_be_forced(tmp_path, monkeypatch):
-    monkeypatch.setattr(locks, "fcntl", None)  # as on Windows (tests/test_hostile_files.py trains so)
+    monkeypatch.setattr(lock, "fcntl", None)  # as on Windows (tests/test_hostile_files.py trains so)
     monkeypatch.delenv("KSS_DIRECTORY_LOCK", raising=False)
-    assert locks.lock_kind() == "portable"
+    assert lock.lock_kind() == "portable"
     held, token = _acquire(tmp_path)
     assert held.marker is not None and _names(tmp_path) == [LOCK, MARKER]
     held.release(token)

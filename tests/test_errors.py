@@ -8,7 +8,7 @@ from conftest import to_np
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.errors import MalformedKeyError
 from keras_stable_state.format.writer import write_record
 
@@ -193,7 +193,7 @@ def test_stock_weights_missing_variable_refused_under_strict(tmp_path, data):
     ],
 )
 def test_malformed_key_is_a_damaged_file_naming_key_and_file(saved, tmp_path, section, old, new):
-    record = storage.read_file(saved)
+    record = format.read_file(saved)
     arrays = getattr(record, section)
     setattr(record, section, {(new if k == old else k): v for k, v in arrays.items()})
     write_record(tmp_path / "bad.h5", record)
@@ -210,7 +210,7 @@ def test_malformed_key_is_a_damaged_file_naming_key_and_file(saved, tmp_path, se
 
 # -- casts between kinds ---------------------------------------------------------------------------
 def test_cast_between_integer_and_float_refused_even_with_allow_cast(saved, tmp_path):
-    record = storage.read_file(saved)
+    record = format.read_file(saved)
     record.model["path:layers/hidden/kernel"] = record.model["path:layers/hidden/kernel"].view("int32")
     write_record(tmp_path / "int.h5", record)
     with pytest.raises(

@@ -16,7 +16,7 @@ from conftest import BACKEND, StopAt
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.format.writer import reseal
 
 rng = np.random.default_rng(4)
@@ -164,7 +164,7 @@ def test_two_preemptions_in_one_epoch_resume_exactly(tmp_path, tmp_path_factory)
 def test_the_epoch_order_is_saved_as_a_permutation_of_the_samples(tmp_path):
     fit_arrays(tmp_path, stop=(1, 3))
     newest = sorted(os.listdir(tmp_path))[-1]
-    record = storage.read_file(os.path.join(tmp_path, newest))
+    record = format.read_file(os.path.join(tmp_path, newest))
     data = record.extra["providers"]["data"]
     perm = record.arrays[data["permutation"]["__array__"]]
     assert sorted(perm.tolist()) == list(range(len(X)))

@@ -166,7 +166,7 @@ def test_relative_orbax_directory_resumes_and_nothing_is_moved_aside(tmp_path, d
 
 @_JAX_ONLY
 def test_orbax_refusing_a_path_is_not_taken_for_damage(tmp_path, monkeypatch):
-    from keras_stable_state._engines import orbax as engine
+    from keras_stable_state._engines import orbax
 
     model = mlp(seed=3)
     path = tmp_path / "run.orbax"
@@ -175,7 +175,7 @@ def test_orbax_refusing_a_path_is_not_taken_for_damage(tmp_path, monkeypatch):
     def refuse(self, wanted):
         raise ValueError(f"Checkpoint path should be absolute. Got {self.directory}")
 
-    monkeypatch.setattr(engine._Source, "_restore", refuse)
+    monkeypatch.setattr(orbax._Source, "_restore", refuse)
     with pytest.raises(kss.StateError, match=r"refused the path.*not damaged") as caught:
         kss.restore_training_state(path, mlp(seed=4))
     assert not isinstance(caught.value, kss.CorruptCheckpointError)

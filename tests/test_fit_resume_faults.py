@@ -16,7 +16,7 @@ from conftest import LrLog, StopAt
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state._fit import position as kss_position
+from keras_stable_state._fit import position
 
 rng = np.random.default_rng(3)
 X = rng.normal(size=(80, 6)).astype("float32")  # 10 batches of 8 per epoch
@@ -169,16 +169,16 @@ def test_fault6_changed_batch_size_at_epoch_boundary_warns(tmp_path):
 
 def test_fault6_checkpoint_without_data_facts_still_resumes_exactly(tmp_path, monkeypatch):
     ref, _, _ = _fit(tmp_path / "ref")
-    original = kss_position.Position.get_state
+    original = position.Position.get_state
 
     def old_format(self):  # a checkpoint written before the data facts were saved
         out = original(self)
         out.pop("data", None)
         return out
 
-    monkeypatch.setattr(kss_position.Position, "get_state", old_format)
+    monkeypatch.setattr(position.Position, "get_state", old_format)
     _fit(tmp_path / "run", stop=(1, 5))
-    monkeypatch.setattr(kss_position.Position, "get_state", original)
+    monkeypatch.setattr(position.Position, "get_state", original)
     res, ckpt, _ = _fit(tmp_path / "run")
     assert ckpt.restore_report is not None
     _assert_same_weights(ref, res)
@@ -251,9 +251,9 @@ def test_fault8_orbax_directory_holds_orbax_steps_not_h5_files(tmp_path, name):
     pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint (the [orbax] extra) is not installed")
     ckpt = kss.StableCheckpoint(str(tmp_path) + "/" + name)
     assert not (tmp_path / "run.orbax").exists()  # made at train begin
-    from keras_stable_state._manager import directory as files
+    from keras_stable_state._manager.directory import path_of
 
-    assert files.path_of(ckpt.directory, 7).endswith("ckpt-0000000007.orbax")
+    assert path_of(ckpt.directory, 7).endswith("ckpt-0000000007.orbax")
 
 
 # -- fault 9 --------------------------------------------------------------------------------

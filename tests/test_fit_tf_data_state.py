@@ -13,7 +13,7 @@ import pytest
 from kit import StopAt, assert_same_state, mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 
 pytestmark = pytest.mark.frameworks("tensorflow")  # a tf.data input on every backend
 
@@ -135,7 +135,7 @@ def test_an_epoch_boundary_resume_draws_the_next_epochs_order(tmp_path):
 
 
 def _providers(directory):
-    record = storage.read_file(os.path.join(directory, sorted(os.listdir(directory))[-1]))
+    record = format.read_file(os.path.join(directory, sorted(os.listdir(directory))[-1]))
     return record, record.extra.get("providers", {})
 
 

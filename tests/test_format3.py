@@ -17,8 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keras_stable_state as kss
-from keras_stable_state import cli
-from keras_stable_state import format as storage
+from keras_stable_state import cli, format
 from keras_stable_state.errors import StateError
 from keras_stable_state.format.record import ALIGN, BLOB_TARGET, MEMBER, PACK_LIMIT, USERBLOCK_SIZE
 from keras_stable_state.format.writer import reseal, write_record
@@ -29,7 +28,7 @@ EXTRA = {"callbacks": {}, "providers": {}, "rng": None}
 
 
 def _record(model, optimizer=None):
-    return storage.StateRecord(
+    return format.StateRecord(
         metadata=META, contract=None, model=model, optimizer=optimizer or {}, extra=EXTRA
     )
 
@@ -52,7 +51,7 @@ def test_small_arrays_share_blobs_large_ones_have_their_own_and_all_read_back_ex
     model.update({f"path:layers/m{i}/kernel": np.full((15_000,), i, "float32") for i in range(40)})
     write_record(tmp_path / "s.h5", _record(model))
 
-    with storage.open_file(tmp_path / "s.h5") as f:
+    with format.open_file(tmp_path / "s.h5") as f:
         entries = {e.key: e for e in f.entries}
         assert f.version == 3 and f.seal_version == 3
         assert all(e.checksum == "xxh3-64" for e in f.entries)
@@ -67,7 +66,7 @@ def test_small_arrays_share_blobs_large_ones_have_their_own_and_all_read_back_ex
     assert len(blobs) >= 3 and len(blobs) < 20  # 346 arrays in a handful of datasets
     assert sizes[-1] <= BLOB_TARGET + PACK_LIMIT + ALIGN
 
-    back = storage.read_file(tmp_path / "s.h5")
+    back = format.read_file(tmp_path / "s.h5")
     assert list(back.model) == list(model)
     for key, value in model.items():
         _assert_same(value, back.model[key])
@@ -95,7 +94,7 @@ def test_any_mix_of_arrays_reads_back_bit_for_bit(tmp_path_factory, arrays, big)
     model = {}
     for i, (dtype, shape, seed) in enumerate(arrays):
         rng = np.random.default_rng(seed)
-        np_dtype = storage.numpy_dtype(dtype)
+        np_dtype = format.numpy_dtype(dtype)
         if i < big:  # past PACK_LIMIT: a blob of its own
             shape = [PACK_LIMIT // np_dtype.itemsize + 1 + seed % 7]
         raw = rng.integers(
@@ -106,7 +105,7 @@ def test_any_mix_of_arrays_reads_back_bit_for_bit(tmp_path_factory, arrays, big)
             value = value.view(np.uint8) % 2 == 1
         model[f"path:layers/l{i}/kernel"] = value
     write_record(folder / "s.h5", _record(model))
-    back = storage.read_file(folder / "s.h5")
+    back = format.read_file(folder / "s.h5")
     for key, value in model.items():
         _assert_same(value, back.model[key])
 
@@ -168,7 +167,7 @@ def test_any_edit_of_the_index_resealed_is_refused_and_nothing_changes(
     reseal(path)
 
     with pytest.raises(kss.CorruptCheckpointError) as info:
-        storage.read_file(path)
+        format.read_file(path)
     assert info.value.key is not None and str(info.value.key) in str(info.value)
     _assert_refused_untouched(path, m, StateError)
 
@@ -197,7 +196,7 @@ def test_a_blob_with_bytes_no_array_claims_is_refused_naming_its_arrays(tmp_path
         f["model"].create_dataset("0", data=np.concatenate([data, np.zeros(16, np.uint8)]))
     reseal(path)
     with pytest.raises(kss.CorruptCheckpointError, match=r"model/0 \(it holds the arrays for keys") as info:
-        storage.read_file(path)
+        format.read_file(path)
     assert info.value.key == "path:layers/hidden/kernel"
 
 
@@ -214,11 +213,11 @@ def test_a_flipped_array_byte_names_the_key_and_its_xxh3(tmp_path, pristine):
     with pytest.raises(
         kss.CorruptCheckpointError, match="xxh3-128 seal.*path:layers/out/bias.*xxh3-64"
     ) as info:
-        storage.read_file(path)
+        format.read_file(path)
     assert info.value.key == "path:layers/out/bias"
     reseal(path)  # the same flip, resealed: the array's own checksum refuses it
     with pytest.raises(kss.CorruptCheckpointError, match="path:layers/out/bias.*fails its xxh3-64") as info:
-        storage.read_file(path)
+        format.read_file(path)
     assert info.value.key == "path:layers/out/bias"
 
 
@@ -250,7 +249,7 @@ def test_files_written_in_format_2_still_restore_exactly(name, capsys):
             saved = saved.astype(live.dtype)
         _assert_same(saved, live)
     assert int(to_np(m.optimizer.iterations)) == 2
-    with storage.open_file(path) as f:
+    with format.open_file(path) as f:
         assert f.version == 2 and f.seal_version == 2 and {e.checksum for e in f.entries} == {"CRC-32"}
     assert cli.main(["verify", path]) == 0
     assert "match their CRC-32 checksums" in capsys.readouterr().out
@@ -280,7 +279,7 @@ def test_a_format_2_file_resealed_keeps_its_format_2_seal(tmp_path):
     shutil.copyfile(os.path.join(DATA, "format2.h5"), path)
     reseal(path)
     assert path.read_bytes().startswith(b"KSS-SEAL 2 sha256 ")
-    assert storage.read_file(path).metadata["format_version"] == 2
+    assert format.read_file(path).metadata["format_version"] == 2
 
 
 def test_a_format_3_record_under_a_format_2_seal_is_refused(tmp_path, pristine):
@@ -291,7 +290,7 @@ def test_a_format_3_record_under_a_format_2_seal_is_refused(tmp_path, pristine):
     (tmp_path / "bad.h5").write_bytes(bytes(raw))
     reseal(tmp_path / "bad.h5")
     with pytest.raises(kss.CorruptCheckpointError, match="format-3 record under a format-2 seal"):
-        storage.read_file(tmp_path / "bad.h5")
+        format.read_file(tmp_path / "bad.h5")
 
 
 def test_the_index_json_is_what_the_docs_describe(pristine):
@@ -326,9 +325,9 @@ def archive(tmp_path_factory, pristine):
 def test_a_keras_state_shares_the_model_weights_with_keras_and_still_loads(archive, pristine):
     path, h5 = archive
     _, m = pristine
-    with storage.open_file(h5) as f:
+    with format.open_file(h5) as f:
         model_keys = {e.key for e in f.section("model")}
-    with storage.open_file(path) as f:
+    with format.open_file(path) as f:
         shared = {e.key for e in f.section("model") if e.dataset.startswith("model.weights.h5:/")}
         assert shared == model_keys
         assert all(e.checksum == "xxh3-64" for e in f.entries)
@@ -375,7 +374,7 @@ def test_a_compressed_keras_weights_member_is_refused_naming_it(tmp_path, archiv
         bad, lambda name, data, c: (data, zipfile.ZIP_DEFLATED if name == "model.weights.h5" else c)
     )
     with pytest.raises(kss.CorruptCheckpointError, match="model.weights.h5: the member is compressed"):
-        storage.read_file(bad)
+        format.read_file(bad)
 
 
 @keras.saving.register_keras_serializable(package="kss_tests")
@@ -398,7 +397,7 @@ def test_an_array_keras_stores_differently_is_kept_in_the_record(tmp_path):
     m.get_layer("doubled").kernel.assign(np.arange(6, dtype="float32").reshape(3, 2) + 0.5)
     path = str(tmp_path / "s.keras")
     kss.save_training_state(path, m)
-    with storage.open_file(path) as f:
+    with format.open_file(path) as f:
         where = {e.key: e.dataset for e in f.section("model")}
     assert not where["path:layers/doubled/kernel"].startswith("model.weights.h5:")
     fresh = keras.Sequential([keras.Input((3,)), _Doubled(2, name="doubled")])

@@ -24,8 +24,7 @@ from test_in_place_restore import (
 )
 
 import keras_stable_state as kss
-from keras_stable_state import _core
-from keras_stable_state import format as storage
+from keras_stable_state import _core, format
 from keras_stable_state.errors import CorruptCheckpointError
 from keras_stable_state.format.proven import FileArray
 
@@ -150,7 +149,7 @@ def test_the_manager_and_stable_checkpoint_read_in_place_for_a_model_on_an_accel
     writer = _model([1100], 43)
     writer.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(folder, save_freq=4)])
     saved = [
-        np.array(v) for v in storage.read_file(kss.CheckpointManager(folder).checkpoints()[0]).model.values()
+        np.array(v) for v in format.read_file(kss.CheckpointManager(folder).checkpoints()[0]).model.values()
     ]
     reader = _model([1100], 44)
     _trained_state(reader, 45)

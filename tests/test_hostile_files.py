@@ -21,8 +21,8 @@ import pytest
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
-from keras_stable_state._manager import lock as directory_lock
+from keras_stable_state import format
+from keras_stable_state._manager import lock
 from keras_stable_state.format.atomic import atomic_path
 from keras_stable_state.format.files import open_regular
 
@@ -109,12 +109,12 @@ def test_unreadable_is_never_a_symbolic_link(hostile):
 # -- the format layer and the command line (no Keras: quick, in a child for the hangs) ------
 _FORMAT_CASES = r"""
 import json, os, sys
-from keras_stable_state import format as storage
+from keras_stable_state import format
 root = sys.argv[1]
 out = {}
 for name in sorted(os.listdir(root)):
     path = os.path.join(root, name)
-    for verb, call in (("read_file", storage.read_file), ("open_file", storage.open_file)):
+    for verb, call in (("read_file", format.read_file), ("open_file", format.open_file)):
         try:
             call(path)
             out[f"{verb} {name}"] = None
@@ -170,7 +170,7 @@ def test_open_regular_refuses_a_symbolic_link_where_the_file_is_written(tmp_path
 def test_a_dangling_symbolic_link_is_a_file_not_found_naming_its_target(tmp_path):
     os.symlink(tmp_path / "gone.h5", tmp_path / "latest.h5")
     with pytest.raises(FileNotFoundError, match=r"latest\.h5' \(a symbolic link to '.*gone\.h5'\)") as info:
-        storage.read_file(tmp_path / "latest.h5")
+        format.read_file(tmp_path / "latest.h5")
     assert info.value.errno == errno.ENOENT
 
 
@@ -192,7 +192,7 @@ def _keras_file_with_member_mode(tmp_path, mode):
 def test_an_archive_member_that_is_a_link_or_a_fifo_is_refused(tmp_path, mode, kind):
     crafted = _keras_file_with_member_mode(tmp_path, mode)
     with pytest.raises(kss.CorruptCheckpointError, match=rf"archive member 'config.json' is {kind}") as info:
-        storage.open_file(crafted)
+        format.open_file(crafted)
     assert info.value.key == "config.json"
 
 
@@ -267,7 +267,7 @@ def test_a_directory_that_is_not_a_path_is_a_type_error(value):
 
 
 def test_without_fcntl_stable_checkpoint_locks_its_directory_with_the_portable_lock(tmp_path, monkeypatch):
-    monkeypatch.setattr(directory_lock, "fcntl", None)  # as on Windows
+    monkeypatch.setattr(lock, "fcntl", None)  # as on Windows
     monkeypatch.delenv("KSS_DIRECTORY_LOCK", raising=False)
     held = []
 
@@ -306,7 +306,7 @@ def _read_only(monkeypatch):
     def refuse(directory, path):
         raise OSError(errno.EROFS, "Read-only file system", path)
 
-    monkeypatch.setattr(directory_lock, "_open_lock", refuse)
+    monkeypatch.setattr(lock, "_open_lock", refuse)
 
 
 def test_a_read_only_directory_resumes_a_finished_fit_and_refuses_one_with_epochs_left(

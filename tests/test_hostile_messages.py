@@ -23,8 +23,7 @@ from _records import index, write_json
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import cli
-from keras_stable_state import format as storage
+from keras_stable_state import cli, format
 from keras_stable_state._numpy import numpy_copy
 from keras_stable_state.errors import listed, shown
 from keras_stable_state.format import sandbox
@@ -151,7 +150,7 @@ def test_many_extra_index_rows_give_a_short_message_soon(tmp_path, section):
 
 # -- a newer format -----------------------------------------------------------------------------
 def _set_version(f):
-    f.attrs["format_version"] = storage.FORMAT_VERSION + 1
+    f.attrs["format_version"] = format.FORMAT_VERSION + 1
 
 
 def _add_record(f):
@@ -160,19 +159,19 @@ def _add_record(f):
 
 def _newer_seal(path):
     data = bytearray(path.read_bytes())
-    head = f"KSS-SEAL {storage.FORMAT_VERSION + 1} blake9 00ff 12\n".encode()
+    head = f"KSS-SEAL {format.FORMAT_VERSION + 1} blake9 00ff 12\n".encode()
     data[:USERBLOCK_SIZE] = head.ljust(USERBLOCK_SIZE, b"\0")
     path.write_bytes(bytes(data))
 
 
 NEWER = {
-    "format_version attribute": (_set_version, None, f"format {storage.FORMAT_VERSION + 1}"),
+    "format_version attribute": (_set_version, None, f"format {format.FORMAT_VERSION + 1}"),
     "unknown record": (
         _add_record,
         None,
-        rf"format {storage.FORMAT_VERSION}, with \['future'\] this version does not know",
+        rf"format {format.FORMAT_VERSION}, with \['future'\] this version does not know",
     ),
-    "seal of a later format": (None, _newer_seal, f"format {storage.FORMAT_VERSION + 1}"),
+    "seal of a later format": (None, _newer_seal, f"format {format.FORMAT_VERSION + 1}"),
 }
 
 
@@ -195,7 +194,7 @@ def test_a_newer_format_is_refused_as_such_not_as_damage(tmp_path, how):
         kss.restore_training_state(path, model)
     assert not isinstance(info.value, kss.CorruptCheckpointError)
     assert "upgrade to read it" in str(info.value) and "damaged;" not in str(info.value)
-    assert info.value.version in (storage.FORMAT_VERSION, storage.FORMAT_VERSION + 1)
+    assert info.value.version in (format.FORMAT_VERSION, format.FORMAT_VERSION + 1)
     for a, b in zip(before, _state(model), strict=True):
         np.testing.assert_array_equal(a, b)
     for command in ("verify", "inspect"):

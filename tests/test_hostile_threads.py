@@ -26,7 +26,7 @@ from conftest import BACKEND
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.format import proven
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,8 +225,8 @@ def test_a_resume_reads_its_checkpoint_once_even_if_it_is_replaced_meanwhile(tmp
         callbacks=[kss.StableCheckpoint(other, callbacks={"es": es_b}), es_b],
     )
     replacement = sorted(other.glob("ckpt-*.h5"))[-1]
-    expected = storage.read_file(str(newest))
-    theirs = storage.read_file(str(replacement))
+    expected = format.read_file(str(newest))
+    theirs = format.read_file(str(replacement))
     assert expected.extra["callbacks"]["es"]["best"] != theirs.extra["callbacks"]["es"]["best"]
     final_a = [keras.ops.convert_to_numpy(v) for v in model_a.weights]
 
@@ -246,7 +246,7 @@ def test_a_resume_reads_its_checkpoint_once_even_if_it_is_replaced_meanwhile(tmp
 
     # read_proven: the restore in place into a model that never trained (its arrays are read
     # after the replacement, from the file it proved, held open); read_file: any other read
-    for module, name in ((storage, "read_file"), (proven, "read_proven")):
+    for module, name in ((format, "read_file"), (proven, "read_proven")):
         monkeypatch.setattr(module, name, read_then_replace(getattr(module, name)))
     resumed = mlp(4, 8, named=True, seed=3)
     es = keras.callbacks.EarlyStopping(monitor="loss", patience=50)

@@ -181,10 +181,10 @@ def test_keras_paths_still_follow_keras_weight_files(tmp_path):
 def _count_walks(monkeypatch):
     """Count the model walks (``_walk_once``, by style) and Keras' per-object saving walk."""
     from keras_stable_state import _keras_compat
-    from keras_stable_state._identity import paths as identity
+    from keras_stable_state._identity import paths
 
     walks, kids = [], {}
-    walk_once, walk_saveable = identity._walk_once, _keras_compat.walk_saveable
+    walk_once, walk_saveable = paths._walk_once, _keras_compat.walk_saveable
 
     def counted_walk(model, keras_style, cache):
         walks.append("keras" if keras_style else "stable")
@@ -194,7 +194,7 @@ def _count_walks(monkeypatch):
         kids[id(obj)] = kids.get(id(obj), 0) + 1
         return walk_saveable(obj, classes)
 
-    monkeypatch.setattr(identity, "_walk_once", counted_walk)
+    monkeypatch.setattr(paths, "_walk_once", counted_walk)
     monkeypatch.setattr(_keras_compat, "walk_saveable", counted_kids)
     return walks, kids
 

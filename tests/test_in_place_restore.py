@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 from keras_stable_state.format import proven
 from keras_stable_state.format.proven import FileArray, close_files, read_proven
@@ -374,7 +374,7 @@ def test_stable_checkpoint_falls_back_when_the_newest_changes_after_the_proof(tm
         for path in paths[1:]:
             os.remove(path)
         paths = paths[:1]
-    expected = storage.read_file(paths[1] if older else paths[0])
+    expected = format.read_file(paths[1] if older else paths[0])
     newest = paths[0]
     real, reads = FileArray.read_into, []
 

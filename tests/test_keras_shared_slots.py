@@ -15,8 +15,7 @@ import xxhash
 from conftest import to_np
 
 import keras_stable_state as kss
-from keras_stable_state import cli
-from keras_stable_state import format as storage
+from keras_stable_state import cli, format
 from keras_stable_state.format import keras_archive
 from keras_stable_state.format.record import KERAS_WEIGHTS_MEMBER, MEMBER, PACK_LIMIT
 from keras_stable_state.format.writer import reseal
@@ -143,7 +142,7 @@ def test_a_keras_state_is_about_the_size_of_the_arrays_it_holds(saved, tmp_path)
 
     # every optimizer array over PACK_LIMIT bytes names a dataset of Keras' weights file holding
     # the same bytes (its own slot under optimizer/vars, or an earlier dataset equal to it)
-    with storage.open_file(path) as f:
+    with format.open_file(path) as f:
         shared = [e for e in f.section("optimizer") if e.dataset.startswith(PREFIX)]
         assert all(e.checksum == "xxh3-64" for e in f.entries)
     large = sorted(a.nbytes for a in slots if a.nbytes > PACK_LIMIT)
@@ -157,7 +156,7 @@ def test_a_background_save_shares_the_slots_too(tmp_path):
     path = str(tmp_path / "s.keras")
     kss.save_training_state(path, m, blocking=False).wait()
     slots = [to_np(v) for v in m.optimizer.variables]
-    with storage.open_file(path) as f:
+    with format.open_file(path) as f:
         shared = [e.nbytes for e in f.section("optimizer") if e.dataset.startswith(PREFIX)]
     assert sorted(shared) == sorted(a.nbytes for a in slots if a.nbytes > PACK_LIMIT)
 
@@ -297,7 +296,7 @@ def _fixture_model():
 def test_a_keras_state_written_before_the_slots_were_shared_still_restores_exactly(tmp_path):
     path = str(tmp_path / "old.keras")
     shutil.copyfile(os.path.join(DATA, "format3_model_shared.keras"), path)
-    with storage.open_file(path) as f:  # the old layout: the slots in the record's own blobs
+    with format.open_file(path) as f:  # the old layout: the slots in the record's own blobs
         assert f.version == 3
         assert all(e.dataset.startswith(PREFIX) for e in f.section("model"))
         assert not any(e.dataset.startswith(PREFIX) for e in f.section("optimizer"))

@@ -11,7 +11,7 @@ from hypothesis.extra import numpy as hnp
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state._core import mappers
 from keras_stable_state._optimizer import keyed_optimizer_entries
 from keras_stable_state.format.writer import record_to_bytes
@@ -63,7 +63,7 @@ def test_bfloat16_round_trip_is_the_cast_of_the_saved_values(trained, tmp_path):
     model, values, slots = trained
     path = tmp_path / "run.h5"
     kss.save_training_state(path, model, mappers={KERNELS: kss.CastMapper("bfloat16")})
-    with storage.open_file(path) as f:
+    with format.open_file(path) as f:
         stored = {e.key: e.dtype for e in f.entries}
     assert stored["path:layers/hidden/kernel"] == "bfloat16"
     assert stored["path:layers/hidden/bias"] == "float32"
@@ -179,7 +179,7 @@ def test_unregistered_mapper_at_restore_is_refused_naming_the_key(trained):
 
 def test_bad_mapper_config_in_the_file_is_refused_naming_the_key(trained):
     model, _, _ = trained
-    record = storage.read_bytes(kss.training_state_to_bytes(model, mappers={KERNELS: kss.CastMapper()}))
+    record = format.read_bytes(kss.training_state_to_bytes(model, mappers={KERNELS: kss.CastMapper()}))
     record.extra["mappers"]["path:layers/out/kernel"]["mapper"]["config"] = {"dtype": "int4"}
     with pytest.raises(
         kss.StateError,
@@ -219,7 +219,7 @@ def test_round_trip_through_the_file_property(a, b):
         {"^path:a$": kss.CastMapper("bfloat16"), "^path:b$": kss.QuantizeMapper()}, "t"
     )
     model, opt, section, found = mappers.encode_arrays(rules, {"path:a": a, "path:b": b}, {})
-    record = storage.StateRecord(
+    record = format.StateRecord(
         metadata={"backend": "jax", "keras_version": "3"},
         contract=None,
         model=model,
@@ -227,7 +227,7 @@ def test_round_trip_through_the_file_property(a, b):
         extra={"mappers": section},
         arrays=found,
     )
-    decoded, used = mappers.decode_record(storage.read_bytes(record_to_bytes(record)), "<bytes>")
+    decoded, used = mappers.decode_record(format.read_bytes(record_to_bytes(record)), "<bytes>")
     assert set(used) == {"path:a", "path:b"}
     back_a, back_b = decoded.model["path:a"], decoded.model["path:b"]
     assert back_a.dtype == a.dtype and back_a.shape == a.shape

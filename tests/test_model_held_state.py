@@ -128,13 +128,13 @@ def test_metric_trackers_round_trip_through_save_training_state(tmp_path):
 
 
 def test_a_file_without_metric_values_names_them_left_fresh(tmp_path):
-    from keras_stable_state import format as storage
+    from keras_stable_state import format
     from keras_stable_state.format.writer import write_record
 
     saved = _gan(seed=1)
     _step(saved, 0)
     kss.save_training_state(tmp_path / "gan.h5", saved)
-    record = storage.read_file(tmp_path / "gan.h5")
+    record = format.read_file(tmp_path / "gan.h5")
     del record.extra["providers"]["metrics"]  # as written before metric variables were saved
     record.arrays = {k: v for k, v in record.arrays.items() if not k.startswith("providers/metrics")}
     write_record(tmp_path / "old.h5", record)

@@ -24,7 +24,7 @@ import pytest
 from kit import StopAt, assert_same_state, mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.errors import StorageBackendError
 from keras_stable_state.format import remote
 from keras_stable_state.format.atomic import atomic_path
@@ -171,13 +171,13 @@ def test_stable_checkpoint_takes_a_file_url_as_its_local_path(tmp_path):
 def test_local_only_doors_refuse_urls(url, tmp_path, monkeypatch):
     """The writer, the atomic write, the reader's file door and fs_path never take a URL."""
     monkeypatch.chdir(tmp_path)
-    record = storage.StateRecord(metadata={}, contract=[], model={}, optimizer={}, extra={}, arrays={})
+    record = format.StateRecord(metadata={}, contract=[], model={}, optimizer={}, extra={}, arrays={})
     with pytest.raises(kss.CheckpointFormatError, match=r"is a URL .*not a local path"):
         write_record(url, record)
     with pytest.raises(kss.CheckpointFormatError, match=r"is a URL"):
         atomic_path(url)
     with pytest.raises(kss.CheckpointFormatError, match=r"is a URL"):
-        storage.CheckpointFile(url)
+        format.CheckpointFile(url)
     with pytest.raises(kss.CheckpointFormatError, match=r"is a URL"):
         fs_path(url)
     assert fs_path(url, urls=True) == url
@@ -536,7 +536,7 @@ def test_manager_on_s3_saves_lists_restores_and_prunes(bucket):
             2,
             0,
             {"loss": 0.1},
-            storage.FORMAT_VERSION,
+            format.FORMAT_VERSION,
         )
         assert (
             info.backend == keras.backend.backend() and info.size_bytes == remote.RemotePath(info.path).size()

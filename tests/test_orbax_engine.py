@@ -18,10 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import keras_stable_state as kss
-from keras_stable_state import cli
-from keras_stable_state import format as storage
-from keras_stable_state._engines import orbax as _orbax_engine
-from keras_stable_state.format import orbax_layout as layout
+from keras_stable_state import _engines, cli, format
+from keras_stable_state.format import orbax_layout
 from keras_stable_state.format.writer import write_record
 
 orbax = pytest.importorskip(
@@ -78,10 +76,10 @@ def test_a_state_with_its_scalars_in_arrays_still_restores_exactly(tmp_path, dat
     model.fit(x, y, epochs=1, batch_size=8, verbose=0)
     path = tmp_path / "run.orbax"
     with monkeypatch.context() as patched:
-        patched.setattr(_orbax_engine, "_inline", lambda value: False)
+        patched.setattr(_engines.orbax, "_inline", lambda value: False)
         kss.save_training_state(path, model)
-    record = _orbax_engine.read(str(path))
-    assert all(isinstance(v, _orbax_engine.OrbaxArray) for v in record.optimizer.values())
+    record = _engines.orbax.read(str(path))
+    assert all(isinstance(v, _engines.orbax.OrbaxArray) for v in record.optimizer.values())
     saved = _arrays(model)
     other = _fresh()
     kss.restore_training_state(str(path), other)
@@ -158,17 +156,19 @@ def test_index_1_hash_of_blocks_adds_up_and_sees_one_changed_element(shape, dtyp
     rng = np.random.default_rng(seed)
     whole = (rng.normal(size=shape) * 10).astype(dtype)
     shape = tuple(shape)
-    total = layout.element_hash(whole, (0,) * len(shape), shape, "path:k", dtype)
+    total = orbax_layout.element_hash(whole, (0,) * len(shape), shape, "path:k", dtype)
     if shape:
         cut = min(cut, shape[0])
         parts = [(whole[:cut], (0,) * len(shape)), (whole[cut:], (cut,) + (0,) * (len(shape) - 1))]
-        summed = sum(layout.element_hash(b, s, shape, "path:k", dtype) for b, s in parts) % 2**64
+        summed = sum(orbax_layout.element_hash(b, s, shape, "path:k", dtype) for b, s in parts) % 2**64
         assert summed == total
         swapped = whole.reshape(-1).copy()
         flat = swapped.copy()
         flat.view(np.uint8)[0] ^= 1  # one bit of the first element (no overflow, no rounding)
-        assert layout.element_hash(flat.reshape(shape), (0,) * len(shape), shape, "path:k", dtype) != total
-    assert layout.element_hash(whole, (0,) * len(shape), shape, "path:other", dtype) != total
+        assert (
+            orbax_layout.element_hash(flat.reshape(shape), (0,) * len(shape), shape, "path:k", dtype) != total
+        )
+    assert orbax_layout.element_hash(whole, (0,) * len(shape), shape, "path:other", dtype) != total
 
 
 @settings(max_examples=hypothesis_examples(40), deadline=None, derandomize=True)
@@ -187,27 +187,27 @@ def test_index_2_hash_of_any_union_of_blocks_adds_up_and_sees_changes(shape, blo
     whole = (rng.normal(size=shape) * 10).astype(dtype)
     block = tuple(max(1, -(-n // b)) for n, b in zip(shape, blocks, strict=False))  # ceil(n / b)
     zero = (0,) * len(shape)
-    total = layout.region_hash(whole, zero, shape, block, "path:k", dtype)
-    assert layout.region_hash(whole, zero, shape, block, "path:other", dtype) != total
-    assert layout.region_hash(whole, zero, shape, block, "path:k", "other") != total
+    total = orbax_layout.region_hash(whole, zero, shape, block, "path:k", dtype)
+    assert orbax_layout.region_hash(whole, zero, shape, block, "path:other", dtype) != total
+    assert orbax_layout.region_hash(whole, zero, shape, block, "path:k", "other") != total
     if shape:
         axis = axis % len(shape)
         for cut in range(0, shape[axis] + 1, block[axis]):  # every cut on a block edge
             head, tail = np.split(whole, [cut], axis=axis)
             start = tuple(cut if d == axis else 0 for d in range(len(shape)))
-            summed = layout.region_hash(head, zero, shape, block, "path:k", dtype) if head.size else 0
+            summed = orbax_layout.region_hash(head, zero, shape, block, "path:k", dtype) if head.size else 0
             if tail.size:
-                summed += layout.region_hash(tail, start, shape, block, "path:k", dtype)
+                summed += orbax_layout.region_hash(tail, start, shape, block, "path:k", dtype)
             assert summed % 2**64 == total
         # one block's sum over its parts: each block hashed alone adds up too
         parts = 0
-        for first in layout.block_starts(shape, block):
+        for first in orbax_layout.block_starts(shape, block):
             box = tuple(slice(f, f + b) for f, b in zip(first, block, strict=True))
-            parts += layout.region_hash(whole[box], first, shape, block, "path:k", dtype)
+            parts += orbax_layout.region_hash(whole[box], first, shape, block, "path:k", dtype)
         assert parts % 2**64 == total
         flipped = whole.copy()
         flipped.reshape(-1).view(np.uint8)[-1] ^= 1  # one bit of the last element
-        assert layout.region_hash(flipped, zero, shape, block, "path:k", dtype) != total
+        assert orbax_layout.region_hash(flipped, zero, shape, block, "path:k", dtype) != total
         if shape[axis] >= 2 * block[axis]:  # the first two blocks along axis swapped
             swapped = np.concatenate(
                 [
@@ -218,14 +218,14 @@ def test_index_2_hash_of_any_union_of_blocks_adds_up_and_sees_changes(shape, blo
                 axis=axis,
             )
             if not np.array_equal(swapped.view(np.uint8), whole.view(np.uint8)):
-                assert layout.region_hash(swapped, zero, shape, block, "path:k", dtype) != total
+                assert orbax_layout.region_hash(swapped, zero, shape, block, "path:k", dtype) != total
         if block[0] > 1:  # a box that starts inside a block
             with pytest.raises(kss.StateError, match="not a union of whole blocks"):
-                layout.region_hash(whole[1:], (1,) + zero[1:], shape, block, "path:k", dtype)
+                orbax_layout.region_hash(whole[1:], (1,) + zero[1:], shape, block, "path:k", dtype)
 
 
 def _leaf(path, key):
-    index = storage.read_file(path / "state.h5").metadata["orbax"]["arrays"]
+    index = format.read_file(path / "state.h5").metadata["orbax"]["arrays"]
     return next(f"{sec}.{name}" for sec, k, name, *_ in index if k == key)
 
 
@@ -294,7 +294,7 @@ def _fixture_model():
 def test_a_state_of_index_version_1_still_restores_and_is_verified(tmp_path, capsys):
     path = tmp_path / "index1.orbax"
     shutil.copytree(os.path.join(DATA, "index1.orbax"), path)
-    assert storage.read_file(path / "state.h5").metadata["orbax"]["version"] == 1
+    assert format.read_file(path / "state.h5").metadata["orbax"]["version"] == 1
     expected = np.load(os.path.join(DATA, "index1_expected.npz"))
     m = _fixture_model()
     kss.restore_training_state(path, m)
@@ -311,7 +311,7 @@ def test_a_state_of_index_version_1_still_restores_and_is_verified(tmp_path, cap
     import tensorstore as ts
 
     leaf = _leaf(path, "path:layers/hidden/kernel")
-    spec = layout.store_spec(str(path), leaf, "test")
+    spec = orbax_layout.store_spec(str(path), leaf, "test")
     array = ts.open(spec, open=True).result()
     array.write(array.read().result() + 1).result()
     before = _arrays(target := _fixture_model())
@@ -325,8 +325,8 @@ def test_a_state_of_index_version_1_still_restores_and_is_verified(tmp_path, cap
 def test_a_newer_index_version_is_refused_naming_it(tmp_path, capsys):
     path = tmp_path / "run.orbax"
     kss.save_training_state(path, _fresh())
-    record = storage.read_file(path / "state.h5")
-    assert record.metadata["orbax"]["version"] == layout.INDEX_VERSION == 2
+    record = format.read_file(path / "state.h5")
+    assert record.metadata["orbax"]["version"] == orbax_layout.INDEX_VERSION == 2
     record.metadata["orbax"]["version"] = 3
     write_record(path / "state.h5", record)
     before = _arrays(target := _fresh())
@@ -350,14 +350,14 @@ os.environ["KERAS_BACKEND"] = "jax"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import keras, numpy as np, tensorstore as ts
 import keras_stable_state as kss
-from keras_stable_state import format as storage
-from keras_stable_state._engines import orbax as engine
-from keras_stable_state.format import orbax_layout as layout
+from keras_stable_state import format
+from keras_stable_state._engines import orbax
+from keras_stable_state.format import orbax_layout
 
 folder = sys.argv[1]
 calls = []
-stored = engine._stored_hash
-engine._stored_hash = lambda lazy: calls.append(lazy.key) or stored(lazy)
+stored = orbax._stored_hash
+orbax._stored_hash = lambda lazy: calls.append(lazy.key) or stored(lazy)
 
 
 def build(mesh_shape, kernel, bias):
@@ -380,7 +380,7 @@ saved = build((1, 4), (None, "model"), ("model",))  # kernel in 4 column blocks 
 saved.get_layer("hidden").kernel.assign(np.arange(48, dtype="float32").reshape(6, 8))
 path = os.path.join(folder, "s.orbax")
 kss.save_training_state(path, saved)
-index = storage.read_file(os.path.join(path, "state.h5")).metadata["orbax"]["arrays"]
+index = format.read_file(os.path.join(path, "state.h5")).metadata["orbax"]["arrays"]
 blocks = {k: b for _, k, _, _, _, _, b in index}
 assert blocks["path:layers/hidden/kernel"] == [6, 2], blocks
 for mesh_shape, kernel, bias, cut in [
@@ -397,7 +397,7 @@ for mesh_shape, kernel, bias, cut in [
     assert (len(calls) == 3 and "path:layers/hidden/kernel" in calls) if cut else not calls, calls
 # a changed value is refused naming the key, whichever way the hash is computed
 leaf = next(f"{s}.{n}" for s, k, n, *_ in index if k == "path:layers/hidden/kernel")
-array = ts.open(layout.store_spec(path, leaf, "t"), open=True).result()
+array = ts.open(orbax_layout.store_spec(path, leaf, "t"), open=True).result()
 array[5, 7].write(array[5, 7].read().result() + 1).result()
 for mesh_shape, kernel, bias in [((1, 4), (None, "model"), ("model",)), ((2, 2), ("model", None), (None,))]:
     m = build(mesh_shape, kernel, bias)
@@ -440,12 +440,12 @@ def test_the_saved_blocks_read_back_with_tensorstore_give_the_index_hash(tmp_pat
     pytest.importorskip("tensorstore", reason="reading '.orbax' arrays needs the [orbax] extra")
     path = tmp_path / "run.orbax"
     kss.save_training_state(path, _fresh())
-    record = _orbax_engine.read(str(path))
+    record = _engines.orbax.read(str(path))
     values = [*record.model.values(), *record.optimizer.values()]
-    lazies = [v for v in values if isinstance(v, _orbax_engine.OrbaxArray)]
+    lazies = [v for v in values if isinstance(v, _engines.orbax.OrbaxArray)]
     assert len(lazies) == 4 + 4 * 2  # 4 weights, 2 slots each
-    inline = [v for v in values if not isinstance(v, _orbax_engine.OrbaxArray)]
+    inline = [v for v in values if not isinstance(v, _engines.orbax.OrbaxArray)]
     assert [np.ndim(v) for v in inline] == [0, 0]  # iterations and learning rate: in state.h5
     for lazy in lazies:
         assert lazy.block == lazy.shape  # saved unsharded: one block
-        assert f"{_orbax_engine._stored_hash(lazy):016x}" == lazy.digest, lazy.key
+        assert f"{_engines.orbax._stored_hash(lazy):016x}" == lazy.digest, lazy.key

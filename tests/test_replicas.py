@@ -13,7 +13,7 @@ from conftest import BACKEND
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "replica_resume.py")
 
@@ -51,6 +51,6 @@ def test_the_replica_count_is_recorded_on_tensorflow_only(tmp_path):
         verbose=0,
         callbacks=[kss.StableCheckpoint(tmp_path)],
     )
-    record = storage.read_file(os.path.join(tmp_path, sorted(os.listdir(tmp_path))[-1]))
+    record = format.read_file(os.path.join(tmp_path, sorted(os.listdir(tmp_path))[-1]))
     data = record.extra["providers"]["position"]["data"]
     assert data.get("replicas") == (1 if BACKEND == "tensorflow" else None)

@@ -12,7 +12,7 @@ from conftest import to_np
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.format import keras_archive
 from keras_stable_state.format.record import MEMBER, PACK_LIMIT
 
@@ -27,7 +27,7 @@ def _trained(data, hidden=64):
 def test_arrays_read_from_a_file_are_aligned_and_writable(tmp_path, data):
     model = _trained(data, hidden=(8192,))  # a 4 x 8192 kernel (128 KiB): a blob of its own
     kss.save_training_state(tmp_path / "s.h5", model)
-    record = storage.read_file(tmp_path / "s.h5")
+    record = format.read_file(tmp_path / "s.h5")
     kernel = record.model["path:layers/hidden/kernel"]
     np.testing.assert_array_equal(kernel, to_np(model.get_layer("hidden").kernel))
     big = [a for a in [*record.model.values(), *record.optimizer.values()] if a.nbytes > PACK_LIMIT]
@@ -98,7 +98,7 @@ def test_a_restore_reads_the_file_once_whole(tmp_path, data, suffix):
     kss.save_training_state(path, model)
     saved = [to_np(v) for v in model.weights]
     slots = {v.path: to_np(v) for v in model.optimizer.variables}
-    with storage.CheckpointFile(str(path), whole=True) as f:
+    with format.CheckpointFile(str(path), whole=True) as f:
         with open(path, "r+b") as fh:  # the same file, emptied in place
             fh.truncate(0)
         got = {e.key: f.read(e) for e in f.entries if e.section == "model"}
@@ -291,11 +291,11 @@ def test_equal_arrays_read_from_one_dataset_do_not_share_memory(
     model.optimizer.build(model.trainable_variables)
     path = tmp_path / "twins.keras"
     kss.save_training_state(path, model)
-    with storage.open_file(path) as f:
+    with format.open_file(path) as f:
         refs = [e.dataset for e in f.entries if e.shape == (20000,)]
     assert len(refs) == 6 and all(r.startswith(keras_archive.PREFIX) for r in refs)
     assert len(set(refs)) == (6 if writer == "now" else 1), refs
-    record = storage.read_file(path, unaligned_views=unaligned_views)
+    record = format.read_file(path, unaligned_views=unaligned_views)
     arrays = [*record.model.values(), *record.optimizer.values()]
     zeros = [a for a in arrays if a.nbytes > PACK_LIMIT and not a.any() and a.shape == (20000,)]
     assert len(zeros) == 6  # two biases and their two Adam moments each

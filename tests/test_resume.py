@@ -12,7 +12,7 @@ import pytest
 from conftest import BACKEND, StopAt, slots_by_key, to_np
 
 import keras_stable_state as kss
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state._fit import UNREADABLE_DIR, UnreadableCheckpointWarning
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "crash_fit.py")
@@ -230,7 +230,7 @@ def test_lora_adapter_only_checkpoint(tmp_path):
     kss.save_training_state(tmp_path / "full.h5", run)
     small, full = os.path.getsize(tmp_path / "adapters.h5"), os.path.getsize(tmp_path / "full.h5")
     assert small < 0.2 * full, (small, full)  # the frozen base kernels are not in it
-    record = storage.read_file(tmp_path / "adapters.h5")
+    record = format.read_file(tmp_path / "adapters.h5")
     assert "path:layers/d1/kernel" not in record.model and "path:layers/d1/lora_kernel_a" in record.model
 
     keras.utils.set_random_seed(99)  # other adapter init: the restore must bring them back

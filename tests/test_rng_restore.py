@@ -10,7 +10,7 @@ import pytest
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 
 
 def _draws(n=3):
@@ -19,7 +19,7 @@ def _draws(n=3):
 
 def _fresh_globals(seed):
     keras.utils.set_random_seed(seed)
-    compat.set_global_seed_generator(None)
+    _keras_compat.set_global_seed_generator(None)
 
 
 @pytest.mark.parametrize("generator_at_save", [False, True])
@@ -39,7 +39,7 @@ def test_next_unseeded_draw_after_a_restore_is_the_uninterrupted_one(
     if generator_before_restore:
         _draws(5)
     kss.restore_training_state(path, model)
-    assert (compat.global_seed_generator() is not None) == generator_at_save
+    assert (_keras_compat.global_seed_generator() is not None) == generator_at_save
     np.testing.assert_array_equal(_draws(), uninterrupted)
 
 
@@ -53,14 +53,14 @@ def test_a_refused_restore_leaves_the_global_seed_generator_in_place(tmp_path, m
 
     _fresh_globals(7)
     _draws(2)
-    generator = compat.global_seed_generator()
+    generator = _keras_compat.global_seed_generator()
     before = np.asarray(generator.state.value).copy()
     expected = _draws()
     generator.state.assign(before)
 
-    from keras_stable_state._core import plan as plan_mod
+    from keras_stable_state._core import plan
 
-    original = plan_mod.rng_step
+    original = plan.rng_step
 
     def failing_after(parsed):
         step = original(parsed)
@@ -68,14 +68,14 @@ def test_a_refused_restore_leaves_the_global_seed_generator_in_place(tmp_path, m
 
         def apply():
             inner()
-            assert compat.global_seed_generator() is None  # the saved state removed it
+            assert _keras_compat.global_seed_generator() is None  # the saved state removed it
             raise RuntimeError("injected after the random state was set")
 
         step.apply = apply
         return step
 
-    monkeypatch.setattr(plan_mod, "rng_step", failing_after)
+    monkeypatch.setattr(plan, "rng_step", failing_after)
     with pytest.raises(RuntimeError, match="injected"):
         kss.restore_training_state(path, model)
-    assert compat.global_seed_generator() is generator
+    assert _keras_compat.global_seed_generator() is generator
     np.testing.assert_array_equal(_draws(), expected)

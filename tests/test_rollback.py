@@ -15,8 +15,7 @@ from conftest import BACKEND, to_np
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state._core import apply as apply_mod
-from keras_stable_state._core import plan as plan_mod
+from keras_stable_state._core import apply, plan
 from keras_stable_state.format.sandbox import aligned_empty
 
 
@@ -57,9 +56,9 @@ def _assert_values(variables, expected):
 def _torch_storage(variables):
     """Torch: ``(parameter, data pointer)`` of every variable (the rollback swaps the old
     storage back into the same parameter)."""
-    from keras_stable_state import _keras_compat as compat
+    from keras_stable_state import _keras_compat
 
-    params = [compat.variable_storage(v) for v in variables]
+    params = [_keras_compat.variable_storage(v) for v in variables]
     return params, [p.data_ptr() for p in params]
 
 
@@ -74,11 +73,11 @@ def test_failure_after_every_variable_is_assigned_rolls_back_by_position(saved_m
         reached.append([bool(np.array_equal(to_np(v), s)) for v, s in zip(variables, saved, strict=True)])
         raise RuntimeError("injected failure after the last assignment")
 
-    real = plan_mod.layer_state.finalize_steps
+    real = plan.layer_state.finalize_steps
     monkeypatch.setattr(
-        plan_mod.layer_state,
+        plan.layer_state,
         "finalize_steps",
-        lambda m: [*real(m), apply_mod.Step("injected", fail, lambda: ((lambda: None), (lambda: True)))],
+        lambda m: [*real(m), apply.Step("injected", fail, lambda: ((lambda: None), (lambda: True)))],
     )
     with pytest.raises(RuntimeError, match="injected failure"):
         kss.restore_training_state(path, model)
@@ -135,11 +134,11 @@ def test_kept_value_is_never_changed_by_what_the_variable_goes_through():
     TensorFlow ever updates a variable's buffer in place while a read shares it."""
     var = keras.Variable(np.arange(12, dtype="float32").reshape(3, 4), trainable=True)
     old_values = np.arange(12, dtype="float32").reshape(3, 4)
-    kept = apply_mod._kept(var)
+    kept = apply._kept(var)
     value = aligned_empty((3, 4), "float32")  # as the reader allocates: taken without a copy
     value[...] = 7.0
-    assert apply_mod.shareable(value)
-    step = apply_mod.variable_step(var, value, owned=True)
+    assert apply.shareable(value)
+    step = apply.variable_step(var, value, owned=True)
     undo, _ = step.snapshot()
     step.apply()
     np.testing.assert_array_equal(to_np(var), np.full((3, 4), 7.0))
@@ -163,14 +162,14 @@ def test_kept_value_is_never_changed_by_what_the_variable_goes_through():
 def test_torch_swap_keeps_the_parameter_and_its_gradient():
     import torch
 
-    from keras_stable_state import _keras_compat as compat
+    from keras_stable_state import _keras_compat
 
     var = keras.Variable(np.zeros((2, 3), "float32"), trainable=True)
-    param = compat.variable_storage(var)
+    param = _keras_compat.variable_storage(var)
     param.grad = torch.ones((2, 3))
     value = np.arange(6, dtype="float32").reshape(2, 3)
-    apply_mod.apply_steps([apply_mod.variable_step(var, value, owned=True)])
-    assert compat.variable_storage(var) is param and isinstance(param, torch.nn.Parameter)
+    apply.apply_steps([apply.variable_step(var, value, owned=True)])
+    assert _keras_compat.variable_storage(var) is param and isinstance(param, torch.nn.Parameter)
     assert param.requires_grad and param.grad is not None
     assert param.data_ptr() == value.ctypes.data  # the restore's array is the variable's memory
     np.testing.assert_array_equal(to_np(var), value)
@@ -188,9 +187,9 @@ def test_owned_arrays_are_taken_without_a_copy_and_others_never_shared():
     (on the CPU; 64-byte aligned, as the reader allocates); a caller's array never does."""
     owned = aligned_empty((4, 8), "float32")
     owned[...] = 3.0
-    assert owned.ctypes.data % 64 == 0 and apply_mod.shareable(owned)
+    assert owned.ctypes.data % 64 == 0 and apply.shareable(owned)
     var = keras.Variable(np.zeros((4, 8), "float32"))
-    apply_mod.apply_steps([apply_mod.variable_step(var, owned, owned=True)])
+    apply.apply_steps([apply.variable_step(var, owned, owned=True)])
     np.testing.assert_array_equal(to_np(var), np.full((4, 8), 3.0))
     if _on_cpu(var):  # nothing but the variable uses it after a restore; here: it is shared
         owned[0, 0] = 9.0
@@ -198,7 +197,7 @@ def test_owned_arrays_are_taken_without_a_copy_and_others_never_shared():
 
     theirs = np.full((4, 8), 5.0, "float32")
     other = keras.Variable(np.zeros((4, 8), "float32"))
-    apply_mod.apply_steps([apply_mod.variable_step(other, theirs)])
+    apply.apply_steps([apply.variable_step(other, theirs)])
     theirs[...] = 0.0
     np.testing.assert_array_equal(to_np(other), np.full((4, 8), 5.0))
 
@@ -220,19 +219,17 @@ def test_jax_places_owned_arrays_as_they_are_and_copies_a_callers_first(monkeypa
     cannot alias itself); a caller's array is first copied into memory of the restore's
     own, so that no variable shares the caller's memory, whatever its alignment."""
     copied = []
-    original = apply_mod._aligned_copy
+    original = apply._aligned_copy
 
     def counting(array):
         copied.append(array.ctypes.data)
         return original(array)
 
-    monkeypatch.setattr(apply_mod, "_aligned_copy", counting)
+    monkeypatch.setattr(apply, "_aligned_copy", counting)
     owned = [_at_16_past_64((4, 8), 3.0), aligned_empty((4, 8), "float32"), _at_16_past_64((5,), 4.0)]
     owned[1][...] = 6.0
     variables = [keras.Variable(np.zeros(a.shape, "float32")) for a in owned]
-    apply_mod.apply_steps(
-        [apply_mod.variable_step(v, a, owned=True) for v, a in zip(variables, owned, strict=True)]
-    )
+    apply.apply_steps([apply.variable_step(v, a, owned=True) for v, a in zip(variables, owned, strict=True)])
     assert copied == []
     for var, value in zip(variables, (3.0, 6.0, 4.0), strict=True):
         np.testing.assert_array_equal(to_np(var), np.full(var.shape, value))
@@ -240,7 +237,7 @@ def test_jax_places_owned_arrays_as_they_are_and_copies_a_callers_first(monkeypa
     theirs = [_at_16_past_64((4, 8), 5.0), aligned_empty((4, 8), "float32")]
     theirs[1][...] = 7.0
     others = [keras.Variable(np.zeros((4, 8), "float32")) for _ in theirs]
-    apply_mod.apply_steps([apply_mod.variable_step(v, a) for v, a in zip(others, theirs, strict=True)])
+    apply.apply_steps([apply.variable_step(v, a) for v, a in zip(others, theirs, strict=True)])
     assert copied == [a.ctypes.data for a in theirs]
     for array in theirs:
         array[...] = 0.0
@@ -251,10 +248,10 @@ def test_jax_places_owned_arrays_as_they_are_and_copies_a_callers_first(monkeypa
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="the 64-byte alignment is TensorFlow's")
 def test_tensorflow_refuses_to_share_an_unaligned_array():
     array = _at_16_past_64((4, 8), 0.0)
-    assert not apply_mod.shareable(array)
+    assert not apply.shareable(array)
     var = keras.Variable(np.zeros((4, 8), "float32"))
     array[...] = 2.0
-    apply_mod.apply_steps([apply_mod.variable_step(var, array, owned=True)])
+    apply.apply_steps([apply.variable_step(var, array, owned=True)])
     array[...] = 0.0
     np.testing.assert_array_equal(to_np(var), np.full((4, 8), 2.0))
     var.assign_add(np.ones((4, 8), "float32"))  # a copy kernel on it: no crash
@@ -266,16 +263,16 @@ def test_tensorflow_writes_a_resource_directly_only_where_that_is_all_assign_doe
     """A restore assigns a plain variable's resource itself (AssignVariableOp), optimizer
     slots built inside fit's tf.function included; a variable with an ``assign`` of its own,
     or one in a stateless scope, goes through Keras."""
-    from keras_stable_state import _keras_compat as compat
+    from keras_stable_state import _keras_compat
 
     model, variables, path, saved, before = saved_model
-    assert all(compat.tf_plain_resource(v) is compat.variable_storage(v) for v in variables)
+    assert all(_keras_compat.tf_plain_resource(v) is _keras_compat.variable_storage(v) for v in variables)
     plain = keras.Variable(np.zeros((2, 3), "float32"))
-    read = compat.tf_read(plain)
+    read = _keras_compat.tf_read(plain)
     plain.assign(np.ones((2, 3), "float32"))
     np.testing.assert_array_equal(read.numpy(), np.zeros((2, 3)))  # the read kept its buffer
     with keras.StatelessScope():
-        assert compat.tf_plain_resource(plain) is None and compat.tf_read(plain) is None
+        assert _keras_compat.tf_plain_resource(plain) is None and _keras_compat.tf_read(plain) is None
     calls = []
     last = variables[-1]
     original = last.assign
@@ -285,7 +282,7 @@ def test_tensorflow_writes_a_resource_directly_only_where_that_is_all_assign_doe
         return original(value)
 
     last.assign = own
-    assert compat.tf_plain_resource(last) is None
+    assert _keras_compat.tf_plain_resource(last) is None
     kss.restore_training_state(path, model)
     assert len(calls) == 1  # only the variable with an assign of its own went through it
     np.testing.assert_array_equal(calls[0], saved[-1])
@@ -300,12 +297,12 @@ def test_torch_swap_is_the_assignment_only_where_that_is_all_assign_does(saved_m
     ``assign``."""
     from keras.src.backend.torch.core import Variable as TorchVariable
 
-    from keras_stable_state import _keras_compat as compat
+    from keras_stable_state import _keras_compat
 
     model, variables, path, saved, before = saved_model
-    assert all(compat.torch_swap_is_assign(v) for v in variables)
+    assert all(_keras_compat.torch_swap_is_assign(v) for v in variables)
     with keras.StatelessScope():
-        assert not compat.torch_swap_is_assign(variables[0])
+        assert not _keras_compat.torch_swap_is_assign(variables[0])
     direct = []
 
     def counted(self, value):
@@ -322,9 +319,9 @@ def test_torch_swap_is_the_assignment_only_where_that_is_all_assign_does(saved_m
         return original(value)
 
     last.assign = own
-    assert not compat.torch_swap_is_assign(last)
+    assert not _keras_compat.torch_swap_is_assign(last)
     monkeypatch.setattr(TorchVariable, "_direct_assign", counted)
-    assert not compat.torch_swap_is_assign(variables[0])
+    assert not _keras_compat.torch_swap_is_assign(variables[0])
     monkeypatch.undo()
     kss.restore_training_state(path, model)
     assert len(calls) == 1  # only the variable with an assign of its own went through it
@@ -346,12 +343,12 @@ def test_torch_swap_skips_assign_and_counts_as_an_in_place_write(saved_model):
     as one in-place write; Keras' ``assign``, a ``copy_``, would add a second), and a
     graph built on the old values refuses ``backward()`` after the restore, as it would
     after ``assign``, instead of silently using the restored values."""
-    from keras_stable_state import _keras_compat as compat
+    from keras_stable_state import _keras_compat
 
     model, variables, path, saved, before = saved_model
-    trainable = [compat.variable_storage(v) for v in model.trainable_variables]
+    trainable = [_keras_compat.variable_storage(v) for v in model.trainable_variables]
     loss = sum((p * p).sum() for p in trainable)  # saves every trainable parameter
-    params = [compat.variable_storage(v) for v in variables]
+    params = [_keras_compat.variable_storage(v) for v in variables]
     versions = [p._version for p in params]
     kss.restore_training_state(path, model)
     _assert_values(variables, saved)
@@ -369,7 +366,7 @@ def test_torch_variable_subclass_with_its_own_members_goes_through_assign(member
     gives it, not the array swapped in as it is."""
     from keras.src.backend.torch.core import Variable as TorchVariable
 
-    from keras_stable_state import _keras_compat as compat
+    from keras_stable_state import _keras_compat
 
     def clip(self, value, dtype=None):
         return TorchVariable._convert_to_tensor(self, value, dtype).clamp(-1.0, 1.0)
@@ -381,16 +378,14 @@ def test_torch_variable_subclass_with_its_own_members_goes_through_assign(member
     kind = type("Clipped", (TorchVariable,), body)
     var = kind(np.zeros(3, "float32"))
     plain = keras.Variable(np.zeros(3, "float32"))
-    assert not compat.torch_swap_is_assign(var) and compat.torch_swap_is_assign(plain)
+    assert not _keras_compat.torch_swap_is_assign(var) and _keras_compat.torch_swap_is_assign(plain)
     new = np.array([5.0, -5.0, 0.5], "float32")
     expected = np.clip(new, -1.0, 1.0) if member == "_convert_to_tensor" else new
     var.assign(np.zeros(3, "float32"))
-    versions = [compat.variable_storage(v)._version for v in (var, plain)]
-    apply_mod.apply_steps(
-        [apply_mod.variable_step(var, new.copy()), apply_mod.variable_step(plain, new.copy())]
-    )
+    versions = [_keras_compat.variable_storage(v)._version for v in (var, plain)]
+    apply.apply_steps([apply.variable_step(var, new.copy()), apply.variable_step(plain, new.copy())])
     np.testing.assert_array_equal(to_np(var), expected)
     np.testing.assert_array_equal(to_np(plain), new)
     # the swap writes once; the subclass's assign (a copy_) once more, the plain one's not at all
-    after = [compat.variable_storage(v)._version for v in (var, plain)]
+    after = [_keras_compat.variable_storage(v)._version for v in (var, plain)]
     assert after == [versions[0] + 2, versions[1] + 1]

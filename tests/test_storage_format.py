@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 from kit import mlp
 
 import keras_stable_state as kss
-from keras_stable_state import cli
-from keras_stable_state import format as storage
+from keras_stable_state import cli, format
 from keras_stable_state.format.codec import encode_array
 from keras_stable_state.format.record import USERBLOCK_SIZE
 from keras_stable_state.format.writer import write_record
@@ -38,10 +37,10 @@ def _values(m):
     return [to_np(v) for v in m.variables] + [to_np(v) for v in m.optimizer.variables]
 
 
-def _write_v1(record: storage.StateRecord, path):
+def _write_v1(record: format.StateRecord, path):
     """A record as keras_stable_state 0.1 wrote it (format 1)."""
     with h5py.File(path, "w") as f:
-        f.attrs["format"] = storage.FORMAT
+        f.attrs["format"] = format.FORMAT
         f.attrs["format_version"] = 1
         for name in ("metadata", "contract", "extra"):
             value = getattr(record, name)
@@ -70,7 +69,7 @@ def test_the_seal_covers_every_byte_after_the_user_block(tmp_path, data):
     assert raw.startswith(b"KSS-SEAL 3 xxh3-128 ")
     with h5py.File(path, "r") as f:  # plain h5py still opens it
         assert f.userblock_size == USERBLOCK_SIZE and int(f.attrs["format_version"]) == 3
-    with storage.open_file(path) as f:
+    with format.open_file(path) as f:
         assert f.sealed and f.version == 3
 
 
@@ -91,20 +90,20 @@ def test_any_flipped_byte_of_a_record_is_refused_before_hdf5_parses_it(tmp_path,
     bad = tmp_path / "bad.h5"
     bad.write_bytes(bytes(raw))
     with pytest.raises(kss.CorruptCheckpointError, match="bad.h5"):
-        storage.read_file(bad)
+        format.read_file(bad)
 
 
 def test_format_1_files_are_still_read_exactly(tmp_path, data):
     src = _trained(data)
     kss.save_training_state(tmp_path / "s.h5", src)
-    _write_v1(storage.read_file(tmp_path / "s.h5"), tmp_path / "v1.h5")
+    _write_v1(format.read_file(tmp_path / "s.h5"), tmp_path / "v1.h5")
     dst = _model()
     dst.build((None, 4))
     report = kss.restore_training_state(tmp_path / "v1.h5", dst)
     assert report.writer["format_version"] == 1
     for a, b in zip(_values(src), _values(dst), strict=True):
         np.testing.assert_array_equal(a, b)
-    with storage.open_file(tmp_path / "v1.h5") as f:
+    with format.open_file(tmp_path / "v1.h5") as f:
         assert f.version == 1 and not f.sealed
     assert cli.main(["verify", str(tmp_path / "v1.h5")]) == 0
 
@@ -112,7 +111,7 @@ def test_format_1_files_are_still_read_exactly(tmp_path, data):
 def test_a_damaged_format_1_file_names_the_key(tmp_path, data):
     src = _trained(data)
     kss.save_training_state(tmp_path / "s.h5", src)
-    _write_v1(storage.read_file(tmp_path / "s.h5"), tmp_path / "v1.h5")
+    _write_v1(format.read_file(tmp_path / "s.h5"), tmp_path / "v1.h5")
     raw = bytearray((tmp_path / "v1.h5").read_bytes())
     kernel = to_np(src.get_layer("hidden").kernel).tobytes()
     at = bytes(raw).find(kernel[:16])
@@ -134,7 +133,7 @@ def test_a_record_without_its_seal_is_refused(tmp_path, data):
     raw[:USERBLOCK_SIZE] = bytes(USERBLOCK_SIZE)  # a format-2 record, seal wiped
     (tmp_path / "bad.h5").write_bytes(bytes(raw))
     with pytest.raises(kss.CorruptCheckpointError, match="seal .* is missing or damaged"):
-        storage.read_file(tmp_path / "bad.h5")
+        format.read_file(tmp_path / "bad.h5")
 
 
 def test_files_get_the_umask_permissions_like_model_save(tmp_path, data):
@@ -205,19 +204,19 @@ def test_a_record_of_callables_and_pairs_is_written_array_by_array_and_read_back
 
     meta = {"backend": keras.backend.backend(), "keras_version": keras.__version__, "format_version": 2}
     extra = {"callbacks": {}, "providers": {}, "rng": None}
-    lazy_record = storage.StateRecord(
+    lazy_record = format.StateRecord(
         metadata=meta,
         contract=None,
         model={k: lazy(k, v) for k, v in model.items()},
         optimizer=iter([(k, lazy(k, v)) for k, v in opt.items()]),
         extra=extra,
     )
-    plain = storage.StateRecord(metadata=meta, contract=None, model=model, optimizer=opt, extra=extra)
+    plain = format.StateRecord(metadata=meta, contract=None, model=model, optimizer=opt, extra=extra)
     write_record(tmp_path / "lazy.h5", lazy_record)
     write_record(tmp_path / "plain.h5", plain)
     assert calls == [*model, *opt]
     assert (tmp_path / "lazy.h5").read_bytes() == (tmp_path / "plain.h5").read_bytes()
-    back = storage.read_file(tmp_path / "lazy.h5")
+    back = format.read_file(tmp_path / "lazy.h5")
     assert list(back.model) == list(model) and list(back.optimizer) == list(opt)
     for saved, got in ((model, back.model), (opt, back.optimizer)):
         for key, value in saved.items():

@@ -739,6 +739,35 @@ def test_the_file_format_package_is_used_through_its_all():
 
 
 @once
+def test_package_modules_are_imported_under_their_own_names():
+    """A package module is called by its own name wherever it is imported (``format``, not
+    ``storage``; ``_core``, not ``checkpoint``; ``_keras_compat``, not ``compat``), in the
+    package and in the tests, benchmarks and examples, so that a reader finds the folder from
+    the name: an ``import ... as`` of a package module under another name is refused."""
+    tree_root = PACKAGE.parent
+    files = [path for _, (path, _, _) in _sources().items()]
+    for folder in ("tests", "benchmarks", "examples"):
+        files += sorted((tree_root / folder).rglob("*.py"))
+    offenders = []
+    for path in files:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(ROOT):
+                for alias in node.names:
+                    dotted = f"{node.module}.{alias.name}"
+                    if alias.asname and alias.asname != alias.name and _is_module(dotted):
+                        where = f"{path.relative_to(tree_root)}:{node.lineno}"
+                        offenders.append(f"{where}: {dotted} as {alias.asname}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith(ROOT + ".") and alias.asname:
+                        offenders.append(
+                            f"{path.relative_to(tree_root)}:{node.lineno}: {alias.name} as {alias.asname}"
+                        )
+    assert offenders == [], "\n".join(["package modules imported under another name:", *offenders])
+
+
+@once
 def test_no_module_over_600_lines():
     long = {
         str(path.relative_to(PACKAGE.parent)): len(text.splitlines())

@@ -11,7 +11,7 @@
   restored), state mappers, the report, the decorators of the verbs,
   bytes, saves from other threads during ``fit``.
 
-Other packages use these names from here (``from keras_stable_state import _core as checkpoint``).
+Other packages use these names from here (``from keras_stable_state import _core``).
 """
 
 from keras_stable_state._core import host_rollback

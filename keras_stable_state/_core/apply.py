@@ -9,9 +9,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _processes as _multiprocess
-from keras_stable_state import _state as state_mod
+from keras_stable_state import _keras_compat, _processes, _state
 from keras_stable_state._identity.keys import file_label, malformed_key
 from keras_stable_state._numpy import private_copy, to_numpy
 from keras_stable_state.errors import KeyFormatError, MalformedKeyError, StateError
@@ -150,7 +148,7 @@ def _prepared(var, array, owned):
     never gets here: `_put_on_devices` places it first, owned or not; any other
     goes through Keras' conversion (a copy).
     """
-    value = _multiprocess.place(var, array)
+    value = _processes.place(var, array)
     if type(value) is not np.ndarray:
         return value  # a placed jax.Array (sharded, or read by the Orbax engine)
     backend = keras.backend.backend()
@@ -169,7 +167,7 @@ def _prepared(var, array, owned):
     else:  # bfloat16, 64-bit types, a read-only array on torch: Keras' own conversion
         tensor = keras.ops.convert_to_tensor(value, dtype=_dtype(var))
     if backend == "torch":
-        param = compat.variable_storage(var)
+        param = _keras_compat.variable_storage(var)
         if tensor.dtype != param.dtype:  # what assign would convert (the swap keeps the dtype)
             tensor = tensor.to(param.dtype)
         device = param.device
@@ -199,9 +197,9 @@ def _kept(var):
     if backend == "jax":
         return value
     if backend == "torch":
-        return compat.variable_storage(var).data
+        return _keras_compat.variable_storage(var).data
     if backend == "tensorflow":
-        read = compat.tf_read(var)  # the ReadVariableOp below, without 40-100 us of Python
+        read = _keras_compat.tf_read(var)  # the ReadVariableOp below, without 40-100 us of Python
         if read is not None:
             return read
         import tensorflow as tf
@@ -217,7 +215,7 @@ def _assign(var, value) -> None:
     resource directly where that is all ``assign`` does (`compat.tf_plain_resource`):
     it costs about 20 us per variable instead of 120."""
     if keras.backend.backend() == "tensorflow" and type(value) is not np.ndarray:
-        resource = compat.tf_plain_resource(var)
+        resource = _keras_compat.tf_plain_resource(var)
         if resource is not None and value.dtype == resource.dtype:
             from tensorflow.python.ops import gen_resource_variable_ops
 
@@ -235,7 +233,7 @@ def _swap(var, tensor):
     restore (Torch's "modified by an inplace operation") instead of using the new one."""
     import torch
 
-    parameter = compat.variable_storage(var)
+    parameter = _keras_compat.variable_storage(var)
     parameter.data = tensor  # (``.data`` is not recorded by autograd)
     torch.autograd.graph.increment_version(parameter)
 
@@ -250,7 +248,7 @@ def _differs(var, old) -> bool:
 
         return not torch.equal(var.value.detach(), old)
     current = to_numpy(var)
-    return not state_mod.same_state(np.asarray(current), np.asarray(getattr(old, "numpy", lambda: old)()))
+    return not _state.same_state(np.asarray(current), np.asarray(getattr(old, "numpy", lambda: old)()))
 
 
 def variable_step(var, array, name=None, *, owned=False):
@@ -296,9 +294,9 @@ def variable_step(var, array, name=None, *, owned=False):
     def apply():
         value = prepared.pop()  # dropped once assigned: the variable holds it, or a copy
         if torch_backend:
-            old = compat.variable_storage(var).data
+            old = _keras_compat.variable_storage(var).data
             _swap(var, value)
-            if compat.torch_swap_is_assign(var):
+            if _keras_compat.torch_swap_is_assign(var):
                 return  # assign would copy the memory onto itself
             try:
                 var.assign(value)
@@ -315,7 +313,7 @@ def variable_step(var, array, name=None, *, owned=False):
         backend == "jax"
         and type(array) is np.ndarray
         and array.dtype in _NATIVE_DTYPES
-        and not _multiprocess.is_sharded(getattr(var, "value", None))
+        and not _processes.is_sharded(getattr(var, "value", None))
     ):  # what _prepared puts on the default device, one array at a time
         step.host, step.receive = (array, owned), prepared.append
     return step
@@ -370,18 +368,18 @@ def _check_headroom(steps) -> None:
 
 def state_step(name, get, put, value):
     def snapshot():
-        old = state_mod.copy_state(get())
-        return (lambda: put(state_mod.copy_state(old))), (lambda: not state_mod.same_state(get(), old))
+        old = _state.copy_state(get())
+        return (lambda: put(_state.copy_state(old))), (lambda: not _state.same_state(get(), old))
 
     return Step(name, lambda: put(value), snapshot)
 
 
 def rng_step(parsed):
     def snapshot():
-        undo = state_mod.rng_snapshot()
+        undo = _state.rng_snapshot()
         return undo, (lambda: True)
 
-    return Step("rng", lambda: state_mod.apply_rng_state(parsed), snapshot)
+    return Step("rng", lambda: _state.apply_rng_state(parsed), snapshot)
 
 
 def apply_steps(steps, where=None):

@@ -9,7 +9,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_stable_state import _state as state_mod
+from keras_stable_state import _state
 from keras_stable_state._identity.keys import MAIN, check_name
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._optimizer import tracked_optimizers
@@ -103,7 +103,7 @@ def check_callbacks(callbacks, verb) -> dict:
             f"not. " + received(f"callbacks[{i}]", cb)
         )
     callbacks = list(callbacks)
-    return {state_mod.callback_key(callbacks, cb): cb for cb in callbacks}
+    return {_state.callback_key(callbacks, cb): cb for cb in callbacks}
 
 
 def check_providers(state: object, verb: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import contextlib
 import threading
 import weakref
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state.errors import StateError
 
 __all__ = ["StepGate", "saving", "step_boundary", "training_begins", "training_ends"]
@@ -63,7 +63,7 @@ class StepGate:
     def alive(self) -> bool:
         """Whether the training thread still runs a ``fit`` of the model."""
         model = self.model()
-        return model is not None and self.owner in {ident for ident, _ in compat.fit_threads(model)}
+        return model is not None and self.owner in {ident for ident, _ in _keras_compat.fit_threads(model)}
 
 
 def _gate(model):
@@ -148,7 +148,7 @@ def saving(model, verb: str):
                 gate.cond.notify_all()
         return
     if gate is None or gate.closed:
-        others = [name for ident, name in compat.fit_threads(model) if ident != me]
+        others = [name for ident, name in _keras_compat.fit_threads(model) if ident != me]
         if others:
             raise StateError(
                 f"{verb} was called from thread {threading.current_thread().name!r} while model "

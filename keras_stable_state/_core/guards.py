@@ -11,7 +11,7 @@ from typing import ParamSpec, TypeVar
 
 import keras
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity.keys import file_label
 from keras_stable_state._identity.paths import one_walk
 from keras_stable_state._optimizer import tracked_optimizers
@@ -77,7 +77,7 @@ def builds_undone_on_refusal(restore: Callable[_P, _R]) -> Callable[_P, _R]:
             touched = [optimizer]
         else:
             touched = list(tracked_optimizers(model).values()) if isinstance(model, keras.Model) else []
-        undo = compat.snapshot_unbuilt(
+        undo = _keras_compat.snapshot_unbuilt(
             [o for o in touched if isinstance(o, keras.optimizers.Optimizer) and not o.built]
         )
         try:

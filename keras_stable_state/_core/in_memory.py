@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state._core import boundary
 from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._core.restore import PendingRestore, RestoreOptions, restore_with
@@ -129,7 +129,7 @@ def restore_training_state_from_bytes(
         allow_cast=allow_cast,
         **kwargs,
     )
-    record = storage.read_bytes(bytes(data), unaligned_views=takes_unaligned())
+    record = format.read_bytes(bytes(data), unaligned_views=takes_unaligned())
     restored: RestoreReport | PendingRestore = restore_with(
         _LABEL, model, options, defer=defer, record=record, take=True
     )

@@ -34,8 +34,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _processes as _multiprocess
+from keras_stable_state import _keras_compat, _processes
 from keras_stable_state._core.apply import variable_step
 from keras_stable_state.errors import CorruptCheckpointError, StateError, shown
 from keras_stable_state.format.sandbox import aligned_empty
@@ -67,8 +66,8 @@ def _torch_target(var: Any, array: Any) -> np.ndarray | None:
     """The host memory of ``var``'s Torch parameter as a writable NumPy view, when ``array``
     can be read into it as it is (CPU, contiguous, same dtype and size, and ``assign`` would
     only copy onto that memory: `compat.torch_swap_is_assign`); else ``None``."""
-    param = compat.variable_storage(var)
-    if param.device.type != "cpu" or not param.is_contiguous() or not compat.torch_swap_is_assign(var):
+    param = _keras_compat.variable_storage(var)
+    if param.device.type != "cpu" or not param.is_contiguous() or not _keras_compat.torch_swap_is_assign(var):
         return None
     data = param.data
     try:
@@ -92,7 +91,7 @@ def _tf_assign(var: Any, array: Any, scratch: np.ndarray) -> bool:
     import tensorflow as tf
     from tensorflow.python.ops import gen_array_ops
 
-    resource = compat.tf_plain_resource(var)
+    resource = _keras_compat.tf_plain_resource(var)
     if (
         resource is None
         or array.dtype not in _TF_SHARED
@@ -163,7 +162,7 @@ class _JaxPlacer:
         if (
             not isinstance(value, jax.Array)
             or array.nbytes < _JAX_COPY_ABOVE
-            or _multiprocess.is_sharded(value)
+            or _processes.is_sharded(value)
             or np.dtype(value.dtype) != array.dtype
             or array.dtype not in _JAX_NATIVE
         ):
@@ -196,7 +195,7 @@ def _assign_one(var: Any, array: Any, scratch: np.ndarray | None, placer: _JaxPl
             import torch
 
             array.read_into(host)
-            torch.autograd.graph.increment_version(compat.variable_storage(var))
+            torch.autograd.graph.increment_version(_keras_compat.variable_storage(var))
             return
     if backend == "tensorflow" and scratch is not None and _tf_assign(var, array, scratch):
         return

@@ -34,8 +34,7 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_stable_state import _state as state_mod
-from keras_stable_state import format as storage
+from keras_stable_state import _state, format
 from keras_stable_state.errors import CorruptCheckpointError, DtypeMismatchError, StateError, listed
 from keras_stable_state.format.record import BY_KEY
 
@@ -153,13 +152,13 @@ class CastMapper(StateMapper):
 
     def encode(self, key: str, array: np.ndarray) -> np.ndarray | tuple[np.ndarray, dict[str, Any]]:
         with np.errstate(over="ignore"):  # an overflow is refused below, naming the key
-            stored = np.asarray(array).astype(storage.numpy_dtype(self.dtype))
+            stored = np.asarray(array).astype(format.numpy_dtype(self.dtype))
         overflow = np.isfinite(array) & ~np.isfinite(stored)
         if overflow.any():
             worst = float(np.max(np.abs(np.asarray(array, dtype=np.float64)[overflow])))
             raise StateError(
                 f"CastMapper({self.dtype!r}) cannot store {key}: values up to {worst:.6g} overflow "
-                f"{self.dtype} (largest {float(ml_dtypes.finfo(storage.numpy_dtype(self.dtype)).max):.6g}) "
+                f"{self.dtype} (largest {float(ml_dtypes.finfo(format.numpy_dtype(self.dtype)).max):.6g}) "
                 "and would be stored as infinity. Use a wider dtype (bfloat16 has float32's range) or "
                 "leave this key out of the pattern.",
                 key=key,
@@ -169,7 +168,7 @@ class CastMapper(StateMapper):
         return stored, {}
 
     def decode(self, key: str, array: np.ndarray, dtype: str, params: dict[str, Any]) -> np.ndarray:
-        return np.asarray(array).astype(storage.numpy_dtype(dtype))
+        return np.asarray(array).astype(format.numpy_dtype(dtype))
 
     def get_config(self) -> dict[str, Any]:
         return {"dtype": self.dtype}
@@ -223,13 +222,13 @@ class QuantizeMapper(StateMapper):
 
     def decode(self, key: str, array: np.ndarray, dtype: str, params: dict[str, Any]) -> np.ndarray:
         scale = np.asarray(params["scale"], dtype=np.float64)
-        return (np.asarray(array, dtype=np.float64) * scale).astype(storage.numpy_dtype(dtype))
+        return (np.asarray(array, dtype=np.float64) * scale).astype(format.numpy_dtype(dtype))
 
     @staticmethod
     def bound(array: np.ndarray, dtype: str = "float32") -> float:
         """The documented bound on ``|x' - x|`` for ``array`` restored as ``dtype``."""
         m = float(np.max(np.abs(np.asarray(array, dtype=np.float64)))) if np.size(array) else 0.0
-        return m / 127.0 / 2.0 + m * float(ml_dtypes.finfo(storage.numpy_dtype(dtype)).eps) / 2.0
+        return m / 127.0 / 2.0 + m * float(ml_dtypes.finfo(format.numpy_dtype(dtype)).eps) / 2.0
 
 
 # -- save --------------------------------------------------------------------------------
@@ -299,7 +298,7 @@ def check_mappers(mappers: object, verb: str) -> list[_Rule]:
 
 
 def _encode_one(rule: _Rule, key: str, array: Any) -> tuple[np.ndarray, dict[str, Any]]:
-    name = storage.dtype_name(array)
+    name = format.dtype_name(array)
     if not _is_float(name):
         raise DtypeMismatchError(
             f"Mapper pattern {rule.pattern!r} ({rule.mapper!r}) matches {key}, which is {name}: mappers "
@@ -313,7 +312,7 @@ def _encode_one(rule: _Rule, key: str, array: Any) -> tuple[np.ndarray, dict[str
     result = rule.mapper.encode(key, np.array(array, copy=True))
     stored, params = result if isinstance(result, tuple) else (result, {})
     stored = np.asarray(stored) if isinstance(stored, np.generic) else stored  # a 0-d result
-    if not isinstance(stored, np.ndarray) or storage.dtype_name(stored) not in storage.DTYPES:
+    if not isinstance(stored, np.ndarray) or format.dtype_name(stored) not in format.DTYPES:
         raise TypeError(
             f"{rule.mapper!r}.encode({key!r}, ...) must return a NumPy array of a storable dtype (bool, "
             f"int, uint, float, bfloat16, float8) and a dict. Received: {type(stored).__name__} "
@@ -363,11 +362,11 @@ def encode_arrays(
             if callable(array):  # converted lazily by save_training_state (storage.StateRecord)
                 array = array()
             stored, params = _encode_one(rule, key, array)
-            json_params, refs = state_mod.split_arrays(params, f"{SECTION}/{key}")
+            json_params, refs = _state.split_arrays(params, f"{SECTION}/{key}")
             found.update(refs)
             section[key] = {
                 "mapper": {"class_name": rule.name, "config": rule.mapper.get_config()},
-                "dtype": storage.dtype_name(array),
+                "dtype": format.dtype_name(array),
                 "shape": list(np.shape(array)),
                 "params": json_params,
             }
@@ -409,8 +408,8 @@ def _mapper_of(key: str, spec: dict[str, Any], where: str) -> StateMapper:
 
 
 def decode_record(
-    record: storage.StateRecord | storage.StockWeights, where: str
-) -> tuple[storage.StateRecord | storage.StockWeights, dict[str, StateMapper]]:
+    record: format.StateRecord | format.StockWeights, where: str
+) -> tuple[format.StateRecord | format.StockWeights, dict[str, StateMapper]]:
     """``record`` with every mapped array decoded, and ``{key: mapper}`` of those.
 
     A record without mappers (or a stock Keras file) is returned as it is.
@@ -424,7 +423,7 @@ def decode_record(
     specs = record.extra.get(SECTION)  # (a stock Keras file's extra is empty)
     if not specs or record.matched_by != BY_KEY:
         return record, {}
-    keyed = cast(storage.StateRecord, record)  # matched by key: our record
+    keyed = cast(format.StateRecord, record)  # matched by key: our record
     sections = {"model": dict(keyed.model), "optimizer": dict(keyed.optimizer)}
     mapped: dict[str, StateMapper] = {}
     for key, spec in specs.items():
@@ -436,7 +435,7 @@ def decode_record(
                 key=key,
             )
         mapper = _mapper_of(key, spec["mapper"], where)
-        params = state_mod.join_arrays(spec["params"], keyed.arrays, where)
+        params = _state.join_arrays(spec["params"], keyed.arrays, where)
         try:
             value = mapper.decode(key, arrays[key], spec["dtype"], params)
         except Exception as err:  # noqa: BLE001 - any failure of a user's decode is named by key
@@ -446,7 +445,7 @@ def decode_record(
             ) from err
         value = np.asarray(value) if isinstance(value, np.generic) else value  # a 0-d result
         shape, dtype = tuple(spec["shape"]), spec["dtype"]
-        if not isinstance(value, np.ndarray) or value.shape != shape or storage.dtype_name(value) != dtype:
+        if not isinstance(value, np.ndarray) or value.shape != shape or format.dtype_name(value) != dtype:
             raise StateError(
                 f"{where}: {mapper!r} decoded {key} as {getattr(value, 'dtype', type(value).__name__)} "
                 f"{getattr(value, 'shape', '')}, but it was saved as {dtype} {shape}; the mapper's decode "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state.errors import CheckpointFormatError
 from keras_stable_state.format import remote, writer
 
@@ -72,7 +72,7 @@ def object_store_target(
 def write_to(
     filepath: str,
     store: remote.RemotePath | None,
-    record: storage.StateRecord,
+    record: format.StateRecord,
     keras_archive_writer: Callable[[str], object] | None = None,
 ) -> int | None:
     """Write ``record`` to ``filepath`` (`write_record`),

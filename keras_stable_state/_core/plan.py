@@ -17,9 +17,8 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _state as state_mod
-from keras_stable_state._core import mappers as mappers_mod
+from keras_stable_state import _keras_compat, _state
+from keras_stable_state._core import mappers
 from keras_stable_state._core.apply import apply_steps, rng_step, state_step, variable_step
 from keras_stable_state._core.arguments import check_callbacks, extra_saved
 from keras_stable_state._core.host_rollback import HostRollback
@@ -34,8 +33,7 @@ from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_lab
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer.matching import drop_reason
-from keras_stable_state._state import layers as layer_state
-from keras_stable_state._state import metrics as metrics_state
+from keras_stable_state._state import layers, metrics
 from keras_stable_state.errors import NAMES_SHOWN, BindingError, StateError, listed, shown
 from keras_stable_state.format import orbax_file
 from keras_stable_state.format.proven import FileArray
@@ -129,7 +127,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
         )
     read = record  # its arrays, as read, stay alive (ids below) until the restore ends
     owned = _read_arrays(record) if request.owned else set()
-    record, mapped = mappers_mod.decode_record(record, where)
+    record, mapped = mappers.decode_record(record, where)
     report = RestoreReport()
     report.transfer = rules is not None or not strict
     report.mapped = {k: repr(m) for k, m in mapped.items()}
@@ -139,7 +137,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     else:
         report.writer = dict(record.metadata)
         report.transfer_note = any(f == "backend" for f, _, _ in report.writer_differs) and any(
-            isinstance(layer, _DRIFTING) for layer in compat.flatten_layers(model)
+            isinstance(layer, _DRIFTING) for layer in _keras_compat.flatten_layers(model)
         )
     # 1. Check and convert everything; nothing is assigned before step 2.
     registry = _model_registry(model, request.extras)
@@ -162,7 +160,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
     optimizer = request.optimizer
     if optimizer is not None:
         if request.check_schedule and not request.keep_learning_rate and "schedule" in record.extra:
-            state_mod.check_schedule(record.extra["schedule"], optimizer)
+            _state.check_schedule(record.extra["schedule"], optimizer)
     plan = _plan_model(record, registry, request, report)
     _check_extras_saved(record, request)
     plan += plan_optimizers(
@@ -200,9 +198,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
         keep_learning_rate=request.keep_learning_rate,
     )
     # Vocabularies and bin boundaries: checked now, set before the variables.
-    steps += layer_state.plan_layer_state(
-        record, model, strict=strict, report=report, where=where, rules=rules
-    )
+    steps += layers.plan_layer_state(record, model, strict=strict, report=report, where=where, rules=rules)
     # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
     plan, fresh = orbax_file.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
     owned |= fresh
@@ -214,7 +210,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
         if mine:
             taken.add(id(array))
         steps.append(variable_step(var, array, owned=mine))
-    steps += layer_state.finalize_steps(model)
+    steps += layers.finalize_steps(model)
     rollback = HostRollback() if request.rollback_on_host and in_place else None
     if in_place:
         assign_in_place(in_place, model, where, rollback)
@@ -442,19 +438,19 @@ def _callback_steps(record, callbacks, report, where):
     steps = []
     saved_cbs = extra.get("callbacks", {})
     for key, cb in callbacks.items():
-        if state_mod.callback_state(cb) is None:
+        if _state.callback_state(cb) is None:
             continue
         if key not in saved_cbs:
             report.left_fresh.append(f"callback:{key}")
             continue
         name = f"callbacks/{key}"
-        value = state_mod.join_arrays(saved_cbs[key], arrays, where)
-        value = state_mod.parse_callback_state(cb, value, name, where)
+        value = _state.join_arrays(saved_cbs[key], arrays, where)
+        value = _state.parse_callback_state(cb, value, name, where)
         steps.append(
             state_step(
                 name,
-                lambda cb=cb: state_mod.callback_state(cb),
-                lambda v, cb=cb: state_mod.set_callback_state(cb, v),
+                lambda cb=cb: _state.callback_state(cb),
+                lambda v, cb=cb: _state.set_callback_state(cb, v),
                 value,
             )
         )
@@ -479,16 +475,16 @@ def _plan_state(record, request, report):
                 received=sorted(saved),
             )
         record_name = f"providers/{name}"
-        value = state_mod.join_arrays(saved[name], arrays, where)
-        value = state_mod.check_provider_state(provider, value, record_name, where)
+        value = _state.join_arrays(saved[name], arrays, where)
+        value = _state.check_provider_state(provider, value, record_name, where)
         steps.append(state_step(record_name, provider.get_state, provider.set_state, value))
         report.restored_state.append(f"state:{name}")
-    if request.include_metrics and metrics_state.NAME not in providers:
+    if request.include_metrics and metrics.NAME not in providers:
         steps += _metrics_steps(record, request.model, report, where)
     steps += _callback_steps(record, request.callbacks, report, where)
     if extra.get("rng") is not None:
         # Checked even with include_rng=False: a malformed record means a damaged file.
-        parsed = state_mod.parse_rng_state(state_mod.join_arrays(extra["rng"], arrays, where), where)
+        parsed = _state.parse_rng_state(_state.join_arrays(extra["rng"], arrays, where), where)
         if request.include_rng:
             steps.append(rng_step(parsed))
             report.restored_state.append("rng")
@@ -501,13 +497,13 @@ def _metrics_steps(record, model, report, where):
     in ``report.left_fresh`` as ``metric:<path>``, each saved one of another shape in
     ``report.dropped``. A file without them (written before they were saved, or by an
     older ``StableCheckpoint``, whose record names no paths) leaves them all fresh."""
-    saved = record.extra.get("providers", {}).get(metrics_state.NAME)
+    saved = record.extra.get("providers", {}).get(metrics.NAME)
     live = model.metrics_variables
-    if saved is None or not metrics_state.keyed(saved):
+    if saved is None or not metrics.keyed(saved):
         report.left_fresh.extend(f"metric:{v.path}" for v in live)
         return []
-    value = state_mod.join_arrays(saved, record.arrays, where)
-    pairs, fresh, dropped = metrics_state.plan_metrics(model, value, where)
+    value = _state.join_arrays(saved, record.arrays, where)
+    pairs, fresh, dropped = metrics.plan_metrics(model, value, where)
     report.left_fresh.extend(f"metric:{p}" for p in fresh)
     for path, reason in dropped:
         report.drop(f"metric:{path}", reason)
@@ -521,6 +517,4 @@ def _metrics_steps(record, model, report, where):
             v.assign(a)
 
     report.restored_state.append("metrics")
-    return [
-        state_step(f"providers/{metrics_state.NAME}", lambda: [to_numpy(v) for v in variables], put, arrays)
-    ]
+    return [state_step(f"providers/{metrics.NAME}", lambda: [to_numpy(v) for v in variables], put, arrays)]

@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from keras_stable_state import format as storage
+from keras_stable_state import format
 
 __all__ = ["RestoreReport", "writer_metadata"]
 
@@ -93,7 +93,7 @@ class RestoreReport:
     transfer_note: bool = False
     transfer: bool = False
     counters_near_limit: list[tuple[str, int, int, str]] = dataclasses.field(default_factory=list)
-    source: str = storage.FORMAT
+    source: str = format.FORMAT
     writer: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def drop(self, key: str, reason: str) -> None:
@@ -197,7 +197,7 @@ def writer_metadata(model: Any) -> dict[str, Any]:
     return {
         "backend": keras.backend.backend(),
         "keras_version": keras.__version__,
-        "format_version": storage.FORMAT_VERSION,
+        "format_version": format.FORMAT_VERSION,
         "dtype_policy": keras.config.dtype_policy().name,
         "model_class": None if model is None else type(model).__name__,
     }

@@ -16,9 +16,8 @@ from typing import Any, Literal, cast, overload
 
 import keras
 
-from keras_stable_state import format as storage
-from keras_stable_state._core import host_rollback
-from keras_stable_state._core import mappers as mappers_mod
+from keras_stable_state import format
+from keras_stable_state._core import host_rollback, mappers
 from keras_stable_state._core.apply import takes_unaligned
 from keras_stable_state._core.arguments import (
     check_callbacks,
@@ -262,7 +261,7 @@ def restore_with(
     options: RestoreOptions,
     *,
     defer: bool = False,
-    record: storage.StateRecord | storage.StockWeights | None = None,
+    record: format.StateRecord | format.StockWeights | None = None,
     take: bool = False,
 ) -> RestoreReport | PendingRestore:
     """[`restore_training_state`][keras_stable_state.restore_training_state] with its options grouped.
@@ -324,11 +323,11 @@ def restore_with(
         if in_place or on_device:
             record = proven.read_proven(filepath, storage_options=store, arrays=arrays)
         else:
-            record = storage.read_file(
+            record = format.read_file(
                 filepath, storage_options=store, unaligned_views=takes_unaligned(), arrays=arrays
             )
     if defer:
-        mappers_mod.decode_record(record, file_label(filepath))  # an unknown mapper is refused now
+        mappers.decode_record(record, file_label(filepath))  # an unknown mapper is refused now
         pending = PendingRestore(
             filepath, record, model, dataclasses.replace(options, callbacks=callbacks), take=owned
         )
@@ -390,7 +389,7 @@ class PendingRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras i
     def __init__(
         self,
         filepath: str,
-        record: storage.StateRecord | storage.StockWeights,
+        record: format.StateRecord | format.StockWeights,
         target: keras.Model,
         options: RestoreOptions,
         *,
@@ -403,7 +402,7 @@ class PendingRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras i
         self._take = take
         self.filepath = filepath
         self.report: RestoreReport | None = None
-        self._record: storage.StateRecord | storage.StockWeights | None = record
+        self._record: format.StateRecord | format.StockWeights | None = record
         self._target = target
         self._options = options
 

@@ -17,12 +17,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _processes as multiprocess
-from keras_stable_state import _state as state_mod
-from keras_stable_state import format as storage
+from keras_stable_state import _keras_compat, _processes, _state, format
 from keras_stable_state._core import boundary
-from keras_stable_state._core import mappers as mappers_mod
 from keras_stable_state._core.arguments import (
     MODEL_STATES,
     check_callbacks,
@@ -36,6 +32,8 @@ from keras_stable_state._core.arguments import (
 )
 from keras_stable_state._core.guards import walking_once
 from keras_stable_state._core.in_place import check_not_partial
+from keras_stable_state._core.mappers import SECTION as MAPPED_SECTION
+from keras_stable_state._core.mappers import check_mappers, encode_arrays
 from keras_stable_state._core.object_store import object_store_target, write_to
 from keras_stable_state._core.report import writer_metadata
 from keras_stable_state._engines import background, folder_engine
@@ -45,8 +43,7 @@ from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import optimizer_classes, save_optimizers, torch_optim
 from keras_stable_state._optimizer.tracking import check_bound_passed
-from keras_stable_state._state import layers as layer_state
-from keras_stable_state._state import metrics as metrics_state
+from keras_stable_state._state import layers, metrics
 from keras_stable_state.errors import CheckpointFormatError, StateError
 from keras_stable_state.format import orbax_layout, remote
 from keras_stable_state.format.sink import LimitedFile
@@ -65,7 +62,7 @@ def _host_array(variable: Any) -> Any:
     """``variable``'s value as a NumPy array (`to_numpy`);
     on TensorFlow, a plain variable through one ``ReadVariableOp`` of its resource
     (``compat.tf_read``): 30 us per variable instead of 140."""
-    read = compat.tf_read(variable)
+    read = _keras_compat.tf_read(variable)
     return to_numpy(variable) if read is None else read.numpy()
 
 
@@ -250,10 +247,10 @@ def _save(
                 expected="blocking=True for a '.orbax' path",
                 received="blocking=False",
             )
-    if not blocking and multiprocess.process_count() > 1:
+    if not blocking and _processes.process_count() > 1:
         raise StateError(
-            f"Cannot save {filepath!r} with blocking=False with {multiprocess.process_count()} "
-            f"{multiprocess.runtime()} processes: the save runs collectives on the calling thread. Pass "
+            f"Cannot save {filepath!r} with blocking=False with {_processes.process_count()} "
+            f"{_processes.runtime()} processes: the save runs collectives on the calling thread. Pass "
             "blocking=True (CheckpointManager: save_on_background=False)."
         )
 
@@ -291,7 +288,7 @@ def _save(
             return _save_in_background(filepath, model, record, started, store)
         # With several processes (JAX; Torch ranks in a CheckpointManager's save) every process
         # gathered the same arrays; process 0 alone writes.
-        multiprocess.run_on_primary(
+        _processes.run_on_primary(
             filepath,
             lambda: write_to(
                 filepath,
@@ -325,7 +322,7 @@ def training_state_record(
     mappers: Mapping[str, StateMapper] | None = None,
     convert: Callable[[Any], Any] = _host_array,
     before_copy: Callable[[], None] | None = None,
-) -> storage.StateRecord:
+) -> format.StateRecord:
     """The `StateRecord` that [`save_training_state`][keras_stable_state.save_training_state]
     writes, with every argument checked as it says (``verb`` names the caller in messages;
     ``convert`` turns a variable into the value stored; ``before_copy`` runs once the
@@ -340,16 +337,16 @@ def training_state_record(
     optimizer = optimizers.get(MAIN)
     callbacks_by_key = check_callbacks(callbacks, verb)
     providers = check_providers(state, verb)
-    if metrics_state.NAME not in providers and model.metrics_variables:
+    if metrics.NAME not in providers and model.metrics_variables:
         # the model's metric variables (its own trackers too), as StableCheckpoint saves them
-        providers = {**providers, metrics_state.NAME: metrics_state.Metrics(model)}
+        providers = {**providers, metrics.NAME: metrics.Metrics(model)}
     check_flags(verb, include_rng=include_rng, allow_order_keys=allow_order_keys)
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
     extras = check_variables(variables, verb, model)
     torch_optim.check_all_passed(model, list(torch_opts.values()), providers, extras, verb)
     check_bound_passed(model, optimizers.values(), verb)
-    mapper_rules = mappers_mod.check_mappers(mappers, verb)
+    mapper_rules = check_mappers(mappers, verb)
     if before_copy is not None:
         before_copy()
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
@@ -363,8 +360,8 @@ def training_state_record(
     )
     opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras, convert=convert)
     extra, arrays = _collect_state(model, optimizer, callbacks_by_key, providers, include_rng)
-    extra[layer_state.SECTION], found = state_mod.split_arrays(
-        layer_state.collect_layer_state(model, buffers=model_state == "all"), layer_state.SECTION
+    extra[layers.SECTION], found = _state.split_arrays(
+        layers.collect_layer_state(model, buffers=model_state == "all"), layers.SECTION
     )
     arrays.update(found)
     if torch_opts:  # torch.optim optimizers: their state by the keys of the variables they train
@@ -374,15 +371,15 @@ def training_state_record(
             )
             for name, opt in torch_opts.items()
         }
-        extra[torch_optim.SECTION], found = state_mod.split_arrays(torch_state, torch_optim.SECTION)
+        extra[torch_optim.SECTION], found = _state.split_arrays(torch_state, torch_optim.SECTION)
         _check_json(extra[torch_optim.SECTION], torch_optim.SECTION, "")
         arrays.update(found)
     if mapper_rules:
-        model_arrays, opt_arrays, extra[mappers_mod.SECTION], found = mappers_mod.encode_arrays(
+        model_arrays, opt_arrays, extra[MAPPED_SECTION], found = encode_arrays(
             mapper_rules, model_arrays, opt_arrays
         )
         arrays.update(found)
-    return storage.StateRecord(
+    return format.StateRecord(
         metadata={
             **writer_metadata(model),
             "model_state": model_state,
@@ -401,10 +398,10 @@ def _check_processes(filepath: str) -> None:
     """Refuse a ``.keras`` archive with several JAX processes (Keras' own ``model.save`` cannot
     read arrays whose shards live on other processes), and a ``.orbax`` one with several Torch
     ranks (the engine's collectives are JAX's)."""
-    kind = multiprocess.runtime()
+    kind = _processes.runtime()
     if kind == "torch" and orbax_layout.is_orbax_path(filepath):
         raise CheckpointFormatError(
-            f"Cannot save {filepath!r} with {multiprocess.process_count()} torch.distributed ranks: the "
+            f"Cannot save {filepath!r} with {_processes.process_count()} torch.distributed ranks: the "
             "'.orbax' engine runs JAX's collectives. Save to '.h5' paths (a CheckpointManager directory "
             "not named '*.orbax'): rank 0 writes, the others wait.",
             key=None,
@@ -413,7 +410,7 @@ def _check_processes(filepath: str) -> None:
         )
     if filepath.endswith(".keras") and kind == "jax":
         raise CheckpointFormatError(
-            f"Cannot save {filepath!r} with {multiprocess.process_count()} JAX processes: a '.keras' "
+            f"Cannot save {filepath!r} with {_processes.process_count()} JAX processes: a '.keras' "
             "archive holds Keras' own weights, and keras' model.save cannot read the shards held by other "
             "processes. Save to a '.h5' path (every process gathers, process 0 writes) or to a '.orbax' "
             "directory (each process writes its own shards).",
@@ -426,7 +423,7 @@ def _check_processes(filepath: str) -> None:
 def _save_in_background(
     filepath: str,
     model: keras.Model,
-    record: storage.StateRecord,
+    record: format.StateRecord,
     started: float,
     store: remote.RemotePath | None = None,
 ) -> Callable[[], background.SaveHandle]:
@@ -455,10 +452,10 @@ def _save_in_background(
 def _save_keras_archive(model: keras.Model, tmp: str | io.IOBase, filepath: str) -> None:
     try:
         if isinstance(tmp, io.IOBase):
-            compat.save_keras_archive_to(model, tmp)
+            _keras_compat.save_keras_archive_to(model, tmp)
         else:  # what model.save(tmp) does, through a file that respects RLIMIT_FSIZE
             with LimitedFile(tmp, "wb") as fh:
-                compat.save_keras_archive_to(model, fh)
+                _keras_compat.save_keras_archive_to(model, fh)
     except NotImplementedError as err:
         if "get_config" not in str(err):
             raise
@@ -505,7 +502,7 @@ def _collect_state(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The JSON part and the arrays of everything that is not a variable."""
     extra: dict[str, Any] = {
-        "schedule": state_mod.schedule_state(optimizer),
+        "schedule": _state.schedule_state(optimizer),
         "callbacks": {},
         "providers": {},
         "rng": None,
@@ -513,18 +510,18 @@ def _collect_state(
     arrays: dict[str, Any] = {}
 
     def put(section: str, name: str, value: Any) -> None:
-        json_value, found = state_mod.split_arrays(value, f"{section}/{name}")
+        json_value, found = _state.split_arrays(value, f"{section}/{name}")
         _check_json(json_value, f"{section}/{name}", "")
         extra[section][name] = json_value
         arrays.update(found)
 
     for key, cb in callbacks.items():
-        value = state_mod.callback_state(cb)
+        value = _state.callback_state(cb)
         if value is not None:
             put("callbacks", key, value)
     for name, provider in state.items():
         put("providers", name, provider.get_state())
     if include_rng:
-        extra["rng"], found = state_mod.split_arrays(state_mod.rng_state(), "rng")
+        extra["rng"], found = _state.split_arrays(_state.rng_state(), "rng")
         arrays.update(found)
     return extra, arrays

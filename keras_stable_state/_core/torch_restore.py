@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_stable_state import _state as state_mod
+from keras_stable_state import _state
 from keras_stable_state._core.apply import Step
 from keras_stable_state._identity.dtypes import EXACT_CASTS, floating
 from keras_stable_state._identity.keys import (
@@ -66,7 +66,7 @@ def _saved(record: Any, where: str) -> dict[str, Any]:
         for s in section.values()
     )
     if not form:
-        raise state_mod.malformed(SECTION, "it is not {name: {class, param_groups, params, state}}", where)
+        raise _state.malformed(SECTION, "it is not {name: {class, param_groups, params, state}}", where)
     return section
 
 
@@ -158,7 +158,7 @@ def _slot(key: str, head: str, entry: str) -> str:
 def _plan_one(name, opt, saved, arrays, model, extras, strict, allow_cast, report, where, keep_lr=False):
     """The step restoring one optimizer, or ``None`` when nothing of it is restored."""
     head = entry_prefix(name)
-    saved = state_mod.join_arrays(saved, arrays, where)
+    saved = _state.join_arrays(saved, arrays, where)
     saved_state = saved["state"]
     saved_keys = [k for g in saved["param_groups"] for k in g["params"]]
     saved_slots = [_slot(k, head, e) for k, entries in saved_state.items() for e in entries]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from keras_stable_state._engines import orbax as _orbax
+from keras_stable_state._engines import orbax
 from keras_stable_state.format import orbax_layout
 
 
@@ -24,11 +24,11 @@ def folder_engine(path: object) -> ModuleType | None:
     """The engine that writes ``path`` as a folder of its own: the Orbax engine (`orbax`:
     ``check_installed``, ``live_value``, ``write``) for a path named ``*.orbax``, else
     ``None`` (a file)."""
-    return _orbax if orbax_layout.is_orbax_path(path) else None
+    return orbax if orbax_layout.is_orbax_path(path) else None
 
 
 def array_source(path: object) -> Callable[[str, str], Any] | None:
     """The array source a restore reads the ``.orbax`` folder ``path`` through (the Orbax
     engine's `orbax.open_source`: each variable's shards onto its current sharding), to pass
     to `keras_stable_state.format.read_file` as ``arrays``; ``None`` for any other path."""
-    return _orbax.open_source if orbax_layout.is_orbax_path(path) else None
+    return orbax.open_source if orbax_layout.is_orbax_path(path) else None

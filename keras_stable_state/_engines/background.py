@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import format as storage
+from keras_stable_state import _keras_compat, format
 from keras_stable_state.format import remote
 
 if TYPE_CHECKING:
@@ -195,7 +194,7 @@ def live_value(variable: Any, to_numpy: Callable[[Any], Any]) -> Any:
     kind = _jax_array_type()
     if kind is not None and isinstance(value, kind):
         return value
-    read = compat.tf_read(variable)  # None off the TensorFlow backend
+    read = _keras_compat.tf_read(variable)  # None off the TensorFlow backend
     if read is not None:
         return _TensorRead(read)
     return to_numpy(variable)
@@ -260,7 +259,7 @@ def _json_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def host_record(record: storage.StateRecord) -> storage.StateRecord:
+def host_record(record: format.StateRecord) -> format.StateRecord:
     """``record`` with nothing shared with live objects: arrays that do not own their
     memory (a view of a Torch tensor), every array of the other state (a provider may
     update its own array in place) and the JSON parts of the other state (a callback's

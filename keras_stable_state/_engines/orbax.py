@@ -44,11 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from keras_stable_state import _processes as _multiprocess
-from keras_stable_state import format as storage
+from keras_stable_state import _processes, format
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
-from keras_stable_state.format import orbax_file, writer
-from keras_stable_state.format import orbax_layout as layout
+from keras_stable_state.format import orbax_file, orbax_layout, writer
 from keras_stable_state.format.orbax_file import OrbaxArray  # noqa: F401 (its lazy arrays)
 from keras_stable_state.format.orbax_layout import (  # noqa: F401 (names of this engine)
     ARRAYS,
@@ -61,7 +59,7 @@ from keras_stable_state.format.orbax_layout import (  # noqa: F401 (names of thi
     is_orbax_path,
 )
 
-_MASK = layout.MASK
+_MASK = orbax_layout.MASK
 _SECTIONS = SECTIONS
 
 
@@ -89,7 +87,7 @@ def _ocp():
 def _grid(value) -> tuple:
     """The block shape of the hash of ``value``: its shard shape when sharded, else its shape."""
     shape = tuple(map(int, value.shape))
-    if 0 in shape or not _multiprocess.is_sharded(value):
+    if 0 in shape or not _processes.is_sharded(value):
         return shape
     return tuple(map(int, value.sharding.shard_shape(shape)))
 
@@ -104,7 +102,7 @@ def _box(index, shape) -> tuple:
 def _held(value, shape, block) -> bool:
     """Whether every shard of the sharded ``value`` is a union of whole blocks of ``block``."""
     boxes = value.sharding.devices_indices_map(shape).values()
-    return all(layout.aligned(*_box(index, shape), shape, block) for index in boxes)
+    return all(orbax_layout.aligned(*_box(index, shape), shape, block) for index in boxes)
 
 
 def _local_hash(value, key, dtype, block):
@@ -112,8 +110,8 @@ def _local_hash(value, key, dtype, block):
     JAX array); ``whole`` if this process holds it all (an unsharded value)."""
     shape = tuple(map(int, value.shape))
     if block is None:  # index version 1: per element
-        part = layout.element_hash
-        if isinstance(value, np.ndarray) or not _multiprocess.is_sharded(value):
+        part = orbax_layout.element_hash
+        if isinstance(value, np.ndarray) or not _processes.is_sharded(value):
             return part(np.asarray(value), (0,) * len(shape), shape, key, dtype), True
         total = 0
         for shard in value.addressable_shards:
@@ -121,16 +119,16 @@ def _local_hash(value, key, dtype, block):
                 total += part(np.asarray(shard.data), _box(shard.index, shape)[0], shape, key, dtype)
         return total & _MASK, False
     if 0 in shape:  # no element (nothing to read, not even on another process)
-        return layout.region_hash(
+        return orbax_layout.region_hash(
             np.zeros(shape, np.uint8), (0,) * len(shape), shape, block, key, dtype
         ), True
-    if isinstance(value, np.ndarray) or not _multiprocess.is_sharded(value):
-        return layout.region_hash(np.asarray(value), (0,) * len(shape), shape, block, key, dtype), True
+    if isinstance(value, np.ndarray) or not _processes.is_sharded(value):
+        return orbax_layout.region_hash(np.asarray(value), (0,) * len(shape), shape, block, key, dtype), True
     total = 0
     for shard in value.addressable_shards:
         if shard.replica_id == 0:  # each block once, whichever device holds it
             start = _box(shard.index, shape)[0]
-            total += layout.region_hash(np.asarray(shard.data), start, shape, block, key, dtype)
+            total += orbax_layout.region_hash(np.asarray(shard.data), start, shape, block, key, dtype)
     return total & _MASK, False
 
 
@@ -140,19 +138,19 @@ def _stored_hash(lazy) -> int:
     import tensorstore as ts
 
     where = lazy.source.where
-    spec = layout.store_spec(lazy.source.directory, f"{lazy.section}.{lazy.leaf}", where)
-    count, me = _multiprocess.process_count(), _multiprocess.process_index()
+    spec = orbax_layout.store_spec(lazy.source.directory, f"{lazy.section}.{lazy.leaf}", where)
+    count, me = _processes.process_count(), _processes.process_index()
     try:
         store = ts.open(spec, open=True).result()
         total = 0
-        for number, first in enumerate(layout.block_starts(lazy.shape, lazy.block)):
+        for number, first in enumerate(orbax_layout.block_starts(lazy.shape, lazy.block)):
             if number % count != me:
                 continue
             box = tuple(
                 slice(f, min(f + b, n)) for f, b, n in zip(first, lazy.block, lazy.shape, strict=True)
             )
             block = np.asarray(store[box].read().result())
-            total += layout.region_hash(block, first, lazy.shape, lazy.block, lazy.key, lazy.dtype.name)
+            total += orbax_layout.region_hash(block, first, lazy.shape, lazy.block, lazy.key, lazy.dtype.name)
     except (OSError, ValueError, RuntimeError) as err:
         raise CorruptCheckpointError(
             f"{where}: array {lazy.key} cannot be read from '{ARRAYS}' to check it ({err}); the folder is "
@@ -166,7 +164,7 @@ def _combine(parts: list) -> np.ndarray:
     """The local parts ``[(hash, whole)]`` of every process, ``uint64`` of shape ``(processes, n)``
     (a collective with several processes)."""
     local = np.array([[h for h, _ in parts]], dtype=np.uint64).reshape(1, -1)
-    if _multiprocess.process_count() == 1 or not parts:
+    if _processes.process_count() == 1 or not parts:
         return local
     from jax.experimental import multihost_utils
 
@@ -211,10 +209,10 @@ def _inline(value) -> bool:
     optimizer's ``iterations``, its learning rate) that this process holds whole. Such
     values are checked before anything is assigned; read from ``arrays/`` they would cost
     an Orbax restore of their own (10-15 ms of fixed cost)."""
-    return np.ndim(value) == 0 and not _multiprocess.is_sharded(value)
+    return np.ndim(value) == 0 and not _processes.is_sharded(value)
 
 
-def write(path: str, record: storage.StateRecord) -> str:
+def write(path: str, record: format.StateRecord) -> str:
     """Write ``record`` to the ``.orbax`` directory ``path`` (every process calls this).
 
     ``record.model`` and ``record.optimizer`` hold NumPy arrays or sharded JAX
@@ -249,7 +247,7 @@ def write(path: str, record: storage.StateRecord) -> str:
             shutil.rmtree(partial)
         os.makedirs(partial)
 
-    _multiprocess.run_on_primary(partial, clear)
+    _processes.run_on_primary(partial, clear)
     index, tree = [], {}
     # Values may be zero-argument callables (converted lazily, storage.StateRecord).
     entries = [(s, k, v() if callable(v) else v) for s in _SECTIONS for k, v in getattr(record, s).items()]
@@ -258,7 +256,7 @@ def write(path: str, record: storage.StateRecord) -> str:
         if _inline(value):
             inline[section][key] = np.asarray(value)
     entries = [(s, k, v) for s, k, v in entries if k not in inline[s]]
-    dtypes = [storage.dtype_name(v) for _, _, v in entries]
+    dtypes = [format.dtype_name(v) for _, _, v in entries]
     grids = [_grid(v) for _, _, v in entries]
     parts = [_local_hash(v, k, d, g) for (_, k, v), d, g in zip(entries, dtypes, grids, strict=True)]
     hashes = _digests(parts)
@@ -272,7 +270,7 @@ def write(path: str, record: storage.StateRecord) -> str:
     if tree:  # (a state of scalars only has no arrays/)
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
             checkpointer.save(os.path.join(partial, ARRAYS), args=ocp.args.PyTreeSave(tree))
-    small = storage.StateRecord(
+    small = format.StateRecord(
         metadata={**record.metadata, INDEX: {"version": INDEX_VERSION, "arrays": index}},
         contract=record.contract,
         model=inline["model"],
@@ -292,7 +290,7 @@ def write(path: str, record: storage.StateRecord) -> str:
         if os.path.isdir(old):
             shutil.rmtree(old)
 
-    _multiprocess.run_on_primary(path, finish)
+    _processes.run_on_primary(path, finish)
     return path
 
 
@@ -317,7 +315,7 @@ class _Source:
         """The sharding of ``variable``'s value when it is sharded (each process reads only
         its shards), else ``None`` (read whole, as NumPy)."""
         value = getattr(variable, "value", None)
-        return getattr(value, "sharding", None) if _multiprocess.is_sharded(value) else None
+        return getattr(value, "sharding", None) if _processes.is_sharded(value) else None
 
     def _restore(self, wanted):
         ocp = _ocp()
@@ -376,7 +374,7 @@ class _Source:
                 received=keys,
             ) from err
         for (lazy, _), value in zip(wanted, values, strict=True):
-            found = (tuple(np.shape(value)), storage.dtype_name(value))
+            found = (tuple(np.shape(value)), format.dtype_name(value))
             if found != (lazy.shape, lazy.dtype.name):
                 raise CorruptCheckpointError(
                     f"{self.where}: array {lazy.key} is {found[1]} of shape {found[0]} in '{ARRAYS}', but "
@@ -388,7 +386,7 @@ class _Source:
                 )
         parts = []
         for (lazy, _), value in zip(wanted, values, strict=True):
-            sharded = lazy.block is not None and 0 not in lazy.shape and _multiprocess.is_sharded(value)
+            sharded = lazy.block is not None and 0 not in lazy.shape and _processes.is_sharded(value)
             if sharded and not _held(value, lazy.shape, lazy.block):  # shards cut the saved blocks
                 parts.append((_stored_hash(lazy), False))
             else:
@@ -422,7 +420,7 @@ def open_source(directory: str, where: str) -> _Source:
     return _Source(directory, where)
 
 
-def read(path: str) -> storage.StateRecord:
+def read(path: str) -> format.StateRecord:
     """Read the sealed record of the ``.orbax`` directory ``path``; its arrays are `OrbaxArray`,
     read through this engine (`keras_stable_state.format.orbax_file.read_orbax`).
 

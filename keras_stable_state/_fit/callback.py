@@ -10,12 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_stable_state import _core as checkpoint
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _state as state
-from keras_stable_state._fit import checks as _fit_checks
-from keras_stable_state._fit import inexact, resume
-from keras_stable_state._fit import input as _fit_input
+from keras_stable_state import _core, _keras_compat, _state
+from keras_stable_state._fit import checks, inexact, input, resume
 from keras_stable_state._fit.position import Metrics, Position, numeric_logs
 from keras_stable_state._manager import preemption
 from keras_stable_state._manager.manager import CheckpointManager, wait_for_earlier_saves
@@ -122,15 +118,15 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         preemption_signals: Sequence[int] = preemption.DEFAULT_SIGNALS,
         storage_options: Mapping[str, Any] | None = None,
         resume_stopped: bool = False,
-        keep: Any = _fit_checks.UNSET,
-        async_save: Any = _fit_checks.UNSET,
+        keep: Any = checks.UNSET,
+        async_save: Any = checks.UNSET,
     ) -> None:
         super().__init__()
         directory = open_directory(directory, storage_options, "StableCheckpoint")[0]
-        self.on_data_change = _fit_checks.check_on_data_change(on_data_change)
-        max_to_keep = _fit_checks.resolve_alias("max_to_keep", max_to_keep, 3, "keep", keep, 2)
-        save_on_background = _fit_checks.resolve_alias("save_on_background", save_on_background, False, "async_save", async_save, 2)  # fmt: skip
-        _fit_checks.check_arguments(save_freq, max_to_keep, verbose, save_on_background, directory)
+        self.on_data_change = checks.check_on_data_change(on_data_change)
+        max_to_keep = checks.resolve_alias("max_to_keep", max_to_keep, 3, "keep", keep, 2)
+        save_on_background = checks.resolve_alias("save_on_background", save_on_background, False, "async_save", async_save, 2)  # fmt: skip
+        checks.check_arguments(save_freq, max_to_keep, verbose, save_on_background, directory)
         self.preemption = preemption.FitPreemption(save_on_preemption, preemption_signals)
         if not isinstance(resume_stopped, bool):
             raise TypeError(f"`resume_stopped` must be a bool. Received: resume_stopped={resume_stopped!r}")
@@ -162,14 +158,14 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._where: dict[int, str] = {}  # step -> where in the fit its save was taken (for the verbose line)
         # the model whose step boundaries this fit opens (_core.boundary)
         self._gated: keras.Model | None = None
-        self._given_callbacks = checkpoint.check_callbacks(callbacks, "StableCheckpoint")
+        self._given_callbacks = _core.check_callbacks(callbacks, "StableCheckpoint")
         self._keyed: dict[str, Any] | None = None  # the callbacks saved, from train begin to end
         self._reset(1)
         self._epoch_guard: EpochBeginGuard | None = None
         self._input: Any = None  # the fit's PyDataset (or tf.data TFDataState) whose state is saved, or None
         self._loader: Any = None  # the LoaderState of the fit's torch DataLoader, or None
         self._prefetched: Any = None  # the PrefetchedBatches of a PyDataset read by workers, or None
-        self._order = _fit_input.EpochOrder()
+        self._order = input.EpochOrder()
         self.removed_temporary_files: list[str] = []
         self._read_only: OSError | None = None
 
@@ -191,7 +187,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
                 "on_data_change", "monitor", "mode", "keep_best", "storage_options",
                 "save_on_preemption", "preemption_signals"}`` (the signals as ints).
         """
-        config = {name: getattr(self, name) for name in _fit_checks.CONFIG_NAMES}
+        config = {name: getattr(self, name) for name in checks.CONFIG_NAMES}
         return {**config, **self.preemption.config()}
 
     @classmethod
@@ -207,11 +203,11 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         train begin); else the callbacks given and ``model.history`` (``checks.with_history``)."""
         if self._keyed is not None:
             return self._keyed
-        return _fit_checks.with_history(self._given_callbacks, self.model)
+        return checks.with_history(self._given_callbacks, self.model)
 
     def _say(self, message: str) -> None:
         if self.verbose:
-            compat.print_msg(f"StableCheckpoint: {message}")
+            _keras_compat.print_msg(f"StableCheckpoint: {message}")
 
     # -- files ------------------------------------------------------------------------
     def checkpoints(self) -> list[str]:
@@ -236,14 +232,14 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
     # -- restore ----------------------------------------------------------------------
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = self.model
-        spe = _fit_checks.steps_per_execution(model, self.save_freq)
+        spe = checks.steps_per_execution(model, self.save_freq)
         for opt in tracked_optimizers(model).values():
             stable = stable_optimizer_in(opt)
             if stable is not None:
                 stable.bind(model)  # model.optimizer is opt (or an optimizer attribute): its owner
         # TensorFlow builds compiled metrics at the first trace: build them now, so that a
         # mid-epoch resume can put their saved values back (a no-op where fit built them).
-        compat.build_compile_state(model)
+        _keras_compat.build_compile_state(model)
         self._reset(spe)
         # A background save of an earlier fit (one that raised) is written before the
         # directory is read; its error belonged to that fit.
@@ -251,15 +247,15 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         self._input = inexact.inspect_input()
         self._loader = inexact.inspect_loader()
         self._prefetched = inexact.inspect_prefetched()
-        self._order = _fit_input.EpochOrder(compat.fit_epoch_iterator())
-        self._keyed = _fit_checks.fit_keyed(self._given_callbacks, compat.fit_callbacks(), self, model)
+        self._order = input.EpochOrder(_keras_compat.fit_epoch_iterator())
+        self._keyed = checks.fit_keyed(self._given_callbacks, _keras_compat.fit_callbacks(), self, model)
         try:
             self._take_directory()
             resume.restore_newest(self, _resume_mode(self.model))
             inexact.warn_counter_limit(model, self._position, self.params)
-            guard = _fit_checks.check_resume(self, self._position, self.restore_report, self._read_only)
+            guard = checks.check_resume(self, self._position, self.restore_report, self._read_only)
             self._epoch_guard = guard
-            self.preemption.begin(compat.fit_frame(), self._say)
+            self.preemption.begin(_keras_compat.fit_frame(), self._say)
         except BaseException:
             self.manager.release()  # fit stops here; Keras will not call on_train_end
             self.preemption.end()
@@ -267,7 +263,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
             raise
         # From here, saves from other threads wait for a step boundary (on_train_batch_end).
         self._gated = model  # held as is: ``self.model`` would sync JAX's state at every step
-        checkpoint.training_begins(model)
+        _core.training_begins(model)
 
     def _reset(self, spe: int) -> None:
         """The state of a fit before its restore (``spe``: its ``steps_per_execution``);
@@ -304,7 +300,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         """Draw ``count`` batches (whole executions of ``steps_per_execution`` batches) from
         the data without training on them."""
         self._skip_until = count
-        compat.skip_batches(self.model, count // self._spe, per_call=self._spe)
+        _keras_compat.skip_batches(self.model, count // self._spe, per_call=self._spe)
 
     # -- save -------------------------------------------------------------------------
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
@@ -320,7 +316,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if self._loader:
             self._loader.note_draw(batch)
         if self._rng_after_skip is not None:
-            state.set_rng_state(self._rng_after_skip)
+            _state.set_rng_state(self._rng_after_skip)
             self._rng_after_skip = None
         self._position.step = batch
         if self._save_requested:
@@ -330,7 +326,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         # A step boundary: a save waiting in another thread reads the model now (JAX: the
         # model property attaches the training state to the variables first).
         if self._gated is not None:
-            checkpoint.step_boundary(self._gated, lambda: self.model)
+            _core.step_boundary(self._gated, lambda: self.model)
         if batch < self._skip_until:  # a batch applied before the checkpoint, drawn and skipped
             if self._loader:
                 self._loader.replay_draw(batch + 1)
@@ -381,9 +377,9 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
                 resume.apply_callback_states(record, self.restore_report, self._callbacks)
         finally:
             if self._gated is not None:
-                checkpoint.training_ends(self._gated)
+                _core.training_ends(self._gated)
                 self._gated = None
-            compat.set_initial_epoch(self.model, None)
+            _keras_compat.set_initial_epoch(self.model, None)
             self.manager.release()
             self.preemption.end()
             self._keyed = None  # the fit's callbacks are not held past it
@@ -419,7 +415,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
         if pos.step == 0:
             _begin_epoch(self)
             self._order.end_epoch()
-            self._order.stream_offset = compat.stream_position(self._order.epoch_iterator)
+            self._order.stream_offset = _keras_compat.stream_position(self._order.epoch_iterator)
         self._last_mid_save = (pos.epoch, pos.global_step) if pos.step else None
         note = getattr(self._input, "note_position", None)  # a tf.data input's TFDataState
         if note is not None:  # at an epoch end, the next batch comes from an iterator not made yet
@@ -438,7 +434,7 @@ class StableCheckpoint(keras.callbacks.Callback):  # type: ignore[misc]  # Keras
 def _begin_epoch(ckpt: StableCheckpoint) -> None:
     """An epoch begins for ``ckpt``'s position (the random state before the epoch's data
     order is drawn), its torch ``DataLoader`` and its ``PyDataset`` workers' batches."""
-    ckpt._position.epoch_rng = state.rng_state()
+    ckpt._position.epoch_rng = _state.rng_state()
     if ckpt._loader:
         ckpt._loader.begin_epoch()
     if ckpt._prefetched is not None:
@@ -451,7 +447,7 @@ def _resume_mode(model: keras.Model) -> tuple[bool, bool]:
     checkpoint read as for a restore in place then, or (all or nothing, the rollback copy on
     the host) into a model on an accelerator."""
     in_place = _never_trained(model)
-    return in_place, in_place or checkpoint.host_rollback.on_accelerator(model)
+    return in_place, in_place or _core.host_rollback.on_accelerator(model)
 
 
 def _never_trained(model: keras.Model) -> bool:

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import keras
 
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _state as state
+from keras_stable_state import _keras_compat, _state
 from keras_stable_state._manager import orbax_io
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import InexactResumeWarning, StateError
@@ -81,7 +80,7 @@ def fit_keyed(given: dict, fit_callbacks: list, ckpt: Any, model) -> dict:
     named = {id(cb) for cb in given.values()}
     counts: dict[str, int] = {}
     for cb in fit_callbacks:
-        if cb is ckpt or id(cb) in named or not state.has_known_state(cb):
+        if cb is ckpt or id(cb) in named or not _state.has_known_state(cb):
             continue
         named.add(id(cb))  # a callback listed twice in the fit is keyed once
         name = type(cb).__name__
@@ -236,7 +235,7 @@ def _learning_rate(model):
     inner = opt
     while getattr(inner, "inner_optimizer", None) is not None:  # StableOptimizer, LossScaleOptimizer
         inner = inner.inner_optimizer
-    variable = compat.learning_rate_variable(inner)
+    variable = _keras_compat.learning_rate_variable(inner)
     if variable is None or isinstance(variable, keras.optimizers.schedules.LearningRateSchedule):
         return None
     return float(to_numpy(variable))
@@ -264,7 +263,7 @@ class EpochBeginGuard:
         ``on_epoch_begin`` may change training when run twice."""
         if ckpt.restore_report is None:
             return None
-        callbacks = compat.fit_callbacks()
+        callbacks = _keras_compat.fit_callbacks()
         if position.step == 0:
             _warn_listed_before(ckpt, callbacks, position.epoch)
             return None
@@ -336,7 +335,7 @@ def check_resume(
     ``on_epoch_begin`` callbacks Keras runs again for a resumed epoch."""
     guard = EpochBeginGuard.start(ckpt, pos)
     live = live_data(ckpt.params)
-    replicas = compat.replica_count(ckpt.model)
+    replicas = _keras_compat.replica_count(ckpt.model)
     if replicas is not None:  # recorded on TensorFlow only; older checkpoints have none
         live["replicas"] = replicas
         if report is not None:
@@ -361,8 +360,8 @@ def warn_replicas(model, saved, live: int) -> None:
         return
     layers = sorted(
         layer.name
-        for layer in compat.flatten_layers(model)
-        if isinstance(layer, keras.layers.BatchNormalization) or compat.seed_generator_states(layer)
+        for layer in _keras_compat.flatten_layers(model)
+        if isinstance(layer, keras.layers.BatchNormalization) or _keras_compat.seed_generator_states(layer)
     )
     if not layers:
         return  # the results differ by the order of the reductions only
@@ -382,7 +381,7 @@ def live_data(params) -> dict:
     """``{"batch_size", "num_samples", "steps"}`` of this fit (``None`` where unknown):
     the data adapter's batch size and sample count, and the steps per epoch Keras runs
     (`check_resume` adds ``"replicas"`` on TensorFlow, see `warn_replicas`)."""
-    adapter = compat.fit_data_adapter()
+    adapter = _keras_compat.fit_data_adapter()
     batch_size = num_samples = None
     if adapter is not None:
         batch_size = _count(_property(adapter, "batch_size"))

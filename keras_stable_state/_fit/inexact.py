@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _state as state
+from keras_stable_state import _keras_compat, _state
 from keras_stable_state._fit.loss_units import loss_units
 from keras_stable_state._fit.prefetch import PrefetchedBatches
 from keras_stable_state._fit.tf_data import TFDataState
@@ -44,10 +43,10 @@ def inspect_input() -> Any:
     """The ``fit`` input whose own state is saved (a ``PyDataset`` with ``get_state``
     and ``set_state``, or the `TFDataState` of a ``tf.data`` pipeline that reshuffles),
     or ``None``; warns for inputs a resume cannot replay."""
-    adapter = compat.fit_data_adapter()
+    adapter = _keras_compat.fit_data_adapter()
     if adapter is None:
         return None
-    dataset = compat.py_dataset_of(adapter)
+    dataset = _keras_compat.py_dataset_of(adapter)
     if dataset is not None:
         name = f"{type(dataset).__name__} (a keras.utils.PyDataset)"
         if callable(getattr(dataset, "get_state", None)) and callable(getattr(dataset, "set_state", None)):
@@ -64,13 +63,13 @@ def inspect_input() -> Any:
                 stacklevel=3,
             )
         return None
-    epoch_iterator = compat.fit_epoch_iterator()
-    if compat.shuffled_unowned_arrays(epoch_iterator) and (
-        keras.backend.backend() == "tensorflow" or compat.stream_persists(epoch_iterator)
+    epoch_iterator = _keras_compat.fit_epoch_iterator()
+    if _keras_compat.shuffled_unowned_arrays(epoch_iterator) and (
+        keras.backend.backend() == "tensorflow" or _keras_compat.stream_persists(epoch_iterator)
     ):
         reason = (
             "with steps_per_epoch (one shuffled pass spans several epochs)"
-            if compat.stream_persists(epoch_iterator)
+            if _keras_compat.stream_persists(epoch_iterator)
             else "whose arrays are not NumPy arrays"
         )
         warnings.warn(
@@ -81,7 +80,7 @@ def inspect_input() -> Any:
             InexactResumeWarning,
             stacklevel=3,
         )
-    dataset = compat.tf_dataset_of(adapter)
+    dataset = _keras_compat.tf_dataset_of(adapter)
     if dataset is not None:
         return _inspect_tf_dataset(epoch_iterator, dataset)
     return None
@@ -89,7 +88,7 @@ def inspect_input() -> Any:
 
 def inspect_prefetched() -> PrefetchedBatches | None:
     """The `PrefetchedBatches` of a ``fit`` over a ``PyDataset`` read by workers, else ``None``."""
-    adapter = compat.fit_data_adapter()
+    adapter = _keras_compat.fit_data_adapter()
     return PrefetchedBatches(adapter) if PrefetchedBatches.present(adapter) else None
 
 
@@ -98,7 +97,7 @@ def _inspect_tf_dataset(epoch_iterator: Any, dataset: Any) -> Any:
     (`TFDataState`), or ``None``; warns for the ops of the pipeline whose state tf.data
     cannot checkpoint, and for pipelines whose iterators cannot be reached."""
     provider = TFDataState(dataset)
-    ops = compat.stateful_pipeline_ops(dataset, variables_saved=bool(provider.variables))
+    ops = _keras_compat.stateful_pipeline_ops(dataset, variables_saved=bool(provider.variables))
     if ops:
         shown = ", ".join(f"{op} ({written})" if written != op else op for op, written in ops)
         warnings.warn(
@@ -133,11 +132,11 @@ def inspect_loader() -> Any:
     generators or stateful samplers, else ``None``; warns for what a resume cannot replay:
     persistent worker processes (their random state runs on across epochs) and samplers
     of the user's without ``state_dict()``/``load_state_dict()``."""
-    adapter = compat.fit_data_adapter()
-    loader = None if adapter is None else compat.torch_loader_of(adapter)
+    adapter = _keras_compat.fit_data_adapter()
+    loader = None if adapter is None else _keras_compat.torch_loader_of(adapter)
     if loader is None:
         return None
-    from keras_stable_state._fit import loader as _loader
+    from keras_stable_state._fit.loader import LoaderState, hidden_samplers
 
     name = type(loader).__name__
     if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0) > 0:
@@ -152,7 +151,7 @@ def inspect_loader() -> Any:
             InexactResumeWarning,
             stacklevel=3,
         )
-    for hidden in _loader.hidden_samplers(loader):
+    for hidden in hidden_samplers(loader):
         warnings.warn(
             f"StableCheckpoint: the input {name}'s {hidden} is a sampler of yours without "
             "state_dict()/load_state_dict(): any state it keeps in its attributes (an epoch counter, "
@@ -164,7 +163,7 @@ def inspect_loader() -> Any:
             InexactResumeWarning,
             stacklevel=3,
         )
-    found = _loader.LoaderState(loader)
+    found = LoaderState(loader)
     return found if found else None
 
 
@@ -222,7 +221,7 @@ def warn_inexact_resume(
         )
     warn_seeds = getattr(ckpt._input, "warn_seeds", None)  # a tf.data input's TFDataState
     if warn_seeds is not None and isinstance(saved.get("input"), dict):
-        warn_seeds(state.join_arrays(saved["input"], record.arrays))
+        warn_seeds(_state.join_arrays(saved["input"], record.arrays))
     loader = ckpt._loader
     if loader and (loader.generators or loader.samplers) and "loader" not in saved:
         warnings.warn(
@@ -272,7 +271,11 @@ def warn_inexact_resume(
     warn_unequal_batch_losses(ckpt.model, writer, live)
     if writer and writer != live:
         random_layers = sorted(
-            {layer.name for layer in compat.flatten_layers(ckpt.model) if compat.seed_generator_states(layer)}
+            {
+                layer.name
+                for layer in _keras_compat.flatten_layers(ckpt.model)
+                if _keras_compat.seed_generator_states(layer)
+            }
         )
         if random_layers:
             warnings.warn(
@@ -293,8 +296,8 @@ def warn_loader_across_torch(writer: str | None, live: str) -> None:
     so the epochs after the resumed one start from other generator states than the writer's."""
     if not writer or writer == live or "torch" not in (writer, live):
         return
-    adapter = compat.fit_data_adapter()
-    loader = None if adapter is None else compat.torch_loader_of(adapter)
+    adapter = _keras_compat.fit_data_adapter()
+    loader = None if adapter is None else _keras_compat.torch_loader_of(adapter)
     if loader is None:
         return
     sampler = type(getattr(loader, "sampler", None)).__name__
@@ -320,12 +323,12 @@ def _unequal_batches() -> list[str]:
     size ``validation_batch_size`` or ``batch_size``). Inputs of unknown length, datasets and
     generators given as validation data are not told apart (``[]`` for them)."""
     found = []
-    adapter = compat.fit_data_adapter()
+    adapter = _keras_compat.fit_data_adapter()
     batches, size = getattr(adapter, "num_batches", None), getattr(adapter, "batch_size", None)
     if batches and batches > 1 and size and getattr(adapter, "has_partial_batch", False):
         partial = getattr(adapter, "partial_batch_size", None)
         found.append(f"training: {(batches - 1) * size + (partial or 0)} samples in batches of {size}")
-    count, size = compat.fit_validation_arrays()
+    count, size = _keras_compat.fit_validation_arrays()
     if count > size and count % size:
         found.append(f"validation: {count} samples in batches of {size}")
     return found
@@ -341,11 +344,11 @@ def warn_unequal_batch_losses(model, writer: str | None, live: str) -> None:
     state and the total loss are not affected."""
     if not writer or writer == live or "tensorflow" not in (writer, live):
         return
-    indices, _ = compat.per_output_loss_weighting(model)
+    indices, _ = _keras_compat.per_output_loss_weighting(model)
     unequal = _unequal_batches() if indices else []
     if not unequal:
         return
-    names = compat.per_output_loss_names(model)
+    names = _keras_compat.per_output_loss_names(model)
     warnings.warn(
         f"StableCheckpoint: the checkpoint was written on {writer} and training resumes on {live}; "
         f"this model reports a loss per output ({names}) and its batches are of unequal sizes "
@@ -365,7 +368,7 @@ def warn_loss_weighting(model, record, position, writer, live):
     batches of unequal sizes): the resumed epoch's History ``<output>_loss`` values would
     then weigh the saved and the new batches unlike an uninterrupted run. Training itself
     is not affected."""
-    values = state.join_arrays(record.extra.get("providers", {}).get("metrics"), record.arrays)
+    values = _state.join_arrays(record.extra.get("providers", {}).get("metrics"), record.arrays)
     units = loss_units(model, values, position.step)
     if units is None or units.convertible:
         return
@@ -404,8 +407,8 @@ def warn_unknown_callbacks(ckpt):
     start fresh in the new process, so if they decide anything (a counter, a best
     value) the resumed run acts otherwise. ``get_state()`` returning ``{}`` declares a
     callback stateless."""
-    for cb in compat.fit_callbacks():
-        if cb is ckpt or state.callback_state(cb) is not None or not opaque(cb):
+    for cb in _keras_compat.fit_callbacks():
+        if cb is ckpt or _state.callback_state(cb) is not None or not opaque(cb):
             continue
         name = type(cb).__name__
         warnings.warn(
@@ -455,7 +458,7 @@ def warn_changed_callbacks(record: Any, callbacks: dict[str, Any], where: str, l
     for key, cb in callbacks.items():
         if key in saved or isinstance(cb, keras.callbacks.History):
             continue
-        value = state.callback_state(cb)
+        value = _state.callback_state(cb)
         if _holds_state(value):
             fields = f" ({', '.join(sorted(map(str, value)))})" if isinstance(value, dict) else ""
             fresh.append(f"{key}{fields}")
@@ -487,7 +490,7 @@ def warn_counter_limit(model: keras.Model, position: Position, params: dict[str,
     planned = (epochs - position.epoch) * steps - position.step
     for name, opt in tracked_optimizers(model).items():
         for prefix, sub in optimizer_tree(opt):
-            counter = compat.iterations_variable(sub)
+            counter = _keras_compat.iterations_variable(sub)
             if counter is None:
                 continue
             dtype = np.dtype(keras.backend.standardize_dtype(counter.dtype))

@@ -29,8 +29,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _state as state
+from keras_stable_state import _keras_compat, _state
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 
 RECORD = "providers/data"
@@ -89,16 +88,16 @@ class EpochOrder:
         self.shuffle = False
         self.permutation = np.zeros((0,), dtype="int64")
         self.stream_offset = 0
-        self.tf_seed = compat.fit_trace_seed()
+        self.tf_seed = _keras_compat.fit_trace_seed()
         self.source, self._own = _live_source(self.tf_seed)
         self._epoch_rng: Any = None  # the random state at this epoch's begin, until its order is computed
         self._serving_saved = False  # the adapter serves a saved order (the rest of an interrupted epoch)
-        arrays = compat.shufflable_arrays(epoch_iterator)
+        arrays = _keras_compat.shufflable_arrays(epoch_iterator)
         if arrays is not None:
             self._arrays, self.shuffle, self._batch_size = arrays
-            self._num_samples = compat.num_samples(self._arrays)
+            self._num_samples = _keras_compat.num_samples(self._arrays)
             if not self._own:
-                compat.set_array_order(epoch_iterator, None)  # Keras' own shuffle off
+                _keras_compat.set_array_order(epoch_iterator, None)  # Keras' own shuffle off
 
     def get_state(self) -> dict:
         """``{"permutation", "stream_offset", "source"}`` and ``"tf_seed"`` where there is
@@ -126,10 +125,10 @@ class EpochOrder:
         if self._epoch_rng is None:
             return
         epoch_rng, self._epoch_rng = self._epoch_rng, None
-        put_back = state.rng_snapshot()
+        put_back = _state.rng_snapshot()
         try:
-            state.set_rng_state(epoch_rng)
-            self.permutation = compat.keras_array_order(
+            _state.set_rng_state(epoch_rng)
+            self.permutation = _keras_compat.keras_array_order(
                 self._num_samples, self._batch_size, self.shuffle, self.tf_seed
             )
         finally:
@@ -157,11 +156,11 @@ class EpochOrder:
             if self.stream_offset:
                 # A fresh iterator may draw from the global generators (a Torch DataLoader
                 # draws its base seed): the uninterrupted run made its iterator epochs ago.
-                before = state.rng_state()
-                compat.advance_stream(self.epoch_iterator, self.stream_offset)
-                state.set_rng_state(before)
+                before = _state.rng_state()
+                _keras_compat.advance_stream(self.epoch_iterator, self.stream_offset)
+                _state.set_rng_state(before)
         else:
-            self.stream_offset = compat.stream_position(self.epoch_iterator)
+            self.stream_offset = _keras_compat.stream_position(self.epoch_iterator)
         self._epoch_rng = None
         if self._arrays is None:
             return
@@ -172,19 +171,19 @@ class EpochOrder:
             if self._replays(resumed, epoch_rng):
                 # fit draws the saved order again from the epoch's restored random state,
                 # lazy draws included (shuffle="batch" draws per batch on JAX and Torch)
-                compat.serve_keras_order(self.epoch_iterator, self._arrays, self.shuffle, self.tf_seed)
+                _keras_compat.serve_keras_order(self.epoch_iterator, self._arrays, self.shuffle, self.tf_seed)
                 return
             self.permutation = resumed["permutation"]
-            compat.set_array_order(self.epoch_iterator, self._arrays, self.permutation)
+            _keras_compat.set_array_order(self.epoch_iterator, self._arrays, self.permutation)
             self._serving_saved = True
             return
         if self._own:
             if self._serving_saved or resumed is not None:
                 # fit's own order again; TensorFlow's pipeline traced under the run's seed
-                compat.serve_keras_order(self.epoch_iterator, self._arrays, self.shuffle, self.tf_seed)
+                _keras_compat.serve_keras_order(self.epoch_iterator, self._arrays, self.shuffle, self.tf_seed)
                 self._serving_saved = False
             self.permutation = np.zeros((0,), dtype="int64")
-            self._epoch_rng = epoch_rng if epoch_rng is not None else state.rng_state()
+            self._epoch_rng = epoch_rng if epoch_rng is not None else _state.rng_state()
             return
         if self.shuffle == "batch":
             n, size = self._num_samples, self._batch_size
@@ -193,7 +192,7 @@ class EpochOrder:
             ).astype("int64")
         else:
             self.permutation = np.random.permutation(self._num_samples).astype("int64")
-        compat.set_array_order(self.epoch_iterator, self._arrays, self.permutation)
+        _keras_compat.set_array_order(self.epoch_iterator, self._arrays, self.permutation)
 
     def _replays(self, resumed, epoch_rng) -> bool:
         """Whether ``fit`` itself draws the saved permutation of ``resumed`` again from the
@@ -201,7 +200,7 @@ class EpochOrder:
         Keras' order computed from it equal to the saved one."""
         if not self._own or resumed.get("source", "numpy") != self.source:
             return False
-        self._epoch_rng = epoch_rng if epoch_rng is not None else state.rng_state()
+        self._epoch_rng = epoch_rng if epoch_rng is not None else _state.rng_state()
         self.draw_pending()
         return bool(np.array_equal(self.permutation, resumed["permutation"]))
 

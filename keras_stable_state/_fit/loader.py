@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_stable_state import _state as state
+from keras_stable_state import _state
 from keras_stable_state._state.tree import malformed, show
 from keras_stable_state.errors import StateError
 
@@ -190,7 +190,7 @@ class LoaderState:
         """
         import torch
 
-        value = state.check_provider_state(self, value, RECORD, where)
+        value = _state.check_provider_state(self, value, RECORD, where)
         for part in ("epoch",):
             gens = value[part].get("generators") if isinstance(value[part], dict) else None
             if not isinstance(gens, dict):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 
 __all__ = ["LossUnits", "loss_units"]
 
@@ -59,8 +59,8 @@ def loss_units(model: Any, values: Any, batches: int) -> LossUnits | None:
     state, arrays joined) of a checkpoint taken after ``batches`` batches of its epoch,
     or ``None`` when they agree with this ``fit``'s (or nothing tells them apart: no
     per-output trackers, batch size 1, nothing counted)."""
-    indices, live = compat.per_output_loss_weighting(model)
-    total = compat.total_loss_count_index(model)
+    indices, live = _keras_compat.per_output_loss_weighting(model)
+    total = _keras_compat.total_loss_count_index(model)
     saved = values.get("values") if isinstance(values, dict) else None
     if not indices or total is None or not isinstance(saved, list) or len(saved) <= max(indices):
         return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from keras_stable_state import _state as state
+from keras_stable_state import _state
 from keras_stable_state._state.metrics import Metrics as Metrics  # the provider StableCheckpoint saves
 from keras_stable_state.errors import CorruptCheckpointError, StateError
 
@@ -79,7 +79,7 @@ class Position:
                 received=value["step"],
             )
         if value.get("epoch_rng") is not None:
-            state.parse_rng_state(value["epoch_rng"])
+            _state.parse_rng_state(value["epoch_rng"])
         stopped = value.get("stopped")
         if stopped is not None and not (
             isinstance(stopped, dict)

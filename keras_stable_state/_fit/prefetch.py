@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._state.tree import is_array, malformed, show
 
 RECORD = "providers/prefetched"
@@ -84,12 +84,12 @@ class PrefetchedBatches:
     @staticmethod
     def present(adapter: Any) -> bool:
         """Whether ``adapter`` reads a ``PyDataset`` through a worker enqueuer."""
-        return adapter is not None and compat.prefetched_batches(adapter) is not None
+        return adapter is not None and _keras_compat.prefetched_batches(adapter) is not None
 
     def begin_epoch(self) -> None:
         """Note the batches carried into the epoch about to begin (at its begin, or at a
         save at the end of the one before, once its workers stopped)."""
-        self.carried = [_encode(b) for b in compat.prefetched_batches(self._adapter) or []]
+        self.carried = [_encode(b) for b in _keras_compat.prefetched_batches(self._adapter) or []]
 
     def get_state(self) -> dict:
         """``{"batches": [...]}``: the batches carried into the epoch of the save."""
@@ -114,4 +114,4 @@ class PrefetchedBatches:
         """Carry the saved ``batches`` (from `check`) into the resumed epoch in place of
         those of this process' model-building draw; called before its workers start."""
         self.carried = [_encode(b) for b in batches]
-        compat.set_prefetched_batches(self._adapter, batches)
+        _keras_compat.set_prefetched_batches(self._adapter, batches)

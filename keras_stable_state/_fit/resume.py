@@ -15,13 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_stable_state import _core as checkpoint
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _state as state
+from keras_stable_state import _core, _keras_compat, _state
 from keras_stable_state._fit import inexact
 from keras_stable_state._fit.loss_units import loss_units
 from keras_stable_state._fit.position import Metrics, Position
-from keras_stable_state._manager import directory as checkpoint_dir
+from keras_stable_state._manager import directory
 from keras_stable_state.errors import InexactResumeWarning, StateError
 
 if TYPE_CHECKING:
@@ -57,9 +55,9 @@ def restore_newest(ckpt, mode: tuple[bool, bool]) -> None:
     ckpt.run_complete = report_newest(ckpt, restored, pos, epochs, ckpt._say)
     ckpt.run_stopped = ckpt.run_complete and pos.stopped is not None
     if ckpt.run_stopped and isinstance(epochs, int):  # fit trains no epoch: range(epochs, epochs)
-        compat.set_initial_epoch(ckpt.model, max(epochs, pos.epoch))
+        _keras_compat.set_initial_epoch(ckpt.model, max(epochs, pos.epoch))
     # an in-place restore failed part way and none after it succeeded: fit made its
-    checkpoint.check_not_partial(ckpt.model, "StableCheckpoint")  # train function already
+    _core.check_not_partial(ckpt.model, "StableCheckpoint")  # train function already
 
 
 def forget_unreadable(ckpt, path: str, err: BaseException) -> None:
@@ -74,17 +72,17 @@ def restore_found(ckpt, in_place: bool, path: str, record: Any) -> None:
     model: variables, optimizer, schedule check and position now; callbacks, metrics and the
     epoch-start random state at the first epoch begin (`apply_pending`), once every callback
     has run ``on_train_begin``. All of it from ``record``: the file is never read twice."""
-    options = checkpoint.RestoreOptions(state={"position": ckpt._position}, include_rng=False)
+    options = _core.RestoreOptions(state={"position": ckpt._position}, include_rng=False)
     options = dataclasses.replace(options, include_metrics=False, all_or_nothing=not in_place)
     # take: only its state records are read after this; the variables may keep its arrays.
     # Without defer, restore_with restores now: a RestoreReport.
-    report = checkpoint.restore_with(path, ckpt.model, options, record=record, take=True)
+    report = _core.restore_with(path, ckpt.model, options, record=record, take=True)
     ckpt.restore_report = report
     pos = ckpt._position
     ckpt._pending_restore = record
     writer = (report.writer or {}).get("backend")
     inexact.warn_inexact_resume(ckpt, record, pos, ckpt._order, writer)
-    compat.set_initial_epoch(ckpt.model, pos.epoch)
+    _keras_compat.set_initial_epoch(ckpt.model, pos.epoch)
     ckpt._say(
         f"restored {os.path.basename(path)}: epoch {pos.epoch}, step {pos.step} of the epoch, "
         f"global step {pos.global_step}"
@@ -99,7 +97,7 @@ def report_newest(ckpt, restored, pos, epochs, say) -> bool:
     (``pos``: its position), or its run was stopped by a callback (`stopped_run`)."""
     if ckpt.skipped_checkpoints:
         where = f"epoch {pos.epoch}, step {pos.step} of the epoch, global step {pos.global_step}"
-        checkpoint_dir.warn_unreadable(
+        directory.warn_unreadable(
             ckpt.directory, ckpt.skipped_checkpoints, ckpt.moved_checkpoints, restored, where, stacklevel=2
         )
     elif restored is None:
@@ -125,7 +123,7 @@ def stopped_run(ckpt, pos, epochs) -> bool:
     stopped = pos.stopped
     if stopped is None or ckpt.resume_stopped or epochs is None or epochs > stopped["epochs"]:
         return False
-    compat.print_msg(
+    _keras_compat.print_msg(
         f"StableCheckpoint: the run in {ckpt.directory} was stopped by a callback (EarlyStopping, or "
         f"model.stop_training set) at epoch {stopped['epoch']} of {stopped['epochs']} (global step "
         f"{pos.global_step}): it counts as finished, so fit trains no epoch and returns the restored "
@@ -177,25 +175,25 @@ def apply_pending(
     Raises:
         StateError, CorruptCheckpointError: from the checks (see ``StableCheckpoint``).
     """
-    setters = checkpoint.plan_callbacks(record, callbacks, report)
+    setters = _core.plan_callbacks(record, callbacks, report)
     extra, arrays = record.extra, record.arrays
     pos = position
-    saved_rng = state.join_arrays(extra.get("rng"), arrays)
-    parsed_saved = state.parse_rng_state(saved_rng)
+    saved_rng = _state.join_arrays(extra.get("rng"), arrays)
+    parsed_saved = _state.parse_rng_state(saved_rng)
     metrics, values = Metrics(model), None
     saved_input = input_state(fit_input, extra, arrays)
     saved_loader = loader_state(fit_loader, extra, arrays, record)
     saved_prefetched = extra.get("providers", {}).get("prefetched")
     if saved_prefetched is not None and prefetched is not None:
         saved_prefetched = prefetched.check(
-            state.join_arrays(saved_prefetched, arrays), getattr(record, "path", None)
+            _state.join_arrays(saved_prefetched, arrays), getattr(record, "path", None)
         )
     saved_data = extra.get("providers", {}).get("data")
     if saved_data is not None:
-        saved_data = order.check(state.join_arrays(saved_data, arrays), mid_epoch=pos.step > 0)
+        saved_data = order.check(_state.join_arrays(saved_data, arrays), mid_epoch=pos.step > 0)
     if pos.step > 0:
-        parsed_epoch = state.parse_rng_state(pos.epoch_rng)
-        values = state.join_arrays(extra.get("providers", {}).get("metrics"), arrays)
+        parsed_epoch = _state.parse_rng_state(pos.epoch_rng)
+        values = _state.join_arrays(extra.get("providers", {}).get("metrics"), arrays)
         metrics.validate_state(values)
         units = loss_units(model, values, pos.step)
         if units is not None and units.convertible:  # per-output means counted in the other unit
@@ -218,7 +216,7 @@ def apply_pending(
         # Replay the epoch's data order from the random state it was drawn with, skip
         # the batches already applied, then continue from the random state at the save
         # (e.g. Torch's unseeded dropout draws from the global generator every step).
-        state.apply_rng_state(parsed_epoch)
+        _state.apply_rng_state(parsed_epoch)
         metrics.set_state(values)
         order.begin_epoch(saved_data, mid_epoch=True)
         skip_batches(pos.step)
@@ -229,7 +227,7 @@ def apply_pending(
             # batches ahead of the step saved, a timing-dependent state.
             saved_rng = {**saved_rng, "torch": None}
         return None, saved_rng
-    state.apply_rng_state(parsed_saved)
+    _state.apply_rng_state(parsed_saved)
     return saved_data, None
 
 
@@ -242,7 +240,7 @@ def apply_callback_states(record: Any, report: RestoreReport | None, callbacks: 
     Raises:
         StateError, CorruptCheckpointError: from the checks (see ``plan_callbacks``).
     """
-    for setter in checkpoint.plan_callbacks(record, callbacks, report):
+    for setter in _core.plan_callbacks(record, callbacks, report):
         setter()
 
 
@@ -270,7 +268,7 @@ def loader_state(fit_loader, extra, arrays, record):
             "put back. Pass the same kind of input, made the same way, as when it was saved.",
             key="providers/loader",
         )
-    return fit_loader.check(state.join_arrays(saved, arrays), getattr(record, "path", None))
+    return fit_loader.check(_state.join_arrays(saved, arrays), getattr(record, "path", None))
 
 
 def input_state(fit_input, extra, arrays):
@@ -295,7 +293,7 @@ def input_state(fit_input, extra, arrays):
             "resumed epoch replays another order from a fresh iterator. Let the epoch finish "
             "before an interruption, or accept the difference.",
             InexactResumeWarning,
-            stacklevel=compat.outside_stacklevel(),
+            stacklevel=_keras_compat.outside_stacklevel(),
         )
         return None
     if saved is None:
@@ -314,5 +312,5 @@ def input_state(fit_input, extra, arrays):
             "when it was saved.",
             key="providers/input",
         )
-    value = state.join_arrays(saved, arrays)
-    return state.check_provider_state(fit_input, value, "providers/input")
+    value = _state.join_arrays(saved, arrays)
+    return _state.check_provider_state(fit_input, value, "providers/input")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state.errors import InexactResumeWarning, StateError
 
 
@@ -47,9 +47,9 @@ class TFDataState:
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
-        self.seeds = compat.tf_dataset_seeds(dataset)
-        self.variables = compat.assigned_variables(dataset)
-        self.reseeds = bool(compat.reseeding_datasets(dataset))
+        self.seeds = _keras_compat.tf_dataset_seeds(dataset)
+        self.variables = _keras_compat.assigned_variables(dataset)
+        self.reseeds = bool(_keras_compat.reseeding_datasets(dataset))
         self.hooked = False  # whether fit's iterators are seen (it reseeds, or advances variables)
         self._created: bytes = b""  # the state of the newest iterator fit made, when made
         self._values: list = []  # the variables' values when that iterator was made
@@ -59,7 +59,7 @@ class TFDataState:
     def hook(self, epoch_iterator: Any) -> bool:
         """Be called with each iterator ``fit`` makes of the dataset; ``False`` where the
         iterators cannot be reached (see ``compat.hook_tf_iterators``)."""
-        real = compat.hook_tf_iterators(epoch_iterator, self._made)
+        real = _keras_compat.hook_tf_iterators(epoch_iterator, self._made)
         if real is None:
             return False
         self.dataset, self.hooked = real, True
@@ -71,9 +71,9 @@ class TFDataState:
     def _made(self, iterator: Any) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            compat.restore_tf_iterator(iterator, pending)
+            _keras_compat.restore_tf_iterator(iterator, pending)
         if self.reseeds:
-            self._created = compat.serialize_tf_iterator(iterator) or b""
+            self._created = _keras_compat.serialize_tf_iterator(iterator) or b""
         # After the checkpoint, which may have filled a shuffle buffer through the functions
         # that advance them: the values that go with it.
         self._values = self._read_variables()
@@ -120,7 +120,7 @@ class TFDataState:
         import tensorflow as tf
 
         try:
-            compat.restore_tf_iterator(iter(self.dataset), data)
+            _keras_compat.restore_tf_iterator(iter(self.dataset), data)
         except (tf.errors.OpError, ValueError) as err:
             raise StateError(
                 "The checkpoint's tf.data iterator state (record providers/input/iterator) does not "
@@ -150,7 +150,7 @@ class TFDataState:
                 "resumed epoch on. Set the same global seed before making the dataset (an op's "
                 "seed= is combined with the global seed) to resume exactly.",
                 InexactResumeWarning,
-                stacklevel=compat.outside_stacklevel(),
+                stacklevel=_keras_compat.outside_stacklevel(),
             )
 
     def set_state(self, value: dict) -> None:
@@ -159,7 +159,7 @@ class TFDataState:
         data = bytes(np.asarray(value["iterator"], dtype="uint8"))
         if data and value["at_epoch_end"]:
             throwaway = iter(self.dataset)
-            compat.restore_tf_iterator(throwaway, data)
+            _keras_compat.restore_tf_iterator(throwaway, data)
             del throwaway  # before the variables are set: nothing of it draws after
         elif data:
             self._pending = data

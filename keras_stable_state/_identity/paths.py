@@ -23,7 +23,7 @@ import re
 
 import keras
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity import keys
 
 __all__ = ["one_walk", "stable_layer_paths", "stable_paths", "stable_variable_paths", "walk", "walk_cache"]
@@ -31,7 +31,7 @@ __all__ = ["one_walk", "stable_layer_paths", "stable_paths", "stable_variable_pa
 
 @functools.lru_cache(maxsize=1024)
 def _snake(name: str) -> str:
-    return compat.to_snake_case(name)
+    return _keras_compat.to_snake_case(name)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -98,10 +98,10 @@ def _own_names(obj, own: list) -> list:
 def _own_variables(obj) -> list:
     """Variables an object owns itself (not through children), in Keras' order."""
     if isinstance(obj, keras.layers.Layer):
-        trainable, non_trainable = compat.layer_own_variables(obj)
-        return trainable + non_trainable + compat.seed_generator_states(obj)
+        trainable, non_trainable = _keras_compat.layer_own_variables(obj)
+        return trainable + non_trainable + _keras_compat.seed_generator_states(obj)
     if isinstance(obj, keras.metrics.Metric):
-        return compat.metric_own_variables(obj)
+        return _keras_compat.metric_own_variables(obj)
     return []
 
 
@@ -248,10 +248,12 @@ class _Walker:
             kids = hit[1]
         else:
             # Only what a walk follows: containers, layers and metrics (kept for the call).
-            kids = [(a, c) for a, c in compat.walk_saveable(obj, self.classes) if isinstance(c, _FOLLOWED)]
+            kids = [
+                (a, c) for a, c in _keras_compat.walk_saveable(obj, self.classes) if isinstance(c, _FOLLOWED)
+            ]
             if cache is not None:
                 cache[("kids", id(obj))] = (obj, kids)
-        if self.keras_style or compat.obj_type(obj) in ("Sequential", "Functional"):
+        if self.keras_style or _keras_compat.obj_type(obj) in ("Sequential", "Functional"):
             return kids
         generic = self._GENERIC
         return [k for k in kids if k[0] not in generic] + [k for k in kids if k[0] in generic]
@@ -263,7 +265,9 @@ class _Walker:
         own = _own_variables(obj)
         if self.keras_style:
             n_saved = (
-                sum(map(len, compat.layer_own_variables(obj))) if isinstance(obj, keras.layers.Layer) else 0
+                sum(map(len, _keras_compat.layer_own_variables(obj)))
+                if isinstance(obj, keras.layers.Layer)
+                else 0
             )
             names = [f"vars/{i}" for i in range(n_saved)]
         else:

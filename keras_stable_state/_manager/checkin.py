@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_stable_state import _processes as processes
+from keras_stable_state import _processes
 from keras_stable_state._manager import timeline
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state.errors import InexactResumeWarning, StateError
@@ -58,7 +58,7 @@ def _row(mgr: CheckpointManager, call: str, step: int, flag: bool, count: int) -
         "step": int(step),
         "restored": -1 if restored is None else int(restored),
         "iterations": count,
-        "world": processes.process_count(),
+        "world": _processes.process_count(),
         "locked": int(mgr.locked),
     }
     return [values[name] for name in FIELDS]
@@ -80,10 +80,10 @@ def check_in(
         StateError: on every process, if the digests differ in call, step, step restored,
             optimizer iterations or world size, naming each rank's values and the fix.
     """
-    if processes.process_count() == 1:
+    if _processes.process_count() == 1:
         return None
     count = -1 if call != "save" else iterations(model, optimizer)
-    rows = processes.gather_rows(_row(mgr, call, step, flag, count), f"{mgr.name}.{call}({step})")
+    rows = _processes.gather_rows(_row(mgr, call, step, flag, count), f"{mgr.name}.{call}({step})")
     compare(mgr, call, step, rows)
     return rows
 
@@ -112,7 +112,7 @@ def _by_value(rows: np.ndarray, name: str, show: Callable[[int], str]) -> str:
 
 
 def _refusal(mgr: CheckpointManager, call: str, step: int, rows: np.ndarray, differ: list[str]) -> StateError:
-    me = processes.process_index()
+    me = _processes.process_index()
     told = []
     if "restored" in differ:
         column = rows[:, _COLUMN["restored"]].tolist()
@@ -206,15 +206,15 @@ def preemption_check(mgr: CheckpointManager) -> Callable[[bool, int], bool]:
     def check(flag: bool, step: int) -> bool:
         manager = ref()
         if manager is None:  # the manager is gone: the plain agreement on the step
-            return processes.any_process(flag, step, f"reached_preemption({step})")
-        with processes.torch_ranks(collective=True):
+            return _processes.any_process(flag, step, f"reached_preemption({step})")
+        with _processes.torch_ranks(collective=True):
             rows = check_in(manager, "reached_preemption", step, flag=flag)
         return bool(flag) if rows is None else any_signal(rows)
 
     return check
 
 
-@processes.torch_ranks(collective=False)
+@_processes.torch_ranks(collective=False)
 def restored(mgr: CheckpointManager, path: str, state: Any) -> None:
     """Say (``verbose``) that ``mgr`` restored ``path``; warn where it was saved by another
     number of processes than this run's and no provider of the restore's ``state`` replays
@@ -225,7 +225,7 @@ def restored(mgr: CheckpointManager, path: str, state: Any) -> None:
     """
     mgr._say(f"restored {path} (step {mgr.restored_step})")
     saved = timeline.summary(mgr, path)[1].get("world_size")  # the manager's record
-    live = processes.process_count()
+    live = _processes.process_count()
     providers = state.values() if isinstance(state, dict) else ()
     if (
         not isinstance(saved, int)

@@ -22,7 +22,7 @@ import re
 import warnings
 from typing import Any
 
-from keras_stable_state import format as storage  # noqa: F401 - `directory.storage`: the format package (tests patch through it)
+from keras_stable_state import format  # noqa: F401 - `directory.storage`: the format package (tests patch through it)
 from keras_stable_state._manager import lock, orbax_steps
 from keras_stable_state.errors import (
     CheckpointFormatError,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from keras_stable_state import _processes as processes
+from keras_stable_state import _processes
 from keras_stable_state._manager import shared
 from keras_stable_state._manager.protocols import CheckpointDirectory, WriterLock
 
@@ -33,7 +33,7 @@ class DirectoryHolder:
     _say: Callable[[str], None]
     wait: Callable[[], None]
 
-    @processes.torch_ranks(collective=False)
+    @_processes.torch_ranks(collective=False)
     def lock(self, *, reclaimable: bool = False) -> list[str]:
         """Create the directory, take its lock, remove the ``.kss-*`` temporary files a killed
         save left; their paths. ``reclaimable=True`` (``StableCheckpoint``'s) lets a
@@ -54,7 +54,7 @@ class DirectoryHolder:
             OSError: if the directory or its lock file (object) cannot be created or locked (read-only
                 file system: ``errno.EROFS``; permissions; no bucket, refused credentials), naming it.
         """
-        removed: list[str] = processes.share_from_primary(
+        removed: list[str] = _processes.share_from_primary(
             self.directory, lambda: self._lock_here(reclaimable), follow=list
         )
         self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed
@@ -63,7 +63,7 @@ class DirectoryHolder:
     def lock_everywhere(self) -> None:
         """`lock` as a collective of a save's check-in that found a process without the lock,
         where process 0 may hold it already (then it keeps it as it is)."""
-        removed: list[str] = processes.share_from_primary(
+        removed: list[str] = _processes.share_from_primary(
             self.directory, lambda: self.removed_temporary_files if self.locked else self._lock_here(False)
         )
         self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed

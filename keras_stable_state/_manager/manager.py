@@ -13,10 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 
-from keras_stable_state import _core as checkpoint
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _processes as processes
-from keras_stable_state import format as storage
+from keras_stable_state import _core, _keras_compat, _processes, format
 from keras_stable_state._engines import background
 from keras_stable_state._manager import checkin, lock, orbax_io, policy, restoring, timeline
 from keras_stable_state._manager.directory import path_of
@@ -197,7 +194,7 @@ class CheckpointManager(DirectoryHolder):
 
     def _say(self, message: str) -> None:
         if self.verbose:
-            compat.print_msg(f"{self.name}: {message}")
+            _keras_compat.print_msg(f"{self.name}: {message}")
 
     def preemption_guard(self, signals: Sequence[int] = DEFAULT_SIGNALS) -> PreemptionGuard:
         """A ``PreemptionGuard`` of ``signals`` for a custom loop (see the class docstring)."""
@@ -264,7 +261,7 @@ class CheckpointManager(DirectoryHolder):
         return path
 
     # -- save -------------------------------------------------------------------------------
-    @processes.torch_ranks(collective=True)
+    @_processes.torch_ranks(collective=True)
     def save(
         self,
         step: int,
@@ -321,12 +318,12 @@ class CheckpointManager(DirectoryHolder):
         checkin.begin_save(self, step, new_timeline, model, optimizer)
         path = path_of(self.directory, step)
         info: _Info = {"step": step, "epoch": epoch, "metrics": metrics, "wall_time": time.time()}
-        info["world_size"] = processes.process_count()  # JAX processes, Torch ranks: 1 for one
+        info["world_size"] = _processes.process_count()  # JAX processes, Torch ranks: 1 for one
         if self.monitor is not None:  # read by `keras-stable-state ls` to name the best
             info.update(monitor=self.monitor, mode=self._direction)
         started = time.perf_counter()
         self.files.begin_save(path)
-        result = checkpoint.save_training_state(
+        result = _core.save_training_state(
             path,
             model,
             optimizer,
@@ -375,9 +372,9 @@ class CheckpointManager(DirectoryHolder):
         self._last_saved = step
         # What this manager just sealed into the file, known without reading it back; kept
         # while the file is the one written (its identity), read from the file otherwise.
-        summary: _Summary = ({"backend": keras.backend.backend()}, dict(info), storage.FORMAT_VERSION)
+        summary: _Summary = ({"backend": keras.backend.backend()}, dict(info), format.FORMAT_VERSION)
         self._summaries[path] = (self.files.identity(path), summary)
-        processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # on process 0
+        _processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # on process 0
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)
         elif self.verbose:
@@ -424,7 +421,7 @@ class CheckpointManager(DirectoryHolder):
                 steps, an unreadable checkpoint's error (no fallback).
         """
         restore_options.setdefault("storage_options", self.files.storage_options)
-        options = checkpoint.RestoreOptions.from_keywords("CheckpointManager.restore", **restore_options)
+        options = _core.RestoreOptions.from_keywords("CheckpointManager.restore", **restore_options)
         if isinstance(step, str) and step not in ("latest", "best"):
             raise ValueError(f"`step` must be 'latest', 'best' or an int. Received: step={step!r}")
         if not isinstance(step, str):

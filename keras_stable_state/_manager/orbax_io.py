@@ -6,9 +6,9 @@ removal) stays free of both, so the command line lists such a directory without 
 
 from __future__ import annotations
 
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state._core.apply import takes_unaligned
-from keras_stable_state._engines import orbax as orbax_engine
+from keras_stable_state._engines import orbax
 from keras_stable_state._manager import orbax_steps
 from keras_stable_state._manager.protocols import CheckpointDirectory
 from keras_stable_state.format import proven
@@ -32,7 +32,7 @@ def check_options(directory, save_on_background, writer="CheckpointManager") -> 
             "system, not in an object store. Give a local path for '*.orbax', or a directory not "
             "ending in '.orbax' to keep ckpt-<step>.h5 objects in the store."
         )
-    orbax_engine.check_installed()
+    orbax.check_installed()
     if save_on_background:
         raise ValueError(
             f"{writer}({directory!r}, save_on_background=True): a directory named '*{orbax_steps.SUFFIX}' keeps "
@@ -42,7 +42,7 @@ def check_options(directory, save_on_background, writer="CheckpointManager") -> 
         )
 
 
-def read_step(path) -> storage.StateRecord:
+def read_step(path) -> format.StateRecord:
     """The record of the step directory ``path`` (its arrays read on demand).
 
     Raises:
@@ -50,10 +50,10 @@ def read_step(path) -> storage.StateRecord:
             ``.orbax`` training state; every error of the engine's ``read``.
     """
     orbax_steps.refuse_link(path)
-    return orbax_engine.read(path)
+    return orbax.read(path)
 
 
-def read(path) -> storage.StateRecord:
+def read(path) -> format.StateRecord:
     """The record of the checkpoint ``path`` of a local directory (a ``.h5`` file, or a
     ``.orbax`` step directory: `read_step`).
 
@@ -62,10 +62,10 @@ def read(path) -> storage.StateRecord:
     """
     if orbax_steps.is_step(path):
         return read_step(path)
-    return storage.read_file(path, unaligned_views=takes_unaligned())
+    return format.read_file(path, unaligned_views=takes_unaligned())
 
 
-def read_in_place(path) -> storage.StateRecord:
+def read_in_place(path) -> format.StateRecord:
     """`read`, for a restore in place: a ``.h5`` checkpoint proven whole, its large arrays
     left in the open file (`keras_stable_state.format.proven.read_proven`; closed by the restore).
 
@@ -77,7 +77,7 @@ def read_in_place(path) -> storage.StateRecord:
     return proven.read_proven(path)
 
 
-def read_from(files: CheckpointDirectory, path: str, *, in_place: bool = False) -> storage.StateRecord:
+def read_from(files: CheckpointDirectory, path: str, *, in_place: bool = False) -> format.StateRecord:
     """The record of the checkpoint ``path`` of the directory ``files``: a local one by `read`
     (by `read_in_place` for a restore in place, ``in_place=True``), an object read whole
     through its store (``in_place`` does not apply: nothing is left open).
@@ -87,7 +87,7 @@ def read_from(files: CheckpointDirectory, path: str, *, in_place: bool = False) 
         `keras_stable_state.format.read_file`).
     """
     if not files.local:
-        return storage.read_file(
+        return format.read_file(
             path, storage_options=files.storage_options, unaligned_views=takes_unaligned()
         )
     return read_in_place(path) if in_place else read(path)

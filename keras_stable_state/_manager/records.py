@@ -9,7 +9,7 @@ import os
 import types
 from typing import Any
 
-from keras_stable_state._manager import directory as files
+from keras_stable_state._manager import directory
 from keras_stable_state.errors import CheckpointFormatError
 
 RECORD = "checkpoint"
@@ -88,9 +88,9 @@ class ManagerRecord:
 
 def check_step(step: object) -> int:
     """``step`` if it is an int a file name holds, else ``ValueError`` naming it."""
-    if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= files.MAX_STEP):
+    if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= directory.MAX_STEP):
         raise ValueError(
-            f"`step` must be an int from 0 to {files.MAX_STEP} (it names the file ckpt-<step:010d>.h5). "
+            f"`step` must be an int from 0 to {directory.MAX_STEP} (it names the file ckpt-<step:010d>.h5). "
             f"Received: step={step!r}"
         )
     return step
@@ -195,7 +195,7 @@ def check_named_step(path: str, record: dict[str, Any]) -> int:
             written by a manager), naming both; the manager moves such a file into
             ``unreadable/`` as it does a damaged one, and never restores it.
     """
-    named = files.step_of(path)
+    named = directory.step_of(path)
     found = recorded_step(record)
     if found is not None and found == named:
         return found

@@ -56,7 +56,7 @@ import threading
 import time
 from typing import Any
 
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state._manager import lock
 from keras_stable_state._manager.directory import LOCK_NAME, TEMP_PREFIX, UNREADABLE_DIR, step_of
 from keras_stable_state.errors import (
@@ -326,7 +326,7 @@ class RemoteDirectory:
             Every error of `keras_stable_state.format.open_file`.
         """
         self._payload(path)
-        with storage.open_file(path, storage_options=self.storage_options) as f:
+        with format.open_file(path, storage_options=self.storage_options) as f:
             return dict(f.metadata), dict(f.extra), f.version
 
     def size_of(self, path) -> int:
@@ -515,7 +515,7 @@ class RemoteDirectory:
             "etag": found.get("ETag") or found.get("etag"),
             "record": _encode(info),
             "backend": self.backend,
-            "format_version": storage.FORMAT_VERSION,
+            "format_version": format.FORMAT_VERSION,
         }
         self._forget(path)
         remote.write_marker(self.folder, name + MARKER_SUFFIX, payload)

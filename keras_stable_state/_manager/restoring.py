@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import keras
 
-from keras_stable_state import _core as checkpoint
+from keras_stable_state import _core
 from keras_stable_state._manager import checkin, directory, shared, timeline
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ CheckpointManager = Any
 
 
 def restore(
-    mgr: CheckpointManager, model: keras.Model, step: int | str, options: checkpoint.RestoreOptions
+    mgr: CheckpointManager, model: keras.Model, step: int | str, options: _core.RestoreOptions
 ) -> RestoreReport | None:
     """`CheckpointManager.restore` once its arguments are checked, the lock taken and the
     background save collected: restore ``step`` (``"latest"``, ``"best"`` or an int) into
@@ -94,19 +94,17 @@ def restore_newest(
     return cast("str | None", path)
 
 
-def _reads_in_place(options: checkpoint.RestoreOptions, model: keras.Model) -> bool:
+def _reads_in_place(options: _core.RestoreOptions, model: keras.Model) -> bool:
     """Whether the newest checkpoint is read as for a restore in place: ``all_or_nothing=False``,
     or (all or nothing, the rollback copy on the host) a model on an accelerator."""
-    return not options.all_or_nothing or checkpoint.host_rollback.on_accelerator(model)
+    return not options.all_or_nothing or _core.host_rollback.on_accelerator(model)
 
 
-def _restore_now(
-    path: str, model: keras.Model, options: checkpoint.RestoreOptions, record: Any
-) -> RestoreReport:
+def _restore_now(path: str, model: keras.Model, options: _core.RestoreOptions, record: Any) -> RestoreReport:
     """Restore ``record`` (read from ``path`` for this restore alone: its arrays may become the
     variables') into ``model``."""
     return cast(  # without defer, restore_with restores now: a RestoreReport
-        "RestoreReport", checkpoint.restore_with(path, model, options, record=record, take=True)
+        "RestoreReport", _core.restore_with(path, model, options, record=record, take=True)
     )
 
 

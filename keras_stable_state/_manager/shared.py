@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from keras_stable_state import _processes as processes
+from keras_stable_state import _processes
 from keras_stable_state._manager.protocols import CheckpointDirectory
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 
@@ -41,28 +41,28 @@ def held(lock: _Lock, token: int) -> _Lock | Follower:
     """The lock a manager holds once `share_from_primary`
     ran its locking on process 0: ``lock`` there (and with one process), a `Follower`
     of ``token`` on the others."""
-    return lock if processes.process_index() == 0 else Follower(token)
+    return lock if _processes.process_index() == 0 else Follower(token)
 
 
 _OUTCOMES = ("read", "unreadable", "not found", "refused")
 
 
-@processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
+@_processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
 def checkpoints(files: CheckpointDirectory, directory: str) -> list[str]:
     """The checkpoints of ``directory`` as process 0 lists them (newest first), through
     ``files`` (what reads and writes it); as this process lists them where it decides alone."""
-    return processes.share_from_primary(directory, files.checkpoints, follow=files.checkpoints)
+    return _processes.share_from_primary(directory, files.checkpoints, follow=files.checkpoints)
 
 
-@processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
+@_processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
 def move_aside(files: CheckpointDirectory, path: str, writer: str) -> str | None:
     """``files.move_aside`` on process 0, once every process has read ``path``; its result.
     Where the process decides alone, process 0 moves it and the others return ``None`` (they
     only skip it)."""
-    return processes.share_from_primary(path, lambda: files.move_aside(path, writer))
+    return _processes.share_from_primary(path, lambda: files.move_aside(path, writer))
 
 
-@processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
+@_processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
 def read_agreed(path: str, read: Callable[[str], Any]) -> Any:
     """The record of ``path`` (``read(path)``); with several processes, once every
     process read it alike, so that all take the same branch of
@@ -74,7 +74,7 @@ def read_agreed(path: str, read: Callable[[str], Any]) -> Any:
         StateError: if the processes' reads ended differently, naming each outcome.
         Exception: this process' read error, when every process failed alike.
     """
-    if processes.independent():
+    if _processes.independent():
         return read(path)
     code = 0
     try:
@@ -85,7 +85,7 @@ def read_agreed(path: str, read: Callable[[str], Any]) -> Any:
         record, failure, code = None, err, 2
     except Exception as err:  # noqa: BLE001 - re-raised below, once the processes have compared
         record, failure, code = None, err, 3
-    codes = processes.gather_ints(code)
+    codes = _processes.gather_ints(code)
     if len(set(codes)) > 1:
         told = ", ".join(f"process {i}: {_OUTCOMES[c]}" for i, c in enumerate(codes))
         raise StateError(

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from keras_stable_state import _keras_compat as compat
-from keras_stable_state import _processes as processes
-from keras_stable_state._manager import directory as files
-from keras_stable_state._manager import orbax_io, policy, shared
+from keras_stable_state import _keras_compat, _processes
+from keras_stable_state._manager import directory, orbax_io, policy, shared
 from keras_stable_state._manager.records import RECORD, check_named_step, record_of
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 from keras_stable_state.format.proven import close_files
 
 # ``mgr`` below is a CheckpointManager (not imported: manager imports this module).
 CheckpointManager = Any
-ABANDONED_DIR = files.ABANDONED_DIR
+ABANDONED_DIR = directory.ABANDONED_DIR
 MISNAMED_KEY = f"providers/{RECORD}/step"
 """The ``key`` of the ``CheckpointFormatError`` of a misnamed checkpoint (`check_named_step`)."""
 
@@ -46,9 +44,9 @@ def steps_by_path(mgr: CheckpointManager) -> dict[str, int]:
             steps[path] = check_named_step(path, summary(mgr, path)[1])
         except CheckpointFormatError as err:
             if err.key != MISNAMED_KEY:
-                steps[path] = files.step_of(path)  # damaged, unreadable: by its name
+                steps[path] = directory.step_of(path)  # damaged, unreadable: by its name
         except (CorruptCheckpointError, OSError):
-            steps[path] = files.step_of(path)  # damaged, unreadable: by its name
+            steps[path] = directory.step_of(path)  # damaged, unreadable: by its name
     return steps
 
 
@@ -76,7 +74,7 @@ def prune(mgr: CheckpointManager, newest: str | None) -> list[str]:
     # counted nor removed (the next restore moves it aside)
     steps = steps_by_path(mgr)
     paths = sorted(steps, key=lambda path: steps[path], reverse=True)
-    newest_step = None if newest is None else files.step_of(newest)
+    newest_step = None if newest is None else directory.step_of(newest)
     best = best_steps(mgr, paths, mgr.keep_best) if mgr.keep_best else []
     kept = policy.kept_steps([steps[p] for p in paths], newest_step, mgr.max_to_keep, best)
     removed = [p for p in paths if steps[p] not in kept]
@@ -112,7 +110,7 @@ def before_save(mgr: CheckpointManager, step: int, new_timeline: bool) -> None:
                 moved.append([path, target, found])
         return {"moved": moved}
 
-    found = processes.share_from_primary(mgr.directory, plan)
+    found = _processes.share_from_primary(mgr.directory, plan)
     if "refuse" in found:
         present = found["refuse"]
         raise StateError(
@@ -133,7 +131,7 @@ def before_save(mgr: CheckpointManager, step: int, new_timeline: bool) -> None:
     if moved:
         mgr.abandoned_checkpoints.extend((path, target) for path, target, _ in moved)
         why = "new_timeline=True" if new_timeline else f"step {start} was restored"
-        compat.print_msg(
+        _keras_compat.print_msg(
             f"{mgr.name}: step {step} starts a new timeline in {mgr.directory} ({why}): the "
             f"checkpoints of the abandoned one, steps {[s for _, _, s in moved]}, were moved into "
             f"{ABANDONED_DIR}/ (kept: {[t for _, t, _ in moved]}). Move them back (and these away) "

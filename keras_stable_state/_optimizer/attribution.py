@@ -14,7 +14,7 @@ import re
 
 import keras
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state.errors import BindingError
 
 __all__ = ["ACCEPTED_CONTAINERS", "SlotOwners", "global_name"]
@@ -57,20 +57,20 @@ class SlotOwners:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self.refs = compat.built_variables(optimizer)
+        self.refs = _keras_compat.built_variables(optimizer)
         self.by_var = {}  # id(slot variable) -> (ref, slot name)
         self.conflicts = []  # (slot variable, [(ref, slot name), ...]) found twice, differently
         self.ref_ids = {id(v): v for v in self.refs}
         self._by_var_key = {}
         for ref in self.refs:
             try:
-                self._by_var_key[compat.var_key(optimizer, ref)] = ref
+                self._by_var_key[_keras_compat.var_key(optimizer, ref)] = ref
             except (AttributeError, TypeError):  # an optimizer without Keras' _var_key
                 pass
         self._by_path = {}
         for ref in self.refs:
             self._by_path.setdefault(str(getattr(ref, "path", "")), []).append(ref)
-        own = (compat.iterations_variable(optimizer), compat.learning_rate_variable(optimizer))
+        own = (_keras_compat.iterations_variable(optimizer), _keras_compat.learning_rate_variable(optimizer))
         self.own_ids = {id(v) for v in own if v is not None}
         if self.refs:
             self._walk()

@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity import keys
 from keras_stable_state._identity.keys import EXTRA, VariableKey, entry_prefix
 from keras_stable_state._identity.registry import VariableRegistry
@@ -77,7 +77,7 @@ def optimizer_tree(optimizer: Any, prefix: str = "") -> Iterator[tuple[str, Any]
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, keras.optimizers.Optimizer):
         yield from optimizer_tree(inner, f"{prefix}inner_optimizer/")
-    subs = compat.sub_optimizers(optimizer)
+    subs = _keras_compat.sub_optimizers(optimizer)
     if isinstance(optimizer, keras.optimizers.MultiOptimizer) and subs:
         for i, sub in enumerate(subs):
             yield from optimizer_tree(sub, f"{prefix}optimizers/{i}/")
@@ -136,7 +136,7 @@ def optimizer_entries(
     if registry is None:
         if not allow_order_keys:
             raise BindingError(unbound_message(optimizer), key=optimizer.name)
-        registry = VariableRegistry.from_model(None, compat.built_variables(top))
+        registry = VariableRegistry.from_model(None, _keras_compat.built_variables(top))
     head = entry_prefix(name)
     by_id = {}
     ordered = []
@@ -153,7 +153,7 @@ def optimizer_entries(
                 key=str(var.name),
             )
         used, unnamed = {}, []
-        for index, var in enumerate(compat.own_variables(opt)):
+        for index, var in enumerate(_keras_compat.own_variables(opt)):
             if id(var) in by_id or id(var) in model_vars:
                 continue
             hit = slots.by_var.get(id(var))
@@ -227,7 +227,7 @@ def optimizer_classes(optimizer) -> list:
 def optimizer_registry(optimizer, model, extras=None):
     """Keys for the variables the optimizer was built with: the model's stable paths,
     ``var:<name>`` for the caller's ``extras``, registration order for the rest."""
-    registry = VariableRegistry.from_model(model, compat.built_variables(unwrap(optimizer)))
+    registry = VariableRegistry.from_model(model, _keras_compat.built_variables(unwrap(optimizer)))
     if not extras:
         return registry
     names = {id(v): VariableKey(EXTRA, name) for name, v in extras.items()}

@@ -12,7 +12,7 @@ import re
 
 import keras
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity.keys import MAIN, VariableKey, file_label
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer.entries import optimizer_registry, optimizer_tree
@@ -31,8 +31,8 @@ def routing(optimizer, registry) -> dict:
     for prefix, opt in optimizer_tree(optimizer):
         if isinstance(opt, keras.optimizers.MultiOptimizer) and opt.built:
             out[prefix] = {
-                str(registry.key_of(v)): compat.group_of(opt, v)
-                for v in compat.built_variables(opt)
+                str(registry.key_of(v)): _keras_compat.group_of(opt, v)
+                for v in _keras_compat.built_variables(opt)
                 if v in registry
             }
     return out
@@ -45,7 +45,7 @@ def accumulation(optimizer) -> dict:
     for prefix, opt in optimizer_tree(optimizer):
         k = getattr(opt, "gradient_accumulation_steps", None)
         if k:
-            iterations = compat.iterations_variable(opt)
+            iterations = _keras_compat.iterations_variable(opt)
             position = int(to_numpy(iterations)) % int(k) if opt.built else 0
             out[prefix] = {"steps": int(k), "position": position}
     return out
@@ -54,10 +54,10 @@ def accumulation(optimizer) -> dict:
 def build_routed(multi, variables, registry, groups):
     """Build a ``MultiOptimizer`` routing each variable to the group it was saved in
     (its pattern decides only for variables the file has no group for)."""
-    n = len(compat.sub_optimizers(multi) or ())
+    n = len(_keras_compat.sub_optimizers(multi) or ())
     if not n or any(not isinstance(g, int) or not 0 <= g < n for g in groups.values()):
         return  # a callable selector adds its groups while building: route by it, compare later
-    compat.build_routed(multi, variables, lambda var: groups.get(str(registry.key_of(var))))
+    _keras_compat.build_routed(multi, variables, lambda var: groups.get(str(registry.key_of(var))))
 
 
 def check_windows_and_groups(name, opt, model, meta, where):
@@ -95,7 +95,7 @@ def check_windows_and_groups(name, opt, model, meta, where):
     for prefix, groups in sorted(saved_routing.items()):
         live = live_routing.get(prefix, {})
         multi = dict(optimizer_tree(opt)).get(prefix)
-        subs = list(compat.sub_optimizers(multi) or [])
+        subs = list(_keras_compat.sub_optimizers(multi) or [])
         for key, group in sorted(groups.items()):
             now = live.get(key)
             if now is not None and now != group:

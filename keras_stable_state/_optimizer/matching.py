@@ -17,7 +17,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity.dtypes import coerce
 from keras_stable_state._identity.keys import EXTRA, file_label, parse_optimizer_key
 from keras_stable_state._identity.registry import VariableRegistry
@@ -85,18 +85,18 @@ class SlotNotes:
 def _learning_rate_ids(optimizer) -> set:
     """``id`` of every learning-rate variable of the optimizer and the ones it wraps."""
     return {
-        id(compat.learning_rate_variable(opt))
+        id(_keras_compat.learning_rate_variable(opt))
         for _, opt in optimizer_tree(optimizer)
-        if isinstance(compat.learning_rate_variable(opt), keras.Variable)
+        if isinstance(_keras_compat.learning_rate_variable(opt), keras.Variable)
     }
 
 
 def _iteration_ids(optimizer) -> set:
     """``id`` of every ``iterations`` counter of the optimizer and the ones it wraps."""
     return {
-        id(compat.iterations_variable(opt))
+        id(_keras_compat.iterations_variable(opt))
         for _, opt in optimizer_tree(optimizer)
-        if isinstance(compat.iterations_variable(opt), keras.Variable)
+        if isinstance(_keras_compat.iterations_variable(opt), keras.Variable)
     }
 
 

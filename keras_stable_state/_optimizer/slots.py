@@ -17,7 +17,7 @@ from typing import Any
 
 import keras
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity.keys import MAIN
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import to_numpy
@@ -46,7 +46,7 @@ __all__ = [
 def check_inside(optimizer, model, extras, verb):
     """Refuse an optimizer that trains variables neither in ``model`` nor in ``extras``."""
     inside = {id(v) for v in model.variables} | {id(v) for v in extras.values()}
-    outside = [v for v in compat.built_variables(unwrap(optimizer)) if id(v) not in inside]
+    outside = [v for v in _keras_compat.built_variables(unwrap(optimizer)) if id(v) not in inside]
     if not outside:
         return
     paths = [str(getattr(v, "path", v.name)) for v in outside]
@@ -126,7 +126,9 @@ def save_optimizers(
             check_inside(opt, model, extras or {}, "save_training_state")
         registry = optimizer_registry(opt, model, extras)
         counters = {
-            id(c): c for _, o in optimizer_tree(opt) if (c := compat.iterations_variable(o)) is not None
+            id(c): c
+            for _, o in optimizer_tree(opt)
+            if (c := _keras_compat.iterations_variable(o)) is not None
         }
         for entry in optimizer_entries(opt, registry, name=name, allow_order_keys=allow):
             if id(entry.variable) in counters:
@@ -136,7 +138,7 @@ def save_optimizers(
         meta[name] = {
             "classes": optimizer_classes(opt),
             "variables": [
-                str(registry.key_of(v)) for v in compat.built_variables(unwrap(opt)) if v in registry
+                str(registry.key_of(v)) for v in _keras_compat.built_variables(unwrap(opt)) if v in registry
             ],
             "routing": routing(opt, registry),
             "accumulation": accumulation(opt),
@@ -183,7 +185,7 @@ def ensure_built(optimizer, model, report=None, extras=None):
 
 def check_not_nested(optimizer, model):
     """Refuse to build ``optimizer`` on a model that is a layer of another model."""
-    if optimizer is not getattr(model, "optimizer", None) and compat.called_as_layer(model):
+    if optimizer is not getattr(model, "optimizer", None) and _keras_compat.called_as_layer(model):
         raise BindingError(
             f"Optimizer {optimizer.name!r} is not built, and model {model.name!r} is used as a layer "
             "inside another model (it was called on that model's inputs). Building the optimizer here "

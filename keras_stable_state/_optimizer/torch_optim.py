@@ -24,7 +24,7 @@ from typing import Any
 
 import keras
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, entry_prefix
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._state.state_dict import encode, qualified_name
@@ -80,9 +80,9 @@ def param_keys(model: Any, extras: dict[str, Any] | None = None) -> dict[int, tu
     key) and of ``extras`` (``var:<name>``): the ``torch.nn.Parameter`` each one holds."""
     found = {}
     for key, var in VariableRegistry.from_model(model).entries:
-        found[id(compat.variable_storage(var))] = (str(key), var)
+        found[id(_keras_compat.variable_storage(var))] = (str(key), var)
     for name, var in (extras or {}).items():
-        found[id(compat.variable_storage(var))] = (str(VariableKey(EXTRA, name)), var)
+        found[id(_keras_compat.variable_storage(var))] = (str(VariableKey(EXTRA, name)), var)
     return found
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity.keys import MAIN
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer import wrapper
@@ -85,7 +85,7 @@ def _reachable(optimizers: Iterable[object]) -> set[int]:
             continue
         seen.add(id(opt))
         stack.append(getattr(opt, "inner_optimizer", None))
-        stack.extend(compat.sub_optimizers(opt) or [])
+        stack.extend(_keras_compat.sub_optimizers(opt) or [])
     return seen
 
 
@@ -122,7 +122,7 @@ def _stepped_unsaved(model: keras.Model, saved: list[object]) -> list[keras.opti
             # type() in a set: a fraction of the cost of isinstance over every object (which
             # also reads __class__, computed by some objects: torch's deprecated attributes warn)
             for obj in gc.get_objects()
-            if type(obj) in kinds and any(id(v) in ids for v in compat.built_variables(obj))
+            if type(obj) in kinds and any(id(v) in ids for v in _keras_compat.built_variables(obj))
         ]
     return [opt for opt in left if _steps(opt) > 0]
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity import keys
 from keras_stable_state._identity.registry import VariableRegistry
 from keras_stable_state._numpy import numpy_copy
@@ -47,7 +47,7 @@ def _hand_over(wrapper: StableOptimizer) -> None:
     LossScaleOptimizer's inner one, a MultiOptimizer's groups) to the wrapper's keyed store:
     Keras' saving walk visits them too and would save and load them by position. Used on
     their own (taken out of the wrapper), they raise (see ``_keras_compat.hand_over``)."""
-    compat.hand_over([opt for _, opt in optimizer_tree(wrapper.inner_optimizer)], wrapper.name)
+    _keras_compat.hand_over([opt for _, opt in optimizer_tree(wrapper.inner_optimizer)], wrapper.name)
 
 
 def bind_unchecked(optimizer: StableOptimizer, model: keras.Model) -> None:
@@ -270,7 +270,7 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
             _hand_over(self)  # a selector may have added sub-optimizers
-        compat.set_built_variables(self, var_list)
+        _keras_compat.set_built_variables(self, var_list)
         self.built = True
         self._load_pending()
 
@@ -353,7 +353,7 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
         """
         _check_loss_scaling(self, model)
         if self.built:
-            _check_bindable(self, model, compat.built_variables(self.inner_optimizer))
+            _check_bindable(self, model, _keras_compat.built_variables(self.inner_optimizer))
         elif not isinstance(model, keras.Model):
             _check_bindable(self, model, [])
         bind_unchecked(self, model)
@@ -378,7 +378,7 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
             model = self.bound_model()
             if model is None and not allow:
                 raise BindingError(unbound_message(self), key=self.name)
-            registry = VariableRegistry.from_model(model, compat.built_variables(self.inner_optimizer))
+            registry = VariableRegistry.from_model(model, _keras_compat.built_variables(self.inner_optimizer))
         return optimizer_entries(self, registry, name=name, allow_order_keys=allow)
 
     # -- .keras serialization -----------------------------------------------------
@@ -392,7 +392,7 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
             BindingError: if the optimizer is not bound to a model (and
                 ``allow_order_keys`` is False): bind it first.
         """
-        compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "save")
+        _keras_compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "save")
         if not self.built:
             return
         entries = self.entries()
@@ -413,7 +413,7 @@ class StableOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # Kera
                 `keras_stable_state._optimizer.matching.match_slots`); nothing
                 is assigned then.
         """
-        compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "load")
+        _keras_compat.arm([opt for _, opt in optimizer_tree(self.inner_optimizer)], "load")
         self._pending_store = {k: np.array(store[k]) for k in store.keys()}
         self._load_pending()
 

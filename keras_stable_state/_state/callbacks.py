@@ -22,7 +22,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._state.tree import check_fields, is_array, is_int, is_number, malformed, show
 from keras_stable_state.errors import StateError, listed
 
@@ -79,13 +79,13 @@ def _plateau_set(cb, state):
 def _checkpoint_get(cb):
     return {
         "best": _monitor_best(cb),
-        **compat.model_checkpoint_counters(cb),
+        **_keras_compat.model_checkpoint_counters(cb),
     }
 
 
 def _checkpoint_set(cb, state):
     cb.best = state["best"]
-    compat.set_model_checkpoint_counters(cb, state)
+    _keras_compat.set_model_checkpoint_counters(cb, state)
 
 
 def _output_names(cb):
@@ -141,8 +141,8 @@ _HANDLERS = [
     # epoch's begin, where an epoch-boundary checkpoint is taken: the flag says to swap back.
     (
         keras.callbacks.SwapEMAWeights,
-        lambda cb: {"ema_weights_in_model": compat.ema_weights_in_model(cb)},
-        lambda cb, s: compat.set_ema_weights_in_model(cb, s["ema_weights_in_model"]),
+        lambda cb: {"ema_weights_in_model": _keras_compat.ema_weights_in_model(cb)},
+        lambda cb, s: _keras_compat.set_ema_weights_in_model(cb, s["ema_weights_in_model"]),
     ),
 ]
 

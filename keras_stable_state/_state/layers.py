@@ -29,7 +29,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._identity.paths import stable_layer_paths
 from keras_stable_state._state.buffers import BUFFERS, buffer_steps, buffers_state, torch_buffers
 from keras_stable_state._state.tree import join_arrays, malformed, same_state
@@ -67,13 +67,13 @@ class LayerStep:
 
 
 def _index_lookup_class():
-    return compat.index_lookup_class()
+    return _keras_compat.index_lookup_class()
 
 
 def _lookup(layer):
     """The lookup layer holding ``layer``'s vocabulary (``TextVectorization`` keeps one inside)."""
     if isinstance(layer, keras.layers.TextVectorization):
-        return compat.text_vectorization_lookup(layer)
+        return _keras_compat.text_vectorization_lookup(layer)
     return layer
 
 
@@ -271,7 +271,7 @@ def _check_vocabulary(saved, layer, key, name, where) -> dict:
         for t in vocabulary  # noqa: E721 - bool is not a token
     ):
         raise malformed(name, f"its vocabulary is not a list of {token_type.__name__} tokens", where)
-    start = compat.lookup_token_start(_lookup(layer))
+    start = _keras_compat.lookup_token_start(_lookup(layer))
     special = live["vocabulary"][:start]
     tokens = vocabulary[start:]
     if vocabulary[:start] != special or len(set(tokens)) != len(tokens):
@@ -284,7 +284,7 @@ def _check_vocabulary(saved, layer, key, name, where) -> dict:
             f"its vocabulary has {len(vocabulary)} entries, over max_tokens={options['max_tokens']}",
             where,
         )
-    frozen = compat.frozen_vocabulary_size(_lookup(layer))
+    frozen = _keras_compat.frozen_vocabulary_size(_lookup(layer))
     if (
         options["output_mode"] != "int"
         and not options["pad_to_max_tokens"]
@@ -330,11 +330,11 @@ def _set_state(layer, key, kind, value):
     else:
         lookup = _lookup(layer)
         vocabulary, idf = value["vocabulary"], value["idf_weights"]
-        if len(vocabulary) > compat.lookup_token_start(lookup):
+        if len(vocabulary) > _keras_compat.lookup_token_start(lookup):
             weights = None if idf is None else idf[: len(vocabulary)]
             lookup.set_vocabulary(vocabulary, idf_weights=weights)
         else:  # no tokens: back to an empty vocabulary (set_vocabulary refuses one)
-            compat.clear_vocabulary(lookup)
+            _keras_compat.clear_vocabulary(lookup)
     after = _layer_state(layer, key, kind)
     if not same_state(after, value):
         raise StateError(
@@ -506,6 +506,6 @@ def finalize_steps(model) -> list:
     steps = []
     for path, layer in stable_layer_paths(model).values():
         finalize = getattr(layer, "finalize_state", None)
-        if callable(finalize) and any(compat.layer_own_variables(layer)):
+        if callable(finalize) and any(_keras_compat.layer_own_variables(layer)):
             steps.append(_snapshot_step(f"finalize_state:{layer_key(path)}", layer, finalize))
     return steps

@@ -19,7 +19,7 @@ import sys
 import keras
 import numpy as np
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state._numpy import numpy_copy
 from keras_stable_state._state.tree import check_fields, is_array, is_int, is_number, malformed, show
 from keras_stable_state.errors import listed
@@ -33,7 +33,7 @@ def rng_state() -> dict:
 
     name, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
-    gen = compat.global_seed_generator()
+    gen = _keras_compat.global_seed_generator()
     out = {
         "numpy": {
             "name": name,
@@ -81,8 +81,10 @@ class ParsedRng:
 
 
 def _seed_dtype():
-    gen = compat.global_seed_generator()
-    return keras.backend.standardize_dtype(gen.state.dtype if gen is not None else compat.random_seed_dtype())
+    gen = _keras_compat.global_seed_generator()
+    return keras.backend.standardize_dtype(
+        gen.state.dtype if gen is not None else _keras_compat.random_seed_dtype()
+    )
 
 
 def _seed_array(value, record, where):
@@ -212,7 +214,7 @@ def rng_snapshot():
     """A callable that puts every global random state back as it is now."""
 
     numpy_state, python_state = np.random.get_state(), random.getstate()
-    gen = compat.global_seed_generator()
+    gen = _keras_compat.global_seed_generator()
     gen_value = None if gen is None else numpy_copy(gen.state)
     torch_state = None
     if torch_loaded():
@@ -223,7 +225,7 @@ def rng_snapshot():
     def put_back():
         np.random.set_state(numpy_state)
         random.setstate(python_state)
-        compat.set_global_seed_generator(gen)
+        _keras_compat.set_global_seed_generator(gen)
         if gen is not None:
             gen.state.assign(gen_value)
         if torch_state is not None:
@@ -245,9 +247,9 @@ def apply_rng_state(parsed: ParsedRng) -> None:
         # when the saving process had none: this process's is dropped, so the next unseeded
         # draw makes one from the restored Python state, as it would have after the save.
         if parsed.keras_global_seed is None:
-            compat.set_global_seed_generator(None)
+            _keras_compat.set_global_seed_generator(None)
         else:
-            compat.make_global_seed_generator().state.assign(parsed.keras_global_seed)
+            _keras_compat.make_global_seed_generator().state.assign(parsed.keras_global_seed)
         np.random.set_state(parsed.numpy)
         random.setstate(parsed.python)
         if parsed.torch is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import keras
 
-from keras_stable_state import _keras_compat as compat
+from keras_stable_state import _keras_compat
 from keras_stable_state.errors import ScheduleMismatchError
 
 __all__ = ["schedule_state", "check_schedule"]
@@ -20,7 +20,7 @@ def _schedule(optimizer: Any) -> Any:
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, keras.optimizers.Optimizer):
         return _schedule(inner)
-    lr = compat.learning_rate_variable(optimizer)
+    lr = _keras_compat.learning_rate_variable(optimizer)
     return lr if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) else None
 
 

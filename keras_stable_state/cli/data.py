@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state._identity.keys import GLOBAL, split_entry_key
 from keras_stable_state.cli.results import (
     ArrayInfo,
@@ -75,7 +75,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Layout:
     """
     path = fs_path(path, "path", urls=True)
     if remote.is_remote(path):
-        return storage.open_file(path)
+        return format.open_file(path)
     path = fs_path(path, "path")
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, f"{path}: no such file. Check the path.", path)
@@ -86,7 +86,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Layout:
             "ls` lists a checkpoint directory: StableCheckpoint keeps ckpt-<step>.h5 files in its folder).",
             path,
         )
-    return storage.open_file(path)
+    return format.open_file(path)
 
 
 def open_checkpoint_or_damage(path: str | os.PathLike[str]) -> Layout | Verification:
@@ -177,9 +177,9 @@ def _inspect_record(f: Layout) -> RecordInspection:
         file=f.path,
         kind=f.kind,
         container=f.container,
-        format_version=int(f.metadata.get("format_version", storage.FORMAT_VERSION)),
+        format_version=int(f.metadata.get("format_version", format.FORMAT_VERSION)),
         metadata=f.metadata,
-        counts={s: len(f.section(s)) for s in storage.SECTIONS},
+        counts={s: len(f.section(s)) for s in format.SECTIONS},
         bytes=f.total_bytes,
         variables=variables,
         optimizer_globals=globals_,
@@ -264,7 +264,7 @@ def inspect_file(
     if isinstance(file, str | bytes | os.PathLike):  # else a layout open_file opened
         with open_checkpoint(file) as f:
             return inspect_file(f)
-    return _inspect_record(file) if file.kind == storage.FORMAT else _inspect_stock(file)
+    return _inspect_record(file) if file.kind == format.FORMAT else _inspect_stock(file)
 
 
 def bytes_to_verify(f: Layout) -> int:
@@ -329,10 +329,10 @@ def verify_file(
         kind=f.kind,
         ok=not damaged,
         arrays_checked=len(f.entries),
-        checksums=f.kind == storage.FORMAT,
+        checksums=f.kind == format.FORMAT,
         bytes=f.total_bytes,
         damaged=[Damage(str(k), r) for k, r in damaged],
-        counts={s: len(f.section(s)) for s in storage.SECTIONS},
+        counts={s: len(f.section(s)) for s in format.SECTIONS},
         checksum=f.checksum,
         archive_members=len(f.members),
     )

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from keras_stable_state import format as storage
+from keras_stable_state import format
 from keras_stable_state._manager.records import RECORD as SAVE_RECORD
 from keras_stable_state.cli.data import max_abs_difference, open_checkpoint
 from keras_stable_state.cli.results import DamagedArray, describe, to_json
@@ -224,7 +224,7 @@ def _pair_sections(fa: _File, fb: _File) -> tuple[dict[str, _Paired], list[str]]
     notes: list[str] = []
     out: dict[str, _Paired] = {}
     if fa.kind == fb.kind:
-        for section in storage.SECTIONS:
+        for section in format.SECTIONS:
             ea, eb = fa.section(section), fb.section(section)
             if not ea and not eb:
                 continue
@@ -409,7 +409,7 @@ def _diff(fa: _File, fb: _File, progress: Callable[[int], object] | None) -> Dif
     state: list[Difference] = []
     contract: ContractDiff | None = None
     damaged: list[DamagedArray] = []
-    if fa.kind == fb.kind == storage.FORMAT:
+    if fa.kind == fb.kind == format.FORMAT:
         metadata = _differing(fa.metadata, fb.metadata, None)
         state = _differing(
             _flatten(fa.extra), _flatten(fb.extra), ABSENT, skip=lambda p: p == "rng" or p.startswith("rng.")

@@ -18,10 +18,15 @@ import dataclasses
 import os
 from typing import Any
 
-from keras_stable_state import format as storage
-from keras_stable_state._manager import directory as files
+from keras_stable_state import format
 from keras_stable_state._manager import orbax_steps, policy, records
-from keras_stable_state._manager.directory import LocalDirectory
+from keras_stable_state._manager.directory import (
+    TEMP_PREFIX,
+    UNREADABLE_DIR,
+    LocalDirectory,
+    read_summary,
+    step_of,
+)
 from keras_stable_state._manager.protocols import CheckpointDirectory
 from keras_stable_state._manager.records import RECORD
 from keras_stable_state.cli.results import to_json
@@ -143,14 +148,14 @@ def _summary(
         if not reader.local:  # an object store: the marker's summary; the object read whole
             summary = reader.read_summary(path)
             if full:
-                storage.read_file(path, storage_options=reader.storage_options)
+                format.read_file(path, storage_options=reader.storage_options)
         elif full:  # what the manager's restore reads: every array, every check (one open)
             summary = read_summary_whole(path) if not orbax_steps.is_step(path) else None
             if summary is None:
-                storage.read_file(path)
-                summary = files.read_summary(path)
+                format.read_file(path)
+                summary = read_summary(path)
         else:
-            summary = files.read_summary(path)
+            summary = read_summary(path)
     except FileNotFoundError as err:
         if remote.is_remote(path):
             return None
@@ -215,7 +220,7 @@ def _resume(rows: list[dict[str, Any]]) -> tuple[str | None, int | None, str]:
             after = f" (after skipping {len(skipped)} unreadable: {skipped})" if skipped else ""
             return row["file"], row["step"], f"fit resumes from step {row['step']} ({row['file']}){after}."
         if row["status"] in _SKIPPED:
-            skipped.append(files.step_of(row["file"]))  # by name: what the user sees in the folder
+            skipped.append(step_of(row["file"]))  # by name: what the user sees in the folder
             continue
         return (
             None,
@@ -285,8 +290,8 @@ def list_directory(
     local = LocalDirectory(path)
     rows = _rows(local.checkpoints(), verify, local)
     with os.scandir(path) as entries:
-        temporary = sorted(e.path for e in entries if e.name.startswith(files.TEMP_PREFIX))
-    moved = os.path.join(path, files.UNREADABLE_DIR)
+        temporary = sorted(e.path for e in entries if e.name.startswith(TEMP_PREFIX))
+    moved = os.path.join(path, UNREADABLE_DIR)
     aside = sorted(os.listdir(moved)) if os.path.isdir(moved) and not os.path.islink(moved) else []
     return _listing(path, rows, temporary, moved, aside, monitor, mode, local)
 
@@ -302,7 +307,7 @@ def _rows(ckpts: list[str], verify: bool, reader: CheckpointDirectory) -> list[d
         if found is None:
             continue  # removed since it was listed
         status, reason, summary = found
-        step = files.step_of(ckpt)
+        step = step_of(ckpt)
         if summary is not None:
             record = records.record_of(summary[1])
             step = records.recorded_step(record)
@@ -338,12 +343,10 @@ def _list_remote(url: str, verify: bool, monitor: str | None, mode: str | None) 
     rows = _rows(sorted(reader._committed, reverse=True), verify, reader)
     for name, reason in sorted(bad, reverse=True):
         size = entries[name][0]
-        rows.append(
-            _row(files.step_of(name), reader._url(name), "damaged", reason, None, False, size, reader)
-        )
+        rows.append(_row(step_of(name), reader._url(name), "damaged", reason, None, False, size, reader))
     rows.sort(key=lambda r: -(r["step"] or 0))
     incomplete = sorted(reader._url(n) for n in [*temporary, *bare])
-    aside = reader.folder.child(files.UNREADABLE_DIR)
+    aside = reader.folder.child(UNREADABLE_DIR)
     return _listing(url, rows, incomplete, aside.url, aside.list(), monitor, mode, reader, sizes=entries)
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from keras_stable_state import format as storage
+from keras_stable_state import format
 
 if TYPE_CHECKING:
     from keras_stable_state.format import Entry
@@ -33,7 +33,7 @@ __all__ = [
     "to_json",
 ]
 
-RECORD_KIND = storage.FORMAT  # CheckpointFile.kind of a training state: "keras_stable_state"
+RECORD_KIND = format.FORMAT  # CheckpointFile.kind of a training state: "keras_stable_state"
 
 
 def to_json(value: Any) -> Any:

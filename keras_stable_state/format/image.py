@@ -26,8 +26,7 @@ import threading
 
 import numpy as np
 
-from keras_stable_state.format import sandbox
-from keras_stable_state.format import seal as _seal
+from keras_stable_state.format import sandbox, seal
 from keras_stable_state.format.keras_archive import SizedReader
 from keras_stable_state.format.record import USERBLOCK_SIZE
 
@@ -46,7 +45,7 @@ def read_sealed(fh, user_block: bytes, size: int, where: str) -> tuple[int, str,
         MemoryError: if there is no memory for the buffer.
         OSError: a failed read.
     """
-    version, name, h, digest = _seal.start(user_block, size, where)
+    version, name, h, digest = seal.start(user_block, size, where)
     image = read_hashed(fh, size, h, where, skip=USERBLOCK_SIZE)
     return version, name, h.digest() == digest, image
 
@@ -113,7 +112,7 @@ def read_hashed(fh, size: int, h, where: str, *, skip: int = 0, key: str | None 
 
 
 # Files larger than this are hashed in another thread while they are read.
-_OVERLAP_ABOVE = 2 * _seal.CHUNK
+_OVERLAP_ABOVE = 2 * seal.CHUNK
 
 
 def _read_chunks(fh, view: memoryview, size: int, where: str, skip: int, key, done_chunk) -> None:
@@ -122,9 +121,9 @@ def _read_chunks(fh, view: memoryview, size: int, where: str, skip: int, key, do
     fh.seek(0)
     done = 0
     while done < size:
-        n = fh.readinto(view[done : min(size, done + _seal.CHUNK)])
+        n = fh.readinto(view[done : min(size, done + seal.CHUNK)])
         if not n:
-            raise _seal.truncated(where, size, done, key=key)
+            raise seal.truncated(where, size, done, key=key)
         if done + n > skip:
             done_chunk(max(done, skip), done + n)
         done += n

@@ -26,8 +26,7 @@ import numpy as np
 import xxhash
 
 from keras_stable_state.errors import StateError, listed
-from keras_stable_state.format import image as _image
-from keras_stable_state.format import keras_archive, sandbox
+from keras_stable_state.format import image, keras_archive, sandbox
 from keras_stable_state.format.codec import DTYPES, aligned, stored_dtype
 from keras_stable_state.format.probe import damaged, diagnose, newer_format
 from keras_stable_state.format.record import (
@@ -270,13 +269,13 @@ def _open_shared(rec, spec, rows):
             key=keras_archive.MEMBER,
         )
     start, size = keras_archive.member_span(src.fh, info)
-    image = None
+    member_image = None
     if size != spec["bytes"]:
         digest = None
     elif src.whole and src.unaligned_views:  # read once, whole (format.image): arrays are views of it
         h = xxhash.xxh3_128()
         window = keras_archive.Window(src.fh, start, size)
-        image = _image.read_hashed(window, size, h, where, key=keras_archive.MEMBER)
+        member_image = image.read_hashed(window, size, h, where, key=keras_archive.MEMBER)
         digest = h.hexdigest()
     else:
         digest = keras_archive.hash_span(src.fh, start, size)[0]
@@ -299,10 +298,11 @@ def _open_shared(rec, spec, rows):
                 where, path, keras_archive.MEMBER, what, default_key=keras_archive.MEMBER, expect=expect
             )
     src.hashed_members.add(keras_archive.MEMBER)  # its xxh3-128 holds: no zip CRC-32 read after
-    src.shared_image = image
-    src.shared_start = start if image is None else None
+    src.shared_image = member_image
+    src.shared_start = start if member_image is None else None
     src.shared_h5 = h5py.File(
-        keras_archive.Window(src.fh, start, size) if image is None else _image.ImageFile(image), "r"
+        keras_archive.Window(src.fh, start, size) if member_image is None else image.ImageFile(member_image),
+        "r",
     )
     spans = {}
     try:

@@ -33,7 +33,7 @@ import zipfile
 import numpy as np
 import xxhash
 
-from keras_stable_state.format import sandbox as checks
+from keras_stable_state.format import sandbox
 
 MEMBER = "model.weights.h5"
 PREFIX = f"{MEMBER}:"
@@ -91,7 +91,7 @@ def member_span(fh, info: zipfile.ZipInfo) -> tuple[int, int]:
     Raises:
         zipfile.BadZipFile: if its local header is not where the central directory says.
     """
-    return checks.member_start(fh, info), info.file_size
+    return sandbox.member_start(fh, info), info.file_size
 
 
 def hash_span(fh, start: int, size: int, regions=()) -> tuple[str, list]:
@@ -159,15 +159,15 @@ class KerasWeights:
             start, size = member_span(fh, info)
             found, regions = [], []  # (path, content key or index into regions), walk order
             with h5py.File(Window(fh, start, size), "r") as f:
-                for path, ds in checks.walk(f, size):
+                for path, ds in sandbox.walk(f, size):
                     try:
-                        checks.check_dtype(ds.dtype, path)
-                    except checks.StructureError:
+                        sandbox.check_dtype(ds.dtype, path)
+                    except sandbox.StructureError:
                         continue
                     nbytes = int(ds.size or 0) * ds.dtype.itemsize
                     offset = ds.id.get_offset() if nbytes else None
                     if offset is None or offset + nbytes > size:  # compact or empty: read it
-                        found.append((path, content_key(checks.read_dataset(ds))))
+                        found.append((path, content_key(sandbox.read_dataset(ds))))
                         continue
                     found.append((path, len(regions)))
                     regions.append((offset, nbytes, ds.dtype.str, tuple(int(n) for n in ds.shape)))

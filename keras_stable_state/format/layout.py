@@ -171,7 +171,7 @@ def open_file(filepath: object, *, storage_options: Mapping[str, Any] | None = N
         storage_options: For a URL: ``dict`` passed to the fsspec filesystem, or ``None``.
 
     Examples:
-        >>> with storage.open_file("run.keras") as f:
+        >>> with format.open_file("run.keras") as f:
         ...     kernel = f.read(f.section("model")[0])
 
     Returns:

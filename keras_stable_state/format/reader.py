@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
-from keras_stable_state.format import image as _image
-from keras_stable_state.format import keras_archive, sandbox
+from keras_stable_state.format import image, keras_archive, sandbox
 from keras_stable_state.format.codec import EXOTIC, decode_array, stored_dtype
 from keras_stable_state.format.memory import out_of_memory
 from keras_stable_state.format.opened import Opened
@@ -301,7 +300,9 @@ class CheckpointFile(Opened):
         """
         h5 = self._src.h5
         if h5 is None:
-            raise ValueError(f"{self.path}: the file is closed; read inside `with storage.open_file(path)`.")
+            raise ValueError(
+                f"{self.path}: the file is closed; read inside `with keras_stable_state.format.open_file(path)`."
+            )
         if entry.xxh3 is not None:
             return self._read_packed(entry)
         try:
@@ -333,10 +334,10 @@ class CheckpointFile(Opened):
         weights member that member's), else read from the file into a new 64-byte aligned
         array."""
         src = self._src
-        image = src.shared_image if name.startswith(keras_archive.PREFIX) else src.image
+        whole = src.shared_image if name.startswith(keras_archive.PREFIX) else src.image
         offset = self._spans.get(name)
-        if image is not None and offset is not None:
-            return _image.dataset_view(image, offset, ds.id)
+        if whole is not None and offset is not None:
+            return image.dataset_view(whole, offset, ds.id)
         return sandbox.read_dataset(ds)
 
     def _failed_checksum(self, entry: Entry, expected: object, computed: object) -> CorruptCheckpointError:
@@ -359,7 +360,7 @@ class CheckpointFile(Opened):
                 if entry.dataset in self._handed and self._src.shared_image is not None:
                     # rows of equal arrays referring to one dataset (files written before
                     # each got its own): each array has memory of its own
-                    blob = _image.aligned_copy(blob)
+                    blob = image.aligned_copy(blob)
                 self._handed.add(entry.dataset)
             elif name != entry.dataset:
                 ds = self._datasets.get(entry.dataset)

@@ -20,8 +20,7 @@ import h5py
 import numpy as np
 
 from keras_stable_state.errors import CheckpointFormatError, listed, shown
-from keras_stable_state.format import index as _index
-from keras_stable_state.format import sandbox
+from keras_stable_state.format import index, sandbox
 from keras_stable_state.format.codec import DTYPES, stored_dtype
 from keras_stable_state.format.probe import damaged, newer_format
 from keras_stable_state.format.record import FORMAT_VERSION, INDEX, READ_VERSIONS, RECORDS, SECTIONS, Entry
@@ -64,7 +63,7 @@ class Listing:
             key = self._key_of(err.where)
             named = f"array for key {key!r}: " if key != err.where else ""
             if self.version is not None and self.version >= 3 and key != err.where:
-                raise _index.refuse_blob(
+                raise index.refuse_blob(
                     self, err.where.lstrip("/"), None, f"is refused: HDF5 object {err}"
                 ) from err
             raise damaged(self.where, f"{named}HDF5 object {err}", key=key) from err
@@ -75,7 +74,7 @@ class Listing:
         """The ``key`` attribute of the object at ``where`` when it is plain text (format 3:
         the first key the index puts in that blob), else ``where``."""
         if self.version is not None and self.version >= 3:
-            keys = _index.blob_keys(self, where)
+            keys = index.blob_keys(self, where)
             return keys[0] if keys else where
         try:
             key = self.src.h5[where].attrs.get("key")
@@ -126,7 +125,7 @@ class RecordListing(Listing):
         self.datasets = {f"/{path}": ds for path, ds in datasets.items()}
         self.metadata, self.contract, self.extra = (self.read_json(name) for name in RECORDS)
         if self.version >= 3:
-            _index.list_index(self, datasets, self.read_json(INDEX))
+            index.list_index(self, datasets, self.read_json(INDEX))
         else:
             for section in SECTIONS:
                 seen = set()

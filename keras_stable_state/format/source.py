@@ -28,9 +28,7 @@ from typing import Any
 import h5py
 
 from keras_stable_state.errors import CheckpointFormatError, CheckpointInUseError, CorruptCheckpointError
-from keras_stable_state.format import files, json_scan, keras_archive, sandbox
-from keras_stable_state.format import image as _image
-from keras_stable_state.format import seal as _seal
+from keras_stable_state.format import files, image, json_scan, keras_archive, sandbox, seal
 from keras_stable_state.format.probe import damaged, diagnose, probe_or_refuse
 from keras_stable_state.format.record import (
     KERAS_WEIGHTS_MEMBER,
@@ -152,7 +150,7 @@ class Source:
             self._lock()
         head = self.fh.read(USERBLOCK_SIZE)
         self.fh.seek(0)
-        if head.startswith(_seal.MAGIC):
+        if head.startswith(seal.MAGIC):
             size = self.fh.seek(0, 2)
             self.fh.seek(0)
             version, name, ok = self._check_seal(self.fh, head, size, self.path)
@@ -160,13 +158,13 @@ class Source:
                 with self.on_disk() as path:
                     raise diagnose(self.path, path, None, f"its content fails its {name} seal")
             self.seal_version = version
-            self.h5 = h5py.File(self.fh if self.image is None else _image.ImageFile(self.image), "r")
+            self.h5 = h5py.File(self.fh if self.image is None else image.ImageFile(self.image), "r")
             self.sealed = True
         elif head.startswith(_HDF5_SIGNATURE):
             with self.on_disk() as path:
                 probe_or_refuse(self.path, path)
             self.h5 = h5py.File(self.fh, "r")
-        elif head[: len(_seal.MAGIC)] != _seal.MAGIC and self._hdf5_after_user_block():
+        elif head[: len(seal.MAGIC)] != seal.MAGIC and self._hdf5_after_user_block():
             raise damaged(self.path, "its seal (the first 512 bytes) is missing or damaged")
         elif head.startswith(_ZIP_SIGNATURE) or zipfile.is_zipfile(self.fh):
             self.fh.seek(0)
@@ -187,8 +185,8 @@ class Source:
         """The seal check of `seal`; with `whole`, the
         bytes are kept in `image` as they are hashed."""
         if not self.whole:
-            return _seal.check_stream(fh, head, size, where)
-        version, name, ok, self.image = _image.read_sealed(fh, head, size, where)
+            return seal.check_stream(fh, head, size, where)
+        version, name, ok, self.image = image.read_sealed(fh, head, size, where)
         self._sealed_fh = fh
         return version, name, ok
 
@@ -273,8 +271,8 @@ class Source:
             data = self.zip.read(self.member)
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as err:
             raise self._diagnose_member(f"the archive member fails its zip CRC-32 ({err})") from err
-        if data.startswith(_seal.MAGIC):
-            version, name, ok = _seal.check_bytes(data, self.where)
+        if data.startswith(seal.MAGIC):
+            version, name, ok = seal.check_bytes(data, self.where)
             if not ok:
                 with self.on_disk() as path:
                     raise diagnose(self.where, path, self.member, f"its content fails its {name} seal")
@@ -303,7 +301,7 @@ class Source:
         start, size = keras_archive.member_span(self.fh, info)
         window = keras_archive.Window(self.fh, start, size)
         head = window.read(USERBLOCK_SIZE)
-        if not head.startswith(_seal.MAGIC):
+        if not head.startswith(seal.MAGIC):
             return False
         version, name, ok = self._check_seal(window, head, size, self.where)
         if not ok:
@@ -313,7 +311,7 @@ class Source:
         self.seal_version = version
         self.hashed_members.add(self.member)
         window.seek(0)
-        self.h5 = h5py.File(window if self.image is None else _image.ImageFile(self.image), "r")
+        self.h5 = h5py.File(window if self.image is None else image.ImageFile(self.image), "r")
         self._member_size = size
         self.member_start = start if self.image is None else None
         return True

@@ -27,7 +27,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_stable_state as kss  # noqa: E402
-from keras_stable_state import format as storage  # noqa: E402
+from keras_stable_state import format  # noqa: E402
 from keras_stable_state._optimizer import optimizer_entries  # noqa: E402
 
 STEPS = 20
@@ -158,7 +158,7 @@ def read(directory, out_dir):
             diff = float(np.max(np.abs(a - b))) if a.size else 0.0
             scale = float(np.max(np.abs(a))) if a.size else 0.0
             cont[key] = {"abs": diff, "rel": diff / scale if scale else diff}
-        with storage.open_file(path) as f:
+        with format.open_file(path) as f:
             shared = [e.key for e in f.section("optimizer") if e.dataset.startswith("model.weights.h5:")]
         loaded = keras.saving.load_model(path)
         pred = keras.ops.convert_to_numpy(loaded.predict(data(case)[0][:8], verbose=0)).astype("float32")
