@@ -42,7 +42,7 @@ Modules: `layout` (the `Layout` protocol and the registry of layouts),
 `record` (names, limits, records),
 `codec` (dtypes, array encoding),
 `seal`, `writer`,
-`atomic`, `files`,
+`atomic`, `files`, `urls`,
 `reader`
 (with `source`,
 `records`, `index`,
@@ -52,7 +52,8 @@ Modules: `layout` (the `Layout` protocol and the registry of layouts),
 (arrays shared with Keras' ``model.weights.h5``).
 
 This package imports no Keras, no backend and no Orbax: h5py, NumPy, ml_dtypes and xxhash
-only (and TensorStore to read the arrays of a ``.orbax`` folder).
+only (and TensorStore to read the arrays of a ``.orbax`` folder); its modules import no
+fsspec: the object-store engine does, for a URL given to `open_file` or `read_file`.
 """
 
 from __future__ import annotations
