@@ -328,6 +328,68 @@ def test_the_processes_module_calls_nothing_it_is_given():
     assert offenders == [], "\n".join(["_processes calls what it is given:", *offenders])
 
 
+def _callee(module: str, call: ast.Call, bound: dict, imported: dict) -> str | None:
+    """The package module whose function ``call`` calls (``mod.f(...)`` on a bound module,
+    ``f(...)`` imported from one, ``functools.partial(f, ...)``), or ``None``."""
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr == "partial" and call.args:
+        func = call.args[0]  # functools.partial(f, ...): the arguments go to f
+    if isinstance(func, ast.Name):
+        return imported.get(func.id)
+    if isinstance(func, ast.Attribute):
+        return _module_operand(module, func.value, bound)
+    return None
+
+
+def _own_callables(call: ast.Call, defined: set) -> list:
+    """The arguments of ``call`` that hand over the caller's own code: a lambda, a function or
+    method the calling module defines (``clear``, ``self.prune``)."""
+    found = []
+    for arg in [*call.args, *(k.value for k in call.keywords)]:
+        if isinstance(arg, ast.Lambda):
+            found.append("a lambda")
+        elif isinstance(arg, ast.Name) and arg.id in defined:
+            found.append(arg.id)
+        elif (
+            isinstance(arg, ast.Attribute) and getattr(arg.value, "id", "") == "self" and arg.attr in defined
+        ):
+            found.append(f"self.{arg.attr}")
+    return found
+
+
+@once
+def test_no_callback_is_handed_to_an_engine_or_to_processes():
+    """A save and a restore go down the layers once: no module hands its own code (a lambda,
+    a function or method it defines) to ``_processes`` or, from outside ``_engines``, to an
+    engine, so that neither calls back up into it (the write of old, ``lambda: write_to(...)``
+    handed to ``_processes.run_on_primary`` and ``background.submit``, ran ``_core`` code from
+    layer 0 and from an engine's thread). Work on process 0 runs inside
+    ``with _processes.on_primary(...)``; an engine gets a ``SaveRequest``."""
+    offenders = []
+    for module, (_, _, tree) in _sources().items():
+        bound = _bound_modules(module)
+        imported = {}
+        for node, target, name in _imports(module):
+            if name is not None:
+                for alias in node.names:
+                    if alias.name == name:
+                        imported[alias.asname or name] = target
+        defined = {
+            node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            callee = _callee(module, node, bound, imported)
+            if callee is None or callee == module:
+                continue
+            down = _part(callee) == "_processes" or (_part(callee) == "_engines" != _part(module))
+            if down:
+                for what in _own_callables(node, defined):
+                    offenders.append(f"{_where(module, node)}: {module} hands {what} to {callee}")
+    assert offenders == [], "\n".join(["code handed down to be called back:", *offenders])
+
+
 @once
 def test_the_key_grammar_imports_no_keras():
     keys = f"{ROOT}._identity.keys"
