@@ -76,8 +76,9 @@ FORMAT_DOOR = f"{ROOT}.format"
 DOOR_RANK = 5.5
 # Parts that import no Keras and no backend (and no package module that does).
 KERAS_FREE = ("format", "cli")
-# Modules of other parts held to the same (the command line reads object stores through them).
-KERAS_FREE_MODULES = (f"{ROOT}._engines.object_store", f"{ROOT}._engines.store_failures")
+# Modules of other parts held to the same: the object-store engine, which the command line reads
+# stores through, and the engines' package ``__init__``, which importing it runs first.
+KERAS_FREE_MODULES = (f"{ROOT}._engines", f"{ROOT}._engines.object_store", f"{ROOT}._engines.store_failures")
 FRAMEWORKS = ("keras", "tensorflow", "jax", "jaxlib", "torch", "tf_keras", "orbax")
 # What reaches an object store: the object-store engine's, never the file format's.
 STORE_LIBRARIES = ("fsspec", "s3fs", "gcsfs", "adlfs")
@@ -234,7 +235,8 @@ def _reachable(module: str) -> set:
 def test_the_file_format_and_the_command_line_import_no_keras_and_no_backend():
     """``format`` and ``cli`` read files and print: no Keras, no TensorFlow, JAX, Torch or
     Orbax, at module level or inside a function, in themselves or in any package module
-    they import. The command line needs none for any command (inspect, verify, diff and ls
+    they import; nor the object-store engine they read stores through (and the engines'
+    ``__init__``, which importing it runs: `KERAS_FREE_MODULES`). The command line needs none for any command (inspect, verify, diff and ls
     read the file through ``format``), so it has no lazy exception either."""
     offenders = []
     for module in _sources():
