@@ -366,7 +366,7 @@ def test_no_callback_is_handed_to_an_engine_or_to_processes():
     engine, so that neither calls back up into it (the write of old, ``lambda: write_to(...)``
     handed to ``_processes.run_on_primary`` and ``background.submit``, ran ``_core`` code from
     layer 0 and from an engine's thread). Work on process 0 runs inside
-    ``with _processes.on_primary(...)``; an engine gets a ``SaveRequest``."""
+    ``with _processes.on_primary(...)``; an engine gets a ``WriteRequest``."""
     offenders = []
     for module, (_, _, tree) in _sources().items():
         bound = _bound_modules(module)

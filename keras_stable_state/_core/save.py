@@ -3,7 +3,7 @@
 A save goes down the layers once: the arguments are checked (``filepath`` resolved, an
 object store connected: `object_store.target`; the engine picked:
 `dispatch.save_engine`), `training_state_record` checks the rest and plans the record
-(each variable taken as the engine takes it, mapped arrays encoded), and a `SaveRequest`
+(each variable taken as the engine takes it, mapped arrays encoded), and a `WriteRequest`
 goes to the one engine that writes it: the file engine (a local ``.h5`` / ``.keras``
 file written atomically, or an object uploaded whole), the background engine
 (``blocking=False``) or the Orbax engine (``.orbax``). Nothing comes back up here from an
@@ -38,7 +38,7 @@ from keras_stable_state._core.mappers import check_mappers, encode_arrays
 from keras_stable_state._core.report import writer_metadata
 from keras_stable_state._engines import background, files, object_store
 from keras_stable_state._engines.dispatch import save_engine
-from keras_stable_state._engines.request import SaveRequest
+from keras_stable_state._engines.write_request import WriteRequest
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN
 from keras_stable_state._identity.registry import VariableRegistry
@@ -270,7 +270,7 @@ def _save(
         archive = None
         if filepath.endswith(".keras"):
             archive = files.keras_archive(model, filepath, now=not blocking)
-        request = SaveRequest(filepath, record, store=store, keras_archive=archive, started=started)
+        request = WriteRequest(filepath, record, store=store, keras_archive=archive, started=started)
         return cast("str | Callable[[], background.SaveHandle]", engine.write(request))
 
 

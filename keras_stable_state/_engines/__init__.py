@@ -11,7 +11,7 @@
 
 `dispatch` picks the one engine a save writes through (`dispatch.save_engine`) and reads a
 training state for a restore through one door (`dispatch.read`), so that the restore core
-and ``save_training_state`` never import the Orbax engine. A `request.SaveRequest` is what a
+and ``save_training_state`` never import the Orbax engine. A `write_request.WriteRequest` is what a
 save hands to its engine.
 
 This package's ``__init__`` imports nothing: importing ``keras_stable_state._engines.object_store``

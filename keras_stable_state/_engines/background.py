@@ -1,6 +1,6 @@
 """Background writes of training states: ``save_training_state(..., blocking=False)``.
 
-`write` is the engine ``save_training_state`` hands a `SaveRequest` to. The calling
+`write` is the engine ``save_training_state`` hands a `WriteRequest` to. The calling
 thread builds the whole `StateRecord`
 (every array held apart from training: a host copy, a TensorFlow read, a view of a JAX
 CPU buffer or a JAX copy on its devices, see `host_record`) and hands it to
@@ -33,7 +33,7 @@ import numpy as np
 from keras_stable_state import _keras_compat
 from keras_stable_state._engines import files
 from keras_stable_state._engines.object_store import RemotePath
-from keras_stable_state._engines.request import SaveRequest
+from keras_stable_state._engines.write_request import WriteRequest
 from keras_stable_state.format.record import StateRecord
 from keras_stable_state.format.urls import is_url
 from keras_stable_state.format.writer import check_target
@@ -182,7 +182,7 @@ def prepare(path: str, store: RemotePath | None = None) -> None:
     wait_for_folder(folder_of(path))
 
 
-def write(request: SaveRequest) -> functools.partial[SaveHandle]:
+def write(request: WriteRequest) -> functools.partial[SaveHandle]:
     """The engine: what is still shared with live objects copied (`host_record`), and the
     zero-argument callable that submits the write (the file engine's `files.put`) to a
     background thread and returns its [`SaveHandle`][keras_stable_state.SaveHandle]

@@ -1,7 +1,7 @@
 """The one engine a save writes through, and the one door a restore reads through.
 
 `save_engine` picks, from the path and ``blocking``, the engine that writes a save's
-`SaveRequest` (each has ``live_value``, how it takes a variable's value, and ``write``):
+`WriteRequest` (each has ``live_value``, how it takes a variable's value, and ``write``):
 the Orbax engine for a ``.orbax`` folder, the background engine for ``blocking=False``,
 else the file engine (a local file, or an object uploaded whole). `read` reads a
 training state for a restore: an object store's object fetched whole and read from memory,

@@ -7,7 +7,7 @@ written in a private temporary folder and uploaded whole
 `write` is the engine (process 0 alone writes where several processes save); `put` is
 the write itself, which the background engine runs in its thread. A ``.keras`` archive
 holds Keras' own archive of the model beside the record: `keras_archive` makes the
-writer of it that goes into the `SaveRequest`.
+writer of it that goes into the `WriteRequest`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from keras_stable_state import _keras_compat, _processes
 from keras_stable_state._engines.object_store import upload_written
-from keras_stable_state._engines.request import SaveRequest
+from keras_stable_state._engines.write_request import WriteRequest
 from keras_stable_state.errors import CheckpointFormatError
 from keras_stable_state.format import writer
 from keras_stable_state.format.sink import LimitedFile
@@ -86,7 +86,7 @@ def _save_archive(model: keras.Model, tmp: str | io.IOBase, filepath: str) -> No
         ) from err
 
 
-def put(request: SaveRequest) -> int | None:
+def put(request: WriteRequest) -> int | None:
     """Write ``request.record`` to ``request.path`` (`write_record`), or, with a
     ``request.store``, to a local temporary file uploaded whole to it; the size uploaded in
     bytes for an upload, else ``None``.
@@ -104,7 +104,7 @@ def put(request: SaveRequest) -> int | None:
     )
 
 
-def write(request: SaveRequest) -> str:
+def write(request: WriteRequest) -> str:
     """The engine: `put` on process 0 alone (with several processes every process gathered
     the same arrays; the others wait for its outcome); ``request.path``.
 

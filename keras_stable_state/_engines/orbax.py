@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from keras_stable_state import _processes
-from keras_stable_state._engines.request import SaveRequest
+from keras_stable_state._engines.write_request import WriteRequest
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 from keras_stable_state.format import orbax_file, orbax_layout, writer
 from keras_stable_state.format.codec import dtype_name
@@ -215,7 +215,7 @@ def _inline(value) -> bool:
     return np.ndim(value) == 0 and not _processes.is_sharded(value)
 
 
-def write(request: SaveRequest) -> str:
+def write(request: WriteRequest) -> str:
     """Write ``request.record`` to the ``.orbax`` directory ``request.path`` (every process
     calls this); the path.
 

@@ -1,4 +1,4 @@
-"""What a save hands to its engine: `SaveRequest`, built by ``save_training_state`` once
+"""What a save hands to its engine: `WriteRequest`, built by ``save_training_state`` once
 everything is checked and the record planned.
 
 This module imports no Keras.
@@ -12,11 +12,11 @@ from collections.abc import Callable
 from keras_stable_state._engines.object_store import RemotePath
 from keras_stable_state.format.record import StateRecord
 
-__all__ = ["SaveRequest"]
+__all__ = ["WriteRequest"]
 
 
 @dataclasses.dataclass(frozen=True)
-class SaveRequest:
+class WriteRequest:
     """One save, as an engine writes it.
 
     Attributes:
