@@ -52,8 +52,11 @@ def _refs(value) -> list:
     return found
 
 
-def check_key(where: str, section: str, key: str) -> None:
+def check_key(where: str, section: str, key: str):
     """Refuse a key that restore could not parse (verify and restore refuse the same files).
+
+    Returns:
+        The ``VariableKey`` parsed from a model key or a slot key's owner, else ``None``.
 
     Raises:
         MalformedKeyError: naming the key.
@@ -61,9 +64,10 @@ def check_key(where: str, section: str, key: str) -> None:
     from keras_stable_state._identity import keys
 
     if section == "model":
-        keys.parse_model_key(key, where)
-    elif section == "optimizer":
-        keys.parse_optimizer_key(key, where)
+        return keys.parse_model_key(key, where)
+    if section == "optimizer":
+        return keys.parse_optimizer_key(key, where)[0]
+    return None
 
 
 def check_schema(where: str, metadata, contract, extra, entries: list) -> None:
