@@ -400,8 +400,8 @@ def _plan_state(record, request, report):
             )
         record_name = f"providers/{name}"
         value = _state.join_arrays(saved[name], arrays, where)
-        value = _state.check_provider_state(provider, value, record_name, where)
         get_state, set_state = provider_calls(provider, request.index)
+        value = _state.check_provider_state(provider, value, record_name, where, current=get_state())
         steps.append(state_step(record_name, get_state, set_state, value))
         report.restored_state.append(f"state:{name}")
     if request.include_metrics and metrics.NAME not in providers:

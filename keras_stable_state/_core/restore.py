@@ -41,6 +41,7 @@ from keras_stable_state._optimizer.torch_optim import split_optimizers
 from keras_stable_state.errors import StateError
 from keras_stable_state.format import proven
 from keras_stable_state.format.proven import close_files
+from keras_stable_state.format.record import BY_KEY
 
 __all__ = ["RestoreOptions", "PendingRestore", "restore_training_state", "restore_with"]
 
@@ -340,7 +341,7 @@ def restore_with(
         if model.built and model.variables:
             pending._restore(index)
         return pending
-    if isinstance(record, format.StateRecord):  # its keys, parsed as the file was read
+    if record.matched_by == BY_KEY:  # a record of ours: its keys, parsed as the file was read
         index.keys.update(record.parsed_keys)
     request = RestoreRequest(
         filepath=filepath,

@@ -141,12 +141,16 @@ class ParsedKeys:
     that is refused is not kept (it is refused again). Made per call (`ModelIndex` holds
     one), never shared between calls.
 
+    Args:
+        known: The dict to keep them in (used as it is, not copied: a file's reader keeps
+            the keys it checked in its record's ``parsed_keys``); default a new one.
+
     Attributes:
         known: ``{text: VariableKey}`` of every text parsed (or added by `update`).
     """
 
-    def __init__(self) -> None:
-        self.known: dict[str, VariableKey] = {}
+    def __init__(self, known: dict[str, VariableKey] | None = None) -> None:
+        self.known: dict[str, VariableKey] = {} if known is None else known
 
     def update(self, known: dict[str, VariableKey]) -> None:
         """Keep ``known`` (``{text: VariableKey}`` parsed elsewhere, e.g. as a file was read)."""

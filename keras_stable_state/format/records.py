@@ -208,11 +208,9 @@ class RecordListing(Listing):
         return raw.tobytes().decode("utf-8")
 
     def add_entry(self, entry: Entry, seen: set) -> None:
-        """Append ``entry`` after checking its key parses (its variable key kept in
-        ``parsed_keys``) and is new in its section (``seen``)."""
-        parsed = check_key(self.where, entry.section, entry.key)
-        if parsed is not None:
-            self.parsed_keys[str(parsed)] = parsed
+        """Append ``entry`` after checking its key parses (its variable key parsed once and
+        kept in ``parsed_keys``) and is new in its section (``seen``)."""
+        check_key(self.where, entry.section, entry.key, self.parsed_keys)
         if entry.key in seen:
             raise damaged(self.where, f"key {entry.key!r} appears twice in {entry.section!r}", key=entry.key)
         seen.add(entry.key)

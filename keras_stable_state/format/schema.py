@@ -52,22 +52,21 @@ def _refs(value) -> list:
     return found
 
 
-def check_key(where: str, section: str, key: str):
+def check_key(where: str, section: str, key: str, parsed: dict | None = None) -> None:
     """Refuse a key that restore could not parse (verify and restore refuse the same files).
-
-    Returns:
-        The ``VariableKey`` parsed from a model key or a slot key's owner, else ``None``.
+    ``parsed``: ``{text: VariableKey}`` of the variable keys parsed so far (a model key, the
+    owner of a slot key), each text parsed once and kept there.
 
     Raises:
         MalformedKeyError: naming the key.
     """
     from keras_stable_state._identity import keys
 
+    memo = None if parsed is None else keys.ParsedKeys(parsed)
     if section == "model":
-        return keys.parse_model_key(key, where)
-    if section == "optimizer":
-        return keys.parse_optimizer_key(key, where)[0]
-    return None
+        keys.parse_model_key(key, where, memo)
+    elif section == "optimizer":
+        keys.parse_optimizer_key(key, where, memo)
 
 
 def check_schema(where: str, metadata, contract, extra, entries: list) -> None:
