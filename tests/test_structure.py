@@ -815,6 +815,7 @@ def test_no_context_variables_in_the_package():
                 continue
             found = [n for n in names if n.split(".")[0] == "contextvars" or n == "ContextVar"]
             offenders += [f"{where}:{node.lineno}: {n}" for n in found]
+    offenders = sorted(set(offenders), key=offenders.index)
     assert offenders == [], "\n".join(["context variables in the package:", *offenders])
 
 
