@@ -231,7 +231,7 @@ def test_save_and_restore_walk_the_model_once(tmp_path, monkeypatch, suffix):
     assert walks == ["stable"]
 
 
-class _Block(keras.layers.Layer):
+class NestedBlock(keras.layers.Layer):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.inner = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(4, name="mid")])
@@ -241,11 +241,11 @@ class _Block(keras.layers.Layer):
         return self.norm(self.inner(x))
 
 
-class _Nested(keras.Model):
+class NestedModel(keras.Model):
     def __init__(self, **kw):
         super().__init__(**kw)
-        self.encoder = _Block()
-        self.blocks = [_Block(), _Block()]
+        self.encoder = NestedBlock()
+        self.blocks = [NestedBlock(), NestedBlock()]
         self.head = keras.layers.Dense(2)
 
     def call(self, x):
@@ -277,7 +277,7 @@ def test_nested_model_is_walked_once_and_each_key_parsed_once_per_save_and_resto
     tmp_path, monkeypatch, suffix
 ):
     x = np.ones((2, 3), "float32")
-    src, dst = _Nested(), _Nested()
+    src, dst = NestedModel(), NestedModel()
     for m in (src, dst):
         m(x)
         m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
