@@ -342,7 +342,7 @@ def restore_with(
             pending._restore(index)
         return pending
     if record.matched_by == BY_KEY:  # a record of ours: its keys, parsed as the file was read
-        index.keys.update(record.parsed_keys)
+        index.keys.update(cast(format.StateRecord, record).parsed_keys)
     request = RestoreRequest(
         filepath=filepath,
         index=index,

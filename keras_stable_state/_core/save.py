@@ -343,7 +343,7 @@ def _save_request(model: keras.Model, options: SaveOptions, verb: str) -> SaveRe
         callbacks=callbacks_by_key,
         providers=providers,
         extras=extras,
-        model_state=cast(str, model_state),
+        model_state=model_state,
         # check_flags refused anything but True or False (a bool or NumPy bool)
         include_rng=cast(bool, options.include_rng),
         allow_order_keys=cast(bool, options.allow_order_keys),

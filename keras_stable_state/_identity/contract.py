@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 __all__ = ["TrainableContract", "check_contract", "contract_diff", "contract_of", "read_contract"]
 
+# ``(missing, unexpected, reshaped, retyped)``: see `TrainableContract.diff`.
+_Diff = tuple[list[str], list[str], list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainableContract:
@@ -67,7 +70,7 @@ class TrainableContract:
         """
         return self._diff(TrainableContract.capture(model))
 
-    def _diff(self, now: TrainableContract) -> tuple[list, list, list, list]:
+    def _diff(self, now: TrainableContract) -> _Diff:
         """`diff` against the contract ``now`` of the model."""
         saved = {k: (s, d) for k, s, d in self.entries}
         current = {k: (s, d) for k, s, d in now.entries}
@@ -170,7 +173,7 @@ def read_contract(data: Iterable[Sequence[Any]], keys: ParsedKeys) -> TrainableC
     return TrainableContract(tuple(entries))
 
 
-def contract_diff(saved: TrainableContract, index: ModelIndex) -> tuple[list, list, list, list]:
+def contract_diff(saved: TrainableContract, index: ModelIndex) -> _Diff:
     """[`saved.diff`][keras_stable_state.TrainableContract.diff] of the indexed model."""
     return saved._diff(contract_of(index))
 

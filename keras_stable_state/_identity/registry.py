@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from keras_stable_state._identity.keys import NAMED, ORDERED, ParsedKeys, VariableKey
 from keras_stable_state._identity.paths import stable_paths, walk
@@ -103,7 +103,7 @@ class VariableRegistry:
         cls,
         model: keras.Model | None,
         variables: Sequence[keras.Variable],
-        paths: dict,
+        paths: dict[int, tuple[str, Any]],
         index: ModelIndex | None = None,
     ) -> VariableRegistry:
         """Key ``variables`` by ``paths`` (``id(variable) -> (path, variable)``, from the stable
@@ -267,7 +267,7 @@ class ModelIndex:
         self.keys = ParsedKeys()
         # What Keras' walk yields per object, each finished walk and each registry (by its
         # variables): `paths.walk` keeps the first two here; a walk redone drops all.
-        self._walks: dict = {}
+        self._walks: dict[Any, Any] = {}
 
     @classmethod
     def of(cls, model: keras.Model, index: ModelIndex | None) -> ModelIndex:
@@ -290,9 +290,9 @@ class ModelIndex:
         self._walks[cache_key] = registry
         return registry
 
-    def layer_paths(self) -> dict:
+    def layer_paths(self) -> dict[int, tuple[str, Any]]:
         """``id(layer) -> (path, layer)`` for every layer the walk reaches, in walk order (as
         `stable_layer_paths` gives them), from the call's walk."""
-        layers: dict = {}
+        layers: dict[int, tuple[str, Any]] = {}
         walk(self.model, keras_style=False, layers=layers, cache=self._walks)
         return layers

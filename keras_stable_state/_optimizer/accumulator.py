@@ -173,10 +173,10 @@ class GradientAccumulator:
                 key=str(unmatched[0]) if unmatched else None,
             )
         plan = []
-        index = {id(v): i for i, v in enumerate(self.targets)}
+        position = {id(v): i for i, v in enumerate(self.targets)}
         for key, value in saved.items():
             var = bound[key][0]
-            target = self.sums[index[id(var)]]
+            target = self.sums[position[id(var)]]
             if tuple(np.shape(value)) != tuple(target.shape):
                 raise BindingError(
                     f"Saved accumulator sum for {key} has shape {np.shape(value)}, expected {tuple(target.shape)}.",
