@@ -231,6 +231,74 @@ def test_save_and_restore_walk_the_model_once(tmp_path, monkeypatch, suffix):
     assert walks == ["stable"]
 
 
+class NestedBlock(keras.layers.Layer):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.inner = keras.Sequential([keras.layers.Dense(4), keras.layers.Dense(4, name="mid")])
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x):
+        return self.norm(self.inner(x))
+
+
+class NestedModel(keras.Model):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.encoder = NestedBlock()
+        self.blocks = [NestedBlock(), NestedBlock()]
+        self.head = keras.layers.Dense(2)
+
+    def call(self, x):
+        h = self.encoder(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _count_parses(monkeypatch):
+    """Count each key text parsed (`VariableKey._parse`, under every memo)."""
+    import collections
+
+    from keras_stable_state._identity import keys
+
+    parses = collections.Counter()
+    real = keys.VariableKey._parse.__func__
+
+    def counted(cls, text):
+        parses[text] += 1
+        return real(cls, text)
+
+    monkeypatch.setattr(keys.VariableKey, "_parse", classmethod(counted))
+    return parses
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".keras"])
+def test_nested_model_is_walked_once_and_each_key_parsed_once_per_save_and_restore(
+    tmp_path, monkeypatch, suffix
+):
+    x = np.ones((2, 3), "float32")
+    src, dst = NestedModel(), NestedModel()
+    for m in (src, dst):
+        m(x)
+        m.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    src.fit(x, np.ones((2, 2), "float32"), verbose=0)  # Adam's slots hold values
+    acc = kss.GradientAccumulator(src)
+    path = tmp_path / f"state{suffix}"
+    walks, kids = _count_walks(monkeypatch)
+    parses = _count_parses(monkeypatch)
+    kss.save_training_state(path, src, state={"acc": acc})
+    assert walks == ["stable"] and max(kids.values()) == 1
+    assert max(parses.values(), default=1) == 1
+    walks.clear(), kids.clear(), parses.clear()
+    report = kss.restore_training_state(path, dst, state={"acc": kss.GradientAccumulator(dst)})
+    assert walks == ["stable"] and max(kids.values()) == 1
+    # every model key, slot owner and contract key of the file, each parsed once
+    assert len(parses) == len(src.variables) and set(parses.values()) == {1}
+    assert len(report.matched) > len(src.variables) and set(report.matched.values()) == {"name"}
+    for a, b in zip(src.weights, dst.weights, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+
+
 def test_stock_weights_restore_adds_only_keras_addressing(tmp_path, monkeypatch):
     src, dst = _compiled(), _compiled()
     src.save_weights(tmp_path / "stock.weights.h5")
@@ -244,7 +312,7 @@ def test_stock_weights_restore_adds_only_keras_addressing(tmp_path, monkeypatch)
 
 
 def test_walk_reused_in_a_call_is_redone_when_the_model_gains_variables():
-    from keras_stable_state._identity.paths import one_walk
+    from keras_stable_state._identity.registry import ModelIndex
 
     class Lazy(keras.Model):
         def __init__(self, **kw):
@@ -260,11 +328,11 @@ def test_walk_reused_in_a_call_is_redone_when_the_model_gains_variables():
 
     model = Lazy()
     model(np.ones((1, 3), "float32"))
-    with one_walk():
-        before = VariableRegistry.from_model(model)
-        assert before is VariableRegistry.from_model(model)  # one registry per call
-        model.later.build((None, 3))  # built inside the call: new variables
-        after = VariableRegistry.from_model(model)
+    index = ModelIndex(model)  # what one save or restore carries in its request
+    before = index.registry()
+    assert before is index.registry()  # one registry per call
+    model.later.build((None, 3))  # built inside the call: new variables
+    after = index.registry()
     assert [str(k) for k in before.keys()] == ["path:first/kernel", "path:first/bias"]
     assert [str(k) for k in after.keys()] == [
         "path:first/kernel",
@@ -275,7 +343,7 @@ def test_walk_reused_in_a_call_is_redone_when_the_model_gains_variables():
 
 
 # -- each key text parsed once per call ---------------------------------------------------------
-def test_parsing_once_gives_the_key_parsed_outside_it_and_refuses_the_same_texts():
+def test_parsed_keys_give_the_key_parsed_outside_them_and_refuse_the_same_texts():
     from conftest import hypothesis_examples
     from hypothesis import given, settings
     from hypothesis import strategies as st
@@ -290,24 +358,26 @@ def test_parsing_once_gives_the_key_parsed_outside_it_and_refuses_the_same_texts
         st.text(max_size=12),
     )
 
-    def parsed(text):
+    def parsed(parse, text):
         try:
-            return keys.VariableKey.parse(text)
+            return parse(text)
         except KeyFormatError as err:
             return ("refused", str(err))
 
     @settings(max_examples=hypothesis_examples(200), deadline=None)
     @given(st.lists(texts, min_size=1, max_size=8))
     def check(batch):
-        outside = [parsed(t) for t in batch]
-        with keys.parsing_once():
-            first = [parsed(t) for t in batch]
-            with keys.parsing_once():  # nested: the outer memo
-                again = [parsed(t) for t in batch]
+        outside = [parsed(keys.VariableKey.parse, t) for t in batch]
+        memo = keys.ParsedKeys()  # one call's (a ModelIndex holds it)
+        first = [parsed(memo.parse, t) for t in batch]
+        again = [parsed(memo.parse, t) for t in batch]
         assert first == outside and again == outside
         for a, b in zip(first, again, strict=True):
             if isinstance(a, keys.VariableKey):
                 assert a is b  # the same key, not parsed again
-        assert keys._PARSED.get() is None  # left: nothing kept
+        # a refused text is not kept
+        assert set(memo.known) == {
+            t for t, a in zip(batch, first, strict=True) if isinstance(a, keys.VariableKey)
+        }
 
     check()

@@ -73,9 +73,9 @@ def test_failure_after_every_variable_is_assigned_rolls_back_by_position(saved_m
         reached.append([bool(np.array_equal(to_np(v), s)) for v, s in zip(variables, saved, strict=True)])
         raise RuntimeError("injected failure after the last assignment")
 
-    real = plan.layer_state.finalize_steps
+    real = plan.layers.finalize_steps
     monkeypatch.setattr(
-        plan.layer_state,
+        plan.layers,
         "finalize_steps",
         lambda m: [*real(m), apply.Step("injected", fail, lambda: ((lambda: None), (lambda: True)))],
     )

@@ -1,7 +1,9 @@
 """The package's structure, read by ``ast`` from its files (every ``keras_stable_state/**.py``):
 layers that depend one way, no import cycle, a Keras-free file format and command line,
 Keras internals in one module, no reaching into another module's private names, no module
-that changes another when it is imported, modules and classes small enough to read; wrapped
+that changes another when it is imported, modules and classes small enough to read, no
+context variables and no core function over seven parameters (a call's state travels in its
+request); wrapped
 inner optimizers that refuse to be used alone, and a ``StableOptimizer`` that loads its slots
 without the restore core.
 
@@ -933,6 +935,84 @@ def test_no_class_over_400_lines():
         if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400
     }
     assert long == {}
+
+
+@once
+def test_no_context_variables_in_the_package():
+    """What one save or restore knows of its model (the walk, its registries, layer paths,
+    the keys parsed) travels in its request (``SaveRequest``, ``RestoreRequest``: their
+    ``ModelIndex``), passed whole to what plans the call: no module imports ``contextvars``
+    or names a ``ContextVar``, whose value no signature shows and a thread the call starts
+    (a background write) does not see."""
+    offenders = []
+    for path, _, tree in _sources().values():
+        where = path.relative_to(PACKAGE.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(alias.name for alias in node.names)]
+            elif isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.Name):
+                names = [node.id]
+            else:
+                continue
+            found = [n for n in names if n.split(".")[0] == "contextvars" or n == "ContextVar"]
+            offenders += [f"{where}:{node.lineno}: {n}" for n in found]
+    offenders = sorted(set(offenders), key=offenders.index)
+    assert offenders == [], "\n".join(["context variables in the package:", *offenders])
+
+
+# The most parameters a function of the core takes (``self``/``cls`` not counted; ``*args``
+# and ``**kwargs`` one each): more travel together, in a request or an options object.
+MAX_CORE_PARAMETERS = 7
+# The public verbs whose parameters are public API (each in ``keras_stable_state.__all__``),
+# exempt: their signatures are promises, and they pass their arguments on grouped.
+WIDE_PUBLIC_VERBS = {
+    f"{ROOT}._core.save": {"save_training_state"},
+    f"{ROOT}._core.restore": {"restore_training_state"},
+}
+
+
+def _parameter_count(node) -> int:
+    args = node.args
+    named = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs) if a.arg not in ("self", "cls")]
+    return len(named) + (args.vararg is not None) + (args.kwarg is not None)
+
+
+@once
+def test_no_core_function_takes_more_than_seven_parameters():
+    """No function (method, nested function, lambda) of ``_core`` takes more than
+    `MAX_CORE_PARAMETERS` parameters: a save's or restore's arguments travel checked and
+    whole, in its request, to the planners. Only the public verbs of `WIDE_PUBLIC_VERBS`
+    (public API, in ``keras_stable_state.__all__``) are exempt, at module level."""
+    for module, names in WIDE_PUBLIC_VERBS.items():
+        assert names <= set(kss.__all__), f"{module}: exempt names must be public verbs: {names}"
+    offenders = []
+    for module, (path, _, tree) in _sources().items():
+        if _part(module) != "_core":
+            continue
+        exempt = {
+            id(node)
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name in WIDE_PUBLIC_VERBS.get(module, ())
+        }
+        for node in ast.walk(tree):
+            if (
+                not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                or id(node) in exempt
+            ):
+                continue
+            count = _parameter_count(node)
+            if count > MAX_CORE_PARAMETERS:
+                name = getattr(node, "name", "<lambda>")
+                offenders.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {name}: {count} parameters"
+                )
+    assert offenders == [], "\n".join(
+        [f"core functions over {MAX_CORE_PARAMETERS} parameters (group them in a request):", *offenders]
+    )
 
 
 # What reads and writes a checkpoint directory: a local folder's, an object store's. The

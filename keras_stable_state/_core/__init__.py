@@ -3,6 +3,8 @@
 * `.save`: the record collected and written;
 * `.restore`: the restore's arguments checked and the file read, now or deferred
   ([`PendingRestore`][keras_stable_state.PendingRestore]);
+* `.requests`: the arguments of one save or restore, checked (`SaveRequest`,
+  `RestoreRequest`), with the `ModelIndex` of its model (one walk, the keys parsed);
 * `.plan`: every check and conversion of a read record, then every assignment
   (`plan_callbacks` for the callback states alone);
 * `.arguments`, `.scope`, `.apply`, `.in_place`, `.mappers`, `.report`,

@@ -11,7 +11,7 @@ import numpy as np
 
 from keras_stable_state import _state
 from keras_stable_state._identity.keys import MAIN, check_name
-from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._identity.registry import ModelIndex
 from keras_stable_state._optimizer import tracked_optimizers
 from keras_stable_state._optimizer.torch_optim import check_torch_backend, is_torch_optimizer
 from keras_stable_state._state.state_dict import StateDictProvider, has_state_dict
@@ -157,8 +157,9 @@ def check_flags(verb: str, **flags: object) -> None:
 _EXTRA_NAME = re.compile(r"[^/#\s]+")
 
 
-def check_variables(variables, verb, model) -> dict:
-    """``{name: keras.Variable}`` of variables outside ``model`` (keys ``var:<name>``)."""
+def check_variables(variables, verb, index: ModelIndex) -> dict:
+    """``{name: keras.Variable}`` of variables outside the model of ``index`` (keys
+    ``var:<name>``; the model's own variables told by the index's walk)."""
     if variables is None:
         return {}
     if not isinstance(variables, dict):
@@ -167,7 +168,7 @@ def check_variables(variables, verb, model) -> dict:
             "model that the optimizer trains (e.g. variables={'log_alpha': log_alpha}). "
             + received("variables", variables)
         )
-    in_model = {id(v): str(k) for k, v in VariableRegistry.from_model(model).entries}
+    in_model = {id(v): str(k) for k, v in index.registry().entries}
     seen = {}
     for name, var in variables.items():
         if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):

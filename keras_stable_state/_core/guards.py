@@ -1,5 +1,5 @@
-"""Decorators around the public verbs: one walk of the model per call, the cyclic garbage
-collector paused meanwhile, and optimizers a refused restore built put back unbuilt."""
+"""Decorators around the public verbs: the cyclic garbage collector paused for a call, and
+optimizers a refused restore built put back unbuilt."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import keras
 
 from keras_stable_state import _keras_compat
 from keras_stable_state._identity.keys import file_label
-from keras_stable_state._identity.paths import one_walk
 from keras_stable_state._optimizer import tracked_optimizers
 from keras_stable_state.format.memory import memory_refusal, out_of_memory
 
-__all__ = ["cyclic_gc_paused", "walking_once", "builds_undone_on_refusal", "memory_refused"]
+__all__ = ["cyclic_gc_paused", "gc_paused", "builds_undone_on_refusal", "memory_refused"]
 
 
 @contextlib.contextmanager
@@ -48,13 +47,12 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def walking_once(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run ``fn`` inside `one_walk` (every registry it
-    builds reuses one walk of the model), with the cyclic garbage collector paused."""
+def gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``fn`` with the cyclic garbage collector paused (`cyclic_gc_paused`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with cyclic_gc_paused(), one_walk():
+        with cyclic_gc_paused():
             return fn(*args, **kwargs)
 
     return wrapper

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from keras_stable_state import format
 from keras_stable_state._core import boundary
 from keras_stable_state._core.apply import takes_unaligned
+from keras_stable_state._core.requests import SaveOptions
 from keras_stable_state._core.restore import PendingRestore, RestoreOptions, restore_with
 from keras_stable_state._core.save import training_state_record
 from keras_stable_state.format.writer import record_to_bytes
@@ -63,7 +64,8 @@ def training_state_to_bytes(
         >>> bucket.put_object(Key="run/step-100.h5", Body=data)
     """
     with boundary.saving(model, "training_state_to_bytes"):  # as save_training_state's
-        record = training_state_record(model, optimizer, verb="training_state_to_bytes", **kwargs)
+        options = SaveOptions.from_keywords("training_state_to_bytes", optimizer=optimizer, **kwargs)
+        record = training_state_record(model, options, verb="training_state_to_bytes")
         return record_to_bytes(record)
 
 

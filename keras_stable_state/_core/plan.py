@@ -2,7 +2,8 @@
 every assignment, all or nothing.
 
 `restore_record` is the body of [`restore_training_state`][keras_stable_state.restore_training_state]
-once its arguments are checked (`RestoreRequest`) and the file is read: it
+once its arguments are checked (`RestoreRequest`, with the `ModelIndex` of its model) and
+the file is read: it
 plans the model variables, the optimizers
 (`plan_optimizers`), the callbacks,
 providers and random state, and the layer state, then runs every step with
@@ -11,8 +12,6 @@ callback states alone (``StableCheckpoint`` puts them back at train begin).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import keras
 import numpy as np
@@ -24,14 +23,15 @@ from keras_stable_state._core.arguments import check_callbacks, extra_saved
 from keras_stable_state._core.host_rollback import HostRollback
 from keras_stable_state._core.in_place import assign_in_place, clear_partial, mark_partial, put_back_or_mark
 from keras_stable_state._core.report import RestoreReport
+from keras_stable_state._core.requests import RestoreRequest
 from keras_stable_state._core.scope import check_scope, renamed_record
 from keras_stable_state._core.slot_restore import plan_optimizers
 from keras_stable_state._core.torch_restore import plan_torch_optimizers
-from keras_stable_state._identity.contract import TrainableContract
+from keras_stable_state._identity.contract import check_contract, contract_diff, read_contract
 from keras_stable_state._identity.dtypes import coerce, dtype_name, float_cast
-from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, file_label, parse_model_key
-from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._identity.keys import EXTRA, VariableKey, file_label
 from keras_stable_state._numpy import to_numpy
+from keras_stable_state._optimizer import provider_calls
 from keras_stable_state._optimizer.matching import drop_reason
 from keras_stable_state._state import layers, metrics
 from keras_stable_state.errors import NAMES_SHOWN, BindingError, StateError, listed, shown
@@ -39,68 +39,11 @@ from keras_stable_state.format import orbax_file
 from keras_stable_state.format.proven import FileArray
 from keras_stable_state.format.record import BY_KEY, BY_STRUCTURE
 
-__all__ = ["RestoreRequest", "restore_record", "plan_callbacks"]
+__all__ = ["restore_record", "plan_callbacks"]
 
 
 # Layers whose continued training differs across backends even from identical state.
 _DRIFTING = (keras.layers.Embedding, keras.layers.BatchNormalization, keras.layers.LayerNormalization)
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoreRequest:
-    """The arguments of one restore, checked (by
-    `restore_with`).
-
-    Attributes:
-        filepath: The file (``str``; ``"<bytes>"`` for bytes), for messages and rollback reports.
-        model: The built ``keras.Model`` restored into.
-        optimizers: ``{name: optimizer}`` (``"main"`` for ``model.optimizer`` or the one passed).
-        torch_optimizers: ``{name: torch.optim.Optimizer}`` passed as ``optimizer=``.
-        callbacks: ``{key: callback}``.
-        providers: ``{name: provider}``.
-        extras: ``{name: keras.Variable}``: the variables outside the model.
-        rules: The rename rules, or ``None``.
-        strict, allow_cast, include_rng, check_schedule, keep_learning_rate, include_metrics:
-            The flags of [`restore_training_state`][keras_stable_state.restore_training_state].
-        owned: The record's arrays are this restore's alone (it read them, and nothing
-            else reads them afterwards): a variable may keep an array's memory as its
-            own instead of a copy (`variable_step`).
-        in_place: Arrays left in the file (`FileArray`, proven whole) are read straight
-            into their variables after every check, with no copy of the values they
-            replace (`assign_in_place`); ``False``: read into new memory first, all or
-            nothing.
-        rollback_on_host: With ``in_place``, all or nothing still: each variable read in
-            place is copied into host memory first and put back if the restore fails (a
-            model on an accelerator: `keras_stable_state._core.host_rollback`).
-    """
-
-    filepath: str
-    model: keras.Model
-    optimizers: dict
-    callbacks: dict
-    providers: dict
-    extras: dict
-    rules: list | None
-    strict: bool
-    allow_cast: bool
-    include_rng: bool
-    check_schedule: bool
-    keep_learning_rate: bool
-    owned: bool = False
-    include_metrics: bool = True
-    in_place: bool = False
-    rollback_on_host: bool = False
-    torch_optimizers: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def where(self) -> str:
-        """The file as messages name it."""
-        return file_label(self.filepath)
-
-    @property
-    def optimizer(self):
-        """The main optimizer, or ``None``."""
-        return self.optimizers.get(MAIN)
 
 
 def restore_record(record, request: RestoreRequest) -> RestoreReport:
@@ -120,6 +63,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
         about its arguments and reading the file.
     """
     model, strict, rules, where = request.model, request.strict, request.rules, request.where
+    index = request.index
     if not model.built or not model.variables:
         raise StateError(
             f"Model {model.name!r} has no variables yet; call it on a batch (a subclassed model's "
@@ -140,22 +84,22 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
             isinstance(layer, _DRIFTING) for layer in _keras_compat.flatten_layers(model)
         )
     # 1. Check and convert everything; nothing is assigned before step 2.
-    registry = _model_registry(model, request.extras)
+    registry = _model_registry(request)
     if rules is not None:
-        record = renamed_record(record, rules, strict, report, where)
+        record = renamed_record(record, rules, strict, report, where, index.keys)
     elif record.matched_by == BY_KEY:
         check_scope(record, registry, model, where)
     dropped_keys = []
     if record.contract is not None:
-        contract = TrainableContract.from_json(record.contract)
+        contract = read_contract(record.contract, index.keys)
         if strict:
-            contract.validate(model, allow_cast=request.allow_cast)
+            check_contract(contract, index, allow_cast=request.allow_cast)
         else:
-            missing, _, reshaped, retyped = contract.diff(model)
+            missing, _, reshaped, retyped = contract_diff(contract, index)
             if request.allow_cast:  # a float variable re-typed since is cast (coerce lists it)
                 retyped = [t for t in retyped if not float_cast(t[1], t[2])]
             if reshaped or retyped:  # neither can be dropped nor left fresh: refused, listed in full
-                contract.validate(model, allow_cast=request.allow_cast)
+                check_contract(contract, index, allow_cast=request.allow_cast)
             dropped_keys = missing
     optimizer = request.optimizer
     if optimizer is not None:
@@ -163,18 +107,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
             _state.check_schedule(record.extra["schedule"], optimizer)
     plan = _plan_model(record, registry, request, report)
     _check_extras_saved(record, request)
-    plan += plan_optimizers(
-        record,
-        request.optimizers,
-        model,
-        strict,
-        request.allow_cast,
-        report,
-        dropped_keys,
-        request.filepath,
-        extras=request.extras,
-        keep_learning_rate=request.keep_learning_rate,
-    )
+    plan += plan_optimizers(record, request, report, dropped_keys)
     steps = []
     providers = request.providers
     if record.matched_by == BY_KEY:
@@ -186,19 +119,9 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
             "save_training_state(..., state={name: provider}).",
             key=sorted(providers)[0],
         )
-    steps += plan_torch_optimizers(
-        record,
-        request.torch_optimizers,
-        model,
-        extras=request.extras,
-        strict=strict,
-        allow_cast=request.allow_cast,
-        report=report,
-        filepath=request.filepath,
-        keep_learning_rate=request.keep_learning_rate,
-    )
+    steps += plan_torch_optimizers(record, request, report)
     # Vocabularies and bin boundaries: checked now, set before the variables.
-    steps += layers.plan_layer_state(record, model, strict=strict, report=report, where=where, rules=rules)
+    steps += layers.plan_layer_state(record, index, strict=strict, report=report, where=where, rules=rules)
     # 2. Assign: every planned value, or (if an assignment fails) none; then derived layer state.
     plan, fresh = orbax_file.materialize(plan)  # '.orbax': read (and hash-check) the planned arrays now
     owned |= fresh
@@ -210,7 +133,7 @@ def restore_record(record, request: RestoreRequest) -> RestoreReport:
         if mine:
             taken.add(id(array))
         steps.append(variable_step(var, array, owned=mine))
-    steps += layers.finalize_steps(model)
+    steps += layers.finalize_steps(index)
     rollback = HostRollback() if request.rollback_on_host and in_place else None
     if in_place:
         assign_in_place(in_place, model, where, rollback)
@@ -293,9 +216,10 @@ def _sparse_views(plan, owned: set) -> set:
     return sparse
 
 
-def _model_registry(model, extras):
-    """The model's variables by stable path, then ``extras`` as ``var:<name>``."""
-    registry = VariableRegistry.from_model(model)
+def _model_registry(request: RestoreRequest):
+    """The model's variables by stable path (from the request's walk), then its extras as
+    ``var:<name>``."""
+    registry, extras = request.index.registry(), request.extras
     if not extras:
         return registry
     return registry.rekeyed(registry.entries + [(VariableKey(EXTRA, n), v) for n, v in extras.items()])
@@ -336,7 +260,7 @@ def _plan_model(record, registry, request, report):
             )
         report.left_fresh.extend(k for k, _ in absent)
         return plan
-    keys = {k: parse_model_key(k, where) for k in record.model}
+    keys = {k: request.index.keys.model_key(k, where) for k in record.model}
     saved = [(keys[k], np.shape(a), dtype_name(a)) for k, a in record.model.items()]
     bound, unmatched = registry.bind(saved)
     if not bound and saved:
@@ -476,8 +400,9 @@ def _plan_state(record, request, report):
             )
         record_name = f"providers/{name}"
         value = _state.join_arrays(saved[name], arrays, where)
-        value = _state.check_provider_state(provider, value, record_name, where)
-        steps.append(state_step(record_name, provider.get_state, provider.set_state, value))
+        get_state, set_state = provider_calls(provider, request.index)
+        value = _state.check_provider_state(provider, value, record_name, where, current=get_state())
+        steps.append(state_step(record_name, get_state, set_state, value))
         report.restored_state.append(f"state:{name}")
     if request.include_metrics and metrics.NAME not in providers:
         steps += _metrics_steps(record, request.model, report, where)

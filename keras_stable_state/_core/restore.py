@@ -29,14 +29,17 @@ from keras_stable_state._core.arguments import (
     check_rename,
     check_variables,
 )
-from keras_stable_state._core.guards import builds_undone_on_refusal, memory_refused, walking_once
-from keras_stable_state._core.plan import RestoreRequest, restore_record
+from keras_stable_state._core.guards import builds_undone_on_refusal, gc_paused, memory_refused
+from keras_stable_state._core.plan import restore_record
 from keras_stable_state._core.report import RestoreReport
+from keras_stable_state._core.requests import RestoreRequest
 from keras_stable_state._engines import dispatch, object_store
 from keras_stable_state._identity.keys import file_label
+from keras_stable_state._identity.registry import ModelIndex
 from keras_stable_state._optimizer.torch_optim import split_optimizers
 from keras_stable_state.errors import StateError
 from keras_stable_state.format.proven import close_files
+from keras_stable_state.format.record import BY_KEY
 
 __all__ = ["RestoreOptions", "PendingRestore", "restore_training_state", "restore_with"]
 
@@ -252,7 +255,7 @@ def restore_training_state(
 
 @memory_refused
 @builds_undone_on_refusal
-@walking_once
+@gc_paused
 def restore_with(
     filepath: str | os.PathLike[str],
     model: keras.Model,
@@ -261,6 +264,7 @@ def restore_with(
     defer: bool = False,
     record: format.StateRecord | format.StockWeights | None = None,
     take: bool = False,
+    index: ModelIndex | None = None,
 ) -> RestoreReport | PendingRestore:
     """[`restore_training_state`][keras_stable_state.restore_training_state] with its options grouped.
 
@@ -274,6 +278,8 @@ def restore_with(
         take: The arrays of ``record`` are the caller's to give away: nothing reads its
             model and optimizer arrays after this call, so the variables may keep their
             memory instead of a copy. Always so for a record read here.
+        index: The `ModelIndex` of ``model`` made already in this call (a deferred
+            restore run at once reuses its walk); ``None``: a new one.
 
     Returns:
         As [`restore_training_state`][keras_stable_state.restore_training_state].
@@ -298,7 +304,8 @@ def restore_with(
         keep_learning_rate=options.keep_learning_rate,
         all_or_nothing=options.all_or_nothing,
     )
-    extras = check_variables(options.variables, verb, model)
+    index = ModelIndex.of(model, index)  # the restore's one walk of the model, its registries and keys
+    extras = check_variables(options.variables, verb, index)
     rules = check_rename(options.prefix, options.rename, verb)
     check_flags(verb, defer=defer)
     in_place = not options.all_or_nothing
@@ -322,11 +329,13 @@ def restore_with(
             filepath, record, model, dataclasses.replace(options, callbacks=callbacks), take=owned
         )
         if model.built and model.variables:
-            pending.restore()
+            pending._restore(index)
         return pending
+    if record.matched_by == BY_KEY:  # a record of ours: its keys, parsed as the file was read
+        index.keys.update(cast(format.StateRecord, record).parsed_keys)
     request = RestoreRequest(
         filepath=filepath,
-        model=model,
+        index=index,
         optimizers=optimizers,
         torch_optimizers=torch_optimizers,
         callbacks=callbacks,
@@ -411,6 +420,11 @@ class PendingRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras i
             StateError: if it was restored already or the model is still not
                 built, and every error of [`restore_training_state`][keras_stable_state.restore_training_state].
         """
+        return self._restore(None)
+
+    def _restore(self, index: ModelIndex | None) -> RestoreReport:
+        """`restore`, reusing ``index`` (the `ModelIndex` of the call that made this object,
+        when it restores at once)."""
         if self.report is not None:
             raise StateError(
                 f"The state of {file_label(self.filepath)} was already restored into {self._target.name!r} "
@@ -418,7 +432,9 @@ class PendingRestore(keras.callbacks.Callback):  # type: ignore[misc]  # Keras i
             )
         report = cast(  # without defer, restore_with restores now: a RestoreReport
             RestoreReport,
-            restore_with(self.filepath, self._target, self._options, record=self._record, take=self._take),
+            restore_with(
+                self.filepath, self._target, self._options, record=self._record, take=self._take, index=index
+            ),
         )
         self.report, self._record = report, None
         return report

@@ -31,19 +31,20 @@ from keras_stable_state._core.arguments import (
     check_variables,
     extra_saved,
 )
-from keras_stable_state._core.guards import walking_once
+from keras_stable_state._core.guards import gc_paused
 from keras_stable_state._core.in_place import check_not_partial
 from keras_stable_state._core.mappers import SECTION as MAPPED_SECTION
 from keras_stable_state._core.mappers import check_mappers, encode_arrays
 from keras_stable_state._core.report import writer_metadata
+from keras_stable_state._core.requests import SaveOptions, SaveRequest
 from keras_stable_state._engines import background, files, object_store
 from keras_stable_state._engines.dispatch import save_engine
 from keras_stable_state._engines.write_request import WriteRequest
-from keras_stable_state._identity.contract import TrainableContract
-from keras_stable_state._identity.keys import EXTRA, MAIN
-from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._identity.contract import contract_of
+from keras_stable_state._identity.keys import EXTRA
+from keras_stable_state._identity.registry import ModelIndex
 from keras_stable_state._numpy import to_numpy
-from keras_stable_state._optimizer import optimizer_classes, save_optimizers, torch_optim
+from keras_stable_state._optimizer import optimizer_classes, provider_calls, save_optimizers, torch_optim
 from keras_stable_state._optimizer.tracking import check_bound_passed
 from keras_stable_state._state import layers, metrics
 from keras_stable_state.errors import CheckpointFormatError, StateError
@@ -190,10 +191,8 @@ def save_training_state(
             intact); with ``blocking=False`` raised by the handle's ``wait()``.
     """
     started = time.perf_counter()
-    out = _save(
-        filepath,
-        model,
-        optimizer,
+    options = SaveOptions(
+        optimizer=optimizer,
         model_state=model_state,
         callbacks=callbacks,
         state=state,
@@ -201,33 +200,26 @@ def save_training_state(
         allow_order_keys=allow_order_keys,
         variables=variables,
         mappers=mappers,
-        blocking=blocking,
-        storage_options=storage_options,
-        started=started,
     )
-    # A background write starts once the call has left the model (step boundary, walk cache,
-    # paused collector): from then on its thread competes for the GIL, and nothing is left here.
+    out = _save(filepath, model, options, blocking=blocking, storage_options=storage_options, started=started)
+    # A background write starts once the call has left the model (step boundary, its request
+    # and model index, paused collector): from then on its thread competes for the GIL, and
+    # nothing is left here.
     return out() if callable(out) else out
 
 
-@walking_once
+@gc_paused
 def _save(
     filepath: str | os.PathLike[str],
     model: keras.Model,
-    optimizer: keras.optimizers.Optimizer | None,
+    options: SaveOptions,
     *,
-    model_state: str,
-    callbacks: Sequence[keras.callbacks.Callback],
-    state: Mapping[str, Any] | None,
-    include_rng: bool,
-    allow_order_keys: bool,
-    variables: Mapping[str, keras.Variable] | None,
-    mappers: Mapping[str, StateMapper] | None,
     blocking: bool,
     storage_options: Mapping[str, Any] | None,
     started: float,
 ) -> str | Callable[[], background.SaveHandle]:
-    """[`save_training_state`][keras_stable_state.save_training_state], returning for ``blocking=False`` the zero-argument callable
+    """[`save_training_state`][keras_stable_state.save_training_state] (``options``: what it
+    saves, as passed), returning for ``blocking=False`` the zero-argument callable
     that submits the background write (and returns its [`SaveHandle`][keras_stable_state.SaveHandle])."""
     verb = "save_training_state"
     # 1. the arguments: the path (an object store connected), the flags, the engine
@@ -246,23 +238,16 @@ def _save(
             # gather), the background engine JAX arrays and TensorFlow reads (copied or
             # converted as background.host_record says); mapped arrays are encoded by the call:
             # host copies, in the background too
-            if mappers and not blocking:
+            if options.mappers and not blocking:
                 return _host_array(variable)
             return engine.live_value(variable, to_numpy)
 
         # 2. the rest checked, and the record planned
         record = training_state_record(
             model,
-            optimizer,
+            options,
             verb=verb,
             convert=convert,
-            model_state=model_state,
-            callbacks=callbacks,
-            state=state,
-            include_rng=include_rng,
-            allow_order_keys=allow_order_keys,
-            variables=variables,
-            mappers=mappers,
             before_copy=None if blocking else functools.partial(background.prepare, filepath, store),
         )
         # 3. the request, written through its one engine (a background write is submitted by
@@ -276,47 +261,68 @@ def _save(
 
 def training_state_record(
     model: keras.Model,
-    optimizer: keras.optimizers.Optimizer | None = None,
+    options: SaveOptions | None = None,
     *,
     verb: str,
-    model_state: str = "all",
-    callbacks: Sequence[keras.callbacks.Callback] = (),
-    state: Mapping[str, Any] | None = None,
-    include_rng: bool = True,
-    allow_order_keys: bool = False,
-    variables: Mapping[str, keras.Variable] | None = None,
-    mappers: Mapping[str, StateMapper] | None = None,
     convert: Callable[[Any], Any] = _host_array,
     before_copy: Callable[[], None] | None = None,
 ) -> format.StateRecord:
     """The `StateRecord` that [`save_training_state`][keras_stable_state.save_training_state]
-    writes, with every argument checked as it says (``verb`` names the caller in messages;
-    ``convert`` turns a variable into the value stored; ``before_copy`` runs once the
-    arguments are checked, before any value is read)."""
+    writes for ``options`` (default: every default), with every argument checked as it says (``verb`` names the caller
+    in messages; ``convert`` turns a variable into the value stored; ``before_copy`` runs once
+    the arguments are checked, before any value is read). The model is walked once
+    (`SaveRequest.index`)."""
+    request = _save_request(model, options or SaveOptions(), verb)
+    if before_copy is not None:
+        before_copy()
+    return _collect_record(request, convert)
+
+
+def _save_request(model: keras.Model, options: SaveOptions, verb: str) -> SaveRequest:
+    """``options`` checked for saving ``model``, in the order save_training_state documents
+    its refusals, with the `ModelIndex` of ``model``."""
     check_model(model, verb)
     check_not_partial(model, verb)
+    model_state = options.model_state
     if model_state not in MODEL_STATES:
         raise ValueError(
             f"`model_state` must be one of {MODEL_STATES}. Received: model_state={model_state!r}"
         )
-    optimizers, torch_opts = torch_optim.split_optimizers(check_optimizers(optimizer, verb, model))
-    optimizer = optimizers.get(MAIN)
-    callbacks_by_key = check_callbacks(callbacks, verb)
-    providers = check_providers(state, verb)
+    optimizers, torch_opts = torch_optim.split_optimizers(check_optimizers(options.optimizer, verb, model))
+    callbacks_by_key = check_callbacks(options.callbacks, verb)
+    providers = check_providers(options.state, verb)
     if metrics.NAME not in providers and model.metrics_variables:
         # the model's metric variables (its own trackers too), as StableCheckpoint saves them
         providers = {**providers, metrics.NAME: metrics.Metrics(model)}
-    check_flags(verb, include_rng=include_rng, allow_order_keys=allow_order_keys)
+    check_flags(verb, include_rng=options.include_rng, allow_order_keys=options.allow_order_keys)
     if not model.built:
         raise StateError(f"Model {model.name!r} is not built; build it before saving its training state.")
-    extras = check_variables(variables, verb, model)
-    torch_optim.check_all_passed(model, list(torch_opts.values()), providers, extras, verb)
+    index = ModelIndex(model)
+    extras = check_variables(options.variables, verb, index)
+    torch_optim.check_all_passed(model, list(torch_opts.values()), providers, extras, verb, index)
     check_bound_passed(model, optimizers.values(), verb)
-    mapper_rules = check_mappers(mappers, verb)
-    if before_copy is not None:
-        before_copy()
+    return SaveRequest(
+        verb=verb,
+        index=index,
+        optimizers=optimizers,
+        torch_optimizers=torch_opts,
+        callbacks=callbacks_by_key,
+        providers=providers,
+        extras=extras,
+        model_state=model_state,
+        # check_flags refused anything but True or False (a bool or NumPy bool)
+        include_rng=cast(bool, options.include_rng),
+        allow_order_keys=cast(bool, options.allow_order_keys),
+        mapper_rules=check_mappers(options.mappers, verb),
+    )
+
+
+def _collect_record(request: SaveRequest, convert: Callable[[Any], Any]) -> format.StateRecord:
+    """Everything ``request`` saves, collected into a record (variables through ``convert``)."""
+    model, index, extras, model_state = request.model, request.index, request.extras, request.model_state
+    optimizer = request.optimizer
     saved_vars = {"all": model.variables, "trainable": model.trainable_variables, "none": []}[model_state]
-    registry = VariableRegistry.from_model(model)
+    registry = index.registry()
     # Converted to host arrays one at a time as the file is written (storage.StateRecord).
     model_arrays = {str(registry.key_of(v)): functools.partial(convert, v) for v in saved_vars}
     model_arrays.update(
@@ -324,25 +330,35 @@ def training_state_record(
         for n, v in extras.items()
         if extra_saved(v, model_state)
     )
-    opt_arrays, opt_meta = save_optimizers(optimizers, model, allow_order_keys, extras, convert=convert)
-    extra, arrays = _collect_state(model, optimizer, callbacks_by_key, providers, include_rng)
+    opt_arrays, opt_meta = save_optimizers(
+        request.optimizers, model, request.allow_order_keys, extras, convert=convert, index=index
+    )
+    extra, arrays = _collect_state(request)
     extra[layers.SECTION], found = _state.split_arrays(
-        layers.collect_layer_state(model, buffers=model_state == "all"), layers.SECTION
+        layers.collect_layer_state(index, buffers=model_state == "all"), layers.SECTION
     )
     arrays.update(found)
-    if torch_opts:  # torch.optim optimizers: their state by the keys of the variables they train
+    if (
+        request.torch_optimizers
+    ):  # torch.optim optimizers: their state by the keys of the variables they train
         torch_state = {
             name: torch_optim.optimizer_state(
-                opt, name, model, extras, allow_order_keys=allow_order_keys, verb=verb
+                opt,
+                name,
+                model,
+                extras,
+                allow_order_keys=request.allow_order_keys,
+                verb=request.verb,
+                index=index,
             )
-            for name, opt in torch_opts.items()
+            for name, opt in request.torch_optimizers.items()
         }
         extra[torch_optim.SECTION], found = _state.split_arrays(torch_state, torch_optim.SECTION)
         _check_json(extra[torch_optim.SECTION], torch_optim.SECTION, "")
         arrays.update(found)
-    if mapper_rules:
+    if request.mapper_rules:
         model_arrays, opt_arrays, extra[MAPPED_SECTION], found = encode_arrays(
-            mapper_rules, model_arrays, opt_arrays
+            request.mapper_rules, model_arrays, opt_arrays
         )
         arrays.update(found)
     return format.StateRecord(
@@ -352,7 +368,7 @@ def training_state_record(
             "optimizer_classes": None if optimizer is None else optimizer_classes(optimizer),
             "optimizers": opt_meta,
         },
-        contract=TrainableContract.capture(model).to_json(),
+        contract=contract_of(index).to_json(),
         model=model_arrays,
         optimizer=opt_arrays,
         extra=extra,
@@ -407,16 +423,10 @@ def _check_json(value: Any, record: str, path: str) -> None:
     )
 
 
-def _collect_state(
-    model: keras.Model,
-    optimizer: keras.optimizers.Optimizer | None,
-    callbacks: dict[str, keras.callbacks.Callback],
-    state: dict[str, Any],
-    include_rng: bool,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The JSON part and the arrays of everything that is not a variable."""
+def _collect_state(request: SaveRequest) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The JSON part and the arrays of everything ``request`` saves that is not a variable."""
     extra: dict[str, Any] = {
-        "schedule": _state.schedule_state(optimizer),
+        "schedule": _state.schedule_state(request.optimizer),
         "callbacks": {},
         "providers": {},
         "rng": None,
@@ -429,13 +439,14 @@ def _collect_state(
         extra[section][name] = json_value
         arrays.update(found)
 
-    for key, cb in callbacks.items():
+    for key, cb in request.callbacks.items():
         value = _state.callback_state(cb)
         if value is not None:
             put("callbacks", key, value)
-    for name, provider in state.items():
-        put("providers", name, provider.get_state())
-    if include_rng:
+    for name, provider in request.providers.items():
+        get_state, _ = provider_calls(provider, request.index)
+        put("providers", name, get_state())
+    if request.include_rng:
         extra["rng"], found = _state.split_arrays(_state.rng_state(), "rng")
         arrays.update(found)
     return extra, arrays

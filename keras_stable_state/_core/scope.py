@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from keras_stable_state._identity.keys import VariableKey, parse_model_key
+from keras_stable_state._identity.keys import ParsedKeys, parse_model_key
 from keras_stable_state.errors import BindingError, KeyFormatError
 from keras_stable_state.format.record import BY_KEY
 
 
-def renamed_record(record, rules, strict, report, where):
+def renamed_record(record, rules, strict, report, where, keys: ParsedKeys):
     """``record`` with every variable key renamed by the first rule that matches it.
 
     Model keys, the owners of slot keys and contract keys are renamed alike; a
-    key no rule matches is refused (``strict``) or dropped.
+    key no rule matches is refused (``strict``) or dropped. Keys are parsed through
+    ``keys`` (the restore's, once per text).
     """
     if record.matched_by != BY_KEY:
         raise ValueError(
@@ -25,13 +26,13 @@ def renamed_record(record, rules, strict, report, where):
 
     def rename(key):
         if key not in cache:
-            parse_model_key(key, where)
+            parse_model_key(key, where, keys)
             new = None
             for pattern, replacement in rules:
                 if pattern.search(key):
                     new = pattern.sub(replacement, key, count=1)
                     try:
-                        VariableKey.parse(new)
+                        keys.parse(new)
                     except KeyFormatError as err:
                         raise ValueError(
                             f"rename rule ({pattern.pattern!r}, {replacement!r}) turns {key!r} into "

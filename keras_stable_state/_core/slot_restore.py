@@ -10,7 +10,9 @@ the restore (`keras_stable_state._core.plan`).
 
 from __future__ import annotations
 
-from keras_stable_state._identity.keys import MAIN, file_label, parse_optimizer_key, split_entry_name
+from typing import TYPE_CHECKING
+
+from keras_stable_state._identity.keys import MAIN, split_entry_name
 from keras_stable_state._optimizer.entries import optimizer_classes
 from keras_stable_state._optimizer.groups import check_windows_and_groups
 from keras_stable_state._optimizer.matching import SlotNotes, match_slots
@@ -18,6 +20,9 @@ from keras_stable_state._optimizer.slots import build_for, check_inside
 from keras_stable_state._optimizer.tracking import stable_optimizer_in
 from keras_stable_state._optimizer.wrapper import bind_unchecked
 from keras_stable_state.errors import BindingError, listed
+
+if TYPE_CHECKING:
+    from keras_stable_state._core.requests import RestoreRequest
 
 __all__ = ["NO_OPTIMIZER", "plan_optimizers"]
 
@@ -38,21 +43,12 @@ def _report(report, notes: SlotNotes) -> None:
     report.counters_near_limit.extend(notes.counters_near_limit)
 
 
-def plan_optimizers(
-    record,
-    optimizers,
-    model,
-    strict,
-    allow_cast,
-    report,
-    dropped_keys,
-    filepath,
-    *,
-    extras=None,
-    keep_learning_rate=False,
-):
-    """Plan every optimizer's arrays: saved names matched to live names."""
-    where = file_label(filepath)
+def plan_optimizers(record, request: RestoreRequest, report, dropped_keys):
+    """Plan every optimizer's arrays of ``record`` for ``request`` (its optimizers, flags and
+    `ModelIndex`): saved names matched to live names; ``dropped_keys``: the variable keys
+    whose slots are dropped on purpose (``strict=False`` contract differences)."""
+    optimizers, model, strict, extras = request.optimizers, request.model, request.strict, request.extras
+    index, where = request.index, request.where
     saved_opt = record.optimizer
     meta_all = record.metadata.get("optimizers")  # (a stock Keras file's metadata is empty)
     meta_all = meta_all if isinstance(meta_all, dict) else {}
@@ -60,7 +56,7 @@ def plan_optimizers(
     if isinstance(saved_opt, dict):
         groups = {}
         for key, array in saved_opt.items():
-            parsed_keys[key] = parse_optimizer_key(key, where)
+            parsed_keys[key] = index.keys.optimizer_key(key, where)
             groups.setdefault(split_entry_name(parsed_keys[key][1])[0], {})[key] = array
     else:
         groups = {MAIN: saved_opt} if len(saved_opt) else {}
@@ -116,24 +112,25 @@ def plan_optimizers(
                 expected=saved_classes,
                 received=live_classes,
             )
-        build_for(name, opt, model, meta, report, where, extras)
+        build_for(name, opt, model, meta, report, where, extras, index)
         if stable_optimizer_in(opt) is not None:
             bind_unchecked(stable_optimizer_in(opt), model)  # bound to the model given
         check_inside(opt, model, extras or {}, "restore_training_state")
-        check_windows_and_groups(name, opt, model, meta, where)
+        check_windows_and_groups(name, opt, model, meta, where, index)
         planned, notes = match_slots(
             opt,
             model,
             saved,
             keyed=isinstance(saved, dict),
             strict=strict,
-            allow_cast=allow_cast,
+            allow_cast=request.allow_cast,
             dropped_keys=dropped_keys,
-            where=filepath,
+            where=request.filepath,
             name=name,
             extras=extras,
-            keep_learning_rate=keep_learning_rate,
+            keep_learning_rate=request.keep_learning_rate,
             parsed_keys=parsed_keys,
+            index=index,
         )
         _report(report, notes)
         plan += planned

@@ -8,7 +8,7 @@ optimizer numbers its parameters), all or nothing with the rest of the restore.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,7 +18,6 @@ from keras_stable_state._identity.dtypes import EXACT_CASTS, floating
 from keras_stable_state._identity.keys import (
     MAIN,
     entry_prefix,
-    file_label,
     split_entry_key,
     split_entry_name,
 )
@@ -27,6 +26,9 @@ from keras_stable_state._optimizer.torch_optim import SECTION, live_params, para
 from keras_stable_state._state.state_dict import decode, qualified_name
 from keras_stable_state.errors import BindingError, DtypeMismatchError, listed
 from keras_stable_state.format.record import BY_KEY
+
+if TYPE_CHECKING:
+    from keras_stable_state._core.requests import RestoreRequest
 
 __all__ = ["plan_torch_optimizers"]
 
@@ -70,22 +72,20 @@ def _saved(record: Any, where: str) -> dict[str, Any]:
     return section
 
 
-def plan_torch_optimizers(
-    record, torch_opts, model, *, extras, strict, allow_cast, report, filepath, keep_learning_rate=False
-):
-    """The steps putting back the state of every ``torch.optim`` optimizer in ``torch_opts``.
+def plan_torch_optimizers(record, request: RestoreRequest, report):
+    """The steps putting back the state of every ``torch.optim`` optimizer of ``request``.
 
     Args:
         record: The `StateRecord` (or stock weights: no torch state).
-        torch_opts: ``{name: torch.optim.Optimizer}`` passed as ``optimizer=``.
-        model: The model whose variables the optimizers train.
-        extras: ``{name: keras.Variable}`` outside the model (``variables=``).
-        strict: Refuse any difference (``False``: drop or leave fresh, and report it).
-        allow_cast: Cast floating-point state of another dtype (listed in ``report.casts``).
+        request: The restore's `RestoreRequest`: its ``torch_optimizers`` (``{name:
+            torch.optim.Optimizer}`` passed as ``optimizer=``), the model (its `ModelIndex`)
+            whose variables they train, ``extras`` (``variables=``), and its flags: ``strict``
+            refuses any difference (``False``: drop or leave fresh, and report it),
+            ``allow_cast`` casts floating-point state of another dtype (listed in
+            ``report.casts``), ``keep_learning_rate`` keeps each live param group's ``lr``
+            (every difference is listed in ``report.learning_rates`` either way, as
+            ``optimizer:<name>/param_groups/<i>/lr``).
         report: The `RestoreReport`.
-        filepath: The file, for messages.
-        keep_learning_rate: Keep each live param group's ``lr`` (every difference is listed
-            in ``report.learning_rates`` either way, as ``optimizer:<name>/param_groups/<i>/lr``).
 
     Returns:
         A list of `Step` (one per optimizer with saved state).
@@ -97,7 +97,7 @@ def plan_torch_optimizers(
         DtypeMismatchError: a parameter of another dtype without ``allow_cast``.
         CorruptCheckpointError: a malformed ``torch_optimizers`` record.
     """
-    where = file_label(filepath)
+    torch_opts, strict, where = request.torch_optimizers, request.strict, request.where
     saved_all = _saved(record, where)
     absent = sorted(set(saved_all) - set(torch_opts))
     if absent and strict:
@@ -133,19 +133,7 @@ def plan_torch_optimizers(
                 )
             report.left_fresh.append(f"optimizer:{name}")
             continue
-        step = _plan_one(
-            name,
-            opt,
-            saved_all[name],
-            record.arrays,
-            model,
-            extras,
-            strict,
-            allow_cast,
-            report,
-            where,
-            keep_learning_rate,
-        )
+        step = _plan_one(name, opt, saved_all[name], record.arrays, request, report)
         if step is not None:
             steps.append(step)
     return steps
@@ -155,8 +143,9 @@ def _slot(key: str, head: str, entry: str) -> str:
     return f"{key}#{head}{entry}"
 
 
-def _plan_one(name, opt, saved, arrays, model, extras, strict, allow_cast, report, where, keep_lr=False):
+def _plan_one(name, opt, saved, arrays, request: RestoreRequest, report):
     """The step restoring one optimizer, or ``None`` when nothing of it is restored."""
+    model, extras, strict, where = request.model, request.extras, request.strict, request.where
     head = entry_prefix(name)
     saved = _state.join_arrays(saved, arrays, where)
     saved_state = saved["state"]
@@ -178,7 +167,7 @@ def _plan_one(name, opt, saved, arrays, model, extras, strict, allow_cast, repor
             report.drop(slot, OTHER_CLASS)
         report.left_fresh.append(f"optimizer:{name}")
         return None
-    keys = param_keys(model, extras)
+    keys = param_keys(model, extras, request.index)
     groups = live_params(opt, name, keys, model, "restore_training_state")
     live = {key: (var, p) for group in groups for key, var, p in group}
     unexpected = [k for k in saved_keys if k not in live]
@@ -203,12 +192,14 @@ def _plan_one(name, opt, saved, arrays, model, extras, strict, allow_cast, repor
         for entry in saved_state.get(key, {}):
             report.drop(_slot(key, head, entry), NOT_TRAINED if key in in_model else NOT_IN_MODEL)
     report.left_fresh.extend(_slot(k, head, "*") for k in missing)
-    _check_specs(name, saved, live, saved_state, head, allow_cast, report, where)
+    _check_specs(name, saved, live, head, request, report)
     hyper = _group_hyper(name, opt, saved, groups, where)
     state, position = {}, 0
     param_groups = []
     for i, (group, live_group, values) in enumerate(zip(opt.param_groups, groups, hyper, strict=True)):
-        _learning_rate(f"optimizer:{name}/param_groups/{i}/lr", group, values, keep_lr, report)
+        _learning_rate(
+            f"optimizer:{name}/param_groups/{i}/lr", group, values, request.keep_learning_rate, report
+        )
         positions = list(range(position, position + len(live_group)))
         for pos, (key, _, _) in zip(positions, live_group, strict=True):
             if key in saved_state:
@@ -224,8 +215,10 @@ def _plan_one(name, opt, saved, arrays, model, extras, strict, allow_cast, repor
     return _load_step(name, opt, {"state": state, "param_groups": param_groups})
 
 
-def _check_specs(name, saved, live, saved_state, head, allow_cast, report, where):
-    """Refuse a variable of another shape (listing all), or of another dtype without ``allow_cast``."""
+def _check_specs(name, saved, live, head, request: RestoreRequest, report):
+    """Refuse a variable of another shape (listing all), or of another dtype without the
+    request's ``allow_cast``."""
+    saved_state, allow_cast, where = saved["state"], request.allow_cast, request.where
     reshaped, retyped = [], []
     for key, (_, param) in live.items():
         spec = saved["params"].get(key)

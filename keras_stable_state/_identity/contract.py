@@ -7,14 +7,18 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from keras_stable_state._identity.dtypes import float_cast
-from keras_stable_state._identity.registry import VariableKey, VariableRegistry
+from keras_stable_state._identity.keys import ParsedKeys
+from keras_stable_state._identity.registry import ModelIndex
 from keras_stable_state.errors import NAMES_SHOWN, ContractError, listed, shown
 
 if TYPE_CHECKING:
     import keras
 
 
-__all__ = ["TrainableContract"]
+__all__ = ["TrainableContract", "check_contract", "contract_diff", "contract_of", "read_contract"]
+
+# ``(missing, unexpected, reshaped, retyped)``: see `TrainableContract.diff`.
+_Diff = tuple[list[str], list[str], list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +43,7 @@ class TrainableContract:
     @classmethod
     def capture(cls, model: keras.Model) -> TrainableContract:
         """The contract of ``model``'s current trainable variables."""
-        registry = VariableRegistry.from_model(model, model.trainable_variables)
-        return cls(tuple((str(k), tuple(map(int, v.shape)), str(v.dtype)) for k, v in registry.entries))
+        return contract_of(ModelIndex(model))
 
     def to_json(self) -> list[list[Any]]:
         """A JSON-serialisable list of ``[key, shape, dtype]``."""
@@ -53,11 +56,7 @@ class TrainableContract:
         Raises:
             KeyFormatError: if a key is malformed.
         """
-        entries = []
-        for key, shape, dtype in data:
-            VariableKey.parse(key)
-            entries.append((str(key), tuple(int(d) for d in shape), str(dtype)))
-        return cls(tuple(entries))
+        return read_contract(data, ParsedKeys())
 
     def diff(
         self, model: keras.Model
@@ -69,8 +68,12 @@ class TrainableContract:
         contract does not list (added or unfrozen); ``reshaped`` /
         ``retyped``: ``(key, saved, current)`` triples.
         """
+        return self._diff(TrainableContract.capture(model))
+
+    def _diff(self, now: TrainableContract) -> _Diff:
+        """`diff` against the contract ``now`` of the model."""
         saved = {k: (s, d) for k, s, d in self.entries}
-        current = {k: (s, d) for k, s, d in TrainableContract.capture(model).entries}
+        current = {k: (s, d) for k, s, d in now.entries}
         missing = [k for k in saved if k not in current]
         unexpected = [k for k in current if k not in saved]
         reshaped = [
@@ -96,7 +99,11 @@ class TrainableContract:
                 re-typed key (not only the first); a re-typed float variable
                 names ``allow_cast=True`` as its fix.
         """
-        missing, unexpected, reshaped, retyped = self.diff(model)
+        self._validate(TrainableContract.capture(model), allow_cast)
+
+    def _validate(self, now: TrainableContract, allow_cast: bool) -> None:
+        """`validate` against the contract ``now`` of the model."""
+        missing, unexpected, reshaped, retyped = self._diff(now)
         if allow_cast:
             retyped = [t for t in retyped if not float_cast(t[1], t[2])]
         if not (missing or unexpected or reshaped or retyped):
@@ -141,3 +148,36 @@ class TrainableContract:
             reshaped=reshaped,
             retyped=retyped,
         )
+
+
+def contract_of(index: ModelIndex) -> TrainableContract:
+    """[`TrainableContract.capture`][keras_stable_state.TrainableContract.capture] of the
+    indexed model, from the index's walk."""
+    registry = index.registry(index.model.trainable_variables)
+    return TrainableContract(
+        tuple((str(k), tuple(map(int, v.shape)), str(v.dtype)) for k, v in registry.entries)
+    )
+
+
+def read_contract(data: Iterable[Sequence[Any]], keys: ParsedKeys) -> TrainableContract:
+    """[`TrainableContract.from_json`][keras_stable_state.TrainableContract.from_json], each
+    key parsed through ``keys`` (once per call).
+
+    Raises:
+        KeyFormatError: if a key is malformed.
+    """
+    entries = []
+    for key, shape, dtype in data:
+        keys.parse(key)
+        entries.append((str(key), tuple(int(d) for d in shape), str(dtype)))
+    return TrainableContract(tuple(entries))
+
+
+def contract_diff(saved: TrainableContract, index: ModelIndex) -> _Diff:
+    """[`saved.diff`][keras_stable_state.TrainableContract.diff] of the indexed model."""
+    return saved._diff(contract_of(index))
+
+
+def check_contract(saved: TrainableContract, index: ModelIndex, *, allow_cast: bool = False) -> None:
+    """[`saved.validate`][keras_stable_state.TrainableContract.validate] of the indexed model."""
+    saved._validate(contract_of(index), allow_cast)

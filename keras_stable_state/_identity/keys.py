@@ -23,13 +23,11 @@ Optimizer entry keys:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -42,6 +40,7 @@ __all__ = [
     "MAIN",
     "NAMED",
     "ORDERED",
+    "ParsedKeys",
     "VariableKey",
     "check_name",
     "decode_key_list",
@@ -53,7 +52,6 @@ __all__ = [
     "parse_entry_key",
     "parse_model_key",
     "parse_optimizer_key",
-    "parsing_once",
     "slot_key",
     "split_entry_key",
     "split_entry_name",
@@ -109,22 +107,13 @@ class VariableKey:
 
     @classmethod
     def parse(cls, text: str) -> VariableKey:
-        """Parse ``"path:<path>"``, ``"order:<int>"`` or ``"var:<name>"``; inside
-        `parsing_once`, a text parsed before gives the same key again.
+        """Parse ``"path:<path>"``, ``"order:<int>"`` or ``"var:<name>"``.
 
         Raises:
             KeyFormatError: if ``text`` is none of these forms (the file was
                 written by something else, or damaged).
         """
-        memo = _PARSED.get()
-        if memo is not None and isinstance(text, str):
-            known = memo.get(text)
-            if known is not None:
-                return known
-        key = cls._parse(text)
-        if memo is not None:
-            memo[text] = key
-        return key
+        return cls._parse(text)
 
     @classmethod
     def _parse(cls, text: str) -> VariableKey:
@@ -145,25 +134,43 @@ class VariableKey:
         return cls(ORDERED, match.group(4))
 
 
-_PARSED: contextvars.ContextVar[dict[str, VariableKey] | None] = contextvars.ContextVar(
-    "keras_stable_state_parsed_keys", default=None
-)
+class ParsedKeys:
+    """The variable keys one save or restore has parsed, by their text: each text is parsed
+    once (a restore meets every key of a file when it is read, when its contract is read and
+    when it is bound; about 1.2 us each) and gives the same (immutable) key again. A text
+    that is refused is not kept (it is refused again). Made per call (`ModelIndex` holds
+    one), never shared between calls.
 
+    Args:
+        known: The dict to keep them in (used as it is, not copied: a file's reader keeps
+            the keys it checked in its record's ``parsed_keys``); default a new one.
 
-@contextlib.contextmanager
-def parsing_once() -> Iterator[None]:
-    """Within this context [`VariableKey.parse`][keras_stable_state.VariableKey.parse] parses each text once and returns the
-    same (immutable) key for it again: a restore parses every key of a file when it is
-    listed and again when it is bound (about 1.2 us each). Nested contexts share the
-    outer one; a text that is refused is not kept (it is refused again)."""
-    if _PARSED.get() is not None:
-        yield
-        return
-    token = _PARSED.set({})
-    try:
-        yield
-    finally:
-        _PARSED.reset(token)
+    Attributes:
+        known: ``{text: VariableKey}`` of every text parsed (or added by `update`).
+    """
+
+    def __init__(self, known: dict[str, VariableKey] | None = None) -> None:
+        self.known: dict[str, VariableKey] = {} if known is None else known
+
+    def update(self, known: dict[str, VariableKey]) -> None:
+        """Keep ``known`` (``{text: VariableKey}`` parsed elsewhere, e.g. as a file was read)."""
+        self.known.update(known)
+
+    def parse(self, text: str) -> VariableKey:
+        """[`VariableKey.parse`][keras_stable_state.VariableKey.parse], once per text."""
+        known = self.known.get(text) if isinstance(text, str) else None
+        if known is None:
+            known = VariableKey.parse(text)
+            self.known[text] = known
+        return known
+
+    def model_key(self, key: str, where: str) -> VariableKey:
+        """`parse_model_key`, once per text."""
+        return parse_model_key(key, where, self)
+
+    def optimizer_key(self, key: str, where: str) -> tuple[VariableKey | None, str]:
+        """`parse_optimizer_key`, its variable part parsed once per text."""
+        return parse_optimizer_key(key, where, self)
 
 
 def _bad_path(path: str) -> bool:
@@ -188,8 +195,9 @@ def split_entry_key(text: str) -> tuple[str | None, str]:
     return (owner if sep else None), slot
 
 
-def parse_entry_key(text: str) -> tuple[VariableKey | None, str]:
-    """Split an optimizer entry key into ``(VariableKey | None, slot name)``.
+def parse_entry_key(text: str, parsed: ParsedKeys | None = None) -> tuple[VariableKey | None, str]:
+    """Split an optimizer entry key into ``(VariableKey | None, slot name)`` (the variable
+    part parsed through ``parsed`` when given).
 
     Raises:
         KeyFormatError: if the variable part of a slot key is malformed.
@@ -204,7 +212,7 @@ def parse_entry_key(text: str) -> tuple[VariableKey | None, str]:
         )
     if owner == GLOBAL:
         return None, slot
-    return VariableKey.parse(owner), slot
+    return (VariableKey.parse(owner) if parsed is None else parsed.parse(owner)), slot
 
 
 def check_name(name: object, what: str = "optimizer name") -> None:
@@ -265,17 +273,21 @@ def malformed_key(where: str, section: str, key: str | None, err: BaseException)
     )
 
 
-def parse_model_key(key: str, where: str) -> VariableKey:
-    """[`VariableKey.parse`][keras_stable_state.VariableKey.parse], a failure raised as [`MalformedKeyError`][keras_stable_state.MalformedKeyError]."""
+def parse_model_key(key: str, where: str, parsed: ParsedKeys | None = None) -> VariableKey:
+    """[`VariableKey.parse`][keras_stable_state.VariableKey.parse] (through ``parsed`` when
+    given), a failure raised as [`MalformedKeyError`][keras_stable_state.MalformedKeyError]."""
     try:
-        return VariableKey.parse(key)
+        return VariableKey.parse(key) if parsed is None else parsed.parse(key)
     except KeyFormatError as err:
         raise malformed_key(where, "model variable", key, err) from err
 
 
-def parse_optimizer_key(key: str, where: str) -> tuple[VariableKey | None, str]:
-    """`parse_entry_key`, a failure raised as [`MalformedKeyError`][keras_stable_state.MalformedKeyError]."""
+def parse_optimizer_key(
+    key: str, where: str, parsed: ParsedKeys | None = None
+) -> tuple[VariableKey | None, str]:
+    """`parse_entry_key` (through ``parsed`` when given), a failure raised as
+    [`MalformedKeyError`][keras_stable_state.MalformedKeyError]."""
     try:
-        return parse_entry_key(key) if isinstance(key, str) else parse_entry_key(str(key))
+        return parse_entry_key(key if isinstance(key, str) else str(key), parsed)
     except (KeyFormatError, BindingError) as err:
         raise malformed_key(where, "optimizer variable", key, err) from err

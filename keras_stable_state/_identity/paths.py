@@ -16,17 +16,14 @@ by these paths.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import re
 
 import keras
 
 from keras_stable_state import _keras_compat
-from keras_stable_state._identity import keys
 
-__all__ = ["one_walk", "stable_layer_paths", "stable_paths", "stable_variable_paths", "walk", "walk_cache"]
+__all__ = ["stable_layer_paths", "stable_paths", "stable_variable_paths", "walk"]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -105,55 +102,14 @@ def _own_variables(obj) -> list:
     return []
 
 
-# Inside ``one_walk()``: what Keras' saving walk yields per object, each finished walk
-# and each registry built, so one save or restore walks the model once however many
-# registries it builds (model, contract, each optimizer, arguments, layer state).
-_WALKS = contextvars.ContextVar("keras_stable_state_walks", default=None)
-
-
-@contextlib.contextmanager
-def one_walk():
-    """Within this context the model's structure is walked once and reused.
-
-    ``save_training_state`` and ``restore_training_state`` build several registries
-    (model, contract, each optimizer, layer state) from one unchanged model; each
-    used to walk it again (each walk costs 35-40 us per small layer, docs/performance.md). Inside
-    the context the children Keras' walk yields for each object, each complete walk
-    and each registry (by model and variable list) are kept and reused; on leaving,
-    they are dropped. Nested contexts share the outer one. Each key text is parsed once
-    inside it too (`parsing_once`).
-
-    A registry asked for variables the walk did not reach, which the model has
-    gained since it was walked (a layer built inside the context), walks the
-    model again; building an optimizer changes no walk (optimizers are not
-    walked) and a registry over its variables is keyed by those variables. Do not
-    otherwise add, remove or rename layers inside the context.
-    """
-    if _WALKS.get() is not None:
-        yield
-        return
-    token = _WALKS.set({})
-    try:
-        with keys.parsing_once():
-            yield
-    finally:
-        _WALKS.reset(token)
-
-
-def walk_cache() -> dict | None:
-    """The cache of the current `one_walk` context (``None`` outside one), where
-    other registries of the same call may be kept too (under keys of their own)."""
-    return _WALKS.get()
-
-
 def _model_variable_ids(model) -> frozenset:
     variables = getattr(model, "variables", None)
     return frozenset(map(id, variables)) if isinstance(variables, (list, tuple)) else frozenset()
 
 
 def _cached_walk(model, keras_style: bool, cache: dict):
-    """``(model, out, layers, variable ids)``: `_walk_once` walked once per
-    ``one_walk()`` context, and the ids of the model's variables when it was walked."""
+    """``(model, out, layers, variable ids)``: `_walk_once` walked once per ``cache`` (a
+    `ModelIndex`'s), and the ids of the model's variables when it was walked."""
     hit = cache.get(("walk", id(model), keras_style))
     if hit is None or hit[0] is not model:
         out, found = _walk_once(model, keras_style, cache)
@@ -163,11 +119,11 @@ def _cached_walk(model, keras_style: bool, cache: dict):
     return hit
 
 
-def walk(model, keras_style: bool, layers: dict | None = None) -> dict:
+def walk(model, keras_style: bool, layers: dict | None = None, cache: dict | None = None) -> dict:
     """``id(variable) -> (path, variable)`` for one walk of ``model`` (``keras_style``: see
-    `_walk_once`), reused inside `one_walk`; every layer reached is added to
-    ``layers`` (``id(layer) -> (path, layer)``) when given."""
-    cache = _WALKS.get()
+    `_walk_once`); with ``cache`` (the walk cache of a `ModelIndex`, one save or restore)
+    the walk is made once and reused. Every layer reached is added to ``layers``
+    (``id(layer) -> (path, layer)``) when given."""
     if cache is None:
         out, found = _walk_once(model, keras_style, None)
     else:
@@ -178,15 +134,14 @@ def walk(model, keras_style: bool, layers: dict | None = None) -> dict:
     return out
 
 
-def stable_paths(model, variables) -> dict:
+def stable_paths(model, variables, cache: dict | None = None) -> dict:
     """``id(variable) -> (path, variable)`` from the stable walk, for keying ``variables``.
 
-    Inside `one_walk` the walk of the call is reused, unless one of
-    ``variables`` is not reached by it and is a variable the model did not have
-    when it was walked: then the model changed inside the context (a layer
-    built), and everything cached is dropped and the model walked again.
+    With ``cache`` (a `ModelIndex`'s) the walk is reused, unless one of ``variables`` is
+    not reached by it and is a variable the model did not have when it was walked: then
+    the model changed since (a layer built), and everything cached is dropped and the
+    model walked again.
     """
-    cache = _WALKS.get()
     if cache is None:
         return _walk_once(model, False, None)[0]
     _, out, _, walked = _cached_walk(model, False, cache)
@@ -200,7 +155,7 @@ def stable_paths(model, variables) -> dict:
 def _walk_once(model, keras_style: bool, cache: dict | None):
     """``(id(variable) -> (path, variable), id(layer) -> (path, layer))`` for one walk
     over the model; every layer reached is listed (the model itself at ``""``).
-    ``cache`` (from `one_walk`) keeps what Keras' walk yields per object.
+    ``cache`` (a `ModelIndex`'s, or ``None``) keeps what Keras' walk yields per object.
 
     ``keras_style=True`` reproduces Keras' own ``.weights.h5`` addressing
     (``_walk_saveable`` order, class-name container entries, ``vars/<i>``).

@@ -25,11 +25,12 @@ a named key owns, and must agree in shape and dtype.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from keras_stable_state._identity.keys import NAMED, ORDERED, VariableKey
-from keras_stable_state._identity.paths import stable_paths, walk, walk_cache
+from keras_stable_state._identity.keys import NAMED, ORDERED, ParsedKeys, VariableKey
+from keras_stable_state._identity.paths import stable_paths, walk
 from keras_stable_state.errors import BindingError, listed
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 
 # VariableKey lives in keys.py (the key grammar, no Keras); it stays importable from here.
-__all__ = ["VariableKey", "VariableRegistry"]
+__all__ = ["ModelIndex", "VariableKey", "VariableRegistry"]
 
 
 class VariableRegistry:
@@ -65,6 +66,9 @@ class VariableRegistry:
         self._model = model
         self._keras_paths: dict[int, str] | None = None if model is not None else {}
         self._keras_source: VariableRegistry | None = None
+        # The ModelIndex that built it (weakly: the index holds its registries), whose walk
+        # cache `keras_paths` reuses.
+        self._index: weakref.ref[ModelIndex] | None = None
         self._by_key: dict[VariableKey, keras.Variable] = {}
         self._by_id: dict[int, VariableKey] = {}
         dup = []
@@ -87,20 +91,24 @@ class VariableRegistry:
         """Key ``variables`` (default: ``model.variables``) by the model's stable paths.
 
         A variable the walk does not reach gets ``order:<its index in variables>``.
-        A tied variable appearing twice in ``variables`` is keyed once. Inside
-        `one_walk` (every save and restore) the
-        registry of one model and variable list is built once and shared: treat it as
-        read-only.
+        A tied variable appearing twice in ``variables`` is keyed once. Each call walks
+        the model; a save or restore builds its registries from one walk instead
+        (`ModelIndex.registry`).
         """
         variables = list(model.variables if variables is None else variables)
-        cache = walk_cache() if model is not None else None
-        if cache is not None:
-            cache_key = ("registry", id(model), tuple(map(id, variables)))
-            hit = cache.get(cache_key)
-            if hit is not None and hit[0] is model:
-                cached: VariableRegistry = hit[1]
-                return cached
-        paths = stable_paths(model, variables) if model is not None else {}
+        return cls._from_paths(model, variables, stable_paths(model, variables) if model is not None else {})
+
+    @classmethod
+    def _from_paths(
+        cls,
+        model: keras.Model | None,
+        variables: Sequence[keras.Variable],
+        paths: dict[int, tuple[str, Any]],
+        index: ModelIndex | None = None,
+    ) -> VariableRegistry:
+        """Key ``variables`` by ``paths`` (``id(variable) -> (path, variable)``, from the stable
+        walk of ``model``); ``index``: the `ModelIndex` whose walk gave the paths, reused for
+        [`keras_paths`][keras_stable_state.VariableRegistry.keras_paths]."""
         entries, seen = [], set()
         for i, v in enumerate(variables):
             if id(v) in seen:
@@ -109,8 +117,7 @@ class VariableRegistry:
             hit = paths.get(id(v))
             entries.append((VariableKey(NAMED, hit[0]) if hit else VariableKey(ORDERED, str(i)), v))
         registry = cls(entries, model=model)
-        if cache is not None:
-            cache[cache_key] = (model, registry)
+        registry._index = None if index is None else weakref.ref(index)
         return registry
 
     def rekeyed(self, entries: Iterable[tuple[VariableKey, keras.Variable]]) -> VariableRegistry:
@@ -118,6 +125,7 @@ class VariableRegistry:
         registry = VariableRegistry(entries, model=self._model)
         registry._keras_paths = self._keras_paths
         registry._keras_source = self
+        registry._index = self._index
         return registry
 
     @property
@@ -126,15 +134,17 @@ class VariableRegistry:
         variable the model's walk reaches (``"layers/dense/vars/0"``).
 
         Only restores of stock Keras files need it, so it is computed on first use
-        (a walk in Keras' own order: inside
-        `one_walk`, once per call).
+        (a walk in Keras' own order; for a registry of a `ModelIndex`, once per save or
+        restore, over the objects the index's walk already listed).
         """
         if self._keras_paths is None:
             if self._keras_source is not None:
                 self._keras_paths = self._keras_source.keras_paths
             else:
-                ours = walk(self._model, keras_style=False)
-                theirs = walk(self._model, keras_style=True)
+                index = None if self._index is None else self._index()
+                cache = None if index is None else index._walks
+                ours = walk(self._model, keras_style=False, cache=cache)
+                theirs = walk(self._model, keras_style=True, cache=cache)
                 self._keras_paths = {
                     id(v): theirs[id(v)][0] for _, v in self.entries if id(v) in ours and id(v) in theirs
                 }
@@ -224,3 +234,65 @@ class VariableRegistry:
             bound[key] = (var, "order")
             claimed.add(id(var))
         return bound, unmatched
+
+
+class ModelIndex:
+    """What one save or restore knows of its model: one walk of it, the registries built
+    from that walk, its layers' paths and the keys parsed.
+
+    A save or restore builds several registries (model, contract, each optimizer,
+    arguments, layer state) from one unchanged model; made once per call and carried
+    in its request (``SaveRequest``, ``RestoreRequest``), the index walks the model once
+    for all of them (each walk costs 35-40 us per small layer, docs/performance.md) and
+    parses each key text once (`ParsedKeys`). It is dropped with the request when
+    the call returns. Code outside a save or restore makes a fresh one, or walks the
+    model itself (`VariableRegistry.from_model`).
+
+    A registry asked for variables the walk did not reach, which the model has gained
+    since it was walked (a layer built since), walks the model again; building an
+    optimizer changes no walk (optimizers are not walked) and a registry over its
+    variables is keyed by those variables. A layer added, removed or renamed after the
+    walk is not seen: an index serves one call.
+
+    Args:
+        model: The ``keras.Model`` (or layer) indexed.
+
+    Attributes:
+        model: The model indexed.
+        keys: The `ParsedKeys` of the call (a restore adds those its file's reader parsed).
+    """
+
+    def __init__(self, model: keras.Model) -> None:
+        self.model = model
+        self.keys = ParsedKeys()
+        # What Keras' walk yields per object, each finished walk and each registry (by its
+        # variables): `paths.walk` keeps the first two here; a walk redone drops all.
+        self._walks: dict[Any, Any] = {}
+
+    @classmethod
+    def of(cls, model: keras.Model, index: ModelIndex | None) -> ModelIndex:
+        """``index`` when it indexes ``model``, else a new index of ``model`` (for code that
+        runs both inside a save or restore and outside one)."""
+        return index if index is not None and index.model is model else cls(model)
+
+    def registry(self, variables: Sequence[keras.Variable] | None = None) -> VariableRegistry:
+        """[`VariableRegistry.from_model`][keras_stable_state.VariableRegistry.from_model] of
+        the model, built once per list of variables and shared: treat it as read-only."""
+        model = self.model
+        variables = list(model.variables if variables is None else variables)
+        cache_key = ("registry", tuple(map(id, variables)))
+        hit = self._walks.get(cache_key)
+        if hit is not None:
+            cached: VariableRegistry = hit
+            return cached
+        paths = stable_paths(model, variables, self._walks) if model is not None else {}
+        registry = VariableRegistry._from_paths(model, variables, paths, self)
+        self._walks[cache_key] = registry
+        return registry
+
+    def layer_paths(self) -> dict[int, tuple[str, Any]]:
+        """``id(layer) -> (path, layer)`` for every layer the walk reaches, in walk order (as
+        `stable_layer_paths` gives them), from the call's walk."""
+        layers: dict[int, tuple[str, Any]] = {}
+        walk(self.model, keras_style=False, layers=layers, cache=self._walks)
+        return layers

@@ -11,7 +11,7 @@ state and listing the notes in a ``RestoreReport`` is the restore core's,
 `keras_stable_state._core.slot_restore`.
 """
 
-from keras_stable_state._optimizer.accumulator import GradientAccumulator
+from keras_stable_state._optimizer.accumulator import GradientAccumulator, provider_calls
 from keras_stable_state._optimizer.entries import (
     OptimizerEntry,
     keyed_optimizer_entries,
@@ -31,6 +31,7 @@ __all__ = [
     "optimizer_classes",
     "optimizer_entries",
     "optimizer_tree",
+    "provider_calls",
     "save_optimizers",
     "stable_optimizer_in",
     "tracked_optimizers",

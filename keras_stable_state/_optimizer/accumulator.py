@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
 import numpy as np
 
 from keras_stable_state._identity import keys
-from keras_stable_state._identity.keys import VariableKey
-from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._identity.registry import ModelIndex, VariableRegistry
 from keras_stable_state._numpy import numpy_copy, to_numpy
 from keras_stable_state.errors import BindingError, StateError, listed
 
-__all__ = ["GradientAccumulator"]
+__all__ = ["GradientAccumulator", "provider_calls"]
 
 
 class GradientAccumulator:
@@ -111,8 +111,8 @@ class GradientAccumulator:
             v.assign(keras.ops.zeros(v.shape, v.dtype))
 
     # -- state provider ------------------------------------------------------------
-    def _registry(self) -> VariableRegistry:
-        return VariableRegistry.from_model(self.model, self.targets)
+    def _registry(self, index: ModelIndex | None) -> VariableRegistry:
+        return ModelIndex.of(self.model, index).registry(self.targets)
 
     def get_state(self) -> dict[str, Any]:
         """Sums by variable key, total weight and micro-step count.
@@ -121,9 +121,14 @@ class GradientAccumulator:
             StateError: if a variable with pending (non-zero) gradients is no
                 longer trainable: saving would carry gradients nothing will apply.
         """
+        return self._get_state(None)
+
+    def _get_state(self, index: ModelIndex | None) -> dict[str, Any]:
+        """`get_state`, the variables keyed from ``index`` (a save's or restore's) when it
+        indexes this accumulator's model."""
         if not self.built:
             self.build()
-        registry = self._registry()
+        registry = self._registry(index)
         trainable = {id(v) for v in self.model.trainable_variables}
         sums = {}
         for var, s in zip(self.targets, self.sums, strict=True):
@@ -149,10 +154,16 @@ class GradientAccumulator:
         Raises:
             BindingError: if a saved key matches no variable, or shapes differ.
         """
+        self._set_state(state, None)
+
+    def _set_state(self, state: dict[str, Any], index: ModelIndex | None) -> None:
+        """`set_state`, the variables keyed and the keys parsed by ``index`` (a restore's)
+        when it indexes this accumulator's model."""
         if not self.built:
             self.build()
-        registry = self._registry()
-        saved = {VariableKey.parse(keys.split_entry_key(k)[0] or ""): v for k, v in state["sums"].items()}
+        index = ModelIndex.of(self.model, index)
+        registry = self._registry(index)
+        saved = {index.keys.parse(keys.split_entry_key(k)[0] or ""): v for k, v in state["sums"].items()}
         bound, unmatched = registry.bind((k, None, None) for k in saved)
         if unmatched or len(bound) != len(self.targets):
             raise BindingError(
@@ -162,10 +173,10 @@ class GradientAccumulator:
                 key=str(unmatched[0]) if unmatched else None,
             )
         plan = []
-        index = {id(v): i for i, v in enumerate(self.targets)}
+        position = {id(v): i for i, v in enumerate(self.targets)}
         for key, value in saved.items():
             var = bound[key][0]
-            target = self.sums[index[id(var)]]
+            target = self.sums[position[id(var)]]
             if tuple(np.shape(value)) != tuple(target.shape):
                 raise BindingError(
                     f"Saved accumulator sum for {key} has shape {np.shape(value)}, expected {tuple(target.shape)}.",
@@ -176,3 +187,14 @@ class GradientAccumulator:
             target.assign(value)
         self.total_weight.assign(np.float32(state["total_weight"]))
         self.micro_steps.assign(np.int32(state["micro_steps"]))
+
+
+def provider_calls(provider: Any, index: ModelIndex) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """``(get_state, set_state)`` of a ``state`` provider for one save or restore: a
+    `GradientAccumulator` of the indexed model keys its sums from ``index`` (the call's one
+    walk); any other provider's own methods."""
+    if isinstance(provider, GradientAccumulator) and provider.model is index.model:
+        return functools.partial(provider._get_state, index), functools.partial(
+            provider._set_state, index=index
+        )
+    return provider.get_state, provider.set_state

@@ -17,7 +17,7 @@ import keras
 from keras_stable_state import _keras_compat
 from keras_stable_state._identity import keys
 from keras_stable_state._identity.keys import EXTRA, VariableKey, entry_prefix
-from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._identity.registry import ModelIndex, VariableRegistry
 from keras_stable_state._optimizer.attribution import ACCEPTED_CONTAINERS, SlotOwners, global_name
 from keras_stable_state.errors import BindingError, StateError
 
@@ -224,10 +224,11 @@ def optimizer_classes(optimizer) -> list:
     return [f"{prefix}{type(opt).__name__}" for prefix, opt in optimizer_tree(optimizer)]
 
 
-def optimizer_registry(optimizer, model, extras=None):
+def optimizer_registry(optimizer, model, extras=None, index=None):
     """Keys for the variables the optimizer was built with: the model's stable paths,
-    ``var:<name>`` for the caller's ``extras``, registration order for the rest."""
-    registry = VariableRegistry.from_model(model, _keras_compat.built_variables(unwrap(optimizer)))
+    ``var:<name>`` for the caller's ``extras``, registration order for the rest (from the
+    walk of ``index``, the call's `ModelIndex` of ``model``, when given)."""
+    registry = ModelIndex.of(model, index).registry(_keras_compat.built_variables(unwrap(optimizer)))
     if not extras:
         return registry
     names = {id(v): VariableKey(EXTRA, name) for name, v in extras.items()}

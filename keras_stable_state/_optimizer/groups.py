@@ -13,7 +13,8 @@ import re
 import keras
 
 from keras_stable_state import _keras_compat
-from keras_stable_state._identity.keys import MAIN, VariableKey, file_label
+from keras_stable_state._identity.keys import MAIN, file_label
+from keras_stable_state._identity.registry import ModelIndex
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer.entries import optimizer_registry, optimizer_tree
 from keras_stable_state.errors import BindingError
@@ -60,8 +61,9 @@ def build_routed(multi, variables, registry, groups):
     _keras_compat.build_routed(multi, variables, lambda var: groups.get(str(registry.key_of(var))))
 
 
-def check_windows_and_groups(name, opt, model, meta, where):
-    """Refuse a changed accumulation window or parameter-group routing, naming it."""
+def check_windows_and_groups(name, opt, model, meta, where, index=None):
+    """Refuse a changed accumulation window or parameter-group routing, naming it (``index``:
+    the restore's `ModelIndex` of ``model``, whose walk keys the variables)."""
     label = "model.optimizer" if name == MAIN else f"optimizer {name!r}"
     saved_acc = meta.get("accumulation") or {}
     live_acc = accumulation(opt)
@@ -89,7 +91,8 @@ def check_windows_and_groups(name, opt, model, meta, where):
     saved_routing = meta.get("routing") or {}
     if not saved_routing:
         return
-    registry = optimizer_registry(opt, model)
+    index = ModelIndex.of(model, index)
+    registry = optimizer_registry(opt, model, index=index)
     live_routing = routing(opt, registry)
     moved = []
     for prefix, groups in sorted(saved_routing.items()):
@@ -99,7 +102,7 @@ def check_windows_and_groups(name, opt, model, meta, where):
         for key, group in sorted(groups.items()):
             now = live.get(key)
             if now is not None and now != group:
-                var = registry.variable_of(VariableKey.parse(key))
+                var = registry.variable_of(index.keys.parse(key))
                 sub = type(subs[now]).__name__ if now < len(subs) else "?"
                 moved.append(
                     f"{key}: saved in group {group}, the live MultiOptimizer routes it to group {now} "

@@ -20,7 +20,7 @@ import numpy as np
 from keras_stable_state import _keras_compat
 from keras_stable_state._identity.dtypes import coerce
 from keras_stable_state._identity.keys import EXTRA, file_label, parse_optimizer_key
-from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._identity.registry import ModelIndex
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer.entries import (
     optimizer_entries,
@@ -168,6 +168,7 @@ def match_slots(
     extras: dict[str, Any] | None = None,
     keep_learning_rate: bool = False,
     parsed_keys: dict[str, Any] | None = None,
+    index: ModelIndex | None = None,
 ) -> tuple[list[tuple[Any, Any]], SlotNotes]:
     """Match saved optimizer arrays to live optimizer variables; assign nothing.
 
@@ -189,6 +190,8 @@ def match_slots(
             every difference is listed in ``notes.learning_rates`` either way.
         parsed_keys: ``{entry key: parse_optimizer_key(entry key)}`` already parsed
             by the caller; the others are parsed here.
+        index: The restore's `ModelIndex` of ``model`` (its walk keys the variables, its
+            `ParsedKeys` parse the keys); ``None``: a new one.
 
     Returns:
         ``(plan, notes)``: the list of ``(variable, array)`` to assign, and `SlotNotes`.
@@ -200,7 +203,8 @@ def match_slots(
             kinds (integer, boolean, float), or an integer out of range.
     """
     notes = SlotNotes()
-    registry = optimizer_registry(optimizer, model, extras)
+    index = ModelIndex.of(model, index)
+    registry = optimizer_registry(optimizer, model, extras, index)
     # Live keys only match saved ones: an order key here binds nothing a saved named key owns.
     live = optimizer_entries(optimizer, registry, name=name, allow_order_keys=True)
     lr_ids = _learning_rate_ids(optimizer)
@@ -211,7 +215,9 @@ def match_slots(
     live_by_key = {e.key: e for e in live}
     parsed_keys = parsed_keys or {}
     label = file_label(where)
-    parsed = {k: parsed_keys[k] if k in parsed_keys else parse_optimizer_key(k, label) for k in arrays}
+    parsed = {
+        k: parsed_keys[k] if k in parsed_keys else parse_optimizer_key(k, label, index.keys) for k in arrays
+    }
     owners = {}
     for vkey, _ in parsed.values():
         if vkey is not None:
@@ -244,7 +250,7 @@ def match_slots(
             live_key = f"{registry.key_of(var)}#{slot}"
         else:
             if frozen is None:
-                in_model = {str(k) for k in VariableRegistry.from_model(model).keys()} if model else set()
+                in_model = {str(k) for k in index.registry().keys()} if model else set()
                 frozen = dropped_keys & in_model
             notes.dropped[key] = drop_reason(vkey, frozen)
             continue

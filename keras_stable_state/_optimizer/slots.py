@@ -19,7 +19,7 @@ import keras
 
 from keras_stable_state import _keras_compat
 from keras_stable_state._identity.keys import MAIN
-from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._identity.registry import ModelIndex
 from keras_stable_state._numpy import to_numpy
 from keras_stable_state._optimizer.entries import (
     optimizer_classes,
@@ -66,11 +66,13 @@ def check_inside(optimizer, model, extras, verb):
     )
 
 
-def build_for(name, opt, model, meta, report, where, extras=None):
+def build_for(name, opt, model, meta, report, where, extras=None, index=None):
     """Build an unbuilt optimizer: ``model.optimizer`` on the model's trainable variables,
-    any other on the variables it was saved with; a ``MultiOptimizer`` routed as saved."""
+    any other on the variables it was saved with; a ``MultiOptimizer`` routed as saved
+    (``index``: the restore's `ModelIndex` of ``model``, whose walk keys them)."""
     if opt.built:
         return
+    index = ModelIndex.of(model, index)
     if name == MAIN:
         # Never fewer variables than the model trains (not the nested model of a wrapper).
         check_not_nested(opt, model)
@@ -84,7 +86,7 @@ def build_for(name, opt, model, meta, report, where, extras=None):
                 "restoring.",
                 key=name,
             )
-        by_key = {str(k): v for k, v in VariableRegistry.from_model(model).entries}
+        by_key = {str(k): v for k, v in index.registry().entries}
         absent = [k for k in saved if k not in by_key]
         if absent:
             raise BindingError(
@@ -95,7 +97,7 @@ def build_for(name, opt, model, meta, report, where, extras=None):
             )
         variables = [by_key[k] for k in saved]
     saved_routing = (meta or {}).get("routing") or {}
-    registry = VariableRegistry.from_model(model, variables)
+    registry = index.registry(variables)
     for prefix, multi in optimizer_tree(opt):
         if isinstance(multi, keras.optimizers.MultiOptimizer) and not multi.built and prefix in saved_routing:
             build_routed(multi, variables, registry, saved_routing[prefix])
@@ -110,9 +112,11 @@ def save_optimizers(
     allow_order_keys: bool,
     extras: dict[str, Any] | None = None,
     convert: Callable[[Any], Any] = to_numpy,
+    index: ModelIndex | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The keyed arrays of every optimizer (each variable passed through ``convert``), and per
-    optimizer: classes, variables, groups, windows."""
+    optimizer: classes, variables, groups, windows (keyed from ``index``, the save's
+    `ModelIndex` of ``model``, when given)."""
     arrays, meta = {}, {}
     for name, opt in optimizers.items():
         if not opt.built and name != MAIN:
@@ -124,7 +128,7 @@ def save_optimizers(
         allow = allow_order_keys or getattr(opt, "allow_order_keys", False)
         if not allow:
             check_inside(opt, model, extras or {}, "save_training_state")
-        registry = optimizer_registry(opt, model, extras)
+        registry = optimizer_registry(opt, model, extras, index)
         counters = {
             id(c): c
             for _, o in optimizer_tree(opt)

@@ -26,7 +26,7 @@ import keras
 
 from keras_stable_state import _keras_compat
 from keras_stable_state._identity.keys import EXTRA, MAIN, VariableKey, entry_prefix
-from keras_stable_state._identity.registry import VariableRegistry
+from keras_stable_state._identity.registry import ModelIndex
 from keras_stable_state._state.state_dict import encode, qualified_name
 from keras_stable_state.errors import BindingError, StateError, listed
 
@@ -75,11 +75,14 @@ def split_optimizers(optimizers: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     return keras_opts, torch_opts
 
 
-def param_keys(model: Any, extras: dict[str, Any] | None = None) -> dict[int, tuple[str, Any]]:
+def param_keys(
+    model: Any, extras: dict[str, Any] | None = None, index: ModelIndex | None = None
+) -> dict[int, tuple[str, Any]]:
     """``{id(parameter): (key, keras.Variable)}`` for every variable of ``model`` (its stable
-    key) and of ``extras`` (``var:<name>``): the ``torch.nn.Parameter`` each one holds."""
+    key, from the walk of ``index``, the call's `ModelIndex`, when given) and of ``extras``
+    (``var:<name>``): the ``torch.nn.Parameter`` each one holds."""
     found = {}
-    for key, var in VariableRegistry.from_model(model).entries:
+    for key, var in ModelIndex.of(model, index).registry().entries:
         found[id(_keras_compat.variable_storage(var))] = (str(key), var)
     for name, var in (extras or {}).items():
         found[id(_keras_compat.variable_storage(var))] = (str(VariableKey(EXTRA, name)), var)
@@ -141,6 +144,7 @@ def optimizer_state(
     *,
     allow_order_keys: bool = False,
     verb: str = "save_training_state",
+    index: ModelIndex | None = None,
 ) -> dict[str, Any]:
     """The state of a ``torch.optim`` optimizer, keyed by the variables it trains.
 
@@ -149,14 +153,15 @@ def optimizer_state(
         "hyper": {...}}, ...], "params": {key: [shape, dtype]}, "state": {key: {name: value}}}``
         with tensors as ``{"__tensor__": array}`` (their dtype kept) and tuples tagged
         (`encode`); ``state`` holds the parameters that have state (Torch creates it at
-        a parameter's first step).
+        a parameter's first step). The variables are keyed from ``index`` (the save's
+        `ModelIndex` of ``model``) when given.
 
     Raises:
         BindingError: for a parameter that is no variable of ``model`` nor of ``extras``
             (naming its group and position, and the ``variables=`` fix); for a variable
             without a stable path unless ``allow_order_keys``.
     """
-    keys = param_keys(model, extras)
+    keys = param_keys(model, extras, index)
     groups = live_params(optimizer, name, keys, model, verb)
     flat = [entry for group in groups for entry in group]
     ordered = [key for key, _, _ in flat if key.startswith("order:")]
@@ -231,8 +236,10 @@ def _held_by(provider: Any, optimizer: Any) -> bool:
     return isinstance(fields, dict) and any(v is optimizer for v in fields.values())
 
 
-def _unpassed(model: Any, passed: list[Any], providers: dict[str, Any], extras: dict[str, Any]) -> list[Any]:
-    ids = set(param_keys(model, extras))
+def _unpassed(
+    model: Any, passed: list[Any], providers: dict[str, Any], extras: dict[str, Any], index: ModelIndex
+) -> list[Any]:
+    ids = set(param_keys(model, extras, index))
     return [
         opt
         for opt in list(_STEPPED)
@@ -244,11 +251,16 @@ def _unpassed(model: Any, passed: list[Any], providers: dict[str, Any], extras: 
 
 
 def check_all_passed(
-    model: Any, passed: list[Any], providers: dict[str, Any], extras: dict[str, Any] | None, verb: str
+    model: Any,
+    passed: list[Any],
+    providers: dict[str, Any],
+    extras: dict[str, Any] | None,
+    verb: str,
+    index: ModelIndex | None = None,
 ) -> None:
     """Refuse a save that leaves out a ``torch.optim`` optimizer that stepped in this process,
     trains variables of ``model`` and holds state (per-parameter state, or a scheduler's
-    learning rate): its state would be lost.
+    learning rate): its state would be lost (``index``: the save's `ModelIndex` of ``model``).
 
     Raises:
         StateError: naming the optimizer's class and the fix, ``optimizer=``.
@@ -256,14 +268,15 @@ def check_all_passed(
     if not _STEPPED:
         return
     extras = extras or {}
-    if not _unpassed(model, passed, providers, extras):
+    index = ModelIndex.of(model, index)
+    if not _unpassed(model, passed, providers, extras, index):
         return
     gc.collect()  # an optimizer no longer referenced is not one the loop still trains
-    found = _unpassed(model, passed, providers, extras)
+    found = _unpassed(model, passed, providers, extras, index)
     if not found:
         return
     names = [type(opt).__name__ for opt in found]
-    keys = param_keys(model, extras)
+    keys = param_keys(model, extras, index)
     trained = sorted({keys[id(p)][0] for g in found[0].param_groups for p in g["params"] if id(p) in keys})
     raise StateError(
         f"torch.optim optimizer(s) {listed(names)} stepped in this process and train variables of model "

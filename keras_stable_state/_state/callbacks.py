@@ -276,14 +276,15 @@ def parse_callback_state(cb, value, record: str, where: str | None = None):
     return value
 
 
-def check_provider_state(provider, value, record: str, where: str | None = None):
+def check_provider_state(provider, value, record: str, where: str | None = None, current=None):
     """Check a saved provider state before anything is set: the form of the
-    provider's current ``get_state()``, and its ``validate_state`` if defined.
+    provider's current state (``current`` when given, else its ``get_state()``), and its
+    ``validate_state`` if defined.
 
     Raises:
         CorruptCheckpointError: naming ``record`` for a malformed state.
     """
-    _check_like(value, provider.get_state(), record, where)
+    _check_like(value, provider.get_state() if current is None else current, record, where)
     _validate_hook(provider, value, record, where)
     return value
 

@@ -30,7 +30,7 @@ import keras
 import numpy as np
 
 from keras_stable_state import _keras_compat
-from keras_stable_state._identity.paths import stable_layer_paths
+from keras_stable_state._identity.registry import ModelIndex
 from keras_stable_state._state.buffers import BUFFERS, buffer_steps, buffers_state, torch_buffers
 from keras_stable_state._state.tree import join_arrays, malformed, same_state
 from keras_stable_state.errors import BindingError, StateError, listed
@@ -92,12 +92,12 @@ def layer_key(path: str) -> str:
     return path or "(model)"
 
 
-def _stateful_layers(model, buffers=True) -> list:
-    """``(key, layer, kind)`` for every layer with non-variable state, in walk order
-    (a ``TextVectorization`` stands for the lookup layer inside it); ``buffers=False``
-    leaves out the wrapped Torch modules' buffers."""
+def _stateful_layers(index: ModelIndex, buffers=True) -> list:
+    """``(key, layer, kind)`` for every layer with non-variable state, in the walk order of
+    ``index`` (a ``TextVectorization`` stands for the lookup layer inside it);
+    ``buffers=False`` leaves out the wrapped Torch modules' buffers."""
     found, inner = [], set()
-    for path, layer in stable_layer_paths(model).values():
+    for path, layer in index.layer_paths().values():
         kind = _kind(layer)
         if kind is not None and (buffers or kind != BUFFERS):
             found.append((layer_key(path), layer, kind))
@@ -183,11 +183,11 @@ def _layer_state(layer, key, kind) -> dict:
     return _lookup_state(layer, key) if kind == VOCABULARY else _bins_state(layer)
 
 
-def collect_layer_state(model, *, buffers: bool = True) -> dict:
+def collect_layer_state(index: ModelIndex, *, buffers: bool = True) -> dict:
     """The non-variable state of every layer that has some, by layer key.
 
     Args:
-        model: A ``keras.Model``.
+        index: The `ModelIndex` of a ``keras.Model`` (a save's: its layers from its walk).
         buffers: Include the buffers of the modules ``keras.layers.TorchModuleWrapper``
             layers wrap (Torch backend; BatchNorm statistics and any registered buffer).
 
@@ -201,10 +201,10 @@ def collect_layer_state(model, *, buffers: bool = True) -> dict:
             be saved (bytes that are not UTF-8, a token neither text nor integer).
 
     Examples:
-        >>> collect_layer_state(model)["layers/lookup"]["vocabulary"]
+        >>> collect_layer_state(ModelIndex(model))["layers/lookup"]["vocabulary"]
         ['[UNK]', 'the', 'a']
     """
-    return {key: _layer_state(layer, key, kind) for key, layer, kind in _stateful_layers(model, buffers)}
+    return {key: _layer_state(layer, key, kind) for key, layer, kind in _stateful_layers(index, buffers)}
 
 
 # -- restoring ----------------------------------------------------------------------
@@ -396,7 +396,7 @@ def _renamed(saved: dict, rules, strict, report, where) -> dict:
     return out
 
 
-def plan_layer_state(record, model, *, strict, report, where, rules=None) -> list:
+def plan_layer_state(record, index: ModelIndex, *, strict, report, where, rules=None) -> list:
     """Check the saved layer states against the model; the steps that set them.
 
     Every saved state is checked before anything is set. A live layer with
@@ -407,7 +407,7 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
     Args:
         record: A `StateRecord`, or a stock
             Keras file's record (which holds no layer state).
-        model: The model being restored.
+        index: The restore's `ModelIndex` of the model being restored (its layers from its walk).
         strict: Refuse layers without a saved state and saved states without a layer.
         report: The [`RestoreReport`][keras_stable_state.RestoreReport] to add to.
         where: The file, for messages.
@@ -436,7 +436,7 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
         raise malformed(SECTION, "it is not an object", where)
     if rules is not None:
         saved = _renamed(saved, rules, strict, report, where)
-    live = _stateful_layers(model)
+    live = _stateful_layers(index)
     live_keys = {key for key, _, _ in live}
     # A file without a module's buffers (written before they were saved, or with
     # model_state other than "all") restores: they are left fresh, each one listed.
@@ -492,19 +492,19 @@ def plan_layer_state(record, model, *, strict, report, where, rules=None) -> lis
     return steps
 
 
-def finalize_steps(model) -> list:
+def finalize_steps(index: ModelIndex) -> list:
     """Steps that run ``finalize_state()`` on every layer that has it and owns
     variables, to run after the variables are assigned (Keras' loaders do the
     same: an adapted ``Normalization`` recomputes the mean and variance it uses).
 
     Args:
-        model: The model being restored.
+        index: The restore's `ModelIndex` of the model being restored (its layers from its walk).
 
     Returns:
         A list of steps (``name``, ``apply``, ``snapshot``).
     """
     steps = []
-    for path, layer in stable_layer_paths(model).values():
+    for path, layer in index.layer_paths().values():
         finalize = getattr(layer, "finalize_state", None)
         if callable(finalize) and any(_keras_compat.layer_own_variables(layer)):
             steps.append(_snapshot_step(f"finalize_state:{layer_key(path)}", layer, finalize))

@@ -139,6 +139,7 @@ class CheckpointFile(Opened):
             refuse_url(self.path, "training-state path")  # object stores: _engines.object_store
         self.kind = "stock"
         self.version: int | None = None
+        self.parsed_keys: dict[str, Any] = {}  # a record's variable keys, as its listing parsed them
         self.metadata: dict[str, Any] = {}
         self.contract: list[list[Any]] | None = None
         self.extra: dict[str, Any] = {}
@@ -261,6 +262,7 @@ class CheckpointFile(Opened):
             self._shared = listing.shared
             self._datasets = listing.datasets
             self._spans = {**listing.spans, **listing.shared_spans}
+            self.parsed_keys = listing.parsed_keys
         elif self.member == MEMBER:
             raise damaged(self.where, f"the member does not say it is a {FORMAT} record")
         else:
@@ -553,4 +555,5 @@ def state_record(f: CheckpointFile, arrays: dict[str, dict[str, Any]]) -> StateR
         optimizer=arrays["optimizer"],
         extra=f.extra,
         arrays=arrays["state"],
+        parsed_keys=f.parsed_keys,
     )

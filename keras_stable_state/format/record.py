@@ -69,6 +69,10 @@ class StateRecord:
         extra: Other state (schedule, callbacks, RNG, position, providers) as
             JSON, with arrays replaced by references into ``arrays``.
         arrays: Arrays of the other state by name.
+        parsed_keys: ``{text: VariableKey}``: the variable keys of ``model`` and of the
+            owners of ``optimizer``'s slots, parsed when the file was read and its keys
+            checked (a restore parses each one once); ``{}`` for a record not read from
+            a file. Not compared.
 
     For writing (`keras_stable_state.format.writer.write_record`), a value in
     ``model``, ``optimizer`` or ``arrays`` may also be a zero-argument callable
@@ -89,6 +93,7 @@ class StateRecord:
     optimizer: dict[str, Any]
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     arrays: dict[str, Any] = dataclasses.field(default_factory=dict)
+    parsed_keys: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass

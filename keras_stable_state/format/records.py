@@ -93,6 +93,7 @@ class RecordListing(Listing):
         shared_spans: The data offsets of those datasets in that member, by the same names.
         datasets: Every dataset the walk checked, by its path (``"/model/0"``), opened
             (an array is read through it, not looked up again).
+        parsed_keys: ``{text: VariableKey}`` of every variable key checked (`add_entry`).
     """
 
     def __init__(self, src: Source) -> None:
@@ -103,6 +104,7 @@ class RecordListing(Listing):
         self.shared: dict[str, Any] = {}
         self.shared_spans: dict[str, int] = {}
         self.datasets: dict[str, Any] = {}
+        self.parsed_keys: dict[str, Any] = {}
 
     def list(self) -> None:
         """Read the records, list every array and check the records' schema.
@@ -206,8 +208,9 @@ class RecordListing(Listing):
         return raw.tobytes().decode("utf-8")
 
     def add_entry(self, entry: Entry, seen: set) -> None:
-        """Append ``entry`` after checking its key parses and is new in its section (``seen``)."""
-        check_key(self.where, entry.section, entry.key)
+        """Append ``entry`` after checking its key parses (its variable key parsed once and
+        kept in ``parsed_keys``) and is new in its section (``seen``)."""
+        check_key(self.where, entry.section, entry.key, self.parsed_keys)
         if entry.key in seen:
             raise damaged(self.where, f"key {entry.key!r} appears twice in {entry.section!r}", key=entry.key)
         seen.add(entry.key)

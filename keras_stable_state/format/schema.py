@@ -52,18 +52,21 @@ def _refs(value) -> list:
     return found
 
 
-def check_key(where: str, section: str, key: str) -> None:
+def check_key(where: str, section: str, key: str, parsed: dict | None = None) -> None:
     """Refuse a key that restore could not parse (verify and restore refuse the same files).
+    ``parsed``: ``{text: VariableKey}`` of the variable keys parsed so far (a model key, the
+    owner of a slot key), each text parsed once and kept there.
 
     Raises:
         MalformedKeyError: naming the key.
     """
     from keras_stable_state._identity import keys
 
+    memo = None if parsed is None else keys.ParsedKeys(parsed)
     if section == "model":
-        keys.parse_model_key(key, where)
+        keys.parse_model_key(key, where, memo)
     elif section == "optimizer":
-        keys.parse_optimizer_key(key, where)
+        keys.parse_optimizer_key(key, where, memo)
 
 
 def check_schema(where: str, metadata, contract, extra, entries: list) -> None:
