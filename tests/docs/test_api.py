@@ -2,6 +2,7 @@
 
 import keras
 import pytest
+from kit import ROOT
 
 import keras_stable_state as kss
 
@@ -135,7 +136,7 @@ def test_learning_rate_and_iterations_are_the_inner_optimizers():
 def test_every_public_name_has_a_reference_entry():
     import pathlib
 
-    reference = (pathlib.Path(__file__).parent.parent / "docs" / "reference.md").read_text()
+    reference = (pathlib.Path(ROOT) / "docs" / "reference.md").read_text()
     missing = [name for name in PUBLIC if f"::: keras_stable_state.{name}\n" not in reference]
     assert missing == []
     for name in PUBLIC:

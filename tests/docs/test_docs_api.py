@@ -17,11 +17,12 @@ import subprocess
 import sys
 
 import keras
+import kit
 import pytest
 
 import keras_stable_state as kss
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(kit.ROOT)
 ROLE = re.compile(r":(class|func|meth|attr|data|mod|exc|obj):")
 MAX_DOC_LINES = 70
 

@@ -23,8 +23,9 @@ from pathlib import Path
 import nbformat
 import pytest
 from conftest import BACKEND
+from kit import ROOT
 
-NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS_DIR = Path(ROOT) / "notebooks"
 NOTEBOOKS = [
     "01_quickstart.ipynb",
     "02_resume_model_fit.ipynb",
@@ -128,7 +129,7 @@ def _image_count(nb):
 # Notebook 03 continues under a second backend (its READER) in a child process, so it runs in
 # the several-frameworks pass, and there in the pass of its committed outputs' backend only
 # (JAX: it writes on JAX, continues on TensorFlow): its other kernels' pairs (TensorFlow to JAX,
-# Torch to TensorFlow) are two of the nine writer/reader pairs tests/test_transfer.py checks,
+# Torch to TensorFlow) are two of the nine writer/reader pairs tests/transfer/test_transfer.py checks,
 # and running the notebook under them cost about 18 CPU-s each in make test.
 _READER = {"jax": "tensorflow", "tensorflow": "jax", "torch": "tensorflow"}[BACKEND]
 _NEEDS = {"03_cross_backend_transfer.ipynb": (_READER,)}
@@ -143,7 +144,7 @@ def test_notebook_runs_on_this_backend(name, tmp_path):
     if _ONE_KERNEL.get(name, BACKEND) != BACKEND:
         pytest.skip(
             f"{name} runs on {_ONE_KERNEL[name]} only, where its committed outputs are compared; its "
-            f"{BACKEND} writer/reader pair is tests/test_transfer.py's"
+            f"{BACKEND} writer/reader pair is tests/transfer/test_transfer.py's"
         )
     nb, probe = runner.execute(NOTEBOOKS_DIR / name, BACKEND, cwd=tmp_path, timeout=180)
     # the kernel is this interpreter, on this backend

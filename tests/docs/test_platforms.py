@@ -8,7 +8,9 @@ tested, in one sentence written the same way everywhere.
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import kit
+
+ROOT = Path(kit.ROOT)
 SENTENCE = (
     "Platforms: on Linux and macOS (POSIX) the directory lock is an exclusive `flock` and a marker "
     "file `.stable-checkpoint.lock.owner` created exclusively (through `filelock`); where there is "

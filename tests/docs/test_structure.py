@@ -30,6 +30,7 @@ import textwrap
 import keras
 import numpy as np
 import pytest
+from kit import TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import _keras_compat
@@ -904,13 +905,8 @@ def test_keras_version_outside_the_supported_range_is_refused():
             _keras_compat.check_keras_version(version)
 
 
-def _model():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="dense")])
-    return model
-
-
 def test_inner_optimizer_taken_out_of_the_wrapper_refuses_to_save_alone(tmp_path):
-    model = _model()
+    model = mlp(3, (), layer_names=("dense",), out_units=2, optimizer=None)
     wrapper = kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=model)
     model.compile(optimizer=wrapper, loss="mse")
     model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
@@ -927,7 +923,7 @@ def test_stable_optimizer_loads_its_slots_by_key_without_the_restore_core(tmp_pa
     its slots itself: in a fresh process that imports only the optimizer part (before Keras,
     so that the package loads nothing else), the slots come back by key and the restore core
     is never imported."""
-    model = _model()
+    model = mlp(3, (), layer_names=("dense",), out_units=2, optimizer=None)
     opt = kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=model)
     model.compile(optimizer=opt, loss="mse")
     model.fit(np.ones((4, 3)), np.arange(8.0).reshape(4, 2), verbose=0)
@@ -953,3 +949,122 @@ def test_stable_optimizer_loads_its_slots_by_key_without_the_restore_core(tmp_pa
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == f"restored {len(saved)}"
+
+
+# -- the tests' own layout (tests/README.md) ------------------------------------------------------
+# The folders of tests/, one per promise the suite checks; every test file is in one of them.
+PROMISE_FOLDERS = (
+    "identity",
+    "state",
+    "integrity",
+    "fit",
+    "manager",
+    "transfer",
+    "hostile",
+    "performance",
+    "docs",
+)
+# The model factories a test file keeps instead of the kit's (``kit.mlp``), because the model's
+# structure is the case the file tests; each names its reason in a comment above it.
+OWN_MODELS = {
+    ("test_binding.py", "_model"): "subclassed, its branches created in either order",
+    (
+        "test_compiled_metrics_resume.py",
+        "_model",
+    ): "compiled with metrics, weighted metrics or a loss per output",
+    ("test_crafted.py", "_model"): "a functional model with the Lambda layer crafted files target",
+    ("test_model_held_state.py", "_torch_model"): "a wrapped torch.nn.Module with BatchNorm buffers",
+    ("test_resume.py", "_lora_model"): "LoRA adapters enabled on the kit's model",
+}
+OWN_MODEL_COMMENT = "# Its own model: "
+
+
+def _test_files(tests: pathlib.Path) -> list:
+    return sorted(path for path in tests.rglob("test_*.py") if "__pycache__" not in path.parts)
+
+
+def _layout_problems(tests: pathlib.Path) -> list:
+    """Why the test files under ``tests`` are not where a reader looks for them: a test file
+    outside a promise folder (directly under ``tests/`` or in another folder), a promise folder
+    without its ``README.md``, an ``__init__.py`` (pytest's rootdir import mode needs none), two
+    test files of one base name (pytest imports each by its base name)."""
+    problems = []
+    for path in _test_files(tests):
+        where = path.relative_to(tests)
+        if len(where.parts) != 2 or where.parts[0] not in PROMISE_FOLDERS:
+            problems.append(f"tests/{where}: not in a promise folder ({', '.join(PROMISE_FOLDERS)})")
+    problems += [
+        f"tests/{folder}/README.md: missing (what the folder's promise is)"
+        for folder in PROMISE_FOLDERS
+        if not (tests / folder / "README.md").is_file()
+    ]
+    problems += [
+        f"tests/{path.relative_to(tests)}: tests/ has no packages" for path in tests.rglob("__init__.py")
+    ]
+    names = collections.Counter(path.name for path in _test_files(tests))
+    problems += [
+        f"{name}: {count} test files of this name" for name, count in sorted(names.items()) if count > 1
+    ]
+    return problems
+
+
+@once
+def test_every_test_file_is_in_the_folder_of_its_promise():
+    """``tests/<promise>/test_*.py`` only (issue 34, item 7): every test of a promise in one
+    folder that says which promise it is."""
+    assert _layout_problems(pathlib.Path(TESTS)) == []
+
+
+def _is_fixture(node) -> bool:
+    return any("fixture" in ast.unparse(decorator) for decorator in node.decorator_list)
+
+
+def _factory_problems(tests: pathlib.Path) -> list:
+    """The model factories of test files (a top-level function, not a test or a fixture, with
+    ``model`` among the words of its name) other than `OWN_MODELS`, and each of those missing
+    or without its reason in the comment line above it."""
+    problems, kept = [], set()
+    for path in _test_files(tests):
+        lines = path.read_text().splitlines()
+        for node in ast.parse("\n".join(lines), filename=str(path)).body:
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name.startswith("test_"):
+                continue
+            if "model" not in node.name.lower().split("_") or _is_fixture(node):
+                continue
+            where = f"tests/{path.relative_to(tests)}:{node.lineno}"
+            if (path.name, node.name) not in OWN_MODELS:
+                problems.append(f"{where}: {node.name}() builds a model of its own: use kit.mlp")
+                continue
+            kept.add((path.name, node.name))
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if first < 2 or not lines[first - 2].startswith(OWN_MODEL_COMMENT):
+                problems.append(f"{where}: {node.name}() without its reason ({OWN_MODEL_COMMENT!r}) above it")
+    problems += [
+        f"{file}: {name}() listed in OWN_MODELS, not found" for file, name in sorted(set(OWN_MODELS) - kept)
+    ]
+    return problems
+
+
+@once
+def test_no_test_file_builds_its_models_with_a_factory_of_its_own():
+    """One shared kit for models (``kit.mlp``): a test file has no ``_model()``-style factory
+    of its own, but the few of `OWN_MODELS`, whose model's structure is the case they test."""
+    assert _factory_problems(pathlib.Path(TESTS)) == []
+
+
+@once
+def test_a_test_module_imports_test_modules_of_its_own_folder_only():
+    """pytest (rootdir import mode, no packages) puts the folder of the test file it imports on
+    ``sys.path``: an import of a test module of another folder works or fails by the order
+    files are collected in. What two folders share goes to the kit."""
+    tests = pathlib.Path(TESTS)
+    offenders = []
+    for path in _test_files(tests):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for name in names:
+                if name.startswith("test_") and not (path.parent / f"{name}.py").is_file():
+                    offenders.append(f"tests/{path.relative_to(tests)}:{node.lineno}: imports {name}")
+    assert offenders == []

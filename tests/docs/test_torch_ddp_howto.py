@@ -23,11 +23,12 @@ import sys
 import threading
 from pathlib import Path
 
+import kit
 import numpy as np
 import pytest
 from conftest import BACKEND
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(kit.ROOT)
 EXAMPLE = ROOT / "examples" / "ddp_resume.py"
 PAGE = ROOT / "docs" / "how-to" / "torch-ddp.md"
 TIMEOUT_S = 150  # per launch; the 2-core CI machine is shared

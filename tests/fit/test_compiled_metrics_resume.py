@@ -20,6 +20,7 @@ W = rng.uniform(0.5, 2.0, size=(48,)).astype("float32")
 EPOCHS = 3
 
 
+# Its own model: how each kind is compiled (metrics, weighted metrics, a loss per output) is the case.
 def _model(kind, metrics=None):
     keras.utils.set_random_seed(0)
     if kind == "two_outputs":

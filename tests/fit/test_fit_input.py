@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, StopAt
-from kit import mlp
+from kit import TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format
@@ -23,10 +23,6 @@ rng = np.random.default_rng(4)
 X = rng.normal(size=(44, 5)).astype("float32")  # 6 batches of 8, the last one of 4
 Y = (X @ rng.normal(size=(5, 1))).astype("float32")
 W = rng.uniform(0.5, 2.0, size=(44,)).astype("float32")
-
-
-def _model(dropout=False):
-    return mlp(5, 8, activation="relu", dropout=0.3 if dropout else None)
 
 
 def _weights(m):
@@ -49,7 +45,7 @@ def fit_arrays(directory, *, stop=None, seed=0, shuffle=True, x=X, save_freq=2, 
             import torch
 
             torch.manual_seed(seed)
-    m = _model()
+    m = mlp(5, 8, activation="relu")
     callbacks = [kss.StableCheckpoint(directory, save_freq=save_freq)] + ([StopAt(*stop)] if stop else [])
     try:
         h = m.fit(
@@ -189,7 +185,7 @@ def test_train_begin_warnings_point_out_of_the_package(tmp_path):
     (StableCheckpoint split by job, issue 15): they point at the caller of the callback hook,
     outside keras_stable_state, as before the split."""
     package = os.path.dirname(kss.__file__) + os.sep
-    m = _model()
+    m = mlp(5, 8, activation="relu")
     es = keras.callbacks.EarlyStopping(monitor="loss", patience=9)
 
     def fit(epochs, named):
@@ -219,7 +215,7 @@ def other_backend(tmp_path_factory):
     below resume: a mid-epoch checkpoint of a shuffled fit and that fit's end (``ckpt``,
     ``ref.npz``), and one epoch of a model with Dropout (``dropout``)."""
     root = tmp_path_factory.mktemp("other_backend")
-    script = os.path.join(os.path.dirname(__file__), "scripts", "shuffled_writer.py")
+    script = os.path.join(TESTS, "scripts", "shuffled_writer.py")
     env = dict(os.environ, KERAS_BACKEND=_writer_backend(), TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run(
         [sys.executable, script, str(root / "ckpt"), str(root / "ref.npz"), str(root / "dropout")],
@@ -260,7 +256,7 @@ def test_a_shuffled_checkpoint_written_on_another_backend_resumes_on_the_same_sa
 @pytest.mark.frameworks(_writer_backend())
 def test_a_cross_backend_resume_of_a_model_with_dropout_warns_naming_the_layer(other_backend):
     writer = _writer_backend()
-    m = _model(dropout=True)
+    m = mlp(5, 8, activation="relu", dropout=0.3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         m.fit(
@@ -282,7 +278,9 @@ def _stream_fit(directory, *, stop=None, seed=0, save_freq=2, repeat=True, steps
 
     if seed is not None:
         keras.utils.set_random_seed(seed)
-    m = _model(dropout=True)  # random draws after the stream is reached must be the same too
+    m = mlp(
+        5, 8, activation="relu", dropout=0.3
+    )  # random draws after the stream is reached must be the same too
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)  # 6 batches
     ds = ds.repeat() if repeat else ds
     callbacks = [kss.StableCheckpoint(directory, save_freq=save_freq)] + ([StopAt(*stop)] if stop else [])

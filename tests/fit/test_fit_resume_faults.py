@@ -23,15 +23,6 @@ X = rng.normal(size=(80, 6)).astype("float32")  # 10 batches of 8 per epoch
 Y = (X @ rng.normal(size=(6, 1))).astype("float32")
 
 
-def _model(loss_scale=False):
-    def optimizer(m):
-        inner = keras.optimizers.SGD(1e-2)
-        inner = keras.optimizers.LossScaleOptimizer(inner) if loss_scale else inner
-        return kss.StableOptimizer(inner, model=m)
-
-    return mlp(6, 8, activation="relu", optimizer=optimizer)
-
-
 def _fit(
     directory,
     *,
@@ -49,7 +40,12 @@ def _fit(
     ``stop=(epoch, batch)`` preempts it. Returns (model, checkpoint, history or None)."""
     keras.backend.clear_session(free_memory=False)
     keras.utils.set_random_seed(0)
-    m = _model(loss_scale)
+
+    def sgd():
+        inner = keras.optimizers.SGD(1e-2)
+        return keras.optimizers.LossScaleOptimizer(inner) if loss_scale else inner
+
+    m = mlp(6, 8, activation="relu", inner=sgd)
     kw = {"save_freq": 3, **(ckpt_kw or {})}
     ckpt = kss.StableCheckpoint(directory, **kw)
     cbs = [ckpt, *extra] if order is None else order(ckpt)
@@ -247,7 +243,7 @@ def test_fault7_rename_history_keys_by_position():
 # -- fault 8 --------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["run.orbax", "run.orbax/"])
 def test_fault8_orbax_directory_holds_orbax_steps_not_h5_files(tmp_path, name):
-    # A '*.orbax' directory's checkpoints are .orbax step directories (tests/test_fit_orbax.py).
+    # A '*.orbax' directory's checkpoints are .orbax step directories (tests/manager/test_fit_orbax.py).
     pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint (the [orbax] extra) is not installed")
     ckpt = kss.StableCheckpoint(str(tmp_path) + "/" + name)
     assert not (tmp_path / "run.orbax").exists()  # made at train begin
@@ -258,16 +254,16 @@ def test_fault8_orbax_directory_holds_orbax_steps_not_h5_files(tmp_path, name):
 
 # -- fault 9 --------------------------------------------------------------------------------
 def test_fault9_manual_route_report_says_only_stable_checkpoint_restores_the_order(tmp_path):
-    m = _model()
+    m = mlp(6, 8, activation="relu", inner=lambda: keras.optimizers.SGD(1e-2))
     m.fit(X, Y, epochs=1, batch_size=8, verbose=0)
     kss.save_training_state(tmp_path / "s.h5", m)
     keras.backend.clear_session(free_memory=False)
-    fresh = _model()
+    fresh = mlp(6, 8, activation="relu", inner=lambda: keras.optimizers.SGD(1e-2))
     report = kss.restore_training_state(tmp_path / "s.h5", fresh)
     assert "rng" in report.restored_state
     assert re.search(r"only StableCheckpoint restores it", str(report))
     keras.backend.clear_session(free_memory=False)
-    fresh = _model()
+    fresh = mlp(6, 8, activation="relu", inner=lambda: keras.optimizers.SGD(1e-2))
     report = kss.restore_training_state(tmp_path / "s.h5", fresh, include_rng=False)
     assert "data order" not in str(report)
 

@@ -225,7 +225,7 @@ def test_input_state_missing_from_the_checkpoint_is_refused(tmp_path):
 
 # -- tf.data ------------------------------------------------------------------------------
 def test_tf_data_reshuffling_each_iteration_is_no_longer_warned_about(tmp_path):
-    """tf.data's iterator checkpoint is saved (tests/test_fit_tf_data_state.py): no warning."""
+    """tf.data's iterator checkpoint is saved (tests/fit/test_fit_tf_data_state.py): no warning."""
     tf = pytest.importorskip("tensorflow", reason="tf.data inputs need TensorFlow installed")
 
     def inputs(reshuffle):

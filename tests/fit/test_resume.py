@@ -10,12 +10,13 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND, StopAt, slots_by_key, to_np
+from kit import TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format
 from keras_stable_state._fit import UNREADABLE_DIR, UnreadableCheckpointWarning
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "crash_fit.py")
+SCRIPT = os.path.join(TESTS, "scripts", "crash_fit.py")
 rng = np.random.default_rng(0)
 X = rng.normal(size=(48, 6)).astype("float32")
 Y = (X @ rng.normal(size=(6, 1))).astype("float32")
@@ -63,44 +64,31 @@ def test_fit_killed_with_sigkill_at_random_steps_finishes_like_uninterrupted(tmp
     assert len(os.listdir(tmp_path / "run")) <= 2  # max_to_keep=2
 
 
-def _acc_model(steps=4):
-    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(1)])
-    m.compile(
-        optimizer=kss.StableOptimizer(
-            keras.optimizers.Adam(1e-2, gradient_accumulation_steps=steps), model=m
-        ),
-        loss="mse",
-    )
-    return m
+def _adam_accumulating():  # Adam with a window of 4 accumulated micro-steps
+    return keras.optimizers.Adam(1e-2, gradient_accumulation_steps=4)
 
 
 def test_gradient_accumulation_window_resumes_mid_window(tmp_path):
     keras.utils.set_random_seed(3)
-    ref = _acc_model()
+    ref = mlp(6, 5, activation="tanh", inner=_adam_accumulating)
     init = ref.get_weights()
     batches = [(X[i : i + 8], Y[i : i + 8]) for i in range(0, 48, 8)]  # 6 micro-steps
     for xb, yb in batches:
         ref.train_on_batch(xb, yb)
-    run = _acc_model()
+    run = mlp(6, 5, activation="tanh", inner=_adam_accumulating)
     run.set_weights(init)
     for xb, yb in batches[:2]:  # 2 micro-steps into the first window of 4
         run.train_on_batch(xb, yb)
     acc = slots_by_key(run.optimizer)
     assert any(k.endswith("#accumulated_gradients") and np.any(v) for k, v in acc.items())
     kss.save_training_state(tmp_path / "acc.h5", run)
-    resumed = _acc_model()
+    resumed = mlp(6, 5, activation="tanh", inner=_adam_accumulating)
     kss.restore_training_state(tmp_path / "acc.h5", resumed)
     for xb, yb in batches[2:]:
         resumed.train_on_batch(xb, yb)
     for a, b in zip(ref.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
     assert int(resumed.optimizer.iterations) == int(ref.optimizer.iterations) == 1
-
-
-def _loop_model():
-    keras.utils.set_random_seed(7)
-    m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
-    return m
 
 
 def _custom_loop(model, opt, acc, batches, window=3):
@@ -161,7 +149,7 @@ def test_custom_loop_with_gradient_accumulator_saves_and_resumes(tmp_path):
     batches = [(X[a:b], Y[a:b]) for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
     def fresh():
-        model = _loop_model()
+        model = mlp(6, 4, activation="tanh", seed=7, optimizer=None)
         opt = kss.StableOptimizer(keras.optimizers.Adam(1e-2))
         opt.build(model.trainable_variables)
         return model, opt, kss.GradientAccumulator(model)
@@ -184,7 +172,7 @@ def test_custom_loop_with_gradient_accumulator_saves_and_resumes(tmp_path):
 
 
 def test_accumulator_refuses_pending_gradients_of_a_frozen_variable(tmp_path):
-    model = _loop_model()
+    model = mlp(6, 4, activation="tanh", seed=7, optimizer=None)
     acc = kss.GradientAccumulator(model)
     acc.accumulate([keras.ops.ones(v.shape) for v in model.trainable_variables])
     model.layers[0].trainable = False
@@ -196,19 +184,9 @@ def test_accumulator_refuses_pending_gradients_of_a_frozen_variable(tmp_path):
     kss.save_training_state(tmp_path / "a.h5", model, state={"accumulator": acc})
 
 
-def _lora_base():
-    return keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(512, name="d1"),
-            keras.layers.Dense(512, name="d2"),
-            keras.layers.Dense(1, name="out"),
-        ]
-    )
-
-
+# Its own model: the kit's Dense chain with LoRA adapters enabled on d1 and d2, what the tests vary.
 def _lora_model(base_weights, lora=True):
-    m = _lora_base()
+    m = mlp(6, (512, 512), layer_names=("d1", "d2", "out"), optimizer=None)
     m.set_weights(base_weights)
     if lora:
         for name in ("d1", "d2"):
@@ -219,7 +197,7 @@ def _lora_model(base_weights, lora=True):
 
 def test_lora_adapter_only_checkpoint(tmp_path):
     keras.utils.set_random_seed(5)
-    base = _lora_base().get_weights()
+    base = mlp(6, (512, 512), layer_names=("d1", "d2", "out"), optimizer=None).get_weights()
     keras.utils.set_random_seed(6)
     ref = _lora_model(base)
     keras.utils.set_random_seed(6)
@@ -367,7 +345,7 @@ def test_optimizer_class_change_and_schedule_swap_are_refused(tmp_path):
 
 
 def test_stable_checkpoint_refuses_saves_inside_an_execution(tmp_path):
-    # (exact resume with steps_per_execution > 1: tests/test_inputs_resume.py)
+    # (exact resume with steps_per_execution > 1: tests/fit/test_inputs_resume.py)
     if BACKEND == "torch":
         pytest.skip("Keras refuses steps_per_execution > 1 on the torch backend itself")
     m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])

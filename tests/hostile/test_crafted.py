@@ -28,6 +28,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import to_np
+from kit import ROOT
 
 import keras_stable_state as kss
 from keras_stable_state import cli
@@ -41,6 +42,7 @@ SECRET = b"TOP-SECRET-local-file-bytes-0123"  # 32 bytes, repeated to fill a (4,
 
 
 # -- the model and its state ----------------------------------------------------------------
+# Its own model: a functional model with an optional Lambda layer, the code a crafted file targets.
 def _model(lambda_fn=None):
     inputs = keras.Input((4,), name="x")
     h = keras.layers.Dense(8, activation="relu", name="hidden")(inputs)
@@ -743,7 +745,7 @@ def test_size_bombs_are_refused_with_bounded_memory(tmp_path, model):
         text=True,
         timeout=600,
         env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=ROOT,
     )
     line = next((x for x in done.stdout.splitlines() if x.startswith("KSS-BOMB ")), None)
     assert line is not None, f"runner died (exit {done.returncode}):\n{done.stderr[-4000:]}"

@@ -19,10 +19,9 @@ import textwrap
 
 import keras
 import pytest
+from kit import ROOT, TESTS
 
 BACKEND = keras.backend.backend()
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
 STEPS = int(os.environ.get("KSS_HOSTILE_DISK_STEPS", "2"))
 
 # The child: a trained model, a good checkpoint per extension, then saves under the limit.

@@ -18,7 +18,7 @@ import zipfile
 import keras
 import numpy as np
 import pytest
-from kit import mlp
+from kit import ROOT, TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format
@@ -26,13 +26,11 @@ from keras_stable_state._manager import lock
 from keras_stable_state.format.atomic import atomic_path
 from keras_stable_state.format.files import open_regular
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 posix_only = pytest.mark.skipif(os.name != "posix", reason="FIFOs, devices and symbolic links are POSIX")
 
 
 def _child(args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
     done = subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
     )
@@ -44,7 +42,7 @@ def _child(args, timeout=240):
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
     work = tmp_path_factory.mktemp("hostile")
-    done = _child([os.path.join(HERE, "scripts", "hostile_files.py"), str(work)])
+    done = _child([os.path.join(TESTS, "scripts", "hostile_files.py"), str(work)])
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -276,7 +274,7 @@ def test_without_fcntl_stable_checkpoint_locks_its_directory_with_the_portable_l
             held.append(sorted(os.listdir(tmp_path)))
             refused = []
 
-            def second_writer():  # another thread: refused (another process: tests/test_directory_lock.py)
+            def second_writer():  # another thread: refused (another process: tests/manager/test_directory_lock.py)
                 try:
                     kss.CheckpointManager(tmp_path).lock()
                 except kss.CheckpointInUseError as err:

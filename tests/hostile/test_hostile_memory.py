@@ -21,10 +21,9 @@ import sys
 import numpy as np
 import pytest
 from conftest import BACKEND
+from kit import ROOT
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc/self/status are Linux's")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # glibc keeps freed memory of a few MiB mapped for reuse (its mmap threshold grows up to

@@ -23,13 +23,12 @@ import keras
 import numpy as np
 import pytest
 from conftest import BACKEND
-from kit import mlp
+from kit import ROOT, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format
 from keras_stable_state.format import proven
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVES = int(os.environ.get("KSS_THREAD_SAVES", "8"))
 
 CHILD = r"""

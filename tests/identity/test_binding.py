@@ -49,6 +49,7 @@ class BranchesBA(_Branches):
     order = ("b", "a")
 
 
+# Its own model: subclassed, with its branches created in either order, what binding must not see.
 def _model(order=("a", "b")):
     model = BranchesAB() if order == ("a", "b") else BranchesBA()
     model(X[:1])

@@ -46,16 +46,12 @@ class Counter:
         self.history = list(value["history"])
 
 
-def _model(units=8):
-    return mlp(4, units, activation="relu", named=True)
-
-
 class World:
     """A saved state and a live one that differs from it in every piece."""
 
     def __init__(self, tmp_path, data):
         x, y = data
-        src = _model()
+        src = mlp(4, 8, activation="relu", named=True)
         es = keras.callbacks.EarlyStopping(monitor="loss", patience=5)
         src.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[es])
         self.good = tmp_path / "good.h5"
@@ -63,7 +59,7 @@ class World:
         self.record = format.read_file(self.good)
 
         keras.utils.set_random_seed(1)
-        self.model = _model()
+        self.model = mlp(4, 8, activation="relu", named=True)
         self.model.fit(x[:8], y[:8], epochs=1, batch_size=8, verbose=0)
         self.es = keras.callbacks.EarlyStopping(monitor="loss", patience=5)
         self.es.on_train_begin()

@@ -15,6 +15,7 @@ import pytest
 from conftest import hypothesis_examples, to_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import cli, format
@@ -22,7 +23,7 @@ from keras_stable_state.errors import StateError
 from keras_stable_state.format.record import ALIGN, BLOB_TARGET, MEMBER, PACK_LIMIT, USERBLOCK_SIZE
 from keras_stable_state.format.writer import reseal, write_record
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(TESTS, "data")
 META = {"backend": keras.backend.backend(), "keras_version": keras.__version__}
 EXTRA = {"callbacks": {}, "providers": {}, "rng": None}
 
@@ -111,15 +112,6 @@ def test_any_mix_of_arrays_reads_back_bit_for_bit(tmp_path_factory, arrays, big)
 
 
 # -- the index, checked byte for byte ------------------------------------------------------
-def _model():
-    m = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(8, name="hidden"), keras.layers.Dense(1, name="out")]
-    )
-    m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    m.optimizer.build(m.trainable_variables)
-    return m
-
-
 def _values(m):
     return [to_np(v) for v in [*m.variables, *m.optimizer.variables]]
 
@@ -127,7 +119,7 @@ def _values(m):
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     """A saved state with distinct values in every variable and slot, and its model."""
-    m = _model()
+    m = mlp(4, 8, named=True, optimizer="plain", build=True)
     rng = np.random.default_rng(1)
     for v in [*m.variables, *m.optimizer.variables]:
         value = to_np(v)
@@ -222,23 +214,16 @@ def test_a_flipped_array_byte_names_the_key_and_its_xxh3(tmp_path, pristine):
 
 
 # -- format 2 ------------------------------------------------------------------------------
-def _fixture_model():
-    """The model tests/data/format2.* were written for (keras_stable_state 0.1.0, format 2,
-    torch backend): Dense(3) -> Dense(1) with Adam(1e-2), after one epoch of 2 steps."""
-    m = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(3, name="hidden"), keras.layers.Dense(1, name="out")],
-        name="fixture",
-    )
-    m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    m.optimizer.build(m.trainable_variables)
-    return m
+# The model tests/data/format2.* were written for (keras_stable_state 0.1.0, format 2, torch
+# backend): Dense(3) -> Dense(1) with Adam(1e-2), after one epoch of 2 steps.
+FIXTURE = {"features": 4, "hidden": 3, "named": True, "name": "fixture", "optimizer": "plain", "build": True}
 
 
 @pytest.mark.parametrize("name", ["format2.h5", "format2.keras"])
 def test_files_written_in_format_2_still_restore_exactly(name, capsys):
     path = os.path.join(DATA, name)
     expected = np.load(os.path.join(DATA, "format2_expected.npz"))
-    m = _fixture_model()
+    m = mlp(**FIXTURE)
     report = kss.restore_training_state(path, m)
     assert report.writer["format_version"] == 2
     for i, w in enumerate(m.get_weights()):
@@ -263,7 +248,7 @@ def test_a_damaged_format_2_file_is_refused_naming_the_key(tmp_path):
     assert at > 0
     raw[at + 5] ^= 0x01
     (tmp_path / "bad.h5").write_bytes(bytes(raw))
-    m = _fixture_model()
+    m = mlp(**FIXTURE)
     before = _values(m)
     with pytest.raises(
         kss.CorruptCheckpointError, match="SHA-256 seal.*path:layers/hidden/kernel.*CRC-32"
@@ -338,7 +323,7 @@ def test_a_keras_state_shares_the_model_weights_with_keras_and_still_loads(archi
     loaded = keras.saving.load_model(path)
     for a, b in zip(m.get_weights(), loaded.get_weights(), strict=True):
         _assert_same(np.asarray(a), np.asarray(b))
-    fresh = _model()
+    fresh = mlp(4, 8, named=True, optimizer="plain", build=True)
     kss.restore_training_state(path, fresh)
     for a, b in zip(_values(m), _values(fresh), strict=True):
         _assert_same(a, b)

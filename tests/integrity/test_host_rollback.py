@@ -13,12 +13,12 @@ import gc
 import numpy as np
 import pytest
 from conftest import BACKEND, to_np
+from kit import mlp
 from test_in_place_restore import (
     _all,
     _assert_equal,
     _fit_data,
     _flip_byte,
-    _model,
     _StopAtTrainBegin,
     _trained_state,
 )
@@ -45,7 +45,7 @@ def accelerator(monkeypatch):
 
 def _written(tmp_path, seed, name="s.h5"):
     path = str(tmp_path / name)
-    writer = _model([1100, 1500], seed)
+    writer = mlp(16, [1100, 1500], seed=seed, optimizer="plain", learning_rate=1e-3, build=True)
     saved = _trained_state(writer, seed)
     kss.save_training_state(path, writer)
     return path, saved
@@ -54,7 +54,7 @@ def _written(tmp_path, seed, name="s.h5"):
 @pytest.mark.parametrize("name", ["s.h5", "s.keras"])
 def test_a_trained_model_on_an_accelerator_is_restored_from_the_file_in_place(tmp_path, accelerator, name):
     path, saved = _written(tmp_path, 31, name)
-    reader = _model([1100, 1500], 32)
+    reader = mlp(16, [1100, 1500], seed=32, optimizer="plain", learning_rate=1e-3, build=True)
     _trained_state(reader, 33)  # a trained model: its values are worth keeping
     kss.restore_training_state(path, reader)  # all or nothing (the default)
     assert len(accelerator) >= 6  # the kernels and their Adam slots were read from the file
@@ -66,7 +66,7 @@ def test_a_failure_puts_every_value_back_from_the_host_copies(tmp_path, accelera
     already assigned (and the one read into) gets its old value back; the model is not
     marked and trains."""
     path, _ = _written(tmp_path, 34)
-    reader = _model([1100, 1500], 35)
+    reader = mlp(16, [1100, 1500], seed=35, optimizer="plain", learning_rate=1e-3, build=True)
     before = _trained_state(reader, 36)
     real = FileArray.read_into  # (the fixture's recorder)
 
@@ -89,7 +89,7 @@ def test_a_failure_after_the_arrays_read_in_place_puts_them_back(tmp_path, accel
     from keras_stable_state._core import plan
 
     path, _ = _written(tmp_path, 37)
-    reader = _model([1100, 1500], 38)
+    reader = mlp(16, [1100, 1500], seed=38, optimizer="plain", learning_rate=1e-3, build=True)
     before = _trained_state(reader, 39)
     real = plan.apply_steps
 
@@ -116,7 +116,7 @@ def test_device_memory_of_an_all_or_nothing_restore(tmp_path, monkeypatch, force
     if forced:
         monkeypatch.setattr(_core.host_rollback, "on_accelerator", lambda model: True)
     path, saved = _written(tmp_path, 40)
-    reader = _model([1100, 1500], 41)
+    reader = mlp(16, [1100, 1500], seed=41, optimizer="plain", learning_rate=1e-3, build=True)
     _trained_state(reader, 42)
     state = sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in _all(reader))
     largest = max(int(np.prod(v.shape)) * 4 for v in _all(reader))
@@ -146,12 +146,12 @@ def test_the_manager_and_stable_checkpoint_read_in_place_for_a_model_on_an_accel
     that has trained read the newest checkpoint as the in-place restore does."""
     folder = str(tmp_path / "ckpt")
     x, y = _fit_data()
-    writer = _model([1100], 43)
+    writer = mlp(16, [1100], seed=43, optimizer="plain", learning_rate=1e-3, build=True)
     writer.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(folder, save_freq=4)])
     saved = [
         np.array(v) for v in format.read_file(kss.CheckpointManager(folder).checkpoints()[0]).model.values()
     ]
-    reader = _model([1100], 44)
+    reader = mlp(16, [1100], seed=44, optimizer="plain", learning_rate=1e-3, build=True)
     _trained_state(reader, 45)
     with kss.CheckpointManager(folder) as mgr:
         mgr.restore(reader)
@@ -160,7 +160,7 @@ def test_the_manager_and_stable_checkpoint_read_in_place_for_a_model_on_an_accel
         assert any(np.array_equal(array, np.asarray(w)) for w in (to_np(v) for v in reader.weights))
 
     accelerator.clear()
-    resumed = _model([1100], 46)
+    resumed = mlp(16, [1100], seed=46, optimizer="plain", learning_rate=1e-3, build=True)
     resumed.fit(x, y, epochs=1, batch_size=8, verbose=0)  # trained: all or nothing, the copy on the host
     stopper = _StopAtTrainBegin()
     resumed.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(folder), stopper])

@@ -16,6 +16,7 @@ import pytest
 from conftest import BACKEND, to_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format
@@ -32,17 +33,9 @@ SETTINGS = settings(
 )
 
 
-def _model(widths, seed, dtype=None):
-    """A Dense chain on 16 features (``widths``: hidden widths; arrays of 64 KiB and more for
-    wide ones, packed small ones for narrow ones) with Adam, built."""
-    keras.utils.set_random_seed(seed)
-    layers = [keras.Input((16,))]
-    layers += [keras.layers.Dense(w, **({"dtype": dtype} if dtype else {})) for w in widths]
-    layers.append(keras.layers.Dense(1))
-    model = keras.Sequential(layers)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    model.optimizer.build(model.trainable_variables)
-    return model
+# The models: the kit's Dense chain on 16 features with Adam(1e-3), built (``mlp(16, widths,
+# seed=..., optimizer="plain", learning_rate=1e-3, build=True)``): arrays of 64 KiB and more for
+# wide hidden layers, packed small ones for narrow ones.
 
 
 def _all(model):
@@ -78,11 +71,12 @@ WIDTHS = st.lists(st.sampled_from([2, 8, 300, 1100, 1500]), min_size=1, max_size
 @given(widths=WIDTHS, seed=st.integers(0, 2**16))
 def test_in_place_restore_puts_every_array_back(tmp_path_factory, widths, seed):
     folder = tmp_path_factory.mktemp("inplace")
-    writer = _model(widths, seed)
+    writer = mlp(16, widths, seed=seed, optimizer="plain", learning_rate=1e-3, build=True)
     saved = _trained_state(writer, seed)
     path = str(folder / "s.h5")
     kss.save_training_state(path, writer)
-    reader = _model(widths, seed + 1)  # other initial values
+    # other initial values
+    reader = mlp(16, widths, seed=seed + 1, optimizer="plain", learning_rate=1e-3, build=True)
     report = kss.restore_training_state(path, reader, all_or_nothing=False)
     assert report.matched and not report.by_order
     _assert_equal(saved, reader)
@@ -93,7 +87,7 @@ def test_a_keras_archive_is_read_where_it_lies(tmp_path):
     arrays, shared with ``model.save``'s layout) are stored, so their large arrays are left
     in the archive and read from there into the variables, like an ``.h5`` record's."""
     path = str(tmp_path / "s.keras")
-    writer = _model([1100, 1500], 13)
+    writer = mlp(16, [1100, 1500], seed=13, optimizer="plain", learning_rate=1e-3, build=True)
     saved = _trained_state(writer, 13)
     kss.save_training_state(path, writer)
     record = read_proven(path)
@@ -105,7 +99,7 @@ def test_a_keras_archive_is_read_where_it_lies(tmp_path):
         assert deferred["model"] and deferred["optimizer"], deferred  # both members read where they lie
     finally:
         close_files(record)
-    reader = _model([1100, 1500], 14)
+    reader = mlp(16, [1100, 1500], seed=14, optimizer="plain", learning_rate=1e-3, build=True)
     kss.restore_training_state(path, reader, all_or_nothing=False)
     _assert_equal(saved, reader)
 
@@ -116,7 +110,7 @@ def test_a_damaged_member_of_a_keras_archive_is_refused_before_anything_is_assig
     import zipfile
 
     path = str(tmp_path / "s.keras")
-    writer = _model([1100], 15)
+    writer = mlp(16, [1100], seed=15, optimizer="plain", learning_rate=1e-3, build=True)
     _trained_state(writer, 15)
     kss.save_training_state(path, writer)
     with zipfile.ZipFile(path) as zf:
@@ -126,7 +120,7 @@ def test_a_damaged_member_of_a_keras_archive_is_refused_before_anything_is_assig
     close_files(record)
     assert info.header_offset < target.offset < info.header_offset + 100 + info.file_size
     _flip_byte(path, target.offset + 7)
-    reader = _model([1100], 16)
+    reader = mlp(16, [1100], seed=16, optimizer="plain", learning_rate=1e-3, build=True)
     before = [to_np(v).copy() for v in _all(reader)]
     with pytest.raises(CorruptCheckpointError, match="model.weights.h5"):
         kss.restore_training_state(path, reader, all_or_nothing=False)
@@ -151,11 +145,11 @@ def test_jax_large_arrays_through_two_reused_buffers(tmp_path, monkeypatch):
         return done
 
     monkeypatch.setattr(in_place._JaxPlacer, "assign", counted)
-    writer = _model([1100, 1500, 1100], 11)
+    writer = mlp(16, [1100, 1500, 1100], seed=11, optimizer="plain", learning_rate=1e-3, build=True)
     saved = _trained_state(writer, 11)
     path = str(tmp_path / "s.h5")
     kss.save_training_state(path, writer)
-    reader = _model([1100, 1500, 1100], 12)
+    reader = mlp(16, [1100, 1500, 1100], seed=12, optimizer="plain", learning_rate=1e-3, build=True)
     kss.restore_training_state(path, reader, all_or_nothing=False)
     assert sum(placed) >= 9  # three kernels of 64 KiB and more, each with two Adam slots
     _assert_equal(saved, reader)
@@ -165,18 +159,18 @@ def test_jax_large_arrays_through_two_reused_buffers(tmp_path, monkeypatch):
 def test_other_dtypes_and_keras_archives_restore_in_place_too(tmp_path, name, dtype):
     """bfloat16 (no NumPy view of a Torch tensor: assigned as the all-or-nothing restore
     does, one variable at a time) and float16 variables; a ``.keras`` archive."""
-    writer = _model([1100], 1, dtype=dtype)
+    writer = mlp(16, [1100], seed=1, dtype=dtype, optimizer="plain", learning_rate=1e-3, build=True)
     saved = _trained_state(writer, 1)
     path = str(tmp_path / name)
     kss.save_training_state(path, writer)
-    reader = _model([1100], 2, dtype=dtype)
+    reader = mlp(16, [1100], seed=2, dtype=dtype, optimizer="plain", learning_rate=1e-3, build=True)
     kss.restore_training_state(path, reader, all_or_nothing=False)
     _assert_equal(saved, reader)
 
 
 def test_the_large_arrays_are_left_in_the_file(tmp_path):
     path = str(tmp_path / "s.h5")
-    model = _model([1100, 8], 3)
+    model = mlp(16, [1100, 8], seed=3, optimizer="plain", learning_rate=1e-3, build=True)
     kss.save_training_state(path, model)
     record = read_proven(path)
     try:
@@ -199,10 +193,10 @@ def test_the_large_arrays_are_left_in_the_file(tmp_path):
 )
 def test_torch_parameters_keep_their_memory(tmp_path):
     path = str(tmp_path / "s.h5")
-    writer = _model([1100, 1500], 4)
+    writer = mlp(16, [1100, 1500], seed=4, optimizer="plain", learning_rate=1e-3, build=True)
     saved = _trained_state(writer, 4)
     kss.save_training_state(path, writer)
-    reader = _model([1100, 1500], 5)
+    reader = mlp(16, [1100, 1500], seed=5, optimizer="plain", learning_rate=1e-3, build=True)
     big = [v for v in _all(reader) if int(np.prod(v.shape)) * 4 >= proven.DEFER_ABOVE]
     before = [(v.value.data_ptr(), v.value._version) for v in big]
     kss.restore_training_state(path, reader, all_or_nothing=False)
@@ -222,11 +216,11 @@ def _flip_byte(path, offset):
 
 def test_a_file_changed_after_the_proof_marks_the_model(tmp_path, monkeypatch):
     path, good = str(tmp_path / "s.h5"), str(tmp_path / "good.h5")
-    writer = _model([1100, 1500], 6)
+    writer = mlp(16, [1100, 1500], seed=6, optimizer="plain", learning_rate=1e-3, build=True)
     saved = _trained_state(writer, 6)
     kss.save_training_state(path, writer)
     shutil.copy(path, good)
-    reader = _model([1100, 1500], 7)
+    reader = mlp(16, [1100, 1500], seed=7, optimizer="plain", learning_rate=1e-3, build=True)
     reads = []
     real = FileArray.read_into
 
@@ -264,11 +258,11 @@ def _damage_first_optimizer_array(path):
 def test_a_damaged_file_is_refused_before_anything_is_assigned(tmp_path):
     """A byte of an array changed: the seal (over every byte) fails before anything is read."""
     path = str(tmp_path / "s.h5")
-    writer = _model([1100], 8)
+    writer = mlp(16, [1100], seed=8, optimizer="plain", learning_rate=1e-3, build=True)
     _trained_state(writer, 8)
     kss.save_training_state(path, writer)
     _damage_first_optimizer_array(path)
-    reader = _model([1100], 9)
+    reader = mlp(16, [1100], seed=9, optimizer="plain", learning_rate=1e-3, build=True)
     before = [to_np(v).copy() for v in _all(reader)]
     with pytest.raises(CorruptCheckpointError, match="seal"):
         kss.restore_training_state(path, reader, all_or_nothing=False)
@@ -282,19 +276,19 @@ def test_a_file_sealed_again_over_a_changed_array_fails_at_that_array_and_marks_
     assigned (the model's weights come first), so the model is marked; the all-or-nothing
     restore checks every array before assigning and changes nothing."""
     path = str(tmp_path / "s.h5")
-    writer = _model([1100], 8)
+    writer = mlp(16, [1100], seed=8, optimizer="plain", learning_rate=1e-3, build=True)
     _trained_state(writer, 8)
     kss.save_training_state(path, writer)
     key = _damage_first_optimizer_array(path)
     reseal(path)
-    untouched = _model([1100], 9)
+    untouched = mlp(16, [1100], seed=9, optimizer="plain", learning_rate=1e-3, build=True)
     before = [to_np(v).copy() for v in _all(untouched)]
     with pytest.raises(CorruptCheckpointError) as err:
         kss.restore_training_state(path, untouched)  # all or nothing
     assert err.value.key == key
     _assert_equal(before, untouched)
 
-    reader = _model([1100], 9)
+    reader = mlp(16, [1100], seed=9, optimizer="plain", learning_rate=1e-3, build=True)
     with pytest.raises(CorruptCheckpointError, match="already assigned") as err:
         kss.restore_training_state(path, reader, all_or_nothing=False)
     assert err.value.key == key and "xxh3-64" in str(err.value)
@@ -304,11 +298,20 @@ def test_a_file_sealed_again_over_a_changed_array_fails_at_that_array_and_marks_
 
 def test_in_place_cannot_be_deferred(tmp_path):
     path = str(tmp_path / "s.h5")
-    kss.save_training_state(path, _model([8], 10))
+    kss.save_training_state(path, mlp(16, [8], seed=10, optimizer="plain", learning_rate=1e-3, build=True))
     with pytest.raises(ValueError, match="all_or_nothing=False"):
-        kss.restore_training_state(path, _model([8], 11), all_or_nothing=False, defer=True)
+        kss.restore_training_state(
+            path,
+            mlp(16, [8], seed=11, optimizer="plain", learning_rate=1e-3, build=True),
+            all_or_nothing=False,
+            defer=True,
+        )
     with pytest.raises(TypeError, match="all_or_nothing"):
-        kss.restore_training_state(path, _model([8], 11), all_or_nothing="no")
+        kss.restore_training_state(
+            path,
+            mlp(16, [8], seed=11, optimizer="plain", learning_rate=1e-3, build=True),
+            all_or_nothing="no",
+        )
 
 
 class _Pointers(keras.callbacks.Callback):
@@ -340,9 +343,9 @@ def test_stable_checkpoint_restores_in_place_into_a_model_that_never_trained(tmp
     folder = str(tmp_path / "ckpt")
     x = np.random.default_rng(0).normal(size=(32, 16)).astype("float32")
     y = x[:, :1]
-    writer = _model([1100], 12)
+    writer = mlp(16, [1100], seed=12, optimizer="plain", learning_rate=1e-3, build=True)
     writer.fit(x, y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(folder)])
-    reader = _model([1100], 13)
+    reader = mlp(16, [1100], seed=13, optimizer="plain", learning_rate=1e-3, build=True)
     if trained:
         reader.fit(x, y, epochs=1, batch_size=8, verbose=0)
     big = [v for v in _all(reader) if int(np.prod(v.shape)) * 4 >= proven.DEFER_ABOVE]
@@ -366,7 +369,7 @@ def test_stable_checkpoint_falls_back_when_the_newest_changes_after_the_proof(tm
     fit refuses to train the partly restored model."""
     folder = str(tmp_path / "ckpt")
     x, y = _fit_data()
-    writer = _model([1100], 14)
+    writer = mlp(16, [1100], seed=14, optimizer="plain", learning_rate=1e-3, build=True)
     ckpt = kss.StableCheckpoint(folder, save_freq=4, max_to_keep=5)
     writer.fit(x, y, epochs=2 if older else 1, batch_size=8, verbose=0, callbacks=[ckpt])
     paths = ckpt.manager.checkpoints()
@@ -385,7 +388,7 @@ def test_stable_checkpoint_falls_back_when_the_newest_changes_after_the_proof(tm
         return real(self, out)
 
     monkeypatch.setattr(FileArray, "read_into", changed_on_disk)
-    reader = _model([1100], 15)
+    reader = mlp(16, [1100], seed=15, optimizer="plain", learning_rate=1e-3, build=True)
     resumed = kss.StableCheckpoint(folder, save_freq=4, max_to_keep=5)
     if not older:
         with (
@@ -426,7 +429,7 @@ def test_the_manager_restores_the_latest_in_place_and_falls_back_when_it_changes
     in place (its large arrays left in the file) and restored exactly; one that changes on disk
     after its proof is moved aside and the older one restored, which lifts the mark."""
     folder = str(tmp_path / "ckpt")
-    writer = _model([1100], 17)
+    writer = mlp(16, [1100], seed=17, optimizer="plain", learning_rate=1e-3, build=True)
     states = []
     with kss.CheckpointManager(folder, max_to_keep=3) as mgr:
         for step in (1, 2):
@@ -440,7 +443,7 @@ def test_the_manager_restores_the_latest_in_place_and_falls_back_when_it_changes
         return real(self, out)
 
     monkeypatch.setattr(FileArray, "read_into", recorded)
-    reader = _model([1100], 20)
+    reader = mlp(16, [1100], seed=20, optimizer="plain", learning_rate=1e-3, build=True)
     with kss.CheckpointManager(folder, max_to_keep=3) as mgr:
         mgr.restore(reader, all_or_nothing=False)
         assert mgr.restored_step == 2
@@ -455,7 +458,7 @@ def test_the_manager_restores_the_latest_in_place_and_falls_back_when_it_changes
         return real(self, out)
 
     monkeypatch.setattr(FileArray, "read_into", changed_on_disk)
-    again = _model([1100], 21)
+    again = mlp(16, [1100], seed=21, optimizer="plain", learning_rate=1e-3, build=True)
     with kss.CheckpointManager(folder, max_to_keep=3) as mgr, pytest.warns(kss.UnreadableCheckpointWarning):
         mgr.restore(again, all_or_nothing=False)
         assert mgr.restored_step == 1 and [p for p, _ in mgr.skipped_checkpoints] == [newest]

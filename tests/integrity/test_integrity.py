@@ -42,8 +42,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from kit import TESTS
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fuzz_worker.py")
+WORKER = os.path.join(TESTS, "_fuzz_worker.py")
 FLIPS = int(os.environ.get("KSS_FUZZ_FLIPS", "40"))
 TRUNCATIONS = int(os.environ.get("KSS_FUZZ_TRUNCATIONS", "6"))
 EDITS = int(os.environ.get("KSS_FUZZ_EDITS", "5"))

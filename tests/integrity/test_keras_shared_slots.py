@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 from conftest import to_np
+from kit import TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import cli, format
@@ -20,12 +21,20 @@ from keras_stable_state.format import keras_archive
 from keras_stable_state.format.record import KERAS_WEIGHTS_MEMBER, MEMBER, PACK_LIMIT
 from keras_stable_state.format.writer import reseal
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(TESTS, "data")
 PREFIX = "model.weights.h5:/"
 # HDF5 and zip headers, the record's JSON (metadata, contract, index) and the NumPy RNG state
 # (2.5 KB): what a .keras state holds besides the arrays and Keras' config, with room to spare.
 HEADERS = 64 * 1024
 
+# The kit's model: two kernels over 64 KiB (72 x 256 and 256 x 128 float32) and small biases and head.
+WIDE = {
+    "features": 72,
+    "hidden": (256, 128),
+    "activation": "tanh",
+    "layer_names": ("wide", "mid", "head"),
+    "out_units": 4,
+}
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(1e-3),
     # four slot kinds: momentums, velocities, velocity_hats and the EMA of every model variable
@@ -34,22 +43,8 @@ OPTIMIZERS = {
 }
 
 
-def _model(kind):
-    """Two kernels over 64 KiB (72 x 256 and 256 x 128 float32) and small biases and head."""
-    m = keras.Sequential(
-        [
-            keras.Input((72,)),
-            keras.layers.Dense(256, activation="tanh", name="wide"),
-            keras.layers.Dense(128, activation="tanh", name="mid"),
-            keras.layers.Dense(4, name="head"),
-        ]
-    )
-    m.compile(optimizer=OPTIMIZERS[kind](), loss="mse")
-    return m
-
-
 def _trained(kind):
-    m = _model(kind)
+    m = mlp(**WIDE, optimizer="plain", inner=OPTIMIZERS[kind])
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(16, 72)).astype("float32"), rng.normal(size=(16, 4)).astype("float32")
     m.fit(x, y, batch_size=8, epochs=1, verbose=0)  # two steps: every slot distinct, not zero
@@ -57,7 +52,7 @@ def _trained(kind):
 
 
 def _fresh(kind):
-    m = _model(kind)
+    m = mlp(**WIDE, optimizer="plain", inner=OPTIMIZERS[kind])
     m.build((None, 72))
     m.optimizer.build(m.trainable_variables)
     return m
@@ -280,19 +275,6 @@ def test_a_malformed_shared_sections_field_is_refused(tmp_path, value):
 
 
 # -- files written before the slots were shared ----------------------------------------------
-def _fixture_model():
-    """The model tests/data/format3_model_shared.keras was written for (keras_stable_state
-    before the slots were shared, format 3, jax backend): Dense(1) over 16,400 inputs (a
-    kernel and slots of 65,600 bytes, over PACK_LIMIT) -> Dense(2), Adam(1e-2), two steps."""
-    m = keras.Sequential(
-        [keras.Input((16400,)), keras.layers.Dense(1, name="wide"), keras.layers.Dense(2, name="out")],
-        name="fixture3",
-    )
-    m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    m.optimizer.build(m.trainable_variables)
-    return m
-
-
 def test_a_keras_state_written_before_the_slots_were_shared_still_restores_exactly(tmp_path):
     path = str(tmp_path / "old.keras")
     shutil.copyfile(os.path.join(DATA, "format3_model_shared.keras"), path)
@@ -307,7 +289,12 @@ def test_a_keras_state_written_before_the_slots_were_shared_still_restores_exact
         with h5py.File(fh, "r") as w:
             group = w["optimizer/vars"]
             expected_slots = [group[str(i)][()] for i in range(len(group))]
-    m = _fixture_model()
+    # The model tests/data/format3_model_shared.keras was written for (keras_stable_state before
+    # the slots were shared, format 3, jax backend): Dense(1) over 16,400 inputs (a kernel and
+    # slots of 65,600 bytes, over PACK_LIMIT) -> Dense(2), Adam(1e-2), two steps.
+    m = mlp(
+        16400, 1, layer_names=("wide", "out"), out_units=2, name="fixture3", optimizer="plain", build=True
+    )
     kss.restore_training_state(path, m)
     for a, v in zip(expected_model, m.variables, strict=True):
         _assert_same(a, to_np(v))

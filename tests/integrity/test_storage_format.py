@@ -23,12 +23,8 @@ from keras_stable_state.format.record import USERBLOCK_SIZE
 from keras_stable_state.format.writer import write_record
 
 
-def _model():
-    return mlp(4, 8, named=True, optimizer="stable-unbound")
-
-
 def _trained(data):
-    m = _model()
+    m = mlp(4, 8, named=True, optimizer="stable-unbound")
     m.fit(*data, epochs=1, batch_size=8, verbose=0, shuffle=False)
     return m
 
@@ -97,7 +93,7 @@ def test_format_1_files_are_still_read_exactly(tmp_path, data):
     src = _trained(data)
     kss.save_training_state(tmp_path / "s.h5", src)
     _write_v1(format.read_file(tmp_path / "s.h5"), tmp_path / "v1.h5")
-    dst = _model()
+    dst = mlp(4, 8, named=True, optimizer="stable-unbound")
     dst.build((None, 4))
     report = kss.restore_training_state(tmp_path / "v1.h5", dst)
     assert report.writer["format_version"] == 1
@@ -117,7 +113,7 @@ def test_a_damaged_format_1_file_names_the_key(tmp_path, data):
     at = bytes(raw).find(kernel[:16])
     raw[at + 4] ^= 0x10
     (tmp_path / "bad.h5").write_bytes(bytes(raw))
-    dst = _model()
+    dst = mlp(4, 8, named=True, optimizer="stable-unbound")
     dst.build((None, 4))
     before = _values(dst)
     with pytest.raises(kss.CorruptCheckpointError, match="path:layers/hidden/kernel.*CRC-32") as info:
@@ -180,7 +176,7 @@ def test_a_legacy_keras_h5_file_is_named_as_such(tmp_path, data, capsys):
         warnings.simplefilter("ignore")
         m.save(tmp_path / "legacy.h5")
     with pytest.raises(kss.CheckpointFormatError, match="legacy Keras HDF5 file"):
-        kss.restore_training_state(tmp_path / "legacy.h5", _model())
+        kss.restore_training_state(tmp_path / "legacy.h5", mlp(4, 8, named=True, optimizer="stable-unbound"))
     assert cli.main(["verify", str(tmp_path / "legacy.h5")]) != 0
     assert "legacy Keras HDF5 file" in capsys.readouterr().err
 

@@ -24,10 +24,6 @@ from keras_stable_state import format
 from keras_stable_state.format import writer
 
 
-def _model(hidden=8):
-    return mlp(6, hidden, activation="tanh", seed=0)
-
-
 def _train(m, steps=3):
     m.fit(X[: 8 * steps], Y[: 8 * steps], batch_size=8, epochs=1, shuffle=False, verbose=0)
 
@@ -45,7 +41,7 @@ def _assert_records_equal(a, b):
 # -- save_training_state(blocking=False) -------------------------------------------------------
 @pytest.mark.parametrize("ext", ["h5", "keras"])
 def test_async_save_writes_what_a_blocking_save_writes_while_training_goes_on(tmp_path, ext, monkeypatch):
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     _train(m)
     weights = [to_np(v).copy() for v in m.weights]
     slots = {k: v.copy() for k, v in slots_by_key(m.optimizer).items()}
@@ -67,7 +63,7 @@ def test_async_save_writes_what_a_blocking_save_writes_while_training_goes_on(tm
     assert handle.nbytes == os.path.getsize(handle.path) and handle.write_secs > 0
     _assert_records_equal(format.read_file(handle.path), format.read_file(blocking))
     assert not _temporaries(tmp_path)
-    fresh = _model()
+    fresh = mlp(6, 8, activation="tanh", seed=0)
     kss.restore_training_state(handle.path, fresh)
     for v, w in zip(fresh.weights, weights, strict=True):
         np.testing.assert_array_equal(to_np(v), w)
@@ -91,7 +87,7 @@ def test_background_save_at_step_k_holds_step_k_after_later_donating_steps(tmp_p
         if keras.backend.backend() != "jax":
             pytest.skip("device copies are made of JAX arrays only (TensorFlow and Torch copy to the host)")
         monkeypatch.setattr(background, "_on_cpu", lambda array: False)  # the accelerator path, on CPU
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     _train(m)
     x, y = X[:8], Y[:8]
     m.train_on_batch(x, y)
@@ -116,7 +112,7 @@ def test_background_save_at_step_k_holds_step_k_after_later_donating_steps(tmp_p
         ref = m.weights[0].value
         m.train_on_batch(x, y)
         assert ref.is_deleted()
-    fresh = _model()
+    fresh = mlp(6, 8, activation="tanh", seed=0)
     kss.restore_training_state(handle.path, fresh)
     assert len(fresh.weights) == len(weights) and len(fresh.optimizer.variables) == len(slots)
     for i, (v, w) in enumerate(zip(fresh.weights, weights, strict=True)):
@@ -138,7 +134,7 @@ def test_async_save_writes_the_other_state_as_it_was_at_the_call(tmp_path, monke
         def set_state(self, state):
             self.log, self.table, self.counts = state["log"], state["table"], state["counts"]
 
-    m, live = _model(), Live()
+    m, live = mlp(6, 8, activation="tanh", seed=0), Live()
     _train(m)
     written, real = threading.Event(), writer.write_record
 
@@ -155,13 +151,13 @@ def test_async_save_writes_the_other_state_as_it_was_at_the_call(tmp_path, monke
     written.set()
     handle.wait()
     fresh = Live()
-    kss.restore_training_state(tmp_path / "s.h5", _model(), state={"live": fresh})
+    kss.restore_training_state(tmp_path / "s.h5", mlp(6, 8, activation="tanh", seed=0), state={"live": fresh})
     assert fresh.log == ["a"] and fresh.table == {"k": [1, 2]}
     np.testing.assert_array_equal(fresh.counts, np.arange(3))
 
 
 def test_wait_reraises_the_write_error_with_its_type_and_path(tmp_path):
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     _train(m, 1)
     (tmp_path / "gone").write_text("a file where the folder should be")
     target = tmp_path / "gone" / "run.h5"
@@ -178,7 +174,7 @@ def test_wait_reraises_the_write_error_with_its_type_and_path(tmp_path):
 
 
 def test_refusals_that_need_no_write_are_raised_by_the_call(tmp_path):
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     _train(m, 1)
     with pytest.raises(kss.CheckpointFormatError, match="use a '.keras' or '.h5' extension"):
         kss.save_training_state(tmp_path / "run.txt", m, blocking=False)
@@ -190,7 +186,7 @@ def test_refusals_that_need_no_write_are_raised_by_the_call(tmp_path):
 
 
 def test_saves_into_one_folder_are_written_in_order_and_the_next_call_waits(tmp_path, monkeypatch):
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     _train(m, 1)
     gate, order, real = threading.Event(), [], writer.write_record
 
@@ -216,7 +212,7 @@ def test_a_restore_waits_for_the_background_save_of_its_file(tmp_path, ext, monk
     """A restore of a file whose background save is still being written reads the state
     of that save's call, not the file it replaces (compared by position)."""
     path = tmp_path / f"s{ext}"
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     _train(m, 1)
     kss.save_training_state(path, m)  # the older file on disk
     _train(m, 2)
@@ -230,7 +226,7 @@ def test_a_restore_waits_for_the_background_save_of_its_file(tmp_path, ext, monk
     monkeypatch.setattr(writer, "write_record", slow_write)
     handle = kss.save_training_state(path, m, blocking=False)
     _train(m, 1)  # the model moves on; the save holds the call's values
-    fresh = _model()
+    fresh = mlp(6, 8, activation="tanh", seed=0)
     _train(fresh, 1)
     assert not handle.done()
     threading.Timer(0.3, gate.set).start()
@@ -246,7 +242,7 @@ def test_a_restore_waits_for_the_background_save_of_its_file(tmp_path, ext, monk
 
 
 def _fit(directory, extra=(), epochs=3, **options):
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     ckpt = kss.StableCheckpoint(directory, save_freq=4, max_to_keep=2, save_on_background=True, **options)
     try:
         m.fit(X, Y, batch_size=8, epochs=epochs, shuffle=True, verbose=0, callbacks=[ckpt, *extra])
@@ -288,7 +284,7 @@ class _Sabotage(keras.callbacks.Callback):
 
 def test_failed_background_save_is_raised_by_on_train_end(tmp_path):
     d = tmp_path / "ckpts"
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     ckpt = kss.StableCheckpoint(d, save_freq="epoch", save_on_background=True)
     with pytest.raises(OSError, match=re.escape(repr(str(d / "ckpt-0000000012.h5")))):
         # the last epoch's save runs in on_train_end; its write fails in the background
@@ -298,7 +294,7 @@ def test_failed_background_save_is_raised_by_on_train_end(tmp_path):
 
 def test_failed_background_save_is_raised_during_fit(tmp_path):
     d = tmp_path / "ckpts"
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     ckpt = kss.StableCheckpoint(d, save_freq="epoch", save_on_background=True)
     with pytest.raises(OSError, match=re.escape(repr(str(d / "ckpt-0000000006.h5")))):
         m.fit(X, Y, batch_size=8, epochs=4, verbose=0, callbacks=[ckpt, _Sabotage(ckpt, epoch=0)])
@@ -307,7 +303,7 @@ def test_failed_background_save_is_raised_during_fit(tmp_path):
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_verbose_prints_one_summary_line_per_save(tmp_path, capsys, async_save):
-    m = _model()
+    m = mlp(6, 8, activation="tanh", seed=0)
     ckpt = kss.StableCheckpoint(
         tmp_path / "ckpts", save_freq="epoch", verbose=1, save_on_background=async_save
     )

@@ -77,12 +77,8 @@ model.fit(x, y, epochs=epochs, batch_size=8, shuffle=True, verbose=0, callbacks=
 """
 
 
-def _model(hidden=(4,)):
-    return mlp(6, hidden, activation="tanh", seed=0)
-
-
 def _fit(directory, epochs, save_freq="epoch", max_to_keep=3, extra=(), hidden=(4,)):
-    m = _model(hidden)
+    m = mlp(6, hidden, activation="tanh", seed=0)
     ckpt = kss.StableCheckpoint(directory, save_freq=save_freq, max_to_keep=max_to_keep)
     m.fit(X, Y, epochs=epochs, batch_size=8, shuffle=True, verbose=0, callbacks=[ckpt, *extra])
     return m, ckpt
@@ -154,7 +150,7 @@ def test_second_writer_in_another_process_is_refused_naming_its_pid(tmp_path, di
         _wait_for(ready, child)
         live_tmp = d / ".kss-in-flight.h5"  # the other writer's save in progress
         live_tmp.write_bytes(b"partial")
-        m = _model()
+        m = mlp(6, (4,), activation="tanh", seed=0)
         before = [to_np(v) for v in m.weights]
         ckpt = kss.StableCheckpoint(d)
         holder = f"pid {child.pid} on host {socket.gethostname()}"
@@ -220,7 +216,7 @@ def test_second_writer_in_another_thread_is_refused(tmp_path, directory_lock):
 def test_fit_that_raised_leaves_the_lock_to_the_next_fit_in_the_same_thread(tmp_path, directory_lock):
     d = tmp_path / "ckpts"
 
-    m = _model()
+    m = mlp(6, (4,), activation="tanh", seed=0)
     first = kss.StableCheckpoint(d)
     with pytest.raises(RuntimeError, match="interrupted"):
         m.fit(X, Y, epochs=3, batch_size=8, verbose=0, callbacks=[first, StopAt(1, message="interrupted")])
@@ -235,7 +231,7 @@ def test_fit_that_raised_leaves_the_lock_to_the_next_fit_in_the_same_thread(tmp_
 def test_directory_that_is_a_file_is_refused(tmp_path):
     path = tmp_path / "x.h5"
     path.write_bytes(b"not a folder")
-    m = _model()
+    m = mlp(6, (4,), activation="tanh", seed=0)
     with pytest.raises(NotADirectoryError, match=re.escape(f"{str(path)!r} is a file, not a folder")):
         m.fit(X, Y, epochs=1, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(path)])
     assert path.read_bytes() == b"not a folder"
@@ -244,7 +240,7 @@ def test_directory_that_is_a_file_is_refused(tmp_path):
 # -- pruning ------------------------------------------------------------------------------------
 def test_pruning_tolerates_a_checkpoint_removed_meanwhile(tmp_path):
     d = tmp_path / "ckpts"
-    m = _model()
+    m = mlp(6, (4,), activation="tanh", seed=0)
     ckpt = kss.StableCheckpoint(d, save_freq=2, max_to_keep=2)
     listed, removed = ckpt.manager.checkpoints, []
 
@@ -349,7 +345,7 @@ def test_every_checkpoint_unreadable_starts_fresh_with_a_warning_and_new_checkpo
 def test_checkpoint_that_does_not_fit_the_model_is_not_moved_aside(tmp_path):
     d = tmp_path / "ckpts"
     _fit(d, epochs=1)
-    other = _model(hidden=(5,))
+    other = mlp(6, (5,), activation="tanh", seed=0)
     with pytest.raises(kss.ContractError):
         other.fit(X, Y, epochs=2, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(d)])
     assert _names(d) == ["ckpt-0000000006.h5"]  # readable, kept, and the lock released
@@ -385,7 +381,7 @@ def test_newest_checkpoint_locked_by_another_process_raises_in_use_without_fallb
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        m = _model()
+        m = mlp(6, (4,), activation="tanh", seed=0)
         before = [to_np(v) for v in m.weights]
         with pytest.raises(kss.CheckpointInUseError, match=re.escape(repr(newest))) as info:
             m.fit(X, Y, epochs=3, batch_size=8, verbose=0, callbacks=[kss.StableCheckpoint(d)])
@@ -451,7 +447,7 @@ def _check_resume_after_kills(tmp_path, d, hidden):
     for path in ckpt.removed_temporary_files:
         assert os.path.dirname(path) == str(d) and os.path.basename(path).startswith(".kss-")
     assert ckpt._position.global_step >= int(checkpoints[-1][5:15])
-    reference = _model(hidden)
+    reference = mlp(6, hidden, activation="tanh", seed=0)
     kss.restore_training_state(newest, reference)
     for a, b in zip(reference.weights, spy.weights, strict=True):
         np.testing.assert_array_equal(to_np(a), b)

@@ -18,14 +18,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kit import assert_same_state, mlp
+from kit import ROOT, TESTS, assert_same_state, mlp
 
 import keras_stable_state as kss
 from keras_stable_state._manager import records
 from keras_stable_state._numpy import numpy_copy
 
 BACKEND = keras.backend.backend()
-TESTS = pathlib.Path(__file__).parent
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(32, 4)).astype("float32")
 Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], dtype="float32")).astype("float32")
@@ -83,7 +82,7 @@ def test_a_killed_custom_loop_resumes_exactly_from_the_latest_checkpoint(tmp_pat
         os.environ,
         KERAS_BACKEND=BACKEND,
         TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
     )
     child = subprocess.run(
         [sys.executable, str(script), str(directory), str(init), str(kill_after)],
@@ -373,8 +372,7 @@ def test_a_background_save_pending_at_exit_is_completed_and_pruned(tmp_path):
     pending save completes and the retention policy applies (two checkpoints, not three),
     and the lock is released."""
     folder = tmp_path / "ck"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root, "KERAS_BACKEND": keras.backend.backend()}
+    env = {**os.environ, "PYTHONPATH": ROOT, "KERAS_BACKEND": keras.backend.backend()}
     done = subprocess.run([sys.executable, "-c", _EXIT_CHILD, str(folder)], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0 and "SAVED" in done.stdout, done.stderr[-3000:]

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import BACKEND, to_np
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import cli, format
@@ -39,19 +40,13 @@ class _Position:
         self.value = dict(value)
 
 
-def _model(opt=None, extra_layer=False):
-    layers = [keras.Input((4,)), keras.layers.Dense(8, activation="relu", name="hidden")]
-    if extra_layer:
-        layers.append(keras.layers.Dense(8, name="extra"))
-    layers.append(keras.layers.Dense(1, name="out"))
-    m = keras.Sequential(layers)
-    m.compile(optimizer=opt or kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=m), loss="mse")
-    return m
-
-
 def _trained(data, opt=None, extra_layer=False, callbacks=()):
     x, y = data
-    m = _model(opt, extra_layer)
+    if extra_layer:  # a linear Dense(8) "extra" between "hidden" and "out"
+        names = ("hidden", "extra", "out")
+        m = mlp(4, (8, 8), activation=("relu", None), layer_names=names, optimizer=opt or "stable")
+    else:
+        m = mlp(4, 8, activation="relu", named=True, optimizer=opt or "stable")
     m.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False, callbacks=list(callbacks))
     return m
 
@@ -608,7 +603,7 @@ def test_ls_lists_steps_metrics_status_the_resume_and_the_best(capsys, files, tm
     assert _run(capsys, "inspect", folder)[1] == out
     # the manager agrees: it restores step 2, moving the FIFO and the damaged file aside
     os.unlink(folder / ".kss-0123abcd.h5")
-    model = _model()
+    model = mlp(4, 8, activation="relu", named=True)
     with pytest.warns(kss.UnreadableCheckpointWarning):
         with kss.CheckpointManager(folder, max_to_keep=None, monitor="loss") as mgr:
             mgr.restore(model)

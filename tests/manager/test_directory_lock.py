@@ -17,13 +17,11 @@ import time
 import keras
 import numpy as np
 import pytest
-from kit import mlp
+from kit import ROOT, TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state._manager import lock, portable_lock
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 LOCK = lock.LOCK_NAME
 MARKER = LOCK + portable_lock.MARKER_SUFFIX
 
@@ -56,7 +54,7 @@ os._exit(0)
 
 def _holder(directory, how, kind=None, variant=""):
     """The `HOLDER` process, with the lock ``kind`` (``KSS_DIRECTORY_LOCK``) if given."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
     if kind is not None:
         env["KSS_DIRECTORY_LOCK"] = kind
     child = subprocess.Popen(
@@ -299,7 +297,7 @@ mlp(seed=0).fit(x, x[:, :1], epochs=2, batch_size=8, verbose=0, callbacks=[ckpt,
 @pytest.mark.parametrize(("first", "second"), KINDS)
 def test_a_fit_of_the_other_kind_is_refused_and_the_first_trains_on(tmp_path, monkeypatch, first, second):
     d, ready, go = tmp_path / "ckpts", tmp_path / "ready", tmp_path / "go"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), KSS_DIRECTORY_LOCK=first)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]), KSS_DIRECTORY_LOCK=first)
     env["KERAS_BACKEND"] = keras.backend.backend()
     child = subprocess.Popen(
         [sys.executable, "-c", TRAINER, str(d), str(ready), str(go)],
@@ -416,7 +414,7 @@ print(json.dumps([os.waitstatus_to_exitcode(status), left, record["pid"] == os.g
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX")
 def test_a_forked_child_never_releases_the_parents_lock(tmp_path, directory_lock):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", FORKER, str(tmp_path)],
         capture_output=True,
@@ -460,7 +458,7 @@ def test_a_lock_file_or_marker_that_is_no_regular_file_is_refused(tmp_path, dire
 
 @pytest.mark.backend_free
 def test_without_fcntl_the_portable_lock_is_chosen_and_flock_cannot_be_forced(tmp_path, monkeypatch):
-    monkeypatch.setattr(lock, "fcntl", None)  # as on Windows (tests/test_hostile_files.py trains so)
+    monkeypatch.setattr(lock, "fcntl", None)  # as on Windows (tests/hostile/test_hostile_files.py trains so)
     monkeypatch.delenv("KSS_DIRECTORY_LOCK", raising=False)
     assert lock.lock_kind() == "portable"
     held, token = _acquire(tmp_path)

@@ -3,7 +3,7 @@ process, on every backend: each checkpoint a ``ckpt-<step>.orbax`` step director
 ``.orbax`` engine; an interrupted fit resumes exactly; pruning removes step directories;
 a killed save's partial folder is removed and never restored; a damaged step is moved
 aside; background saves and a missing orbax-checkpoint are refused. (Several JAX
-processes: tests/test_multiprocess_jax.py.)"""
+processes: tests/transfer/test_multiprocess_jax.py.)"""
 
 import builtins
 import os

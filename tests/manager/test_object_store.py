@@ -21,7 +21,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from kit import StopAt, assert_same_state, mlp
+from kit import ROOT, TESTS, StopAt, assert_same_state, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format
@@ -41,9 +41,7 @@ JAX_CHILD_ONLY = pytest.mark.skipif(
     reason="what it checks runs in a JAX child process whatever the pass: run once, in the jax pass",
 )
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-SERVER = os.path.join(HERE, "scripts", "s3_server.py")
+SERVER = os.path.join(TESTS, "scripts", "s3_server.py")
 _DUMMY = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",

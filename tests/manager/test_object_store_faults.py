@@ -12,7 +12,7 @@ The clients retry little and time out fast (``_OPTIONS``), so that a fault costs
 The faults are met where bytes go (``format/remote.py``, the remote directory and its lock:
 fsspec and botocore calls), which no backend reaches; what the backend does in a save or a
 restore, capturing and assigning the state, is what a local save does, which every backend's
-suite checks, and tests/test_object_store.py saves and restores through the store on every
+suite checks, and tests/manager/test_object_store.py saves and restores through the store on every
 backend. So this module runs once, in the pass that runs the backend-free tests
 (``KSS_BACKEND_FREE_PASS``, JAX by default), and is skipped in the others with that reason.
 """
@@ -30,7 +30,7 @@ import urllib.request
 import numpy as np
 import pytest
 from conftest import BACKEND, BACKEND_FREE_PASS
-from kit import mlp
+from kit import TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state.format import remote
@@ -43,8 +43,7 @@ pytestmark = pytest.mark.skipif(
 pytest.importorskip("s3fs", reason="the [cloud] extra (s3fs) is not installed")
 pytest.importorskip("moto", reason="moto (the dev extra's S3 server) is not installed")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SERVER = os.path.join(HERE, "scripts", "s3_server.py")
+SERVER = os.path.join(TESTS, "scripts", "s3_server.py")
 _ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -185,12 +184,6 @@ def bucket(store, monkeypatch):
     _faults(server, [])
 
 
-def _model(seed=0):
-    model = mlp(seed=seed)
-    model.optimizer.build(model.trainable_variables)
-    return model
-
-
 def _step(model, value):
     for v in model.trainable_variables:
         v.assign(np.full(v.shape, value, "float32"))
@@ -199,7 +192,7 @@ def _step(model, value):
 def _assert_restores(url, options, value):
     """A new manager restores ``value`` (every trainable variable) as its latest step."""
     mgr = kss.CheckpointManager(url, storage_options=options)
-    target = _model(seed=9)
+    target = mlp(seed=9, build=True)
     assert mgr.restore(target) is not None and mgr.restored_step == value
     for v in target.trainable_variables:
         np.testing.assert_array_equal(np.array(v), np.full(v.shape, value, "float32"))
@@ -232,7 +225,7 @@ def test_a_5xx_on_an_operation_of_save_is_ours_and_the_manager_saves_again(
 ):
     url, options, server, _ = bucket
     url = f"{url}/run"
-    model = _model()
+    model = mlp(seed=0, build=True)
     mgr = kss.CheckpointManager(url, max_to_keep=1, storage_options=options)
     _step(model, 1)
     mgr.save(1, model)
@@ -255,7 +248,7 @@ def test_a_5xx_on_an_operation_of_save_is_ours_and_the_manager_saves_again(
 
 
 def _assert_restores_held(mgr, value):
-    target = _model(seed=9)
+    target = mlp(seed=9, build=True)
     assert mgr.restore(target) is not None and mgr.restored_step == value
     for v in target.trainable_variables:
         np.testing.assert_array_equal(np.array(v), np.full(v.shape, value, "float32"))
@@ -264,13 +257,13 @@ def _assert_restores_held(mgr, value):
 def test_a_5xx_on_restore_and_listing_is_ours(bucket):
     url, options, server, _ = bucket
     url = f"{url}/run"
-    model = _model()
+    model = mlp(seed=0, build=True)
     with kss.CheckpointManager(url, storage_options=options) as mgr:
         _step(model, 1)
         mgr.save(1, model)
     mgr = kss.CheckpointManager(url, storage_options=options)
     _faults(server, [{"method": "GET", "path_end": "ckpt-0000000001.h5", "status": 503, "code": "SlowDown"}])
-    target = _model(seed=9)
+    target = mlp(seed=9, build=True)
     before = [np.array(v) for v in target.trainable_variables]
     with pytest.raises(kss.StorageError) as caught:
         mgr.restore(target, step=1)
@@ -296,7 +289,7 @@ def test_a_5xx_on_the_lock_is_ours_and_locks_again(bucket):
         mgr.lock()
     _assert_ours(caught.value, f"{url}/{_LOCK}", "lock")
     _faults(server, [])
-    model = _model()
+    model = mlp(seed=0, build=True)
     _step(model, 1)
     assert mgr.save(1, model) == _ckpt(url, 1)
     mgr.close()
@@ -307,7 +300,7 @@ def test_a_failed_lock_release_is_retried_and_never_locks_out_this_process(bucke
     url, options, server, _ = bucket
     url = f"{url}/run"
     lock_url = f"{url}/{_LOCK}"
-    model = _model()
+    model = mlp(seed=0, build=True)
     # the store fails the first removal: the release tries again, and removes it
     _faults(server, [{"method": "DELETE", "path_end": _LOCK, "status": 500, "times": 2}])
     with kss.CheckpointManager(url, storage_options=options) as mgr:
@@ -345,7 +338,7 @@ def test_a_failed_lock_release_is_retried_and_never_locks_out_this_process(bucke
 def test_refused_credentials_name_the_url_and_what_to_check(bucket):
     url, options, server, _ = bucket
     url = f"{url}/run"
-    model = _model()
+    model = mlp(seed=0, build=True)
     with kss.CheckpointManager(url, storage_options=options) as mgr:
         _step(model, 1)
         mgr.save(1, model)
@@ -353,7 +346,7 @@ def test_refused_credentials_name_the_url_and_what_to_check(bucket):
     wrong = {**options, "key": "wrong", "secret": "wrong", "token": None}
     for call, named, operation in [
         (lambda: kss.save_training_state(f"{url}/one.h5", model, storage_options=wrong), f"{url}/one.h5", "upload"),
-        (lambda: kss.restore_training_state(_ckpt(url, 1), _model(), storage_options=wrong), _ckpt(url, 1), "read"),
+        (lambda: kss.restore_training_state(_ckpt(url, 1), mlp(seed=0, build=True), storage_options=wrong), _ckpt(url, 1), "read"),
         (lambda: kss.CheckpointManager(url, storage_options=wrong).all_steps(), url, "list"),
         (lambda: kss.CheckpointManager(url, storage_options=wrong).save(2, model), f"{url}/{_LOCK}", "lock"),
     ]:  # fmt: skip
@@ -370,7 +363,7 @@ def test_refused_credentials_name_the_url_and_what_to_check(bucket):
 def test_slow_responses_are_waited_for(bucket):
     url, options, server, _ = bucket
     url = f"{url}/run"
-    model = _model()
+    model = mlp(seed=0, build=True)
     mgr = kss.CheckpointManager(url, max_to_keep=None, storage_options=options)
     _step(model, 1)
     mgr.save(1, model)
@@ -392,7 +385,7 @@ def test_slow_responses_are_waited_for(bucket):
 def test_the_server_gone_mid_save_is_ours_and_saving_resumes_when_it_is_back(bucket, background):
     url, options, server, proxy = bucket
     url = f"{url}/run"
-    model = _model()
+    model = mlp(seed=0, build=True)
     mgr = kss.CheckpointManager(url, max_to_keep=2, save_on_background=background, storage_options=options)
     _step(model, 1)
     mgr.save(1, model)

@@ -16,6 +16,7 @@ import pytest
 from conftest import BACKEND, hypothesis_examples, to_np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import _engines, cli, format
@@ -27,20 +28,12 @@ orbax = pytest.importorskip(
 )
 
 
-def _model(units=3):
-    model = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(units, name="hidden"), keras.layers.Dense(1)]
-    )
-    model.compile(optimizer="adam", loss="mse")
-    return model
-
-
 def _arrays(model):
     return [np.array(to_np(v)) for v in model.variables + model.optimizer.variables]
 
 
 def _fresh(units=3):
-    model = _model(units)
+    model = mlp(4, units, layer_names=("hidden", None), optimizer="adam")
     model.build((None, 4))
     model.optimizer.build(model.trainable_variables)
     return model
@@ -48,7 +41,7 @@ def _fresh(units=3):
 
 def test_round_trip_and_resume_exactly(tmp_path, data):
     x, y = data
-    model = _model()
+    model = mlp(4, 3, layer_names=("hidden", None), optimizer="adam")
     model.fit(x, y, epochs=2, batch_size=8, verbose=0)
     path = tmp_path / "run.orbax"
     kss.save_training_state(path, model)
@@ -72,7 +65,7 @@ def test_a_state_with_its_scalars_in_arrays_still_restores_exactly(tmp_path, dat
     """Directories written before scalars moved to state.h5 hold every array in arrays/:
     one read restores them all, the counter and learning rate included, by position."""
     x, y = data
-    model = _model()
+    model = mlp(4, 3, layer_names=("hidden", None), optimizer="adam")
     model.fit(x, y, epochs=1, batch_size=8, verbose=0)
     path = tmp_path / "run.orbax"
     with monkeypatch.context() as patched:
@@ -276,19 +269,10 @@ def test_a_changed_byte_in_a_stored_chunk_is_refused_naming_the_key(tmp_path, ca
 
 
 # -- index version 1 (tests/data/index1.orbax, written with the per-element hash) ------------
-DATA = os.path.join(os.path.dirname(__file__), "data")
-
-
-def _fixture_model():
-    """The model tests/data/index1.orbax was written for (index version 1, JAX backend):
-    Dense(3) -> Dense(1) with Adam(1e-2), after one epoch of 2 steps."""
-    m = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(3, name="hidden"), keras.layers.Dense(1, name="out")],
-        name="fixture",
-    )
-    m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
-    m.optimizer.build(m.trainable_variables)
-    return m
+DATA = os.path.join(TESTS, "data")
+# The model tests/data/index1.orbax was written for (index version 1, JAX backend): Dense(3) ->
+# Dense(1) with Adam(1e-2), after one epoch of 2 steps.
+FIXTURE = {"features": 4, "hidden": 3, "named": True, "name": "fixture", "optimizer": "plain", "build": True}
 
 
 def test_a_state_of_index_version_1_still_restores_and_is_verified(tmp_path, capsys):
@@ -296,7 +280,7 @@ def test_a_state_of_index_version_1_still_restores_and_is_verified(tmp_path, cap
     shutil.copytree(os.path.join(DATA, "index1.orbax"), path)
     assert format.read_file(path / "state.h5").metadata["orbax"]["version"] == 1
     expected = np.load(os.path.join(DATA, "index1_expected.npz"))
-    m = _fixture_model()
+    m = mlp(**FIXTURE)
     kss.restore_training_state(path, m)
     for i, w in enumerate(m.get_weights()):
         np.testing.assert_array_equal(np.asarray(w), expected[f"model_{i}"])
@@ -314,7 +298,7 @@ def test_a_state_of_index_version_1_still_restores_and_is_verified(tmp_path, cap
     spec = orbax_layout.store_spec(str(path), leaf, "test")
     array = ts.open(spec, open=True).result()
     array.write(array.read().result() + 1).result()
-    before = _arrays(target := _fixture_model())
+    before = _arrays(target := mlp(**FIXTURE))
     with pytest.raises(kss.CorruptCheckpointError, match="hidden/kernel"):
         kss.restore_training_state(path, target)
     for a, b in zip(before, _arrays(target), strict=True):

@@ -16,13 +16,13 @@ import time
 import keras
 import numpy as np
 import pytest
-from kit import StopAt, assert_same_state, mlp
+from kit import TESTS, StopAt, assert_same_state, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import _processes
 from keras_stable_state._manager import checkin, preemption
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "preempt_fit.py")
+SCRIPT = os.path.join(TESTS, "scripts", "preempt_fit.py")
 # Trials of the child fit (issue 18's acceptance: 20 per backend, `make fuzz`); make test runs 2.
 TRIALS = int(os.environ.get("KSS_PREEMPT_TRIALS", "2"))
 SEED = int(os.environ.get("KSS_PREEMPT_SEED", "0"))

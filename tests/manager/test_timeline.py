@@ -27,12 +27,6 @@ def _variables(model):
     return list(model.weights) + list(model.optimizer.variables)
 
 
-def _model(seed=0):
-    model = mlp(seed=seed)
-    model.optimizer.build(model.trainable_variables)
-    return model
-
-
 def _fill(model, step):
     """Give every variable of ``model`` (weights, optimizer) a value of its own for ``step``."""
     values = []
@@ -70,7 +64,7 @@ _OP = st.tuples(st.sampled_from(["copy", "rename", "swap"]), st.sampled_from(NAM
 def template(tmp_path_factory):
     """A directory of checkpoints of SAVED (each its own values), and those values."""
     folder = tmp_path_factory.mktemp("template") / "ck"
-    model = _model()
+    model = mlp(seed=0, build=True)
     with kss.CheckpointManager(folder, max_to_keep=None, monitor="loss") as mgr:
         values = {step: _save(mgr, model, step) for step in SAVED}
     return folder, values
@@ -124,7 +118,7 @@ def test_renamed_copied_swapped_checkpoints_restore_only_as_their_records_step(
             assert row.status == "misnamed" and row.step == c and str(n) in row.reason
     assert listing.resume_step == (good[-1] if good else None)
 
-    model = _model(seed=5)
+    model = mlp(seed=5, build=True)
     before = [to_np(v) for v in _variables(model)]
     with kss.CheckpointManager(folder, max_to_keep=None, monitor="loss") as mgr:
         assert mgr.all_steps() == good
@@ -162,7 +156,7 @@ def test_a_copied_file_is_refused_as_an_int_step_and_moved_aside(template, tmp_p
     folder = tmp_path / "ck"
     shutil.copytree(source, folder)
     shutil.copyfile(folder / _name(1), folder / _name(9))  # the issue's `cp`
-    model = _model(seed=5)
+    model = mlp(seed=5, build=True)
     before = [to_np(v) for v in _variables(model)]
     with kss.CheckpointManager(folder) as mgr:
         with pytest.raises(kss.CheckpointFormatError) as err:
@@ -180,7 +174,7 @@ def test_a_copied_file_is_refused_as_an_int_step_and_moved_aside(template, tmp_p
 # -- timelines: rollback, reused directory --------------------------------------------------------
 def _rollback(folder, reopen, abandoned):
     """The issue's rollback: 10, 20, 30; restore(step=10); save 15, 16."""
-    model = _model()
+    model = mlp(seed=0, build=True)
     saved = {}
     with reopen(folder) as mgr:
         for step in (10, 20, 30):
@@ -198,7 +192,7 @@ def _rollback(folder, reopen, abandoned):
         ]
         with pytest.raises(kss.StateError, match=r"refuses to save step 12: .* holds steps \[10, 15, 16\]"):
             mgr.save(12, model)  # the new timeline's own past: never silent either
-    fresh = _model(seed=3)
+    fresh = mlp(seed=3, build=True)
     with reopen(folder) as mgr:
         mgr.restore(fresh)  # the next resume: the live timeline's newest
         assert mgr.restored_step == 16
@@ -213,7 +207,7 @@ def test_rollback_then_save_starts_a_new_timeline_local(tmp_path):
     aside = folder / "abandoned"
     assert sorted(os.listdir(aside)) == [_name(20), _name(30)]
     for step in (20, 30):  # nothing deleted: each restores to its own values
-        model = _model(seed=4)
+        model = mlp(seed=4, build=True)
         kss.restore_training_state(aside / _name(step), model)
         _assert_values(model, saved[step], f"abandoned {step}")
 
@@ -227,10 +221,10 @@ def test_rollback_then_save_starts_a_new_timeline_orbax(tmp_path):
 
 def test_reused_directory_is_refused_then_a_new_timeline_on_request(tmp_path):
     folder = tmp_path / "ck"
-    other = _model(seed=2)
+    other = mlp(seed=2, build=True)
     with kss.CheckpointManager(folder, max_to_keep=2) as mgr:
         theirs = {step: _save(mgr, other, step) for step in (100, 200)}
-    model = _model()
+    model = mlp(seed=0, build=True)
     with kss.CheckpointManager(folder, max_to_keep=2) as mgr:
         with pytest.raises(kss.StateError) as err:
             _save(mgr, model, 10)
@@ -249,19 +243,19 @@ def test_reused_directory_is_refused_then_a_new_timeline_on_request(tmp_path):
             ours[step] = _save(mgr, model, step)
         assert mgr.all_steps() == [20, 30]
     assert sorted(os.listdir(folder / "abandoned")) == [_name(100), _name(200)]
-    fresh = _model(seed=3)
+    fresh = mlp(seed=3, build=True)
     with kss.CheckpointManager(folder) as mgr:
         mgr.restore(fresh)
         assert mgr.restored_step == 30
         _assert_values(fresh, ours[30], "this run's 30")
-    back = _model(seed=3)
+    back = mlp(seed=3, build=True)
     kss.restore_training_state(folder / "abandoned" / _name(200), back)
     _assert_values(back, theirs[200], "the other run's 200, kept")
 
 
 def test_a_manager_that_did_not_restore_may_save_after_the_newest_and_replace_its_own(tmp_path):
     folder = tmp_path / "ck"
-    model = _model()
+    model = mlp(seed=0, build=True)
     with kss.CheckpointManager(folder) as mgr:
         _save(mgr, model, 5)
     with kss.CheckpointManager(folder) as mgr:
@@ -270,7 +264,7 @@ def test_a_manager_that_did_not_restore_may_save_after_the_newest_and_replace_it
         assert mgr.all_steps() == [5, 6]
         with pytest.raises(kss.StateError, match="refuses to save step 5"):
             _save(mgr, model, 5)
-    fresh = _model(seed=1)
+    fresh = mlp(seed=1, build=True)
     with kss.CheckpointManager(folder) as mgr:
         mgr.restore(fresh)
     _assert_values(fresh, again, "the replaced 6")
@@ -425,7 +419,7 @@ def _fs():
 
 
 def test_s3_copied_swapped_and_edited_markers_never_change_a_step(s3_url):
-    model = _model()
+    model = mlp(seed=0, build=True)
     with kss.CheckpointManager(s3_url, max_to_keep=None, monitor="loss") as mgr:
         values = {step: _save(mgr, model, step) for step in (1, 2, 3)}
     fs, path = _fs(), s3_url.removeprefix("s3://")
@@ -438,7 +432,7 @@ def test_s3_copied_swapped_and_edited_markers_never_change_a_step(s3_url):
     payload["payload"]["record"]["metrics"]["loss"] = -1.0
     fs.pipe_file(marker, json.dumps(payload).encode())
     fs.invalidate_cache()
-    fresh = _model(seed=4)
+    fresh = mlp(seed=4, build=True)
     with kss.CheckpointManager(s3_url, max_to_keep=None, monitor="loss") as mgr:
         assert mgr.all_steps() == [1, 2, 3]
         assert mgr.best_step() == 3  # from the sealed records, not the edited marker
@@ -456,7 +450,7 @@ def test_s3_copied_swapped_and_edited_markers_never_change_a_step(s3_url):
 
 
 def test_s3_swapped_objects_fall_back_to_the_newest_in_place(s3_url):
-    model = _model()
+    model = mlp(seed=0, build=True)
     with kss.CheckpointManager(s3_url, max_to_keep=None) as mgr:
         values = {step: _save(mgr, model, step) for step in (1, 2, 3)}
     fs, path = _fs(), s3_url.removeprefix("s3://")
@@ -466,7 +460,7 @@ def test_s3_swapped_objects_fall_back_to_the_newest_in_place(s3_url):
         fs.copy(b, a)
         fs.copy(f"{path}/swap", b)
         fs.rm(f"{path}/swap")
-    fresh = _model(seed=4)
+    fresh = mlp(seed=4, build=True)
     with kss.CheckpointManager(s3_url) as mgr:
         assert mgr.all_steps() == [1]
         with pytest.warns(kss.UnreadableCheckpointWarning):
@@ -482,12 +476,12 @@ def test_s3_rollback_then_save_starts_a_new_timeline(s3_url):
 
 
 def test_s3_reused_directory_is_refused(s3_url):
-    other = _model(seed=2)
+    other = mlp(seed=2, build=True)
     with kss.CheckpointManager(s3_url) as mgr:
         for step in (100, 200):
             _save(mgr, other, step)
     with kss.CheckpointManager(s3_url) as mgr, pytest.raises(kss.StateError, match=r"steps \[100, 200\]"):
-        _save(mgr, _model(), 10)
+        _save(mgr, mlp(seed=0, build=True), 10)
 
 
 def _apply_s3(fs, ops, path, content):
@@ -529,7 +523,7 @@ def test_s3_renamed_copied_swapped_checkpoints_restore_only_as_their_records_ste
     fs = _fs()
     template = f"{bucket}/template"
     if not fs.exists(f"{template}/{_name(SAVED[-1])}.commit"):
-        model = _model()
+        model = mlp(seed=0, build=True)
         with kss.CheckpointManager(f"s3://{template}", max_to_keep=None) as mgr:
             values = {step: _save(mgr, model, step) for step in SAVED}
         _S3_VALUES.update(values)
@@ -542,7 +536,7 @@ def test_s3_renamed_copied_swapped_checkpoints_restore_only_as_their_records_ste
     good = sorted(n for n, c in content.items() if n == c)
     bad = sorted(n for n, c in content.items() if n != c)
     above = [n for n in bad if not good or n > good[-1]]
-    model = _model(seed=5)
+    model = mlp(seed=5, build=True)
     with kss.CheckpointManager(f"s3://{path}", max_to_keep=None) as mgr:
         assert mgr.all_steps() == good
         if above:

@@ -50,7 +50,7 @@ def test_nesting_deeper_than_the_limit_is_refused_also_inside_skipped_content():
 
 @pytest.mark.backend_free
 def test_a_long_nested_list_of_strings_is_passed_in_few_steps(monkeypatch):
-    """The vocabulary case of tests/test_inspect_memory.py: a million strings below the
+    """The vocabulary case of tests/performance/test_inspect_memory.py: a million strings below the
     top level cost a handful of Python steps per chunk, not one per character (counted, not
     timed: the decoder's chunks are the only loop iterations the nested list adds)."""
     body = b'{"config": {"vocabulary": [' + b'"tok\\"en", ' * 1_000_000 + b'"x"]}, "class_name": "Big"}'

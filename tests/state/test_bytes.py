@@ -9,7 +9,7 @@ import pytest
 from conftest import hypothesis_examples, to_np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_mappers import _model
+from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format
@@ -24,7 +24,7 @@ def _everything(model):
 
 
 def _fresh():
-    model = _model(seed=7)
+    model = mlp(4, 3, named=True, seed=7, optimizer="plain")
     model.build((None, 4))
     return model
 
@@ -40,7 +40,7 @@ def _train(model, data, epochs):
 
 
 def test_bytes_round_trip_equals_file_round_trip_and_training_resumes_exactly(data, tmp_path):
-    model = _model()
+    model = mlp(4, 3, named=True, seed=0, optimizer="plain")
     _train(model, data, 2)
     saved = [to_np(v) for v in model.variables] + [to_np(v) for v in model.optimizer.variables]
     blob = kss.training_state_to_bytes(model)
@@ -77,7 +77,7 @@ def test_non_bytes_input_is_refused_clearly(tmp_path):
 def _blob_and_values(backend):
     keras.backend.clear_session(free_memory=False)
     x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
-    model = _model()
+    model = mlp(4, 3, named=True, seed=0, optimizer="plain")
     _train(model, (x, x[:, :1]), 1)
     return kss.training_state_to_bytes(model, include_rng=False), _everything(model)
 
@@ -132,7 +132,7 @@ def saved_and_continued():
     values after one more epoch (the uninterrupted run). Shared: the tests only read them."""
     rng = np.random.default_rng(0)
     data = (rng.normal(size=(32, 4)).astype("float32"), rng.normal(size=(32, 1)).astype("float32"))
-    model = _model()
+    model = mlp(4, 3, named=True, seed=0, optimizer="plain")
     _train(model, data, 1)
     saved = _everything(model)
     blob = kss.training_state_to_bytes(model, state={"p": _Provider()})

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import LrLog, slots_by_key, to_np
-from kit import StopAt
+from kit import StopAt, mlp
 
 import keras_stable_state as kss
 
@@ -101,19 +101,13 @@ def test_01_model_save_load_model_round_trip_after_refactor(tmp_path):
 
 
 # -- 02: auto-name shift ----------------------------------------------------------
-def _build02():
-    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(), model=m), loss="mse")
-    return m
-
-
 @pytest.mark.parametrize("ext", ["keras", "h5"])
 def test_02_rebuilt_model_restores_fully_despite_autoname_shift(tmp_path, ext):
     x, y = X[:16, :3], Y[:16]
-    first = _build02()
+    first = mlp(3, 4, inner=keras.optimizers.Adam)
     first.fit(x, y, epochs=1, batch_size=8, verbose=0)
     kss.save_training_state(tmp_path / f"s.{ext}", first)
-    second = _build02()
+    second = mlp(3, 4, inner=keras.optimizers.Adam)
     second.fit(x[:8], y[:8], epochs=1, batch_size=8, verbose=0)  # builds its optimizer too
     assert [v.path for v in first.trainable_variables] != [v.path for v in second.trainable_variables]
     report = kss.restore_training_state(tmp_path / f"s.{ext}", second)
@@ -126,7 +120,7 @@ def test_02_rebuilt_model_restores_fully_despite_autoname_shift(tmp_path, ext):
 
 
 def test_02_restore_that_matches_nothing_raises(tmp_path):
-    first = _build02()
+    first = mlp(3, 4, inner=keras.optimizers.Adam)
     first(X[:1, :3])
     kss.save_training_state(tmp_path / "s.h5", first)
     other = NetV1()
@@ -139,11 +133,8 @@ def test_02_restore_that_matches_nothing_raises(tmp_path):
 
 
 # -- 03: unbuilt optimizer skip ---------------------------------------------------
-def _build03():
-    sched = keras.optimizers.schedules.CosineDecay(1e-2, decay_steps=40)
-    m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
-    m.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(sched), model=m), loss="mse")
-    return m
+def _adam_cosine():  # case 03's optimizer: Adam over a cosine decay
+    return keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(1e-2, decay_steps=40))
 
 
 @pytest.mark.parametrize("ext", ["keras", "h5"])
@@ -151,10 +142,10 @@ def test_03_compile_then_restore_restores_every_slot_iterations_and_lr(tmp_path,
     x = rng.normal(size=(64, 5)).astype("float32")
     y = rng.normal(size=(64, 1)).astype("float32")
     keras.utils.set_random_seed(0)
-    ref = _build03()
+    ref = mlp(5, 8, activation="relu", inner=_adam_cosine)
     ref.fit(x, y, epochs=4, batch_size=8, verbose=0, shuffle=False)  # 32 steps
     kss.save_training_state(tmp_path / f"ckpt.{ext}", ref)
-    resumed = _build03()
+    resumed = mlp(5, 8, activation="relu", inner=_adam_cosine)
     assert not resumed.optimizer.built
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # never a warn-and-skip
@@ -206,10 +197,10 @@ def test_03_load_weights_into_unbuilt_stable_optimizer_defers_until_build(tmp_pa
     """Keras' own recipe (compile, load_weights) with our optimizer: state is kept and applied at build."""
     x = rng.normal(size=(64, 5)).astype("float32")
     y = rng.normal(size=(64, 1)).astype("float32")
-    ref = _build03()
+    ref = mlp(5, 8, activation="relu", inner=_adam_cosine)
     ref.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
     ref.save_weights(tmp_path / "ckpt.weights.h5")
-    resumed = _build03()
+    resumed = mlp(5, 8, activation="relu", inner=_adam_cosine)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         resumed.load_weights(tmp_path / "ckpt.weights.h5")

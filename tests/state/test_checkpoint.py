@@ -16,13 +16,9 @@ from keras_stable_state.format.record import MEMBER
 from keras_stable_state.format.writer import write_record
 
 
-def _model(opt=None, dtype=None):
-    return mlp(4, 8, activation="relu", named=True, out_dtype=dtype, optimizer=opt or "stable")
-
-
 def _trained(data, opt=None, epochs=2):
     x, y = data
-    m = _model(opt)
+    m = mlp(4, 8, activation="relu", named=True, optimizer=opt or "stable")
     m.fit(x, y, epochs=epochs, batch_size=8, verbose=0, shuffle=False)
     return m
 
@@ -45,7 +41,7 @@ def test_round_trip_into_compiled_unbuilt_optimizer(tmp_path, data, ext):
     src = _trained(data)
     path = tmp_path / f"state.{ext}"
     kss.save_training_state(path, src)
-    dst = _model()
+    dst = mlp(4, 8, activation="relu", named=True)
     assert not dst.optimizer.built
     report = kss.restore_training_state(path, dst)
     assert report.built_optimizer
@@ -59,7 +55,7 @@ def test_round_trip_into_compiled_unbuilt_optimizer(tmp_path, data, ext):
 def test_plain_optimizer_saved_by_key_too(tmp_path, data):
     src = _trained(data, opt=keras.optimizers.RMSprop(1e-2, momentum=0.5))
     kss.save_training_state(tmp_path / "s.h5", src)
-    dst = _model(opt=keras.optimizers.RMSprop(1e-2, momentum=0.5))
+    dst = mlp(4, 8, activation="relu", named=True, optimizer=keras.optimizers.RMSprop(1e-2, momentum=0.5))
     kss.restore_training_state(tmp_path / "s.h5", dst)
     _assert_same_state(src, dst)
 
@@ -82,7 +78,7 @@ def test_stock_keras_file_restores_by_order_with_report(tmp_path, data, kind):
     src = _trained(data, opt=keras.optimizers.Adam(1e-2))
     path = tmp_path / f"stock.{kind}"
     src.save_weights(path) if kind == "weights.h5" else src.save(path)
-    dst = _model(opt=keras.optimizers.Adam(1e-2))
+    dst = mlp(4, 8, activation="relu", named=True, optimizer=keras.optimizers.Adam(1e-2))
     report = kss.restore_training_state(path, dst)
     assert report.source.startswith("stock Keras")
     assert report.by_order and not report.by_name
@@ -93,7 +89,7 @@ def test_stock_keras_file_restores_by_order_with_report(tmp_path, data, kind):
 def test_stock_file_count_mismatch_names_first_slot(tmp_path, data):
     src = _trained(data, opt=keras.optimizers.Adam(1e-2))
     src.save_weights(tmp_path / "stock.weights.h5")
-    dst = _model(opt=keras.optimizers.SGD(1e-2, momentum=0.9))
+    dst = mlp(4, 8, activation="relu", named=True, optimizer=keras.optimizers.SGD(1e-2, momentum=0.9))
     before = _weights(dst)
     with pytest.raises(
         kss.BindingError, match=r"positional order.*first that differs is #\d+ \(path:"
@@ -148,7 +144,7 @@ def test_float_dtype_difference_raises_unless_cast_allowed(tmp_path, data):
         )
 
     _rewrite(tmp_path / "s.h5", tmp_path / "half.h5", to_half)
-    dst = _model()
+    dst = mlp(4, 8, activation="relu", named=True)
     with pytest.raises(
         kss.DtypeMismatchError, match=r"path:layers/hidden/kernel is float16.*allow_cast=True"
     ) as e:
@@ -174,7 +170,7 @@ def test_integer_counter_cast_with_range_check(tmp_path, data):
         record.optimizer["optimizer#iteration"] = record.optimizer["optimizer#iteration"].astype(other)
 
     _rewrite(tmp_path / "s.h5", tmp_path / "int.h5", retype)
-    dst = _model()
+    dst = mlp(4, 8, activation="relu", named=True)
     report = kss.restore_training_state(tmp_path / "int.h5", dst)
     assert ("optimizer#iteration", other, live) in report.casts
     assert int(dst.optimizer.iterations) == 8
@@ -184,13 +180,13 @@ def test_integer_counter_cast_with_range_check(tmp_path, data):
 
     _rewrite(tmp_path / "s.h5", tmp_path / "huge.h5", huge)
     with pytest.raises(kss.DtypeMismatchError, match=r"optimizer#iteration .*does not fit .*wrap around"):
-        kss.restore_training_state(tmp_path / "huge.h5", _model())
+        kss.restore_training_state(tmp_path / "huge.h5", mlp(4, 8, activation="relu", named=True))
 
 
 def test_frozen_layer_raises_contract_error_or_drops_slots(tmp_path, data):
     src = _trained(data)
     kss.save_training_state(tmp_path / "s.h5", src)
-    dst = _model()
+    dst = mlp(4, 8, activation="relu", named=True)
     dst.get_layer("hidden").trainable = False
     dst.compile(optimizer=kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=dst), loss="mse")
     with pytest.raises(
@@ -234,12 +230,12 @@ def test_corrupt_and_truncated_files_are_refused(tmp_path, data):
     raw[at + 4] ^= 0xFF
     (tmp_path / "bad.h5").write_bytes(bytes(raw))
     with pytest.raises(kss.CorruptCheckpointError, match="path:layers/hidden/kernel.*checksum"):
-        kss.restore_training_state(tmp_path / "bad.h5", _model())
+        kss.restore_training_state(tmp_path / "bad.h5", mlp(4, 8, activation="relu", named=True))
     (tmp_path / "cut.h5").write_bytes(path.read_bytes()[: len(raw) // 2])
     with pytest.raises(kss.CorruptCheckpointError, match="truncated or damaged"):
-        kss.restore_training_state(tmp_path / "cut.h5", _model())
+        kss.restore_training_state(tmp_path / "cut.h5", mlp(4, 8, activation="relu", named=True))
     with pytest.raises(FileNotFoundError):
-        kss.restore_training_state(tmp_path / "absent.h5", _model())
+        kss.restore_training_state(tmp_path / "absent.h5", mlp(4, 8, activation="relu", named=True))
 
 
 def test_malformed_key_in_file_raises(tmp_path, data):
@@ -251,7 +247,7 @@ def test_malformed_key_in_file_raises(tmp_path, data):
 
     _rewrite(tmp_path / "s.h5", tmp_path / "bad.h5", bad_key)
     with pytest.raises(kss.KeyFormatError, match="'layers/hidden/kernel'"):
-        kss.restore_training_state(tmp_path / "bad.h5", _model())
+        kss.restore_training_state(tmp_path / "bad.h5", mlp(4, 8, activation="relu", named=True))
 
 
 def test_write_is_atomic(tmp_path, data, monkeypatch):
@@ -399,7 +395,7 @@ def test_counter_that_does_not_fit_the_readers_dtype_raises_naming_key(tmp_path,
         record.optimizer["optimizer#iteration"] = np.array(2**31, dtype="int64")
 
     _rewrite(tmp_path / "s.h5", tmp_path / "big.h5", big)
-    dst = _model()
+    dst = mlp(4, 8, activation="relu", named=True)
     if str(src.optimizer.iterations.dtype) == "int64":
         report = kss.restore_training_state(tmp_path / "big.h5", dst)
         assert int(dst.optimizer.iterations) == 2**31 and not report.casts
@@ -419,14 +415,17 @@ def test_report_names_writer_and_differences(tmp_path, data):
         record.metadata["keras_version"] = "3.0.0"
 
     _rewrite(tmp_path / "s.h5", tmp_path / "o.h5", other_writer)
-    report = kss.restore_training_state(tmp_path / "o.h5", _model())
+    report = kss.restore_training_state(tmp_path / "o.h5", mlp(4, 8, activation="relu", named=True))
     assert report.writer["backend"] == "elsewhere"
     assert report.writer_differs == [
         ("backend", "elsewhere", BACKEND),
         ("keras_version", "3.0.0", keras.__version__),
     ]
     assert f"written with backend elsewhere, read with {BACKEND}" in str(report)
-    assert kss.restore_training_state(tmp_path / "s.h5", _model()).writer_differs == []
+    assert (
+        kss.restore_training_state(tmp_path / "s.h5", mlp(4, 8, activation="relu", named=True)).writer_differs
+        == []
+    )
 
 
 def test_plain_model_save_with_stable_optimizer_restores_slots_by_key(tmp_path, data):
@@ -434,7 +433,7 @@ def test_plain_model_save_with_stable_optimizer_restores_slots_by_key(tmp_path, 
     by structure and the StableOptimizer's slots by key, not dropped."""
     src = _trained(data)
     src.save(tmp_path / "plain.keras")
-    dst = _model()
+    dst = mlp(4, 8, activation="relu", named=True)
     report = kss.restore_training_state(tmp_path / "plain.keras", dst)
     assert "by key" in report.source
     opt_keys = [k for k in report.matched if "#" in k]

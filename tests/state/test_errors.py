@@ -13,13 +13,9 @@ from keras_stable_state.errors import MalformedKeyError
 from keras_stable_state.format.writer import write_record
 
 
-def _model():
-    return mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound")
-
-
 def _trained(data, opt=None):
     x, y = data
-    m = _model()
+    m = mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound")
     if opt is not None:
         m.compile(optimizer=opt, loss="mse")
     m.fit(x, y, epochs=1, batch_size=8, verbose=0)
@@ -29,7 +25,7 @@ def _trained(data, opt=None):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("saved") / "s.h5"
-    kss.save_training_state(path, _model())
+    kss.save_training_state(path, mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound"))
     return path
 
 
@@ -61,7 +57,11 @@ BAD_ARGUMENTS = [
 @pytest.mark.parametrize("verb", ["save", "restore"])
 @pytest.mark.parametrize(("kwargs", "error", "match"), BAD_ARGUMENTS)
 def test_bad_arguments_name_the_argument(saved, verb, kwargs, error, match):
-    args = {"filepath": saved, "model": _model(), **kwargs}
+    args = {
+        "filepath": saved,
+        "model": mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound"),
+        **kwargs,
+    }
     call = kss.save_training_state if verb == "save" else kss.restore_training_state
     if verb == "save":
         args["filepath"] = saved.parent / "new.h5" if "filepath" not in kwargs else args["filepath"]
@@ -71,12 +71,18 @@ def test_bad_arguments_name_the_argument(saved, verb, kwargs, error, match):
 
 def test_restore_flag_types_checked(saved):
     with pytest.raises(TypeError, match=r"`strict` .*Received: strict='no'"):
-        kss.restore_training_state(saved, _model(), strict="no")
+        kss.restore_training_state(
+            saved, mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound"), strict="no"
+        )
 
 
 def test_bad_arguments_leave_no_file(tmp_path):
     with pytest.raises(TypeError, match="optimizer"):
-        kss.save_training_state(tmp_path / "x.h5", _model(), optimizer="adam")
+        kss.save_training_state(
+            tmp_path / "x.h5",
+            mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound"),
+            optimizer="adam",
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -85,7 +91,7 @@ def test_bytes_path_round_trips(tmp_path, data, ext):
     src = _trained(data)
     path = str(tmp_path / f"s.{ext}").encode()
     assert kss.save_training_state(path, src) == path.decode()
-    dst = _model()
+    dst = mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound")
     kss.restore_training_state(path, dst)
     for a, b in zip(src.variables, dst.variables, strict=True):
         np.testing.assert_array_equal(to_np(a), to_np(b))
@@ -98,7 +104,11 @@ def test_early_stopping_before_training_round_trips(tmp_path, data):
     es.wait, es.best, es.best_epoch, es.stopped_epoch = 2, 0.25, 4, 0  # as if 5 epochs ran
     kss.save_training_state(tmp_path / "s.h5", src, callbacks=[es])
     fresh = keras.callbacks.EarlyStopping(monitor="loss", patience=3)  # never ran on_train_begin
-    report = kss.restore_training_state(tmp_path / "s.h5", _model(), callbacks=[fresh])
+    report = kss.restore_training_state(
+        tmp_path / "s.h5",
+        mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound"),
+        callbacks=[fresh],
+    )
     assert "callback:EarlyStopping/0" in report.restored_state
     assert (fresh.wait, fresh.best, fresh.best_epoch, fresh.stopped_epoch) == (2, 0.25, 4, 0)
 
@@ -121,7 +131,11 @@ def test_fresh_stateful_callbacks_save_without_training(tmp_path, data):
         )
         for cb in callbacks
     ]
-    report = kss.restore_training_state(tmp_path / "s.h5", _model(), callbacks=fresh)
+    report = kss.restore_training_state(
+        tmp_path / "s.h5",
+        mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound"),
+        callbacks=fresh,
+    )
     assert len(report.restored_state) == len(callbacks) + 2  # + rng, the metric variables
     assert "metrics" in report.restored_state
     assert fresh[0].best_epoch == 0 and fresh[0].best_weights is None
@@ -197,7 +211,7 @@ def test_malformed_key_is_a_damaged_file_naming_key_and_file(saved, tmp_path, se
     arrays = getattr(record, section)
     setattr(record, section, {(new if k == old else k): v for k, v in arrays.items()})
     write_record(tmp_path / "bad.h5", record)
-    dst = _model()
+    dst = mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound")
     before = [to_np(v).copy() for v in dst.variables]
     with pytest.raises(kss.CorruptCheckpointError, match=r"bad\.h5.* key .* is malformed") as err:
         kss.restore_training_state(tmp_path / "bad.h5", dst)
@@ -217,7 +231,11 @@ def test_cast_between_integer_and_float_refused_even_with_allow_cast(saved, tmp_
         kss.DtypeMismatchError,
         match=r"path:layers/hidden/kernel is int32.*Only floating-point arrays are cast",
     ):
-        kss.restore_training_state(tmp_path / "int.h5", _model(), allow_cast=True)
+        kss.restore_training_state(
+            tmp_path / "int.h5",
+            mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound"),
+            allow_cast=True,
+        )
 
 
 def test_missing_provider_state_names_it(saved):
@@ -229,7 +247,9 @@ def test_missing_provider_state_names_it(saved):
             pass
 
     with pytest.raises(kss.StateError, match=r"s\.h5.* no state for provider 'acc'"):
-        kss.restore_training_state(saved, _model(), state={"acc": P()})
+        kss.restore_training_state(
+            saved, mlp(4, 8, activation="relu", named=True, optimizer="stable-unbound"), state={"acc": P()}
+        )
 
 
 def test_a_callback_with_no_known_state_is_refused_naming_its_class():

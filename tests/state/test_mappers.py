@@ -20,10 +20,6 @@ KERNELS = r"^path:.*kernel$"
 SLOTS = r"^path:.*#"
 
 
-def _model(seed=0):
-    return mlp(4, 3, named=True, seed=seed, optimizer="plain")
-
-
 def slots_by_key(model):
     """``{slot key as in the file: value}`` of ``model.optimizer``."""
     return {e.key: to_np(e.variable) for e in keyed_optimizer_entries(model.optimizer, model)}
@@ -40,13 +36,13 @@ def trained():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 4)).astype("float32")
     y = rng.normal(size=(32, 1)).astype("float32")
-    model = _model()
+    model = mlp(4, 3, named=True, seed=0, optimizer="plain")
     model.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
     return model, _values(model), slots_by_key(model)
 
 
 def _restored(path_or_bytes, **kwargs):
-    model = _model(seed=1)
+    model = mlp(4, 3, named=True, seed=1, optimizer="plain")
     model.build((None, 4))
     if isinstance(path_or_bytes, bytes):
         report = kss.restore_training_state_from_bytes(path_or_bytes, model, **kwargs)
@@ -165,7 +161,7 @@ def test_unregistered_mapper_at_restore_is_refused_naming_the_key(trained):
     back, report = _restored(data)
     assert report.mapped["path:layers/hidden/kernel"] == "Half()"
     keras.saving.get_custom_objects().pop("kss_test_gone>Half")
-    target = _model(seed=2)
+    target = mlp(4, 3, named=True, seed=2, optimizer="plain")
     target.build((None, 4))
     before = _values(target)
     with pytest.raises(

@@ -152,6 +152,7 @@ def test_a_file_without_metric_values_names_them_left_fresh(tmp_path):
 
 
 # -- wrapped Torch modules ---------------------------------------------------------------------
+# Its own model: a wrapped torch.nn.Module with BatchNorm buffers, the state the tests check.
 def _torch_model(seed):
     import torch
 

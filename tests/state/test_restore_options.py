@@ -18,10 +18,6 @@ def _slots(optimizer, model, extras=None):
     return {e.key: to_np(e.variable) for e in _keyed_optimizer_entries(optimizer, model, extras)}
 
 
-def _model():
-    return mlp(4, 3, named=True, optimizer=None)
-
-
 def _step(optimizer, variables, scale=1.0):
     grads = [keras.ops.ones(v.shape) * scale for v in variables]
     optimizer.apply(grads, variables)
@@ -29,7 +25,7 @@ def _step(optimizer, variables, scale=1.0):
 
 def _trained_with_temperature():
     """A custom loop training ``log_alpha`` next to the model (SAC's temperature)."""
-    model = _model()
+    model = mlp(4, 3, named=True, optimizer=None)
     log_alpha = keras.Variable(0.5, name="log_alpha")
     opt = keras.optimizers.Adam(0.1)
     for i in range(3):
@@ -41,7 +37,11 @@ def _trained_with_temperature():
 def test_extra_variable_value_and_slots_restored_by_key(tmp_path):
     model, log_alpha, opt = _trained_with_temperature()
     kss.save_training_state(tmp_path / "s.h5", model, opt, variables={"log_alpha": log_alpha})
-    model2, log_alpha2, opt2 = _model(), keras.Variable(0.5, name="log_alpha"), keras.optimizers.Adam(0.1)
+    model2, log_alpha2, opt2 = (
+        mlp(4, 3, named=True, optimizer=None),
+        keras.Variable(0.5, name="log_alpha"),
+        keras.optimizers.Adam(0.1),
+    )
     report = kss.restore_training_state(tmp_path / "s.h5", model2, opt2, variables={"log_alpha": log_alpha2})
     np.testing.assert_array_equal(to_np(log_alpha2), to_np(log_alpha))
     assert float(to_np(log_alpha2)) != 0.5
@@ -70,7 +70,7 @@ def test_slot_of_variable_outside_model_refused_at_save_naming_it(tmp_path):
 def test_extra_variable_missing_at_restore(tmp_path):
     model, log_alpha, opt = _trained_with_temperature()
     kss.save_training_state(tmp_path / "s.h5", model, opt, variables={"log_alpha": log_alpha})
-    model2 = _model()
+    model2 = mlp(4, 3, named=True, optimizer=None)
     opt2 = keras.optimizers.Adam(0.1)
     with pytest.raises(kss.BindingError, match=r"var:log_alpha.*variables=\{'log_alpha'"):
         kss.restore_training_state(tmp_path / "s.h5", model2, opt2)
@@ -82,21 +82,27 @@ def test_extra_variable_missing_at_restore(tmp_path):
 
 
 def test_extra_variable_not_in_file(tmp_path):
-    model = _model()
+    model = mlp(4, 3, named=True, optimizer=None)
     opt = keras.optimizers.Adam(0.1)
     _step(opt, model.trainable_variables)
     kss.save_training_state(tmp_path / "s.h5", model, opt)
     extra = keras.Variable(1.0, name="log_alpha")
     with pytest.raises(kss.BindingError, match=r"var:log_alpha"):
-        kss.restore_training_state(tmp_path / "s.h5", _model(), opt, variables={"log_alpha": extra})
+        kss.restore_training_state(
+            tmp_path / "s.h5", mlp(4, 3, named=True, optimizer=None), opt, variables={"log_alpha": extra}
+        )
     report = kss.restore_training_state(
-        tmp_path / "s.h5", _model(), keras.optimizers.Adam(0.1), strict=False, variables={"log_alpha": extra}
+        tmp_path / "s.h5",
+        mlp(4, 3, named=True, optimizer=None),
+        keras.optimizers.Adam(0.1),
+        strict=False,
+        variables={"log_alpha": extra},
     )
     assert "var:log_alpha" in report.left_fresh and float(to_np(extra)) == 1.0
 
 
 def test_variables_argument_checked():
-    model = _model()
+    model = mlp(4, 3, named=True, optimizer=None)
     v = keras.Variable(1.0)
     with pytest.raises(TypeError, match=r"`variables` of save_training_state must be a dict"):
         kss.save_training_state("x.h5", model, variables=[v])
@@ -119,7 +125,7 @@ def test_var_key_grammar():
 
 # -- fault 12: report wording -----------------------------------------------------------
 def test_drop_reasons_are_distinct(tmp_path):
-    model = _model()
+    model = mlp(4, 3, named=True, optimizer=None)
     model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
     x = np.ones((4, 4), "float32")
     model.fit(x, x[:, :1], verbose=0)
@@ -137,14 +143,14 @@ def test_drop_reasons_are_distinct(tmp_path):
     assert "no longer trained" not in text and "not in the model (renamed or removed)" in text
     assert "path:layers/head/kernel#momentums" in report.left_fresh
     # frozen layer: "no longer trained"
-    frozen = _model()
+    frozen = mlp(4, 3, named=True, optimizer=None)
     frozen.get_layer("hidden").trainable = False
     frozen.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
     report = kss.restore_training_state(tmp_path / "s.h5", frozen, strict=False)
     assert report.dropped_reasons["path:layers/hidden/kernel#momentums"] == "no longer trained"
     assert "dropped (no longer trained)" in str(report)
     # no optimizer: every optimizer key dropped with its own reason
-    bare = _model()
+    bare = mlp(4, 3, named=True, optimizer=None)
     report = kss.restore_training_state(tmp_path / "s.h5", bare)
     assert "optimizer#iteration" in report.dropped
     assert set(report.dropped) == set(_slots(model.optimizer, model))
@@ -185,7 +191,7 @@ def _unbuilt():
 
 
 def _trained_compiled(tmp_path):
-    src = _model()
+    src = mlp(4, 3, named=True, optimizer=None)
     src.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
     x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
     src.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0)
@@ -243,7 +249,7 @@ def test_deferred_restore_checks_file_now_and_model_later(tmp_path):
 
 def test_deferred_restore_of_built_model_restores_at_once(tmp_path):
     _trained_compiled(tmp_path)
-    dst = _model()
+    dst = mlp(4, 3, named=True, optimizer=None)
     dst.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
     pending = kss.restore_training_state(tmp_path / "s.h5", dst, defer=True)
     assert pending.done and isinstance(pending.report, kss.RestoreReport)

@@ -16,21 +16,14 @@ X = rng.normal(size=(48, 6)).astype("float32")
 Y = (X @ rng.normal(size=(6, 1))).astype("float32")
 
 
-def _model(lr=1e-2, **options):
-    return mlp(
-        6,
-        8,
-        activation="relu",
-        seed=0,
-        optimizer=lambda m: keras.optimizers.Adam(lr, **options),
-        metrics=["mae"],
-    )
-
-
 # -- fault 10: no warnings from the package's own calls --------------------------------------
+def _adam_accumulating_ema():  # windows of 2 accumulated micro-steps, an EMA of the weights
+    return keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=4)
+
+
 def _accumulating_ema_fit(directory, stop=None):
     keras.backend.clear_session(free_memory=False)
-    m = _model(gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=4)
+    m = mlp(6, 8, activation="relu", seed=0, optimizer="plain", inner=_adam_accumulating_ema, metrics=["mae"])
     m.compile(
         optimizer=kss.StableOptimizer(m.optimizer, model=m), loss="mse", metrics=["mae"]
     )  # the same Adam, wrapped
@@ -48,7 +41,9 @@ def test_fault10_restore_with_accumulation_and_ema_emits_no_warning(tmp_path):
     assert acc and any(np.any(to_np(v)) for v in acc)  # an open accumulation window was saved
     path = kss.StableCheckpoint(tmp_path / "run").checkpoints()[0]
     # a fresh model with a plain Adam: restore_training_state on its own
-    dst = _model(gradient_accumulation_steps=2, use_ema=True, ema_overwrite_frequency=4)
+    dst = mlp(
+        6, 8, activation="relu", seed=0, optimizer="plain", inner=_adam_accumulating_ema, metrics=["mae"]
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report = kss.restore_training_state(path, dst, include_rng=False)
@@ -70,7 +65,7 @@ def test_fault10_restore_with_accumulation_and_ema_emits_no_warning(tmp_path):
 
 # -- fault 11: the keep_learning_rate hint, the iterations counter near its limit -------------
 def _saved(tmp_path, lr_at_save=None, iterations=None):
-    src = _model(1e-3)
+    src = mlp(6, 8, activation="relu", seed=0, optimizer="plain", learning_rate=1e-3, metrics=["mae"])
     src.fit(X, Y, batch_size=16, epochs=1, verbose=0)
     if lr_at_save is not None:
         src.optimizer.learning_rate.assign(lr_at_save)  # as ReduceLROnPlateau does
@@ -82,18 +77,20 @@ def _saved(tmp_path, lr_at_save=None, iterations=None):
 
 def test_fault11_resume_with_a_changed_learning_rate_does_not_suggest_keep_learning_rate(tmp_path):
     path = _saved(tmp_path, lr_at_save=5e-4)
-    report = kss.restore_training_state(path, _model(1e-3))
+    report = kss.restore_training_state(
+        path, mlp(6, 8, activation="relu", seed=0, optimizer="plain", learning_rate=1e-3, metrics=["mae"])
+    )
     assert not report.transfer
     assert [(k, a) for k, _, _, a in report.learning_rates] == [("optimizer#learning_rate", "replaced")]
     assert "compiled 0.001 replaced by saved 0.0005" in str(report)
     assert "keep_learning_rate" not in str(report)
     # StableCheckpoint's resume: the same
     ckpt_dir = tmp_path / "ckpt"
-    m = _model(1e-3)
+    m = mlp(6, 8, activation="relu", seed=0, optimizer="plain", learning_rate=1e-3, metrics=["mae"])
     lowered = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 5e-4)  # at epoch 0's begin
     m.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[kss.StableCheckpoint(ckpt_dir), lowered])
     ckpt = kss.StableCheckpoint(ckpt_dir)
-    m = _model(1e-3)
+    m = mlp(6, 8, activation="relu", seed=0, optimizer="plain", learning_rate=1e-3, metrics=["mae"])
     m.fit(X, Y, batch_size=16, epochs=2, verbose=0, callbacks=[ckpt])
     assert ckpt.restore_report.learning_rates and not ckpt.restore_report.transfer
     assert "keep_learning_rate" not in str(ckpt.restore_report)
@@ -104,7 +101,11 @@ def test_fault11_resume_with_a_changed_learning_rate_does_not_suggest_keep_learn
 )
 def test_fault11_transfer_restore_suggests_keep_learning_rate(tmp_path, options):
     path = _saved(tmp_path)
-    report = kss.restore_training_state(path, _model(1e-4), **options)
+    report = kss.restore_training_state(
+        path,
+        mlp(6, 8, activation="relu", seed=0, optimizer="plain", learning_rate=1e-4, metrics=["mae"]),
+        **options,
+    )
     assert report.transfer
     assert report.learning_rates[0][3] == "replaced"
     assert "compiled 0.0001 replaced by saved 0.001 (pass keep_learning_rate=True" in str(report)
@@ -114,7 +115,7 @@ def test_fault11_transfer_restore_suggests_keep_learning_rate(tmp_path, options)
 def test_fault11_iterations_counter_near_int32_limit_is_reported(tmp_path, offset):
     value = 2**31 - 1 - offset
     path = _saved(tmp_path, iterations=value)
-    dst = _model(1e-3)
+    dst = mlp(6, 8, activation="relu", seed=0, optimizer="plain", learning_rate=1e-3, metrics=["mae"])
     report = kss.restore_training_state(path, dst)
     assert int(to_np(dst.optimizer.iterations)) == value
     dtype = keras.backend.standardize_dtype(dst.optimizer.iterations.dtype)

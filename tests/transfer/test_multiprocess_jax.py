@@ -16,13 +16,13 @@ import types
 import numpy as np
 import pytest
 from conftest import BACKEND
-from kit import free_port, run_processes
+from kit import TESTS, free_port, run_processes
 
 pytestmark = pytest.mark.skipif(
     BACKEND != "jax", reason="jax.distributed is JAX's; TensorFlow and PyTorch have no keras.distribution"
 )
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "multiprocess_jax.py")
+SCRIPT = os.path.join(TESTS, "scripts", "multiprocess_jax.py")
 TIMEOUT_S = 240  # per pair of processes; the 2-core CI machine is shared
 
 

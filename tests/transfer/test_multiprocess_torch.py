@@ -20,7 +20,7 @@ import types
 import numpy as np
 import pytest
 from conftest import BACKEND
-from kit import free_port, run_processes
+from kit import TESTS, free_port, run_processes
 
 pytestmark = [
     pytest.mark.skipif(
@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.slow,
 ]
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "multiprocess_torch.py")
+SCRIPT = os.path.join(TESTS, "scripts", "multiprocess_torch.py")
 TIMEOUT_S = 180  # per pair of ranks; the 2-core CI machine is shared
 STEPS, STEPS_PER_EPOCH, SAVE_EVERY, PREEMPT_AT = 24, 6, 4, 5  # as in the script
 KINDS = ("keras", "torch")

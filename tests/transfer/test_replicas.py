@@ -10,12 +10,12 @@ import sys
 import numpy as np
 import pytest
 from conftest import BACKEND
-from kit import mlp
+from kit import TESTS, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "replica_resume.py")
+SCRIPT = os.path.join(TESTS, "scripts", "replica_resume.py")
 
 
 def _run(directory, layers):

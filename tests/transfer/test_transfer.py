@@ -13,8 +13,9 @@ import sys
 
 import pytest
 from conftest import BACKEND
+from kit import TESTS
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "transfer.py")
+SCRIPT = os.path.join(TESTS, "scripts", "transfer.py")
 BACKENDS = ("tensorflow", "jax", "torch")
 DRIVER = os.environ.get("KSS_TRANSFER_BACKEND", "torch")
 CASES = ("dense", "mixed", "embedding", "wide")
