@@ -278,9 +278,8 @@ def _stream_fit(directory, *, stop=None, seed=0, save_freq=2, repeat=True, steps
 
     if seed is not None:
         keras.utils.set_random_seed(seed)
-    m = mlp(
-        5, 8, activation="relu", dropout=0.3
-    )  # random draws after the stream is reached must be the same too
+    # random draws after the stream is reached must be the same too
+    m = mlp(5, 8, activation="relu", dropout=0.3)
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8)  # 6 batches
     ds = ds.repeat() if repeat else ds
     callbacks = [kss.StableCheckpoint(directory, save_freq=save_freq)] + ([StopAt(*stop)] if stop else [])
