@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -59,7 +59,7 @@ def torch_ranks(collective: bool) -> Iterator[None]:
 
     With ``collective=True`` the functions that gather or agree are collectives over the
     ranks (every rank must call them, in the same order). With ``collective=False`` none
-    is: `share_from_primary` computes on rank 0 and ``follow`` on the others (a restore,
+    is: in `on_primary` rank 0 does the work and every rank may compute its own answer (a restore,
     where a rank that skips the call must not leave the others waiting). A scope entered
     inside another keeps the outer one's mode.
     """
@@ -116,11 +116,13 @@ def _torch_group(dist):
     return _GROUP["group"]
 
 
-def _torch_collective(dist, what: str, run: Callable[[Any], Any]) -> Any:
-    """``run(group)`` on the library's group; a failure of the collective (a rank gone, or the
-    group's timeout) raised as a [`StateError`][keras_stable_state.StateError] naming the fix."""
+@contextlib.contextmanager
+def _torch_collective(dist, what: str) -> Iterator[Any]:
+    """Within: the library's group, for a collective; a failure of the collective (a rank
+    gone, or the group's timeout) raised as a [`StateError`][keras_stable_state.StateError]
+    naming the fix."""
     try:
-        return run(_torch_group(dist))
+        yield _torch_group(dist)
     except RuntimeError as err:
         raise StateError(
             f"{what}: the exchange between the torch.distributed ranks failed on rank {dist.get_rank()} "
@@ -143,7 +145,8 @@ def _broadcast(array: np.ndarray, what: str) -> np.ndarray:
     import torch
 
     tensor = torch.from_numpy(np.array(array, copy=True).reshape(-1))
-    _torch_collective(dist, what, lambda group: dist.broadcast(tensor, src=0, group=group))
+    with _torch_collective(dist, what) as group:
+        dist.broadcast(tensor, src=0, group=group)
     return tensor.numpy().reshape(np.shape(array))
 
 
@@ -166,7 +169,8 @@ def gather_rows(values: Sequence[int], what: str = "a check") -> np.ndarray:
 
     tensor = torch.from_numpy(mine)
     out = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
-    _torch_collective(dist, what, lambda group: dist.all_gather(out, tensor, group=group))
+    with _torch_collective(dist, what) as group:
+        dist.all_gather(out, tensor, group=group)
     return torch.stack(out).numpy()
 
 
@@ -207,30 +211,55 @@ def place(variable, array):
     return jax.make_array_from_callback(host.shape, current.sharding, lambda index: host[index])
 
 
-def run_on_primary(what: str, write):
-    """Call ``write()`` on process 0 only; every process returns once it is done.
+class Turn:
+    """This process' part in `on_primary`: whether it runs the block's work (``runs``:
+    process 0), or, where it decides alone (`independent`), computes its own answer
+    (``alone``); ``result``: what the block computed, set by it (JSON values to share).
+    After a sharing block, ``result`` is process 0's on every process."""
 
-    The other processes wait for process 0's outcome (a broadcast, so also a
-    barrier): if it failed there, process 0 re-raises its error and the others
-    raise a [`StateError`][keras_stable_state.StateError] saying so.
+    __slots__ = ("alone", "result", "runs")
+
+    def __init__(self, runs: bool, alone: bool = False) -> None:
+        self.runs = runs
+        self.alone = alone
+        self.result: Any = None
+
+
+@contextlib.contextmanager
+def on_primary(what: str, *, share: bool = False) -> Iterator[Turn]:
+    """Within: process 0 does the work (the block runs it when ``turn.runs``); every process
+    leaves the block once it is done there.
+
+    With several processes the others wait for process 0's outcome (a broadcast, so also
+    a barrier): if the block raised there, process 0 re-raises its error and the others
+    raise a [`StateError`][keras_stable_state.StateError] saying so. With ``share=True``
+    the ``result`` process 0's block set (JSON values) is then broadcast: every process
+    leaves with it in ``turn.result``. Where the process decides alone (`independent`:
+    Torch ranks in a restore) nothing is exchanged: ``runs`` on process 0, ``alone`` on
+    every process (a block may compute its own answer on the others).
+
+    The caller runs its own work inside the block: nothing here calls it.
 
     Args:
-        what: The file written, for the message.
-        write: A callable doing the write.
+        what: The file or directory concerned, for the message.
+        share: Broadcast process 0's ``turn.result`` to every process.
 
     Raises:
-        StateError: on processes other than 0, when the write failed on process 0.
-        Exception: on process 0, whatever ``write`` raised.
+        StateError: on processes other than 0, when the work failed on process 0.
+        Exception: on process 0, whatever the block raised.
     """
+    if independent():
+        yield Turn(runs=process_index() == 0, alone=True)
+        return
     if process_count() == 1:
-        return write()
+        yield Turn(runs=True)
+        return
+    turn = Turn(runs=process_index() == 0)
     failure = None
-    result = None
-    if process_index() == 0:
-        try:
-            result = write()
-        except Exception as err:  # noqa: BLE001 - re-raised below, after the others heard of it
-            failure = err
+    try:
+        yield turn
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the others heard of it
+        failure = err
     ok = int(_broadcast(np.array([failure is None], dtype=np.int32), f"the write of {what!r}")[0])
     if failure is not None:
         raise failure
@@ -243,7 +272,18 @@ def run_on_primary(what: str, write):
             expected="a write on process 0",
             received="a failure on process 0",
         )
-    return result
+    if share:
+        turn.result = _share(turn.result, f"the answer of process 0 about {what!r}")
+
+
+def _share(result: Any, told: str) -> Any:
+    """Process 0's ``result`` (JSON values) on every process (a collective)."""
+    import json
+
+    data = np.frombuffer(json.dumps(result).encode("utf-8"), dtype=np.uint8) if process_index() == 0 else None
+    size = int(_broadcast(np.array([0 if data is None else data.size], dtype=np.int32), told)[0])
+    buffer = np.zeros(size, dtype=np.uint8) if data is None else data
+    return json.loads(_broadcast(buffer, told).tobytes().decode("utf-8"))
 
 
 def any_process(flag: bool, step: int, what: str) -> bool:
@@ -281,30 +321,6 @@ def agree(table, what: str) -> bool:
             received=steps,
         )
     return bool(rows[:, 0].any())
-
-
-def share_from_primary(what: str, compute: Callable[[], Any], follow: Callable[[], Any] | None = None) -> Any:
-    """``compute()`` run on process 0 only, its result (JSON values) returned on every process.
-
-    As `run_on_primary` (the others wait; a failure on process 0 is raised there and
-    a [`StateError`][keras_stable_state.StateError] on the others), then the result is broadcast to all.
-    Where the process decides alone (`independent`: Torch ranks in a restore) nothing is
-    exchanged: process 0 returns ``compute()``, the others ``follow()`` (``None`` without it).
-    """
-    if independent():
-        if process_index() == 0:
-            return compute()
-        return None if follow is None else follow()
-    result = run_on_primary(what, compute)
-    if process_count() == 1:
-        return result
-    import json
-
-    data = np.frombuffer(json.dumps(result).encode("utf-8"), dtype=np.uint8) if process_index() == 0 else None
-    told = f"the answer of process 0 about {what!r}"
-    size = int(_broadcast(np.array([0 if data is None else data.size], dtype=np.int32), told)[0])
-    buffer = np.zeros(size, dtype=np.uint8) if data is None else data
-    return json.loads(_broadcast(buffer, told).tobytes().decode("utf-8"))
 
 
 def gather_ints(value: int) -> list:

@@ -3,7 +3,7 @@
 Each helper changes an open ``h5py.File`` (mode ``"r+"``) and fixes every
 checksum inside the record, so that only the whole-file seal (or, once the
 file is resealed with ``reseal``, the deeper checks of restore) can
-notice. Layout: see :mod:`keras_stable_state.format.storage`.
+notice. Layout: see ``docs/concepts/file-format.md``.
 """
 
 import json

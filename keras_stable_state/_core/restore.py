@@ -30,14 +30,12 @@ from keras_stable_state._core.arguments import (
     check_variables,
 )
 from keras_stable_state._core.guards import builds_undone_on_refusal, memory_refused, walking_once
-from keras_stable_state._core.object_store import object_store_target
 from keras_stable_state._core.plan import RestoreRequest, restore_record
 from keras_stable_state._core.report import RestoreReport
-from keras_stable_state._engines import array_source, background
+from keras_stable_state._engines import dispatch, object_store
 from keras_stable_state._identity.keys import file_label
 from keras_stable_state._optimizer.torch_optim import split_optimizers
 from keras_stable_state.errors import StateError
-from keras_stable_state.format import proven
 from keras_stable_state.format.proven import close_files
 
 __all__ = ["RestoreOptions", "PendingRestore", "restore_training_state", "restore_with"]
@@ -285,7 +283,7 @@ def restore_with(
     """
     verb = "restore_training_state"
     filepath = check_filepath(filepath, verb)
-    filepath, _ = object_store_target(filepath, options.storage_options, verb, write=False)
+    filepath, store = object_store.target(filepath, options.storage_options, verb, write=False)
     check_model(model, verb)
     optimizers, torch_optimizers = split_optimizers(check_optimizers(options.optimizer, verb, model))
     callbacks = check_callbacks(options.callbacks, verb)
@@ -313,19 +311,11 @@ def restore_with(
     # all or nothing on an accelerator: read as in place, each replaced value copied to the host
     on_device = not in_place and not defer and host_rollback.on_accelerator(model)
     if record is None:
-        # a background save of this process into the file's folder ends first (as Orbax's
-        # AsyncCheckpointer.restore waits): the file read is the last one saved, not a race
-        background.wait_for_folder(background.folder_of(filepath))
-        # object_store_target refused anything but a dict (or None for a local path)
-        store = cast("Mapping[str, Any] | None", options.storage_options)
-        # every layout through format's door ('.orbax': its arrays read on demand, by the engine)
-        arrays = array_source(filepath)  # the Orbax engine's, for a '.orbax' folder
-        if in_place or on_device:
-            record = proven.read_proven(filepath, storage_options=store, arrays=arrays)
-        else:
-            record = format.read_file(
-                filepath, storage_options=store, unaligned_views=takes_unaligned(), arrays=arrays
-            )
+        # one door for every layout and place (an object fetched whole, a '.orbax' folder's
+        # arrays read on demand by the Orbax engine), once a background save into its folder ended
+        record = dispatch.read(
+            filepath, store, in_place=in_place or on_device, unaligned_views=takes_unaligned()
+        )
     if defer:
         mappers.decode_record(record, file_label(filepath))  # an unknown mapper is refused now
         pending = PendingRestore(

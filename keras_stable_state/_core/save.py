@@ -1,23 +1,24 @@
 """``save_training_state``: the training state checked, collected into a record, and written.
 
-`training_state_record` checks the arguments and collects everything into a
-`StateRecord` (variables as host copies made
-as the file is written); [`save_training_state`][keras_stable_state.save_training_state] writes it to ``.h5`` / ``.keras``
-(`storage`, in the background with
-`background`) or ``.orbax``
-(the engine `folder_engine` gives for it, Orbax's).
+A save goes down the layers once: the arguments are checked (``filepath`` resolved, an
+object store connected: `object_store.target`; the engine picked:
+`dispatch.save_engine`), `training_state_record` checks the rest and plans the record
+(each variable taken as the engine takes it, mapped arrays encoded), and a `WriteRequest`
+goes to the one engine that writes it: the file engine (a local ``.h5`` / ``.keras``
+file written atomically, or an object uploaded whole), the background engine
+(``blocking=False``) or the Orbax engine (``.orbax``). Nothing comes back up here from an
+engine.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
-from keras_stable_state import _keras_compat, _processes, _state, format
+from keras_stable_state import _processes, _state, format
 from keras_stable_state._core import boundary
 from keras_stable_state._core.arguments import (
     MODEL_STATES,
@@ -34,9 +35,10 @@ from keras_stable_state._core.guards import walking_once
 from keras_stable_state._core.in_place import check_not_partial
 from keras_stable_state._core.mappers import SECTION as MAPPED_SECTION
 from keras_stable_state._core.mappers import check_mappers, encode_arrays
-from keras_stable_state._core.object_store import object_store_target, write_to
 from keras_stable_state._core.report import writer_metadata
-from keras_stable_state._engines import background, folder_engine
+from keras_stable_state._engines import background, files, object_store
+from keras_stable_state._engines.dispatch import save_engine
+from keras_stable_state._engines.write_request import WriteRequest
 from keras_stable_state._identity.contract import TrainableContract
 from keras_stable_state._identity.keys import EXTRA, MAIN
 from keras_stable_state._identity.registry import VariableRegistry
@@ -45,9 +47,7 @@ from keras_stable_state._optimizer import optimizer_classes, save_optimizers, to
 from keras_stable_state._optimizer.tracking import check_bound_passed
 from keras_stable_state._state import layers, metrics
 from keras_stable_state.errors import CheckpointFormatError, StateError
-from keras_stable_state.format import orbax_layout, remote
-from keras_stable_state.format.sink import LimitedFile
-from keras_stable_state.format.writer import check_target
+from keras_stable_state.format import orbax_layout
 
 if TYPE_CHECKING:
     import keras
@@ -59,11 +59,8 @@ __all__ = ["save_training_state", "training_state_record"]
 
 
 def _host_array(variable: Any) -> Any:
-    """``variable``'s value as a NumPy array (`to_numpy`);
-    on TensorFlow, a plain variable through one ``ReadVariableOp`` of its resource
-    (``compat.tf_read``): 30 us per variable instead of 140."""
-    read = _keras_compat.tf_read(variable)
-    return to_numpy(variable) if read is None else read.numpy()
+    """``variable``'s value as a NumPy array, as the file engine takes it (`files.live_value`)."""
+    return files.live_value(variable, to_numpy)
 
 
 @overload
@@ -233,41 +230,27 @@ def _save(
     """[`save_training_state`][keras_stable_state.save_training_state], returning for ``blocking=False`` the zero-argument callable
     that submits the background write (and returns its [`SaveHandle`][keras_stable_state.SaveHandle])."""
     verb = "save_training_state"
+    # 1. the arguments: the path (an object store connected), the flags, the engine
     filepath = check_filepath(filepath, verb)
-    filepath, store = object_store_target(filepath, storage_options, verb)
+    filepath, store = object_store.target(filepath, storage_options, verb)
     check_flags(verb, blocking=blocking)
     _check_processes(filepath)
-    engine = folder_engine(filepath)  # the Orbax engine for a '.orbax' path, else None
-    if engine is not None:
-        engine.check_installed()
-        if not blocking:
-            raise CheckpointFormatError(
-                f"Cannot save {filepath!r} with blocking=False: the '.orbax' engine writes in the calling "
-                "thread. Pass blocking=True, or save to a '.h5' / '.keras' path in the background.",
-                expected="blocking=True for a '.orbax' path",
-                received="blocking=False",
-            )
-    if not blocking and _processes.process_count() > 1:
-        raise StateError(
-            f"Cannot save {filepath!r} with blocking=False with {_processes.process_count()} "
-            f"{_processes.runtime()} processes: the save runs collectives on the calling thread. Pass "
-            "blocking=True (CheckpointManager: save_on_background=False)."
-        )
+    engine = save_engine(filepath, blocking=blocking)  # the one engine that writes it
 
     # Read at a step boundary when another thread's fit trains the model (see _core.boundary);
     # with blocking=True the variables are read as the file is written, so all of it is inside.
     with boundary.saving(model, verb):
 
-        def convert(
-            variable: Any,
-        ) -> Any:  # the Orbax engine keeps sharded JAX arrays as they are (no gather)
-            if engine is not None:
-                return engine.live_value(variable, to_numpy)
-            # in the background: JAX arrays and TensorFlow reads, copied or converted as
-            # background.host_record says (mapped arrays are encoded by the call: host copies)
-            live = not blocking and not mappers
-            return background.live_value(variable, to_numpy) if live else _host_array(variable)
+        def convert(variable: Any) -> Any:
+            # as the engine takes it: the Orbax engine keeps sharded JAX arrays as they are (no
+            # gather), the background engine JAX arrays and TensorFlow reads (copied or
+            # converted as background.host_record says); mapped arrays are encoded by the call:
+            # host copies, in the background too
+            if mappers and not blocking:
+                return _host_array(variable)
+            return engine.live_value(variable, to_numpy)
 
+        # 2. the rest checked, and the record planned
         record = training_state_record(
             model,
             optimizer,
@@ -280,32 +263,15 @@ def _save(
             allow_order_keys=allow_order_keys,
             variables=variables,
             mappers=mappers,
-            before_copy=None if blocking else lambda: _wait_before_copy(filepath, store),
+            before_copy=None if blocking else functools.partial(background.prepare, filepath, store),
         )
-        if engine is not None:  # each process writes its own shards; process 0 the sealed record
-            return cast(str, engine.write(filepath, record))
-        if not blocking:
-            return _save_in_background(filepath, model, record, started, store)
-        # With several processes (JAX; Torch ranks in a CheckpointManager's save) every process
-        # gathered the same arrays; process 0 alone writes.
-        _processes.run_on_primary(
-            filepath,
-            lambda: write_to(
-                filepath,
-                store,
-                record,
-                keras_archive_writer=lambda tmp: _save_keras_archive(model, tmp, filepath),
-            ),
-        )
-        return filepath
-
-
-def _wait_before_copy(filepath: str, store: remote.RemotePath | None = None) -> None:
-    """Before a background save copies anything: the target is writable, and the previous
-    write into its folder has ended (at most one host copy waiting)."""
-    if store is None:
-        check_target(filepath)
-    background.wait_for_folder(background.folder_of(filepath))
+        # 3. the request, written through its one engine (a background write is submitted by
+        # save_training_state once the call has left the model)
+        archive = None
+        if filepath.endswith(".keras"):
+            archive = files.keras_archive(model, filepath, now=not blocking)
+        request = WriteRequest(filepath, record, store=store, keras_archive=archive, started=started)
+        return cast("str | Callable[[], background.SaveHandle]", engine.write(request))
 
 
 def training_state_record(
@@ -418,58 +384,6 @@ def _check_processes(filepath: str) -> None:
             expected="a '.h5' or '.orbax' path",
             received=filepath,
         )
-
-
-def _save_in_background(
-    filepath: str,
-    model: keras.Model,
-    record: format.StateRecord,
-    started: float,
-    store: remote.RemotePath | None = None,
-) -> Callable[[], background.SaveHandle]:
-    """Copy what is still shared with live objects; return the callable that submits the
-    write to a background thread."""
-    record = background.host_record(record)
-    archive_writer = None
-    if filepath.endswith(".keras"):
-        buffer = io.BytesIO()
-        _save_keras_archive(model, buffer, filepath)
-        archive = buffer.getvalue()
-        del buffer
-
-        def archive_writer(tmp: str) -> None:
-            with LimitedFile(tmp, "wb") as fh:
-                fh.write(archive)
-
-    return functools.partial(
-        background.submit,
-        filepath,
-        lambda: write_to(filepath, store, record, keras_archive_writer=archive_writer),
-        started,
-    )
-
-
-def _save_keras_archive(model: keras.Model, tmp: str | io.IOBase, filepath: str) -> None:
-    try:
-        if isinstance(tmp, io.IOBase):
-            _keras_compat.save_keras_archive_to(model, tmp)
-        else:  # what model.save(tmp) does, through a file that respects RLIMIT_FSIZE
-            with LimitedFile(tmp, "wb") as fh:
-                _keras_compat.save_keras_archive_to(model, fh)
-    except NotImplementedError as err:
-        if "get_config" not in str(err):
-            raise
-        raise CheckpointFormatError(
-            f"Cannot save {filepath!r}: a '.keras' archive holds the model's config, and Keras cannot "
-            f"serialize {type(model).__name__} ({str(err).strip().splitlines()[0]} ...). Implement "
-            "`get_config()` on the model (and register it with "
-            "@keras.saving.register_keras_serializable()), or save to a '.h5' path: a '.h5' file holds "
-            "the same training state without the model config, and restore_training_state restores it "
-            "into a model you build in code.",
-            key=None,
-            expected="a serializable model (get_config)",
-            received=type(model).__name__,
-        ) from err
 
 
 def _check_json(value: Any, record: str, path: str) -> None:

@@ -1,34 +1,19 @@
-"""Where the bytes go: the engines that write a training state other than as one file
-written in the calling thread (by `keras_stable_state.format.write_record`).
+"""Where the bytes go: the engines a training state is written and read through.
 
+* `files`: one ``.h5`` / ``.keras`` file written in the calling thread, atomically on a
+  local disk, or uploaded whole to an object store.
+* `object_store`: objects in a store (``s3://``, ``gs://``...) through fsspec (`RemotePath`,
+  commit markers, `object_store.target` and `object_store.fetch`), its failures in our words
+  (`store_failures`). It imports no Keras: the command line reads object stores through it.
 * `orbax`: a ``.orbax`` folder, its arrays an Orbax checkpoint (every JAX process its own
-  shards). `folder_engine` gives it for a ``.orbax`` path, so that the restore core
-  and ``save_training_state`` never import it; `array_source` gives its array source
-  (`orbax.open_source`: the arrays read with Orbax onto each variable's current
-  sharding), which the restore passes to `keras_stable_state.format.read_file`, so that a
-  ``.orbax`` folder is read for a restore through the one door of every layout.
+  shards), and the array source a restore reads them through (`orbax.open_source`).
 * `background`: a file written in another thread (``blocking=False``).
+
+`dispatch` picks the one engine a save writes through (`dispatch.save_engine`) and reads a
+training state for a restore through one door (`dispatch.read`), so that the restore core
+and ``save_training_state`` never import the Orbax engine. A `write_request.WriteRequest` is what a
+save hands to its engine.
+
+This package's ``__init__`` imports nothing: importing ``keras_stable_state._engines.object_store``
+(the command line does) loads no Keras and no framework.
 """
-
-from __future__ import annotations
-
-from collections.abc import Callable
-from types import ModuleType
-from typing import Any
-
-from keras_stable_state._engines import orbax
-from keras_stable_state.format import orbax_layout
-
-
-def folder_engine(path: object) -> ModuleType | None:
-    """The engine that writes ``path`` as a folder of its own: the Orbax engine (`orbax`:
-    ``check_installed``, ``live_value``, ``write``) for a path named ``*.orbax``, else
-    ``None`` (a file)."""
-    return orbax if orbax_layout.is_orbax_path(path) else None
-
-
-def array_source(path: object) -> Callable[[str, str], Any] | None:
-    """The array source a restore reads the ``.orbax`` folder ``path`` through (the Orbax
-    engine's `orbax.open_source`: each variable's shards onto its current sharding), to pass
-    to `keras_stable_state.format.read_file` as ``arrays``; ``None`` for any other path."""
-    return orbax.open_source if orbax_layout.is_orbax_path(path) else None

@@ -1,12 +1,13 @@
 """Background writes of training states: ``save_training_state(..., blocking=False)``.
 
-The calling thread builds the whole `StateRecord`
+`write` is the engine ``save_training_state`` hands a `WriteRequest` to. The calling
+thread builds the whole `StateRecord`
 (every array held apart from training: a host copy, a TensorFlow read, a view of a JAX
 CPU buffer or a JAX copy on its devices, see `host_record`) and hands it to
 `submit`; one shared
-``concurrent.futures.ThreadPoolExecutor`` runs the write (the same
-``write_record`` (`keras_stable_state.format.writer`) a blocking save calls: seal, temporary file, ``fsync``,
-atomic rename). Writes into one folder run one after the other, in the order they
+``concurrent.futures.ThreadPoolExecutor`` runs the write (the file engine's `files.put`, as
+a blocking save: ``write_record``, seal, temporary file, ``fsync``, atomic rename; or the
+upload to an object store). Writes into one folder run one after the other, in the order they
 were submitted: each waits for the previous write into its folder before it starts.
 
 Pending writes finish before the interpreter exits (``concurrent.futures`` joins its
@@ -29,8 +30,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from keras_stable_state import _keras_compat, format
-from keras_stable_state.format import remote
+from keras_stable_state import _keras_compat
+from keras_stable_state._engines import files
+from keras_stable_state._engines.object_store import RemotePath
+from keras_stable_state._engines.write_request import WriteRequest
+from keras_stable_state.format.record import StateRecord
+from keras_stable_state.format.urls import is_url
+from keras_stable_state.format.writer import check_target
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
@@ -41,8 +47,10 @@ __all__ = [
     "folder_of",
     "host_record",
     "live_value",
+    "prepare",
     "submit",
     "wait_for_folder",
+    "write",
 ]
 
 _WORKERS = 4
@@ -141,7 +149,7 @@ class SaveHandle:
 def folder_of(path: str) -> str:
     """The real path of the folder ``path`` is written into (the key that orders writes);
     for an object-store URL, the URL of its folder."""
-    if remote.is_url(path):
+    if is_url(path):
         return path.rstrip("/").rpartition("/")[0]
     return os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
 
@@ -164,6 +172,23 @@ def wait_for_folder(folder: str, timeout: float | None = None) -> None:
         _, pending = concurrent.futures.wait([handle._future], timeout=timeout)
         if pending:
             raise TimeoutError(f"The background save of {handle.path!r} has not finished within {timeout} s.")
+
+
+def prepare(path: str, store: RemotePath | None = None) -> None:
+    """Before a background save copies anything: the target is writable (a local path),
+    and the previous write into its folder has ended (at most one host copy waiting)."""
+    if store is None:
+        check_target(path)
+    wait_for_folder(folder_of(path))
+
+
+def write(request: WriteRequest) -> functools.partial[SaveHandle]:
+    """The engine: what is still shared with live objects copied (`host_record`), and the
+    zero-argument callable that submits the write (the file engine's `files.put`) to a
+    background thread and returns its [`SaveHandle`][keras_stable_state.SaveHandle]
+    (called once the save has left the model)."""
+    request = dataclasses.replace(request, record=host_record(request.record))
+    return functools.partial(submit, request.path, functools.partial(files.put, request), request.started)
 
 
 def _owned(array: Any, always: bool) -> NDArray[Any]:
@@ -259,7 +284,7 @@ def _json_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def host_record(record: format.StateRecord) -> format.StateRecord:
+def host_record(record: StateRecord) -> StateRecord:
     """``record`` with nothing shared with live objects: arrays that do not own their
     memory (a view of a Torch tensor), every array of the other state (a provider may
     update its own array in place) and the JSON parts of the other state (a callback's

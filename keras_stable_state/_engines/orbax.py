@@ -44,9 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from keras_stable_state import _processes, format
+from keras_stable_state import _processes
+from keras_stable_state._engines.write_request import WriteRequest
 from keras_stable_state.errors import CheckpointFormatError, CorruptCheckpointError, StateError
 from keras_stable_state.format import orbax_file, orbax_layout, writer
+from keras_stable_state.format.codec import dtype_name
 from keras_stable_state.format.orbax_file import OrbaxArray  # noqa: F401 (its lazy arrays)
 from keras_stable_state.format.orbax_layout import (  # noqa: F401 (names of this engine)
     ARRAYS,
@@ -58,6 +60,7 @@ from keras_stable_state.format.orbax_layout import (  # noqa: F401 (names of thi
     index_entries,
     is_orbax_path,
 )
+from keras_stable_state.format.record import StateRecord
 
 _MASK = orbax_layout.MASK
 _SECTIONS = SECTIONS
@@ -212,8 +215,9 @@ def _inline(value) -> bool:
     return np.ndim(value) == 0 and not _processes.is_sharded(value)
 
 
-def write(path: str, record: format.StateRecord) -> str:
-    """Write ``record`` to the ``.orbax`` directory ``path`` (every process calls this).
+def write(request: WriteRequest) -> str:
+    """Write ``request.record`` to the ``.orbax`` directory ``request.path`` (every process
+    calls this); the path.
 
     ``record.model`` and ``record.optimizer`` hold NumPy arrays or sharded JAX
     arrays; scalars (`_inline`) are stored with the record in ``state.h5``
@@ -229,6 +233,7 @@ def write(path: str, record: format.StateRecord) -> str:
         CheckpointFormatError: if ``path`` is a file.
         OSError: naming the path when a write fails.
     """
+    path, record = request.path, request.record
     ocp = _ocp()
     final = os.path.abspath(path.rstrip("/\\"))
     parent, name = os.path.split(final)
@@ -247,7 +252,9 @@ def write(path: str, record: format.StateRecord) -> str:
             shutil.rmtree(partial)
         os.makedirs(partial)
 
-    _processes.run_on_primary(partial, clear)
+    with _processes.on_primary(partial) as turn:
+        if turn.runs:
+            clear()
     index, tree = [], {}
     # Values may be zero-argument callables (converted lazily, storage.StateRecord).
     entries = [(s, k, v() if callable(v) else v) for s in _SECTIONS for k, v in getattr(record, s).items()]
@@ -256,7 +263,7 @@ def write(path: str, record: format.StateRecord) -> str:
         if _inline(value):
             inline[section][key] = np.asarray(value)
     entries = [(s, k, v) for s, k, v in entries if k not in inline[s]]
-    dtypes = [format.dtype_name(v) for _, _, v in entries]
+    dtypes = [dtype_name(v) for _, _, v in entries]
     grids = [_grid(v) for _, _, v in entries]
     parts = [_local_hash(v, k, d, g) for (_, k, v), d, g in zip(entries, dtypes, grids, strict=True)]
     hashes = _digests(parts)
@@ -270,7 +277,7 @@ def write(path: str, record: format.StateRecord) -> str:
     if tree:  # (a state of scalars only has no arrays/)
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
             checkpointer.save(os.path.join(partial, ARRAYS), args=ocp.args.PyTreeSave(tree))
-    small = format.StateRecord(
+    small = StateRecord(
         metadata={**record.metadata, INDEX: {"version": INDEX_VERSION, "arrays": index}},
         contract=record.contract,
         model=inline["model"],
@@ -290,7 +297,9 @@ def write(path: str, record: format.StateRecord) -> str:
         if os.path.isdir(old):
             shutil.rmtree(old)
 
-    _processes.run_on_primary(path, finish)
+    with _processes.on_primary(path) as turn:
+        if turn.runs:
+            finish()
     return path
 
 
@@ -374,7 +383,7 @@ class _Source:
                 received=keys,
             ) from err
         for (lazy, _), value in zip(wanted, values, strict=True):
-            found = (tuple(np.shape(value)), format.dtype_name(value))
+            found = (tuple(np.shape(value)), dtype_name(value))
             if found != (lazy.shape, lazy.dtype.name):
                 raise CorruptCheckpointError(
                     f"{self.where}: array {lazy.key} is {found[1]} of shape {found[0]} in '{ARRAYS}', but "
@@ -410,8 +419,8 @@ class _Source:
 
 def open_source(directory: str, where: str) -> _Source:
     """The array source of the ``.orbax`` folder ``directory`` (``where``: as messages name
-    it), which this engine supplies to `keras_stable_state.format.orbax_file`
-    (``keras_stable_state._engines`` does, on import).
+    it), which a restore passes to `keras_stable_state.format.orbax_file` (through
+    ``keras_stable_state._engines.read``).
 
     Raises:
         StateError: if orbax-checkpoint is not installed.
@@ -420,7 +429,7 @@ def open_source(directory: str, where: str) -> _Source:
     return _Source(directory, where)
 
 
-def read(path: str) -> format.StateRecord:
+def read(path: str) -> StateRecord:
     """Read the sealed record of the ``.orbax`` directory ``path``; its arrays are `OrbaxArray`,
     read through this engine (`keras_stable_state.format.orbax_file.read_orbax`).
 

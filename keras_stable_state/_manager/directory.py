@@ -320,7 +320,7 @@ def warn_unreadable(
 def restore_newest(paths, directory, restore, unreadable, writer="StableCheckpoint", *, read_with):
     """Read the checkpoints ``paths`` of ``directory`` (newest first) until one restores.
 
-    Each file is read once (``read_with(path)``, e.g. `.orbax_io.read`; one open handle, every check made on the bytes read through
+    Each file is read once (``read_with(path)``, e.g. `.orbax_io.read_from`; one open handle, every check made on the bytes read through
     it), and its record goes to ``restore(path, record)``, which restores everything
     from that record: a file replaced between the check and the restore cannot mix
     two files' state. A file that is unreadable

@@ -54,18 +54,22 @@ class DirectoryHolder:
             OSError: if the directory or its lock file (object) cannot be created or locked (read-only
                 file system: ``errno.EROFS``; permissions; no bucket, refused credentials), naming it.
         """
-        removed: list[str] = _processes.share_from_primary(
-            self.directory, lambda: self._lock_here(reclaimable), follow=list
-        )
+        with _processes.on_primary(self.directory, share=True) as turn:
+            if turn.runs:
+                turn.result = self._lock_here(reclaimable)
+            elif turn.alone:
+                turn.result = []
+        removed: list[str] = turn.result
         self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed
         return removed
 
     def lock_everywhere(self) -> None:
         """`lock` as a collective of a save's check-in that found a process without the lock,
         where process 0 may hold it already (then it keeps it as it is)."""
-        removed: list[str] = _processes.share_from_primary(
-            self.directory, lambda: self.removed_temporary_files if self.locked else self._lock_here(False)
-        )
+        with _processes.on_primary(self.directory, share=True) as turn:
+            if turn.runs:
+                turn.result = self.removed_temporary_files if self.locked else self._lock_here(False)
+        removed: list[str] = turn.result
         self._lock, self.removed_temporary_files = shared.held(self._lock, self._token), removed
 
     def _lock_here(self, reclaimable: bool) -> list[str]:

@@ -374,7 +374,9 @@ class CheckpointManager(DirectoryHolder):
         # while the file is the one written (its identity), read from the file otherwise.
         summary: _Summary = ({"backend": keras.backend.backend()}, dict(info), format.FORMAT_VERSION)
         self._summaries[path] = (self.files.identity(path), summary)
-        _processes.share_from_primary(self.directory, lambda: self.prune(newest=path))  # on process 0
+        with _processes.on_primary(self.directory, share=True) as turn:
+            if turn.runs:  # on process 0
+                self.prune(newest=path)
         if self.on_saved is not None:
             self.on_saved(step, path, secs, blocked_secs)
         elif self.verbose:

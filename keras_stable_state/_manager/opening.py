@@ -12,7 +12,7 @@ from keras_stable_state._manager.directory import LocalDirectory
 from keras_stable_state._manager.protocols import CheckpointDirectory
 from keras_stable_state._manager.remote_directory import RemoteDirectory
 from keras_stable_state.errors import CheckpointFormatError
-from keras_stable_state.format import remote
+from keras_stable_state.format import urls
 from keras_stable_state.format.files import fs_path
 
 __all__ = ["open_directory", "refuse_options"]
@@ -52,8 +52,8 @@ def open_directory(
             ``file://`` URL on another host.
         StorageBackendError: if fsspec or the scheme's implementation is not installed.
     """
-    directory = remote.resolve(fs_path(directory, "directory", urls=True), "directory")
-    if remote.is_remote(directory):
+    directory = urls.resolve(fs_path(directory, "directory", urls=True), "directory")
+    if urls.is_remote(directory):
         store = RemoteDirectory(directory, storage_options, backend=backend)
         return store.url, store
     refuse_options(storage_options, directory, writer)

@@ -1,17 +1,19 @@
 """What a directory of ``.orbax`` step directories needs from the Orbax engine (and so from
-Keras and JAX): the option checks and reading a step; and reading a checkpoint for a
-restore (`read_from`: the one read that needs the core, which the directories themselves,
-`.directory` and `.remote_directory`, never import). `.orbax_steps` (listing, names,
+Keras and JAX): the option checks; and reading a checkpoint for a restore (`read_from`,
+through the restore's one door, `keras_stable_state._engines.dispatch.read`: the one read
+that needs the engines and the core, which the directories themselves, `.directory` and
+`.remote_directory`, never import). `.orbax_steps` (listing, names,
 removal) stays free of both, so the command line lists such a directory without them."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from keras_stable_state import format
 from keras_stable_state._core.apply import takes_unaligned
-from keras_stable_state._engines import orbax
+from keras_stable_state._engines import dispatch, object_store, orbax
 from keras_stable_state._manager import orbax_steps
 from keras_stable_state._manager.protocols import CheckpointDirectory
-from keras_stable_state.format import proven
 
 
 def check_options(directory, save_on_background, writer="CheckpointManager") -> None:
@@ -42,52 +44,23 @@ def check_options(directory, save_on_background, writer="CheckpointManager") -> 
         )
 
 
-def read_step(path) -> format.StateRecord:
-    """The record of the step directory ``path`` (its arrays read on demand).
-
-    Raises:
-        CheckpointFormatError: if ``path`` is a symbolic link (never followed) or not a
-            ``.orbax`` training state; every error of the engine's ``read``.
-    """
-    orbax_steps.refuse_link(path)
-    return orbax.read(path)
-
-
-def read(path) -> format.StateRecord:
-    """The record of the checkpoint ``path`` of a local directory (a ``.h5`` file, or a
-    ``.orbax`` step directory: `read_step`).
-
-    Raises:
-        Every error of `keras_stable_state.format.read_file` (of `read_step`).
-    """
-    if orbax_steps.is_step(path):
-        return read_step(path)
-    return format.read_file(path, unaligned_views=takes_unaligned())
-
-
-def read_in_place(path) -> format.StateRecord:
-    """`read`, for a restore in place: a ``.h5`` checkpoint proven whole, its large arrays
-    left in the open file (`keras_stable_state.format.proven.read_proven`; closed by the restore).
-
-    Raises:
-        Every error of `read`.
-    """
-    if orbax_steps.is_step(path):
-        return read_step(path)
-    return proven.read_proven(path)
-
-
 def read_from(files: CheckpointDirectory, path: str, *, in_place: bool = False) -> format.StateRecord:
-    """The record of the checkpoint ``path`` of the directory ``files``: a local one by `read`
-    (by `read_in_place` for a restore in place, ``in_place=True``), an object read whole
-    through its store (``in_place`` does not apply: nothing is left open).
+    """The record of the checkpoint ``path`` of the directory ``files``, read through the one
+    door of a restore (`keras_stable_state._engines.dispatch.read`): a local ``.h5`` file
+    (with ``in_place``, for a restore in place: proven whole, its large arrays left in the
+    open file, closed by the restore), a ``.orbax`` step directory (never through a symbolic
+    link; its arrays read on demand by the Orbax engine), or an object read whole through its
+    store (``in_place`` does not apply: nothing is left open).
 
     Raises:
-        Every error of `read` (`read_in_place`; for an object, of
-        `keras_stable_state.format.read_file`).
+        CheckpointFormatError: if a step directory ``path`` is a symbolic link (never followed)
+            or not a ``.orbax`` training state.
+        Every error of `keras_stable_state.format.read_file` and of the store.
     """
+    store = None
     if not files.local:
-        return format.read_file(
-            path, storage_options=files.storage_options, unaligned_views=takes_unaligned()
-        )
-    return read_in_place(path) if in_place else read(path)
+        store = object_store.RemotePath(path, files.storage_options)
+    elif orbax_steps.is_step(path):
+        orbax_steps.refuse_link(path)
+    record = dispatch.read(path, store, in_place=in_place and files.local, unaligned_views=takes_unaligned())
+    return cast("format.StateRecord", record)

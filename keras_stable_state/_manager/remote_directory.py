@@ -57,6 +57,7 @@ import time
 from typing import Any
 
 from keras_stable_state import format
+from keras_stable_state._engines import object_store
 from keras_stable_state._manager import lock
 from keras_stable_state._manager.directory import LOCK_NAME, TEMP_PREFIX, UNREADABLE_DIR, step_of
 from keras_stable_state.errors import (
@@ -65,7 +66,6 @@ from keras_stable_state.errors import (
     StateError,
     StorageError,
 )
-from keras_stable_state.format import remote
 
 __all__ = ["MARKER_SUFFIX", "RemoteDirectory", "RemoteLock"]
 
@@ -162,7 +162,8 @@ class RemoteLock:
                             "remove that object unless a writer of this process locks the directory again."
                         )
                         raise (
-                            remote.store_failure(cause, self.url, "release the lock object", advice) or err
+                            object_store.store_failure(cause, self.url, "release the lock object", advice)
+                            or err
                         ) from cause
                     time.sleep(pause)
 
@@ -209,7 +210,7 @@ class RemoteDirectory:
     """An object store: each checkpoint is read whole through its filesystem."""
 
     def __init__(self, url: str, storage_options=None, *, backend: str | None = None):
-        self.folder = remote.RemotePath(url, storage_options)
+        self.folder = object_store.RemotePath(url, storage_options)
         self.url = self.folder.url
         self.storage_options = self.folder.storage_options or None
         self.backend = backend
@@ -236,7 +237,7 @@ class RemoteDirectory:
         if cached is not None and cached[0] == key:
             return cached[1]
         try:
-            payload = remote.read_marker(self.folder, name)
+            payload = object_store.read_marker(self.folder, name)
         except CorruptCheckpointError as err:
             payload = err
         if payload is None:
@@ -386,7 +387,7 @@ class RemoteDirectory:
         holder = None
         for _ in range(3):
             try:
-                with remote.talking_to(
+                with object_store.talking_to(
                     store.url,
                     "write the lock object",
                     f"The checkpoint directory {self.url!r} is not locked and nothing was saved. Check the "
@@ -500,7 +501,7 @@ class RemoteDirectory:
         obj = self.folder.child(name)
         obj.fs.invalidate_cache(obj.path)
         try:
-            with remote.talking_to(
+            with object_store.talking_to(
                 obj.url, "look up the checkpoint just uploaded", keep=(FileNotFoundError,)
             ):
                 found = obj.fs.info(obj.path)
@@ -518,7 +519,7 @@ class RemoteDirectory:
             "format_version": format.FORMAT_VERSION,
         }
         self._forget(path)
-        remote.write_marker(self.folder, name + MARKER_SUFFIX, payload)
+        object_store.write_marker(self.folder, name + MARKER_SUFFIX, payload)
 
     def remove(self, paths) -> None:
         """Remove the checkpoints ``paths``: each marker first, then its object.
@@ -544,7 +545,7 @@ class RemoteDirectory:
         """
         name = self._name(path)
         fs = self.folder.fs
-        aside = remote.RemotePath(f"{self.url}/{folder}", _fs=fs, _path=f"{self.folder.path}/{folder}")
+        aside = object_store.RemotePath(f"{self.url}/{folder}", _fs=fs, _path=f"{self.folder.path}/{folder}")
         taken = set(aside.list())
         target, n = name, 1
         while target in taken:
@@ -555,7 +556,7 @@ class RemoteDirectory:
             "restore it, and left in place it would count as one of the `max_to_keep` newest."
         )
         try:
-            with remote.talking_to(path, f"copy aside to {copy.url!r} the checkpoint", advice, keep=(FileNotFoundError,)):  # fmt: skip
+            with object_store.talking_to(path, f"copy aside to {copy.url!r} the checkpoint", advice, keep=(FileNotFoundError,)):  # fmt: skip
                 fs.copy(self.folder.child(name).path, copy.path)
         except FileNotFoundError:
             self.folder.child(name + MARKER_SUFFIX).remove()

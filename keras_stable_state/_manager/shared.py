@@ -38,8 +38,8 @@ _Lock = TypeVar("_Lock")
 
 
 def held(lock: _Lock, token: int) -> _Lock | Follower:
-    """The lock a manager holds once `share_from_primary`
-    ran its locking on process 0: ``lock`` there (and with one process), a `Follower`
+    """The lock a manager holds once its locking ran on process 0
+    (`keras_stable_state._processes.on_primary`): ``lock`` there (and with one process), a `Follower`
     of ``token`` on the others."""
     return lock if _processes.process_index() == 0 else Follower(token)
 
@@ -51,7 +51,10 @@ _OUTCOMES = ("read", "unreadable", "not found", "refused")
 def checkpoints(files: CheckpointDirectory, directory: str) -> list[str]:
     """The checkpoints of ``directory`` as process 0 lists them (newest first), through
     ``files`` (what reads and writes it); as this process lists them where it decides alone."""
-    return _processes.share_from_primary(directory, files.checkpoints, follow=files.checkpoints)
+    with _processes.on_primary(directory, share=True) as turn:
+        if turn.runs or turn.alone:
+            turn.result = files.checkpoints()
+    return turn.result
 
 
 @_processes.torch_ranks(collective=False)  # a restore's: no collective on Torch
@@ -59,7 +62,10 @@ def move_aside(files: CheckpointDirectory, path: str, writer: str) -> str | None
     """``files.move_aside`` on process 0, once every process has read ``path``; its result.
     Where the process decides alone, process 0 moves it and the others return ``None`` (they
     only skip it)."""
-    return _processes.share_from_primary(path, lambda: files.move_aside(path, writer))
+    with _processes.on_primary(path, share=True) as turn:
+        if turn.runs:
+            turn.result = files.move_aside(path, writer)
+    return turn.result
 
 
 @_processes.torch_ranks(collective=False)  # a restore's: no collective on Torch

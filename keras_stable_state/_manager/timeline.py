@@ -110,7 +110,10 @@ def before_save(mgr: CheckpointManager, step: int, new_timeline: bool) -> None:
                 moved.append([path, target, found])
         return {"moved": moved}
 
-    found = _processes.share_from_primary(mgr.directory, plan)
+    with _processes.on_primary(mgr.directory, share=True) as turn:
+        if turn.runs:
+            turn.result = plan()
+    found = turn.result
     if "refuse" in found:
         present = found["refuse"]
         raise StateError(

@@ -120,17 +120,18 @@ def _print(args: argparse.Namespace, result: _Result, render: Callable[[Any], ob
 def _is_listing(path: object) -> bool:
     """Whether ``path`` is a checkpoint directory: a local folder (not ``.orbax``), or an
     object-store URL under which objects are but none at the URL itself."""
-    from keras_stable_state.format import orbax_layout, remote
+    from keras_stable_state._engines.object_store import RemotePath
+    from keras_stable_state.format import orbax_layout, urls
 
     if not isinstance(path, str):
         return False
-    if remote.is_remote(path):
+    if urls.is_remote(path):
         if path.rstrip("/").endswith((".h5", ".keras", ".orbax")):
             return False
         with refusing(path):
-            folder = remote.RemotePath(path)
+            folder = RemotePath(path)
             return not folder.is_object() and folder.exists()
-    path = remote.resolve(path, "path") if remote.is_url(path) else path
+    path = urls.resolve(path, "path") if urls.is_url(path) else path
     return os.path.isdir(path) and not orbax_layout.is_orbax_path(path)
 
 

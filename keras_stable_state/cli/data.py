@@ -37,7 +37,7 @@ from keras_stable_state.cli.results import (
     Verification,
 )
 from keras_stable_state.errors import CorruptCheckpointError
-from keras_stable_state.format import orbax_layout, remote
+from keras_stable_state.format import orbax_layout, urls
 from keras_stable_state.format.files import fs_path
 from keras_stable_state.format.layout import Layout
 
@@ -74,7 +74,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Layout:
         The errors of `keras_stable_state.format.open_file` otherwise.
     """
     path = fs_path(path, "path", urls=True)
-    if remote.is_remote(path):
+    if urls.is_remote(path):
         return format.open_file(path)
     path = fs_path(path, "path")
     if not os.path.exists(path):

@@ -36,7 +36,7 @@ from keras_stable_state.errors import (
     CorruptCheckpointError,
     NewerFormatError,
 )
-from keras_stable_state.format import remote
+from keras_stable_state.format import urls
 from keras_stable_state.format.files import fs_path
 from keras_stable_state.format.summary import read_summary_whole
 
@@ -157,7 +157,7 @@ def _summary(
         else:
             summary = read_summary(path)
     except FileNotFoundError as err:
-        if remote.is_remote(path):
+        if urls.is_remote(path):
             return None
         if os.path.islink(path):
             return "unreadable", str(err), None  # a link to nothing: the manager moves it aside
@@ -277,8 +277,8 @@ def list_directory(
         StorageError: if the object store fails, naming the URL.
         StorageBackendError: for a URL whose fsspec implementation is not installed.
     """
-    path = remote.resolve(fs_path(directory, "directory", urls=True), "directory")
-    if remote.is_remote(path):
+    path = urls.resolve(fs_path(directory, "directory", urls=True), "directory")
+    if urls.is_remote(path):
         return _list_remote(path, verify, monitor, mode)
     path = fs_path(path, "directory")
     if not os.path.exists(path):

@@ -26,8 +26,8 @@ from types import TracebackType
 from typing import Literal
 
 from keras_stable_state.errors import CheckpointFormatError, StateError
-from keras_stable_state.format.remote import refuse_url
 from keras_stable_state.format.sink import file_size_limit, free_bytes
+from keras_stable_state.format.urls import refuse_url
 
 TEMP_PREFIX = ".kss-"
 """Prefix of every temporary file of an atomic write."""

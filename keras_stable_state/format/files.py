@@ -3,7 +3,7 @@
 Every path a user gives (a training-state file, a ``StableCheckpoint`` directory)
 is taken by `fs_path` (``str``, ``bytes`` decoded with ``os.fsdecode`` as
 ``os.path`` does, or ``os.PathLike``), which never takes a URL (``gs://...``) for a
-local path (`remote`). Every file the library opens by a path
+local path (`urls`). Every file the library opens by a path
 goes through `open_regular`: it is opened non-blocking (a FIFO cannot
 make ``open`` wait for a writer), and what was opened is checked with ``fstat``
 to be a regular file, so a FIFO, a device (``/dev/zero``, ``/dev/urandom``), a
@@ -27,7 +27,7 @@ import stat
 from typing import IO
 
 from keras_stable_state.errors import CheckpointFormatError, StateError
-from keras_stable_state.format import remote
+from keras_stable_state.format.urls import refuse_url, resolve
 
 # Flags that do not exist on every platform (Windows has neither): 0 there.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -45,7 +45,7 @@ def fs_path(value: object, what: str = "path", *, urls: bool = False) -> str:
     A URL is never taken as a local path: a ``file://`` URL becomes the local path it
     names, and any other (``s3://``, ``gs://``, ``memory://``...) is refused, unless
     ``urls=True``, where it is returned as given for the caller to route to the object
-    store (`remote`).
+    store (`keras_stable_state._engines.object_store`).
 
     Raises:
         TypeError: naming ``what`` for anything else (``None``, a number, a file object).
@@ -57,8 +57,8 @@ def fs_path(value: object, what: str = "path", *, urls: bool = False) -> str:
             path = os.fsdecode(path)
             if urls:
                 return path
-            path = remote.resolve(path, what)
-            remote.refuse_url(path, what)
+            path = resolve(path, what)
+            refuse_url(path, what)
             return path
     text = repr(value)
     if len(text) > 100:

@@ -15,7 +15,10 @@ decided here, in ``format``, and nowhere above it.
 ``claims`` takes it (as orbax v1's layout registry does): a local path named ``*.orbax``
 is a ``.orbax`` folder (`orbax_file`), anything else a ``.keras`` or HDF5 file
 (`reader`), whose record or stock layout shows once it is open (its ``format``
-attribute). An object store holds files only: a URL is read as a file.
+attribute). These take local paths (a ``file://`` URL is the path it names): an object in a
+store is fetched by the object-store engine and read from memory (`reader.read_bytes`,
+`CheckpointFile.from_bytes`), which ``keras_stable_state.format.open_file`` and
+``read_file``, the package's public door, do for a URL.
 
 This module imports no Keras.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -33,8 +36,8 @@ from keras_stable_state.format.orbax_file import OrbaxFile, SourceFactory, read_
 from keras_stable_state.format.orbax_layout import is_orbax_path
 from keras_stable_state.format.reader import open_checkpoint_file, read_checkpoint_file
 from keras_stable_state.format.record import BY_KEY, BY_STRUCTURE, Entry, MatchedBy, StateRecord
-from keras_stable_state.format.remote import is_remote
 from keras_stable_state.format.stock import StockWeights
+from keras_stable_state.format.urls import is_remote
 
 __all__ = ["BY_KEY", "BY_STRUCTURE", "LAYOUTS", "Layout", "LayoutKind", "open_file", "read_file"]
 
@@ -111,17 +114,16 @@ class LayoutKind:
     Attributes:
         name: What it reads (``".orbax folder"``).
         claims: Whether a path (``str``) has this layout, from the path alone.
-        open: ``(path, storage_options) -> Layout``.
-        read: ``(path, storage_options, unaligned_views, arrays) -> StateRecord |
-            StockWeights``, every array read (or, in a ``.orbax`` folder, read on demand
+        open: ``(path) -> Layout``.
+        read: ``(path, unaligned_views, arrays) -> StateRecord | StockWeights``, every array read (or, in a ``.orbax`` folder, read on demand
             through ``arrays``, the caller's array source, or TensorStore if ``None``) and
             checked.
     """
 
     name: str
     claims: Callable[[str], bool]
-    open: Callable[[Any, Mapping[str, Any] | None], Layout]
-    read: Callable[[Any, Mapping[str, Any] | None, bool, Any], StateRecord | StockWeights]
+    open: Callable[[Any], Layout]
+    read: Callable[[Any, bool, Any], StateRecord | StockWeights]
 
 
 def _local_orbax(path: str) -> bool:
@@ -132,16 +134,14 @@ LAYOUTS: tuple[LayoutKind, ...] = (
     LayoutKind(
         ".orbax folder",
         _local_orbax,
-        lambda path, _options: OrbaxFile(path),
-        lambda path, _options, _unaligned, arrays: read_orbax(path, arrays),
+        lambda path: OrbaxFile(path),
+        lambda path, _unaligned, arrays: read_orbax(path, arrays),
     ),
     LayoutKind(
         ".keras or HDF5 file (our record, or a stock Keras file)",
         lambda path: True,
-        lambda path, options: open_checkpoint_file(path, options),
-        lambda path, options, unaligned, _arrays: read_checkpoint_file(
-            path, storage_options=options, unaligned_views=unaligned
-        ),
+        open_checkpoint_file,
+        lambda path, unaligned, _arrays: read_checkpoint_file(path, unaligned_views=unaligned),
     ),
 )
 
@@ -155,20 +155,17 @@ def _kind(filepath: object) -> LayoutKind:
     return LAYOUTS[-1]
 
 
-def open_file(filepath: object, *, storage_options: Mapping[str, Any] | None = None) -> Layout:
-    """Open a training state for reading, lazily, in its layout: a training-state file, a
-    stock Keras weights file or a ``.orbax`` folder.
+def open_file(filepath: object) -> Layout:
+    """Open a local training state for reading, lazily, in its layout: a training-state
+    file, a stock Keras weights file or a ``.orbax`` folder (what
+    ``keras_stable_state.format.open_file`` opens for every path but an object-store URL).
 
     The seal (or, for unsealed files, a probe process), the structure and the
-    records are checked; no array is read until ``read``.
-    An object-store URL (``s3://bucket/run.h5``; see
-    `remote`) is downloaded whole into memory first, then
-    opened with the same checks (messages name the URL); a ``file://`` URL is the local
-    file it names.
+    records are checked; no array is read until ``read``. A ``file://`` URL is the local
+    file it names; any other URL is refused (`keras_stable_state.format.urls.refuse_url`).
 
     Args:
-        filepath: A path (``str``, ``bytes``, ``os.PathLike``) or a URL.
-        storage_options: For a URL: ``dict`` passed to the fsspec filesystem, or ``None``.
+        filepath: A path (``str``, ``bytes``, ``os.PathLike``).
 
     Examples:
         >>> with format.open_file("run.keras") as f:
@@ -180,22 +177,17 @@ def open_file(filepath: object, *, storage_options: Mapping[str, Any] | None = N
         (``.orbax``, whose ``read`` reads with TensorStore).
 
     Raises:
-        StorageBackendError: for a URL whose fsspec implementation is not installed.
-        FileNotFoundError: naming the path or URL if there is nothing there.
-        The errors of `CheckpointFile` and of `OrbaxFile`, and the store's
-        (``PermissionError``...).
+        FileNotFoundError: naming the path if there is nothing there.
+        The errors of `CheckpointFile` and of `OrbaxFile`.
     """
-    return _kind(filepath).open(filepath, storage_options)
+    return _kind(filepath).open(filepath)
 
 
 def read_file(
-    filepath: object,
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    unaligned_views: bool = True,
-    arrays: SourceFactory | None = None,
+    filepath: object, *, unaligned_views: bool = True, arrays: SourceFactory | None = None
 ) -> StateRecord | StockWeights:
-    """Read a training state whole, in its layout, with every check.
+    """Read a local training state whole, in its layout, with every check (what
+    ``keras_stable_state.format.read_file`` reads for every path but an object-store URL).
 
     A ``.keras`` or HDF5 file is read by `read_checkpoint_file`: every array read and
     checked, and every archive member, before anything is returned (the command line's
@@ -204,8 +196,7 @@ def read_file(
     `read_orbax`: its ``state.h5`` so, its arrays in ``arrays/`` read on demand through
     ``arrays`` (an array source the caller gives: the Orbax engine's for a restore onto
     each variable's sharding; ``None``: TensorStore, without Orbax), each checked against
-    its hash. A URL is read as `open_file` reads it (``storage_options``
-    for its filesystem).
+    its hash. A ``file://`` URL is the local file it names; any other URL is refused.
 
     Returns:
         `StateRecord` for a state written by keras_stable_state (matched by key),
@@ -225,8 +216,7 @@ def read_file(
             legacy Keras HDF5 file, or a zip archive holding neither a training
             state nor Keras weights.
         NewerFormatError: (a ``CheckpointFormatError``) for a state of a newer keras_stable_state.
-        StorageBackendError: for a URL whose fsspec implementation is not installed.
         StateError: for a ``.orbax`` folder, what its array source raises (the Orbax
             engine's: orbax-checkpoint not installed).
     """
-    return _kind(filepath).read(filepath, storage_options, unaligned_views, arrays)
+    return _kind(filepath).read(filepath, unaligned_views, arrays)

@@ -9,7 +9,7 @@ extra; neither Orbax nor JAX is imported) and checks it against its hash in the 
 
 `read_orbax` reads a folder for a restore: the record, with each array of ``arrays/``
 left as an `OrbaxArray` that is read on demand, through the array source its caller
-gives: the Orbax engine's for a restore (``keras_stable_state._engines.array_source``:
+gives: the Orbax engine's for a restore (``keras_stable_state._engines.orbax.open_source``:
 every process the shards of its variables' current sharding, the hash summed over
 processes), or by default `StoreArrays` (TensorStore, each array whole, on this process). `materialize` reads the arrays a restore planned, all at once.
 

@@ -32,7 +32,6 @@ This module imports no Keras.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -43,8 +42,8 @@ from keras_stable_state.format.layout import read_file
 from keras_stable_state.format.probe import damaged
 from keras_stable_state.format.reader import CheckpointFile, check_members_or_refuse, state_record
 from keras_stable_state.format.record import FORMAT, PACK_LIMIT, SECTIONS, Entry, StateRecord
-from keras_stable_state.format.remote import is_remote, resolve
 from keras_stable_state.format.stock import StockWeights
+from keras_stable_state.format.urls import resolve
 
 __all__ = ["DEFER_ABOVE", "FileArray", "ProvenFile", "close_files", "read_proven"]
 
@@ -204,17 +203,16 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
-def read_proven(
-    filepath: str, *, storage_options: Mapping[str, Any] | None = None, arrays: Any = None
-) -> StateRecord | StockWeights:
+def read_proven(filepath: str, *, arrays: Any = None) -> StateRecord | StockWeights:
     """Read a training-state file for an in-place restore: the record, its seal checked, with
     its large arrays left in the open file (`FileArray`, each checked when it is read).
 
     Only a local, sealed format-3 record is read so: an ``.h5`` file, or a ``.keras`` archive
     whose record member is stored (its other members checked against their zip CRC-32
-    first, as `read_file` does); any other file (a stock Keras file, an older format, an
-    object-store URL) is read whole by `read_file`, and a ``.orbax`` folder as it reads
-    one (its arrays read on demand).
+    first, as `read_file` does); any other file (a stock Keras file, an older format) is
+    read whole by `read_file`, and a ``.orbax`` folder as it reads one (its arrays read on
+    demand). A local path (a ``file://`` URL is the path it names): an object in a store is
+    read whole from memory (`keras_stable_state.format.read_bytes`).
 
     Returns:
         The record; once its arrays are read, `close_files` closes the file they are read
@@ -224,15 +222,15 @@ def read_proven(
         Every error of `read_file`, for the same damage, before anything is returned, except
         an array's own checksum failing inside a good seal: `FileArray.read_into` raises that.
     """
-    path = filepath if is_remote(filepath) else resolve(filepath)
-    if is_remote(path) or not path.endswith((".h5", ".keras")) or path.endswith(".weights.h5"):
-        return read_file(filepath, storage_options=storage_options, arrays=arrays)
+    path = resolve(filepath)
+    if not path.endswith((".h5", ".keras")) or path.endswith(".weights.h5"):
+        return read_file(filepath, arrays=arrays)
     f = CheckpointFile(path)
     try:
         in_place = f.member is None or f._src.member_start is not None
         if f.kind != FORMAT or not f.sealed or f.version != 3 or not in_place:
             f.close()
-            return read_file(filepath, storage_options=storage_options)
+            return read_file(filepath)
         check_members_or_refuse(f)
         proven = ProvenFile(f)
         arrays: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}

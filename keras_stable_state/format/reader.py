@@ -27,7 +27,7 @@ import errno
 import os
 import zipfile
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,9 +52,9 @@ from keras_stable_state.format.record import (
     StateRecord,
 )
 from keras_stable_state.format.records import RecordListing
-from keras_stable_state.format.remote import RemotePath, is_remote, refuse_url, resolve
 from keras_stable_state.format.source import Source
 from keras_stable_state.format.stock import StockListing, StockWeights, stock_weights
+from keras_stable_state.format.urls import refuse_url, resolve
 
 # Blobs up to this size are kept after a read, for the next array of the same blob.
 _BLOB_CACHE_LIMIT = 4 * BLOB_TARGET
@@ -136,7 +136,7 @@ class CheckpointFile(Opened):
             )
         self.path = os.fspath(path)
         if data is None:
-            refuse_url(self.path, "training-state path")  # object stores: format.remote
+            refuse_url(self.path, "training-state path")  # object stores: _engines.object_store
         self.kind = "stock"
         self.version: int | None = None
         self.metadata: dict[str, Any] = {}
@@ -454,29 +454,21 @@ class CheckpointFile(Opened):
 
 
 def open_checkpoint_file(
-    filepath: object,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    whole: bool = False,
-    unaligned_views: bool = True,
+    filepath: object, *, whole: bool = False, unaligned_views: bool = True
 ) -> CheckpointFile:
-    """The `CheckpointFile` of a ``.keras`` or HDF5 file, or of an object-store URL
-    (downloaded whole into memory first, then opened with the same checks; messages name
-    the URL; a ``file://`` URL is the local file it names): what
-    `keras_stable_state.format.open_file` opens for every path but a
-    ``.orbax`` folder.
+    """The `CheckpointFile` of a local ``.keras`` or HDF5 file (a ``file://`` URL is the
+    local file it names; any other URL is refused: an object in a store is fetched by the
+    object-store engine and opened with `CheckpointFile.from_bytes`): what
+    `keras_stable_state.format.layout.open_file` opens for every path but a ``.orbax``
+    folder.
 
     Raises:
-        StorageBackendError: for a URL whose fsspec implementation is not installed.
-        FileNotFoundError: naming the URL if there is no such object.
-        The errors of `CheckpointFile`, and the store's (``PermissionError``...).
+        CheckpointFormatError: for a URL other than ``file://``.
+        FileNotFoundError: naming the path if there is no such file.
+        The errors of `CheckpointFile`.
     """
     if isinstance(filepath, bytes | str | os.PathLike):
-        path = os.fsdecode(os.fspath(filepath))
-        if is_remote(path):
-            data = RemotePath(path, storage_options).read_bytes()
-            return CheckpointFile.from_bytes(data, path, whole=whole, unaligned_views=unaligned_views)
-        filepath = resolve(path)
+        filepath = resolve(os.fsdecode(os.fspath(filepath)))
     return CheckpointFile(filepath, whole=whole, unaligned_views=unaligned_views)
 
 
@@ -494,9 +486,7 @@ def read_bytes(
     return read_whole(CheckpointFile.from_bytes(data, name, whole=True, unaligned_views=unaligned_views))
 
 
-def read_checkpoint_file(
-    filepath: object, *, storage_options: Mapping[str, Any] | None = None, unaligned_views: bool = True
-) -> StateRecord | StockWeights:
+def read_checkpoint_file(filepath: object, *, unaligned_views: bool = True) -> StateRecord | StockWeights:
     """Read a ``.keras`` or HDF5 file whole, with every check: what
     `keras_stable_state.format.read_file` reads for every path but a
     ``.orbax`` folder.
@@ -525,9 +515,8 @@ def read_checkpoint_file(
             file (FIFO, device, socket), an unknown format version, a
             legacy Keras HDF5 file, or a zip archive holding neither a training
             state nor Keras weights.
-        StorageBackendError: for a URL whose fsspec implementation is not installed.
     """
-    f = open_checkpoint_file(filepath, storage_options, whole=True, unaligned_views=unaligned_views)
+    f = open_checkpoint_file(filepath, whole=True, unaligned_views=unaligned_views)
     return read_whole(f)
 
 

@@ -49,9 +49,9 @@ from keras_stable_state.format.record import (
     USERBLOCK_SIZE,
     StateRecord,
 )
-from keras_stable_state.format.remote import refuse_url
 from keras_stable_state.format.seal import CHUNK, seal, seal_file
 from keras_stable_state.format.sink import Sink, room_for
+from keras_stable_state.format.urls import refuse_url
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -240,11 +240,11 @@ def check_target(filepath: str | bytes | os.PathLike[str] | os.PathLike[bytes]) 
 
     Raises:
         CheckpointFormatError: for an extension other than ``.keras`` / ``.h5``, a
-            path that is a directory, or a URL (``s3://...``: see
-            `remote`).
+            path that is a directory, or a URL (``s3://...``: the object-store engine,
+            ``keras_stable_state._engines.object_store``, writes those).
     """
     path = os.fsdecode(os.fspath(filepath))
-    refuse_url(path, "training-state path")  # object stores: keras_stable_state.format.remote
+    refuse_url(path, "training-state path")  # object stores: keras_stable_state._engines.object_store
     if not path.endswith((".keras", ".h5")):
         raise CheckpointFormatError(
             f"Unsupported training-state path {path!r}: use a '.keras' or '.h5' extension.",

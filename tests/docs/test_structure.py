@@ -8,7 +8,12 @@ without the restore core.
 The layers, low to high (a module may import its own layer and lower ones)::
 
     errors, _numpy, _processes < _keras_compat < _identity < _optimizer, _state < format
-      < _engines < _core < _manager < _fit < cli < keras_stable_state (__init__), __main__, demo
+      < _engines < format (its public door, ``format/__init__.py``) < _core < _manager < _fit
+      < cli < keras_stable_state (__init__), __main__, demo
+
+The file format's modules keep the bytes and sit below the engines; its package namespace
+(``keras_stable_state.format``: ``open_file``, ``read_file``) is the public door above them,
+which reads an object-store URL through the object-store engine.
 
 Imports inside functions count like module-level ones: a lazy import upward is still an
 upward dependency.
@@ -66,9 +71,18 @@ LAYERS = {
     "__init__": 10,
     "__main__": 10,
 }
+# The file format's public door (``keras_stable_state.format``, its ``__init__``): above the
+# engines (an object-store URL is fetched through ``_engines.object_store``), below ``_core``.
+FORMAT_DOOR = f"{ROOT}.format"
+DOOR_RANK = 5.5
 # Parts that import no Keras and no backend (and no package module that does).
 KERAS_FREE = ("format", "cli")
+# Modules of other parts held to the same: the object-store engine, which the command line reads
+# stores through, and the engines' package ``__init__``, which importing it runs first.
+KERAS_FREE_MODULES = (f"{ROOT}._engines", f"{ROOT}._engines.object_store", f"{ROOT}._engines.store_failures")
 FRAMEWORKS = ("keras", "tensorflow", "jax", "jaxlib", "torch", "tf_keras", "orbax")
+# What reaches an object store: the object-store engine's, never the file format's.
+STORE_LIBRARIES = ("fsspec", "s3fs", "gcsfs", "adlfs")
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -96,6 +110,11 @@ def _part(module: str) -> str:
     """The first-level part of the package a module belongs to (its layer's name)."""
     rest = module.split(".")[1:]
     return rest[0] if rest else "__init__"
+
+
+def _rank(module: str) -> float:
+    """The layer of a module: its part's, but the file format's public door's (`DOOR_RANK`)."""
+    return DOOR_RANK if module == FORMAT_DOOR else LAYERS.get(_part(module), 0)
 
 
 def _where(module: str, node) -> str:
@@ -177,12 +196,12 @@ def test_the_import_graph_has_no_cycle():
 @once
 def test_no_module_imports_a_higher_layer():
     upward = [
-        f"{_where(module, node)}: {module} ({_part(module)}) imports {target}"
+        f"{_where(module, node)}: {module} ({_rank(module)}) imports {target}"
         + (f".{name}" if name else "")
-        + f" ({_part(target)})"
+        + f" ({_rank(target)})"
         for module in _sources()
         for node, target, name in _imports(module)
-        if LAYERS.get(_part(target), 0) > LAYERS.get(_part(module), 0)
+        if _rank(target) > _rank(module)
     ]
     assert upward == [], "\n".join(["imports of a higher layer:", *upward])
 
@@ -217,11 +236,12 @@ def _reachable(module: str) -> set:
 def test_the_file_format_and_the_command_line_import_no_keras_and_no_backend():
     """``format`` and ``cli`` read files and print: no Keras, no TensorFlow, JAX, Torch or
     Orbax, at module level or inside a function, in themselves or in any package module
-    they import. The command line needs none for any command (inspect, verify, diff and ls
+    they import; nor the object-store engine they read stores through (and the engines'
+    ``__init__``, which importing it runs: `KERAS_FREE_MODULES`). The command line needs none for any command (inspect, verify, diff and ls
     read the file through ``format``), so it has no lazy exception either."""
     offenders = []
     for module in _sources():
-        if _part(module) not in KERAS_FREE:
+        if _part(module) not in KERAS_FREE and module not in KERAS_FREE_MODULES:
             continue
         for source in sorted({module} | _reachable(module)):
             for node, name in _external_imports(source):
@@ -230,6 +250,28 @@ def test_the_file_format_and_the_command_line_import_no_keras_and_no_backend():
                     offenders.append(f"{_where(source, node)}: {source} imports {name}{via}")
     offenders = sorted(set(offenders))
     assert offenders == [], "\n".join(["Keras or a backend under format/ or cli/:", *offenders])
+
+
+@once
+def test_the_file_format_reaches_no_object_store():
+    """Object stores are an engine (``_engines.object_store``): no module of ``format/``
+    imports fsspec, s3fs, gcsfs or adlfs, at module level or inside a function, and none but
+    the package's public door (``format/__init__.py``, above the engines) reaches one
+    through another package module. The format's modules keep the bytes; a caller that
+    reads an object store fetches its bytes through the engine and hands them to
+    ``format.read_bytes``."""
+    offenders = []
+    for module in _sources():
+        if _part(module) != "format":
+            continue
+        sources = {module} if module == FORMAT_DOOR else {module} | _reachable(module)
+        for source in sorted(sources):
+            for node, name in _external_imports(source):
+                if name in STORE_LIBRARIES:
+                    via = "" if source == module else f" (reached from {module})"
+                    offenders.append(f"{_where(source, node)}: {source} imports {name}{via}")
+    offenders = sorted(set(offenders))
+    assert offenders == [], "\n".join(["an object store reached from format/:", *offenders])
 
 
 @pytest.mark.slow
@@ -247,6 +289,108 @@ def test_importing_the_file_format_and_the_command_line_loads_no_keras():
     assert done.returncode == 0, done.stderr
     loaded = ast.literal_eval(done.stdout.strip().splitlines()[-1])
     assert sorted({name.split(".")[0] for name in loaded}) == []
+
+
+@pytest.mark.slow
+@once
+def test_importing_the_object_store_engine_loads_no_keras():
+    """The command line reads object stores through ``_engines.object_store``: importing it
+    in a fresh process (``keras_stable_state/__init__.py`` and ``_engines/__init__.py``
+    first) loads no Keras, no backend and no Orbax."""
+    code = (
+        "import sys, keras_stable_state._engines.object_store; "
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {FRAMEWORKS!r}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert sorted({name.split(".")[0] for name in loaded}) == []
+
+
+def _parameters(node) -> set:
+    args = node.args
+    return {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg] if a}
+
+
+@once
+def test_the_processes_module_calls_nothing_it_is_given():
+    """``_processes`` (layer 0) never calls up: no function of it calls one of its parameters
+    (a write, a computation or a hook handed in by a higher layer). Who does the work on
+    process 0 runs it inside ``with _processes.on_primary(...)``, which only sees its outcome."""
+    module = f"{ROOT}._processes"
+    offenders = []
+    for node in ast.walk(_sources()[module][2]):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        given = _parameters(node)
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name) and inner.func.id in given:
+                offenders.append(f"{_where(module, inner)}: calls its parameter {inner.func.id!r}")
+    offenders = sorted(set(offenders))
+    assert offenders == [], "\n".join(["_processes calls what it is given:", *offenders])
+
+
+def _callee(module: str, call: ast.Call, bound: dict, imported: dict) -> str | None:
+    """The package module whose function ``call`` calls (``mod.f(...)`` on a bound module,
+    ``f(...)`` imported from one, ``functools.partial(f, ...)``), or ``None``."""
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr == "partial" and call.args:
+        func = call.args[0]  # functools.partial(f, ...): the arguments go to f
+    if isinstance(func, ast.Name):
+        return imported.get(func.id)
+    if isinstance(func, ast.Attribute):
+        return _module_operand(module, func.value, bound)
+    return None
+
+
+def _own_callables(call: ast.Call, defined: set) -> list:
+    """The arguments of ``call`` that hand over the caller's own code: a lambda, a function or
+    method the calling module defines (``clear``, ``self.prune``)."""
+    found = []
+    for arg in [*call.args, *(k.value for k in call.keywords)]:
+        if isinstance(arg, ast.Lambda):
+            found.append("a lambda")
+        elif isinstance(arg, ast.Name) and arg.id in defined:
+            found.append(arg.id)
+        elif (
+            isinstance(arg, ast.Attribute) and getattr(arg.value, "id", "") == "self" and arg.attr in defined
+        ):
+            found.append(f"self.{arg.attr}")
+    return found
+
+
+@once
+def test_no_callback_is_handed_to_an_engine_or_to_processes():
+    """A save and a restore go down the layers once: no module hands its own code (a lambda,
+    a function or method it defines) to ``_processes`` or, from outside ``_engines``, to an
+    engine, so that neither calls back up into it (the write of old, ``lambda: write_to(...)``
+    handed to ``_processes.run_on_primary`` and ``background.submit``, ran ``_core`` code from
+    layer 0 and from an engine's thread). Work on process 0 runs inside
+    ``with _processes.on_primary(...)``; an engine gets a ``WriteRequest``."""
+    offenders = []
+    for module, (_, _, tree) in _sources().items():
+        bound = _bound_modules(module)
+        imported = {}
+        for node, target, name in _imports(module):
+            if name is not None:
+                for alias in node.names:
+                    if alias.name == name:
+                        imported[alias.asname or name] = target
+        defined = {
+            node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            callee = _callee(module, node, bound, imported)
+            if callee is None or callee == module:
+                continue
+            down = _part(callee) == "_processes" or (_part(callee) == "_engines" != _part(module))
+            if down:
+                for what in _own_callables(node, defined):
+                    offenders.append(f"{_where(module, node)}: {module} hands {what} to {callee}")
+    assert offenders == [], "\n".join(["code handed down to be called back:", *offenders])
 
 
 @once
@@ -310,9 +454,10 @@ def test_which_layout_a_file_has_is_decided_in_the_file_format_only():
 
 @once
 def test_the_restore_core_does_not_import_the_orbax_engine():
-    """``_core`` reads every layout through ``format.open_file`` / ``read_file`` (a ``.orbax``
-    folder's arrays through the source the engine supplies to ``format``) and writes a
-    ``.orbax`` folder through ``_engines.folder_engine``: it never imports ``_engines.orbax``."""
+    """``_core`` reads every layout through ``_engines.dispatch.read`` (``format``'s readers; a
+    ``.orbax`` folder's arrays through the source the Orbax engine supplies to ``format``) and
+    writes a ``.orbax`` folder through the engine ``_engines.dispatch.save_engine`` gives: it
+    never imports ``_engines.orbax``."""
     engine = f"{ROOT}._engines.orbax"
     offenders = [
         f"{_where(module, node)}: {module} imports {target}" + (f".{name}" if name else "")

@@ -422,7 +422,7 @@ def test_a_restore_on_another_number_of_processes_is_warned_unless_the_order_is_
     assert kss.CheckpointManager(tmp_path).metadata(1).world_size == 1
     with kss.CheckpointManager(tmp_path) as mgr:
         mgr.restore(model, state={"data": _ReplaysOrder()})  # same world size: no warning (they are errors)
-    monkeypatch.setattr(checkin, "processes", SimpleNamespace(process_count=lambda: 2))
+    monkeypatch.setattr(checkin, "_processes", SimpleNamespace(process_count=lambda: 2))
     with kss.CheckpointManager(tmp_path) as mgr:
         with pytest.warns(
             kss.InexactResumeWarning, match=r"saved by 1 process\(es\) and this run has 2.*ResumableSampler"

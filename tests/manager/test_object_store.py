@@ -25,8 +25,9 @@ from kit import ROOT, TESTS, StopAt, assert_same_state, mlp
 
 import keras_stable_state as kss
 from keras_stable_state import format
+from keras_stable_state._engines import object_store
 from keras_stable_state.errors import StorageBackendError
-from keras_stable_state.format import remote
+from keras_stable_state.format import urls
 from keras_stable_state.format.atomic import atomic_path
 from keras_stable_state.format.files import fs_path
 from keras_stable_state.format.writer import write_record
@@ -185,15 +186,15 @@ def test_local_only_doors_refuse_urls(url, tmp_path, monkeypatch):
 @pytest.mark.backend_free
 def test_url_detection():
     for url in ("s3://b/k", "gs://b", "file:///x", "memory://x", "simplecache::s3://b/k", "git+ssh://h/x"):
-        assert remote.is_url(url), url
+        assert urls.is_url(url), url
     for path in ("run.h5", "/data/s3:/x", "./gs:/b", "s3:/b/k", "c:/x", "a/b://c"):
-        assert not remote.is_url(path), path
-    assert remote.scheme_of("simplecache::s3://b/k") == "simplecache"
-    assert remote.resolve("file:///data/a%20b.h5") == "/data/a b.h5"
-    assert remote.resolve("file://localhost/data/x.h5") == "/data/x.h5"
+        assert not urls.is_url(path), path
+    assert urls.scheme_of("simplecache::s3://b/k") == "simplecache"
+    assert urls.resolve("file:///data/a%20b.h5") == "/data/a b.h5"
+    assert urls.resolve("file://localhost/data/x.h5") == "/data/x.h5"
     with pytest.raises(kss.CheckpointFormatError, match=r"on host 'elsewhere'"):
-        remote.resolve("file://elsewhere/x.h5")
-    assert not remote.is_remote("file:///x") and remote.is_remote("s3://b/k")
+        urls.resolve("file://elsewhere/x.h5")
+    assert not urls.is_remote("file:///x") and urls.is_remote("s3://b/k")
 
 
 def test_save_and_restore_through_a_file_url(tmp_path):
@@ -269,7 +270,7 @@ def test_background_save_to_s3(bucket):
     url = f"s3://{bucket}/async.h5"
     handle = kss.save_training_state(url, model, blocking=False)
     assert handle.wait() == url
-    assert handle.nbytes == remote.RemotePath(url).size()
+    assert handle.nbytes == object_store.RemotePath(url).size()
     target = _fresh()
     kss.restore_training_state(url, target)
     assert_same_state(model, target)
@@ -281,9 +282,9 @@ def test_missing_and_damaged_objects_are_refused(bucket):
     with pytest.raises(FileNotFoundError, match=rf"No training-state object at '{url}'"):
         kss.restore_training_state(url, _fresh())
     kss.save_training_state(url, model)
-    data = remote.RemotePath(url).read_bytes()
+    data = object_store.RemotePath(url).read_bytes()
     damaged = f"s3://{bucket}/damaged.h5"
-    remote.RemotePath(damaged).put_bytes(data[: len(data) // 2])
+    object_store.RemotePath(damaged).put_bytes(data[: len(data) // 2])
     target = _fresh()
     before = [np.array(v) for v in target.weights]
     with pytest.raises(kss.CorruptCheckpointError, match=rf"{damaged}"):
@@ -327,20 +328,20 @@ def test_cli_reads_s3_objects(bucket, server):
 # -- the building block of a checkpoint directory ----------------------------------------------
 @pytest.mark.backend_free
 def test_remote_folder_and_commit_markers(bucket):
-    folder = remote.RemotePath(f"s3://{bucket}/ckpts")
-    assert folder.list() == [] and remote.read_marker(folder, "ckpt-1.done") is None
+    folder = object_store.RemotePath(f"s3://{bucket}/ckpts")
+    assert folder.list() == [] and object_store.read_marker(folder, "ckpt-1.done") is None
     folder.child("ckpt-1.h5").put_bytes(b"one")
     folder.child("ckpt-2.h5").put_bytes(b"two")
-    remote.RemotePath(f"s3://{bucket}/ckpts/sub/deeper.h5").put_bytes(b"x")
-    remote.write_marker(folder, "ckpt-1.done", {"step": 1, "size": 3})
+    object_store.RemotePath(f"s3://{bucket}/ckpts/sub/deeper.h5").put_bytes(b"x")
+    object_store.write_marker(folder, "ckpt-1.done", {"step": 1, "size": 3})
     assert folder.list() == ["ckpt-1.done", "ckpt-1.h5", "ckpt-2.h5"]
-    assert remote.read_marker(folder, "ckpt-1.done") == {"step": 1, "size": 3}
-    assert remote.read_marker(folder, "ckpt-2.done") is None
+    assert object_store.read_marker(folder, "ckpt-1.done") == {"step": 1, "size": 3}
+    assert object_store.read_marker(folder, "ckpt-2.done") is None
     with folder.child("ckpt-2.h5").open_read() as fh:
         assert fh.read() == b"two"
     folder.child("ckpt-2.done").put_bytes(b"{not json")
     with pytest.raises(kss.CorruptCheckpointError, match=r"ckpt-2.done' is damaged: it is not JSON"):
-        remote.read_marker(folder, "ckpt-2.done")
+        object_store.read_marker(folder, "ckpt-2.done")
     folder.child("ckpt-2.h5").remove()
     folder.child("ckpt-2.h5").remove()  # missing_ok
     with pytest.raises(FileNotFoundError, match=r"No object at"):
@@ -376,7 +377,7 @@ def test_kill_mid_upload_leaves_the_previous_object(bucket, server, tmp_path):
     url = f"s3://{bucket}/kill-me/run.h5"
     model = _trained()
     kss.save_training_state(url, model)
-    previous = remote.RemotePath(url).size()
+    previous = object_store.RemotePath(url).size()
     child = subprocess.Popen(
         [sys.executable, "-c", _BIG_SAVE.format(url=url)],
         env={
@@ -400,7 +401,7 @@ def test_kill_mid_upload_leaves_the_previous_object(bucket, server, tmp_path):
         out, err = child.communicate(timeout=60)
     assert child.returncode == -signal.SIGKILL and "SAVED" not in out, err
     assert _objects(bucket) == ["kill-me/run.h5"]
-    assert remote.RemotePath(url).size() == previous
+    assert object_store.RemotePath(url).size() == previous
     target = _fresh()
     kss.restore_training_state(url, target)
     assert_same_state(model, target)
@@ -537,7 +538,8 @@ def test_manager_on_s3_saves_lists_restores_and_prunes(bucket):
             format.FORMAT_VERSION,
         )
         assert (
-            info.backend == keras.backend.backend() and info.size_bytes == remote.RemotePath(info.path).size()
+            info.backend == keras.backend.backend()
+            and info.size_bytes == object_store.RemotePath(info.path).size()
         )
     assert f"run/{'.stable-checkpoint.lock'}" not in _objects(bucket)  # released on close
     other = kss.CheckpointManager(url, max_to_keep=2, keep_best=1, monitor="loss")  # a resumed run
@@ -559,7 +561,7 @@ def test_an_uncommitted_checkpoint_is_never_latest_and_is_cleaned_up(bucket):
     marker), a killed prune (a marker without its object), a damaged marker and an object
     that fails its checks: latest never picks them; the next lock cleans up."""
     url = f"s3://{bucket}/run"
-    folder = remote.RemotePath(url)
+    folder = object_store.RemotePath(url)
     model, rng = _trained(), np.random.default_rng(3)
     with kss.CheckpointManager(url, max_to_keep=None) as mgr:
         for step in (1, 2, 3):
@@ -606,7 +608,7 @@ def test_an_uncommitted_checkpoint_is_never_latest_and_is_cleaned_up(bucket):
 
 def test_the_lock_object_refuses_a_second_writer(bucket):
     url = f"s3://{bucket}/run"
-    lock = remote.RemotePath(f"{url}/.stable-checkpoint.lock")
+    lock = object_store.RemotePath(f"{url}/.stable-checkpoint.lock")
     first = kss.CheckpointManager(url)
     first.lock()
     with pytest.raises(kss.CheckpointInUseError, match=r"in use by another CheckpointManager writer"):
@@ -741,7 +743,7 @@ def test_a_step_saved_again_replaces_its_checkpoint_in_a_store_without_etags():
     assert mgr.restored_step == 2 and mgr.removed_temporary_files == []
     _assert_state(target, expected)
     mgr.close()
-    assert remote.RemotePath(url).list() == [*_marked(1), *_marked(2)]
+    assert object_store.RemotePath(url).list() == [*_marked(1), *_marked(2)]
 
 
 def test_cli_lists_inspects_and_refuses_to_verify_an_s3_directory(bucket, capsys):
@@ -756,7 +758,7 @@ def test_cli_lists_inspects_and_refuses_to_verify_an_s3_directory(bucket, capsys
         for step, loss in ((1, 0.5), (2, 0.2), (3, 0.4)):
             _step(model, rng)
             mgr.save(step, model, metrics={"loss": loss})
-    folder = remote.RemotePath(url)
+    folder = object_store.RemotePath(url)
     folder.child("ckpt-0000000004.h5").put_bytes(folder.child("ckpt-0000000003.h5").read_bytes())  # no marker
     capsys.readouterr()
     for command in ("ls", "inspect"):

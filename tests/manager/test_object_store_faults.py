@@ -9,7 +9,7 @@ intact; and the same manager saves again once the store is back.
 
 The clients retry little and time out fast (``_OPTIONS``), so that a fault costs seconds.
 
-The faults are met where bytes go (``format/remote.py``, the remote directory and its lock:
+The faults are met where bytes go (``_engines/object_store.py``, the remote directory and its lock:
 fsspec and botocore calls), which no backend reaches; what the backend does in a save or a
 restore, capturing and assigning the state, is what a local save does, which every backend's
 suite checks, and tests/manager/test_object_store.py saves and restores through the store on every
@@ -33,7 +33,7 @@ from conftest import BACKEND, BACKEND_FREE_PASS
 from kit import TESTS, mlp
 
 import keras_stable_state as kss
-from keras_stable_state.format import remote
+from keras_stable_state._engines import object_store
 
 pytestmark = pytest.mark.skipif(
     BACKEND != BACKEND_FREE_PASS,
@@ -307,7 +307,7 @@ def test_a_failed_lock_release_is_retried_and_never_locks_out_this_process(bucke
         _step(model, 1)
         mgr.save(1, model)
     assert _faults(server) == [2]  # both tries of the first removal (max_attempts=2) failed
-    assert not remote.RemotePath(lock_url, options).exists()
+    assert not object_store.RemotePath(lock_url, options).exists()
     # the store fails every removal: our error, naming the lock object; the lock object is left
     _faults(server, [{"method": "DELETE", "path_end": _LOCK, "status": 500}])
     mgr = kss.CheckpointManager(url, storage_options=options)
@@ -317,7 +317,7 @@ def test_a_failed_lock_release_is_retried_and_never_locks_out_this_process(bucke
         mgr.close()
     _assert_ours(caught.value, lock_url, "release the lock")
     assert "tried 3 times" in str(caught.value) and "takes it over" in str(caught.value)
-    assert json.loads(remote.RemotePath(lock_url, options).read_bytes())["pid"] == os.getpid()
+    assert json.loads(object_store.RemotePath(lock_url, options).read_bytes())["pid"] == os.getpid()
     # ... in a `with` block that raised, the note says what failed (no background save ran)
     with pytest.raises(ZeroDivisionError) as raised:
         with kss.CheckpointManager(url, storage_options=options) as mgr:  # takes its own lock object over
@@ -331,7 +331,7 @@ def test_a_failed_lock_release_is_retried_and_never_locks_out_this_process(bucke
     _step(model, 3)
     assert mgr.save(3, model) == _ckpt(url, 3)
     mgr.close()
-    assert not remote.RemotePath(lock_url, options).exists()
+    assert not object_store.RemotePath(lock_url, options).exists()
     _assert_restores(url, options, 3)
 
 
@@ -424,9 +424,9 @@ def test_the_server_gone_mid_save_is_ours_and_saving_resumes_when_it_is_back(buc
 
 
 def test_keras_is_not_needed_to_translate(bucket):
-    """The store's errors are translated in the format layer (no Keras): RemotePath alone."""
+    """The store's errors are translated in the object-store engine (no Keras): RemotePath alone."""
     url, options, server, _ = bucket
-    folder = remote.RemotePath(f"{url}/plain", options)
+    folder = object_store.RemotePath(f"{url}/plain", options)
     folder.child("a.bin").put_bytes(b"x")
     _faults(server, [{"method": "GET", "path_end": "a.bin", "status": 500}])
     with pytest.raises(kss.StorageError) as caught:

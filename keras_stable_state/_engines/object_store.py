@@ -1,19 +1,18 @@
-"""Object stores (``s3://``, ``gs://``, ``az://``, ``memory://``...) through fsspec.
+"""The object-store engine: objects in ``s3://``, ``gs://``, ``az://``, ``memory://``... stores,
+read and written through fsspec.
 
-A path that starts with a URL scheme (``<letters>://``, also chained as fsspec chains
-them: ``simplecache::s3://...``) is never used as a local path: `is_remote`
-tells the entry points to come here, and `refuse_url` stops it at every door
-that only takes local paths (`fs_path`, the
-atomic writer, the reader), so no local folder ``./gs:/bucket/...`` is ever made.
-``file://`` URLs are local paths written as URLs: `resolve` turns them into
-the path (``file:///data/run.h5`` -> ``/data/run.h5``), which then gets every local
-guarantee (atomic rename, the lock).
+The entry points tell a URL from a local path with `keras_stable_state.format.urls`
+(``is_remote``: a URL that is not ``file://``) and send it here: `target` checks a
+``filepath`` for a save or a restore and connects its `RemotePath`, `write` uploads a
+training state written by the file engine, `fetch` downloads one whole for the file format
+to read (`keras_stable_state.format.read_bytes`).
 
-Everything else goes through fsspec (the ``[cloud]`` extra: fsspec, s3fs, gcsfs) with
+Everything goes through fsspec (the ``[cloud]`` extra: fsspec, s3fs, gcsfs) with
 fsspec's own configuration (``fsspec.config.conf``, ``FSSPEC_*`` variables) and the
 store's (``AWS_ENDPOINT_URL``, credentials files...) left as they are;
 ``storage_options`` (a ``dict``) is passed to the filesystem as given. A scheme whose
 implementation is not installed is refused with [`StorageBackendError`][keras_stable_state.StorageBackendError], naming the package to install.
+The store's failures are raised in our words (`store_failures`).
 
 What is assumed of the store: an object written whole by one upload (a ``PUT``, or a
 multipart / resumable upload that is completed last) becomes visible only once complete,
@@ -27,8 +26,8 @@ final one and then moved (`RemotePath.put_file`), which is a rename there.
 write and read a small JSON commit marker, for directories whose checkpoints must
 become visible only when complete (the marker is written after what it commits).
 
-This module imports no Keras.
-"""
+This module imports no Keras (the command line reads object stores through it), and
+importing it loads no framework."""
 
 from __future__ import annotations
 
@@ -36,41 +35,32 @@ import contextlib
 import errno
 import json
 import os
-import re
 import secrets
 import tempfile
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping
-from typing import Any, TypeGuard
+from typing import Any, cast
 
+from keras_stable_state._engines.store_failures import store_failure, talking_to
 from keras_stable_state.errors import (
     CheckpointFormatError,
     CorruptCheckpointError,
     StorageBackendError,
     StorageError,
 )
-from keras_stable_state.format.store_failures import store_failure, talking_to
+from keras_stable_state.format.urls import is_remote, resolve, scheme_of
 
 __all__ = [
     "MARKER_FORMAT",
     "WHOLE_OBJECT_PROTOCOLS",
     "RemotePath",
-    "is_remote",
-    "is_url",
+    "fetch",
     "read_marker",
-    "refuse_url",
-    "resolve",
-    "scheme_of",
     "store_failure",
     "talking_to",
+    "target",
     "upload_written",
     "write_marker",
 ]
-
-# A URL scheme (RFC 3986: a letter, then letters, digits, '+', '-', '.'), possibly after
-# fsspec's '::' chaining ("simplecache::s3://bucket/key").
-_URL = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*::)*)([A-Za-z][A-Za-z0-9+.-]*)://")
 
 WHOLE_OBJECT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
 """fsspec protocols whose upload makes an object visible only once complete (so a file
@@ -103,87 +93,6 @@ MARKER_FORMAT = "keras_stable_state-marker"
 """The ``format`` field of a commit marker (`write_marker`)."""
 _MARKER_VERSION = 1
 _MARKER_LIMIT = 1 << 20  # a marker larger than this is refused (it is a few hundred bytes)
-
-
-def _drive_letter(scheme: str) -> bool:
-    return os.name == "nt" and len(scheme) == 1  # "C://data" is a drive on Windows
-
-
-def is_url(path: object) -> TypeGuard[str]:
-    """Whether ``path`` (a ``str``; anything else is not a URL) starts with a URL scheme
-    (``s3://``, ``gs://``, ``file://``, ``simplecache::s3://``...)."""
-    if not isinstance(path, str):
-        return False
-    match = _URL.match(path)
-    return match is not None and not (not match.group(1) and _drive_letter(match.group(2)))
-
-
-def scheme_of(path: str) -> str | None:
-    """The scheme of a URL (``"s3"`` for ``"s3://bucket/key"``, ``"simplecache"`` for
-    ``"simplecache::s3://..."``), lower-cased; ``None`` for a local path."""
-    if not is_url(path):
-        return None
-    match = _URL.match(path)
-    if match is None:  # is_url matched it
-        return None
-    chained = match.group(1)
-    return (chained.split("::")[0] if chained else match.group(2)).lower()
-
-
-def _is_file_url(path: str) -> bool:
-    match = _URL.match(path)
-    if match is None:  # called on URLs only
-        return False
-    return not match.group(1) and match.group(2).lower() == "file"
-
-
-def resolve(path: str, what: str = "path") -> str:
-    """``path``, or the local path a ``file://`` URL names (``file:///data/run.h5`` ->
-    ``/data/run.h5``; percent-escapes decoded).
-
-    Raises:
-        CheckpointFormatError: for a ``file://`` URL naming another host.
-    """
-    if not is_url(path) or not _is_file_url(path):
-        return path
-    parts = urllib.parse.urlsplit(path)
-    if parts.netloc not in ("", "localhost"):
-        raise CheckpointFormatError(
-            f"The {what} {path!r} is a file:// URL on host {parts.netloc!r}; only local files "
-            "(file:///path or file://localhost/path) are file:// URLs here. Pass the local path, or "
-            "the store's own URL (s3://, gs://...).",
-            expected="file:///<local path>",
-            received=path,
-        )
-    return urllib.request.url2pathname(parts.path)
-
-
-def is_remote(path: object) -> bool:
-    """Whether ``path`` is read and written through fsspec: a URL that is not ``file://``."""
-    return is_url(path) and not _is_file_url(path)
-
-
-def refuse_url(path: object, what: str = "path", advice: str = "") -> None:
-    """Refuse ``path`` if it is a URL, where only a local path can be used.
-
-    Raises:
-        CheckpointFormatError: naming ``path``, its scheme and ``advice``; nothing was
-            read or written (and no local folder named after the scheme was made).
-    """
-    if not is_url(path):
-        return
-    advice = advice or (
-        "Pass a local path here. (save_training_state, restore_training_state, CheckpointManager, "
-        "StableCheckpoint and keras-stable-state ls, inspect, verify and diff take object-store URLs "
-        "of .h5 and .keras objects and of checkpoint directories.)"
-    )
-    raise CheckpointFormatError(
-        f"The {what} {path!r} is a URL ({scheme_of(path)}://), not a local path, and this step "
-        f"reads and writes local files only; it was not used as one (no local folder named after "
-        f"the scheme was made). {advice}",
-        expected="a local path",
-        received=path,
-    )
 
 
 def _check_storage_options(storage_options: object) -> dict[str, Any]:
@@ -242,6 +151,65 @@ def _connect(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
             path=url,
             scheme=scheme,
         ) from err
+
+
+_ORBAX = ".orbax"
+
+
+def target(
+    filepath: str, storage_options: object, verb: str, *, write: bool = True
+) -> tuple[str, RemotePath | None]:
+    """``(filepath, store)`` for a save or a restore: ``filepath`` (a ``file://`` URL as the
+    local path it names) and, for an object-store URL, its `RemotePath` (``None`` for a
+    local path), connected before anything is collected, written or read.
+
+    Args:
+        filepath: The ``filepath`` argument, as a ``str``.
+        storage_options: The ``storage_options`` argument.
+        verb: The caller, for messages.
+        write: ``True`` for a save: the URL must end in ``.h5`` or ``.keras``.
+
+    Raises:
+        CheckpointFormatError: for ``storage_options`` with a local path, a ``.orbax``
+            URL, a save URL of another extension, or a ``file://`` URL on another host.
+        StorageBackendError: if fsspec or the scheme's implementation is not installed.
+        TypeError: if ``storage_options`` is not a ``dict`` (or ``None``).
+    """
+    filepath = resolve(filepath, "filepath")
+    if not is_remote(filepath):
+        if storage_options is not None:
+            raise CheckpointFormatError(
+                f"`storage_options` of {verb} are options of an object store's fsspec filesystem, "
+                f"but {filepath!r} is a local path. Leave `storage_options` out, or pass the object's "
+                "URL (s3://bucket/run.h5, gs://...).",
+                expected="an object-store URL",
+                received=filepath,
+            )
+        return filepath, None
+    if filepath.rstrip("/").endswith(_ORBAX):
+        raise CheckpointFormatError(
+            f"{filepath!r} is a '{_ORBAX}' training state in an object store, which {verb} does not "
+            "support yet (a '.orbax' directory is written by Orbax, one folder per process). Save to a "
+            "local or shared-filesystem '.orbax' path, or to a '.h5' / '.keras' object.",
+            expected="a '.h5' or '.keras' object, or a local '.orbax' path",
+            received=filepath,
+        )
+    if write and not filepath.endswith((".keras", ".h5")):
+        raise CheckpointFormatError(
+            f"Unsupported training-state path {filepath!r}: use a '.keras' or '.h5' extension.",
+            received=filepath,
+        )
+    return filepath, RemotePath(filepath, cast("Mapping[str, Any] | None", storage_options))  # checked there
+
+
+def fetch(url: str, storage_options: Mapping[str, Any] | None = None) -> bytes:
+    """The whole object at ``url``, read once (for the file format to read:
+    `keras_stable_state.format.read_bytes`, naming the URL in its messages).
+
+    Raises:
+        The errors of `RemotePath` and of `RemotePath.read_bytes`.
+    """
+    return RemotePath(url, storage_options).read_bytes()
 
 
 class RemotePath:
