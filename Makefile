@@ -96,7 +96,7 @@ test-fast: setup
 		KERAS_BACKEND=$$b $(PYTEST) -m "not slow" tests || exit 1; \
 	done
 
-# tests/test_docs_api.py reads the site just built (KSS_DOCS_SITE) instead of building one.
+# tests/docs/test_docs_api.py reads the site just built (KSS_DOCS_SITE) instead of building one.
 # Each backend's suite in the user's install (that framework alone, from the wheel), then, in
 # .venv with every framework, only the tests that need another one beside the backend's.
 # The preparations are one core's work each (pip, the quick start, the command line, the
@@ -139,12 +139,12 @@ test:
 # simulated CPU devices (and the 2-process harness); then the save/restore benchmark.
 .PHONY: test-device
 test-device: setup
-	XLA_FLAGS=--xla_force_host_platform_device_count=4 KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/test_device_placement.py
-	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/test_device_placement.py tests/test_multiprocess_jax.py
-	@for b in tensorflow torch; do KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/test_device_placement.py || exit 1; done
+	XLA_FLAGS=--xla_force_host_platform_device_count=4 KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/transfer/test_device_placement.py
+	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/transfer/test_device_placement.py tests/transfer/test_multiprocess_jax.py
+	@for b in tensorflow torch; do KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/transfer/test_device_placement.py || exit 1; done
 	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(BIN)/python benchmarks/save_restore.py --sizes 120 --rounds 3 || exit 1; done
 
-# Long fuzz campaign of damaged files on every backend (tests/test_integrity.py); override
+# Long fuzz campaign of damaged files on every backend (tests/integrity/test_integrity.py); override
 # the budget with e.g. `make fuzz KSS_FUZZ_FLIPS=5000`; KSS_FUZZ_SEED draws other cases.
 KSS_FUZZ_FLIPS ?= 2000
 KSS_FUZZ_TRUNCATIONS ?= 100
@@ -155,7 +155,7 @@ KSS_KILL_SAVES ?= 50
 KSS_S3_KILLS ?= 20
 KSS_HYPOTHESIS_EXAMPLES ?= 200
 # Restores under 20 memory limits from 1.1x to 3x the state, and 1000 saves from another
-# thread during fit (tests/test_hostile_memory.py, tests/test_hostile_threads.py).
+# thread during fit (tests/hostile/test_hostile_memory.py, tests/hostile/test_hostile_threads.py).
 KSS_MEMORY_LIMITS ?= 20
 KSS_THREAD_SAVES ?= 1000
 # Preempted child fits (a real SIGTERM at a random step, then the resume; make test runs 2).
@@ -165,25 +165,25 @@ fuzz: setup
 		echo "=== fuzz campaign, backend: $$b ==="; \
 		KSS_FUZZ_FLIPS=$(KSS_FUZZ_FLIPS) KSS_FUZZ_TRUNCATIONS=$(KSS_FUZZ_TRUNCATIONS) \
 		KSS_FUZZ_EDITS=$(KSS_FUZZ_EDITS) KSS_FUZZ_INSPECT_EVERY=1 KERAS_BACKEND=$$b \
-		$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_integrity.py || status=1; \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/integrity/test_integrity.py || status=1; \
 		echo "=== $(KSS_KILL_SAVES) SIGKILLs during saves, backend: $$b ==="; \
 		KSS_KILL_SAVES=$(KSS_KILL_SAVES) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider -rP \
-			tests/test_checkpoint_dir.py tests/test_async_save.py -k sigkill_at_random_moments || status=1; \
+			tests/manager/test_checkpoint_dir.py tests/manager/test_async_save.py -k sigkill_at_random_moments || status=1; \
 		echo "=== property tests with $(KSS_HYPOTHESIS_EXAMPLES) examples, backend: $$b ==="; \
 		KSS_HYPOTHESIS_EXAMPLES=$(KSS_HYPOTHESIS_EXAMPLES) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
-			-p no:cacheprovider tests/test_storage_format.py tests/test_bytes.py tests/test_mappers.py || status=1; \
+			-p no:cacheprovider tests/integrity/test_storage_format.py tests/state/test_bytes.py tests/state/test_mappers.py || status=1; \
 		echo "=== $(KSS_MEMORY_LIMITS) memory limits, $(KSS_THREAD_SAVES) saves from another thread, backend: $$b ==="; \
 		KSS_MEMORY_LIMITS=$(KSS_MEMORY_LIMITS) KSS_THREAD_SAVES=$(KSS_THREAD_SAVES) KERAS_BACKEND=$$b $(BIN)/python -m pytest \
-			-q -p no:cacheprovider tests/test_hostile_memory.py tests/test_hostile_threads.py || status=1; \
+			-q -p no:cacheprovider tests/hostile/test_hostile_memory.py tests/hostile/test_hostile_threads.py || status=1; \
 		echo "=== $(KSS_PREEMPT_TRIALS) SIGTERMs at random steps of fit, backend: $$b ==="; \
 		KSS_PREEMPT_TRIALS=$(KSS_PREEMPT_TRIALS) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider \
-			tests/test_preemption.py -k random_steps || status=1; \
+			tests/manager/test_preemption.py -k random_steps || status=1; \
 		echo "=== full disks, file-size limits and 300,000 extra index rows, backend: $$b ==="; \
 		KSS_HOSTILE_DISK_STEPS=16 KSS_HOSTILE_ROWS=300000 KERAS_BACKEND=$$b $(BIN)/python -m pytest -q \
-			-p no:cacheprovider tests/test_hostile_disk.py tests/test_hostile_messages.py || status=1; \
+			-p no:cacheprovider tests/hostile/test_hostile_disk.py tests/hostile/test_hostile_messages.py || status=1; \
 		echo "=== $(KSS_S3_KILLS) SIGKILLs of a writer into an S3 directory, backend: $$b ==="; \
 		KSS_S3_KILLS=$(KSS_S3_KILLS) KERAS_BACKEND=$$b $(BIN)/python -m pytest -q -p no:cacheprovider \
-			tests/test_object_store.py -k killed_at_a_random_moment || status=1; \
+			tests/manager/test_object_store.py -k killed_at_a_random_moment || status=1; \
 	done; exit $$status
 
 # Resume-conformance matrix (tests/matrix.py): MATRIX_CASES drawn fit configurations per

@@ -38,7 +38,7 @@ def parse_args():
     parser.add_argument("--samples", type=int, default=2048, help="samples in the dataset")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank (x ranks: the global batch)")
     parser.add_argument("--save-every", type=int, default=20, help="save every this many steps")
-    # Used by tests/test_torch_ddp_howto.py only:
+    # Used by tests/docs/test_torch_ddp_howto.py only:
     parser.add_argument("--kill-at", type=int, help="(tests) SIGKILL every rank after this step")
     parser.add_argument("--dump", help="(tests) each rank writes its final state to DUMP-rank<r>.npz")
     return parser.parse_args()

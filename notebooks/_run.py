@@ -8,7 +8,7 @@ changed, re-run it with the project's Python::
     .venv/bin/python notebooks/_run.py                            # every notebook, in place
     .venv/bin/python notebooks/_run.py 02_resume_model_fit.ipynb  # one notebook
 
-``tests/test_notebooks.py`` uses the same functions to execute each notebook on
+``tests/docs/test_notebooks.py`` uses the same functions to execute each notebook on
 the backend of the pytest process and, on JAX, to check that the committed text
 outputs are not stale.
 

@@ -1,4 +1,4 @@
-"""Worker process of the fuzz suite (tests/test_integrity.py); a script, not a test module.
+"""Worker process of the fuzz suite (tests/integrity/test_integrity.py); a script, not a test module.
 
     python tests/_fuzz_worker.py serve WORKDIR
 

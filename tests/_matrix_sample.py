@@ -1,5 +1,5 @@
 """The fixed-seed sample of the resume-conformance matrix that ``make test`` runs
-(tests/test_resume_matrix.py): one case per backend, enough to keep the harness and the
+(tests/fit/test_resume_matrix.py): one case per backend, enough to keep the harness and the
 matrix's checks running on every backend; ``make matrix`` runs hundreds."""
 
 import keras

@@ -239,7 +239,7 @@ BACKEND_FREE_PASS = os.environ.get("KSS_BACKEND_FREE_PASS", "jax")
 # coverage of the parameter and the backend instead of every pair); the other values are
 # skipped naming the backends that run them. Used where the values are ways of doing one
 # thing the library handles alike on every backend, each with its reason beside the mark: the
-# directory lock a second process takes (it reaches no backend; tests/test_directory_lock.py
+# directory lock a second process takes (it reaches no backend; tests/manager/test_directory_lock.py
 # checks both on their own), and the kill pattern of a resume (killed once mid-epoch, or at an
 # epoch boundary and then mid-epoch: both resume from a mid-epoch checkpoint).
 _BACKENDS = ("tensorflow", "jax", "torch")

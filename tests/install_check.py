@@ -213,7 +213,7 @@ def run_tests(steps: Steps, tests: str, jobs: int) -> None:
     env = steps.env(KERAS_BACKEND=steps.backend)
     site = ROOT / "build" / "site"
     if site.is_dir():
-        env["KSS_DOCS_SITE"] = str(site)  # tests/test_docs_api.py reads the site make docs built
+        env["KSS_DOCS_SITE"] = str(site)  # tests/docs/test_docs_api.py reads the site make docs built
     steps.run(f"tests-{tests}", argv, cwd=ROOT, env=env)
 
 

@@ -1,11 +1,16 @@
-"""The tests' shared kit: a small model factory, the interrupt callback, and one comparison
-of two models' training state.
+"""The tests' shared kit: the one model factory (:func:`mlp`), the interrupt callback, one
+comparison of two models' training state, and where the tests' files are.
 
     from kit import StopAt, assert_same_state, mlp
 
-``tests/conftest.py`` re-exports :class:`StopAt` (``from conftest import StopAt`` keeps working).
+The test files live in folders named by the promise they check (``tests/<promise>/test_*.py``,
+see ``tests/README.md``); this kit, ``conftest.py``, the helper modules, ``scripts/`` and
+``data/`` stay in ``tests/`` itself (``TESTS``), which pytest puts on ``sys.path`` for
+``conftest.py``. ``tests/conftest.py`` re-exports :class:`StopAt` (``from conftest import
+StopAt`` keeps working).
 """
 
+import glob
 import importlib.util
 import os
 import socket
@@ -21,14 +26,31 @@ import numpy as np
 import keras_stable_state as kss
 
 __all__ = [
+    "ROOT",
+    "TESTS",
     "StopAt",
     "assert_resumes_exactly",
     "assert_same_state",
     "fit_input",
+    "folder_of",
     "frameworks_selected",
     "grads",
     "mlp",
 ]
+
+#: The tests' own folder (``tests/``: this kit, ``conftest.py``, ``scripts/``, ``data/``) and
+#: the repository root above it, as strings.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def folder_of(module):
+    """The folder of the test module ``module`` (``"test_fit_input"``: ``tests/fit``), for a
+    child process that imports it."""
+    found = glob.glob(os.path.join(TESTS, "*", f"{module}.py"))
+    assert len(found) == 1, f"{module}.py: expected in one folder of {TESTS}, found {found}"
+    return os.path.dirname(found[0])
+
 
 # make test runs each backend's suite in an environment with that framework alone (the
 # user's install, tests/install_check.py), then, in the environment with all three, only the
@@ -62,59 +84,93 @@ def mlp(
     *,
     activation=None,
     named=False,
+    layer_names=None,
+    out_units=1,
     dropout=None,
+    dtype=None,
     out_dtype=None,
+    name=None,
     seed=None,
     optimizer="stable",
+    inner=None,
+    learning_rate=1e-2,
+    build=False,
     loss="mse",
     **compile_kwargs,
 ):
-    """A ``keras.Sequential`` multilayer perceptron with one output unit, compiled.
+    """A ``keras.Sequential`` multilayer perceptron (a chain of ``Dense`` layers), compiled:
+    the one model factory of the tests (no test file has its own).
 
     Args:
         features: The input width, ``keras.Input((features,))``.
         hidden: The width of the hidden ``Dense`` layer, or a sequence of widths (one layer
             each; ``()`` for none).
-        activation: The hidden layers' activation (``None``: linear).
+        activation: The hidden layers' activation (``None``: linear), or a sequence of them,
+            one per hidden layer.
         named: Name the one hidden layer ``"hidden"`` and the output layer ``"out"``
             (otherwise Keras names them, ``dense``, ``dense_1``, ...).
+        layer_names: The name of each ``Dense`` layer, the hidden ones then the output one
+            (``None`` in it: Keras names that one); instead of ``named``.
+        out_units: The output layer's width.
         dropout: A ``Dropout`` rate after the hidden layers, or ``None`` for none.
+        dtype: The hidden layers' ``dtype`` (``None``: the default policy).
         out_dtype: The output layer's ``dtype`` (``None``: the default policy).
+        name: The ``Sequential``'s name (``None``: Keras names it, ``sequential``, ...).
         seed: ``keras.utils.set_random_seed(seed)`` before the layers are made, or ``None``.
-        optimizer: ``"stable"``: ``StableOptimizer(Adam(1e-2), model=model)``;
-            ``"stable-unbound"``: ``StableOptimizer(Adam(1e-2))`` (keys resolved at build);
-            ``"plain"``: ``Adam(1e-2)``; ``None``: not compiled; a callable: called with the
-            model, its result is the optimizer; anything else is passed to ``compile``.
+        optimizer: ``"stable"``: ``StableOptimizer(inner, model=model)``; ``"stable-unbound"``:
+            ``StableOptimizer(inner)`` (keys resolved at build); ``"plain"``: ``inner``;
+            ``None``: not compiled; a callable: called with the model, its result is the
+            optimizer; anything else is passed to ``compile``. Every optimizer is made after
+            the layers.
+        inner: A callable with no arguments that makes the optimizer of ``"stable"``,
+            ``"stable-unbound"`` and ``"plain"`` (default: ``Adam(learning_rate)``).
+        learning_rate: The default ``inner`` optimizer's learning rate.
+        build: Build the optimizer (``model.optimizer.build(model.trainable_variables)``)
+            after ``compile``, so that its slots exist before any training.
         loss, compile_kwargs: The rest of ``model.compile``'s arguments.
     """
     if seed is not None:
         keras.utils.set_random_seed(seed)
     widths = (hidden,) if isinstance(hidden, int) else tuple(hidden)
-    if named and len(widths) != 1:
-        raise ValueError(f"named=True names one hidden layer; received hidden={hidden!r}")
-    layers = [keras.Input((features,))]
-    for width in widths:
-        layers.append(
-            keras.layers.Dense(width, activation=activation, **({"name": "hidden"} if named else {}))
+    if named and (len(widths) != 1 or layer_names is not None):
+        raise ValueError(
+            f"named=True names one hidden layer (and no layer_names); received hidden={hidden!r}, "
+            f"layer_names={layer_names!r}"
         )
+    names = ("hidden", "out") if named else tuple(layer_names or (None,) * (len(widths) + 1))
+    if len(names) != len(widths) + 1:
+        raise ValueError(f"layer_names: one per hidden layer and the output one; received {layer_names!r}")
+    activations = tuple(activation) if isinstance(activation, list | tuple) else (activation,) * len(widths)
+    if len(activations) != len(widths):
+        raise ValueError(f"activation: one per hidden layer; received {activation!r}")
+
+    def options(layer_name, layer_dtype):
+        return {
+            **({"name": layer_name} if layer_name is not None else {}),
+            **({"dtype": layer_dtype} if layer_dtype is not None else {}),
+        }
+
+    layers = [keras.Input((features,))]
+    for width, act, layer_name in zip(widths, activations, names, strict=False):
+        layers.append(keras.layers.Dense(width, activation=act, **options(layer_name, dtype)))
     if dropout is not None:
         layers.append(keras.layers.Dropout(dropout))
-    out = {"name": "out"} if named else {}
-    if out_dtype is not None:
-        out["dtype"] = out_dtype
-    layers.append(keras.layers.Dense(1, **out))
-    model = keras.Sequential(layers)
+    layers.append(keras.layers.Dense(out_units, **options(names[-1], out_dtype)))
+    model = keras.Sequential(layers, **({"name": name} if name is not None else {}))
     if optimizer is None:
         return model
+    make_inner = inner or (lambda: keras.optimizers.Adam(learning_rate))
     if optimizer == "stable":
-        optimizer = kss.StableOptimizer(keras.optimizers.Adam(1e-2), model=model)
+        optimizer = kss.StableOptimizer(make_inner(), model=model)
     elif optimizer == "stable-unbound":
-        optimizer = kss.StableOptimizer(keras.optimizers.Adam(1e-2))
+        optimizer = kss.StableOptimizer(make_inner())
     elif optimizer == "plain":
-        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer = make_inner()
     elif callable(optimizer):
         optimizer = optimizer(model)
     model.compile(optimizer=optimizer, loss=loss, **compile_kwargs)
+    if build:
+        model.optimizer.build(model.trainable_variables)
     return model
 
 
@@ -231,8 +287,8 @@ def assert_resumes_exactly(directory, reference, make_input, stops, **kw):
 def run_on_backend(backend, module, code, timeout=300):
     """Run ``code`` in a child Python on ``backend`` with the test module ``module`` imported
     as ``t`` (a checkpoint written on another backend); its stdout. Fails the test if it fails."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    source = f"import sys; sys.path.insert(0, {here!r})\nimport {module} as t\n{code}\n"
+    path = [TESTS, folder_of(module)]
+    source = f"import sys; sys.path[:0] = {path!r}\nimport {module} as t\n{code}\n"
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
     done = subprocess.run(
         [sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=timeout

@@ -553,7 +553,7 @@ UNREPEATABLE_INPUTS = {
 #: TensorFlow iterates a torch ``DataLoader`` in tf.data's ``from_generator`` thread; with
 #: ``num_workers > 0`` its workers die at random there ("DataLoader worker ... exited
 #: unexpectedly with exit code 1"): 2 of 8 plain 3-epoch fits without keras_stable_state
-#: (tests/test_fit_torch_inputs.py skips its worker tests on TensorFlow for it; seed 27,
+#: (tests/fit/test_fit_torch_inputs.py skips its worker tests on TensorFlow for it; seed 27,
 #: tensorflow case 17 met it in a killed run). No comparison can be made where it happens.
 STOCK_FAILURES = (
     (

@@ -190,7 +190,7 @@ def _kept(var):
     write (an assignment gives the variable the new buffer; an in-place update such
     as ``assign_add`` or an optimizer's ``ResourceApply*`` copies a buffer still
     shared with a read first), so the read keeps the old values
-    (``tests/test_rollback.py`` proves it).
+    (``tests/performance/test_rollback.py`` proves it).
     """
     value = var.value
     backend = keras.backend.backend()

@@ -1,5 +1,5 @@
 """A model.fit run with StableCheckpoint, ReduceLROnPlateau, EarlyStopping(restore_best_weights),
-Dropout and shuffle=True. Used by tests/test_resume.py, which kills it with SIGKILL and starts it
+Dropout and shuffle=True. Used by tests/fit/test_resume.py, which kills it with SIGKILL and starts it
 again until it completes.
 
 usage: crash_fit.py CKPT_DIR OUT_NPZ [KILL_AT_GLOBAL_STEP] [--reference-first REF_DIR REF_NPZ]

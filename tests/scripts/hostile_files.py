@@ -1,6 +1,6 @@
 """Hostile files around a checkpoint, tried in one process: FIFOs, devices, symbolic and hard
 links where a checkpoint, the lock file or ``unreadable/`` should be. Run by
-tests/test_hostile_files.py with a timeout, so that a hang (a FIFO opened blocking) or an
+tests/hostile/test_hostile_files.py with a timeout, so that a hang (a FIFO opened blocking) or an
 endless read (``/dev/zero``) is a failing test, not a dead run.
 
 usage: hostile_files.py WORKDIR   (prints one JSON document: the findings of each case)

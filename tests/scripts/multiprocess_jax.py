@@ -1,5 +1,5 @@
 """One of two JAX processes (2 CPU devices each) training a sharded model; run by
-tests/test_multiprocess_jax.py.
+tests/transfer/test_multiprocess_jax.py.
 
     python multiprocess_jax.py PROCESS_ID PORT PHASE FOLDER ENGINE[,ENGINE]
 

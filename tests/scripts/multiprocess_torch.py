@@ -2,7 +2,7 @@
 ``DistributedDataParallel`` with a custom loop, as Keras' guide "Multi-GPU distributed
 training with PyTorch" does (a ``DistributedSampler(shuffle=True)`` with ``set_epoch``, a
 Keras Adam applied to the gradients DDP averaged), checkpointed by a ``CheckpointManager``
-that every rank calls; run by tests/test_multiprocess_torch.py.
+that every rank calls; run by tests/transfer/test_multiprocess_torch.py.
 
     python multiprocess_torch.py RANK PORT PHASE FOLDER [KILL_AT]
 

@@ -1,4 +1,4 @@
-"""Child of tests/test_preemption.py: trials of a ``fit`` preempted by a real signal from
+"""Child of tests/manager/test_preemption.py: trials of a ``fit`` preempted by a real signal from
 the parent, each resumed by a fresh model, in one process (a framework import per trial
 would cost seconds).
 

@@ -1,5 +1,5 @@
 """A mid-epoch StableCheckpoint written under tf.distribute.MirroredStrategy over two logical
-CPU devices, resumed on one replica and on two, for tests/test_replicas.py (the logical
+CPU devices, resumed on one replica and on two, for tests/transfer/test_replicas.py (the logical
 devices must be set before TensorFlow initializes, hence a process of its own).
 
 usage: replica_resume.py DIRECTORY LAYERS   (LAYERS: "bn-dropout", "sync-bn" or "dense")

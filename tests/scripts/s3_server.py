@@ -1,4 +1,4 @@
-"""A real S3-compatible server for tests/test_object_store.py: moto's S3 in server mode on
+"""A real S3-compatible server for tests/manager/test_object_store.py: moto's S3 in server mode on
 127.0.0.1 (an unused port), with two hooks:
 
 * when a multipart ``UploadPart`` request of an object whose key contains ``kill-me``
