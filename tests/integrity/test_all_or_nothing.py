@@ -3,7 +3,7 @@ state, callback state and provider state equals its value before the call.
 
 Bad files are written through ``write_record`` (valid checksums), so a refusal
 comes from the restore's own checks; each case is also restored from the same record
-in memory (``format.read_file`` bypassed), so that the restore's checks, not only the
+in memory (the restore's one read, ``_engines.dispatch.read``, bypassed), so that the restore's checks, not only the
 reader's, are exercised.
 """
 
@@ -20,6 +20,7 @@ from kit import mlp
 
 import keras_stable_state as kss
 from keras_stable_state import _core, _state, format
+from keras_stable_state._engines import dispatch
 from keras_stable_state.format.writer import write_record
 
 SETTINGS = settings(
@@ -234,7 +235,7 @@ def _refused(world, path, match, monkeypatch=None, record=None):
     before = world.snapshot()
     with monkeypatch.context() as mp:
         if record is not None:
-            mp.setattr(format, "read_file", lambda _path, **_options: record)
+            mp.setattr(dispatch, "read", lambda _path, _store, **_options: record)
         with pytest.raises(kss.StateError) as err:
             world.restore(path)
     _assert_same(before, world.snapshot())
