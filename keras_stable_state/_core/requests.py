@@ -11,7 +11,7 @@ returns, and with them the index: nothing of one call is kept for the next.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from keras_stable_state._identity.keys import MAIN, file_label
 from keras_stable_state._identity.registry import ModelIndex
@@ -19,11 +19,28 @@ from keras_stable_state._identity.registry import ModelIndex
 if TYPE_CHECKING:
     import keras
 
-__all__ = ["RestoreRequest", "SaveOptions", "SaveRequest"]
+__all__ = ["KeywordOptions", "RestoreRequest", "SaveOptions", "SaveRequest"]
+
+
+class KeywordOptions:
+    """A frozen dataclass of a public verb's options, made from its keyword arguments."""
+
+    @classmethod
+    def from_keywords(cls, verb: str, /, **kwargs: object) -> Self:
+        """The options from keyword arguments named as the verb's.
+
+        Raises:
+            TypeError: for a name that is not an option, as Python says it for ``verb``.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        for name in kwargs:
+            if name not in names:
+                raise TypeError(f"{verb}() got an unexpected keyword argument {name!r}")
+        return cls(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
-class SaveOptions:
+class SaveOptions(KeywordOptions):
     """The options of [`save_training_state`][keras_stable_state.save_training_state] that
     decide what is saved, as passed (unchecked: `training_state_record` checks them); each
     field is documented there."""
@@ -36,19 +53,6 @@ class SaveOptions:
     allow_order_keys: object = False
     variables: object = None
     mappers: object = None
-
-    @classmethod
-    def from_keywords(cls, verb: str, /, **kwargs: object) -> SaveOptions:
-        """The options from keyword arguments named as [`save_training_state`][keras_stable_state.save_training_state]'s.
-
-        Raises:
-            TypeError: for a name that is not an option, as Python says it for ``verb``.
-        """
-        names = {f.name for f in dataclasses.fields(cls)}
-        for name in kwargs:
-            if name not in names:
-                raise TypeError(f"{verb}() got an unexpected keyword argument {name!r}")
-        return cls(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

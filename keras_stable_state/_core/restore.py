@@ -32,7 +32,7 @@ from keras_stable_state._core.arguments import (
 from keras_stable_state._core.guards import builds_undone_on_refusal, gc_paused, memory_refused
 from keras_stable_state._core.plan import restore_record
 from keras_stable_state._core.report import RestoreReport
-from keras_stable_state._core.requests import RestoreRequest
+from keras_stable_state._core.requests import KeywordOptions, RestoreRequest
 from keras_stable_state._engines import dispatch, object_store
 from keras_stable_state._identity.keys import file_label
 from keras_stable_state._identity.registry import ModelIndex
@@ -45,7 +45,7 @@ __all__ = ["RestoreOptions", "PendingRestore", "restore_training_state", "restor
 
 
 @dataclasses.dataclass(frozen=True)
-class RestoreOptions:
+class RestoreOptions(KeywordOptions):
     """The options of [`restore_training_state`][keras_stable_state.restore_training_state] but ``defer``, as passed (unchecked:
     `restore_with` checks them); each field is documented there."""
 
@@ -63,19 +63,6 @@ class RestoreOptions:
     keep_learning_rate: object = False
     storage_options: object = None
     all_or_nothing: object = True
-
-    @classmethod
-    def from_keywords(cls, verb: str, /, **kwargs: object) -> RestoreOptions:
-        """The options from keyword arguments named as [`restore_training_state`][keras_stable_state.restore_training_state]'s.
-
-        Raises:
-            TypeError: for a name that is not an option, as Python says it for ``verb``.
-        """
-        names = {f.name for f in dataclasses.fields(cls)}
-        for name in kwargs:
-            if name not in names:
-                raise TypeError(f"{verb}() got an unexpected keyword argument {name!r}")
-        return cls(**kwargs)
 
 
 @overload
