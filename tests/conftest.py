@@ -115,7 +115,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 # KSS_CPU_LOG=<file>: each test's CPU seconds (this process's and its waited-for children's,
 # user + system, setup to teardown) appended as a JSON line: the data behind `_SECONDS` and
-# any cut of the suite's time on a CPU-bound machine, where wall seconds mislead.
+# any cut of the suite's time on a CPU-bound machine, where wall seconds mislead. `make test`
+# passes it to every pass; tests/cpu_report.py sums the log by folder, file or test function.
 _CPU_LOG = os.environ.get("KSS_CPU_LOG")
 
 
