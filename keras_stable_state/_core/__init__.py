@@ -23,12 +23,8 @@ from keras_stable_state._core.in_memory import restore_training_state_from_bytes
 from keras_stable_state._core.in_place import check_not_partial
 from keras_stable_state._core.plan import plan_callbacks
 from keras_stable_state._core.report import RestoreReport
-from keras_stable_state._core.restore import (
-    PendingRestore,
-    RestoreOptions,
-    restore_training_state,
-    restore_with,
-)
+from keras_stable_state._core.requests import RestoreOptions
+from keras_stable_state._core.restore import PendingRestore, restore_training_state, restore_with
 from keras_stable_state._core.save import save_training_state, training_state_record
 
 __all__ = [

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from keras_stable_state import format
 from keras_stable_state._core import boundary
 from keras_stable_state._core.apply import takes_unaligned
-from keras_stable_state._core.requests import SaveOptions
-from keras_stable_state._core.restore import PendingRestore, RestoreOptions, restore_with
+from keras_stable_state._core.requests import RestoreOptions, SaveOptions
+from keras_stable_state._core.restore import PendingRestore, restore_with
 from keras_stable_state._core.save import training_state_record
 from keras_stable_state.format.writer import record_to_bytes
 

@@ -1,6 +1,7 @@
 """The requests of the two verbs: the arguments of one save or restore, checked, and the
 `ModelIndex` of its model (one walk, its registries and layer paths, the keys parsed),
-carried whole to everything that plans the call.
+carried whole to everything that plans the call; and the options of the two verbs as passed
+(`SaveOptions`, `RestoreOptions`), grouped before they are checked.
 
 `SaveRequest` is what `training_state_record` collects a record for; `RestoreRequest`
 is what `restore_record` and its planners (`plan_optimizers`,
@@ -19,7 +20,7 @@ from keras_stable_state._identity.registry import ModelIndex
 if TYPE_CHECKING:
     import keras
 
-__all__ = ["KeywordOptions", "RestoreRequest", "SaveOptions", "SaveRequest"]
+__all__ = ["KeywordOptions", "RestoreOptions", "RestoreRequest", "SaveOptions", "SaveRequest"]
 
 
 class KeywordOptions:
@@ -53,6 +54,27 @@ class SaveOptions(KeywordOptions):
     allow_order_keys: object = False
     variables: object = None
     mappers: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreOptions(KeywordOptions):
+    """The options of [`restore_training_state`][keras_stable_state.restore_training_state] but ``defer``, as passed (unchecked:
+    `restore_with` checks them); each field is documented there."""
+
+    optimizer: object = None
+    strict: object = True
+    allow_cast: object = False
+    callbacks: object = ()
+    state: object = None
+    include_rng: object = True
+    include_metrics: object = True
+    check_schedule: object = True
+    variables: object = None
+    prefix: object = None
+    rename: object = None
+    keep_learning_rate: object = False
+    storage_options: object = None
+    all_or_nothing: object = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from keras_stable_state._core.arguments import (
 from keras_stable_state._core.guards import builds_undone_on_refusal, gc_paused, memory_refused
 from keras_stable_state._core.plan import restore_record
 from keras_stable_state._core.report import RestoreReport
-from keras_stable_state._core.requests import KeywordOptions, RestoreRequest
+from keras_stable_state._core.requests import RestoreOptions, RestoreRequest
 from keras_stable_state._engines import dispatch, object_store
 from keras_stable_state._identity.keys import file_label
 from keras_stable_state._identity.registry import ModelIndex
@@ -41,28 +41,7 @@ from keras_stable_state.errors import StateError
 from keras_stable_state.format.proven import close_files
 from keras_stable_state.format.record import BY_KEY
 
-__all__ = ["RestoreOptions", "PendingRestore", "restore_training_state", "restore_with"]
-
-
-@dataclasses.dataclass(frozen=True)
-class RestoreOptions(KeywordOptions):
-    """The options of [`restore_training_state`][keras_stable_state.restore_training_state] but ``defer``, as passed (unchecked:
-    `restore_with` checks them); each field is documented there."""
-
-    optimizer: object = None
-    strict: object = True
-    allow_cast: object = False
-    callbacks: object = ()
-    state: object = None
-    include_rng: object = True
-    include_metrics: object = True
-    check_schedule: object = True
-    variables: object = None
-    prefix: object = None
-    rename: object = None
-    keep_learning_rate: object = False
-    storage_options: object = None
-    all_or_nothing: object = True
+__all__ = ["PendingRestore", "restore_training_state", "restore_with"]
 
 
 @overload
