@@ -11,10 +11,10 @@ Public API (see ``README.md`` and ``docs/``; ``make docs`` builds the site)::
     kss.training_state_to_bytes(model) -> bytes
     kss.restore_training_state_from_bytes(data, model) -> kss.RestoreReport
 
-Each public name is written once, in the imports under ``if TYPE_CHECKING:``
-below: type checkers and the API reference (griffe) read them there, and
-``__all__`` and the lazy table ``_SOURCES`` are read from them when the package
-is imported. The names load on first use (PEP 562), so that
+Each public name is imported under ``if TYPE_CHECKING:`` below, where type
+checkers and the API reference (griffe) read it, and listed with its module in the
+lazy table ``_SOURCES`` (``__all__`` is its keys); a test checks that the two
+agree. The names load on first use (PEP 562), so that
 ``keras_stable_state.cli`` and ``keras_stable_state.format`` import without
 Keras. When Keras is already imported, they load at once, so that the classes
 registered with ``keras.saving.register_keras_serializable`` (``StableOptimizer``,
@@ -27,8 +27,8 @@ import importlib
 import sys
 from typing import TYPE_CHECKING
 
-# The public names, each written once: ``name as name`` marks a re-export for type checkers
-# (PEP 484); ``__all__`` and ``_SOURCES`` are read from these lines (`_public_sources`).
+# The public names: ``name as name`` marks a re-export for type checkers (PEP 484); each is
+# also in ``_SOURCES`` below, with the same module.
 # (isort is off here: it would split an import of several ``name as name`` into one per name.)
 if TYPE_CHECKING:
     # isort: off
@@ -84,26 +84,47 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 
-def _public_sources() -> dict[str, str]:
-    """``{public name: the module defining it}``: the imports under ``if TYPE_CHECKING:``
-    above, read from this file's source (the one place each public name is written)."""
-    import ast
-    import pathlib
-
-    tree = ast.parse(pathlib.Path(__file__).read_text(encoding="utf-8"))
-    block = next(
-        node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
-    )
-    return {
-        alias.name: (node.module or "").removeprefix(f"{__name__}.")
-        for node in block.body
-        if isinstance(node, ast.ImportFrom)
-        for alias in node.names
-    }
-
-
-# name -> the module defining it (relative to this package)
-_SOURCES = _public_sources()
+# name -> the module defining it (relative to this package): the imports under
+# ``if TYPE_CHECKING:`` above, name by name, written out rather than read from this file's
+# source at import (an install without sources, a zip import or a frozen application has
+# none); tests/docs/test_structure.py checks that the two agree.
+_SOURCES = {
+    "PendingRestore": "_core",
+    "restore_training_state": "_core",
+    "save_training_state": "_core",
+    "restore_training_state_from_bytes": "_core.in_memory",
+    "training_state_to_bytes": "_core.in_memory",
+    "CastMapper": "_core.mappers",
+    "QuantizeMapper": "_core.mappers",
+    "StateMapper": "_core.mappers",
+    "RestoreReport": "_core.report",
+    "SaveHandle": "_engines.background",
+    "StableCheckpoint": "_fit",
+    "TrainableContract": "_identity.contract",
+    "VariableKey": "_identity.registry",
+    "VariableRegistry": "_identity.registry",
+    "CheckpointManager": "_manager.manager",
+    "CheckpointMetadata": "_manager.records",
+    "GradientAccumulator": "_optimizer",
+    "StableOptimizer": "_optimizer",
+    "ResumableSampler": "_state.sampler",
+    "BindingError": "errors",
+    "CheckpointFormatError": "errors",
+    "CheckpointInUseError": "errors",
+    "ContractError": "errors",
+    "CorruptCheckpointError": "errors",
+    "DtypeMismatchError": "errors",
+    "InexactResumeWarning": "errors",
+    "KeyFormatError": "errors",
+    "MalformedKeyError": "errors",
+    "NewerFormatError": "errors",
+    "ScheduleMismatchError": "errors",
+    "StateError": "errors",
+    "StorageBackendError": "errors",
+    "StorageError": "errors",
+    "StoragePermissionError": "errors",
+    "UnreadableCheckpointWarning": "errors",
+}
 __all__ = sorted(_SOURCES)
 
 

@@ -1293,3 +1293,24 @@ def test_a_test_module_imports_test_modules_of_its_own_folder_only():
                 if name.startswith("test_") and not (path.parent / f"{name}.py").is_file():
                     offenders.append(f"tests/{path.relative_to(tests)}:{node.lineno}: imports {name}")
     assert offenders == []
+
+
+@pytest.mark.backend_free
+def test_the_lazy_table_lists_exactly_the_type_checking_imports():
+    """``_SOURCES`` (what the package loads on first use, and ``__all__``) names each public
+    name of the ``if TYPE_CHECKING:`` imports with the module it is imported from there, and
+    no other; the package works without its source (it is not read at import)."""
+    tree = ast.parse(pathlib.Path(kss.__file__).read_text(encoding="utf-8"))
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    imported = {
+        alias.name: (node.module or "").removeprefix("keras_stable_state.")
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert kss._SOURCES == imported
+    assert kss.__all__ == sorted(imported)
+    assert all(
+        getattr(kss, name) is getattr(importlib.import_module(f"keras_stable_state.{m}"), name)
+        for name, m in imported.items()
+    )
