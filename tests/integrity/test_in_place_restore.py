@@ -246,6 +246,60 @@ def test_a_file_changed_after_the_proof_marks_the_model(tmp_path, monkeypatch):
     kss.save_training_state(str(tmp_path / "out.h5"), reader)
 
 
+def test_an_io_error_at_every_read_marks_the_model_naming_what_was_assigned(tmp_path, monkeypatch):
+    """An I/O error at the k-th array read, for every k: a ``CorruptCheckpointError`` naming
+    that array and the k variables already assigned; those variables hold the saved values
+    and the others their own (compared by position), and the model refuses ``fit`` and
+    ``save_training_state`` until a restore succeeds."""
+    import errno
+
+    path = str(tmp_path / "s.h5")
+    writer = mlp(16, [1100, 1500], seed=21, optimizer="plain", learning_rate=1e-3, build=True)
+    saved = _trained_state(writer, 21)
+    kss.save_training_state(path, writer)
+    real = proven._pread_into
+    reads = []  # a restore that succeeds, its reads counted
+
+    def counted(fd, view, offset):
+        reads.append(offset)
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(proven, "_pread_into", counted)
+    kss.restore_training_state(
+        path, mlp(16, [1100, 1500], seed=22, optimizer="plain", build=True), all_or_nothing=False
+    )
+    monkeypatch.undo()
+    assert len(reads) >= 6  # two large kernels, each with two Adam slots
+    x, y = np.zeros((4, 16), "float32"), np.zeros((4, 1), "float32")
+    for k in range(len(reads)):
+        reader = mlp(16, [1100, 1500], seed=22, optimizer="plain", learning_rate=1e-3, build=True)
+        before = [to_np(v).copy() for v in _all(reader)]
+        calls = []
+
+        def failing(fd, view, offset, k=k, calls=calls):
+            calls.append(offset)
+            if len(calls) == k + 1:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, view, offset)
+
+        monkeypatch.setattr(proven, "_pread_into", failing)
+        with pytest.raises(
+            CorruptCheckpointError, match=f"cannot be read.*{k} variable\\(s\\) were already assigned"
+        ):
+            kss.restore_training_state(path, reader, all_or_nothing=False)
+        monkeypatch.undo()
+        got = [to_np(v) for v in _all(reader)]
+        assigned = [i for i, (a, b) in enumerate(zip(saved, got, strict=True)) if np.array_equal(a, b)]
+        kept = [i for i, (a, b) in enumerate(zip(before, got, strict=True)) if np.array_equal(a, b)]
+        assert len(assigned) == k and sorted(assigned + kept) == list(range(len(got))), (k, assigned, kept)
+        with pytest.raises(StateError, match="partly restored"):
+            reader.fit(x, y, epochs=1, verbose=0)
+        with pytest.raises(StateError, match="partly restored"):
+            kss.save_training_state(str(tmp_path / "out.h5"), reader)
+        kss.restore_training_state(path, reader, all_or_nothing=False)
+        _assert_equal(saved, reader)
+
+
 def _damage_first_optimizer_array(path):
     """Flip a byte inside the first large optimizer array of the record at ``path``; its key."""
     record = read_proven(path)
