@@ -144,9 +144,11 @@ def _prepared(var, array, owned):
     its own (the caller's array is never shared with a variable): on TensorFlow the
     memory of a 64-byte aligned host copy
     (`aligned_copy`), handed over the same way.
-    On JAX a host array of a dtype in `_NATIVE_DTYPES` for an unsharded variable
-    never gets here: `_put_on_devices` places it first, owned or not; any other
-    goes through Keras' conversion (a copy).
+    On JAX the all-or-nothing restore places a host array of a dtype in
+    `_NATIVE_DTYPES` for an unsharded variable first (`_put_on_devices`, owned or
+    not); what gets here (the in-place restore's arrays, one at a time) is handed to
+    ``jax.device_put`` as it is where ``owned`` (and `shareable`), else as a 64-byte
+    aligned copy (`_native`); any other dtype goes through Keras' conversion (a copy).
     """
     value = _processes.place(var, array)
     if type(value) is not np.ndarray:
@@ -162,6 +164,12 @@ def _prepared(var, array, owned):
         import torch
 
         tensor = torch.from_numpy(value)
+    elif backend == "jax" and owned and shareable(value, backend):
+        import jax
+
+        # The restore's own 64-byte aligned array (the in-place restore's read of one
+        # array): JAX uses its memory on the CPU, with no copy (an accelerator copies it there).
+        tensor = jax.device_put(value, may_alias=True)
     elif value.dtype in _NATIVE_DTYPES and (backend != "torch" or value.flags.writeable):
         tensor = _native(value)  # tf.constant (TensorFlow: bool, empty); JAX: device_put of a copy
     else:  # bfloat16, 64-bit types, a read-only array on torch: Keras' own conversion

@@ -20,11 +20,11 @@ other variable gets the all-or-nothing restore's assignment one variable at a ti
 aligned host memory, its old value dropped as the next is read); on TensorFlow a plain
 variable is read through one reused host buffer the size of the largest array and copied
 into its own buffer (`_tf_assign`); on JAX, whose arrays are immutable, each array is read
-into new host memory and copied into new aligned memory that the new JAX array uses as its
-own (the all-or-nothing restore's step: the read memory is freed at once and malloc hands
-it to the next read), or, from 32 MiB up, into one of two reused host buffers and copied
-into a new array of JAX's own (`_JaxPlacer`), replacing the old arrays one by one as stock ``load_weights`` does. At most
-one variable's worth of new memory (two buffers on JAX) is held at a time.
+into new 64-byte aligned host memory that the new JAX array then uses as its own (on the
+CPU; an accelerator copies it there), or, from 32 MiB up, into one of two reused host
+buffers and copied into a new array of JAX's own (`_JaxPlacer`), replacing the old arrays
+one by one as stock ``load_weights`` does. At most one variable's worth of new memory (two
+buffers on JAX) is held at a time.
 """
 
 from __future__ import annotations
@@ -119,13 +119,15 @@ def _tf_assign(var: Any, array: Any, scratch: np.ndarray) -> bool:
 _JAX_OFFSET = 16
 
 
-# On JAX, arrays of this many bytes or more go through `_JaxPlacer`; smaller ones take the
-# all-or-nothing restore's step (read into new host memory, copied into new aligned memory the
-# JAX array uses as its own). glibc's malloc serves an allocation this large (its largest
-# dynamic mmap threshold, 64-bit) with new pages from the kernel, paid in page faults at a
-# fraction of copy speed, while it recycles the memory of smaller arrays freed as they go.
-# Measured 2026-12-06 at 120 MB, one warm process, 25 rounds against stock load_weights:
-# that step 1.04x; the array read straight into the memory JAX then uses (no copy) 1.21x.
+# On JAX, arrays of this many bytes or more go through `_JaxPlacer`; smaller ones are read
+# into new aligned host memory that the JAX array uses as its own (`variable_step` with
+# ``owned``: no copy). glibc's malloc serves an allocation this large (its largest dynamic
+# mmap threshold, 64-bit) with new pages from the kernel, paid in page faults at a fraction
+# of copy speed, while it recycles the memory of smaller arrays freed as they go. Measured
+# 2026-12-07 at 120 MB (arrays of about 5 MB), against the same step with an aligned copy
+# before device_put: one warm process, 15 and 25 interleaved rounds, 0.957x and 0.955x (A/A
+# band 0.83-1.49); fresh processes, 9 rounds each, 161 against 188 ms (stock load_weights
+# 121 ms), extra peak memory 107 against 112 MB (docs/performance.md).
 _JAX_COPY_ABOVE = 32 << 20
 
 
