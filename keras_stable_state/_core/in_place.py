@@ -20,11 +20,12 @@ other variable gets the all-or-nothing restore's assignment one variable at a ti
 aligned host memory, its old value dropped as the next is read); on TensorFlow a plain
 variable is read through one reused host buffer the size of the largest array and copied
 into its own buffer (`_tf_assign`); on JAX, whose arrays are immutable, each array is read
-into new 64-byte aligned host memory that the new JAX array then uses as its own (on the
-CPU; an accelerator copies it there), or, from 32 MiB up, into one of two reused host
-buffers and copied into a new array of JAX's own (`_JaxPlacer`), replacing the old arrays
-one by one as stock ``load_weights`` does. At most one variable's worth of new memory (two
-buffers on JAX) is held at a time.
+into one of two reused host buffers the size of the largest array and copied into a new
+array of JAX's own (`_JaxPlacer`), replacing the old arrays one by one as stock
+``load_weights`` does; an array the placer does not take (a sharded variable, another
+dtype) gets the all-or-nothing restore's step, its new aligned host memory used by the new
+JAX array as its own. At most one variable's worth of new memory (two buffers on JAX) is
+held at a time.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 from keras_stable_state import _keras_compat, _processes
 from keras_stable_state._core.apply import variable_step
 from keras_stable_state.errors import CorruptCheckpointError, StateError, shown
+from keras_stable_state.format.proven import DEFER_ABOVE
 from keras_stable_state.format.sandbox import aligned_empty
 
 # Dtypes TensorFlow takes from host memory through DLPack (not bool)
@@ -119,16 +121,17 @@ def _tf_assign(var: Any, array: Any, scratch: np.ndarray) -> bool:
 _JAX_OFFSET = 16
 
 
-# On JAX, arrays of this many bytes or more go through `_JaxPlacer`; smaller ones are read
-# into new aligned host memory that the JAX array uses as its own (`variable_step` with
-# ``owned``: no copy). glibc's malloc serves an allocation this large (its largest dynamic
-# mmap threshold, 64-bit) with new pages from the kernel, paid in page faults at a fraction
-# of copy speed, while it recycles the memory of smaller arrays freed as they go. Measured
-# 2026-12-07 at 120 MB (arrays of about 5 MB), against the same step with an aligned copy
-# before device_put: one warm process, 15 and 25 interleaved rounds, 0.957x and 0.955x (A/A
-# band 0.83-1.49); fresh processes, 9 rounds each, 161 against 188 ms (stock load_weights
-# 121 ms), extra peak memory 107 against 112 MB (docs/performance.md).
-_JAX_COPY_ABOVE = 32 << 20
+# On JAX, arrays of this many bytes or more go through `_JaxPlacer`: every array an in-place
+# restore reads (`FileArray`s are `DEFER_ABOVE` bytes or more). Read into new host memory
+# instead (the all-or-nothing restore's step), each array's pages are new to the process in
+# a fresh one (page faults at a fraction of copy speed), while JAX's allocator hands the
+# placer's copies the memory of the arrays the variables drop. Measured 2026-12-07 at 120 MB
+# (arrays of about 5 MB), fresh processes (the resume a user does), 7 and 9 interleaved
+# rounds: new host memory / the placer 1.11x and 1.43x (stock load_weights / itself, A/A:
+# 0.81x and 1.12x); one warm process, 15 rounds: 1.015x (A/A 1.07x); extra peak memory 107
+# against 111 MB. At 1 GB (arrays of about 42 MB) on 2026-12-06: the placer 0.94x stock,
+# new host memory 3.0x.
+_JAX_COPY_ABOVE = DEFER_ABOVE
 
 
 def jax_placer(arrays: list) -> _JaxPlacer | None:
@@ -147,7 +150,8 @@ class _JaxPlacer:
     array overlaps the copy of the other. Measured 2026-12-06 in fresh processes
     (``benchmarks/memory.py``, package loaded first), against stock ``load_weights``: at 1 GB
     (arrays of about 42 MB) 0.94x, where a new host array per variable took 3.0x; at 120 MB
-    (arrays of about 5 MB) 1.10x, where a new host array per variable took 0.87x."""
+    (arrays of about 5 MB) 1.10x, where a new host array per variable took 0.87x, which the
+    longer runs of 2026-12-07 reversed (see `_JAX_COPY_ABOVE`)."""
 
     def __init__(self, nbytes: int) -> None:
         self.buffers = [aligned_empty((_JAX_OFFSET + nbytes,), np.uint8) for _ in range(2)]
