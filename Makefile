@@ -201,7 +201,7 @@ matrix: setup
 		--backends $(subst $(space),$(comma),$(BACKENDS)) --jobs $(JOBS) --out $(MATRIX_OUT) --render-docs
 
 # Benchmarks: step overhead, then save/restore, many variables and memory on every backend,
-# whose table is written into docs/performance.md (BENCH_ARGS=--full for 600 MB / 100k variables).
+# whose table is written into docs/performance.md (BENCH_ARGS=--full for 12 MB-1 GB states / 100k variables).
 BENCH_ARGS ?=
 bench: setup
 	@for b in $(BACKENDS); do KERAS_BACKEND=$$b $(BIN)/python benchmarks/step_overhead.py || exit 1; done

@@ -344,3 +344,53 @@ def state_arrays(model) -> list:
     from keras_stable_state._core.apply import to_numpy
 
     return [np.ascontiguousarray(to_numpy(v)) for v in model.variables + model.optimizer.variables]
+
+
+def has_orbax() -> bool:
+    """Whether orbax-checkpoint can be imported (the ``.orbax`` rows need it)."""
+    try:
+        import orbax.checkpoint  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class OrbaxBaseline:
+    """Orbax's own synchronous save and restore + ``assign`` of a model's and its optimizer's
+    variables (a PyTree of every array by position), the stock a ``.orbax`` training state is
+    measured against: ``save(folder)`` writes one (replacing it), ``restore(folder)`` reads
+    every array to host NumPy arrays with ``PyTreeCheckpointer`` and assigns each to its
+    variable, as a user of Orbax without this library would resume."""
+
+    def __init__(self, model):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.variables = model.variables + model.optimizer.variables
+        self._restore_args = {
+            str(i): ocp.RestoreArgs(restore_type=np.ndarray) for i in range(len(self.variables))
+        }
+
+    def _tree(self) -> dict:
+        import keras
+
+        jax_arrays = keras.backend.backend() == "jax"
+        return {
+            str(i): v.value if jax_arrays else keras.ops.convert_to_numpy(v)
+            for i, v in enumerate(self.variables)
+        }
+
+    def save(self, where: str) -> None:
+        import shutil
+
+        shutil.rmtree(where, ignore_errors=True)
+        with self._ocp.PyTreeCheckpointer() as ckptr:
+            ckptr.save(where, self._tree())
+
+    def restore(self, where: str) -> None:
+        with self._ocp.PyTreeCheckpointer() as ckptr:
+            restored = ckptr.restore(
+                where, args=self._ocp.args.PyTreeRestore(restore_args=self._restore_args)
+            )
+        for i, v in enumerate(self.variables):
+            v.assign(restored[str(i)])

@@ -8,7 +8,7 @@ Each benchmark (``save_restore.py``, ``many_variables.py``, ``memory.py``) runs
 in its own process per backend with ``--json``; the tables replace the text
 between the ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` markers of the
 output page (the rest of the page is kept). ``--full`` runs the full sizes
-(600 MB states, 100k variables); the default is the quick sizes.
+(1 GB states, 100k variables); the default is the quick sizes.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 QUICK = {
     "save_restore.py": ["--sizes", "12,120", "--rounds", "5"],
     "many_variables.py": ["--counts", "1000,10000", "--rounds", "3"],
-    "memory.py": ["--size", "120", "--rounds", "2"],
+    "memory.py": ["--sizes", "120", "--rounds", "3"],
 }
-FULL = {
-    "save_restore.py": ["--sizes", "12,120,600", "--rounds", "5"],
+FULL = {  # issue 32: 12 MB, 120 MB and 1 GB, warm, cold and in a fresh process
+    "save_restore.py": ["--sizes", "12,120,1000", "--rounds", "5"],
     "many_variables.py": ["--counts", "1000,10000,100000", "--rounds", "3"],
-    "memory.py": ["--size", "600", "--rounds", "2"],
+    "memory.py": ["--sizes", "120,1000", "--rounds", "3"],
 }
 
 
@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="jax,torch,tensorflow")
     p.add_argument("--benchmarks", default=",".join(QUICK), help="scripts to run, comma separated")
-    p.add_argument("--full", action="store_true", help="full sizes (600 MB, 100k variables)")
+    p.add_argument("--full", action="store_true", help="full sizes (12 MB-1 GB states, 100k variables)")
     p.add_argument("--out", default=os.path.join(HERE, "..", "docs", "performance.md"))
     p.add_argument("--from-json", nargs="*", default=None, help="render these result files; run nothing")
     return p.parse_args(argv)

@@ -5,7 +5,7 @@ Usage::
     KERAS_BACKEND=jax python benchmarks/save_restore.py [--sizes 12,120] [--rounds 5] [--threads 1]
         [--dir FOLDER] [--no-cold] [--json out.json]
 
-For each state size (MB of weights + Adam slots, float32; ``--sizes 12,120,600``
+For each state size (MB of weights + Adam slots, float32; ``--sizes 12,120,1000``
 for the full run) an 8 x Dense MLP with Adam is built, and in one process,
 round by round in a rotating order:
 
@@ -46,7 +46,9 @@ of a ``.orbax`` directory (every check on) against Orbax's own synchronous
 elsewhere) over the old directory removed first, and, beside it, a save to a new
 directory with the previous one removed after (what ours does: one of the two is
 whole at every moment); and its restore into NumPy + ``assign`` to the
-variables; Orbax's own save and restore timed twice (A/A). Target (issue 17): <= 1.2.
+variables; Orbax's own save and restore timed twice (A/A). Target (issue 17): <= 1.2. Our
+restore in place (``all_or_nothing=False``) against the same restore + assign (issue 32:
+<= 1.0), warm and, unless ``--no-cold``, cold (each folder dropped from the page cache first).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ SIZE_TARGET = 1.05  # issue 17: .keras training state / model.save's file (the s
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="12,120", help="state sizes in MB, comma separated (full: 12,120,600)")
+    p.add_argument("--sizes", default="12,120", help="state sizes in MB, comma separated (full: 12,120,1000)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size (default 5)")
     p.add_argument("--dir", default=None, help="folder for the files (default: a temporary folder)")
     p.add_argument("--json", default=None, help="write the results here for benchmarks/report.py")
@@ -196,53 +198,33 @@ def bench_size(mb: int, rounds: int, folder: str, cold: bool, orbax: bool = Fals
         sections.append(
             {
                 "title": f"{mb} MB state, .orbax ({keras.backend.backend()})",
-                "rows": bench_orbax(model, rounds, folder),
+                "rows": bench_orbax(model, rounds, folder, cold),
             }
         )
     return sections
 
 
-def bench_orbax(model, rounds: int, folder: str) -> list:
-    """The .orbax rows: ours against Orbax's own save and restore + assign of the same arrays."""
-    import orbax.checkpoint as ocp
-
+def bench_orbax(model, rounds: int, folder: str, cold: bool = False) -> list:
+    """The .orbax sections: ours (all or nothing, and in place) against Orbax's own save and
+    restore + assign of the same arrays (`_common.OrbaxBaseline`), warm, then cold (every
+    file of each contender's folder dropped from the page cache just before it is read)."""
     rng = np.random.default_rng(0)
     for v in model.optimizer.variables:  # random slots: what a trained state holds (zeros compress)
         if len(v.shape) and "float" in str(v.dtype):
             v.assign(rng.normal(size=v.shape).astype(v.dtype))
-    variables = model.variables + model.optimizer.variables
+    stock = c.OrbaxBaseline(model)
     ours = os.path.join(folder, "s.orbax")
     own = {n: os.path.join(folder, n) for n in ("own", "own2")}
-
-    def tree():
-        jax_arrays = keras.backend.backend() == "jax"
-        return {
-            str(i): v.value if jax_arrays else keras.ops.convert_to_numpy(v) for i, v in enumerate(variables)
-        }
-
-    def own_save(where):
-        shutil.rmtree(where, ignore_errors=True)
-        with ocp.PyTreeCheckpointer() as ckptr:
-            ckptr.save(where, tree())
-
-    restore_args = {str(i): ocp.RestoreArgs(restore_type=np.ndarray) for i in range(len(variables))}
-
-    def own_restore(where):
-        with ocp.PyTreeCheckpointer() as ckptr:
-            restored = ckptr.restore(where, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-        for i, v in enumerate(variables):
-            v.assign(restored[str(i)])
-
     steps = [0]
 
     def own_save_keeping():  # a new step, the previous removed once it is written (like ours)
         steps[0] += 1
-        own_save(os.path.join(folder, f"step{steps[0]}"))
+        stock.save(os.path.join(folder, f"step{steps[0]}"))
         shutil.rmtree(os.path.join(folder, f"step{steps[0] - 1}"), ignore_errors=True)
 
     save_ops = {
-        "orbax": lambda: own_save(own["own"]),
-        "orbax2": lambda: own_save(own["own2"]),
+        "orbax": lambda: stock.save(own["own"]),
+        "orbax2": lambda: stock.save(own["own2"]),
         "orbax_keep": own_save_keeping,
         "kss": lambda: kss.save_training_state(ours, model),
     }
@@ -251,17 +233,17 @@ def bench_orbax(model, rounds: int, folder: str) -> list:
     print("== .orbax save", flush=True)
     st = c.run_rounds(save_ops, rounds, log=c.round_logger("orbax2", "orbax"))
     restore_ops = {
-        "orbax": lambda: own_restore(own["own"]),
-        "orbax2": lambda: own_restore(own["own2"]),
+        "orbax": lambda: stock.restore(own["own"]),
+        "orbax2": lambda: stock.restore(own["own2"]),
         "kss": lambda: kss.restore_training_state(ours, model),
+        "kss_in_place": lambda: kss.restore_training_state(ours, model, all_or_nothing=False),
     }
     for op in restore_ops.values():
         op()
     print("== .orbax restore", flush=True)
     rt = c.run_rounds(restore_ops, rounds, log=c.round_logger("orbax2", "orbax"))
     save_aa = c.summary(c.ratios(st, "orbax2", "orbax"))
-    restore_aa = c.summary(c.ratios(rt, "orbax2", "orbax"))
-    return [
+    rows = [
         (
             ".orbax save_training_state / Orbax PyTree save",
             c.summary(c.ratios(st, "kss", "orbax")),
@@ -275,13 +257,36 @@ def bench_orbax(model, rounds: int, folder: str) -> list:
             save_aa,
         ),
         ("A/A Orbax save / Orbax save", save_aa, None),
+        *_orbax_restore_rows(rt, ""),
+    ]
+    if cold:
+        files = {"orbax": own["own"], "orbax2": own["own2"], "kss": ours, "kss_in_place": ours}
+        before = {name: (lambda f=files[name]: c.drop_from_cache(f)) for name in restore_ops}
+        print("== .orbax restore (cold: each folder dropped from the page cache first)", flush=True)
+        cold_times = c.run_rounds(restore_ops, rounds, log=c.round_logger("orbax2", "orbax"), before=before)
+        rows += _orbax_restore_rows(cold_times, "cold")
+    return rows
+
+
+def _orbax_restore_rows(times, suffix) -> list:
+    """Our .orbax restores (all or nothing; in place, issue 32: <= 1.0) against Orbax's own
+    restore + assign in the same rounds, beside that baseline's A/A row."""
+    when = f", {suffix}" if suffix else ""
+    band = c.summary(c.ratios(times, "orbax2", "orbax"))
+    return [
         (
-            ".orbax restore_training_state / Orbax restore + assign",
-            c.summary(c.ratios(rt, "kss", "orbax")),
+            f".orbax restore_training_state / Orbax restore + assign{when}",
+            c.summary(c.ratios(times, "kss", "orbax")),
             ORBAX_TARGET,
-            restore_aa,
+            band,
         ),
-        ("A/A Orbax restore + assign / Orbax restore + assign", restore_aa, None),
+        (
+            f".orbax restore_training_state in place / Orbax restore + assign{when}",
+            c.summary(c.ratios(times, "kss_in_place", "orbax")),
+            STOCK_TARGET,
+            band,
+        ),
+        (f"A/A Orbax restore + assign / Orbax restore + assign{when}", band, None),
     ]
 
 
@@ -385,14 +390,6 @@ def cold_restore(model, p, targets, rounds, mb, nbytes) -> dict:
     return {"title": title, "rows": rows}
 
 
-def _has_orbax() -> bool:
-    try:
-        import orbax.checkpoint  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def main(argv=None):
     args = parse_args(argv)
     threads = c.configure_threads(args.threads)
@@ -412,7 +409,7 @@ def main(argv=None):
     sections = []
     try:
         for mb in sizes:
-            orbax = not args.no_orbax and _has_orbax()
+            orbax = not args.no_orbax and c.has_orbax()
             for section in bench_size(mb, args.rounds, folder, cold, orbax=orbax):
                 c.print_rows(section["title"], section["rows"])
                 sections.append(section)
