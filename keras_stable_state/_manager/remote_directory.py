@@ -45,6 +45,7 @@ by a commit marker instead, and the one-writer rule by a lock object:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -189,6 +190,25 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """What `RemoteDirectory.survey` found in a folder, by object URL.
+
+    Attributes:
+        sizes: ``{url: bytes}`` of every object directly in the folder.
+        committed: The checkpoints whose commit marker names them as they are, newest first.
+        damaged: ``[(url, reason)]``, newest first: checkpoints whose marker does not match
+            them or cannot be read.
+        incomplete: Objects of a save that did not finish (temporary objects, checkpoints
+            without a marker).
+    """
+
+    sizes: dict[str, int]
+    committed: list[str]
+    damaged: list[tuple[str, str]]
+    incomplete: list[str]
+
+
 class RemoteDirectory:
     """The directory of a manager in an object store: the `.protocols.CheckpointDirectory`
     that `.directory.LocalDirectory` is for a local folder, with the same methods (see the
@@ -286,6 +306,23 @@ class RemoteDirectory:
         committed = self._sort(self._entries())[0]
         self._committed = {self._url(n): p for n, p in committed.items()}
         return sorted(self._committed, reverse=True)
+
+    def survey(self) -> Survey:
+        """Every object of the folder by what it is, listed now (what ``kss list`` shows): the
+        committed checkpoints become those `checkpoints` and the reads name.
+
+        Raises:
+            StorageError: naming the directory when the store fails.
+        """
+        entries = self._entries()
+        committed, bare, bad, _, temporary = self._sort(entries)
+        self._committed = {self._url(n): p for n, p in committed.items()}
+        return Survey(
+            sizes={self._url(n): size for n, (size, _) in entries.items()},
+            committed=sorted(self._committed, reverse=True),
+            damaged=[(self._url(n), reason) for n, reason in sorted(bad, reverse=True)],
+            incomplete=sorted(self._url(n) for n in [*temporary, *bare]),
+        )
 
     def _url(self, name: str) -> str:
         return f"{self.url}/{name}"

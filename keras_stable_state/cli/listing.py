@@ -335,19 +335,17 @@ def _list_remote(url: str, verify: bool, monitor: str | None, mode: str | None) 
             f"{url} is an object, not a checkpoint directory; `inspect` and `verify` read one object.",
             url,
         )
-    entries = reader._entries()
-    committed, bare, bad, _, temporary = reader._sort(entries)
-    reader._committed = {reader._url(n): p for n, p in committed.items()}
-    if not entries:
+    found = reader.survey()
+    if not found.sizes:
         raise FileNotFoundError(2, f"{url}: no objects under this URL. Check the URL.", url)
-    rows = _rows(sorted(reader._committed, reverse=True), verify, reader)
-    for name, reason in sorted(bad, reverse=True):
-        size = entries[name][0]
-        rows.append(_row(step_of(name), reader._url(name), "damaged", reason, None, False, size, reader))
+    rows = _rows(found.committed, verify, reader)
+    for ckpt, reason in found.damaged:
+        rows.append(_row(step_of(ckpt), ckpt, "damaged", reason, None, False, found.sizes[ckpt], reader))
     rows.sort(key=lambda r: -(r["step"] or 0))
-    incomplete = sorted(reader._url(n) for n in [*temporary, *bare])
     aside = reader.folder.child(UNREADABLE_DIR)
-    return _listing(url, rows, incomplete, aside.url, aside.list(), monitor, mode, reader, sizes=entries)
+    return _listing(
+        url, rows, found.incomplete, aside.url, aside.list(), monitor, mode, reader, sizes=found.sizes
+    )
 
 
 def _listing(
@@ -359,7 +357,7 @@ def _listing(
     monitor: str | None,
     mode: str | None,
     reader: CheckpointDirectory,
-    sizes: dict[str, tuple[int, Any]] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> Listing:
     for tmp in temporary:
         rows.append(
@@ -370,7 +368,7 @@ def _listing(
                 "a save that did not finish (removed by the next writer)",
                 None,
                 False,
-                None if sizes is None else sizes[tmp.rsplit("/", 1)[-1]][0],
+                None if sizes is None else sizes[tmp],
                 reader,
             )
         )

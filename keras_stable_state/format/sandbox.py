@@ -95,12 +95,15 @@ def check_dtype(dtype, where: str) -> None:
         raise StructureError(where, f"has big-endian dtype {dtype.str} (files are written little-endian)")
 
 
-def check_dataset(ds, data_limit: int) -> int | None:
+def check_dataset(ds, data_limit: int, where: str | None = None) -> int | None:
     """Refuse a dataset whose data is not plain, contiguous and inside the file.
 
     Args:
         ds: An ``h5py.Dataset``.
         data_limit: The file's length in bytes (dataset offsets count from its start).
+        where: Its path, as messages name it (default: ``ds.name``, which HDF5 works out
+            from the file's links, 10-30 us a dataset here: `walk` passes the path it
+            followed).
 
     Returns:
         The byte offset of a contiguous dataset's data in the file (inside it), or
@@ -111,7 +114,7 @@ def check_dataset(ds, data_limit: int) -> int | None:
             filtered layouts, non-numeric or big-endian dtypes, or data that
             does not lie inside the file.
     """
-    where = ds.name
+    where = ds.name if where is None else where
     dsid = ds.id  # h5py's low-level calls: a third of the high-level properties' cost
     plist = dsid.get_create_plist()
     layout = plist.get_layout()
@@ -188,7 +191,7 @@ def walk(group, data_limit: int, prefix: str = "", depth: int = 0, seen=None, st
                 if obj.shape != () or h5py.check_string_dtype(obj.dtype) is None:
                     raise StructureError(path, f"is {obj.dtype} {obj.shape}, not a string record")
             else:
-                offset = check_dataset(obj, data_limit)
+                offset = check_dataset(obj, data_limit, path)
                 if spans is not None and offset is not None:
                     spans[path] = offset
                 found.append((path, obj))
