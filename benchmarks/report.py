@@ -35,7 +35,7 @@ QUICK = {
 FULL = {  # issue 32: 12 MB, 120 MB and 1 GB, warm, cold and in a fresh process
     "save_restore.py": ["--sizes", "12,120,1000", "--rounds", "5"],
     "many_variables.py": ["--counts", "1000,10000,100000", "--rounds", "3"],
-    "memory.py": ["--sizes", "120,1000", "--rounds", "3"],
+    "memory.py": ["--sizes", "12,120,1000", "--rounds", "3"],
 }
 
 
