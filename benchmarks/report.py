@@ -46,11 +46,13 @@ def parse_args(argv=None):
     p.add_argument("--full", action="store_true", help="full sizes (12 MB-1 GB states, 100k variables)")
     p.add_argument("--out", default=os.path.join(HERE, "..", "docs", "performance.md"))
     p.add_argument("--from-json", nargs="*", default=None, help="render these result files; run nothing")
+    p.add_argument("--note", default="", help="a sentence added to the header (e.g. how the files were made)")
     return p.parse_args(argv)
 
 
-def render(results: list, full: bool) -> str:
-    """Markdown tables of ``results`` (the ``--json`` outputs), with the machine described."""
+def render(results: list, full: bool, note: str = "") -> str:
+    """Markdown tables of ``results`` (the ``--json`` outputs), with the machine described
+    and ``note`` after it."""
     lines = []
     machines = {}
     for r in results:
@@ -65,7 +67,8 @@ def render(results: list, full: bool) -> str:
             f"Measured {datetime.date.today().isoformat()} ({'full' if full else 'quick'} sizes) on "
             f"{m['cpus']} CPU cores, {m['ram_gib']} GiB RAM, {m['platform']}; Python {m['python']}, "
             f"Keras {m.get('keras')}, {versions}; h5py {m['h5py']} (HDF5 {m['hdf5']}), NumPy {m['numpy']}. "
-            "Read each ratio against its A/A row (the noise of the machine during the run).",
+            "Read each ratio against its A/A row (the noise of the machine during the run)."
+            + (f" {note}" if note else ""),
             "",
         ]
     marked = False
@@ -116,7 +119,7 @@ def main(argv=None):
                 subprocess.run(cmd, env=env, check=True)
                 with open(out) as fh:
                     results.append(json.load(fh))
-    write_page(os.path.abspath(args.out), render(results, args.full))
+    write_page(os.path.abspath(args.out), render(results, args.full, args.note))
     print(f"wrote {os.path.abspath(args.out)}")
     return 0
 

@@ -124,8 +124,9 @@ _JAX_OFFSET = 16
 # On JAX, arrays of this many bytes or more go through `_JaxPlacer`: every array an in-place
 # restore reads (`FileArray`s are `DEFER_ABOVE` bytes or more). Read into new host memory
 # instead (the all-or-nothing restore's step), each array's pages are new to the process in
-# a fresh one (page faults at a fraction of copy speed), while JAX's allocator hands the
-# placer's copies the memory of the arrays the variables drop. Measured 2026-12-07 at 120 MB
+# a fresh one (page faults at a fraction of copy speed) and faulted in on the restore's own
+# thread, inside the read; through the placer they are faulted in by JAX's copies, on JAX's
+# thread, while the next array is read and checked. Measured 2026-12-07 at 120 MB
 # (arrays of about 5 MB), fresh processes (the resume a user does), 7 and 9 interleaved
 # rounds: new host memory / the placer 1.11x and 1.43x (stock load_weights / itself, A/A:
 # 0.81x and 1.12x); one warm process, 15 rounds: 1.015x (A/A 1.07x); extra peak memory 107
@@ -144,10 +145,13 @@ def jax_placer(arrays: list) -> _JaxPlacer | None:
 class _JaxPlacer:
     """On JAX: each array of `_JAX_COPY_ABOVE` bytes or more read into one of two reused host
     buffers (`_JAX_OFFSET`) and placed with ``jax.device_put(..., may_alias=False)``, which
-    copies it asynchronously into memory of JAX's own (its allocator hands back the memory of
-    the arrays the variables drop, as stock ``load_weights`` gets it); a buffer is read into
-    again only once the copy out of it is done (``block_until_ready``), so the read of one
-    array overlaps the copy of the other. Measured 2026-12-06 in fresh processes
+    copies it asynchronously, on a thread of JAX's, into new memory of JAX's own (as stock
+    ``load_weights``' arrays are copied: h5py's are not 64-byte aligned); a buffer is read into
+    again only once the copy out of it is done (``block_until_ready``), so the read and check
+    of one array overlap the copy of the other. JAX's CPU allocator gives every new array
+    pages new to the process whether or not a dropped array was freed first (measured
+    2026-12-07: one page fault per 4 KiB page of every copy, 1,280 for 5 MiB, 10,753 for
+    42 MiB): those faults are paid on JAX's thread, beside the reads. Measured 2026-12-06 in fresh processes
     (``benchmarks/memory.py``, package loaded first), against stock ``load_weights``: at 1 GB
     (arrays of about 42 MB) 0.94x, where a new host array per variable took 3.0x; at 120 MB
     (arrays of about 5 MB) 1.10x, where a new host array per variable took 0.87x, which the
