@@ -308,8 +308,9 @@ class RemoteDirectory:
         return sorted(self._committed, reverse=True)
 
     def survey(self) -> Survey:
-        """Every object of the folder by what it is, listed now (what ``kss list`` shows): the
-        committed checkpoints become those `checkpoints` and the reads name.
+        """Every object directly in the folder, by what it is, listed now: what
+        ``keras-stable-state list`` shows of an object store. The reads that follow take each
+        committed checkpoint's commit marker from this listing, as after `checkpoints`.
 
         Raises:
             StorageError: naming the directory when the store fails.
