@@ -192,16 +192,10 @@ if hasattr(os, "register_at_fork"):
 
 @dataclasses.dataclass(frozen=True)
 class Survey:
-    """What `RemoteDirectory.survey` found in a folder, by object URL.
-
-    Attributes:
-        sizes: ``{url: bytes}`` of every object directly in the folder.
-        committed: The checkpoints whose commit marker names them as they are, newest first.
-        damaged: ``[(url, reason)]``, newest first: checkpoints whose marker does not match
-            them or cannot be read.
-        incomplete: Objects of a save that did not finish (temporary objects, checkpoints
-            without a marker).
-    """
+    """What `survey` found in a folder, by object URL: ``sizes`` in bytes of every object;
+    ``committed`` checkpoints (their marker matches), newest first; ``damaged`` ``[(url,
+    reason)]`` (a marker that does not match or cannot be read); ``incomplete`` objects of a
+    save that did not finish (temporary, or without a marker)."""
 
     sizes: dict[str, int]
     committed: list[str]
@@ -306,24 +300,6 @@ class RemoteDirectory:
         committed = self._sort(self._entries())[0]
         self._committed = {self._url(n): p for n, p in committed.items()}
         return sorted(self._committed, reverse=True)
-
-    def survey(self) -> Survey:
-        """Every object directly in the folder, by what it is, listed now: what
-        ``keras-stable-state list`` shows of an object store. The reads that follow take each
-        committed checkpoint's commit marker from this listing, as after `checkpoints`.
-
-        Raises:
-            StorageError: naming the directory when the store fails.
-        """
-        entries = self._entries()
-        committed, bare, bad, _, temporary = self._sort(entries)
-        self._committed = {self._url(n): p for n, p in committed.items()}
-        return Survey(
-            sizes={self._url(n): size for n, (size, _) in entries.items()},
-            committed=sorted(self._committed, reverse=True),
-            damaged=[(self._url(n), reason) for n, reason in sorted(bad, reverse=True)],
-            incomplete=sorted(self._url(n) for n in [*temporary, *bare]),
-        )
 
     def _url(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -602,3 +578,22 @@ class RemoteDirectory:
         fs.invalidate_cache(aside.path)
         self.remove([path])
         return copy.url
+
+
+def survey(directory: RemoteDirectory) -> Survey:
+    """Every object in ``directory``'s folder by what it is, listed now (what ``keras-stable-state
+    list`` shows); later reads take the committed checkpoints' markers from it, as after
+    `RemoteDirectory.checkpoints` (a function: the class keeps exactly the protocol's methods).
+
+    Raises:
+        StorageError: naming the directory when the store fails.
+    """
+    entries = directory._entries()
+    committed, bare, bad, _, temporary = directory._sort(entries)
+    directory._committed = {directory._url(n): p for n, p in committed.items()}
+    return Survey(
+        sizes={directory._url(n): size for n, (size, _) in entries.items()},
+        committed=sorted(directory._committed, reverse=True),
+        damaged=[(directory._url(n), reason) for n, reason in sorted(bad, reverse=True)],
+        incomplete=sorted(directory._url(n) for n in [*temporary, *bare]),
+    )

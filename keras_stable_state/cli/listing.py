@@ -326,7 +326,7 @@ def _list_remote(url: str, verify: bool, monitor: str | None, mode: str | None) 
     whose commit marker names them), read as the manager reads them; objects without a
     marker (an interrupted save) as incomplete, checkpoints whose marker does not match as
     damaged."""
-    from keras_stable_state._manager.remote_directory import RemoteDirectory
+    from keras_stable_state._manager.remote_directory import RemoteDirectory, survey
 
     reader = RemoteDirectory(url)
     if reader.folder.path and reader.folder.is_object():
@@ -335,7 +335,7 @@ def _list_remote(url: str, verify: bool, monitor: str | None, mode: str | None) 
             f"{url} is an object, not a checkpoint directory; `inspect` and `verify` read one object.",
             url,
         )
-    found = reader.survey()
+    found = survey(reader)
     if not found.sizes:
         raise FileNotFoundError(2, f"{url}: no objects under this URL. Check the URL.", url)
     rows = _rows(found.committed, verify, reader)
